@@ -1,0 +1,184 @@
+//! The fabric's client API: what the gateway and the engine side use to read and write KV.
+//!
+//! Today every client talks to a node in the same process; the API is already shaped for a
+//! remote node (async, owned results, no references into the store), so the network
+//! transport slots in behind it without callers changing.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use cachet_common::{BlockHash, Scope, TenantId};
+use tokio::time::Instant;
+
+use crate::keys::{ChainLink, PrefixKeys};
+use crate::metrics;
+use crate::store::{FetchedBlock, PutBlock, RemovalReason, Store, StoreLimits, WriteRefused};
+
+/// Node configuration.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeConfig {
+    pub dram_capacity_bytes: u64,
+}
+
+/// One fabric node: the tiers it holds. Cheap to share.
+pub struct FabricNode {
+    store: Mutex<Store>,
+}
+
+impl FabricNode {
+    pub fn new(config: NodeConfig) -> Arc<Self> {
+        Arc::new(Self {
+            store: Mutex::new(Store::new(StoreLimits {
+                capacity_bytes: config.dram_capacity_bytes,
+            })),
+        })
+    }
+
+    fn store(&self) -> MutexGuard<'_, Store> {
+        // A panic while holding the lock leaves indexes possibly inconsistent but memory-safe;
+        // serving from them is better than failing every later request.
+        self.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Direct access for tests and fault injection.
+    #[doc(hidden)]
+    pub fn with_store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {
+        f(&mut self.store())
+    }
+}
+
+/// The result of a prefix read.
+#[derive(Clone, Debug, Default)]
+pub struct PrefixRead {
+    /// Tokens covered by `blocks`, from the start of the prompt.
+    pub tokens: usize,
+    /// The chain read, in order, with the token range each block covers.
+    pub links: Vec<ChainLink>,
+    pub blocks: Vec<FetchedBlock>,
+}
+
+/// Why there was no entry at an offset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MissReason {
+    NeverWritten,
+    Removed(RemovalReason),
+}
+
+impl MissReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MissReason::NeverWritten => "not_cached",
+            MissReason::Removed(r) => r.as_str(),
+        }
+    }
+}
+
+/// A handle to the fabric. Cloning is cheap.
+#[derive(Clone)]
+pub struct FabricClient {
+    node: Arc<FabricNode>,
+}
+
+impl FabricClient {
+    pub fn local(node: Arc<FabricNode>) -> Self {
+        Self { node }
+    }
+
+    /// Read the longest cached prefix of `keys` ending at or before `upto`: at any full-block
+    /// boundary, or at any tail offset present in `keys`. Checksums are verified and TTLs
+    /// refreshed; a block that fails either stops the prefix there.
+    pub async fn read_prefix(
+        &self,
+        scope: Scope,
+        keys: &PrefixKeys,
+        upto: usize,
+        now: Instant,
+    ) -> PrefixRead {
+        let b = keys.block_size;
+        let mut store = self.node.store();
+        let max_full = (upto / b).min(keys.blocks.len());
+        let full = store.leading_present(&scope, &keys.blocks[..max_full], now);
+        let mut best = full * b;
+        for tail in keys.tails.iter().rev() {
+            if tail.offset <= upto
+                && tail.offset > best
+                && tail.offset / b <= full
+                && store.contains(&scope, &tail.hash, now)
+            {
+                best = tail.offset;
+                break;
+            }
+        }
+        let links = keys.chain_to(best).unwrap_or_default();
+        let hashes: Vec<BlockHash> = links.iter().map(|l| l.hash).collect();
+        let blocks = store.get_chain(&scope, &hashes, now);
+        drop(store);
+        let links: Vec<ChainLink> = links.into_iter().take(blocks.len()).collect();
+        let tokens = links.last().map(|l| l.end).unwrap_or(0);
+        metrics::PREFIX_LOOKUPS
+            .with_label_values(&[if tokens > 0 { "hit" } else { "miss" }])
+            .inc();
+        PrefixRead {
+            tokens,
+            links,
+            blocks,
+        }
+    }
+
+    /// Write the entry ending at `offset`: the blocks of `keys.chain_to(offset)` that are in
+    /// `new` are stored, the others must already be stored and get their TTL extended.
+    pub async fn write_entry(
+        &self,
+        scope: Scope,
+        keys: &PrefixKeys,
+        offset: usize,
+        new: &[PutBlock],
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<(), WriteRefused> {
+        let links = keys.chain_to(offset).ok_or(WriteRefused::MissingParent)?;
+        let mut existing = Vec::new();
+        let mut fresh = Vec::new();
+        for l in &links {
+            match new.iter().find(|b| b.hash == l.hash) {
+                Some(b) => fresh.push(b.clone()),
+                None => existing.push(l.hash),
+            }
+        }
+        self.node
+            .store()
+            .put_entry(&scope, &existing, fresh, ttl, now)
+    }
+
+    /// Explain a miss at `offset` (the first block of its chain that is not stored).
+    pub async fn miss_reason(
+        &self,
+        scope: Scope,
+        keys: &PrefixKeys,
+        offset: usize,
+        now: Instant,
+    ) -> MissReason {
+        let Some(links) = keys.chain_to(offset) else {
+            return MissReason::NeverWritten;
+        };
+        let store = self.node.store();
+        for l in &links {
+            if !store.contains(&scope, &l.hash, now) {
+                return store
+                    .removal_reason(&l.hash)
+                    .map(MissReason::Removed)
+                    .unwrap_or(MissReason::NeverWritten);
+            }
+        }
+        MissReason::NeverWritten
+    }
+
+    /// Apply a tenant's resident-bytes quota (`None`: unlimited).
+    pub async fn set_tenant_quota(&self, tenant: TenantId, bytes: Option<u64>) {
+        self.node.store().set_quota(tenant, bytes);
+    }
+
+    pub async fn tenant_bytes(&self, tenant: TenantId) -> u64 {
+        self.node.store().tenant_bytes(tenant)
+    }
+}

@@ -1,0 +1,19 @@
+//! The Cachet cache fabric: where prompt-prefix KV blocks live.
+//!
+//! What it exposes:
+//! - [`keys`]: the block key scheme (chained, scoped SHA-256 over token blocks, tail keys).
+//! - [`FabricClient`]: the client API the gateway and engines use (read the longest cached
+//!   prefix, write an entry with a TTL, explain a miss, apply tenant quotas).
+//! - [`FabricNode`]: one node's tiers; today the DRAM tier ([`store`]).
+//!
+//! What it is not: it never sees prompts or text, only token-block hashes and opaque KV bytes
+//! with a checksum; it knows nothing of billing or HTTP.
+
+pub mod client;
+pub mod keys;
+pub mod metrics;
+pub mod store;
+
+pub use client::{FabricClient, FabricNode, MissReason, NodeConfig, PrefixRead};
+pub use keys::{ChainLink, KeySpace, PrefixKeys, TailKey};
+pub use store::{FetchedBlock, PutBlock, RemovalReason, WriteRefused, checksum};

@@ -1,0 +1,92 @@
+//! Prometheus metrics of the cache fabric (`cachet_fabric_*`), registered in the default
+//! registry. The per-tenant series are removed with `forget_tenant`.
+
+use std::sync::LazyLock;
+
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts};
+
+fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
+    // A second registration (several nodes in one test process) is harmless: keep the first.
+    let _ = prometheus::default_registry().register(Box::new(c.clone()));
+    c
+}
+
+pub static PREFIX_LOOKUPS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_fabric_prefix_lookups_total",
+            "Prefix lookups by result (hit: some prefix was read)",
+        ),
+        &["result"],
+    )
+    .expect("metric"))
+});
+pub static BLOCK_READS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_fabric_block_reads_total",
+            "Block reads by result (hit, miss, corrupt)",
+        ),
+        &["result"],
+    )
+    .expect("metric"))
+});
+pub static BLOCKS_WRITTEN: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new("cachet_fabric_blocks_written_total", "New blocks stored").expect("metric"))
+});
+pub static BYTES_WRITTEN: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new(
+        "cachet_fabric_written_bytes_total",
+        "Bytes of new blocks stored",
+    )
+    .expect("metric"))
+});
+pub static WRITES_REFUSED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_fabric_writes_refused_total",
+            "Entry writes the fabric could not hold, by reason",
+        ),
+        &["reason"],
+    )
+    .expect("metric"))
+});
+pub static EVICTIONS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_fabric_evictions_total",
+            "Blocks removed, by reason (expired, capacity, quota, corrupt)",
+        ),
+        &["reason"],
+    )
+    .expect("metric"))
+});
+pub static RESIDENT_BYTES: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_fabric_resident_bytes",
+        "Bytes of KV held in the DRAM tier",
+    )
+    .expect("metric"))
+});
+pub static RESIDENT_BLOCKS: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_fabric_resident_blocks",
+        "Blocks held in the DRAM tier",
+    )
+    .expect("metric"))
+});
+pub static TENANT_BYTES: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new(
+            "cachet_fabric_tenant_resident_bytes",
+            "Bytes of KV held per tenant",
+        ),
+        &["tenant_id"],
+    )
+    .expect("metric"))
+});
+
+/// Drop a deleted tenant's series so label cardinality stays bounded.
+pub fn forget_tenant(tenant: &str) {
+    let _ = TENANT_BYTES.remove_label_values(&[tenant]);
+}

@@ -1,0 +1,535 @@
+//! The DRAM tier of one fabric node: blocks with TTLs, per-tenant quotas, checksums and
+//! least-recently-used eviction that always takes a chain's tail before its ancestors.
+//!
+//! Only *leaves* (blocks no stored block points to as its parent) are candidates for
+//! eviction, so a child always goes before its parent: a child is useless without it.
+//! Every operation touches a whole prefix from the root, so a parent never expires before
+//! its children.
+//!
+//! Time is `tokio::time::Instant`, passed in by the caller (the request's start time), so
+//! TTL behaviour is testable with paused time.
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use bytes::Bytes;
+use cachet_common::{BlockHash, Scope, TenantId};
+use tokio::time::Instant;
+
+use crate::metrics;
+
+/// crc32c of a block's bytes; computed by the writer, verified on every put and get.
+pub fn checksum(data: &[u8]) -> u32 {
+    crc32c::crc32c(data)
+}
+
+/// A block offered for storage.
+#[derive(Clone, Debug)]
+pub struct PutBlock {
+    pub hash: BlockHash,
+    /// `None` for the first block of a chain.
+    pub parent: Option<BlockHash>,
+    pub n_tokens: u32,
+    pub data: Bytes,
+    pub checksum: u32,
+}
+
+impl PutBlock {
+    pub fn new(hash: BlockHash, parent: Option<BlockHash>, n_tokens: u32, data: Bytes) -> Self {
+        let checksum = checksum(&data);
+        Self {
+            hash,
+            parent,
+            n_tokens,
+            data,
+            checksum,
+        }
+    }
+}
+
+/// A block read back, checksum verified.
+#[derive(Clone, Debug)]
+pub struct FetchedBlock {
+    pub hash: BlockHash,
+    pub n_tokens: u32,
+    pub data: Bytes,
+}
+
+/// Why a block that once was stored is gone (kept for a while to explain misses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RemovalReason {
+    Expired,
+    Capacity,
+    Quota,
+    Corrupt,
+}
+
+impl RemovalReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RemovalReason::Expired => "expired",
+            RemovalReason::Capacity => "evicted",
+            RemovalReason::Quota => "evicted_quota",
+            RemovalReason::Corrupt => "corrupt",
+        }
+    }
+}
+
+/// Why an entry write was refused; such a write is not billed as one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WriteRefused {
+    #[error("tenant cache quota cannot hold the entry")]
+    Quota,
+    #[error("node capacity cannot hold the entry")]
+    Capacity,
+    #[error("block checksum mismatch on write")]
+    Corrupt,
+    #[error("a block's parent is not stored")]
+    MissingParent,
+}
+
+impl WriteRefused {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WriteRefused::Quota => "quota",
+            WriteRefused::Capacity => "capacity",
+            WriteRefused::Corrupt => "corrupt",
+            WriteRefused::MissingParent => "missing_parent",
+        }
+    }
+}
+
+struct Block {
+    scope: Scope,
+    parent: Option<BlockHash>,
+    n_tokens: u32,
+    data: Bytes,
+    checksum: u32,
+    ttl: Duration,
+    expires_at: Instant,
+    tick: u64,
+    children: u32,
+}
+
+/// Store limits.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreLimits {
+    pub capacity_bytes: u64,
+}
+
+const TOMBSTONES: usize = 65_536;
+
+/// The DRAM block store. Not `Sync` by itself: the node wraps it in a mutex.
+pub struct Store {
+    limits: StoreLimits,
+    blocks: HashMap<BlockHash, Block>,
+    used_bytes: u64,
+    tenant_bytes: HashMap<TenantId, u64>,
+    tenant_quota: HashMap<TenantId, u64>,
+    leaves: BTreeSet<(u64, BlockHash)>,
+    tenant_leaves: HashMap<TenantId, BTreeSet<(u64, BlockHash)>>,
+    expiry: BTreeSet<(Instant, BlockHash)>,
+    clock: u64,
+    tombstones: HashMap<BlockHash, RemovalReason>,
+    tombstone_order: VecDeque<BlockHash>,
+}
+
+impl Store {
+    pub fn new(limits: StoreLimits) -> Self {
+        Self {
+            limits,
+            blocks: HashMap::new(),
+            used_bytes: 0,
+            tenant_bytes: HashMap::new(),
+            tenant_quota: HashMap::new(),
+            leaves: BTreeSet::new(),
+            tenant_leaves: HashMap::new(),
+            expiry: BTreeSet::new(),
+            clock: 0,
+            tombstones: HashMap::new(),
+            tombstone_order: VecDeque::new(),
+        }
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.used_bytes
+    }
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+    pub fn tenant_bytes(&self, tenant: TenantId) -> u64 {
+        self.tenant_bytes.get(&tenant).copied().unwrap_or(0)
+    }
+
+    /// Set (or clear, with `None`) a tenant's resident-bytes quota. Lowering it below the
+    /// tenant's usage evicts that tenant's own least-recently-used blocks.
+    pub fn set_quota(&mut self, tenant: TenantId, quota: Option<u64>) {
+        match quota {
+            Some(q) => {
+                self.tenant_quota.insert(tenant, q);
+                let pinned = HashSet::new();
+                while self.tenant_bytes(tenant) > q {
+                    if !self.evict_one(Some(tenant), &pinned, RemovalReason::Quota) {
+                        break;
+                    }
+                }
+            }
+            None => {
+                self.tenant_quota.remove(&tenant);
+            }
+        }
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    fn live<'a>(&'a self, scope: &Scope, hash: &BlockHash, now: Instant) -> Option<&'a Block> {
+        self.blocks
+            .get(hash)
+            .filter(|b| b.scope == *scope && b.expires_at > now)
+    }
+
+    /// Whether a live block of this scope is stored.
+    pub fn contains(&self, scope: &Scope, hash: &BlockHash, now: Instant) -> bool {
+        self.live(scope, hash, now).is_some()
+    }
+
+    /// How many leading hashes of `chain` are stored and live.
+    pub fn leading_present(&self, scope: &Scope, chain: &[BlockHash], now: Instant) -> usize {
+        chain
+            .iter()
+            .take_while(|h| self.contains(scope, h, now))
+            .count()
+    }
+
+    /// Why a block is gone, if it was here recently.
+    pub fn removal_reason(&self, hash: &BlockHash) -> Option<RemovalReason> {
+        self.tombstones.get(hash).copied()
+    }
+
+    /// Read blocks in chain order, verifying each checksum and refreshing each block's TTL
+    /// (from `now`, by its own TTL class). Stops at the first block that is missing or
+    /// corrupt: a corrupt block is removed and never served.
+    pub fn get_chain(
+        &mut self,
+        scope: &Scope,
+        chain: &[BlockHash],
+        now: Instant,
+    ) -> Vec<FetchedBlock> {
+        self.purge_expired(now);
+        let mut out = Vec::with_capacity(chain.len());
+        for hash in chain {
+            let Some(block) = self.live(scope, hash, now) else {
+                metrics::BLOCK_READS.with_label_values(&["miss"]).inc();
+                break;
+            };
+            if checksum(&block.data) != block.checksum {
+                metrics::BLOCK_READS.with_label_values(&["corrupt"]).inc();
+                tracing::error!(block = %hash, "checksum mismatch on read; dropping block");
+                self.remove(hash, RemovalReason::Corrupt);
+                break;
+            }
+            let fetched = FetchedBlock {
+                hash: *hash,
+                n_tokens: block.n_tokens,
+                data: block.data.clone(),
+            };
+            let ttl = block.ttl;
+            self.touch(hash, now + ttl, ttl);
+            out.push(fetched);
+        }
+        metrics::BLOCK_READS
+            .with_label_values(&["hit"])
+            .inc_by(out.len() as u64);
+        out
+    }
+
+    /// Store an entry: `existing` blocks (already stored, in chain order) get their TTL
+    /// extended, then `new` blocks (in chain order, each one's parent stored or earlier in
+    /// `new`) are inserted. Evicts expired blocks, then the tenant's own LRU blocks past its
+    /// quota, then LRU leaves past the node capacity; never a block of this entry. All or
+    /// nothing: on refusal no new block of the entry stays.
+    pub fn put_entry(
+        &mut self,
+        scope: &Scope,
+        existing: &[BlockHash],
+        new: Vec<PutBlock>,
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<(), WriteRefused> {
+        self.purge_expired(now);
+        for b in &new {
+            if checksum(&b.data) != b.checksum {
+                return Err(refused(WriteRefused::Corrupt));
+            }
+        }
+        if existing.iter().any(|h| !self.contains(scope, h, now)) {
+            return Err(refused(WriteRefused::MissingParent));
+        }
+        let pinned: HashSet<BlockHash> = existing
+            .iter()
+            .chain(new.iter().map(|b| &b.hash))
+            .copied()
+            .collect();
+        let incoming: u64 = new
+            .iter()
+            .filter(|b| !self.blocks.contains_key(&b.hash))
+            .map(|b| b.data.len() as u64)
+            .sum();
+        let tenant = scope.tenant;
+        if let Some(&quota) = self.tenant_quota.get(&tenant) {
+            while self.tenant_bytes(tenant) + incoming > quota {
+                if !self.evict_one(Some(tenant), &pinned, RemovalReason::Quota) {
+                    return Err(refused(WriteRefused::Quota));
+                }
+            }
+        }
+        while self.used_bytes + incoming > self.limits.capacity_bytes {
+            if !self.evict_one(None, &pinned, RemovalReason::Capacity) {
+                return Err(refused(WriteRefused::Capacity));
+            }
+        }
+        let expires = now + ttl;
+        for h in existing {
+            self.touch(h, expires, ttl);
+        }
+        let mut inserted: Vec<BlockHash> = Vec::new();
+        for b in new {
+            if self.blocks.contains_key(&b.hash) {
+                if self.contains(scope, &b.hash, now) {
+                    self.touch(&b.hash, expires, ttl);
+                    continue;
+                }
+                // Same hash under another scope cannot happen (scope is in the preimage);
+                // an expired copy is replaced.
+                self.remove(&b.hash, RemovalReason::Expired);
+            }
+            if let Some(p) = &b.parent {
+                if !self.blocks.contains_key(p) {
+                    for h in inserted {
+                        self.remove(&h, RemovalReason::Capacity);
+                    }
+                    return Err(refused(WriteRefused::MissingParent));
+                }
+            }
+            inserted.push(b.hash);
+            self.insert(scope, b, ttl, expires);
+        }
+        Ok(())
+    }
+
+    fn insert(&mut self, scope: &Scope, b: PutBlock, ttl: Duration, expires_at: Instant) {
+        let tick = self.tick();
+        let len = b.data.len() as u64;
+        if let Some(p) = b.parent {
+            if let Some(parent) = self.blocks.get_mut(&p) {
+                if parent.children == 0 {
+                    self.leaves.remove(&(parent.tick, p));
+                    if let Some(set) = self.tenant_leaves.get_mut(&parent.scope.tenant) {
+                        set.remove(&(parent.tick, p));
+                    }
+                }
+                parent.children += 1;
+            }
+        }
+        self.leaves.insert((tick, b.hash));
+        self.tenant_leaves
+            .entry(scope.tenant)
+            .or_default()
+            .insert((tick, b.hash));
+        self.expiry.insert((expires_at, b.hash));
+        self.used_bytes += len;
+        *self.tenant_bytes.entry(scope.tenant).or_default() += len;
+        self.tombstones.remove(&b.hash);
+        self.blocks.insert(
+            b.hash,
+            Block {
+                scope: *scope,
+                parent: b.parent,
+                n_tokens: b.n_tokens,
+                data: b.data,
+                checksum: b.checksum,
+                ttl,
+                expires_at,
+                tick,
+                children: 0,
+            },
+        );
+        metrics::BLOCKS_WRITTEN.inc();
+        metrics::BYTES_WRITTEN.inc_by(len);
+        self.publish_gauges(scope.tenant);
+    }
+
+    /// Mark recently used; extend expiry to at least `expires_at` and the TTL class to at
+    /// least `ttl`.
+    fn touch(&mut self, hash: &BlockHash, expires_at: Instant, ttl: Duration) {
+        let tick = self.tick();
+        let Some(b) = self.blocks.get_mut(hash) else {
+            return;
+        };
+        if b.children == 0 {
+            self.leaves.remove(&(b.tick, *hash));
+            self.leaves.insert((tick, *hash));
+            let set = self.tenant_leaves.entry(b.scope.tenant).or_default();
+            set.remove(&(b.tick, *hash));
+            set.insert((tick, *hash));
+        }
+        b.tick = tick;
+        if expires_at > b.expires_at {
+            self.expiry.remove(&(b.expires_at, *hash));
+            self.expiry.insert((expires_at, *hash));
+            b.expires_at = expires_at;
+        }
+        b.ttl = b.ttl.max(ttl);
+    }
+
+    /// Evict the least-recently-used leaf (of `tenant`, or of anyone), skipping `pinned`.
+    fn evict_one(
+        &mut self,
+        tenant: Option<TenantId>,
+        pinned: &HashSet<BlockHash>,
+        reason: RemovalReason,
+    ) -> bool {
+        let victim = match tenant {
+            Some(t) => self
+                .tenant_leaves
+                .get(&t)
+                .and_then(|s| s.iter().find(|(_, h)| !pinned.contains(h)).copied()),
+            None => self
+                .leaves
+                .iter()
+                .find(|(_, h)| !pinned.contains(h))
+                .copied(),
+        };
+        match victim {
+            Some((_, h)) => {
+                self.remove(&h, reason);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn purge_expired(&mut self, now: Instant) {
+        while let Some(&(at, h)) = self.expiry.first() {
+            if at > now {
+                break;
+            }
+            self.remove(&h, RemovalReason::Expired);
+        }
+    }
+
+    fn remove(&mut self, hash: &BlockHash, reason: RemovalReason) {
+        let Some(b) = self.blocks.remove(hash) else {
+            return;
+        };
+        self.expiry.remove(&(b.expires_at, *hash));
+        self.leaves.remove(&(b.tick, *hash));
+        let tenant = b.scope.tenant;
+        if let Some(set) = self.tenant_leaves.get_mut(&tenant) {
+            set.remove(&(b.tick, *hash));
+        }
+        let len = b.data.len() as u64;
+        self.used_bytes -= len;
+        if let Some(tb) = self.tenant_bytes.get_mut(&tenant) {
+            *tb -= len;
+        }
+        if let Some(p) = b.parent {
+            if let Some(parent) = self.blocks.get_mut(&p) {
+                parent.children -= 1;
+                if parent.children == 0 {
+                    self.leaves.insert((parent.tick, p));
+                    self.tenant_leaves
+                        .entry(parent.scope.tenant)
+                        .or_default()
+                        .insert((parent.tick, p));
+                }
+            }
+        }
+        if self.tombstone_order.len() >= TOMBSTONES {
+            if let Some(old) = self.tombstone_order.pop_front() {
+                self.tombstones.remove(&old);
+            }
+        }
+        self.tombstones.insert(*hash, reason);
+        self.tombstone_order.push_back(*hash);
+        metrics::EVICTIONS
+            .with_label_values(&[match reason {
+                RemovalReason::Expired => "expired",
+                RemovalReason::Capacity => "capacity",
+                RemovalReason::Quota => "quota",
+                RemovalReason::Corrupt => "corrupt",
+            }])
+            .inc();
+        self.publish_gauges(tenant);
+    }
+
+    fn publish_gauges(&self, tenant: TenantId) {
+        metrics::RESIDENT_BYTES.set(self.used_bytes as i64);
+        metrics::RESIDENT_BLOCKS.set(self.blocks.len() as i64);
+        metrics::TENANT_BYTES
+            .with_label_values(&[&tenant.to_string()])
+            .set(self.tenant_bytes(tenant) as i64);
+    }
+
+    /// Test hook: flip one bit of a stored block's bytes, as a failing disk or DIMM would.
+    #[doc(hidden)]
+    pub fn corrupt_for_test(&mut self, hash: &BlockHash) -> bool {
+        let Some(b) = self.blocks.get_mut(hash) else {
+            return false;
+        };
+        let mut v = b.data.to_vec();
+        if v.is_empty() {
+            return false;
+        }
+        v[0] ^= 1;
+        b.data = Bytes::from(v);
+        true
+    }
+
+    /// Consistency check used by tests: every index agrees with the block map.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) {
+        let mut per_tenant: HashMap<TenantId, u64> = HashMap::new();
+        let mut used = 0;
+        for (h, b) in &self.blocks {
+            used += b.data.len() as u64;
+            *per_tenant.entry(b.scope.tenant).or_default() += b.data.len() as u64;
+            let children = self
+                .blocks
+                .values()
+                .filter(|c| c.parent == Some(*h))
+                .count() as u32;
+            assert_eq!(children, b.children, "child count of {h:?}");
+            assert_eq!(
+                self.leaves.contains(&(b.tick, *h)),
+                b.children == 0,
+                "leaf set of {h:?}"
+            );
+            assert!(self.expiry.contains(&(b.expires_at, *h)));
+            if let Some(p) = b.parent.and_then(|p| self.blocks.get(&p)) {
+                assert!(p.expires_at >= b.expires_at, "parent outlives child");
+            }
+        }
+        assert_eq!(used, self.used_bytes);
+        assert_eq!(
+            self.leaves.len(),
+            self.blocks.values().filter(|b| b.children == 0).count()
+        );
+        for (t, bytes) in per_tenant {
+            assert_eq!(self.tenant_bytes(t), bytes);
+        }
+    }
+}
+
+fn refused(r: WriteRefused) -> WriteRefused {
+    metrics::WRITES_REFUSED
+        .with_label_values(&[r.as_str()])
+        .inc();
+    r
+}
