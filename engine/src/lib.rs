@@ -1,1 +1,174 @@
-//! placeholder
+//! Model runners behind one trait.
+//!
+//! What it exposes:
+//! - [`Engine`]: render a [`Prompt`] into tokens (with the offset at the end of every content
+//!   block), and start a [`Generation`] that imports cached per-block KV for a prefix, exports
+//!   KV for requested blocks, and decodes token by token.
+//! - [`TextStream`]: `max_tokens` and `stop_sequences` applied to any generation, the same way
+//!   for every engine.
+//! - [`sim::SimEngine`]: a cost-model engine with true KV geometry for tests and load tests.
+//!
+//! What it is not: it knows nothing about HTTP, tenants or billing; KV blocks come in and go
+//! out as bytes keyed by hashes the caller computed.
+//!
+//! Engine calls are blocking CPU work: callers run them off the async runtime.
+
+pub mod memo;
+pub mod metrics;
+pub mod prompt;
+pub mod sim;
+pub mod stream;
+
+use bytes::Bytes;
+use cachet_common::BlockHash;
+
+pub use prompt::{Prompt, PromptMessage, Rendered, Role};
+pub use stream::{Delta, TextStream};
+
+/// The element type of stored K/V.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl KvDtype {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// The shape of a model's KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvGeometry {
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub dtype: KvDtype,
+}
+
+impl KvGeometry {
+    /// K and V for every layer and KV head of one token.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.layers * self.kv_heads * self.head_dim * self.dtype.bytes()
+    }
+}
+
+/// What the gateway needs to know about a served model.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    pub id: String,
+    pub display_name: String,
+    /// RFC 3339 release time shown by `GET /v1/models`.
+    pub created_at: String,
+    /// Tokens per KV block (the fabric's unit).
+    pub block_size: usize,
+    /// Breakpoints before this many tokens are silently not cached.
+    pub min_cacheable_tokens: usize,
+    pub max_output_tokens: u32,
+    pub context_window: usize,
+    pub kv: KvGeometry,
+    /// LoRA adapter id; empty for the base model. Part of every block key.
+    pub adapter_id: String,
+}
+
+/// KV of the tokens `start..end`, as stored in the fabric.
+#[derive(Clone, Debug)]
+pub struct KvBlock {
+    pub hash: BlockHash,
+    pub start: usize,
+    pub end: usize,
+    pub data: Bytes,
+}
+
+/// A block whose KV the generation must hand back after prefill.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportSpec {
+    pub hash: BlockHash,
+    pub start: usize,
+    pub end: usize,
+}
+
+/// Sampling parameters. Without a temperature, decoding is greedy.
+#[derive(Clone, Debug, Default)]
+pub struct Sampling {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub seed: Option<u64>,
+}
+
+/// One generation: the full prompt, the cached prefix's KV, the blocks to export.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub tokens: Vec<u32>,
+    /// Contiguous blocks covering `0..n` for some `n <= tokens.len()`, in order.
+    pub imported: Vec<KvBlock>,
+    pub exports: Vec<ExportSpec>,
+    pub sampling: Sampling,
+}
+
+/// Why decoding stopped, as the Messages API reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    EndTurn,
+    MaxTokens,
+    StopSequence(String),
+}
+
+impl StopReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            StopReason::EndTurn => "end_turn",
+            StopReason::MaxTokens => "max_tokens",
+            StopReason::StopSequence(_) => "stop_sequence",
+        }
+    }
+}
+
+/// One generated token.
+#[derive(Clone, Debug)]
+pub struct Token {
+    pub id: u32,
+    pub text: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("prompt is too long: {tokens} tokens > {limit} maximum")]
+    ContextTooLong { tokens: usize, limit: usize },
+    #[error("imported KV for block {block} failed its integrity check")]
+    KvIntegrity { block: BlockHash },
+    #[error("invalid KV import: {0}")]
+    InvalidImport(String),
+    #[error("engine failure: {0}")]
+    Internal(String),
+}
+
+/// A model runner. Implementations are shared across threads; every method blocks.
+pub trait Engine: Send + Sync + 'static {
+    fn info(&self) -> &ModelInfo;
+    /// Render tools → system → messages through the model's chat template.
+    fn render(&self, prompt: &Prompt) -> Result<Rendered, EngineError>;
+    /// Prefill (from the imported prefix on) and get ready to decode.
+    fn start(&self, req: GenerateRequest) -> Result<Box<dyn Generation>, EngineError>;
+}
+
+/// A generation in progress.
+pub trait Generation: Send {
+    /// KV of the blocks asked for in [`GenerateRequest::exports`]; empty on later calls.
+    fn take_exports(&mut self) -> Vec<KvBlock>;
+    /// The next token, or `None` at end of turn.
+    fn next_token(&mut self) -> Result<Option<Token>, EngineError>;
+}

@@ -1,0 +1,26 @@
+//! Prometheus metrics of the engines (`cachet_engine_*`).
+
+use std::sync::LazyLock;
+
+use prometheus::{IntCounterVec, Opts};
+
+fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
+    let _ = prometheus::default_registry().register(Box::new(c.clone()));
+    c
+}
+
+pub static MEMO: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new("cachet_engine_segment_memo_total", "Segment tokenization memo lookups by result"),
+        &["result"],
+    )
+    .expect("metric"))
+});
+
+pub static TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new("cachet_engine_tokens_total", "Tokens processed by kind (prefilled, imported, generated)"),
+        &["model", "kind"],
+    )
+    .expect("metric"))
+});
