@@ -19,7 +19,10 @@ pub struct SegmentMemo {
 
 impl SegmentMemo {
     pub fn new(max_entries: usize) -> Self {
-        Self { map: Mutex::new(HashMap::new()), max_entries }
+        Self {
+            map: Mutex::new(HashMap::new()),
+            max_entries,
+        }
     }
 
     /// Tokens of `text`, from the memo or from `tokenize`.

@@ -11,7 +11,10 @@ fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
 
 pub static MEMO: LazyLock<IntCounterVec> = LazyLock::new(|| {
     reg(IntCounterVec::new(
-        Opts::new("cachet_engine_segment_memo_total", "Segment tokenization memo lookups by result"),
+        Opts::new(
+            "cachet_engine_segment_memo_total",
+            "Segment tokenization memo lookups by result",
+        ),
         &["result"],
     )
     .expect("metric"))
@@ -19,7 +22,10 @@ pub static MEMO: LazyLock<IntCounterVec> = LazyLock::new(|| {
 
 pub static TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     reg(IntCounterVec::new(
-        Opts::new("cachet_engine_tokens_total", "Tokens processed by kind (prefilled, imported, generated)"),
+        Opts::new(
+            "cachet_engine_tokens_total",
+            "Tokens processed by kind (prefilled, imported, generated)",
+        ),
         &["model", "kind"],
     )
     .expect("metric"))

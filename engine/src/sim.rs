@@ -16,8 +16,8 @@ use sha2::{Digest, Sha256};
 
 use crate::memo::SegmentMemo;
 use crate::{
-    EngineError, ExportSpec, GenerateRequest, Generation, KvBlock, KvDtype, KvGeometry, ModelInfo, Prompt, Rendered,
-    Role, Token, metrics,
+    EngineError, ExportSpec, GenerateRequest, Generation, KvBlock, KvDtype, KvGeometry, ModelInfo,
+    Prompt, Rendered, Role, Token, metrics,
 };
 
 const VOCAB: u32 = 32_000;
@@ -30,9 +30,10 @@ const END: u32 = 7;
 const SEP: u32 = 8;
 const WORD_ID_BASE: u32 = 100;
 const WORDS: &[&str] = &[
-    "the", "cache", "prefix", "block", "token", "model", "answer", "fabric", "request", "tenant", "quickly", "result",
-    "is", "ready", "and", "served", "from", "memory", "without", "prefill", "again", "every", "time", "which", "saves",
-    "compute", "for", "long", "prompts", "so", "latency", "drops",
+    "the", "cache", "prefix", "block", "token", "model", "answer", "fabric", "request", "tenant",
+    "quickly", "result", "is", "ready", "and", "served", "from", "memory", "without", "prefill",
+    "again", "every", "time", "which", "saves", "compute", "for", "long", "prompts", "so",
+    "latency", "drops",
 ];
 
 /// Cost and shape of a simulated model.
@@ -48,12 +49,20 @@ impl SimProfile {
     /// Small KV, fast: for tests and gateway benchmarks.
     pub fn tiny() -> Self {
         Self {
-            info: info("sim-tiny", "Sim Tiny", 16, 32, 4096, 32_768, KvGeometry {
-                layers: 2,
-                kv_heads: 1,
-                head_dim: 16,
-                dtype: KvDtype::F16,
-            }),
+            info: info(
+                "sim-tiny",
+                "Sim Tiny",
+                16,
+                32,
+                4096,
+                32_768,
+                KvGeometry {
+                    layers: 2,
+                    kv_heads: 1,
+                    head_dim: 16,
+                    dtype: KvDtype::F16,
+                },
+            ),
             prefill_us_per_token: 20.0,
             load_us_per_token: 0.5,
             decode_us_per_token: 2_000.0,
@@ -62,12 +71,20 @@ impl SimProfile {
     /// Llama-3-8B-shaped KV (32 layers, 8 KV heads, head dim 128, bf16), H100-like costs.
     pub fn llama_8b() -> Self {
         Self {
-            info: info("sim-llama-8b", "Sim Llama 8B", 16, 1024, 8192, 131_072, KvGeometry {
-                layers: 32,
-                kv_heads: 8,
-                head_dim: 128,
-                dtype: KvDtype::Bf16,
-            }),
+            info: info(
+                "sim-llama-8b",
+                "Sim Llama 8B",
+                16,
+                1024,
+                8192,
+                131_072,
+                KvGeometry {
+                    layers: 32,
+                    kv_heads: 8,
+                    head_dim: 128,
+                    dtype: KvDtype::Bf16,
+                },
+            ),
             prefill_us_per_token: 60.0,
             load_us_per_token: 2.0,
             decode_us_per_token: 12_000.0,
@@ -76,12 +93,20 @@ impl SimProfile {
     /// Llama-3-70B-shaped KV (80 layers, 8 KV heads, head dim 128, bf16).
     pub fn llama_70b() -> Self {
         Self {
-            info: info("sim-llama-70b", "Sim Llama 70B", 16, 2048, 8192, 131_072, KvGeometry {
-                layers: 80,
-                kv_heads: 8,
-                head_dim: 128,
-                dtype: KvDtype::Bf16,
-            }),
+            info: info(
+                "sim-llama-70b",
+                "Sim Llama 70B",
+                16,
+                2048,
+                8192,
+                131_072,
+                KvGeometry {
+                    layers: 80,
+                    kv_heads: 8,
+                    head_dim: 128,
+                    dtype: KvDtype::Bf16,
+                },
+            ),
             prefill_us_per_token: 400.0,
             load_us_per_token: 5.0,
             decode_us_per_token: 30_000.0,
@@ -92,7 +117,15 @@ impl SimProfile {
     }
 }
 
-fn info(id: &str, name: &str, block: usize, min: usize, max_out: u32, ctx: usize, kv: KvGeometry) -> ModelInfo {
+fn info(
+    id: &str,
+    name: &str,
+    block: usize,
+    min: usize,
+    max_out: u32,
+    ctx: usize,
+    kv: KvGeometry,
+) -> ModelInfo {
     ModelInfo {
         id: id.into(),
         display_name: name.into(),
@@ -115,7 +148,11 @@ pub struct SimEngine {
 impl SimEngine {
     /// `time_scale` multiplies every modelled delay; 0 makes compute free.
     pub fn new(profile: SimProfile, time_scale: f64) -> Self {
-        Self { profile, time_scale: time_scale.max(0.0), memo: SegmentMemo::new(100_000) }
+        Self {
+            profile,
+            time_scale: time_scale.max(0.0),
+            memo: SegmentMemo::new(100_000),
+        }
     }
 
     fn delay(&self, micros: f64) {
@@ -178,7 +215,8 @@ fn piece_id(piece: &[u8]) -> u32 {
 
 /// Deterministic pseudo-random bytes from a block hash (splitmix64 stream).
 pub fn kv_bytes(hash: &BlockHash, len: usize) -> Bytes {
-    let mut state = hash.prefix_u64() ^ u64::from_le_bytes(hash.0[8..16].try_into().expect("8 bytes"));
+    let mut state =
+        hash.prefix_u64() ^ u64::from_le_bytes(hash.0[8..16].try_into().expect("8 bytes"));
     let mut out = Vec::with_capacity(len + 8);
     while out.len() < len {
         state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -221,7 +259,11 @@ impl crate::Engine for SimEngine {
         }
         let last = prompt.messages.len().saturating_sub(1);
         for (i, m) in prompt.messages.iter().enumerate() {
-            r.tokens.push(if m.role == Role::User { USER } else { ASSISTANT });
+            r.tokens.push(if m.role == Role::User {
+                USER
+            } else {
+                ASSISTANT
+            });
             let mut ends = Vec::with_capacity(m.blocks.len());
             for b in &m.blocks {
                 push_block(&mut r, b);
@@ -238,7 +280,10 @@ impl crate::Engine for SimEngine {
         }
         let limit = self.profile.info.context_window;
         if r.tokens.len() > limit {
-            return Err(EngineError::ContextTooLong { tokens: r.tokens.len(), limit });
+            return Err(EngineError::ContextTooLong {
+                tokens: r.tokens.len(),
+                limit,
+            });
         }
         Ok(r)
     }
@@ -253,24 +298,39 @@ impl crate::Engine for SimEngine {
                     b.start, b.end
                 )));
             }
-            if b.data.len() != (b.end - b.start) * bpt || b.data != kv_bytes(&b.hash, b.data.len()) {
+            if b.data.len() != (b.end - b.start) * bpt || b.data != kv_bytes(&b.hash, b.data.len())
+            {
                 return Err(EngineError::KvIntegrity { block: b.hash });
             }
             cached = b.end;
         }
         let uncached = req.tokens.len() - cached;
         let model = self.profile.info.id.as_str();
-        metrics::TOKENS.with_label_values(&[model, "imported"]).inc_by(cached as u64);
-        metrics::TOKENS.with_label_values(&[model, "prefilled"]).inc_by(uncached as u64);
-        self.delay(uncached as f64 * self.profile.prefill_us_per_token + cached as f64 * self.profile.load_us_per_token);
+        metrics::TOKENS
+            .with_label_values(&[model, "imported"])
+            .inc_by(cached as u64);
+        metrics::TOKENS
+            .with_label_values(&[model, "prefilled"])
+            .inc_by(uncached as u64);
+        self.delay(
+            uncached as f64 * self.profile.prefill_us_per_token
+                + cached as f64 * self.profile.load_us_per_token,
+        );
         let exports = req
             .exports
             .iter()
             .map(|&ExportSpec { hash, start, end }| {
                 if end > req.tokens.len() || start >= end {
-                    return Err(EngineError::InvalidImport(format!("export range {start}..{end} is outside the prompt")));
+                    return Err(EngineError::InvalidImport(format!(
+                        "export range {start}..{end} is outside the prompt"
+                    )));
                 }
-                Ok(KvBlock { hash, start, end, data: self.block_bytes(&hash, end - start) })
+                Ok(KvBlock {
+                    hash,
+                    start,
+                    end,
+                    data: self.block_bytes(&hash, end - start),
+                })
             })
             .collect::<Result<Vec<_>, _>>()?;
         // Output depends only on the prompt (and seed), never on what was cached.
@@ -278,12 +338,18 @@ impl crate::Engine for SimEngine {
         for t in &req.tokens {
             h.update(t.to_le_bytes());
         }
-        if let Some(seed) = req.sampling.seed.filter(|_| req.sampling.temperature.is_some_and(|t| t > 0.0)) {
+        if let Some(seed) = req
+            .sampling
+            .seed
+            .filter(|_| req.sampling.temperature.is_some_and(|t| t > 0.0))
+        {
             h.update(seed.to_le_bytes());
         }
         let digest: [u8; 32] = h.finalize().into();
         let n_words = 12 + (digest[0] as usize % 20);
-        let words: Vec<u32> = (0..n_words).map(|i| digest[(i + 1) % 32] as u32 ^ (i as u32 * 7)).collect();
+        let words: Vec<u32> = (0..n_words)
+            .map(|i| digest[(i + 1) % 32] as u32 ^ (i as u32 * 7))
+            .collect();
         Ok(Box::new(SimGeneration {
             words: Arc::new(words),
             next: 0,
@@ -316,19 +382,30 @@ impl Generation for SimGeneration {
         }
         let w = self.words[self.next] as usize % WORDS.len();
         let last = self.next + 1 == self.words.len();
-        let mut text = if self.next == 0 { capitalize(WORDS[w]) } else { format!(" {}", WORDS[w]) };
+        let mut text = if self.next == 0 {
+            capitalize(WORDS[w])
+        } else {
+            format!(" {}", WORDS[w])
+        };
         if last {
             text.push('.');
         }
         self.next += 1;
-        metrics::TOKENS.with_label_values(&[self.model.as_str(), "generated"]).inc();
-        Ok(Some(Token { id: WORD_ID_BASE + w as u32, text }))
+        metrics::TOKENS
+            .with_label_values(&[self.model.as_str(), "generated"])
+            .inc();
+        Ok(Some(Token {
+            id: WORD_ID_BASE + w as u32,
+            text,
+        }))
     }
 }
 
 fn capitalize(w: &str) -> String {
     let mut c = w.chars();
-    c.next().map(|f| f.to_uppercase().collect::<String>() + c.as_str()).unwrap_or_default()
+    c.next()
+        .map(|f| f.to_uppercase().collect::<String>() + c.as_str())
+        .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -344,15 +421,23 @@ mod tests {
         Prompt {
             tools: vec!["{\"name\":\"get_weather\"}".into()],
             system: vec!["You are terse.".into(), "Answer in English.".into()],
-            messages: vec![PromptMessage { role: Role::User, blocks: vec![text.into(), "Thanks!".into()] }],
+            messages: vec![PromptMessage {
+                role: Role::User,
+                blocks: vec![text.into(), "Thanks!".into()],
+            }],
         }
     }
 
     #[test]
     fn block_ends_are_recorded_in_render_order() {
         let r = engine().render(&prompt("What is a KV cache?")).unwrap();
-        let all: Vec<usize> =
-            r.tool_ends.iter().chain(&r.system_ends).chain(r.message_ends.iter().flatten()).copied().collect();
+        let all: Vec<usize> = r
+            .tool_ends
+            .iter()
+            .chain(&r.system_ends)
+            .chain(r.message_ends.iter().flatten())
+            .copied()
+            .collect();
         assert_eq!(all.len(), 5);
         assert!(all.windows(2).all(|w| w[0] < w[1]));
         assert!(*all.last().unwrap() < r.tokens.len());
@@ -361,13 +446,26 @@ mod tests {
 
     #[test]
     fn same_text_gives_same_tokens_and_a_change_changes_them() {
-        assert_eq!(tokenize("hello world, again"), tokenize("hello world, again"));
+        assert_eq!(
+            tokenize("hello world, again"),
+            tokenize("hello world, again")
+        );
         assert_ne!(tokenize("hello world"), tokenize("hello worle"));
         assert_eq!(tokenize("héllo").len(), 3, "h, é, llo");
         let long = "lorem ipsum ".repeat(100);
         let e = engine();
-        let p = Prompt { messages: vec![PromptMessage { role: Role::User, blocks: vec![long] }], ..Default::default() };
-        assert_eq!(e.render(&p).unwrap(), e.render(&p).unwrap(), "memoized render equals fresh render");
+        let p = Prompt {
+            messages: vec![PromptMessage {
+                role: Role::User,
+                blocks: vec![long],
+            }],
+            ..Default::default()
+        };
+        assert_eq!(
+            e.render(&p).unwrap(),
+            e.render(&p).unwrap(),
+            "memoized render equals fresh render"
+        );
     }
 
     #[test]
@@ -380,7 +478,11 @@ mod tests {
             let mut g = e.start(GenerateRequest {
                 tokens: r.tokens.clone(),
                 imported,
-                exports: vec![ExportSpec { hash: h, start: 0, end: 16 }],
+                exports: vec![ExportSpec {
+                    hash: h,
+                    start: 0,
+                    end: 16,
+                }],
                 sampling: Sampling::default(),
             })?;
             assert_eq!(g.take_exports()[0].data, data);
@@ -391,11 +493,23 @@ mod tests {
             Ok(out)
         };
         let cold = run(vec![]).unwrap();
-        let warm = run(vec![KvBlock { hash: h, start: 0, end: 16, data: data.clone() }]).unwrap();
+        let warm = run(vec![KvBlock {
+            hash: h,
+            start: 0,
+            end: 16,
+            data: data.clone(),
+        }])
+        .unwrap();
         assert_eq!(cold, warm);
         let mut bad = data.to_vec();
         bad[3] ^= 0x10;
-        let err = run(vec![KvBlock { hash: h, start: 0, end: 16, data: Bytes::from(bad) }]).unwrap_err();
+        let err = run(vec![KvBlock {
+            hash: h,
+            start: 0,
+            end: 16,
+            data: Bytes::from(bad),
+        }])
+        .unwrap_err();
         assert!(matches!(err, EngineError::KvIntegrity { .. }));
     }
 }

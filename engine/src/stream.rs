@@ -21,9 +21,23 @@ pub struct TextStream {
 }
 
 impl TextStream {
-    pub fn new(generation: Box<dyn Generation>, max_tokens: u32, stop_sequences: Vec<String>) -> Self {
-        let stops = stop_sequences.into_iter().filter(|s| !s.is_empty()).collect();
-        Self { generation, max_tokens, produced: 0, stops, pending: String::new(), finished: None }
+    pub fn new(
+        generation: Box<dyn Generation>,
+        max_tokens: u32,
+        stop_sequences: Vec<String>,
+    ) -> Self {
+        let stops = stop_sequences
+            .into_iter()
+            .filter(|s| !s.is_empty())
+            .collect();
+        Self {
+            generation,
+            max_tokens,
+            produced: 0,
+            stops,
+            pending: String::new(),
+            finished: None,
+        }
     }
 
     /// Tokens generated so far (the billed output tokens).
@@ -49,8 +63,11 @@ impl TextStream {
         };
         self.produced += 1;
         self.pending.push_str(&tok.text);
-        if let Some((idx, stop)) =
-            self.stops.iter().filter_map(|s| self.pending.find(s.as_str()).map(|i| (i, s.clone()))).min_by_key(|(i, _)| *i)
+        if let Some((idx, stop)) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()).map(|i| (i, s.clone())))
+            .min_by_key(|(i, _)| *i)
         {
             self.pending.truncate(idx);
             return Ok(Some(self.finish(StopReason::StopSequence(stop))));
@@ -63,7 +80,9 @@ impl TextStream {
 
     fn finish(&mut self, reason: StopReason) -> Delta {
         self.finished = Some(reason);
-        Delta { text: std::mem::take(&mut self.pending) }
+        Delta {
+            text: std::mem::take(&mut self.pending),
+        }
     }
 
     /// Length of the longest suffix of `pending` that is a proper prefix of a stop sequence.
@@ -93,12 +112,23 @@ mod tests {
             Vec::new()
         }
         fn next_token(&mut self) -> Result<Option<Token>, EngineError> {
-            Ok(if self.0.is_empty() { None } else { Some(Token { id: 0, text: self.0.remove(0).to_string() }) })
+            Ok(if self.0.is_empty() {
+                None
+            } else {
+                Some(Token {
+                    id: 0,
+                    text: self.0.remove(0).to_string(),
+                })
+            })
         }
     }
 
     fn run(words: Vec<&'static str>, max: u32, stops: &[&str]) -> (String, StopReason, u32) {
-        let mut s = TextStream::new(Box::new(Words(words)), max, stops.iter().map(|s| s.to_string()).collect());
+        let mut s = TextStream::new(
+            Box::new(Words(words)),
+            max,
+            stops.iter().map(|s| s.to_string()).collect(),
+        );
         let mut out = String::new();
         while let Some(d) = s.next_delta().unwrap() {
             out.push_str(&d.text);
@@ -108,9 +138,18 @@ mod tests {
 
     #[test]
     fn stops_at_end_of_turn_and_max_tokens() {
-        assert_eq!(run(vec!["a", " b"], 10, &[]), ("a b".into(), StopReason::EndTurn, 2));
-        assert_eq!(run(vec!["a", " b", " c"], 2, &[]), ("a b".into(), StopReason::MaxTokens, 2));
-        assert_eq!(run(vec!["a"], 0, &[]), ("".into(), StopReason::MaxTokens, 0));
+        assert_eq!(
+            run(vec!["a", " b"], 10, &[]),
+            ("a b".into(), StopReason::EndTurn, 2)
+        );
+        assert_eq!(
+            run(vec!["a", " b", " c"], 2, &[]),
+            ("a b".into(), StopReason::MaxTokens, 2)
+        );
+        assert_eq!(
+            run(vec!["a"], 0, &[]),
+            ("".into(), StopReason::MaxTokens, 0)
+        );
     }
 
     #[test]

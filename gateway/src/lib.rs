@@ -1,1 +1,200 @@
-//! placeholder
+//! The Cachet gateway: the Anthropic-compatible HTTP API.
+//!
+//! What it exposes: [`run`] (serve a router on a listener until a shutdown token fires),
+//! [`router`], [`AppState`] (built from the fabric client, the engine pool, the meter handle,
+//! Postgres and Redis), [`tenants`] (tenant and key administration used by the CLI), and the
+//! OpenAPI document ([`openapi::document`]).
+//!
+//! The request path lives in [`api::handlers`] (HTTP) → [`api::validate`] (Anthropic's rules
+//! and texts) → [`render`] (tokens, breakpoints, block keys) → [`pipeline`] (fabric, admission,
+//! engine, usage, meter).
+//!
+//! What it is not: it stores no KV (the fabric does) and writes no ledger rows itself (the
+//! meter does).
+
+pub mod admission;
+pub mod api;
+pub mod auth;
+pub mod engines;
+pub mod error;
+pub mod metrics;
+pub mod openapi;
+pub mod pipeline;
+pub mod render;
+pub mod tenants;
+pub mod usage;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use billing::MeterHandle;
+use cache_fabric::FabricClient;
+use cachet_common::RequestId;
+use serde_json::json;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::admission::Admission;
+use crate::auth::Authenticator;
+use crate::engines::EnginePool;
+
+/// Gateway settings.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    pub max_body_bytes: usize,
+    pub auth_cache_ttl: Duration,
+    pub redis_timeout: Duration,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 32 * 1024 * 1024,
+            auth_cache_ttl: Duration::from_secs(30),
+            redis_timeout: Duration::from_millis(250),
+        }
+    }
+}
+
+pub struct Inner {
+    pub config: GatewayConfig,
+    pub pool: PgPool,
+    pub fabric: FabricClient,
+    pub engines: EnginePool,
+    pub meter: MeterHandle,
+    pub auth: Authenticator,
+    pub admission: Admission,
+}
+
+/// Shared state of every handler. Cheap to clone.
+pub type AppState = Arc<Inner>;
+
+/// Build the state. `redis_url` `None` keeps rate limits in process only.
+pub fn state(
+    config: GatewayConfig,
+    pool: PgPool,
+    fabric: FabricClient,
+    engines: EnginePool,
+    meter: MeterHandle,
+    redis_url: Option<&str>,
+) -> anyhow::Result<AppState> {
+    let auth = Authenticator::new(pool.clone(), fabric.clone(), config.auth_cache_ttl);
+    let admission = Admission::new(redis_url, config.redis_timeout)?;
+    Ok(Arc::new(Inner {
+        config,
+        pool,
+        fabric,
+        engines,
+        meter,
+        auth,
+        admission,
+    }))
+}
+
+/// Every response gets a `request-id`; every request a span and metrics.
+async fn request_context(mut req: Request, next: Next) -> Response {
+    let rid = RequestId::new();
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|m| m.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".into());
+    req.extensions_mut().insert(rid);
+    let started = Instant::now();
+    let mut resp = next.run(req).await;
+    metrics::HTTP_SECONDS
+        .with_label_values(&[&route])
+        .observe(started.elapsed().as_secs_f64());
+    metrics::HTTP_REQUESTS
+        .with_label_values(&[&route, resp.status().as_str()])
+        .inc();
+    if let Ok(v) = HeaderValue::from_str(&rid.to_string()) {
+        resp.headers_mut().insert("request-id", v);
+    }
+    resp
+}
+
+async fn healthz() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
+}
+
+/// Ready when the engines are loaded. Postgres and Redis are reported, not required: auth
+/// falls back to cached keys, usage to the spool, admission to local limits.
+async fn readyz(State(state): State<AppState>) -> Response {
+    let pg = tokio::time::timeout(
+        Duration::from_secs(1),
+        sqlx::query("SELECT 1").execute(&state.pool),
+    )
+    .await;
+    let pg = matches!(pg, Ok(Ok(_)));
+    let body = json!({
+        "status": "ready",
+        "models": state.engines.all().iter().map(|e| e.info().id.clone()).collect::<Vec<_>>(),
+        "postgres": if pg { "ok" } else { "unavailable" },
+        "usage_spooled": state.meter.spooled(),
+    });
+    (StatusCode::OK, Json(body)).into_response()
+}
+
+async fn metrics_text() -> Response {
+    let families = prometheus::gather();
+    match prometheus::TextEncoder::new().encode_to_string(&families) {
+        Ok(s) => ([("content-type", "text/plain; version=0.0.4")], s).into_response(),
+        Err(e) => error::ApiError::internal("metrics encoding failed", e).into_response(),
+    }
+}
+
+async fn openapi_json() -> Response {
+    ([("content-type", "application/json")], openapi::document()).into_response()
+}
+
+async fn not_found(req: Request) -> Response {
+    let rid = req
+        .extensions()
+        .get::<RequestId>()
+        .copied()
+        .unwrap_or_default();
+    error::ApiError::new(
+        error::ErrorKind::NotFound,
+        format!("no route for {} {}", req.method(), req.uri().path()),
+    )
+    .with_request_id(rid)
+    .into_response()
+}
+
+pub fn router(state: AppState) -> Router {
+    let limit = state.config.max_body_bytes;
+    Router::new()
+        .route("/v1/messages", post(api::handlers::create_message))
+        .route(
+            "/v1/messages/count_tokens",
+            post(api::handlers::count_tokens),
+        )
+        .route("/v1/models", get(api::handlers::list_models))
+        .route("/v1/models/{model_id}", get(api::handlers::get_model))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi_json))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn(request_context))
+        .with_state(state)
+}
+
+/// Serve until `shutdown` is cancelled, then finish in-flight requests.
+pub async fn run(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+}

@@ -1,0 +1,496 @@
+//! The meter: exactly one ledger row per request, never lost, never doubled.
+//!
+//! - Group commit: the writer task takes every event that is waiting (up to `batch_max`) and
+//!   inserts them with one `INSERT … SELECT FROM UNNEST(…) ON CONFLICT (request_id) DO
+//!   NOTHING`. While one commit runs, the next batch accumulates.
+//! - Spool: a batch Postgres does not take (connection refused, restart, timeout) is appended
+//!   to a local JSON Lines file and fsynced; the writer then spools directly for
+//!   `retry_interval` and replays the file (in chunks, idempotently) until Postgres takes it,
+//!   then truncates it. A torn last line from a crash is skipped with a log line.
+//! - A row Postgres rejects as invalid (a constraint) goes to `<spool>.rejected` for a person
+//!   to look at, never silently dropped.
+//! - If the writer task is gone, [`MeterHandle::record`] appends to the spool itself.
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use cachet_common::{ApiKeyId, RequestId, TenantId, WorkspaceId};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::metrics;
+
+/// How a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UsageStatus {
+    Completed,
+    ClientDisconnected,
+    Failed,
+}
+
+impl UsageStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UsageStatus::Completed => "completed",
+            UsageStatus::ClientDisconnected => "client_disconnected",
+            UsageStatus::Failed => "failed",
+        }
+    }
+}
+
+/// One request's metered usage.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageEvent {
+    pub request_id: RequestId,
+    pub tenant_id: TenantId,
+    pub workspace_id: WorkspaceId,
+    pub api_key_id: ApiKeyId,
+    pub model: String,
+    pub input_tokens: u64,
+    pub cache_write_5m_tokens: u64,
+    pub cache_write_1h_tokens: u64,
+    pub cache_read_tokens: u64,
+    pub output_tokens: u64,
+    pub status: UsageStatus,
+    pub started_at: DateTime<Utc>,
+    pub finished_at: DateTime<Utc>,
+}
+
+#[derive(Clone, Debug)]
+pub struct MeterConfig {
+    pub batch_max: usize,
+    pub queue_capacity: usize,
+    pub spool_path: PathBuf,
+    pub retry_interval: Duration,
+}
+
+impl MeterConfig {
+    pub fn with_spool(spool_path: PathBuf) -> Self {
+        Self {
+            batch_max: 2048,
+            queue_capacity: 65_536,
+            spool_path,
+            retry_interval: Duration::from_millis(500),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MeterError {
+    #[error("spool i/o failed: {0}")]
+    Spool(#[from] std::io::Error),
+}
+
+/// The append-only local spool.
+struct Spool {
+    path: PathBuf,
+    lock: std::sync::Mutex<()>,
+    events: AtomicU64,
+}
+
+impl Spool {
+    fn open(path: PathBuf) -> std::io::Result<Self> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        let events = match std::fs::File::open(&path) {
+            Ok(f) => std::io::BufReader::new(f).lines().count() as u64,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+            Err(e) => return Err(e),
+        };
+        metrics::SPOOL_EVENTS.set(events as i64);
+        Ok(Self {
+            path,
+            lock: std::sync::Mutex::new(()),
+            events: AtomicU64::new(events),
+        })
+    }
+
+    fn append_to(path: &Path, events: &[UsageEvent]) -> std::io::Result<()> {
+        let mut buf = Vec::with_capacity(events.len() * 320);
+        for e in events {
+            serde_json::to_writer(&mut buf, e).map_err(std::io::Error::other)?;
+            buf.push(b'\n');
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        f.write_all(&buf)?;
+        f.sync_data()
+    }
+
+    fn append(&self, events: &[UsageEvent]) -> std::io::Result<()> {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        Self::append_to(&self.path, events)?;
+        let n = self.events.fetch_add(events.len() as u64, Ordering::SeqCst) + events.len() as u64;
+        metrics::SPOOL_EVENTS.set(n as i64);
+        metrics::EVENTS
+            .with_label_values(&["spooled"])
+            .inc_by(events.len() as u64);
+        Ok(())
+    }
+
+    fn read_all(&self) -> std::io::Result<Vec<UsageEvent>> {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let f = match std::fs::File::open(&self.path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let mut out = Vec::new();
+        for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
+            let line = line?;
+            match serde_json::from_str(&line) {
+                Ok(e) => out.push(e),
+                Err(err) => {
+                    tracing::error!(line = i + 1, %err, "skipping unreadable spool line (torn write?)")
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Drop the first `n` events (the ones just replayed), keeping anything appended since.
+    fn consume(&self, n: usize) -> std::io::Result<()> {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let text = std::fs::read_to_string(&self.path).unwrap_or_default();
+        let rest: Vec<&str> = text.lines().skip(n).collect();
+        let tmp = self.path.with_extension("tmp");
+        {
+            let mut f = std::fs::File::create(&tmp)?;
+            for l in &rest {
+                f.write_all(l.as_bytes())?;
+                f.write_all(b"\n")?;
+            }
+            f.sync_data()?;
+        }
+        std::fs::rename(&tmp, &self.path)?;
+        self.events.store(rest.len() as u64, Ordering::SeqCst);
+        metrics::SPOOL_EVENTS.set(rest.len() as i64);
+        Ok(())
+    }
+}
+
+/// Where usage events go. Cheap to clone.
+#[derive(Clone)]
+pub struct MeterHandle {
+    tx: mpsc::Sender<UsageEvent>,
+    spool: Arc<Spool>,
+    pending: Arc<AtomicU64>,
+}
+
+impl MeterHandle {
+    /// Hand one event to the meter. Waits (backpressure) if the queue is full; appends to the
+    /// spool directly if the writer is gone. An error means the event could not be kept.
+    pub async fn record(&self, event: UsageEvent) -> Result<(), MeterError> {
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        if let Err(mpsc::error::SendError(event)) = self.tx.send(event).await {
+            let spool = self.spool.clone();
+            let res = tokio::task::spawn_blocking(move || spool.append(&[event]))
+                .await
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+            res?;
+        }
+        Ok(())
+    }
+
+    /// Events handed over but not yet committed or spooled.
+    pub fn pending(&self) -> u64 {
+        self.pending.load(Ordering::SeqCst)
+    }
+
+    /// Events waiting in the spool for Postgres.
+    pub fn spooled(&self) -> u64 {
+        self.spool.events.load(Ordering::SeqCst)
+    }
+
+    /// Wait until every event handed over is in Postgres (tests, shutdown).
+    pub async fn settled(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.pending() == 0 && self.spooled() == 0 {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+}
+
+/// The writer task.
+pub struct Meter {
+    pool: PgPool,
+    config: MeterConfig,
+    rx: mpsc::Receiver<UsageEvent>,
+    spool: Arc<Spool>,
+    pending: Arc<AtomicU64>,
+    degraded_until: Option<Instant>,
+    next_replay: Instant,
+}
+
+impl Meter {
+    /// Start the meter; it stops (after draining and committing or spooling everything)
+    /// when `shutdown` is cancelled.
+    pub fn start(
+        pool: PgPool,
+        config: MeterConfig,
+        shutdown: CancellationToken,
+    ) -> Result<(MeterHandle, tokio::task::JoinHandle<()>), MeterError> {
+        let spool = Arc::new(Spool::open(config.spool_path.clone())?);
+        let (tx, rx) = mpsc::channel(config.queue_capacity);
+        let pending = Arc::new(AtomicU64::new(0));
+        let handle = MeterHandle {
+            tx,
+            spool: spool.clone(),
+            pending: pending.clone(),
+        };
+        let meter = Meter {
+            pool,
+            config,
+            rx,
+            spool,
+            pending,
+            degraded_until: None,
+            next_replay: Instant::now(),
+        };
+        let task = tokio::spawn(meter.run(shutdown));
+        Ok((handle, task))
+    }
+
+    async fn run(mut self, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(self.config.retry_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                ev = self.rx.recv() => match ev {
+                    Some(first) => {
+                        let mut batch = vec![first];
+                        while batch.len() < self.config.batch_max {
+                            match self.rx.try_recv() {
+                                Ok(e) => batch.push(e),
+                                Err(_) => break,
+                            }
+                        }
+                        self.commit(batch).await;
+                    }
+                    None => break,
+                },
+                _ = tick.tick() => {
+                    if self.spool.events.load(Ordering::SeqCst) > 0 && Instant::now() >= self.next_replay {
+                        self.replay().await;
+                    }
+                }
+            }
+        }
+        // Drain: everything already handed over is committed or spooled before we return.
+        self.rx.close();
+        let mut rest = Vec::new();
+        while let Some(e) = self.rx.recv().await {
+            rest.push(e);
+        }
+        for chunk in rest.chunks(self.config.batch_max.max(1)) {
+            self.commit(chunk.to_vec()).await;
+        }
+        if self.spool.events.load(Ordering::SeqCst) > 0 {
+            self.degraded_until = None;
+            self.replay().await;
+        }
+    }
+
+    async fn commit(&mut self, batch: Vec<UsageEvent>) {
+        let n = batch.len() as u64;
+        let degraded = self.degraded_until.is_some_and(|t| Instant::now() < t);
+        if !degraded {
+            let started = Instant::now();
+            match insert(&self.pool, &batch).await {
+                Ok(inserted) => {
+                    metrics::BATCH_SECONDS.observe(started.elapsed().as_secs_f64());
+                    metrics::EVENTS
+                        .with_label_values(&["committed"])
+                        .inc_by(inserted);
+                    metrics::EVENTS
+                        .with_label_values(&["duplicate"])
+                        .inc_by(n - inserted);
+                    self.pending.fetch_sub(n, Ordering::SeqCst);
+                    return;
+                }
+                Err(e) if is_permanent(&e) => {
+                    tracing::error!(error = %e, events = n, "ledger batch rejected; retrying row by row");
+                    self.commit_rows(batch).await;
+                    self.pending.fetch_sub(n, Ordering::SeqCst);
+                    return;
+                }
+                Err(e) => {
+                    metrics::COMMIT_FAILURES.inc();
+                    tracing::warn!(error = %e, events = n, "postgres unavailable; spooling usage events");
+                    self.degraded_until = Some(Instant::now() + self.config.retry_interval);
+                    self.next_replay = Instant::now() + self.config.retry_interval;
+                }
+            }
+        }
+        self.spool_batch(batch).await;
+        self.pending.fetch_sub(n, Ordering::SeqCst);
+    }
+
+    async fn commit_rows(&mut self, batch: Vec<UsageEvent>) {
+        for ev in batch {
+            match insert(&self.pool, std::slice::from_ref(&ev)).await {
+                Ok(_) => metrics::EVENTS.with_label_values(&["committed"]).inc(),
+                Err(e) if is_permanent(&e) => {
+                    tracing::error!(error = %e, request_id = %ev.request_id, "ledger row rejected; kept in the rejected file");
+                    let path = self.spool.path.with_extension("rejected");
+                    let res =
+                        tokio::task::spawn_blocking(move || Spool::append_to(&path, &[ev])).await;
+                    if !matches!(res, Ok(Ok(()))) {
+                        tracing::error!("could not write the rejected-events file");
+                    }
+                }
+                Err(_) => self.spool_batch(vec![ev]).await,
+            }
+        }
+    }
+
+    async fn spool_batch(&mut self, batch: Vec<UsageEvent>) {
+        let spool = self.spool.clone();
+        loop {
+            let b = batch.clone();
+            let s = spool.clone();
+            match tokio::task::spawn_blocking(move || s.append(&b)).await {
+                Ok(Ok(())) => return,
+                // Neither Postgres nor the disk takes it: keep retrying rather than drop it.
+                other => {
+                    tracing::error!(?other, "cannot write the usage spool; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    if let Ok(inserted) = insert(&self.pool, &batch).await {
+                        metrics::EVENTS
+                            .with_label_values(&["committed"])
+                            .inc_by(inserted);
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn replay(&mut self) {
+        let spool = self.spool.clone();
+        let events = match tokio::task::spawn_blocking(move || spool.read_all()).await {
+            Ok(Ok(e)) => e,
+            other => {
+                tracing::error!(?other, "cannot read the usage spool");
+                return;
+            }
+        };
+        let total_lines = self.spool.events.load(Ordering::SeqCst) as usize;
+        for chunk in events.chunks(self.config.batch_max.max(1)) {
+            match insert(&self.pool, chunk).await {
+                Ok(inserted) => {
+                    metrics::EVENTS
+                        .with_label_values(&["replayed"])
+                        .inc_by(inserted);
+                }
+                Err(e) if is_permanent(&e) => self.commit_rows(chunk.to_vec()).await,
+                Err(e) => {
+                    tracing::info!(error = %e, "postgres still unavailable; spool kept");
+                    self.next_replay = Instant::now() + self.config.retry_interval;
+                    self.degraded_until = Some(Instant::now() + self.config.retry_interval);
+                    return;
+                }
+            }
+        }
+        let spool = self.spool.clone();
+        match tokio::task::spawn_blocking(move || spool.consume(total_lines)).await {
+            Ok(Ok(())) => {
+                tracing::info!(events = events.len(), "usage spool replayed into postgres");
+                self.degraded_until = None;
+            }
+            other => tracing::error!(
+                ?other,
+                "replayed the spool but could not truncate it; replay is idempotent"
+            ),
+        }
+    }
+}
+
+/// A database-side rejection of the rows themselves, as opposed to Postgres being away.
+fn is_permanent(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => {
+            // Class 23 (integrity) and 22 (data) are about the rows; anything else
+            // (shutdown 57P01, too many connections 53300, …) is transient.
+            db.code()
+                .is_some_and(|c| c.starts_with("23") || c.starts_with("22"))
+        }
+        _ => false,
+    }
+}
+
+async fn insert(pool: &PgPool, batch: &[UsageEvent]) -> Result<u64, sqlx::Error> {
+    let mut request_id = Vec::with_capacity(batch.len());
+    let mut tenant = Vec::with_capacity(batch.len());
+    let mut workspace = Vec::with_capacity(batch.len());
+    let mut key = Vec::with_capacity(batch.len());
+    let mut model = Vec::with_capacity(batch.len());
+    let mut input = Vec::with_capacity(batch.len());
+    let mut w5 = Vec::with_capacity(batch.len());
+    let mut w1 = Vec::with_capacity(batch.len());
+    let mut read = Vec::with_capacity(batch.len());
+    let mut output = Vec::with_capacity(batch.len());
+    let mut status = Vec::with_capacity(batch.len());
+    let mut started = Vec::with_capacity(batch.len());
+    let mut finished = Vec::with_capacity(batch.len());
+    for e in batch {
+        request_id.push(e.request_id.0);
+        tenant.push(e.tenant_id.as_uuid());
+        workspace.push(e.workspace_id.as_uuid());
+        key.push(e.api_key_id.as_uuid());
+        model.push(e.model.clone());
+        input.push(to_i64(e.input_tokens));
+        w5.push(to_i64(e.cache_write_5m_tokens));
+        w1.push(to_i64(e.cache_write_1h_tokens));
+        read.push(to_i64(e.cache_read_tokens));
+        output.push(to_i64(e.output_tokens));
+        status.push(e.status.as_str().to_string());
+        started.push(e.started_at);
+        finished.push(e.finished_at);
+    }
+    let res = sqlx::query(
+        "INSERT INTO usage_events (request_id, tenant_id, workspace_id, api_key_id, model, input_tokens, \
+         cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens, output_tokens, status, started_at, finished_at) \
+         SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::text[], $6::int8[], $7::int8[], \
+         $8::int8[], $9::int8[], $10::int8[], $11::text[], $12::timestamptz[], $13::timestamptz[]) \
+         ON CONFLICT (request_id) DO NOTHING",
+    )
+    .bind(&request_id as &[Uuid])
+    .bind(&tenant as &[Uuid])
+    .bind(&workspace as &[Uuid])
+    .bind(&key as &[Uuid])
+    .bind(&model)
+    .bind(&input)
+    .bind(&w5)
+    .bind(&w1)
+    .bind(&read)
+    .bind(&output)
+    .bind(&status)
+    .bind(&started)
+    .bind(&finished)
+    .execute(pool)
+    .await?;
+    Ok(res.rows_affected())
+}
+
+fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,47 @@
+//! Prometheus metrics of billing (`cachet_billing_*`).
+
+use std::sync::LazyLock;
+
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts};
+
+fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
+    let _ = prometheus::default_registry().register(Box::new(c.clone()));
+    c
+}
+
+pub static EVENTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_billing_meter_events_total",
+            "Usage events by outcome (committed, duplicate, spooled, replayed)",
+        ),
+        &["outcome"],
+    )
+    .expect("metric"))
+});
+pub static BATCH_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    reg(Histogram::with_opts(
+        HistogramOpts::new(
+            "cachet_billing_meter_commit_seconds",
+            "Group commit latency",
+        )
+        .buckets(vec![
+            0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0,
+        ]),
+    )
+    .expect("metric"))
+});
+pub static SPOOL_EVENTS: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_billing_meter_spooled_events",
+        "Events waiting in the local spool",
+    )
+    .expect("metric"))
+});
+pub static COMMIT_FAILURES: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new(
+        "cachet_billing_meter_commit_failures_total",
+        "Batches Postgres did not take",
+    )
+    .expect("metric"))
+});

@@ -1,0 +1,360 @@
+//! Handlers of `/v1/messages`, `/v1/messages/count_tokens` and `/v1/models`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::Extension;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use cachet_common::{RequestId, Scope};
+use engine::Sampling;
+use futures::StreamExt;
+use serde_json::json;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::AppState;
+use crate::admission::RateHeaders;
+use crate::api::types::*;
+use crate::api::validate::{self, ModelLimits};
+use crate::error::{ApiError, ErrorKind};
+use crate::pipeline::{self, Event, Job};
+use crate::render;
+
+/// API versions accepted in `anthropic-version`.
+pub const API_VERSIONS: &[&str] = &["2023-06-01", "2023-01-01", "2026-10-21"];
+
+fn check_version(headers: &HeaderMap) -> Result<(), ApiError> {
+    match headers
+        .get("anthropic-version")
+        .map(|v| v.to_str().unwrap_or(""))
+    {
+        None => Err(ApiError::invalid("anthropic-version: header is required")),
+        Some(v) if API_VERSIONS.contains(&v.trim()) => Ok(()),
+        Some(v) => Err(ApiError::invalid(format!(
+            "anthropic-version: '{v}' is not a supported version; use one of {}",
+            API_VERSIONS.join(", ")
+        ))),
+    }
+}
+
+fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                ErrorKind::RequestTooLarge,
+                "Request exceeds the maximum allowed number of bytes (32 MB).",
+            )
+        } else {
+            ApiError::invalid(format!("could not read the request body: {r}"))
+        }
+    })
+}
+
+fn with_rate_headers(mut resp: Response, rate: &RateHeaders) -> Response {
+    for (k, v) in &rate.0 {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(k.as_bytes()),
+            HeaderValue::from_str(v),
+        ) {
+            resp.headers_mut().insert(n, v);
+        }
+    }
+    resp
+}
+
+#[utoipa::path(
+    post, path = "/v1/messages", tag = "messages",
+    request_body = MessagesRequest,
+    responses(
+        (status = 200, description = "A message (or, with `stream: true`, an SSE stream of message events)", body = MessageResponse),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 401, description = "Missing or invalid API key", body = ErrorBody),
+        (status = 413, description = "Body over 32 MB", body = ErrorBody),
+        (status = 429, description = "Rate limited", body = ErrorBody),
+        (status = 529, description = "Overloaded", body = ErrorBody),
+    ),
+    security(("api_key" = []), ("bearer" = []))
+)]
+pub async fn create_message(
+    State(state): State<AppState>,
+    Extension(rid): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match create_message_inner(state, rid, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.with_request_id(rid).into_response(),
+    }
+}
+
+async fn create_message_inner(
+    state: AppState,
+    rid: RequestId,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let start = tokio::time::Instant::now();
+    let started_at = chrono::Utc::now();
+    let body = body_bytes(body)?;
+    check_version(&headers)?;
+    let principal = state.auth.authenticate(&headers).await?;
+    let (req, bps) = validate::messages_request(&body, |m| {
+        state.engines.get(m).map(|e| ModelLimits {
+            max_output_tokens: e.info().max_output_tokens,
+        })
+    })?;
+    drop(body);
+    let engine = state
+        .engines
+        .get(&req.model)
+        .cloned()
+        .ok_or_else(|| ApiError::invalid("model: unknown model"))?;
+    let scope = Scope {
+        tenant: principal.tenant,
+        workspace: principal.workspace,
+    };
+    let prompt = render::to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
+    let e2 = engine.clone();
+    let prepared =
+        tokio::task::spawn_blocking(move || render::prepare(e2.as_ref(), &prompt, &bps, scope))
+            .await
+            .map_err(|e| ApiError::internal("render task failed", e))??;
+    let job = Job {
+        request_id: rid,
+        started_at,
+        start,
+        principal,
+        engine,
+        prepared,
+        max_tokens: req.max_tokens,
+        stop_sequences: req.stop_sequences.clone().unwrap_or_default(),
+        sampling: Sampling {
+            temperature: req.temperature,
+            top_p: req.top_p,
+            top_k: req.top_k,
+            seed: None,
+        },
+    };
+    let mut rx = pipeline::spawn(state.clone(), job);
+    let (usage, report, rate) = match rx.recv().await {
+        Some(Event::Start {
+            usage,
+            report,
+            rate,
+        }) => (usage, report, rate),
+        Some(Event::Error(e)) => return Err(e),
+        _ => return Err(ApiError::internal("pipeline ended early", "no start event")),
+    };
+    let model = req.model.clone();
+    if req.stream {
+        Ok(with_rate_headers(
+            stream_response(rid, model, usage, report, rx),
+            &rate,
+        ))
+    } else {
+        let mut text = String::new();
+        let mut done = None;
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                Event::Delta(t) => text.push_str(&t),
+                Event::Done {
+                    stop_reason,
+                    output_tokens,
+                } => done = Some((stop_reason, output_tokens)),
+                Event::Error(e) => return Err(e),
+                Event::Start { .. } => {}
+            }
+        }
+        let (stop, output) =
+            done.ok_or_else(|| ApiError::internal("pipeline ended early", "no done event"))?;
+        let mut usage = usage;
+        usage.output_tokens = output;
+        let content = if req.max_tokens == 0 {
+            Vec::new()
+        } else {
+            vec![ResponseBlock::Text { text }]
+        };
+        let resp = MessageResponse {
+            id: rid.message_id(),
+            kind: "message".into(),
+            role: "assistant".into(),
+            model,
+            content,
+            stop_reason: Some(stop.as_str().into()),
+            stop_sequence: match stop {
+                engine::StopReason::StopSequence(s) => Some(s),
+                _ => None,
+            },
+            usage,
+            cachet: report,
+        };
+        Ok(with_rate_headers(axum::Json(resp).into_response(), &rate))
+    }
+}
+
+fn sse(name: &str, data: serde_json::Value) -> Result<SseEvent, Infallible> {
+    Ok(SseEvent::default().event(name).data(data.to_string()))
+}
+
+/// message_start, content_block_start, ping, content_block_delta…, content_block_stop,
+/// message_delta (cumulative usage), message_stop. An error after the 200 is an `error` event.
+fn stream_response(
+    rid: RequestId,
+    model: String,
+    usage: Usage,
+    report: CacheReport,
+    rx: tokio::sync::mpsc::Receiver<Event>,
+) -> Response {
+    let start = json!({
+        "type": "message_start",
+        "message": {
+            "id": rid.message_id(), "type": "message", "role": "assistant", "content": [], "model": model,
+            "stop_reason": null, "stop_sequence": null, "usage": usage, "cachet": report,
+        }
+    });
+    let head = futures::stream::iter(vec![
+        sse("message_start", start),
+        sse(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        ),
+        sse("ping", json!({"type": "ping"})),
+    ]);
+    let body = ReceiverStream::new(rx).flat_map(move |ev| {
+        let items: Vec<Result<SseEvent, Infallible>> = match ev {
+            Event::Delta(text) => vec![sse(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}),
+            )],
+            Event::Done { stop_reason, output_tokens } => {
+                let stop_sequence = match &stop_reason {
+                    engine::StopReason::StopSequence(s) => Some(s.clone()),
+                    _ => None,
+                };
+                let delta_usage = DeltaUsage {
+                    input_tokens: usage.input_tokens,
+                    cache_creation_input_tokens: usage.cache_creation_input_tokens,
+                    cache_read_input_tokens: usage.cache_read_input_tokens,
+                    output_tokens,
+                };
+                vec![
+                    sse("content_block_stop", json!({"type": "content_block_stop", "index": 0})),
+                    sse(
+                        "message_delta",
+                        json!({"type": "message_delta", "delta": {"stop_reason": stop_reason.as_str(), "stop_sequence": stop_sequence}, "usage": delta_usage}),
+                    ),
+                    sse("message_stop", json!({"type": "message_stop"})),
+                ]
+            }
+            Event::Error(e) => {
+                let b = e.with_request_id(rid).body();
+                vec![sse("error", json!({"type": "error", "error": b.error, "request_id": b.request_id}))]
+            }
+            Event::Start { .. } => Vec::new(),
+        };
+        futures::stream::iter(items)
+    });
+    Sse::new(head.chain(body)).into_response()
+}
+
+#[utoipa::path(
+    post, path = "/v1/messages/count_tokens", tag = "messages",
+    request_body = CountTokensRequest,
+    responses(
+        (status = 200, description = "Prompt token count", body = CountTokensResponse),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 401, description = "Missing or invalid API key", body = ErrorBody),
+    ),
+    security(("api_key" = []), ("bearer" = []))
+)]
+pub async fn count_tokens(
+    State(state): State<AppState>,
+    Extension(rid): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let r: Result<Response, ApiError> = async {
+        let body = body_bytes(body)?;
+        check_version(&headers)?;
+        state.auth.authenticate(&headers).await?;
+        let (req, _) = validate::count_tokens_request(&body, |m| state.engines.get(m).is_some())?;
+        let engine = state
+            .engines
+            .get(&req.model)
+            .cloned()
+            .ok_or_else(|| ApiError::invalid("model: unknown model"))?;
+        let prompt = render::to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
+        let rendered = tokio::task::spawn_blocking(move || engine.render(&prompt))
+            .await
+            .map_err(|e| ApiError::internal("render task failed", e))?
+            .map_err(render::render_error)?;
+        Ok(axum::Json(CountTokensResponse {
+            input_tokens: rendered.tokens.len() as u64,
+        })
+        .into_response())
+    }
+    .await;
+    r.unwrap_or_else(|e| e.with_request_id(rid).into_response())
+}
+
+fn model_object(e: &Arc<dyn engine::Engine>) -> ModelObject {
+    let i = e.info();
+    ModelObject {
+        kind: "model".into(),
+        id: i.id.clone(),
+        display_name: i.display_name.clone(),
+        created_at: i.created_at.clone(),
+    }
+}
+
+#[utoipa::path(
+    get, path = "/v1/models", tag = "models",
+    responses((status = 200, description = "Served models", body = ModelList), (status = 401, description = "Missing or invalid API key", body = ErrorBody)),
+    security(("api_key" = []), ("bearer" = []))
+)]
+pub async fn list_models(
+    State(state): State<AppState>,
+    Extension(rid): Extension<RequestId>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(e) = state.auth.authenticate(&headers).await {
+        return e.with_request_id(rid).into_response();
+    }
+    let data: Vec<ModelObject> = state.engines.all().iter().map(model_object).collect();
+    let first_id = data.first().map(|m| m.id.clone());
+    let last_id = data.last().map(|m| m.id.clone());
+    axum::Json(ModelList {
+        data,
+        has_more: false,
+        first_id,
+        last_id,
+    })
+    .into_response()
+}
+
+#[utoipa::path(
+    get, path = "/v1/models/{model_id}", tag = "models",
+    params(("model_id" = String, Path, description = "Model id")),
+    responses((status = 200, description = "One model", body = ModelObject), (status = 404, description = "Unknown model", body = ErrorBody)),
+    security(("api_key" = []), ("bearer" = []))
+)]
+pub async fn get_model(
+    State(state): State<AppState>,
+    Extension(rid): Extension<RequestId>,
+    Path(model_id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(e) = state.auth.authenticate(&headers).await {
+        return e.with_request_id(rid).into_response();
+    }
+    match state.engines.get(&model_id) {
+        Some(e) => axum::Json(model_object(e)).into_response(),
+        None => ApiError::new(ErrorKind::NotFound, format!("model: {model_id}"))
+            .with_request_id(rid)
+            .into_response(),
+    }
+}

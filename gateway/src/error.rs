@@ -1,0 +1,111 @@
+//! The one place where errors become HTTP responses in Anthropic's error format.
+
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use cachet_common::RequestId;
+
+use crate::api::types::{ErrorBody, ErrorDetail};
+
+/// Error kinds of the Anthropic API, with their status codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    InvalidRequest,
+    Authentication,
+    Permission,
+    NotFound,
+    RequestTooLarge,
+    RateLimit,
+    Api,
+    Overloaded,
+}
+
+impl ErrorKind {
+    pub fn status(self) -> StatusCode {
+        match self {
+            ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
+            ErrorKind::Authentication => StatusCode::UNAUTHORIZED,
+            ErrorKind::Permission => StatusCode::FORBIDDEN,
+            ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::RateLimit => StatusCode::TOO_MANY_REQUESTS,
+            ErrorKind::Api => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorKind::Overloaded => StatusCode::from_u16(529).expect("529 is a valid status"),
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::InvalidRequest => "invalid_request_error",
+            ErrorKind::Authentication => "authentication_error",
+            ErrorKind::Permission => "permission_error",
+            ErrorKind::NotFound => "not_found_error",
+            ErrorKind::RequestTooLarge => "request_too_large",
+            ErrorKind::RateLimit => "rate_limit_error",
+            ErrorKind::Api => "api_error",
+            ErrorKind::Overloaded => "overloaded_error",
+        }
+    }
+}
+
+/// An error on its way to the client. Internal causes are logged once, here, and never
+/// shown to the client.
+#[derive(Debug)]
+pub struct ApiError {
+    pub kind: ErrorKind,
+    pub message: String,
+    pub request_id: Option<RequestId>,
+    pub headers: HeaderMap,
+}
+
+impl ApiError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            request_id: None,
+            headers: HeaderMap::new(),
+        }
+    }
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InvalidRequest, message)
+    }
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Overloaded, message)
+    }
+    /// A failure of ours: logged with its cause, shown to the client as a generic message.
+    pub fn internal(context: &str, cause: impl std::fmt::Display) -> Self {
+        tracing::error!(error = %cause, "{context}");
+        Self::new(ErrorKind::Api, "Internal server error")
+    }
+    pub fn with_request_id(mut self, id: RequestId) -> Self {
+        self.request_id = Some(id);
+        self
+    }
+    pub fn with_header(mut self, name: &'static str, value: String) -> Self {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            self.headers.insert(name, v);
+        }
+        self
+    }
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            kind: "error".into(),
+            error: ErrorDetail {
+                kind: self.kind.as_str().into(),
+                message: self.message.clone(),
+            },
+            request_id: self.request_id.map(|r| r.to_string()).unwrap_or_default(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        crate::metrics::ERRORS
+            .with_label_values(&[self.kind.as_str()])
+            .inc();
+        let body = axum::Json(self.body());
+        let mut resp = (self.kind.status(), body).into_response();
+        resp.headers_mut().extend(self.headers);
+        resp
+    }
+}

@@ -1,0 +1,91 @@
+//! Prometheus metrics of the gateway (`cachet_gateway_*`).
+
+use std::sync::LazyLock;
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts};
+
+fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
+    let _ = prometheus::default_registry().register(Box::new(c.clone()));
+    c
+}
+
+pub static HTTP_REQUESTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_http_requests_total",
+            "HTTP requests by route and status",
+        ),
+        &["route", "status"],
+    )
+    .expect("metric"))
+});
+pub static HTTP_SECONDS: LazyLock<HistogramVec> = LazyLock::new(|| {
+    reg(HistogramVec::new(
+        HistogramOpts::new(
+            "cachet_gateway_http_request_seconds",
+            "Time to response headers by route",
+        )
+        .buckets(vec![
+            0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+        ]),
+        &["route"],
+    )
+    .expect("metric"))
+});
+pub static ERRORS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_errors_total",
+            "Error responses by error type",
+        ),
+        &["type"],
+    )
+    .expect("metric"))
+});
+pub static PROMPT_TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_prompt_tokens_total",
+            "Prompt tokens by billing class (input, write_5m, write_1h, read)",
+        ),
+        &["model", "class"],
+    )
+    .expect("metric"))
+});
+pub static BREAKPOINTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_breakpoints_total",
+            "Breakpoints by outcome (read, written, below_minimum, not_written)",
+        ),
+        &["status"],
+    )
+    .expect("metric"))
+});
+pub static ADMISSION: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_admission_total",
+            "Admission decisions by backend (redis, local fallback)",
+        ),
+        &["backend"],
+    )
+    .expect("metric"))
+});
+pub static ENGINE_INFLIGHT: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_gateway_engine_inflight",
+        "Generations holding an engine worker",
+    )
+    .expect("metric"))
+});
+pub static KV_RECOMPUTES: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_kv_recomputes_total",
+            "Cached prefixes recomputed instead of imported, by reason",
+        ),
+        &["reason"],
+    )
+    .expect("metric"))
+});

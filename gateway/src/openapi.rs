@@ -1,0 +1,41 @@
+//! The OpenAPI document, generated from the handlers and wire types. `openapi/openapi.json`
+//! is this document, committed; a test regenerates it and fails on any difference.
+
+use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+use crate::api::handlers;
+
+struct Security;
+
+impl Modify for Security {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "api_key",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::new("x-api-key"))),
+        );
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Cachet API", description = "Anthropic-compatible Messages API with managed prompt caching."),
+    paths(handlers::create_message, handlers::count_tokens, handlers::list_models, handlers::get_model),
+    modifiers(&Security),
+    tags((name = "messages", description = "Messages and token counting"), (name = "models", description = "Served models"))
+)]
+pub struct ApiDoc;
+
+/// The document as committed: pretty JSON with a trailing newline.
+pub fn document() -> String {
+    let mut s = ApiDoc::openapi()
+        .to_pretty_json()
+        .expect("the OpenAPI document serializes");
+    s.push('\n');
+    s
+}

@@ -1,0 +1,133 @@
+//! From a validated request to tokens, breakpoint offsets and block keys.
+//!
+//! Each content block becomes one text segment (tool definitions as canonical JSON); the
+//! `cache_control` markers are never part of the text, so moving a marker changes no token
+//! and no hash.
+
+use cache_fabric::{KeySpace, PrefixKeys};
+use cachet_common::Scope;
+use engine::{Engine, EngineError, Prompt, PromptMessage, Rendered, Role};
+use serde_json::{Value, json};
+
+use crate::api::types::{
+    ContentBlock, InputMessage, MessageContent, MessageRole, SystemPrompt, Tool,
+};
+use crate::api::validate::Breakpoint;
+use crate::error::ApiError;
+use crate::usage::{self, Placed};
+
+fn tool_text(t: &Tool) -> String {
+    json!({"name": t.name, "description": t.description, "input_schema": t.input_schema})
+        .to_string()
+}
+
+fn block_text(b: &ContentBlock) -> String {
+    match b {
+        ContentBlock::Text { text, .. } => text.clone(),
+        ContentBlock::ToolUse {
+            id, name, input, ..
+        } => json!({"type": "tool_use", "id": id, "name": name, "input": input}).to_string(),
+        ContentBlock::ToolResult {
+            tool_use_id,
+            content,
+            is_error,
+            ..
+        } => {
+            let text = match content {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(items)) => items
+                    .iter()
+                    .filter_map(|i| i.get("text").and_then(Value::as_str))
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+                _ => String::new(),
+            };
+            json!({"type": "tool_result", "tool_use_id": tool_use_id, "is_error": is_error.unwrap_or(false), "content": text})
+                .to_string()
+        }
+        ContentBlock::Thinking { thinking, .. } => thinking.clone(),
+        ContentBlock::RedactedThinking { data } => data.clone(),
+    }
+}
+
+/// The engine-neutral prompt of a request.
+pub fn to_prompt(
+    tools: Option<&[Tool]>,
+    system: Option<&SystemPrompt>,
+    messages: &[InputMessage],
+) -> Prompt {
+    Prompt {
+        tools: tools.unwrap_or_default().iter().map(tool_text).collect(),
+        system: match system {
+            None => Vec::new(),
+            Some(SystemPrompt::Text(s)) => vec![s.clone()],
+            Some(SystemPrompt::Blocks(b)) => b.iter().map(|b| b.text.clone()).collect(),
+        },
+        messages: messages
+            .iter()
+            .map(|m| PromptMessage {
+                role: if m.role == MessageRole::User {
+                    Role::User
+                } else {
+                    Role::Assistant
+                },
+                blocks: match &m.content {
+                    MessageContent::Text(s) => vec![s.clone()],
+                    MessageContent::Blocks(bs) => bs.iter().map(block_text).collect(),
+                },
+            })
+            .collect(),
+    }
+}
+
+pub fn render_error(e: EngineError) -> ApiError {
+    match e {
+        EngineError::ContextTooLong { tokens, limit } => ApiError::invalid(format!(
+            "prompt is too long: {tokens} tokens > {limit} maximum"
+        )),
+        other => ApiError::internal("render failed", other),
+    }
+}
+
+/// A rendered request, ready for the fabric and the engine.
+pub struct Prepared {
+    pub rendered: Rendered,
+    pub placed: Vec<Placed>,
+    /// Keys up to the last cacheable breakpoint; `None` when nothing is cacheable.
+    pub keys: Option<PrefixKeys>,
+    pub upto: usize,
+}
+
+/// Render, place breakpoints and compute block keys. CPU work: call off the async runtime.
+pub fn prepare(
+    engine: &dyn Engine,
+    prompt: &Prompt,
+    bps: &[Breakpoint],
+    scope: Scope,
+) -> Result<Prepared, ApiError> {
+    let info = engine.info();
+    let rendered = engine.render(prompt).map_err(render_error)?;
+    let placed = usage::place(bps, &rendered, info.min_cacheable_tokens);
+    let upto = placed
+        .iter()
+        .filter(|p| p.cacheable)
+        .map(|p| p.offset)
+        .max()
+        .unwrap_or(0);
+    let keys = (upto > 0).then(|| {
+        let ks = KeySpace::new(
+            scope,
+            &info.id,
+            &info.adapter_id,
+            info.kv.dtype.as_str(),
+            info.block_size,
+        );
+        ks.prefix_keys(&rendered.tokens, upto, &usage::boundaries(&rendered, upto))
+    });
+    Ok(Prepared {
+        rendered,
+        placed,
+        keys,
+        upto,
+    })
+}
