@@ -1,1 +1,228 @@
-fn main() {}
+//! `cachet`: the one binary. Subcommands per role and for administration.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use cachet::config::Config;
+use cachet::{loadtest, server};
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    name = "cachet",
+    version,
+    about = "Managed prompt caching for LLM inference"
+)]
+struct Cli {
+    /// Configuration file (TOML); see cachet.sample.toml. Environment variables override it.
+    #[arg(long, global = true, env = "CACHET_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run gateway + fabric node + engines + meter in one process.
+    Serve,
+    /// Create the database if needed and apply migrations.
+    Migrate,
+    /// Tenants.
+    Tenant {
+        #[command(subcommand)]
+        command: TenantCommand,
+    },
+    /// API keys.
+    Key {
+        #[command(subcommand)]
+        command: KeyCommand,
+    },
+    /// Create a demo tenant and key unless one exists; print the key (make run uses this).
+    Demo {
+        /// Where the demo key is kept so later runs can print it again.
+        #[arg(long, default_value = ".cachet/demo-api-key")]
+        key_file: PathBuf,
+    },
+    /// Print the OpenAPI document.
+    Openapi,
+    /// Load tests and benchmarks.
+    Loadtest {
+        #[command(subcommand)]
+        command: loadtest::Command,
+    },
+}
+
+#[derive(Subcommand)]
+enum TenantCommand {
+    /// Create a tenant (with a default workspace).
+    Create { name: String },
+    /// Set a tenant's limits (omitted = unlimited).
+    Quota {
+        /// Tenant name or id.
+        tenant: String,
+        #[arg(long)]
+        rpm: Option<i64>,
+        #[arg(long)]
+        input_tpm: Option<i64>,
+        #[arg(long)]
+        output_tpm: Option<i64>,
+        #[arg(long)]
+        key_rpm: Option<i64>,
+        #[arg(long)]
+        key_input_tpm: Option<i64>,
+        #[arg(long)]
+        key_output_tpm: Option<i64>,
+        #[arg(long)]
+        cache_bytes: Option<i64>,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeyCommand {
+    /// Create an API key; the secret is printed once and never stored.
+    Create {
+        /// Tenant name or id.
+        #[arg(long)]
+        tenant: String,
+        #[arg(long, default_value = "default")]
+        name: String,
+    },
+    /// Revoke a key by id.
+    Revoke { id: uuid::Uuid },
+}
+
+fn init_tracing(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json { b.json().init() } else { b.init() }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Command::Loadtest { command } = cli.command {
+        init_tracing(false);
+        return loadtest::run(command).await;
+    }
+    let config = Config::load(cli.config.as_deref())?;
+    init_tracing(config.log.format == "json");
+    match cli.command {
+        Command::Serve => {
+            let listener = tokio::net::TcpListener::bind(&config.listen)
+                .await
+                .with_context(|| format!("binding {}", config.listen))?;
+            let shutdown = CancellationToken::new();
+            let running = server::start(config, listener, shutdown.clone()).await?;
+            let stop = shutdown.clone();
+            tokio::spawn(async move {
+                let mut term =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+                }
+                tracing::info!("shutting down");
+                stop.cancel();
+            });
+            running.wait().await
+        }
+        Command::Migrate => {
+            server::connect_and_migrate(&config.database_url, 2).await?;
+            println!("migrations applied");
+            Ok(())
+        }
+        Command::Tenant { command } => {
+            let pool = server::connect_and_migrate(&config.database_url, 2).await?;
+            match command {
+                TenantCommand::Create { name } => {
+                    let t = gateway::tenants::create_tenant(&pool, &name).await?;
+                    println!("tenant {} created: id {}", t.name, t.id);
+                }
+                TenantCommand::Quota {
+                    tenant,
+                    rpm,
+                    input_tpm,
+                    output_tpm,
+                    key_rpm,
+                    key_input_tpm,
+                    key_output_tpm,
+                    cache_bytes,
+                } => {
+                    let t = gateway::tenants::find_tenant(&pool, &tenant)
+                        .await?
+                        .with_context(|| format!("no tenant {tenant}"))?;
+                    let q = gateway::tenants::Quotas {
+                        requests_per_minute: rpm,
+                        input_tokens_per_minute: input_tpm,
+                        output_tokens_per_minute: output_tpm,
+                        key_requests_per_minute: key_rpm,
+                        key_input_tokens_per_minute: key_input_tpm,
+                        key_output_tokens_per_minute: key_output_tpm,
+                        cache_resident_bytes: cache_bytes,
+                    };
+                    gateway::tenants::set_quotas(&pool, t.id, &q).await?;
+                    println!("quotas of {} updated: {q:?}", t.name);
+                }
+            }
+            Ok(())
+        }
+        Command::Key { command } => {
+            let pool = server::connect_and_migrate(&config.database_url, 2).await?;
+            match command {
+                KeyCommand::Create { tenant, name } => {
+                    let t = gateway::tenants::find_tenant(&pool, &tenant)
+                        .await?
+                        .with_context(|| format!("no tenant {tenant}"))?;
+                    let k = gateway::tenants::create_key(&pool, &t, &name).await?;
+                    eprintln!(
+                        "key {} created for tenant {}; the secret is shown once:",
+                        k.id, t.name
+                    );
+                    println!("{}", k.secret);
+                }
+                KeyCommand::Revoke { id } => {
+                    let done = gateway::tenants::revoke_key(&pool, id.into()).await?;
+                    println!("{}", if done { "revoked" } else { "no such live key" });
+                }
+            }
+            Ok(())
+        }
+        Command::Demo { key_file } => {
+            let pool = server::connect_and_migrate(&config.database_url, 2).await?;
+            let secret = match std::fs::read_to_string(&key_file) {
+                Ok(s) if !s.trim().is_empty() => s.trim().to_string(),
+                _ => {
+                    let t = match gateway::tenants::find_tenant(&pool, "demo").await? {
+                        Some(t) => t,
+                        None => gateway::tenants::create_tenant(&pool, "demo").await?,
+                    };
+                    let k = gateway::tenants::create_key(&pool, &t, "demo").await?;
+                    if let Some(dir) = key_file.parent() {
+                        std::fs::create_dir_all(dir)?;
+                    }
+                    std::fs::write(&key_file, format!("{}\n", k.secret))?;
+                    #[cfg(unix)]
+                    {
+                        use std::os::unix::fs::PermissionsExt;
+                        std::fs::set_permissions(
+                            &key_file,
+                            std::fs::Permissions::from_mode(0o600),
+                        )?;
+                    }
+                    k.secret
+                }
+            };
+            println!("{secret}");
+            Ok(())
+        }
+        Command::Openapi => {
+            print!("{}", gateway::openapi::document());
+            Ok(())
+        }
+        Command::Loadtest { .. } => unreachable!("handled above"),
+    }
+}

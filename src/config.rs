@@ -1,0 +1,300 @@
+//! Cachet's configuration: a TOML file (all fields optional, see `cachet.sample.toml`), then
+//! environment overrides, validated once.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde::Deserialize;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Address of the public API.
+    pub listen: String,
+    pub database_url: String,
+    /// Empty: no Redis; rate limits are kept in this process.
+    pub redis_url: String,
+    /// Where local state lives (usage spool).
+    pub data_dir: PathBuf,
+    pub fabric: FabricSection,
+    pub engine: EngineSection,
+    pub gateway: GatewaySection,
+    pub meter: MeterSection,
+    pub log: LogSection,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FabricSection {
+    pub dram_capacity_bytes: u64,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineSection {
+    /// `sim` (cost-model engines).
+    pub kind: String,
+    /// Multiplies the sim engines' modelled compute time; 0 = free.
+    pub sim_time_scale: f64,
+    /// Generations running at once.
+    pub workers: usize,
+    /// Generations allowed to wait for a worker before 529.
+    pub queue: usize,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GatewaySection {
+    pub max_body_bytes: usize,
+    pub auth_cache_ttl_secs: u64,
+    pub redis_timeout_ms: u64,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MeterSection {
+    pub batch_max: usize,
+    pub queue_capacity: usize,
+    pub retry_interval_ms: u64,
+    /// Relative paths are under `data_dir`.
+    pub spool_file: PathBuf,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogSection {
+    /// `text` or `json`.
+    pub format: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".into(),
+            database_url: "postgres://postgres@127.0.0.1:5432/cachet".into(),
+            redis_url: "redis://127.0.0.1:6379".into(),
+            data_dir: ".cachet".into(),
+            fabric: FabricSection::default(),
+            engine: EngineSection::default(),
+            gateway: GatewaySection::default(),
+            meter: MeterSection::default(),
+            log: LogSection::default(),
+        }
+    }
+}
+impl Default for FabricSection {
+    fn default() -> Self {
+        Self {
+            dram_capacity_bytes: 1 << 30,
+        }
+    }
+}
+impl Default for EngineSection {
+    fn default() -> Self {
+        Self {
+            kind: "sim".into(),
+            sim_time_scale: 1.0,
+            workers: 8,
+            queue: 256,
+        }
+    }
+}
+impl Default for GatewaySection {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 32 * 1024 * 1024,
+            auth_cache_ttl_secs: 30,
+            redis_timeout_ms: 250,
+        }
+    }
+}
+impl Default for MeterSection {
+    fn default() -> Self {
+        Self {
+            batch_max: 2048,
+            queue_capacity: 65_536,
+            retry_interval_ms: 500,
+            spool_file: "usage-spool.jsonl".into(),
+        }
+    }
+}
+impl Default for LogSection {
+    fn default() -> Self {
+        Self {
+            format: "text".into(),
+        }
+    }
+}
+
+fn env_parse<T: std::str::FromStr>(name: &str, into: &mut T) -> anyhow::Result<()>
+where
+    T::Err: std::fmt::Display,
+{
+    if let Ok(v) = std::env::var(name) {
+        *into = v
+            .parse()
+            .map_err(|e| anyhow::anyhow!("environment variable {name}={v:?}: {e}"))?;
+    }
+    Ok(())
+}
+
+impl Config {
+    /// Defaults, then the file (if any), then the environment; validated.
+    pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
+        let mut c = match file {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("reading config file {}", p.display()))?;
+                toml::from_str(&text)
+                    .with_context(|| format!("parsing config file {}", p.display()))?
+            }
+            None => Config::default(),
+        };
+        c.apply_env()?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn apply_env(&mut self) -> anyhow::Result<()> {
+        env_parse("CACHET_LISTEN", &mut self.listen)?;
+        env_parse("DATABASE_URL", &mut self.database_url)?;
+        env_parse("REDIS_URL", &mut self.redis_url)?;
+        env_parse("CACHET_DATA_DIR", &mut self.data_dir)?;
+        env_parse(
+            "CACHET_DRAM_CAPACITY_BYTES",
+            &mut self.fabric.dram_capacity_bytes,
+        )?;
+        env_parse("CACHET_ENGINE", &mut self.engine.kind)?;
+        env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
+        env_parse("CACHET_ENGINE_WORKERS", &mut self.engine.workers)?;
+        env_parse("CACHET_ENGINE_QUEUE", &mut self.engine.queue)?;
+        env_parse("CACHET_LOG_FORMAT", &mut self.log.format)?;
+        Ok(())
+    }
+
+    /// Every field is looked at, so none is silently ignored.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let Config {
+            listen,
+            database_url,
+            redis_url,
+            data_dir,
+            fabric,
+            engine,
+            gateway,
+            meter,
+            log,
+        } = self;
+        listen
+            .parse::<std::net::SocketAddr>()
+            .with_context(|| format!("listen: {listen:?} is not host:port"))?;
+        if !database_url.starts_with("postgres://") && !database_url.starts_with("postgresql://") {
+            bail!("database_url must be a postgres:// URL");
+        }
+        if !redis_url.is_empty() && !redis_url.starts_with("redis://") {
+            bail!("redis_url must be a redis:// URL or empty");
+        }
+        if data_dir.as_os_str().is_empty() {
+            bail!("data_dir must not be empty");
+        }
+        let FabricSection {
+            dram_capacity_bytes,
+        } = fabric;
+        if *dram_capacity_bytes == 0 {
+            bail!("fabric.dram_capacity_bytes must be positive");
+        }
+        let EngineSection {
+            kind,
+            sim_time_scale,
+            workers,
+            queue: _,
+        } = engine;
+        if kind != "sim" {
+            bail!("engine.kind: {kind:?} is not an engine; available: sim");
+        }
+        if !(sim_time_scale.is_finite() && *sim_time_scale >= 0.0) {
+            bail!("engine.sim_time_scale must be a finite number >= 0");
+        }
+        if *workers == 0 {
+            bail!("engine.workers must be positive");
+        }
+        let GatewaySection {
+            max_body_bytes,
+            auth_cache_ttl_secs: _,
+            redis_timeout_ms,
+        } = gateway;
+        if *max_body_bytes < 1024 {
+            bail!("gateway.max_body_bytes must be at least 1024");
+        }
+        if *redis_timeout_ms == 0 {
+            bail!("gateway.redis_timeout_ms must be positive");
+        }
+        let MeterSection {
+            batch_max,
+            queue_capacity,
+            retry_interval_ms,
+            spool_file,
+        } = meter;
+        if *batch_max == 0 || *queue_capacity == 0 || *retry_interval_ms == 0 {
+            bail!(
+                "meter.batch_max, meter.queue_capacity and meter.retry_interval_ms must be positive"
+            );
+        }
+        if spool_file.as_os_str().is_empty() {
+            bail!("meter.spool_file must not be empty");
+        }
+        let LogSection { format } = log;
+        if format != "text" && format != "json" {
+            bail!("log.format must be text or json");
+        }
+        Ok(())
+    }
+
+    pub fn spool_path(&self) -> PathBuf {
+        self.data_dir.join(&self.meter.spool_file)
+    }
+
+    pub fn gateway(&self) -> gateway::GatewayConfig {
+        gateway::GatewayConfig {
+            max_body_bytes: self.gateway.max_body_bytes,
+            auth_cache_ttl: Duration::from_secs(self.gateway.auth_cache_ttl_secs),
+            redis_timeout: Duration::from_millis(self.gateway.redis_timeout_ms),
+        }
+    }
+
+    pub fn meter(&self) -> billing::MeterConfig {
+        billing::MeterConfig {
+            batch_max: self.meter.batch_max,
+            queue_capacity: self.meter.queue_capacity,
+            spool_path: self.spool_path(),
+            retry_interval: Duration::from_millis(self.meter.retry_interval_ms),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sample_config_parses_and_validates() {
+        let text =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/cachet.sample.toml"))
+                .unwrap();
+        let c: Config = toml::from_str(&text).unwrap();
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_values_are_rejected() {
+        assert!(toml::from_str::<Config>("lisen = \"x\"").is_err());
+        let c: Config = toml::from_str("[engine]\nkind = \"gpt\"").unwrap();
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("engine.kind")
+        );
+    }
+}

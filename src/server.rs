@@ -1,0 +1,141 @@
+//! Wiring: the all-in-one `serve` role (gateway + one fabric node + engines + meter).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use billing::{Meter, MeterHandle};
+use cache_fabric::{FabricClient, FabricNode, NodeConfig};
+use engine::Engine;
+use engine::sim::{SimEngine, SimProfile};
+use gateway::engines::EnginePool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+
+/// Create the configured database if the server does not have it yet.
+pub async fn ensure_database(url: &str) -> anyhow::Result<()> {
+    let opts: PgConnectOptions = url.parse().context("parsing database_url")?;
+    let Some(name) = opts.get_database().map(str::to_string) else {
+        return Ok(());
+    };
+    let mut admin = opts
+        .clone()
+        .database("postgres")
+        .connect()
+        .await
+        .with_context(|| {
+            format!("connecting to postgres at {url} (is it running? `make run` starts one)")
+        })?;
+    let exists: Option<i32> = sqlx::query_scalar("SELECT 1 FROM pg_database WHERE datname = $1")
+        .bind(&name)
+        .fetch_optional(&mut admin)
+        .await?;
+    if exists.is_none() {
+        let quoted = name.replace('"', "\"\"");
+        if let Err(e) = sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{quoted}\"")))
+            .execute(&mut admin)
+            .await
+        {
+            // Another process may have created it meanwhile.
+            if !e
+                .as_database_error()
+                .is_some_and(|d| d.code().as_deref() == Some("42P04"))
+            {
+                return Err(e).context("creating the database");
+            }
+        }
+        tracing::info!(database = %name, "created database");
+    }
+    Ok(())
+}
+
+/// Connect (creating the database if needed) and apply migrations.
+pub async fn connect_and_migrate(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
+    ensure_database(url).await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(url)
+        .await
+        .with_context(|| format!("connecting to {url}"))?;
+    billing::migrate(&pool)
+        .await
+        .context("applying migrations")?;
+    Ok(pool)
+}
+
+/// The engines a config serves.
+pub fn engines(config: &Config) -> EnginePool {
+    let list: Vec<Arc<dyn Engine>> = SimProfile::all()
+        .into_iter()
+        .map(|p| Arc::new(SimEngine::new(p, config.engine.sim_time_scale)) as Arc<dyn Engine>)
+        .collect();
+    EnginePool::new(list, config.engine.workers, config.engine.queue)
+}
+
+/// A running all-in-one service.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub pool: PgPool,
+    pub node: Arc<FabricNode>,
+    pub meter: MeterHandle,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Running {
+    /// Wait for the service to stop (after its shutdown token fires).
+    pub async fn wait(self) -> anyhow::Result<()> {
+        self.task.await.context("serve task panicked")?
+    }
+}
+
+/// Start everything on `listener`; stops when `shutdown` fires, after in-flight requests
+/// finish and the meter has committed or spooled every usage event.
+pub async fn start(
+    config: Config,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<Running> {
+    let addr = listener.local_addr()?;
+    let pool = connect_and_migrate(&config.database_url, 16).await?;
+    let meter_pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy(&config.database_url)?;
+    let meter_stop = CancellationToken::new();
+    let (meter, meter_task) = Meter::start(meter_pool, config.meter(), meter_stop.clone())?;
+    let node = FabricNode::new(NodeConfig {
+        dram_capacity_bytes: config.fabric.dram_capacity_bytes,
+    });
+    let fabric = FabricClient::local(node.clone());
+    let redis = (!config.redis_url.is_empty()).then_some(config.redis_url.as_str());
+    let state = gateway::state(
+        config.gateway(),
+        pool.clone(),
+        fabric,
+        engines(&config),
+        meter.clone(),
+        redis,
+    )?;
+    let meter_handle = meter.clone();
+    let task = tokio::spawn(async move {
+        let served = gateway::run(listener, state, shutdown).await;
+        // Requests still finishing in their own tasks get a moment to hand over usage.
+        let _ = meter_handle.settled(Duration::from_secs(5)).await;
+        meter_stop.cancel();
+        meter_task.await.context("meter task panicked")?;
+        served.context("http server failed")
+    });
+    tracing::info!(%addr, "cachet serving");
+    Ok(Running {
+        addr,
+        pool,
+        node,
+        meter,
+        task,
+    })
+}
