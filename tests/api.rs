@@ -1,0 +1,441 @@
+//! The Messages API end to end against the real service, Postgres and Redis.
+
+mod common;
+
+use common::*;
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+#[tokio::test]
+async fn second_identical_request_reads_what_the_first_wrote_and_tenants_are_isolated() {
+    let app = TestApp::start().await;
+    let body = cached_body(300, "What is in the system prompt?", 16);
+    let (s1, h1, r1) = app.post("/v1/messages", &app.key, &body).await;
+    assert_eq!(s1, 200, "{r1}");
+    assert!(
+        h1.get("request-id")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("req_")
+    );
+    let u1 = &r1["usage"];
+    assert_eq!(u1["cache_read_input_tokens"], 0);
+    assert!(u1["cache_creation_input_tokens"].as_u64().unwrap() >= 300);
+    assert_eq!(
+        u1["cache_creation"]["ephemeral_5m_input_tokens"],
+        u1["cache_creation_input_tokens"]
+    );
+    assert_eq!(r1["cachet"]["breakpoints"][0]["status"], "written");
+    assert_eq!(r1["cachet"]["breakpoints"][0]["reason"], "not_cached");
+
+    let (_, _, r2) = app.post("/v1/messages", &app.key, &body).await;
+    let u2 = &r2["usage"];
+    assert_eq!(
+        u2["cache_read_input_tokens"],
+        u1["cache_creation_input_tokens"]
+    );
+    assert_eq!(u2["cache_creation_input_tokens"], 0);
+    assert_eq!(usage_total(u1), usage_total(u2));
+    assert_eq!(
+        usage_total(u1),
+        r1["cachet"]["prompt_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(
+        r1["content"], r2["content"],
+        "a cached prefix never changes the answer"
+    );
+
+    // Another tenant, same prompt: nothing to read.
+    let other = app.new_tenant_key().await;
+    let (_, _, r3) = app.post("/v1/messages", &other, &body).await;
+    assert_eq!(r3["usage"]["cache_read_input_tokens"], 0);
+    assert!(r3["usage"]["cache_creation_input_tokens"].as_u64().unwrap() > 0);
+
+    app.settle().await;
+    assert_eq!(app.ledger_count().await, 3);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn mixed_ttls_split_writes_and_a_moved_marker_still_hits() {
+    let app = TestApp::start().await;
+    let tools = json!([{"name": "lookup", "description": (0..80).map(|i| format!("d{i} ")).collect::<String>(), "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]);
+    let system: String = (0..120).map(|i| format!("s{i} ")).collect();
+    let body = json!({
+        "model": "sim-tiny", "max_tokens": 8, "tools": tools,
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "first question here", "cache_control": {"type": "ephemeral"}}]}]
+    });
+    let (s, _, r) = app.post("/v1/messages", &app.key, &body).await;
+    assert_eq!(s, 200, "{r}");
+    let u = &r["usage"];
+    let bps = r["cachet"]["breakpoints"].as_array().unwrap();
+    assert_eq!(bps.len(), 3);
+    let o: Vec<u64> = bps
+        .iter()
+        .map(|b| b["token_offset"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        u["cache_creation"]["ephemeral_1h_input_tokens"]
+            .as_u64()
+            .unwrap(),
+        o[0]
+    );
+    assert_eq!(
+        u["cache_creation"]["ephemeral_5m_input_tokens"]
+            .as_u64()
+            .unwrap(),
+        o[2] - o[0]
+    );
+    assert_eq!(
+        u["input_tokens"].as_u64().unwrap(),
+        r["cachet"]["prompt_tokens"].as_u64().unwrap() - o[2]
+    );
+
+    // Next turn: the marker moves to the new last message; the earlier prefix is read.
+    let body2 = json!({
+        "model": "sim-tiny", "max_tokens": 8, "tools": tools,
+        "system": [{"type": "text", "text": system}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "first question here"}]},
+            {"role": "assistant", "content": "an answer"},
+            {"role": "user", "content": [{"type": "text", "text": "second question", "cache_control": {"type": "ephemeral"}}]}
+        ]
+    });
+    let (_, _, r2) = app.post("/v1/messages", &app.key, &body2).await;
+    let u2 = &r2["usage"];
+    assert_eq!(
+        u2["cache_read_input_tokens"].as_u64().unwrap(),
+        o[2],
+        "read up to the old marker: {r2}"
+    );
+    assert!(u2["cache_creation_input_tokens"].as_u64().unwrap() > 0);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn automatic_caching_and_below_minimum() {
+    let app = TestApp::start().await;
+    let mut body = cached_body(
+        0,
+        &(0..200).map(|i| format!("u{i} ")).collect::<String>(),
+        8,
+    );
+    body.as_object_mut().unwrap().remove("system");
+    body["cache_control"] = json!({"type": "ephemeral"});
+    let (_, _, r1) = app.post("/v1/messages", &app.key, &body).await;
+    assert_eq!(r1["cachet"]["breakpoints"][0]["automatic"], true);
+    assert_eq!(
+        r1["cachet"]["breakpoints"][0]["location"],
+        "messages.0.content.0"
+    );
+    let (_, _, r2) = app.post("/v1/messages", &app.key, &body).await;
+    assert!(r2["usage"]["cache_read_input_tokens"].as_u64().unwrap() >= 200);
+
+    // Below the minimum (32 tokens for sim-tiny): no error, nothing cached.
+    let short = cached_body(3, "hi", 8);
+    for _ in 0..2 {
+        let (s, _, r) = app.post("/v1/messages", &app.key, &short).await;
+        assert_eq!(s, 200);
+        assert_eq!(r["usage"]["cache_creation_input_tokens"], 0);
+        assert_eq!(r["usage"]["cache_read_input_tokens"], 0);
+        assert_eq!(r["cachet"]["breakpoints"][0]["status"], "below_minimum");
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn streaming_reports_the_same_usage_in_message_start_and_message_delta() {
+    let app = TestApp::start().await;
+    let mut body = cached_body(200, "stream please", 12);
+    app.post("/v1/messages", &app.key, &body).await;
+    body["stream"] = json!(true);
+    let resp = app
+        .post_raw("/v1/messages", &app.key, body.to_string())
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let text = resp.text().await.unwrap();
+    let events: Vec<(String, Value)> = text
+        .split("\n\n")
+        .filter(|c| !c.trim().is_empty())
+        .map(|chunk| {
+            let name = chunk
+                .lines()
+                .find_map(|l| l.strip_prefix("event: "))
+                .unwrap()
+                .to_string();
+            let data = chunk
+                .lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .unwrap();
+            (name, serde_json::from_str(data).unwrap())
+        })
+        .collect();
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        &names[..3],
+        &["message_start", "content_block_start", "ping"]
+    );
+    assert_eq!(
+        &names[names.len() - 3..],
+        &["content_block_stop", "message_delta", "message_stop"]
+    );
+    assert!(
+        names[3..names.len() - 3]
+            .iter()
+            .all(|n| *n == "content_block_delta")
+    );
+    let start = &events[0].1["message"]["usage"];
+    let delta = &events[names.len() - 2].1["usage"];
+    for k in [
+        "input_tokens",
+        "cache_creation_input_tokens",
+        "cache_read_input_tokens",
+    ] {
+        assert_eq!(start[k], delta[k], "{k}");
+    }
+    assert!(start["cache_read_input_tokens"].as_u64().unwrap() >= 200);
+    let n_deltas = names
+        .iter()
+        .filter(|n| **n == "content_block_delta")
+        .count() as u64;
+    assert!(delta["output_tokens"].as_u64().unwrap() >= n_deltas);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_mid_stream_is_still_metered() {
+    // Real decode delays (sim-llama-8b: 12 ms a token) so the disconnect lands mid-stream.
+    let app = TestApp::start_with(Options {
+        sim_time_scale: 1.0,
+        ..Default::default()
+    })
+    .await;
+    let mut body = cached_body(10, "tell me a long story", 4000);
+    body["model"] = json!("sim-llama-8b");
+    body["stream"] = json!(true);
+    let resp = app
+        .post_raw("/v1/messages", &app.key, body.to_string())
+        .await;
+    let rid = resp.headers()["request-id"].to_str().unwrap().to_string();
+    let mut stream = resp.bytes_stream();
+    let mut seen = String::new();
+    while let Some(chunk) = stream.next().await {
+        seen.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        if seen.contains("content_block_delta") {
+            break;
+        }
+    }
+    drop(stream);
+    // The pipeline notices at its next write and meters what was produced.
+    let pool = sqlx::PgPool::connect(&app.db_url).await.unwrap();
+    let id: uuid::Uuid = rid.trim_start_matches("req_").parse().unwrap();
+    let mut row: Option<(String, i64)> = None;
+    for _ in 0..100 {
+        row =
+            sqlx::query_as("SELECT status, output_tokens FROM usage_events WHERE request_id = $1")
+                .bind(id)
+                .fetch_optional(&pool)
+                .await
+                .unwrap();
+        if row.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let (status, output) = row.expect("a ledger row for the disconnected request");
+    assert_eq!(status, "client_disconnected");
+    assert!(output >= 1);
+    pool.close().await;
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn errors_use_anthropic_shapes_and_codes() {
+    let app = TestApp::start().await;
+    let body = cached_body(10, "hi", 8);
+    // No key.
+    let r = app
+        .client
+        .post(format!("{}/v1/messages", app.url))
+        .header("anthropic-version", "2023-06-01")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let rid = r.headers()["request-id"].to_str().unwrap().to_string();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "authentication_error");
+    assert_eq!(v["error"]["message"], "x-api-key header is required");
+    assert_eq!(v["request_id"], rid);
+    // Wrong key.
+    let (s, _, v) = app.post("/v1/messages", "sk-cachet-nope", &body).await;
+    assert_eq!(
+        (s, v["error"]["message"].as_str()),
+        (401, Some("invalid x-api-key"))
+    );
+    // Bearer works like x-api-key.
+    let r = app
+        .client
+        .post(format!("{}/v1/messages", app.url))
+        .bearer_auth(&app.key)
+        .header("anthropic-version", "2026-10-21")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // Missing version header.
+    let r = app
+        .client
+        .post(format!("{}/v1/messages", app.url))
+        .header("x-api-key", &app.key)
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["error"]["message"],
+        "anthropic-version: header is required"
+    );
+    // Bad JSON, bad field.
+    let r = app.post_raw("/v1/messages", &app.key, "{oops").await;
+    assert_eq!(r.status(), 400);
+    let (s, _, v) = app.post("/v1/messages", &app.key, &json!({"model": "sim-tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "forever"}}]}]})).await;
+    assert_eq!(s, 400);
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(
+        v["error"]["message"],
+        "messages.0.content.0.cache_control.type: Input should be 'ephemeral'"
+    );
+    // Over 32 MB.
+    let huge = format!(
+        "{{\"model\":\"sim-tiny\",\"pad\":\"{}\"}}",
+        "x".repeat(33 * 1024 * 1024)
+    );
+    let r = app.post_raw("/v1/messages", &app.key, huge).await;
+    assert_eq!(r.status(), 413);
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["error"]["type"],
+        "request_too_large"
+    );
+    // Unknown route.
+    let r = app
+        .client
+        .get(format!("{}/v1/nothing", app.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["error"]["type"],
+        "not_found_error"
+    );
+    app.settle().await;
+    assert_eq!(
+        app.ledger_count().await,
+        1,
+        "only the served request is in the ledger"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn count_tokens_models_and_health() {
+    let app = TestApp::start().await;
+    let body = cached_body(100, "count me", 8);
+    let (_, _, served) = app.post("/v1/messages", &app.key, &body).await;
+    let mut count_body = body.clone();
+    count_body.as_object_mut().unwrap().remove("max_tokens");
+    let (s, _, c) = app
+        .post("/v1/messages/count_tokens", &app.key, &count_body)
+        .await;
+    assert_eq!(s, 200, "{c}");
+    assert_eq!(
+        c["input_tokens"].as_u64().unwrap(),
+        usage_total(&served["usage"])
+    );
+
+    let r = app
+        .client
+        .get(format!("{}/v1/models", app.url))
+        .header("x-api-key", &app.key)
+        .send()
+        .await
+        .unwrap();
+    let m: Value = r.json().await.unwrap();
+    let ids: Vec<&str> = m["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec!["sim-tiny", "sim-llama-8b", "sim-llama-70b"]);
+    let r = app
+        .client
+        .get(format!("{}/v1/models/nope", app.url))
+        .header("x-api-key", &app.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+
+    for path in ["/healthz", "/readyz"] {
+        let r = app
+            .client
+            .get(format!("{}{path}", app.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let metrics = app
+        .client
+        .get(format!("{}/metrics", app.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in [
+        "cachet_fabric_block_reads_total",
+        "cachet_fabric_tenant_resident_bytes",
+        "cachet_gateway_http_requests_total",
+        "cachet_billing_meter_events_total",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from /metrics");
+    }
+    let spec: Value = app
+        .client
+        .get(format!("{}/openapi.json", app.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(spec["paths"]["/v1/messages"]["post"].is_object());
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn pre_warm_with_max_tokens_zero_writes_the_cache_and_returns_no_content() {
+    let app = TestApp::start().await;
+    let body = cached_body(150, "warm", 0);
+    let (s, _, r) = app.post("/v1/messages", &app.key, &body).await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["content"], json!([]));
+    assert_eq!(r["stop_reason"], "max_tokens");
+    assert_eq!(r["usage"]["output_tokens"], 0);
+    let (_, _, r2) = app
+        .post("/v1/messages", &app.key, &cached_body(150, "warm", 8))
+        .await;
+    assert!(r2["usage"]["cache_read_input_tokens"].as_u64().unwrap() >= 150);
+    app.stop().await;
+}

@@ -1,0 +1,278 @@
+//! Test harness: the real service on port 0, a fresh Postgres database per test, the real
+//! Redis, and a TCP proxy that can cut Postgres away mid-test.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use cachet::config::Config;
+use cachet::server::{self, Running};
+use serde_json::Value;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+pub const PG: &str = "postgres://postgres@127.0.0.1:5432";
+pub const REDIS: &str = "redis://127.0.0.1:6379";
+
+pub struct TestApp {
+    pub url: String,
+    pub db_name: String,
+    pub db_url: String,
+    pub key: String,
+    pub running: Option<Running>,
+    pub shutdown: CancellationToken,
+    pub client: reqwest::Client,
+    pub data_dir: tempdir::Dir,
+}
+
+pub mod tempdir {
+    /// A directory removed on drop.
+    pub struct Dir(pub std::path::PathBuf);
+    impl Dir {
+        pub fn new() -> Self {
+            let p =
+                std::env::temp_dir().join(format!("cachet-test-{}", uuid::Uuid::new_v4().simple()));
+            std::fs::create_dir_all(&p).unwrap();
+            Dir(p)
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+pub fn fresh_db_name() -> String {
+    format!("cachet_test_{}", uuid::Uuid::new_v4().simple())
+}
+
+pub struct Options {
+    pub sim_time_scale: f64,
+    pub redis_url: String,
+    /// Database URL the service uses (e.g. through a proxy); defaults to the direct one.
+    pub db_url_override: Option<String>,
+    pub db_name: Option<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            sim_time_scale: 0.0,
+            redis_url: REDIS.into(),
+            db_url_override: None,
+            db_name: None,
+        }
+    }
+}
+
+impl TestApp {
+    pub async fn start() -> Self {
+        Self::start_with(Options::default()).await
+    }
+
+    pub async fn start_with(opts: Options) -> Self {
+        let db_name = opts.db_name.clone().unwrap_or_else(fresh_db_name);
+        let db_url = format!("{PG}/{db_name}");
+        // Create and migrate through the direct URL; keys are made before any proxy matters.
+        let pool = server::connect_and_migrate(&db_url, 2)
+            .await
+            .expect("postgres reachable for tests");
+        let t =
+            gateway::tenants::create_tenant(&pool, &format!("t-{}", uuid::Uuid::new_v4().simple()))
+                .await
+                .unwrap();
+        let key = gateway::tenants::create_key(&pool, &t, "test")
+            .await
+            .unwrap()
+            .secret;
+        pool.close().await;
+        let data_dir = tempdir::Dir::new();
+        let mut config = Config::default();
+        config.database_url = opts
+            .db_url_override
+            .clone()
+            .unwrap_or_else(|| db_url.clone());
+        config.redis_url = opts.redis_url.clone();
+        config.engine.sim_time_scale = opts.sim_time_scale;
+        config.data_dir = data_dir.0.clone();
+        config.meter.retry_interval_ms = 200;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let shutdown = CancellationToken::new();
+        let running = server::start(config, listener, shutdown.clone())
+            .await
+            .unwrap();
+        let url = format!("http://{}", running.addr);
+        TestApp {
+            url,
+            db_name,
+            db_url,
+            key,
+            running: Some(running),
+            shutdown,
+            client: reqwest::Client::new(),
+            data_dir,
+        }
+    }
+
+    pub fn running(&self) -> &Running {
+        self.running.as_ref().unwrap()
+    }
+
+    /// Another tenant with its own key, in the same database.
+    pub async fn new_tenant_key(&self) -> String {
+        let pool = sqlx::PgPool::connect(&self.db_url).await.unwrap();
+        let t =
+            gateway::tenants::create_tenant(&pool, &format!("t-{}", uuid::Uuid::new_v4().simple()))
+                .await
+                .unwrap();
+        let k = gateway::tenants::create_key(&pool, &t, "second")
+            .await
+            .unwrap()
+            .secret;
+        pool.close().await;
+        k
+    }
+
+    pub async fn post_raw(
+        &self,
+        path: &str,
+        key: &str,
+        body: impl Into<reqwest::Body>,
+    ) -> reqwest::Response {
+        self.client
+            .post(format!("{}{path}", self.url))
+            .header("x-api-key", key)
+            .header("anthropic-version", "2023-06-01")
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// POST JSON; returns (status, headers, body).
+    pub async fn post(
+        &self,
+        path: &str,
+        key: &str,
+        body: &Value,
+    ) -> (u16, reqwest::header::HeaderMap, Value) {
+        let r = self.post_raw(path, key, body.to_string()).await;
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        let text = r.text().await.unwrap();
+        let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (status, headers, v)
+    }
+
+    pub async fn ledger_count(&self) -> i64 {
+        let pool = sqlx::PgPool::connect(&self.db_url).await.unwrap();
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM usage_events")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+        n
+    }
+
+    /// Wait until every usage event is in Postgres.
+    pub async fn settle(&self) {
+        assert!(
+            self.running().meter.settled(Duration::from_secs(30)).await,
+            "meter did not settle"
+        );
+    }
+
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(r) = self.running.take() {
+            r.wait().await.unwrap();
+        }
+        drop_db(&self.db_name).await;
+    }
+}
+
+pub async fn drop_db(name: &str) {
+    if let Ok(pool) = sqlx::PgPool::connect(&format!("{PG}/postgres")).await {
+        let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
+        )))
+        .execute(&pool)
+        .await;
+        pool.close().await;
+    }
+}
+
+/// A prompt body with a cached system block of about `words` tokens.
+pub fn cached_body(system_words: usize, user: &str, max_tokens: u32) -> Value {
+    let system: String = (0..system_words).map(|i| format!("w{i} ")).collect();
+    serde_json::json!({
+        "model": "sim-tiny",
+        "max_tokens": max_tokens,
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": user}],
+    })
+}
+
+pub fn usage_total(u: &Value) -> u64 {
+    u["input_tokens"].as_u64().unwrap()
+        + u["cache_creation_input_tokens"].as_u64().unwrap()
+        + u["cache_read_input_tokens"].as_u64().unwrap()
+}
+
+/// A TCP proxy to a target that can be cut (all connections closed, new ones refused).
+pub struct CutProxy {
+    pub addr: std::net::SocketAddr,
+    cut: Arc<AtomicBool>,
+    generation: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl CutProxy {
+    pub async fn start(target: &'static str) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cut = Arc::new(AtomicBool::new(false));
+        let (gen_tx, _) = tokio::sync::watch::channel(0u64);
+        let generation = Arc::new(gen_tx);
+        let (c2, g2) = (cut.clone(), generation.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                if c2.load(Ordering::SeqCst) {
+                    drop(inbound);
+                    continue;
+                }
+                let mut rx = g2.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = TcpStream::connect(target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = rx.changed() => {}
+                    }
+                });
+            }
+        });
+        CutProxy {
+            addr,
+            cut,
+            generation,
+        }
+    }
+
+    /// Close every proxied connection and refuse new ones.
+    pub fn cut(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    pub fn restore(&self) {
+        self.cut.store(false, Ordering::SeqCst);
+    }
+}
