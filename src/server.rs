@@ -41,9 +41,8 @@ pub async fn ensure_database(url: &str) -> anyhow::Result<()> {
             .await
         {
             // Another process may have created it meanwhile.
-            if !e
-                .as_database_error()
-                .is_some_and(|d| d.code().as_deref() == Some("42P04"))
+            if e.as_database_error()
+                .is_none_or(|d| d.code().as_deref() != Some("42P04"))
             {
                 return Err(e).context("creating the database");
             }

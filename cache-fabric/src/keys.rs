@@ -163,7 +163,7 @@ impl PrefixKeys {
                 end: (i + 1) * b,
             })
             .collect();
-        if offset % b != 0 {
+        if !offset.is_multiple_of(b) {
             let tail = self.tail_at(offset)?;
             out.push(ChainLink {
                 hash: tail.hash,

@@ -309,13 +309,13 @@ impl Store {
                 // an expired copy is replaced.
                 self.remove(&b.hash, RemovalReason::Expired);
             }
-            if let Some(p) = &b.parent {
-                if !self.blocks.contains_key(p) {
-                    for h in inserted {
-                        self.remove(&h, RemovalReason::Capacity);
-                    }
-                    return Err(refused(WriteRefused::MissingParent));
+            if let Some(p) = &b.parent
+                && !self.blocks.contains_key(p)
+            {
+                for h in inserted {
+                    self.remove(&h, RemovalReason::Capacity);
                 }
+                return Err(refused(WriteRefused::MissingParent));
             }
             inserted.push(b.hash);
             self.insert(scope, b, ttl, expires);
@@ -326,16 +326,16 @@ impl Store {
     fn insert(&mut self, scope: &Scope, b: PutBlock, ttl: Duration, expires_at: Instant) {
         let tick = self.tick();
         let len = b.data.len() as u64;
-        if let Some(p) = b.parent {
-            if let Some(parent) = self.blocks.get_mut(&p) {
-                if parent.children == 0 {
-                    self.leaves.remove(&(parent.tick, p));
-                    if let Some(set) = self.tenant_leaves.get_mut(&parent.scope.tenant) {
-                        set.remove(&(parent.tick, p));
-                    }
+        if let Some(p) = b.parent
+            && let Some(parent) = self.blocks.get_mut(&p)
+        {
+            if parent.children == 0 {
+                self.leaves.remove(&(parent.tick, p));
+                if let Some(set) = self.tenant_leaves.get_mut(&parent.scope.tenant) {
+                    set.remove(&(parent.tick, p));
                 }
-                parent.children += 1;
             }
+            parent.children += 1;
         }
         self.leaves.insert((tick, b.hash));
         self.tenant_leaves
@@ -439,22 +439,22 @@ impl Store {
         if let Some(tb) = self.tenant_bytes.get_mut(&tenant) {
             *tb -= len;
         }
-        if let Some(p) = b.parent {
-            if let Some(parent) = self.blocks.get_mut(&p) {
-                parent.children -= 1;
-                if parent.children == 0 {
-                    self.leaves.insert((parent.tick, p));
-                    self.tenant_leaves
-                        .entry(parent.scope.tenant)
-                        .or_default()
-                        .insert((parent.tick, p));
-                }
+        if let Some(p) = b.parent
+            && let Some(parent) = self.blocks.get_mut(&p)
+        {
+            parent.children -= 1;
+            if parent.children == 0 {
+                self.leaves.insert((parent.tick, p));
+                self.tenant_leaves
+                    .entry(parent.scope.tenant)
+                    .or_default()
+                    .insert((parent.tick, p));
             }
         }
-        if self.tombstone_order.len() >= TOMBSTONES {
-            if let Some(old) = self.tombstone_order.pop_front() {
-                self.tombstones.remove(&old);
-            }
+        if self.tombstone_order.len() >= TOMBSTONES
+            && let Some(old) = self.tombstone_order.pop_front()
+        {
+            self.tombstones.remove(&old);
         }
         self.tombstones.insert(*hash, reason);
         self.tombstone_order.push_back(*hash);

@@ -1,6 +1,6 @@
 //! The one place where errors become HTTP responses in Anthropic's error format.
 
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use cachet_common::RequestId;
 
@@ -53,7 +53,8 @@ pub struct ApiError {
     pub kind: ErrorKind,
     pub message: String,
     pub request_id: Option<RequestId>,
-    pub headers: HeaderMap,
+    /// Extra response headers (`retry-after`, rate-limit state).
+    pub headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl ApiError {
@@ -62,7 +63,7 @@ impl ApiError {
             kind,
             message: message.into(),
             request_id: None,
-            headers: HeaderMap::new(),
+            headers: Vec::new(),
         }
     }
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -80,9 +81,12 @@ impl ApiError {
         self.request_id = Some(id);
         self
     }
-    pub fn with_header(mut self, name: &'static str, value: String) -> Self {
-        if let Ok(v) = HeaderValue::from_str(&value) {
-            self.headers.insert(name, v);
+    pub fn with_header(mut self, name: &str, value: &str) -> Self {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            self.headers.push((n, v));
         }
         self
     }
@@ -105,7 +109,9 @@ impl IntoResponse for ApiError {
             .inc();
         let body = axum::Json(self.body());
         let mut resp = (self.kind.status(), body).into_response();
-        resp.headers_mut().extend(self.headers);
+        for (n, v) in self.headers {
+            resp.headers_mut().insert(n, v);
+        }
         resp
     }
 }

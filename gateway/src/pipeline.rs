@@ -194,13 +194,9 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
                 ErrorKind::RateLimit,
                 format!("This request would exceed your rate limit of {}. Please retry after {retry_after_secs} seconds.", class.describe()),
             )
-            .with_header("retry-after", retry_after_secs.to_string());
-            for (k, v) in headers.0 {
-                if let Ok(name) = axum::http::HeaderName::from_bytes(k.as_bytes()) {
-                    if let Ok(val) = axum::http::HeaderValue::from_str(&v) {
-                        e.headers.insert(name, val);
-                    }
-                }
+            .with_header("retry-after", &retry_after_secs.to_string());
+            for (k, v) in &headers.0 {
+                e = e.with_header(k, v);
             }
             let _ = tx.send(Event::Error(e)).await;
             return;

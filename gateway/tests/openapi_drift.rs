@@ -11,6 +11,8 @@ fn committed_openapi_matches_the_code() {
             std::fs::write(path, &generated).expect("write openapi.json");
             return;
         }
-        panic!("openapi/openapi.json is out of date with the code: run `make openapi` and commit the result");
+        panic!(
+            "openapi/openapi.json is out of date with the code: run `make openapi` and commit the result"
+        );
     }
 }

@@ -90,14 +90,16 @@ impl TestApp {
             .secret;
         pool.close().await;
         let data_dir = tempdir::Dir::new();
-        let mut config = Config::default();
-        config.database_url = opts
-            .db_url_override
-            .clone()
-            .unwrap_or_else(|| db_url.clone());
-        config.redis_url = opts.redis_url.clone();
+        let mut config = Config {
+            database_url: opts
+                .db_url_override
+                .clone()
+                .unwrap_or_else(|| db_url.clone()),
+            redis_url: opts.redis_url.clone(),
+            data_dir: data_dir.0.clone(),
+            ..Default::default()
+        };
         config.engine.sim_time_scale = opts.sim_time_scale;
-        config.data_dir = data_dir.0.clone();
         config.meter.retry_interval_ms = 200;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let shutdown = CancellationToken::new();

@@ -395,27 +395,27 @@ fn walk_common(top: &Map<String, Value>) -> Result<Walk, ApiError> {
             });
         }
     }
-    if let Some(system) = opt(top, "system") {
-        if !system.is_string() {
-            for (i, b) in as_array(system, "system")?.iter().enumerate() {
-                let path = format!("system.{i}");
-                let m = as_obj(b, &path)?;
-                let kind = as_str(required(m, "type", &path)?, &join(&path, "type"))?;
-                if kind != "text" {
-                    return Err(err(&join(&path, "type"), "Input should be 'text'"));
-                }
-                let (non_empty, marker) = text_block(m, &path, true)?;
-                if !non_empty && w.empty_text.is_none() {
-                    w.empty_text = Some(join(&path, "text"));
-                }
-                w.blocks.push(BlockInfo {
-                    path,
-                    block: BlockRef::System(i),
-                    kind: "text",
-                    cacheable: non_empty,
-                    marker,
-                });
+    if let Some(system) = opt(top, "system")
+        && !system.is_string()
+    {
+        for (i, b) in as_array(system, "system")?.iter().enumerate() {
+            let path = format!("system.{i}");
+            let m = as_obj(b, &path)?;
+            let kind = as_str(required(m, "type", &path)?, &join(&path, "type"))?;
+            if kind != "text" {
+                return Err(err(&join(&path, "type"), "Input should be 'text'"));
             }
+            let (non_empty, marker) = text_block(m, &path, true)?;
+            if !non_empty && w.empty_text.is_none() {
+                w.empty_text = Some(join(&path, "text"));
+            }
+            w.blocks.push(BlockInfo {
+                path,
+                block: BlockRef::System(i),
+                kind: "text",
+                cacheable: non_empty,
+                marker,
+            });
         }
     }
     let messages = as_array(required(top, "messages", "")?, "messages")?;
@@ -476,20 +476,20 @@ fn breakpoints(w: &Walk, top: &Map<String, Value>) -> Result<Vec<Breakpoint>, Ap
     let automatic = cache_control(top.get("cache_control"), "cache_control")?;
     let explicit = w.blocks.iter().filter(|b| b.marker.is_some()).count();
     let mut auto_at: Option<usize> = None;
-    if let Some(ttl) = automatic {
-        if let Some(idx) = w.blocks.iter().rposition(|b| b.cacheable) {
-            match w.blocks[idx].marker {
-                None => auto_at = Some(idx),
-                Some(t) if t == ttl => {}
-                Some(t) => {
-                    return Err(ApiError::invalid(format!(
-                        "cache_control.ttl: the top-level cache_control ttl '{}' differs from the ttl '{}' of the \
+    if let Some(ttl) = automatic
+        && let Some(idx) = w.blocks.iter().rposition(|b| b.cacheable)
+    {
+        match w.blocks[idx].marker {
+            None => auto_at = Some(idx),
+            Some(t) if t == ttl => {}
+            Some(t) => {
+                return Err(ApiError::invalid(format!(
+                    "cache_control.ttl: the top-level cache_control ttl '{}' differs from the ttl '{}' of the \
                          cache_control already on the last cacheable block ({})",
-                        ttl.as_str(),
-                        t.as_str(),
-                        w.blocks[idx].path
-                    )));
-                }
+                    ttl.as_str(),
+                    t.as_str(),
+                    w.blocks[idx].path
+                )));
             }
         }
     }

@@ -1,0 +1,63 @@
+# Cachet. `make run` starts the whole service; `make test` runs every test.
+# CI (.ci/run) calls `make test`.
+
+SHELL := /bin/bash
+CARGO ?= cargo
+export CARGO_BUILD_JOBS ?= 2
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test services build build-release lint fmt-check clippy doc rust-test sdk-test venv openapi bench-gateway clean
+
+## Start everything (Postgres and Redis too, if none answers) and serve on 127.0.0.1:8080.
+run: services build-release
+	@target/release/cachet migrate >/dev/null
+	@KEY=$$(target/release/cachet demo) && scripts/print-examples.sh "$$KEY"
+	@exec target/release/cachet serve
+
+## The full suite: formatting, lints, Rust tests, docs, and the anthropic SDK tests.
+test: services lint rust-test doc sdk-test
+
+services:
+	@scripts/services.sh
+
+build:
+	$(CARGO) build --workspace --locked
+
+build-release:
+	$(CARGO) build --release --locked --bin cachet
+
+lint: fmt-check clippy
+
+fmt-check:
+	$(CARGO) fmt --all -- --check
+
+clippy:
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+doc:
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked
+
+rust-test: build
+	$(CARGO) test --workspace --locked
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: tests/sdk/requirements.txt
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q -r tests/sdk/requirements.txt
+	touch $@
+
+sdk-test: build venv
+	CACHET_BIN=$(CURDIR)/target/debug/cachet $(VENV)/bin/pytest -q tests/sdk
+
+## Regenerate openapi/openapi.json from the code.
+openapi:
+	CACHET_UPDATE_OPENAPI=1 $(CARGO) test -p gateway --test openapi_drift
+
+## Cache-hit throughput through the gateway vs a bare axum handler (docs/benchmarks.md).
+bench-gateway: services build-release
+	loadtests/gateway-hit.sh
+
+clean:
+	$(CARGO) clean
+	rm -rf $(VENV)
