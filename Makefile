@@ -22,7 +22,7 @@ services:
 	@scripts/services.sh
 
 build:
-	$(CARGO) build --workspace --locked
+	$(CARGO) build --workspace --all-targets --locked
 
 build-release:
 	$(CARGO) build --release --locked --bin cachet
