@@ -4,7 +4,7 @@
 //! Only *leaves* (blocks no stored block points to as its parent) are candidates for
 //! eviction, so a child always goes before its parent: a child is useless without it.
 //! Every operation touches a whole prefix from the root, so a parent never expires before
-//! its children.
+//! its children (to within [`EXPIRY_SLACK`]).
 //!
 //! Time is `tokio::time::Instant`, passed in by the caller (the request's start time), so
 //! TTL behaviour is testable with paused time.
@@ -118,6 +118,11 @@ pub struct StoreLimits {
 }
 
 const TOMBSTONES: usize = 65_536;
+
+/// Expiry is tracked to this precision: a refresh that moves a block's expiry by less does
+/// not touch the expiry index (at thousands of reads a second of one prefix, almost every
+/// refresh is such a move). A block may so live up to this much past its TTL, never less.
+const EXPIRY_SLACK: Duration = Duration::from_secs(1);
 
 /// The DRAM block store. Not `Sync` by itself: the node wraps it in a mutex.
 pub struct Store {
@@ -365,8 +370,8 @@ impl Store {
         self.publish_gauges(scope.tenant);
     }
 
-    /// Mark recently used; extend expiry to at least `expires_at` and the TTL class to at
-    /// least `ttl`.
+    /// Mark recently used; extend expiry to at least `expires_at` (within [`EXPIRY_SLACK`])
+    /// and the TTL class to at least `ttl`.
     fn touch(&mut self, hash: &BlockHash, expires_at: Instant, ttl: Duration) {
         let tick = self.tick();
         let Some(b) = self.blocks.get_mut(hash) else {
@@ -380,7 +385,7 @@ impl Store {
             set.insert((tick, *hash));
         }
         b.tick = tick;
-        if expires_at > b.expires_at {
+        if expires_at >= b.expires_at + EXPIRY_SLACK || (expires_at > b.expires_at && ttl > b.ttl) {
             self.expiry.remove(&(b.expires_at, *hash));
             self.expiry.insert((expires_at, *hash));
             b.expires_at = expires_at;
@@ -513,7 +518,11 @@ impl Store {
             );
             assert!(self.expiry.contains(&(b.expires_at, *h)));
             if let Some(p) = b.parent.and_then(|p| self.blocks.get(&p)) {
-                assert!(p.expires_at >= b.expires_at, "parent outlives child");
+                // Within the expiry slack; an orphaned child is unreachable and expires within it.
+                assert!(
+                    p.expires_at + EXPIRY_SLACK >= b.expires_at,
+                    "parent outlives child"
+                );
             }
         }
         assert_eq!(used, self.used_bytes);

@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use cachet_common::BlockHash;
-use sha2::{Digest, Sha256};
 
 use crate::memo::SegmentMemo;
 use crate::{
@@ -213,21 +212,48 @@ fn piece_id(piece: &[u8]) -> u32 {
     FIRST_PIECE_ID + (h % (VOCAB - FIRST_PIECE_ID) as u64) as u32
 }
 
-/// Deterministic pseudo-random bytes from a block hash (splitmix64 stream).
+/// The `i`-th 8-byte word of a block's KV: a position-dependent mix of the block hash. Cheap
+/// (vectorizes), distinct per block and position, so a swapped, shifted or altered byte is
+/// caught when an import is checked.
+#[inline(always)]
+fn kv_word(seed: u64, salt: u64, i: u64) -> u64 {
+    let mut z = seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z ^= z >> 29;
+    z.wrapping_mul(0xbf58_476d_1ce4_e5b9) ^ salt
+}
+
+fn kv_seed(hash: &BlockHash) -> (u64, u64) {
+    (
+        hash.prefix_u64(),
+        u64::from_le_bytes(hash.0[8..16].try_into().expect("8 bytes")),
+    )
+}
+
+/// Deterministic KV bytes of a block, derived from its hash.
 pub fn kv_bytes(hash: &BlockHash, len: usize) -> Bytes {
-    let mut state =
-        hash.prefix_u64() ^ u64::from_le_bytes(hash.0[8..16].try_into().expect("8 bytes"));
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        out.extend_from_slice(&z.to_le_bytes());
+    let (seed, salt) = kv_seed(hash);
+    let mut out = Vec::with_capacity(len.div_ceil(8) * 8);
+    for i in 0..len.div_ceil(8) as u64 {
+        out.extend_from_slice(&kv_word(seed, salt, i).to_le_bytes());
     }
     out.truncate(len);
     Bytes::from(out)
+}
+
+/// Whether `data` is exactly the KV [`kv_bytes`] derives from `hash`, without allocating.
+pub fn kv_matches(hash: &BlockHash, data: &[u8]) -> bool {
+    let (seed, salt) = kv_seed(hash);
+    let mut chunks = data.chunks_exact(8);
+    let mut ok = true;
+    for (i, c) in (&mut chunks).enumerate() {
+        ok &= u64::from_le_bytes(c.try_into().expect("8 bytes")) == kv_word(seed, salt, i as u64);
+    }
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        let w = kv_word(seed, salt, (data.len() / 8) as u64).to_le_bytes();
+        ok &= rest == &w[..rest.len()];
+    }
+    ok
 }
 
 impl crate::Engine for SimEngine {
@@ -298,8 +324,7 @@ impl crate::Engine for SimEngine {
                     b.start, b.end
                 )));
             }
-            if b.data.len() != (b.end - b.start) * bpt || b.data != kv_bytes(&b.hash, b.data.len())
-            {
+            if b.data.len() != (b.end - b.start) * bpt || !kv_matches(&b.hash, &b.data) {
                 return Err(EngineError::KvIntegrity { block: b.hash });
             }
             cached = b.end;
@@ -334,18 +359,22 @@ impl crate::Engine for SimEngine {
             })
             .collect::<Result<Vec<_>, _>>()?;
         // Output depends only on the prompt (and seed), never on what was cached.
-        let mut h = Sha256::new();
-        for t in &req.tokens {
-            h.update(t.to_le_bytes());
-        }
-        if let Some(seed) = req
+        let seed = req
             .sampling
             .seed
             .filter(|_| req.sampling.temperature.is_some_and(|t| t > 0.0))
-        {
-            h.update(seed.to_le_bytes());
+            .unwrap_or(0);
+        let mut x: u64 = 0xcbf2_9ce4_8422_2325 ^ seed;
+        for &t in &req.tokens {
+            x = (x ^ t as u64)
+                .wrapping_mul(0x0000_0100_0000_01b3)
+                .rotate_left(5);
         }
-        let digest: [u8; 32] = h.finalize().into();
+        let mut digest = [0u8; 32];
+        for (k, chunk) in digest.chunks_exact_mut(8).enumerate() {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            chunk.copy_from_slice(&kv_word(x, k as u64, k as u64).to_le_bytes());
+        }
         let n_words = 12 + (digest[0] as usize % 20);
         let words: Vec<u32> = (0..n_words)
             .map(|i| digest[(i + 1) % 32] as u32 ^ (i as u32 * 7))
@@ -466,6 +495,19 @@ mod tests {
             e.render(&p).unwrap(),
             "memoized render equals fresh render"
         );
+    }
+
+    #[test]
+    fn kv_check_catches_any_single_changed_byte() {
+        let h = BlockHash([9; 32]);
+        let data = kv_bytes(&h, 100);
+        assert!(kv_matches(&h, &data));
+        assert!(!kv_matches(&BlockHash([8; 32]), &data));
+        for i in [0, 7, 8, 63, 99] {
+            let mut d = data.to_vec();
+            d[i] ^= 0x01;
+            assert!(!kv_matches(&h, &d), "byte {i}");
+        }
     }
 
     #[test]

@@ -33,6 +33,8 @@ pub struct Job {
     pub engine: Arc<dyn Engine>,
     pub prepared: Prepared,
     pub max_tokens: u32,
+    /// Streamed responses get a delta per token; others one delta with the whole text.
+    pub stream: bool,
     pub stop_sequences: Vec<String>,
     pub sampling: Sampling,
 }
