@@ -57,6 +57,8 @@ pub struct MeterSection {
     pub batch_max: usize,
     pub queue_capacity: usize,
     pub retry_interval_ms: u64,
+    /// Wait this long after the first event of a batch for more (group commit).
+    pub linger_ms: u64,
     /// Relative paths are under `data_dir`.
     pub spool_file: PathBuf,
 }
@@ -115,6 +117,7 @@ impl Default for MeterSection {
             batch_max: 2048,
             queue_capacity: 65_536,
             retry_interval_ms: 500,
+            linger_ms: 2,
             spool_file: "usage-spool.jsonl".into(),
         }
     }
@@ -234,8 +237,12 @@ impl Config {
             batch_max,
             queue_capacity,
             retry_interval_ms,
+            linger_ms,
             spool_file,
         } = meter;
+        if *linger_ms > 1000 {
+            bail!("meter.linger_ms must be at most 1000");
+        }
         if *batch_max == 0 || *queue_capacity == 0 || *retry_interval_ms == 0 {
             bail!(
                 "meter.batch_max, meter.queue_capacity and meter.retry_interval_ms must be positive"
@@ -269,6 +276,7 @@ impl Config {
             queue_capacity: self.meter.queue_capacity,
             spool_path: self.spool_path(),
             retry_interval: Duration::from_millis(self.meter.retry_interval_ms),
+            linger: Duration::from_millis(self.meter.linger_ms),
         }
     }
 }

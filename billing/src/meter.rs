@@ -1,6 +1,7 @@
 //! The meter: exactly one ledger row per request, never lost, never doubled.
 //!
-//! - Group commit: the writer task takes every event that is waiting (up to `batch_max`) and
+//! - Group commit: the writer task takes every event that is waiting (up to `batch_max`,
+//!   after lingering `linger` for more) and
 //!   inserts them with one `INSERT … SELECT FROM UNNEST(…) ON CONFLICT (request_id) DO
 //!   NOTHING`. While one commit runs, the next batch accumulates.
 //! - Spool: a batch Postgres does not take (connection refused, restart, timeout) is appended
@@ -70,6 +71,9 @@ pub struct MeterConfig {
     pub queue_capacity: usize,
     pub spool_path: PathBuf,
     pub retry_interval: Duration,
+    /// After the first event of a batch, wait this long for more before committing: bounds
+    /// the commit rate (and Postgres CPU) at high load for a small delay in durability.
+    pub linger: Duration,
 }
 
 impl MeterConfig {
@@ -79,6 +83,7 @@ impl MeterConfig {
             queue_capacity: 65_536,
             spool_path,
             retry_interval: Duration::from_millis(500),
+            linger: Duration::from_millis(2),
         }
     }
 }
@@ -276,6 +281,9 @@ impl Meter {
                 _ = shutdown.cancelled() => break,
                 ev = self.rx.recv() => match ev {
                     Some(first) => {
+                        if !self.config.linger.is_zero() && self.rx.len() + 1 < self.config.batch_max {
+                            tokio::time::sleep(self.config.linger).await;
+                        }
                         let mut batch = vec![first];
                         while batch.len() < self.config.batch_max {
                             match self.rx.try_recv() {

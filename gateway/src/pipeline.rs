@@ -235,88 +235,184 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
     };
     metrics::ENGINE_INFLIGHT.inc();
 
-    // 4. Prefill.
+    // 4–7 run on one blocking thread: prefill, the fabric writes (async calls driven with
+    // `block_on`), usage and `message_start`, then decoding. One hand-off, not three.
     let targets: Vec<usize> = prep
         .placed
         .iter()
         .filter(|p| p.cacheable)
         .map(|p| p.offset)
         .collect();
-    let engine = job.engine.clone();
-    let tokens = Arc::new(prep.rendered.tokens);
-    let (read, keys2, tokens2, targets2, sampling) = (
+    let work = Work {
+        state: state.clone(),
+        engine: job.engine.clone(),
+        tokens: prep.rendered.tokens,
+        placed: prep.placed,
+        miss_reason,
+        keys,
         read,
-        keys.clone(),
-        tokens.clone(),
-        targets.clone(),
-        job.sampling,
-    );
-    let pre = tokio::task::spawn_blocking(move || {
-        let r = prefill(
-            engine.as_ref(),
-            &tokens2,
-            &read,
-            keys2.as_deref(),
-            &targets2,
-            &sampling,
-        );
-        (r, read)
-    })
-    .await;
-    let (prefilled, read) = match pre {
-        Ok((Ok(p), read)) => (p, read),
-        Ok((Err(e), _)) => {
-            return fail(
-                &state,
-                &tx,
-                ApiError::internal("prefill failed", e),
-                meter(TokenUsage::default(), 0, UsageStatus::Failed),
-            )
-            .await;
-        }
+        targets,
+        sampling: job.sampling,
+        scope,
+        start: job.start,
+        max_tokens: job.max_tokens,
+        stops: job.stop_sequences,
+        streaming: job.stream,
+        rate,
+        tx,
+        block_size: info.block_size,
+        model: info.id.clone(),
+    };
+    let rt = tokio::runtime::Handle::current();
+    let outcome = tokio::task::spawn_blocking(move || generate(work, &rt)).await;
+    drop(permit);
+    metrics::ENGINE_INFLIGHT.dec();
+    let (u, output, status) = outcome.unwrap_or_else(|e| {
+        tracing::error!(error = %e, "generation task failed");
+        (TokenUsage::default(), 0, UsageStatus::Failed)
+    });
+    state
+        .admission
+        .refund_output(ticket, (job.max_tokens as u64).saturating_sub(output))
+        .await;
+    record(&state, meter(u, output, status)).await;
+}
+
+/// Everything the blocking part of a request needs.
+struct Work {
+    state: AppState,
+    engine: Arc<dyn Engine>,
+    tokens: Vec<u32>,
+    placed: Vec<usage::Placed>,
+    miss_reason: Vec<Option<String>>,
+    keys: Option<Arc<PrefixKeys>>,
+    read: PrefixRead,
+    targets: Vec<usize>,
+    sampling: Sampling,
+    scope: Scope,
+    start: tokio::time::Instant,
+    max_tokens: u32,
+    stops: Vec<String>,
+    streaming: bool,
+    rate: RateHeaders,
+    tx: mpsc::Sender<Event>,
+    block_size: usize,
+    model: String,
+}
+
+/// Prefill, write, report, decode. Returns the prompt usage, output tokens and how it ended.
+fn generate(w: Work, rt: &tokio::runtime::Handle) -> (TokenUsage, u64, UsageStatus) {
+    let pre = match prefill(
+        w.engine.as_ref(),
+        &w.tokens,
+        &w.read,
+        w.keys.as_deref(),
+        &w.targets,
+        &w.sampling,
+    ) {
+        Ok(p) => p,
         Err(e) => {
-            return fail(
-                &state,
-                &tx,
-                ApiError::internal("prefill task failed", e),
-                meter(TokenUsage::default(), 0, UsageStatus::Failed),
-            )
-            .await;
+            let _ =
+                w.tx.blocking_send(Event::Error(ApiError::internal("prefill failed", e)));
+            return (TokenUsage::default(), 0, UsageStatus::Failed);
         }
     };
-    let cached = prefilled.cached;
-    drop(read);
+    let (u, api_usage, report) = rt.block_on(write_entries(&w, pre.cached, &pre.exported));
+    let Work {
+        tx,
+        rate,
+        max_tokens,
+        stops,
+        streaming,
+        ..
+    } = w;
+    if tx
+        .blocking_send(Event::Start {
+            usage: api_usage,
+            report,
+            rate,
+        })
+        .is_err()
+    {
+        return (u, 0, UsageStatus::ClientDisconnected);
+    }
+    let mut stream = TextStream::new(pre.generation, max_tokens, stops);
+    let mut whole = String::new();
+    let mut disconnected = false;
+    let mut error = None;
+    loop {
+        match stream.next_delta() {
+            Ok(Some(d)) if !streaming => whole.push_str(&d.text),
+            Ok(Some(d)) => {
+                if !d.text.is_empty() && tx.blocking_send(Event::Delta(d.text)).is_err() {
+                    disconnected = true;
+                    break;
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                error = Some(e);
+                break;
+            }
+        }
+    }
+    let output = stream.output_tokens() as u64;
+    if let Some(e) = error {
+        let _ = tx.blocking_send(Event::Error(ApiError::internal("decode failed", e)));
+        return (u, output, UsageStatus::Failed);
+    }
+    if disconnected {
+        return (u, output, UsageStatus::ClientDisconnected);
+    }
+    if !whole.is_empty() && tx.blocking_send(Event::Delta(whole)).is_err() {
+        return (u, output, UsageStatus::ClientDisconnected);
+    }
+    let stop_reason = stream.stop_reason().cloned().unwrap_or(StopReason::EndTurn);
+    match tx.blocking_send(Event::Done {
+        stop_reason,
+        output_tokens: output,
+    }) {
+        Ok(()) => (u, output, UsageStatus::Completed),
+        Err(_) => (u, output, UsageStatus::ClientDisconnected),
+    }
+}
 
-    // 5. Write each breakpoint past the cached prefix, in order.
+/// Write each cacheable breakpoint past the cached prefix, in order; then the usage.
+async fn write_entries(
+    w: &Work,
+    cached: usize,
+    exported: &[KvBlock],
+) -> (TokenUsage, Usage, CacheReport) {
     let mut written: Vec<(usize, Ttl)> = Vec::new();
-    let mut reports = Vec::with_capacity(prep.placed.len());
-    let links: Vec<ChainLink> = match &keys {
-        Some(k) => usage::export_links(k, cached, &targets),
+    let mut reports = Vec::with_capacity(w.placed.len());
+    let links: Vec<ChainLink> = match &w.keys {
+        Some(k) => usage::export_links(k, cached, &w.targets),
         None => Vec::new(),
     };
-    let blocks = put_blocks(&prefilled.exported, &links);
-    for (i, pl) in prep.placed.iter().enumerate() {
+    let blocks = put_blocks(exported, &links);
+    for (i, pl) in w.placed.iter().enumerate() {
         let (status, reason) = if !pl.cacheable {
             ("below_minimum", None)
         } else if pl.offset <= cached {
             ("read", None)
         } else {
-            let k = keys.as_ref().expect("cacheable breakpoint implies keys");
-            match state
+            let k = w.keys.as_ref().expect("cacheable breakpoint implies keys");
+            match w
+                .state
                 .fabric
                 .write_entry(
-                    scope,
+                    w.scope,
                     k,
                     pl.offset,
                     &blocks,
                     pl.bp.ttl.duration(),
-                    job.start,
+                    w.start,
                 )
                 .await
             {
                 Ok(()) => {
                     written.push((pl.offset, pl.bp.ttl));
-                    ("written", miss_reason[i].clone())
+                    ("written", w.miss_reason[i].clone())
                 }
                 Err(r) => ("not_written", Some(r.as_str().to_string())),
             }
@@ -331,8 +427,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
             reason,
         });
     }
-
-    // 6. Usage.
+    let total = w.tokens.len();
     let u = usage::compute(total, cached, &written);
     for (class, n) in [
         ("input", u.input),
@@ -341,7 +436,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
         ("read", u.read),
     ] {
         metrics::PROMPT_TOKENS
-            .with_label_values(&[info.id.as_str(), class])
+            .with_label_values(&[w.model.as_str(), class])
             .inc_by(n);
     }
     let api_usage = Usage {
@@ -356,97 +451,11 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
         service_tier: "standard".into(),
     };
     let report = CacheReport {
-        block_size: info.block_size as u64,
+        block_size: w.block_size as u64,
         prompt_tokens: total as u64,
         breakpoints: reports,
     };
-    if tx
-        .send(Event::Start {
-            usage: api_usage,
-            report,
-            rate,
-        })
-        .await
-        .is_err()
-    {
-        metrics::ENGINE_INFLIGHT.dec();
-        drop(permit);
-        state
-            .admission
-            .refund_output(ticket, job.max_tokens as u64)
-            .await;
-        record(&state, meter(u, 0, UsageStatus::ClientDisconnected)).await;
-        return;
-    }
-
-    // 7. Decode, streaming deltas; stop early if the client goes away.
-    let (max_tokens, stops) = (job.max_tokens, job.stop_sequences);
-    let tx2 = tx.clone();
-    let decoded = tokio::task::spawn_blocking(move || {
-        let mut stream = TextStream::new(prefilled.generation, max_tokens, stops);
-        let mut disconnected = false;
-        loop {
-            match stream.next_delta() {
-                Ok(Some(d)) => {
-                    if !d.text.is_empty() && tx2.blocking_send(Event::Delta(d.text)).is_err() {
-                        disconnected = true;
-                        break;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => return (stream.output_tokens(), None, false, Some(e)),
-            }
-        }
-        (
-            stream.output_tokens(),
-            stream.stop_reason().cloned(),
-            disconnected,
-            None,
-        )
-    })
-    .await;
-    drop(permit);
-    metrics::ENGINE_INFLIGHT.dec();
-    let (output, stop, disconnected, error) = match decoded {
-        Ok(v) => v,
-        Err(e) => (0, None, false, Some(EngineError::Internal(e.to_string()))),
-    };
-    state
-        .admission
-        .refund_output(
-            ticket,
-            (job.max_tokens as u64).saturating_sub(output as u64),
-        )
-        .await;
-    let status = match (&error, disconnected) {
-        (Some(_), _) => UsageStatus::Failed,
-        (None, true) => UsageStatus::ClientDisconnected,
-        (None, false) => UsageStatus::Completed,
-    };
-    let event = match (error, stop) {
-        (Some(e), _) => Event::Error(ApiError::internal("decode failed", e)),
-        (None, Some(stop_reason)) => Event::Done {
-            stop_reason,
-            output_tokens: output as u64,
-        },
-        (None, None) => Event::Done {
-            stop_reason: StopReason::EndTurn,
-            output_tokens: output as u64,
-        },
-    };
-    let gone = tx.send(event).await.is_err();
-    let status = if gone && status == UsageStatus::Completed && disconnected {
-        UsageStatus::ClientDisconnected
-    } else {
-        status
-    };
-    record(&state, meter(u, output as u64, status)).await;
-}
-
-async fn fail(state: &AppState, tx: &mpsc::Sender<Event>, e: ApiError, ev: UsageEvent) {
-    metrics::ENGINE_INFLIGHT.dec();
-    let _ = tx.send(Event::Error(e)).await;
-    record(state, ev).await;
+    (u, api_usage, report)
 }
 
 async fn record(state: &AppState, ev: UsageEvent) {
