@@ -131,3 +131,60 @@ pub fn prepare(
         upto,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::validate::{self, ModelLimits};
+    use cachet_common::{TenantId, WorkspaceId};
+    use engine::sim::{SimEngine, SimProfile};
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn prepared(body: &serde_json::Value, scope: Scope) -> Prepared {
+        let (req, bps) = validate::messages_request(body.to_string().as_bytes(), |_| {
+            Some(ModelLimits {
+                max_output_tokens: 4096,
+            })
+        })
+        .unwrap();
+        let engine = SimEngine::new(SimProfile::tiny(), 0.0);
+        let prompt = to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
+        prepare(&engine, &prompt, &bps, scope).unwrap()
+    }
+
+    proptest! {
+        /// Markers are not part of the rendered text: wherever they sit, the tokens and the
+        /// block hashes of the common prefix are the same.
+        #[test]
+        fn moving_markers_changes_no_token_and_no_hash(marks in proptest::collection::vec(any::<bool>(), 4)) {
+            let scope = Scope { tenant: TenantId::new(), workspace: WorkspaceId::new() };
+            let text = |p: &str| (0..20).map(|i| format!("{p}{i} ")).collect::<String>();
+            let block = |t: String, m: bool| if m {
+                json!({"type": "text", "text": t, "cache_control": {"type": "ephemeral"}})
+            } else {
+                json!({"type": "text", "text": t})
+            };
+            let body = |m: &[bool]| json!({
+                "model": "sim-tiny", "max_tokens": 8,
+                "system": [block(text("a"), m[0]), block(text("b"), m[1])],
+                "messages": [
+                    {"role": "user", "content": [block(text("c"), m[2])]},
+                    {"role": "assistant", "content": [block(text("d"), m[3])]},
+                    {"role": "user", "content": [block(text("e"), true)]}
+                ]
+            });
+            // At most 3 optional markers besides the last message's: the limit is 4.
+            let mut marks = marks;
+            if marks.iter().all(|&m| m) {
+                marks[0] = false;
+            }
+            let marked = prepared(&body(&marks), scope);
+            let plain = prepared(&body(&[false; 4]), scope);
+            prop_assert_eq!(&marked.rendered.tokens, &plain.rendered.tokens);
+            // Both end at the last message's marker, so both key the same prefix.
+            prop_assert_eq!(marked.upto, plain.upto);
+            prop_assert_eq!(&marked.keys.as_ref().unwrap().blocks, &plain.keys.as_ref().unwrap().blocks);
+        }
+    }
+}
