@@ -259,7 +259,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
         stops: job.stop_sequences,
         streaming: job.stream,
         rate,
-        tx,
+        tx: tx.clone(),
         block_size: info.block_size,
         model: info.id.clone(),
     };
@@ -267,15 +267,33 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
     let outcome = tokio::task::spawn_blocking(move || generate(work, &rt)).await;
     drop(permit);
     metrics::ENGINE_INFLIGHT.dec();
-    let (u, output, status) = outcome.unwrap_or_else(|e| {
-        tracing::error!(error = %e, "generation task failed");
-        (TokenUsage::default(), 0, UsageStatus::Failed)
+    let done = outcome.unwrap_or_else(|e| Finished {
+        usage: TokenUsage::default(),
+        output: 0,
+        status: UsageStatus::Failed,
+        last: Some(Event::Error(ApiError::internal(
+            "generation task failed",
+            e,
+        ))),
     });
+    // The usage event is handed to the meter before the response ends, so a client that has
+    // read the whole response can rely on its ledger row being on its way.
+    record(&state, meter(done.usage, done.output, done.status)).await;
+    if let Some(last) = done.last {
+        let _ = tx.send(last).await;
+    }
     state
         .admission
-        .refund_output(ticket, (job.max_tokens as u64).saturating_sub(output))
+        .refund_output(ticket, (job.max_tokens as u64).saturating_sub(done.output))
         .await;
-    record(&state, meter(u, output, status)).await;
+}
+
+/// How the blocking part ended, and the event that ends the response (sent after metering).
+struct Finished {
+    usage: TokenUsage,
+    output: u64,
+    status: UsageStatus,
+    last: Option<Event>,
 }
 
 /// Everything the blocking part of a request needs.
@@ -301,7 +319,13 @@ struct Work {
 }
 
 /// Prefill, write, report, decode. Returns the prompt usage, output tokens and how it ended.
-fn generate(w: Work, rt: &tokio::runtime::Handle) -> (TokenUsage, u64, UsageStatus) {
+fn generate(w: Work, rt: &tokio::runtime::Handle) -> Finished {
+    let finished = |usage, output, status, last| Finished {
+        usage,
+        output,
+        status,
+        last,
+    };
     let pre = match prefill(
         w.engine.as_ref(),
         &w.tokens,
@@ -312,9 +336,8 @@ fn generate(w: Work, rt: &tokio::runtime::Handle) -> (TokenUsage, u64, UsageStat
     ) {
         Ok(p) => p,
         Err(e) => {
-            let _ =
-                w.tx.blocking_send(Event::Error(ApiError::internal("prefill failed", e)));
-            return (TokenUsage::default(), 0, UsageStatus::Failed);
+            let err = Event::Error(ApiError::internal("prefill failed", e));
+            return finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err));
         }
     };
     let (u, api_usage, report) = rt.block_on(write_entries(&w, pre.cached, &pre.exported));
@@ -334,47 +357,49 @@ fn generate(w: Work, rt: &tokio::runtime::Handle) -> (TokenUsage, u64, UsageStat
         })
         .is_err()
     {
-        return (u, 0, UsageStatus::ClientDisconnected);
+        return finished(u, 0, UsageStatus::ClientDisconnected, None);
     }
     let mut stream = TextStream::new(pre.generation, max_tokens, stops);
     let mut whole = String::new();
-    let mut disconnected = false;
-    let mut error = None;
     loop {
         match stream.next_delta() {
             Ok(Some(d)) if !streaming => whole.push_str(&d.text),
             Ok(Some(d)) => {
                 if !d.text.is_empty() && tx.blocking_send(Event::Delta(d.text)).is_err() {
-                    disconnected = true;
-                    break;
+                    return finished(
+                        u,
+                        stream.output_tokens() as u64,
+                        UsageStatus::ClientDisconnected,
+                        None,
+                    );
                 }
             }
             Ok(None) => break,
             Err(e) => {
-                error = Some(e);
-                break;
+                let err = Event::Error(ApiError::internal("decode failed", e));
+                return finished(
+                    u,
+                    stream.output_tokens() as u64,
+                    UsageStatus::Failed,
+                    Some(err),
+                );
             }
         }
     }
     let output = stream.output_tokens() as u64;
-    if let Some(e) = error {
-        let _ = tx.blocking_send(Event::Error(ApiError::internal("decode failed", e)));
-        return (u, output, UsageStatus::Failed);
-    }
-    if disconnected {
-        return (u, output, UsageStatus::ClientDisconnected);
-    }
     if !whole.is_empty() && tx.blocking_send(Event::Delta(whole)).is_err() {
-        return (u, output, UsageStatus::ClientDisconnected);
+        return finished(u, output, UsageStatus::ClientDisconnected, None);
     }
     let stop_reason = stream.stop_reason().cloned().unwrap_or(StopReason::EndTurn);
-    match tx.blocking_send(Event::Done {
-        stop_reason,
-        output_tokens: output,
-    }) {
-        Ok(()) => (u, output, UsageStatus::Completed),
-        Err(_) => (u, output, UsageStatus::ClientDisconnected),
-    }
+    finished(
+        u,
+        output,
+        UsageStatus::Completed,
+        Some(Event::Done {
+            stop_reason,
+            output_tokens: output,
+        }),
+    )
 }
 
 /// Write each cacheable breakpoint past the cached prefix, in order; then the usage.
