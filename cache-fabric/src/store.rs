@@ -122,7 +122,7 @@ const TOMBSTONES: usize = 65_536;
 /// Expiry is tracked to this precision: a refresh that moves a block's expiry by less does
 /// not touch the expiry index (at thousands of reads a second of one prefix, almost every
 /// refresh is such a move). A block may so live up to this much past its TTL, never less.
-const EXPIRY_SLACK: Duration = Duration::from_secs(1);
+pub const EXPIRY_SLACK: Duration = Duration::from_secs(1);
 
 /// The DRAM block store. Not `Sync` by itself: the node wraps it in a mutex.
 pub struct Store {
