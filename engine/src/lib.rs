@@ -6,6 +6,7 @@
 //!   KV for requested blocks, and decodes token by token.
 //! - [`TextStream`]: `max_tokens` and `stop_sequences` applied to any generation, the same way
 //!   for every engine.
+//! - [`reference::ReferenceEngine`]: SmolLM2-135M-Instruct on our own forward pass.
 //! - [`sim::SimEngine`]: a cost-model engine with true KV geometry for tests and load tests.
 //!
 //! What it is not: it knows nothing about HTTP, tenants or billing; KV blocks come in and go
@@ -16,6 +17,7 @@
 pub mod memo;
 pub mod metrics;
 pub mod prompt;
+pub mod reference;
 pub mod sim;
 pub mod stream;
 
@@ -117,6 +119,8 @@ pub struct GenerateRequest {
     pub imported: Vec<KvBlock>,
     pub exports: Vec<ExportSpec>,
     pub sampling: Sampling,
+    /// Upper bound on tokens to generate (sizes the KV cache).
+    pub max_new_tokens: u32,
 }
 
 /// Why decoding stopped, as the Messages API reports it.

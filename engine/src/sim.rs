@@ -526,6 +526,7 @@ mod tests {
                     end: 16,
                 }],
                 sampling: Sampling::default(),
+                max_new_tokens: 64,
             })?;
             assert_eq!(g.take_exports()[0].data, data);
             let mut out = Vec::new();

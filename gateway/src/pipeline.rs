@@ -76,6 +76,7 @@ fn prefill(
     keys: Option<&PrefixKeys>,
     targets: &[usize],
     sampling: &Sampling,
+    max_new_tokens: u32,
 ) -> Result<Prefilled, EngineError> {
     let attempt = |cached: usize, imported: Vec<KvBlock>| -> Result<Prefilled, EngineError> {
         let live: Vec<usize> = targets.iter().copied().filter(|&t| t > cached).collect();
@@ -94,6 +95,7 @@ fn prefill(
             imported,
             exports,
             sampling: sampling.clone(),
+            max_new_tokens,
         })?;
         let exported = generation.take_exports();
         Ok(Prefilled {
@@ -333,6 +335,7 @@ fn generate(w: Work, rt: &tokio::runtime::Handle) -> Finished {
         w.keys.as_deref(),
         &w.targets,
         &w.sampling,
+        w.max_tokens,
     ) {
         Ok(p) => p,
         Err(e) => {

