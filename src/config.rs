@@ -33,8 +33,11 @@ pub struct FabricSection {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineSection {
-    /// `sim` (cost-model engines).
+    /// `reference` (SmolLM2 on our forward pass, plus the sim engines) or `sim` (only the
+    /// cost-model engines).
     pub kind: String,
+    /// The SmolLM2 GGUF (`make model` fetches it here).
+    pub model_path: PathBuf,
     /// Multiplies the sim engines' modelled compute time; 0 = free.
     pub sim_time_scale: f64,
     /// Generations running at once.
@@ -95,7 +98,8 @@ impl Default for FabricSection {
 impl Default for EngineSection {
     fn default() -> Self {
         Self {
-            kind: "sim".into(),
+            kind: "reference".into(),
+            model_path: engine::reference::default_model_path(),
             sim_time_scale: 1.0,
             workers: 8,
             queue: 256,
@@ -169,6 +173,7 @@ impl Config {
             &mut self.fabric.dram_capacity_bytes,
         )?;
         env_parse("CACHET_ENGINE", &mut self.engine.kind)?;
+        env_parse("CACHET_MODEL_PATH", &mut self.engine.model_path)?;
         env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
         env_parse("CACHET_ENGINE_WORKERS", &mut self.engine.workers)?;
         env_parse("CACHET_ENGINE_QUEUE", &mut self.engine.queue)?;
@@ -209,12 +214,16 @@ impl Config {
         }
         let EngineSection {
             kind,
+            model_path,
             sim_time_scale,
             workers,
             queue: _,
         } = engine;
-        if kind != "sim" {
-            bail!("engine.kind: {kind:?} is not an engine; available: sim");
+        if kind != "sim" && kind != "reference" {
+            bail!("engine.kind: {kind:?} is not an engine; available: reference, sim");
+        }
+        if kind == "reference" && model_path.as_os_str().is_empty() {
+            bail!("engine.model_path must be set for the reference engine");
         }
         if !(sim_time_scale.is_finite() && *sim_time_scale >= 0.0) {
             bail!("engine.sim_time_scale must be a finite number >= 0");

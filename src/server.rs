@@ -8,6 +8,7 @@ use anyhow::Context;
 use billing::{Meter, MeterHandle};
 use cache_fabric::{FabricClient, FabricNode, NodeConfig};
 use engine::Engine;
+use engine::reference::ReferenceEngine;
 use engine::sim::{SimEngine, SimProfile};
 use gateway::engines::EnginePool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -67,13 +68,26 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> anyhow::Res
     Ok(pool)
 }
 
-/// The engines a config serves.
-pub fn engines(config: &Config) -> EnginePool {
-    let list: Vec<Arc<dyn Engine>> = SimProfile::all()
-        .into_iter()
-        .map(|p| Arc::new(SimEngine::new(p, config.engine.sim_time_scale)) as Arc<dyn Engine>)
-        .collect();
-    EnginePool::new(list, config.engine.workers, config.engine.queue)
+/// The engines a config serves: SmolLM2 first when the reference engine is on, then the sims.
+pub async fn engines(config: &Config) -> anyhow::Result<EnginePool> {
+    let mut list: Vec<Arc<dyn Engine>> = Vec::new();
+    if config.engine.kind == "reference" {
+        let path = config.engine.model_path.clone();
+        let started = std::time::Instant::now();
+        let e = tokio::task::spawn_blocking(move || ReferenceEngine::load(&path)).await??;
+        tracing::info!(model = %e.info().id, seconds = started.elapsed().as_secs_f32(), "reference engine loaded");
+        list.push(Arc::new(e));
+    }
+    list.extend(
+        SimProfile::all()
+            .into_iter()
+            .map(|p| Arc::new(SimEngine::new(p, config.engine.sim_time_scale)) as Arc<dyn Engine>),
+    );
+    Ok(EnginePool::new(
+        list,
+        config.engine.workers,
+        config.engine.queue,
+    ))
 }
 
 /// A running all-in-one service.
@@ -100,6 +114,8 @@ pub async fn start(
     shutdown: CancellationToken,
 ) -> anyhow::Result<Running> {
     let addr = listener.local_addr()?;
+    // Load the engines first: a missing model file is reported before anything starts.
+    let engine_pool = engines(&config).await?;
     let pool = connect_and_migrate(&config.database_url, 16).await?;
     let meter_pool = PgPoolOptions::new()
         .max_connections(4)
@@ -116,7 +132,7 @@ pub async fn start(
         config.gateway(),
         pool.clone(),
         fabric,
-        engines(&config),
+        engine_pool,
         meter.clone(),
         redis,
     )?;

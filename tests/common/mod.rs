@@ -55,6 +55,8 @@ pub struct Options {
     /// Database URL the service uses (e.g. through a proxy); defaults to the direct one.
     pub db_url_override: Option<String>,
     pub db_name: Option<String>,
+    /// `sim` (fast, the default for these tests) or `reference` (the real model).
+    pub engine: &'static str,
 }
 
 impl Default for Options {
@@ -64,6 +66,7 @@ impl Default for Options {
             redis_url: REDIS.into(),
             db_url_override: None,
             db_name: None,
+            engine: "sim",
         }
     }
 }
@@ -100,6 +103,9 @@ impl TestApp {
             ..Default::default()
         };
         config.engine.sim_time_scale = opts.sim_time_scale;
+        config.engine.kind = opts.engine.into();
+        config.engine.model_path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(&config.engine.model_path);
         config.meter.retry_interval_ms = 200;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let shutdown = CancellationToken::new();

@@ -34,7 +34,8 @@ def server():
     port = _free_port()
     data = tempfile.mkdtemp(prefix="cachet-sdk-")
     env = dict(os.environ, DATABASE_URL=f"{PG}/{db}", CACHET_LISTEN=f"127.0.0.1:{port}",
-               CACHET_DATA_DIR=data, CACHET_SIM_TIME_SCALE="0", RUST_LOG="warn")
+               CACHET_DATA_DIR=data, CACHET_SIM_TIME_SCALE="0", RUST_LOG="warn",
+               CACHET_MODEL_PATH=os.path.join(ROOT, ".cachet", "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
     _cachet(env, "migrate")
     _cachet(env, "tenant", "create", "sdk-a")
     _cachet(env, "tenant", "create", "sdk-b")

@@ -152,4 +152,4 @@ def test_unknown_model_and_auth_errors(server):
     bad_key = anthropic.Anthropic(base_url=server["url"], api_key="sk-cachet-wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError):
         bad_key.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}])
-    assert [m.id for m in c.models.list().data] == ["sim-tiny", "sim-llama-8b", "sim-llama-70b"]
+    assert [m.id for m in c.models.list().data] == ["smollm2-135m-instruct", "sim-tiny", "sim-llama-8b", "sim-llama-70b"]
