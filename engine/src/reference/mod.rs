@@ -110,10 +110,20 @@ impl ReferenceEngine {
         &self.tokenizer
     }
 
-    /// Logits of the last position after running `tokens` from scratch (tests, benchmarks).
-    pub fn logits(&self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
-        let mut cache = KvCache::new(&self.weights.cfg, tokens.len())?;
-        let l = self.weights.forward(tokens, &mut cache)?;
+    /// Logits of the last position of `tokens`, with the KV of its first positions imported
+    /// from `prefix` blocks (contiguous from 0; empty: from scratch). For tests and benchmarks.
+    pub fn logits(&self, tokens: &[u32], prefix: &[KvBlock]) -> Result<Vec<f32>, EngineError> {
+        let cfg = self.weights.cfg;
+        let mut cache = KvCache::new(&cfg, tokens.len())?;
+        for b in prefix {
+            cache.import(&cfg, &b.data, b.end - b.start)?;
+        }
+        if cache.len >= tokens.len() {
+            return Err(EngineError::InvalidImport(
+                "the prefix covers the whole prompt".into(),
+            ));
+        }
+        let l = self.weights.forward(&tokens[cache.len..], &mut cache)?;
         l.to_vec1::<f32>()
             .map_err(|e| EngineError::Internal(e.to_string()))
     }
