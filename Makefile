@@ -7,7 +7,7 @@ export CARGO_BUILD_JOBS ?= 2
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test model services build build-release lint fmt-check clippy doc rust-test sdk-test venv openapi bench-gateway clean
+.PHONY: run test model services build build-release lint fmt-check clippy doc rust-test sdk-test venv openapi bench-gateway bench-engine clean
 
 ## Start everything (Postgres and Redis too, if none answers) and serve on 127.0.0.1:8080.
 run: services model build-release
@@ -61,6 +61,11 @@ openapi:
 ## Cache-hit throughput through the gateway vs a bare axum handler (docs/benchmarks.md).
 bench-gateway: services build-release
 	loadtests/gateway-hit.sh
+
+## Reference engine vs candle's quantized_llama on the same file (docs/benchmarks.md).
+bench-engine: model
+	$(CARGO) bench -p engine --bench reference
+	CANDLE_DEQUANTIZE_ALL=1 $(CARGO) bench -p engine --bench reference
 
 clean:
 	$(CARGO) clean

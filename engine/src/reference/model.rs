@@ -1,6 +1,7 @@
 //! Our llama forward pass on candle building blocks, with the KV cache in our hands.
 //!
-//! - Weights are dequantized to f32 at load (the fastest CPU path whose output equals f32).
+//! - Weights are dequantized to f32 at load: exact, and the fastest CPU path measured whose
+//!   output equals f32.
 //! - Prefill is batched: causal attention over grouped-query heads without repeating K/V
 //!   (the query heads of a group are stacked against their shared KV head).
 //! - The KV cache is preallocated per layer (`kv_heads × max_ctx × head_dim`) and written in
@@ -41,23 +42,43 @@ impl Config {
     }
 }
 
+/// One linear map, f32, stored transposed `(in, out)` for `x · W`.
+///
+/// Also measured (docs/benchmarks.md): Q8_0 for one-token decode changed greedy answers, and
+/// f16 decoded 1.3× faster but is no longer the f32 computation; f32 is kept everywhere.
+struct Linear {
+    w_t: Tensor,
+}
+
+impl Linear {
+    /// `w` is `(out, in)` as stored in the GGUF.
+    fn new(w: Tensor) -> Result<Self, EngineError> {
+        Ok(Self {
+            w_t: w.t().map_err(ce)?.contiguous().map_err(ce)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
+        x.matmul(&self.w_t).map_err(ce)
+    }
+}
+
 struct Layer {
     attn_norm: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
     ffn_norm: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
+    w_gate: Linear,
+    w_up: Linear,
+    w_down: Linear,
 }
 
 pub struct Weights {
     pub cfg: Config,
     embed: Tensor,
-    /// Output projection, transposed: (hidden, vocab).
-    lm_head_t: Tensor,
+    lm_head: Linear,
     out_norm: Tensor,
     layers: Vec<Layer>,
     cos: Tensor,
@@ -97,10 +118,7 @@ impl Weights {
                 .map_err(|e| EngineError::Internal(format!("tensor {name}: {e}")))?;
             q.dequantize(&dev).map_err(ce)
         };
-        // Linear weights are stored (out, in); keep them transposed to (in, out) for x·W.
-        let mut lin = |name: &str| -> Result<Tensor, EngineError> {
-            get(name)?.t().map_err(ce)?.contiguous().map_err(ce)
-        };
+        let mut lin = |name: &str| -> Result<Linear, EngineError> { Linear::new(get(name)?) };
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
             layers.push(Layer {
@@ -131,7 +149,7 @@ impl Weights {
         } else {
             embed.clone()
         };
-        let lm_head_t = lm_head.t().map_err(ce)?.contiguous().map_err(ce)?;
+        let lm_head = Linear::new(lm_head)?;
         let out_norm = get("output_norm.weight")?;
         // Rotary tables for every position.
         let half = cfg.head_dim / 2;
@@ -152,7 +170,7 @@ impl Weights {
         Ok(Self {
             cfg,
             embed,
-            lm_head_t,
+            lm_head,
             out_norm,
             layers,
             cos,
@@ -303,9 +321,9 @@ impl Weights {
         let scale = 1.0 / (c.head_dim as f64).sqrt();
         for (l, w) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &w.attn_norm, c.eps)?;
-            let q = h.matmul(&w.wq).map_err(ce)?;
-            let k = h.matmul(&w.wk).map_err(ce)?;
-            let v = h.matmul(&w.wv).map_err(ce)?;
+            let q = w.wq.forward(&h)?;
+            let k = w.wk.forward(&h)?;
+            let v = w.wv.forward(&h)?;
             // (n, heads·d) → (1, heads, n, d)
             let q = q
                 .reshape((1, n, c.heads, c.head_dim))
@@ -354,19 +372,17 @@ impl Weights {
                 .and_then(|t| t.transpose(0, 1))
                 .and_then(|t| t.reshape((n, c.hidden)))
                 .map_err(ce)?;
-            x = (x + attn.matmul(&w.wo).map_err(ce)?).map_err(ce)?;
+            x = (x + w.wo.forward(&attn)?).map_err(ce)?;
             let h = rms_norm(&x, &w.ffn_norm, c.eps)?;
-            let gate = h.matmul(&w.w_gate).and_then(|g| g.silu()).map_err(ce)?;
-            let up = h.matmul(&w.w_up).map_err(ce)?;
-            let ff = (gate * up).and_then(|t| t.matmul(&w.w_down)).map_err(ce)?;
+            let gate = w.w_gate.forward(&h)?.silu().map_err(ce)?;
+            let up = w.w_up.forward(&h)?;
+            let ff = w.w_down.forward(&(gate * up).map_err(ce)?)?;
             x = (x + ff).map_err(ce)?;
         }
         cache.len = ctx;
         let last = x.narrow(0, n - 1, 1).map_err(ce)?;
         let last = rms_norm(&last, &self.out_norm, c.eps)?;
-        last.matmul(&self.lm_head_t)
-            .and_then(|t| t.squeeze(0))
-            .map_err(ce)
+        self.lm_head.forward(&last)?.squeeze(0).map_err(ce)
     }
 }
 
