@@ -38,12 +38,14 @@ fmt-check:
 
 clippy:
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+	$(CARGO) clippy -p engine --features cuda --all-targets --locked -- -D warnings
 
 doc:
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked
 
 rust-test: build
 	$(CARGO) test --workspace --locked
+	$(CARGO) test -p engine --features cuda --locked --lib gpu
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: tests/sdk/requirements.txt

@@ -14,6 +14,7 @@
 //!
 //! Engine calls are blocking CPU work: callers run them off the async runtime.
 
+pub mod gpu;
 pub mod memo;
 pub mod metrics;
 pub mod prompt;

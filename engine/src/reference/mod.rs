@@ -79,6 +79,7 @@ impl ReferenceEngine {
             }
         };
         let template = ChatTemplate::new(&template_src)?;
+        tracing::info!(accelerator = %crate::gpu::probe(), "reference engine computes on the cpu");
         let weights = Weights::load(&content, &mut file)?;
         let c = weights.cfg;
         let info = ModelInfo {
