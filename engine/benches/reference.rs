@@ -32,7 +32,11 @@ fn tokens(e: &ReferenceEngine, n: usize) -> Vec<u32> {
 }
 
 fn ours(e: &ReferenceEngine) {
+    let decode_only = std::env::var_os("CACHET_BENCH_DECODE_ONLY").is_some();
     for n in [512, 2048] {
+        if decode_only {
+            break;
+        }
         let t = tokens(e, n);
         let start = Instant::now();
         let g = e
@@ -62,7 +66,10 @@ fn ours(e: &ReferenceEngine) {
         })
         .unwrap();
     g.next_token().unwrap();
-    let steps = 32;
+    let steps = std::env::var("CACHET_BENCH_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(32);
     let start = Instant::now();
     for _ in 0..steps {
         // Greedy decode may stop early at end of turn; the text keeps it going in practice.
@@ -75,6 +82,9 @@ fn ours(e: &ReferenceEngine) {
         "cachet-reference\tdecode@512\t{steps}\t{:.1} tok/s",
         steps as f64 / secs
     );
+    if decode_only {
+        return;
+    }
 
     // TTFT: 2,048 cached + 16 new vs all 2,064 computed.
     let t = tokens(e, 2064);
@@ -173,6 +183,9 @@ fn main() {
         return;
     }
     ours(&e);
+    if std::env::var_os("CACHET_BENCH_DECODE_ONLY").is_some() {
+        return;
+    }
     // candle's quantized_llama as shipped (Q4_1; 512 only: 2,048 takes minutes).
     candle(&path, "candle-quantized_llama-q4_1", &[512], &e);
 }

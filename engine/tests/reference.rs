@@ -176,3 +176,36 @@ fn seeded_sampling_is_reproducible_and_seeds_differ() {
         "different seeds should not all give the same text"
     );
 }
+
+#[test]
+fn decoding_from_q4_blocks_answers_like_the_f32_path() {
+    let Some(e) = engine() else { return };
+    let path = std::env::var("CACHET_MODEL_PATH")
+        .map(Into::into)
+        .unwrap_or_else(|_| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join(default_model_path())
+        });
+    let exact = ReferenceEngine::load_with(&path, false).unwrap();
+    for q in [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three prime numbers.",
+        "Why is the sky blue?",
+    ] {
+        let p = Prompt {
+            messages: vec![PromptMessage {
+                role: Role::User,
+                blocks: vec![q.into()],
+            }],
+            ..Default::default()
+        };
+        let r = e.render(&p).unwrap();
+        assert_eq!(
+            greedy(e, &r.tokens, vec![], 24),
+            greedy(&exact, &r.tokens, vec![], 24),
+            "{q}"
+        );
+    }
+}

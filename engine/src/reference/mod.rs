@@ -7,6 +7,7 @@
 //!   engine instance is reused, bit for bit, by another.
 
 pub mod model;
+pub mod q4;
 pub mod template;
 pub mod tokenizer;
 
@@ -56,6 +57,11 @@ pub struct ReferenceEngine {
 impl ReferenceEngine {
     /// Load and verify the model file.
     pub fn load(path: &Path) -> Result<Self, EngineError> {
+        Self::load_with(path, true)
+    }
+
+    /// `q4_decode = false` decodes with the f32 matrix multiply too (tests compare the two).
+    pub fn load_with(path: &Path, q4_decode: bool) -> Result<Self, EngineError> {
         let bytes =
             std::fs::read(path).map_err(|e| missing(path, &format!("cannot be read ({e})")))?;
         let digest = hex_digest(&bytes);
@@ -80,7 +86,7 @@ impl ReferenceEngine {
         };
         let template = ChatTemplate::new(&template_src)?;
         tracing::info!(accelerator = %crate::gpu::probe(), "reference engine computes on the cpu");
-        let weights = Weights::load(&content, &mut file)?;
+        let weights = Weights::load(&content, &mut file, q4_decode)?;
         let c = weights.cfg;
         let info = ModelInfo {
             id: MODEL_ID.into(),

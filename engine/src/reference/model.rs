@@ -13,6 +13,9 @@
 //! head_dim`, head-major.
 
 use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::{GgmlDType, QTensor};
+
+use super::q4::{Format, Q4Matrix};
 use candle_core::{D, DType, Device, Tensor};
 
 use crate::EngineError;
@@ -42,24 +45,49 @@ impl Config {
     }
 }
 
-/// One linear map, f32, stored transposed `(in, out)` for `x · W`.
-///
-/// Also measured (docs/benchmarks.md): Q8_0 for one-token decode changed greedy answers, and
-/// f16 decoded 1.3× faster but is no longer the f32 computation; f32 is kept everywhere.
+/// One linear map: f32 `(in, out)` for batched prefill (compute-bound), and for one-token
+/// decode (memory-bound) the shipped Q4_1 blocks read directly ([`super::q4`]), with weights
+/// bit-identical to the f32 ones.
 struct Linear {
     w_t: Tensor,
+    q4: Option<Q4Matrix>,
 }
 
 impl Linear {
-    /// `w` is `(out, in)` as stored in the GGUF.
-    fn new(w: Tensor) -> Result<Self, EngineError> {
+    /// `q` is `(out, in)` as stored in the GGUF.
+    fn new(q: QTensor, q4_decode: bool) -> Result<Self, EngineError> {
+        let w = q.dequantize(&Device::Cpu).map_err(ce)?;
+        let format = match q.dtype() {
+            GgmlDType::Q4_1 => Some(Format::Q4_1),
+            GgmlDType::Q8_0 => Some(Format::Q8_0),
+            _ => None,
+        };
+        let q4 = match format.filter(|_| q4_decode) {
+            Some(f) => {
+                let (rows, cols) = w.dims2().map_err(ce)?;
+                Q4Matrix::new(f, &q.data().map_err(ce)?, rows, cols)
+            }
+            None => None,
+        };
         Ok(Self {
             w_t: w.t().map_err(ce)?.contiguous().map_err(ce)?,
+            q4,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
-        x.matmul(&self.w_t).map_err(ce)
+        match &self.q4 {
+            Some(q) if x.dim(0).map_err(ce)? == 1 => {
+                let xv = x
+                    .flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .map_err(ce)?;
+                let mut y = vec![0f32; q.rows];
+                q.matvec(&xv, &mut y);
+                Tensor::from_vec(y, (1, q.rows), &Device::Cpu).map_err(ce)
+            }
+            _ => x.matmul(&self.w_t).map_err(ce),
+        }
     }
 }
 
@@ -97,7 +125,12 @@ fn md_f32(c: &Content, k: &str) -> Result<f32, EngineError> {
 }
 
 impl Weights {
-    pub fn load(content: &Content, file: &mut std::fs::File) -> Result<Self, EngineError> {
+    /// `q4_decode`: decode one token at a time from the Q4_1 blocks (see [`super::q4`]).
+    pub fn load(
+        content: &Content,
+        file: &mut std::fs::File,
+        q4_decode: bool,
+    ) -> Result<Self, EngineError> {
         let dev = Device::Cpu;
         let hidden = md_u32(content, "llama.embedding_length")?;
         let heads = md_u32(content, "llama.attention.head_count")?;
@@ -112,45 +145,48 @@ impl Weights {
             eps: md_f32(content, "llama.attention.layer_norm_rms_epsilon")? as f64,
             vocab: md_u32(content, "llama.vocab_size")?,
         };
-        let mut get = |name: &str| -> Result<Tensor, EngineError> {
-            let q = content
+        let mut raw = |name: &str| -> Result<QTensor, EngineError> {
+            content
                 .tensor(file, name, &dev)
-                .map_err(|e| EngineError::Internal(format!("tensor {name}: {e}")))?;
-            q.dequantize(&dev).map_err(ce)
+                .map_err(|e| EngineError::Internal(format!("tensor {name}: {e}")))
         };
-        let mut lin = |name: &str| -> Result<Linear, EngineError> { Linear::new(get(name)?) };
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
+            let mut lin = |n: &str| Linear::new(raw(&format!("blk.{i}.{n}.weight"))?, q4_decode);
+            let wq = lin("attn_q")?;
+            let wk = lin("attn_k")?;
+            let wv = lin("attn_v")?;
+            let wo = lin("attn_output")?;
+            let w_gate = lin("ffn_gate")?;
+            let w_up = lin("ffn_up")?;
+            let w_down = lin("ffn_down")?;
+            let mut norm = |n: &str| {
+                raw(&format!("blk.{i}.{n}.weight"))?
+                    .dequantize(&dev)
+                    .map_err(ce)
+            };
+            let attn_norm = norm("attn_norm")?;
+            let ffn_norm = norm("ffn_norm")?;
             layers.push(Layer {
-                wq: lin(&format!("blk.{i}.attn_q.weight"))?,
-                wk: lin(&format!("blk.{i}.attn_k.weight"))?,
-                wv: lin(&format!("blk.{i}.attn_v.weight"))?,
-                wo: lin(&format!("blk.{i}.attn_output.weight"))?,
-                w_gate: lin(&format!("blk.{i}.ffn_gate.weight"))?,
-                w_up: lin(&format!("blk.{i}.ffn_up.weight"))?,
-                w_down: lin(&format!("blk.{i}.ffn_down.weight"))?,
-                attn_norm: Tensor::zeros(1, DType::F32, &dev).map_err(ce)?,
-                ffn_norm: Tensor::zeros(1, DType::F32, &dev).map_err(ce)?,
+                attn_norm,
+                wq,
+                wk,
+                wv,
+                wo,
+                ffn_norm,
+                w_gate,
+                w_up,
+                w_down,
             });
         }
-        let mut get = |name: &str| -> Result<Tensor, EngineError> {
-            let q = content
-                .tensor(file, name, &dev)
-                .map_err(|e| EngineError::Internal(format!("tensor {name}: {e}")))?;
-            q.dequantize(&dev).map_err(ce)
-        };
-        for (i, l) in layers.iter_mut().enumerate() {
-            l.attn_norm = get(&format!("blk.{i}.attn_norm.weight"))?;
-            l.ffn_norm = get(&format!("blk.{i}.ffn_norm.weight"))?;
-        }
-        let embed = get("token_embd.weight")?;
+        let embed_q = raw("token_embd.weight")?;
+        let embed = embed_q.dequantize(&dev).map_err(ce)?;
         let lm_head = if content.tensor_infos.contains_key("output.weight") {
-            get("output.weight")?
+            Linear::new(raw("output.weight")?, q4_decode)?
         } else {
-            embed.clone()
+            Linear::new(embed_q, q4_decode)?
         };
-        let lm_head = Linear::new(lm_head)?;
-        let out_norm = get("output_norm.weight")?;
+        let out_norm = raw("output_norm.weight")?.dequantize(&dev).map_err(ce)?;
         // Rotary tables for every position.
         let half = cfg.head_dim / 2;
         let inv: Vec<f32> = (0..half)
@@ -346,32 +382,44 @@ impl Weights {
                 .slice_set(&k.squeeze(0).map_err(ce)?, 1, past)
                 .map_err(ce)?;
             cache.v[l].slice_set(&v, 1, past).map_err(ce)?;
-            let k_all = cache.k[l].narrow(1, 0, ctx).map_err(ce)?;
-            let v_all = cache.v[l].narrow(1, 0, ctx).map_err(ce)?;
-            // Stack each group's query heads against their shared KV head.
-            let qg = q
-                .reshape((c.kv_heads, groups * n, c.head_dim))
-                .map_err(ce)?;
-            let scores = qg
-                .matmul(&k_all.t().map_err(ce)?)
-                .map_err(ce)?
-                .affine(scale, 0.0)
-                .map_err(ce)?;
-            let scores = match &mask {
-                Some(m) => scores
-                    .reshape((c.kv_heads, groups, n, ctx))
-                    .and_then(|s| s.broadcast_add(m))
-                    .and_then(|s| s.reshape((c.kv_heads, groups * n, ctx)))
-                    .map_err(ce)?,
-                None => scores,
+            let attn = if n == 1 {
+                decode_attention(
+                    &q,
+                    &cache.k[l],
+                    &cache.v[l],
+                    c,
+                    ctx,
+                    cache.capacity,
+                    scale as f32,
+                )?
+            } else {
+                let k_all = cache.k[l].narrow(1, 0, ctx).map_err(ce)?;
+                let v_all = cache.v[l].narrow(1, 0, ctx).map_err(ce)?;
+                // Stack each group's query heads against their shared KV head.
+                let qg = q
+                    .reshape((c.kv_heads, groups * n, c.head_dim))
+                    .map_err(ce)?;
+                let scores = qg
+                    .matmul(&k_all.t().map_err(ce)?)
+                    .map_err(ce)?
+                    .affine(scale, 0.0)
+                    .map_err(ce)?;
+                let scores = match &mask {
+                    Some(m) => scores
+                        .reshape((c.kv_heads, groups, n, ctx))
+                        .and_then(|s| s.broadcast_add(m))
+                        .and_then(|s| s.reshape((c.kv_heads, groups * n, ctx)))
+                        .map_err(ce)?,
+                    None => scores,
+                };
+                let probs = candle_nn::ops::softmax_last_dim(&scores).map_err(ce)?;
+                probs
+                    .matmul(&v_all)
+                    .and_then(|a| a.reshape((c.heads, n, c.head_dim)))
+                    .and_then(|t| t.transpose(0, 1))
+                    .and_then(|t| t.reshape((n, c.hidden)))
+                    .map_err(ce)?
             };
-            let probs = candle_nn::ops::softmax_last_dim(&scores).map_err(ce)?;
-            let attn = probs.matmul(&v_all).map_err(ce)?; // (kv, groups·n, d)
-            let attn = attn
-                .reshape((c.heads, n, c.head_dim))
-                .and_then(|t| t.transpose(0, 1))
-                .and_then(|t| t.reshape((n, c.hidden)))
-                .map_err(ce)?;
             x = (x + w.wo.forward(&attn)?).map_err(ce)?;
             let h = rms_norm(&x, &w.ffn_norm, c.eps)?;
             let gate = w.w_gate.forward(&h)?.silu().map_err(ce)?;
@@ -384,6 +432,90 @@ impl Weights {
         let last = rms_norm(&last, &self.out_norm, c.eps)?;
         self.lm_head.forward(&last)?.squeeze(0).map_err(ce)
     }
+}
+
+fn f32_data(t: &Tensor) -> Result<candle_core::StorageRef<'_>, EngineError> {
+    let (st, layout) = t.storage_and_layout();
+    if layout.start_offset() != 0 || !layout.is_contiguous() {
+        return Err(EngineError::Internal(
+            "kv cache is not a contiguous buffer".into(),
+        ));
+    }
+    Ok(st)
+}
+
+fn as_f32(st: &candle_core::Storage) -> Result<&[f32], EngineError> {
+    match st {
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => Ok(v),
+        _ => Err(EngineError::Internal(
+            "kv cache is not f32 on the cpu".into(),
+        )),
+    }
+}
+
+/// Dot product with 8 independent lanes (vectorizes without reassociating a single sum).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    let mut s: f32 = lanes.iter().sum();
+    for (x, y) in a
+        .chunks_exact(8)
+        .remainder()
+        .iter()
+        .zip(b.chunks_exact(8).remainder())
+    {
+        s += x * y;
+    }
+    s
+}
+
+/// Attention of one new token over the first `ctx` cached positions, read in place.
+fn decode_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    c: &Config,
+    ctx: usize,
+    capacity: usize,
+    scale: f32,
+) -> Result<Tensor, EngineError> {
+    let q = q
+        .flatten_all()
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(ce)?; // heads × d
+    let (kst, vst) = (f32_data(k)?, f32_data(v)?);
+    let (kd, vd) = (as_f32(&kst)?, as_f32(&vst)?);
+    let d = c.head_dim;
+    let groups = c.heads / c.kv_heads;
+    let mut out = vec![0f32; c.heads * d];
+    let mut scores = vec![0f32; ctx];
+    for h in 0..c.heads {
+        let base = (h / groups) * capacity * d;
+        let qh = &q[h * d..(h + 1) * d];
+        let mut max = f32::NEG_INFINITY;
+        for (j, s) in scores.iter_mut().enumerate() {
+            *s = dot(qh, &kd[base + j * d..base + (j + 1) * d]) * scale;
+            max = max.max(*s);
+        }
+        let mut sum = 0.0;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let o = &mut out[h * d..(h + 1) * d];
+        for (j, p) in scores.iter().enumerate() {
+            let w = p / sum;
+            let vj = &vd[base + j * d..base + (j + 1) * d];
+            for (oi, vi) in o.iter_mut().zip(vj) {
+                *oi += w * vi;
+            }
+        }
+    }
+    Tensor::from_vec(out, (1, c.hidden), &Device::Cpu).map_err(ce)
 }
 
 /// Index of the largest logit.
