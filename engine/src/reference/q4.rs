@@ -45,7 +45,7 @@ impl Q4Matrix {
             Format::Q4_1 => (BLOCK_BYTES, 4, 16),
             Format::Q8_0 => (Q8_BLOCK_BYTES, 2, 32),
         };
-        if cols % BLOCK != 0 || data.len() != rows * cols / BLOCK * bytes {
+        if !cols.is_multiple_of(BLOCK) || data.len() != rows * cols / BLOCK * bytes {
             return None;
         }
         let blocks = data.len() / bytes;
