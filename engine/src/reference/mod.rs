@@ -33,6 +33,9 @@ pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 pub const MODEL_ID: &str = "smollm2-135m-instruct";
 
+/// Prefill runs in chunks of this many tokens (measured in docs/benchmarks.md).
+const PREFILL_CHUNK: usize = 512;
+
 /// Where `make` puts the model by default.
 pub fn default_model_path() -> PathBuf {
     PathBuf::from(".cachet/models").join(MODEL_FILE)
@@ -121,10 +124,7 @@ impl ReferenceEngine {
     /// from `prefix` blocks (contiguous from 0; empty: from scratch). For tests and benchmarks.
     pub fn logits(&self, tokens: &[u32], prefix: &[KvBlock]) -> Result<Vec<f32>, EngineError> {
         let cfg = self.weights.cfg;
-        let mut cache = KvCache::new(&cfg, tokens.len())?;
-        for b in prefix {
-            cache.import(&cfg, &b.data, b.end - b.start)?;
-        }
+        let mut cache = KvCache::with_prefix(&cfg, tokens.len(), prefix)?;
         if cache.len >= tokens.len() {
             return Err(EngineError::InvalidImport(
                 "the prefix covers the whole prompt".into(),
@@ -211,21 +211,17 @@ impl crate::Engine for ReferenceEngine {
             return Err(EngineError::InvalidImport("empty prompt".into()));
         }
         let room = (req.max_new_tokens as usize).min(cfg.context.saturating_sub(total));
-        let mut cache = KvCache::new(&cfg, total + room + 1)?;
-        for b in &req.imported {
-            if b.start != cache.len || b.end <= b.start || b.end > total {
-                return Err(EngineError::InvalidImport(format!(
-                    "block {}..{} does not continue the prefix at {}",
-                    b.start, b.end, cache.len
-                )));
-            }
-            cache.import(&cfg, &b.data, b.end - b.start)?;
-        }
+        let mut cache = KvCache::with_prefix(&cfg, total + room + 1, &req.imported)?;
         let cached = cache.len;
         // With the whole prompt imported, recompute its last token to get logits.
         let from = if cached == total { total - 1 } else { cached };
         cache.len = from;
-        let logits = self.weights.forward(&req.tokens[from..], &mut cache)?;
+        let mut logits = None;
+        // Chunks keep attention's score matrix cache-sized on long prompts.
+        for chunk in req.tokens[from..].chunks(PREFILL_CHUNK) {
+            logits = Some(self.weights.forward(chunk, &mut cache)?);
+        }
+        let logits = logits.expect("at least one token to prefill");
         metrics::TOKENS
             .with_label_values(&[MODEL_ID, "imported"])
             .inc_by(from as u64);

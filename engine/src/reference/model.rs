@@ -241,6 +241,56 @@ impl KvCache {
         })
     }
 
+    /// A cache holding `blocks` (contiguous from position 0) with room for `capacity`
+    /// positions, built in one pass per layer straight from the block bytes.
+    pub fn with_prefix(
+        cfg: &Config,
+        capacity: usize,
+        blocks: &[crate::KvBlock],
+    ) -> Result<Self, EngineError> {
+        let (h, d) = (cfg.kv_heads, cfg.head_dim);
+        let mut len = 0;
+        for b in blocks {
+            let n = b.end - b.start;
+            if b.start != len || b.data.len() != 2 * cfg.layers * h * n * d * 4 {
+                return Err(EngineError::InvalidImport(format!(
+                    "block {}..{} does not continue the prefix at {len}",
+                    b.start, b.end
+                )));
+            }
+            len = b.end;
+        }
+        if len > capacity {
+            return Err(EngineError::InvalidImport(format!(
+                "prefix of {len} tokens exceeds the cache ({capacity})"
+            )));
+        }
+        let mut k = Vec::with_capacity(cfg.layers);
+        let mut v = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            for (which, out) in [(0, &mut k), (1, &mut v)] {
+                let mut buf = vec![0f32; h * capacity * d];
+                for b in blocks {
+                    let n = b.end - b.start;
+                    let per = h * n * d;
+                    let src = &b.data[(2 * l + which) * per * 4..(2 * l + which + 1) * per * 4];
+                    for head in 0..h {
+                        let s = &src[head * n * d * 4..(head + 1) * n * d * 4];
+                        let lo = head * capacity * d + b.start * d;
+                        copy_le_f32(s, &mut buf[lo..lo + n * d]);
+                    }
+                }
+                out.push(Tensor::from_vec(buf, (h, capacity, d), &Device::Cpu).map_err(ce)?);
+            }
+        }
+        Ok(Self {
+            k,
+            v,
+            len,
+            capacity,
+        })
+    }
+
     /// Make room for `needed` positions, doubling (capped at the context) and copying.
     pub fn grow_to(&mut self, cfg: &Config, needed: usize) -> Result<(), EngineError> {
         if needed <= self.capacity {
@@ -269,35 +319,6 @@ impl KvCache {
         Ok(())
     }
 
-    /// Append the KV of `n` tokens from block bytes (layout in the module doc).
-    pub fn import(&mut self, cfg: &Config, data: &[u8], n: usize) -> Result<(), EngineError> {
-        let per = cfg.kv_heads * n * cfg.head_dim;
-        if data.len() != 2 * cfg.layers * per * 4 || self.len + n > self.capacity {
-            return Err(EngineError::InvalidImport(format!(
-                "block of {} bytes does not hold {n} tokens",
-                data.len()
-            )));
-        }
-        let floats: Vec<f32> = data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        for l in 0..cfg.layers {
-            for (which, cache) in [(0, &self.k[l]), (1, &self.v[l])] {
-                let off = (2 * l + which) * per;
-                let t = Tensor::from_slice(
-                    &floats[off..off + per],
-                    (cfg.kv_heads, n, cfg.head_dim),
-                    &Device::Cpu,
-                )
-                .map_err(ce)?;
-                cache.slice_set(&t, 1, self.len).map_err(ce)?;
-            }
-        }
-        self.len += n;
-        Ok(())
-    }
-
     /// The KV of positions `start..end` as block bytes.
     pub fn export(&self, cfg: &Config, start: usize, end: usize) -> Result<Vec<u8>, EngineError> {
         let n = end - start;
@@ -317,6 +338,21 @@ impl KvCache {
             }
         }
         Ok(out)
+    }
+}
+
+/// Little-endian f32 bytes into floats (a plain copy where the target is little-endian).
+fn copy_le_f32(src: &[u8], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len() * 4);
+    #[cfg(target_endian = "little")]
+    // SAFETY: `dst` has exactly `src.len()` bytes (asserted above), the regions cannot
+    // overlap (`dst` is borrowed mutably), and every bit pattern is a valid f32.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<u8>(), src.len())
+    };
+    #[cfg(not(target_endian = "little"))]
+    for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
     }
 }
 
