@@ -5,15 +5,16 @@ SHELL := /bin/bash
 CARGO ?= cargo
 export CARGO_BUILD_JOBS ?= 2
 VENV := .venv
+TARGET := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 PY := $(VENV)/bin/python
 
 .PHONY: run test model services build build-release lint fmt-check clippy doc rust-test sdk-test venv openapi bench-gateway bench-engine clean
 
 ## Start everything (Postgres and Redis too, if none answers) and serve on 127.0.0.1:8080.
 run: services model build-release
-	@target/release/cachet migrate >/dev/null
-	@KEY=$$(target/release/cachet demo) && scripts/print-examples.sh "$$KEY"
-	@exec target/release/cachet serve
+	@$(TARGET)/release/cachet migrate >/dev/null
+	@KEY=$$($(TARGET)/release/cachet demo) && scripts/print-examples.sh "$$KEY"
+	@exec $(TARGET)/release/cachet serve
 
 ## The full suite: formatting, lints, Rust tests, docs, and the anthropic SDK tests.
 test: services model lint rust-test doc sdk-test
@@ -54,7 +55,7 @@ $(VENV)/.installed: tests/sdk/requirements.txt
 	touch $@
 
 sdk-test: build venv
-	CACHET_BIN=$(CURDIR)/target/debug/cachet $(VENV)/bin/pytest -q tests/sdk
+	CACHET_BIN=$(TARGET)/debug/cachet $(VENV)/bin/pytest -q tests/sdk
 
 ## Regenerate openapi/openapi.json from the code.
 openapi:

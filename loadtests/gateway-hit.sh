@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-10}
-BIN=target/release/cachet
+BIN=${CARGO_TARGET_DIR:-target}/release/cachet
 [ -x "$BIN" ] || cargo build --release --locked --bin cachet
 DB=cachet_bench_$$
 export DATABASE_URL=${BENCH_PG:-postgres://postgres@127.0.0.1:5432}/$DB
