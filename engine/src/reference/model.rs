@@ -1,13 +1,14 @@
 //! Our llama forward pass on candle building blocks, with the KV cache in our hands.
 //!
-//! - Weights are dequantized to f32 at load: exact, and the fastest CPU path measured whose
-//!   output equals f32.
-//! - Prefill is batched: causal attention over grouped-query heads without repeating K/V
-//!   (the query heads of a group are stacked against their shared KV head).
+//! - Weights are dequantized to f32 for batched prefill; one-token decode reads the shipped
+//!   Q4_1/Q8_0 blocks ([`super::q4`]) with weights bit-identical to the f32 ones.
+//! - Prefill is batched (in chunks, by the caller): causal attention over grouped-query heads
+//!   without repeating K/V (the query heads of a group are stacked against their shared KV
+//!   head). One-token decode computes attention directly on the cache memory.
 //! - The KV cache is preallocated per layer (`kv_heads × max_ctx × head_dim`) and written in
 //!   place; attention reads a view of its first `len` positions. Nothing is concatenated.
-//! - KV of any token range can be exported as bytes and imported into a fresh cache; rotary
-//!   positions continue from the imported length.
+//! - KV of any token range can be exported as bytes, and a fresh cache can be built from
+//!   block bytes ([`KvCache::with_prefix`]); rotary positions continue from the imported length.
 //!
 //! Block byte layout (f32 little endian): for each layer, K then V, each `kv_heads × n_tokens ×
 //! head_dim`, head-major.
