@@ -49,26 +49,37 @@ fn tokenizer_matches_known_ids_and_round_trips() {
     assert_eq!(t.encode("<|im_start|>"), vec![1]);
 }
 
-fn greedy(e: &ReferenceEngine, tokens: &[u32], imported: Vec<KvBlock>, n: u32) -> Vec<u32> {
+/// Run a generation to its end: (text, output tokens).
+fn generate(
+    e: &ReferenceEngine,
+    tokens: &[u32],
+    imported: Vec<KvBlock>,
+    sampling: Sampling,
+    n: u32,
+) -> (String, u32) {
     let g = e
         .start(GenerateRequest {
             tokens: tokens.to_vec(),
             imported,
             exports: vec![],
-            sampling: Sampling::default(),
+            sampling,
             max_new_tokens: n,
         })
         .unwrap();
     let mut s = TextStream::new(g, n, vec![]);
-    let mut ids = Vec::new();
     let mut text = String::new();
     while let Some(d) = s.next_delta().unwrap() {
         text.push_str(&d.text);
     }
-    ids.push(s.output_tokens());
-    // Compare by text too: it is what clients see.
-    ids.extend(text.bytes().map(u32::from));
-    ids
+    (text, s.output_tokens())
+}
+
+/// Greedy output as comparable values: the token count and the text clients see.
+fn greedy(e: &ReferenceEngine, tokens: &[u32], imported: Vec<KvBlock>, n: u32) -> Vec<u32> {
+    let (text, count) = generate(e, tokens, imported, Sampling::default(), n);
+    std::iter::once(count)
+        .chain(text.bytes().map(u32::from))
+        .collect()
 }
 
 #[test]
@@ -82,20 +93,7 @@ fn greedy_output_says_paris() {
         ..Default::default()
     };
     let r = e.render(&p).unwrap();
-    let g = e
-        .start(GenerateRequest {
-            tokens: r.tokens,
-            imported: vec![],
-            exports: vec![],
-            sampling: Sampling::default(),
-            max_new_tokens: 12,
-        })
-        .unwrap();
-    let mut s = TextStream::new(g, 12, vec![]);
-    let mut text = String::new();
-    while let Some(d) = s.next_delta().unwrap() {
-        text.push_str(&d.text);
-    }
+    let (text, _) = generate(e, &r.tokens, vec![], Sampling::default(), 12);
     assert!(text.contains("Paris"), "{text:?}");
 }
 
@@ -153,21 +151,7 @@ fn seeded_sampling_is_reproducible_and_seeds_differ() {
             top_k: Some(40),
             seed: Some(seed),
         };
-        let g = e
-            .start(GenerateRequest {
-                tokens: r.tokens.clone(),
-                imported: vec![],
-                exports: vec![],
-                sampling,
-                max_new_tokens: 16,
-            })
-            .unwrap();
-        let mut s = TextStream::new(g, 16, vec![]);
-        let mut text = String::new();
-        while let Some(d) = s.next_delta().unwrap() {
-            text.push_str(&d.text);
-        }
-        text
+        generate(e, &r.tokens, vec![], sampling, 16).0
     };
     assert_eq!(run(7), run(7));
     let distinct: std::collections::HashSet<String> = (1..=4).map(run).collect();
