@@ -439,3 +439,28 @@ async fn pre_warm_with_max_tokens_zero_writes_the_cache_and_returns_no_content()
     assert!(r2["usage"]["cache_read_input_tokens"].as_u64().unwrap() >= 150);
     app.stop().await;
 }
+
+#[tokio::test]
+async fn generation_stops_at_the_context_window_as_max_tokens() {
+    let app = TestApp::start().await;
+    // sim-tiny has a 32,768-token window: leave room for exactly 3 more tokens.
+    let probe = cached_body(0, "x", 8);
+    let mut count_body = probe.clone();
+    count_body.as_object_mut().unwrap().remove("max_tokens");
+    count_body.as_object_mut().unwrap().remove("system");
+    let (_, _, c) = app
+        .post("/v1/messages/count_tokens", &app.key, &count_body)
+        .await;
+    let overhead = c["input_tokens"].as_u64().unwrap() as usize - 1;
+    let words: String = (0..32_768 - 3 - overhead)
+        .map(|i| format!("w{} ", i % 10))
+        .collect::<String>();
+    let body = json!({"model": "sim-tiny", "max_tokens": 4000, "messages": [{"role": "user", "content": words.trim_end()}]});
+    let (s, _, r) = app.post("/v1/messages", &app.key, &body).await;
+    assert_eq!(s, 200, "{r}");
+    let prompt = usage_total(&r["usage"]);
+    assert!(prompt <= 32_768);
+    assert!(r["usage"]["output_tokens"].as_u64().unwrap() <= 32_768 - prompt);
+    assert_eq!(r["stop_reason"], "max_tokens");
+    app.stop().await;
+}

@@ -131,6 +131,12 @@ async fn create_message_inner(
         // Small prompts render (memoized) in tens of microseconds: cheaper than a thread hop.
         render::prepare(engine.as_ref(), &prompt, &bps, scope)?
     };
+    // Generation never runs past the context window: it ends as `max_tokens` there.
+    let room = engine
+        .info()
+        .context_window
+        .saturating_sub(prepared.rendered.tokens.len());
+    let max_tokens = req.max_tokens.min(u32::try_from(room).unwrap_or(u32::MAX));
     let job = Job {
         request_id: rid,
         started_at,
@@ -138,7 +144,7 @@ async fn create_message_inner(
         principal,
         engine,
         prepared,
-        max_tokens: req.max_tokens,
+        max_tokens,
         stream: req.stream,
         stop_sequences: req.stop_sequences.clone().unwrap_or_default(),
         sampling: Sampling {
