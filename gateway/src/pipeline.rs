@@ -63,6 +63,8 @@ pub fn spawn(state: AppState, job: Job) -> mpsc::Receiver<Event> {
 
 struct Prefilled {
     generation: Box<dyn Generation>,
+    /// The chain links past the cached prefix, and their exported KV.
+    links: Vec<ChainLink>,
     exported: Vec<KvBlock>,
     cached: usize,
 }
@@ -79,11 +81,12 @@ fn prefill(
     max_new_tokens: u32,
 ) -> Result<Prefilled, EngineError> {
     let attempt = |cached: usize, imported: Vec<KvBlock>| -> Result<Prefilled, EngineError> {
-        let live: Vec<usize> = targets.iter().copied().filter(|&t| t > cached).collect();
-        let exports = keys
-            .map(|k| usage::export_links(k, cached, &live))
-            .unwrap_or_default()
-            .into_iter()
+        // Links wholly inside the cached prefix are skipped, so targets at or before it add none.
+        let links = keys
+            .map(|k| usage::export_links(k, cached, targets))
+            .unwrap_or_default();
+        let exports = links
+            .iter()
             .map(|l| engine::ExportSpec {
                 hash: l.hash,
                 start: l.start,
@@ -100,6 +103,7 @@ fn prefill(
         let exported = generation.take_exports();
         Ok(Prefilled {
             generation,
+            links,
             exported,
             cached,
         })
@@ -343,7 +347,7 @@ fn generate(w: Work, rt: &tokio::runtime::Handle) -> Finished {
             return finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err));
         }
     };
-    let (u, api_usage, report) = rt.block_on(write_entries(&w, pre.cached, &pre.exported));
+    let (u, api_usage, report) = rt.block_on(write_entries(&w, &pre));
     let Work {
         tx,
         rate,
@@ -406,18 +410,11 @@ fn generate(w: Work, rt: &tokio::runtime::Handle) -> Finished {
 }
 
 /// Write each cacheable breakpoint past the cached prefix, in order; then the usage.
-async fn write_entries(
-    w: &Work,
-    cached: usize,
-    exported: &[KvBlock],
-) -> (TokenUsage, Usage, CacheReport) {
+async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheReport) {
+    let cached = pre.cached;
     let mut written: Vec<(usize, Ttl)> = Vec::new();
     let mut reports = Vec::with_capacity(w.placed.len());
-    let links: Vec<ChainLink> = match &w.keys {
-        Some(k) => usage::export_links(k, cached, &w.targets),
-        None => Vec::new(),
-    };
-    let blocks = put_blocks(exported, &links);
+    let blocks = put_blocks(&pre.exported, &pre.links);
     for (i, pl) in w.placed.iter().enumerate() {
         let (status, reason) = if !pl.cacheable {
             ("below_minimum", None)
