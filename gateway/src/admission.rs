@@ -65,6 +65,14 @@ pub enum Class {
 }
 
 impl Class {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Class::Requests => "requests per minute",
+            Class::InputTokens => "input tokens per minute",
+            Class::OutputTokens => "output tokens per minute",
+        }
+    }
+
     fn header(self) -> &'static str {
         match self {
             Class::Requests => "requests",
@@ -374,16 +382,6 @@ impl Admission {
             .collect();
         if !bs.is_empty() {
             self.run(&bs, true).await;
-        }
-    }
-}
-
-impl Class {
-    pub fn describe(self) -> &'static str {
-        match self {
-            Class::Requests => "requests per minute",
-            Class::InputTokens => "input tokens per minute",
-            Class::OutputTokens => "output tokens per minute",
         }
     }
 }
