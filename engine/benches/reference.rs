@@ -33,8 +33,9 @@ fn tokens(e: &ReferenceEngine, n: usize) -> Vec<u32> {
 
 fn ours(e: &ReferenceEngine) {
     let decode_only = std::env::var_os("CACHET_BENCH_DECODE_ONLY").is_some();
+    let ttft_only = std::env::var_os("CACHET_BENCH_TTFT_ONLY").is_some();
     for n in [512, 2048] {
-        if decode_only {
+        if decode_only || ttft_only {
             break;
         }
         let t = tokens(e, n);
@@ -55,6 +56,16 @@ fn ours(e: &ReferenceEngine) {
             n as f64 / secs
         );
     }
+    if !ttft_only {
+        decode(e);
+    }
+    if decode_only {
+        return;
+    }
+    ttft(e);
+}
+
+fn decode(e: &ReferenceEngine) {
     let t = tokens(e, 512);
     let mut g = e
         .start(GenerateRequest {
@@ -82,10 +93,9 @@ fn ours(e: &ReferenceEngine) {
         "cachet-reference\tdecode@512\t{steps}\t{:.1} tok/s",
         steps as f64 / secs
     );
-    if decode_only {
-        return;
-    }
+}
 
+fn ttft(e: &ReferenceEngine) {
     // TTFT: 2,048 cached + 16 new vs all 2,064 computed.
     let t = tokens(e, 2064);
     let specs: Vec<ExportSpec> = (0..128)
@@ -191,7 +201,9 @@ fn main() {
         return;
     }
     ours(&e);
-    if std::env::var_os("CACHET_BENCH_DECODE_ONLY").is_some() {
+    if std::env::var_os("CACHET_BENCH_DECODE_ONLY").is_some()
+        || std::env::var_os("CACHET_BENCH_TTFT_ONLY").is_some()
+    {
         return;
     }
     // candle's quantized_llama as shipped (Q4_1; 512 only: 2,048 takes minutes).

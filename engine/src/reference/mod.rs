@@ -6,6 +6,7 @@
 //! - KV is exported and imported per block in f32 ([`model`]), so a prefix computed on one
 //!   engine instance is reused, bit for bit, by another.
 
+pub mod kernels;
 pub mod model;
 pub mod q4;
 pub mod template;
@@ -36,6 +37,23 @@ pub const MODEL_ID: &str = "smollm2-135m-instruct";
 /// Prefill runs in chunks of this many tokens (measured in docs/benchmarks.md).
 const PREFILL_CHUNK: usize = 512;
 
+/// Keep freed buffers in the process instead of handing them back to the kernel.
+///
+/// Every request allocates its KV cache (about 45 KiB per token) and per-layer activations
+/// of several MiB. With glibc's defaults such buffers are fresh `mmap`s, released on free,
+/// so each request pays a page fault per 4 KiB touched: a fully cached 2,048-token prompt
+/// spent a fifth of its time zeroing pages (docs/benchmarks.md). Raising the `mmap`
+/// threshold to its maximum (32 MiB) serves them from the heap, and a 1 GiB trim threshold
+/// keeps up to that much freed memory for the next request. Process-wide; idempotent.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` only adjusts allocator parameters; it is thread-safe in glibc.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
 /// Where `make` puts the model by default.
 pub fn default_model_path() -> PathBuf {
     PathBuf::from(".cachet/models").join(MODEL_FILE)
@@ -65,6 +83,7 @@ impl ReferenceEngine {
 
     /// `q4_decode = false` decodes with the f32 matrix multiply too (tests compare the two).
     pub fn load_with(path: &Path, q4_decode: bool) -> Result<Self, EngineError> {
+        keep_freed_memory();
         let bytes =
             std::fs::read(path).map_err(|e| missing(path, &format!("cannot be read ({e})")))?;
         let digest = hex_digest(&bytes);
@@ -216,12 +235,16 @@ impl crate::Engine for ReferenceEngine {
         // With the whole prompt imported, recompute its last token to get logits.
         let from = if cached == total { total - 1 } else { cached };
         cache.len = from;
-        let mut logits = None;
-        // Chunks keep attention's score matrix cache-sized on long prompts.
-        for chunk in req.tokens[from..].chunks(PREFILL_CHUNK) {
-            logits = Some(self.weights.forward(chunk, &mut cache)?);
-        }
-        let logits = logits.expect("at least one token to prefill");
+        // Chunks keep attention's score matrix cache-sized on long prompts. The pass runs on
+        // a worker of the compute pool, so each operation's parallel parts are joined there
+        // rather than handed across threads and waited for.
+        let logits = rayon::scope(|_| {
+            let mut logits = None;
+            for chunk in req.tokens[from..].chunks(PREFILL_CHUNK) {
+                logits = Some(self.weights.forward(chunk, &mut cache)?);
+            }
+            Ok::<_, EngineError>(logits.expect("at least one token to prefill"))
+        })?;
         metrics::TOKENS
             .with_label_values(&[MODEL_ID, "imported"])
             .inc_by(from as u64);
@@ -280,7 +303,8 @@ impl Generation for ReferenceGeneration {
     fn next_token(&mut self) -> Result<Option<Token>, EngineError> {
         if let Some(t) = self.pending.take() {
             self.cache.grow_to(&self.weights.cfg, self.cache.len + 1)?;
-            self.logits = self.weights.forward(&[t], &mut self.cache)?;
+            let (weights, cache) = (&self.weights, &mut self.cache);
+            self.logits = rayon::scope(|_| weights.forward(&[t], cache))?;
         }
         let id = self.sampler.sample(&self.logits)?;
         if id == self.tokenizer.eos_id {

@@ -1,6 +1,7 @@
 //! Our llama forward pass on candle building blocks, with the KV cache in our hands.
 //!
-//! - Weights are dequantized to f32 for batched prefill; one-token decode reads the shipped
+//! - Weights are dequantized to f32 for batched prefill; passes of up to
+//!   [`kernels::SMALL_M`] tokens (decode, the tail after a cached prefix) read the shipped
 //!   Q4_1/Q8_0 blocks ([`super::q4`]) with weights bit-identical to the f32 ones.
 //! - Prefill is batched (in chunks, by the caller): causal attention over grouped-query heads
 //!   without repeating K/V (the query heads of a group are stacked against their shared KV
@@ -16,8 +17,10 @@
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::{GgmlDType, QTensor};
 
+use super::kernels;
 use super::q4::{Format, Q4Matrix};
 use candle_core::{D, DType, Device, Tensor};
+use rayon::prelude::*;
 
 use crate::EngineError;
 
@@ -46,9 +49,9 @@ impl Config {
     }
 }
 
-/// One linear map: f32 `(in, out)` for batched prefill (compute-bound), and for one-token
-/// decode (memory-bound) the shipped Q4_1 blocks read directly ([`super::q4`]), with weights
-/// bit-identical to the f32 ones.
+/// One linear map: f32 `(in, out)` for batched prefill (compute-bound), and for passes of a
+/// few tokens (memory-bound) the shipped Q4_1 blocks read directly ([`super::q4`]), with
+/// weights bit-identical to the f32 ones (or, without them, [`kernels::matmul_small`]).
 struct Linear {
     w_t: Tensor,
     q4: Option<Q4Matrix>,
@@ -78,16 +81,34 @@ impl Linear {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
         match &self.q4 {
-            Some(q) if x.dim(0).map_err(ce)? == 1 => {
+            Some(q) if x.dim(0).map_err(ce)? <= kernels::SMALL_M => {
+                let m = x.dim(0).map_err(ce)?;
                 let xv = x
                     .flatten_all()
                     .and_then(|t| t.to_vec1::<f32>())
                     .map_err(ce)?;
+                if m > 1 {
+                    let y = q.matmul_rows(&xv, m);
+                    return Tensor::from_vec(y, (m, q.rows), &Device::Cpu).map_err(ce);
+                }
                 let mut y = vec![0f32; q.rows];
                 q.matvec(&xv, &mut y);
                 Tensor::from_vec(y, (1, q.rows), &Device::Cpu).map_err(ce)
             }
-            _ => x.matmul(&self.w_t).map_err(ce),
+            _ => {
+                let (m, k) = x.dims2().map_err(ce)?;
+                if m > kernels::SMALL_M {
+                    return x.matmul(&self.w_t).map_err(ce);
+                }
+                let n = self.w_t.dim(1).map_err(ce)?;
+                let xv = x
+                    .flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .map_err(ce)?;
+                let (st, _) = self.w_t.storage_and_layout();
+                let y = kernels::matmul_small(&xv, as_f32(&st)?, m, k, n);
+                Tensor::from_vec(y, (m, n), &Device::Cpu).map_err(ce)
+            }
         }
     }
 }
@@ -266,23 +287,34 @@ impl KvCache {
                 "prefix of {len} tokens exceeds the cache ({capacity})"
             )));
         }
-        let mut k = Vec::with_capacity(cfg.layers);
-        let mut v = Vec::with_capacity(cfg.layers);
-        for l in 0..cfg.layers {
-            for (which, out) in [(0, &mut k), (1, &mut v)] {
-                let mut buf = vec![0f32; h * capacity * d];
-                for b in blocks {
-                    let n = b.end - b.start;
-                    let per = h * n * d;
-                    let src = &b.data[(2 * l + which) * per * 4..(2 * l + which + 1) * per * 4];
-                    for head in 0..h {
-                        let s = &src[head * n * d * 4..(head + 1) * n * d * 4];
-                        let lo = head * capacity * d + b.start * d;
-                        copy_le_f32(s, &mut buf[lo..lo + n * d]);
+        // One task per layer and K/V: the copy is memory-bound and both cores help.
+        let mut kv = (0..2 * cfg.layers)
+            .into_par_iter()
+            .map(|i| {
+                let (l, which) = (i / 2, i % 2);
+                // Head by head: the prefix's rows from the blocks, then zeros for the rest
+                // (the prefix is written once, not zeroed first).
+                let mut buf: Vec<f32> = Vec::with_capacity(h * capacity * d);
+                for head in 0..h {
+                    for b in blocks {
+                        let n = b.end - b.start;
+                        let per = h * n * d;
+                        let src = &b.data[(2 * l + which) * per * 4..(2 * l + which + 1) * per * 4];
+                        extend_le_f32(&mut buf, &src[head * n * d * 4..(head + 1) * n * d * 4]);
                     }
+                    buf.resize((head + 1) * capacity * d, 0.0);
                 }
-                out.push(Tensor::from_vec(buf, (h, capacity, d), &Device::Cpu).map_err(ce)?);
-            }
+                Tensor::from_vec(buf, (h, capacity, d), &Device::Cpu).map_err(ce)
+            })
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter();
+        let (mut k, mut v) = (
+            Vec::with_capacity(cfg.layers),
+            Vec::with_capacity(cfg.layers),
+        );
+        while let (Some(kt), Some(vt)) = (kv.next(), kv.next()) {
+            k.push(kt);
+            v.push(vt);
         }
         Ok(Self {
             k,
@@ -342,19 +374,28 @@ impl KvCache {
     }
 }
 
-/// Little-endian f32 bytes into floats (a plain copy where the target is little-endian).
-fn copy_le_f32(src: &[u8], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len() * 4);
+/// Append little-endian f32 bytes as floats (a plain copy where the target is little-endian).
+fn extend_le_f32(dst: &mut Vec<f32>, src: &[u8]) {
+    assert!(src.len().is_multiple_of(4));
+    let n = src.len() / 4;
+    dst.reserve(n);
     #[cfg(target_endian = "little")]
-    // SAFETY: `dst` has exactly `src.len()` bytes (asserted above), the regions cannot
-    // overlap (`dst` is borrowed mutably), and every bit pattern is a valid f32.
+    // SAFETY: `reserve` made room for `n` more floats past `len`; exactly `src.len()` bytes
+    // are copied there (the regions cannot overlap: `dst` is borrowed mutably), every bit
+    // pattern is a valid f32, and only then is the length extended over them.
     unsafe {
-        std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<u8>(), src.len())
-    };
-    #[cfg(not(target_endian = "little"))]
-    for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
-        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        std::ptr::copy_nonoverlapping(
+            src.as_ptr(),
+            dst.as_mut_ptr().add(dst.len()).cast::<u8>(),
+            src.len(),
+        );
+        dst.set_len(dst.len() + n);
     }
+    #[cfg(not(target_endian = "little"))]
+    dst.extend(
+        src.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+    );
 }
 
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor, EngineError> {
@@ -381,16 +422,6 @@ impl Weights {
         let sin = self.sin.narrow(0, past, n).map_err(ce)?;
         let ctx = past + n;
         let groups = c.heads / c.kv_heads;
-        let mask = if n > 1 {
-            let m: Vec<f32> = (0..n)
-                .flat_map(|i| {
-                    (0..ctx).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 })
-                })
-                .collect();
-            Some(Tensor::from_vec(m, (n, ctx), &dev).map_err(ce)?)
-        } else {
-            None
-        };
         let scale = 1.0 / (c.head_dim as f64).sqrt();
         for (l, w) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &w.attn_norm, c.eps)?;
@@ -436,20 +467,14 @@ impl Weights {
                 let qg = q
                     .reshape((c.kv_heads, groups * n, c.head_dim))
                     .map_err(ce)?;
-                let scores = qg
+                let mut scores = qg
                     .matmul(&k_all.t().map_err(ce)?)
-                    .map_err(ce)?
-                    .affine(scale, 0.0)
+                    .and_then(|s| s.flatten_all())
+                    .and_then(|s| s.to_vec1::<f32>())
                     .map_err(ce)?;
-                let scores = match &mask {
-                    Some(m) => scores
-                        .reshape((c.kv_heads, groups, n, ctx))
-                        .and_then(|s| s.broadcast_add(m))
-                        .and_then(|s| s.reshape((c.kv_heads, groups * n, ctx)))
-                        .map_err(ce)?,
-                    None => scores,
-                };
-                let probs = candle_nn::ops::softmax_last_dim(&scores).map_err(ce)?;
+                kernels::causal_softmax_rows(&mut scores, ctx, n, past, scale as f32);
+                let probs =
+                    Tensor::from_vec(scores, (c.kv_heads, groups * n, ctx), &dev).map_err(ce)?;
                 probs
                     .matmul(&v_all)
                     .and_then(|a| a.reshape((c.heads, n, c.head_dim)))

@@ -111,6 +111,127 @@ impl Q4Matrix {
     }
 }
 
+impl Q4Matrix {
+    /// `Y = X · Wᵀ` for a few rows: `x` is `(m × cols)`, the result `(m × rows)`. Each block
+    /// of weights is rebuilt in registers once per 8 rows of `x` and used for all of them.
+    pub fn matmul_rows(&self, x: &[f32], m: usize) -> Vec<f32> {
+        assert_eq!(x.len(), m * self.cols);
+        #[cfg(target_arch = "x86_64")]
+        let simd = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        const CHUNK: usize = 64;
+        // Output transposed (`rows × m`) so that each task owns a contiguous slice.
+        let mut yt = vec![0f32; self.rows * m];
+        yt.par_chunks_mut(CHUNK * m)
+            .enumerate()
+            .for_each(|(chunk, out)| {
+                for (k, o) in out.chunks_exact_mut(m).enumerate() {
+                    let row = self.row(chunk * CHUNK + k);
+                    let mut r = 0;
+                    #[cfg(target_arch = "x86_64")]
+                    if simd {
+                        while r + ROWS <= m {
+                            let xs = &x[r * self.cols..(r + ROWS) * self.cols];
+                            // SAFETY: AVX2 and FMA were detected; `xs` holds `ROWS` rows of
+                            // `cols` floats and `row` is one row of this matrix.
+                            o[r..r + ROWS].copy_from_slice(&unsafe {
+                                match self.format {
+                                    Format::Q4_1 => dot_rows_avx2::<false>(&row, xs, self.cols),
+                                    Format::Q8_0 => dot_rows_avx2::<true>(&row, xs, self.cols),
+                                }
+                            });
+                            r += ROWS;
+                        }
+                    }
+                    for (i, v) in o.iter_mut().enumerate().skip(r) {
+                        let xr = &x[i * self.cols..(i + 1) * self.cols];
+                        #[cfg(target_arch = "x86_64")]
+                        if simd {
+                            // SAFETY: as above.
+                            *v = unsafe {
+                                match self.format {
+                                    Format::Q4_1 => dot_avx2(&row, xr),
+                                    Format::Q8_0 => dot_q8_avx2(&row, xr),
+                                }
+                            };
+                            continue;
+                        }
+                        *v = match self.format {
+                            Format::Q4_1 => dot_scalar(&row, xr),
+                            Format::Q8_0 => dot_q8_scalar(&row, xr),
+                        };
+                    }
+                }
+            });
+        let mut y = vec![0f32; m * self.rows];
+        for (j, col) in yt.chunks_exact(m).enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                y[i * self.rows + j] = *v;
+            }
+        }
+        y
+    }
+}
+
+/// Rows of `x` per register-tiled call of [`dot_rows_avx2`].
+const ROWS: usize = 8;
+
+/// One weight row against `ROWS` rows of `x` (`xs`, `ROWS × cols`): each block's weights are
+/// rebuilt once, exactly as [`dot_avx2`] / [`dot_q8_avx2`] rebuild them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_rows_avx2<const Q8: bool>(row: &Row<'_>, xs: &[f32], cols: usize) -> [f32; ROWS] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); ROWS];
+    let nibbles = _mm_set1_epi8(0x0F);
+    for b in 0..cols / BLOCK {
+        let d = _mm256_set1_ps(row.d[b]);
+        // SAFETY (whole block): block `b` of the row has 16 (Q4_1) or 32 (Q8_0) bytes, and
+        // every row of `xs` has `cols` floats, so `b * 32 + 31 < cols` is in bounds.
+        unsafe {
+            let w: [__m256; 4] = if Q8 {
+                let q = row.qs.as_ptr().add(b * 32);
+                let f = |k: usize| {
+                    let v = _mm_loadl_epi64(q.add(k * 8) as *const __m128i);
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d)
+                };
+                [f(0), f(1), f(2), f(3)]
+            } else {
+                let m = _mm256_set1_ps(row.m[b]);
+                let qs = _mm_loadu_si128(row.qs.as_ptr().add(b * 16) as *const __m128i);
+                let lo = _mm_and_si128(qs, nibbles);
+                let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), nibbles);
+                let f = |q: __m128i| {
+                    _mm256_add_ps(
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), d),
+                        m,
+                    )
+                };
+                [
+                    f(lo),
+                    f(_mm_srli_si128(lo, 8)),
+                    f(hi),
+                    f(_mm_srli_si128(hi, 8)),
+                ]
+            };
+            for (r, a) in acc.iter_mut().enumerate() {
+                let xp = xs.as_ptr().add(r * cols + b * BLOCK);
+                *a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xp), *a);
+                *a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), *a);
+                *a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), *a);
+                *a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), *a);
+            }
+        }
+    }
+    let mut out = [0f32; ROWS];
+    for (o, a) in out.iter_mut().zip(acc) {
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds exactly 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        *o = lanes.iter().sum();
+    }
+    out
+}
+
 struct Row<'a> {
     qs: &'a [u8],
     d: &'a [f32],
@@ -246,6 +367,11 @@ mod tests {
         let m = Q4Matrix::new(format, &q.data().unwrap(), rows, cols).unwrap();
         let mut got = vec![0.0; rows];
         m.matvec(&x, &mut got);
+        // Eleven rows of x: one register-tiled group of eight and three single rows.
+        let xs: Vec<f32> = (0..11)
+            .flat_map(|i| x.iter().map(move |v| v * (1.0 + i as f32 * 0.1)))
+            .collect();
+        let many = m.matmul_rows(&xs, 11);
         let mut scalar = vec![0.0; rows];
         for (r, s) in scalar.iter_mut().enumerate() {
             *s = if format == Format::Q4_1 {
@@ -253,6 +379,13 @@ mod tests {
             } else {
                 dot_q8_scalar(&m.row(r), &x)
             };
+        }
+        for i in 0..11 {
+            for r in 0..rows {
+                let w = want[r] * (1.0 + i as f32 * 0.1);
+                let g = many[i * rows + r];
+                assert!((g - w).abs() < 2e-4, "x row {i}, row {r}: {g} vs {w}");
+            }
         }
         for r in 0..rows {
             assert!(
