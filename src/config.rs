@@ -28,6 +28,17 @@ pub struct Config {
 #[serde(default, deny_unknown_fields)]
 pub struct FabricSection {
     pub dram_capacity_bytes: u64,
+    /// Capacity eviction and admission of automatic-caching entries: `frequency` (default),
+    /// `frequency:<horizon factor>` or `lru`. Explicit-breakpoint entries are never evicted
+    /// for capacity.
+    pub eviction: String,
+}
+
+impl FabricSection {
+    pub fn eviction(&self) -> anyhow::Result<cache_fabric::EvictionPolicy> {
+        cache_fabric::EvictionPolicy::parse(&self.eviction)
+            .map_err(|e| anyhow::anyhow!("fabric.eviction: {e}"))
+    }
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -92,6 +103,7 @@ impl Default for FabricSection {
     fn default() -> Self {
         Self {
             dram_capacity_bytes: 1 << 30,
+            eviction: "frequency".into(),
         }
     }
 }
@@ -172,6 +184,7 @@ impl Config {
             "CACHET_DRAM_CAPACITY_BYTES",
             &mut self.fabric.dram_capacity_bytes,
         )?;
+        env_parse("CACHET_FABRIC_EVICTION", &mut self.fabric.eviction)?;
         env_parse("CACHET_ENGINE", &mut self.engine.kind)?;
         env_parse("CACHET_MODEL_PATH", &mut self.engine.model_path)?;
         env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
@@ -208,10 +221,12 @@ impl Config {
         }
         let FabricSection {
             dram_capacity_bytes,
+            eviction: _,
         } = fabric;
         if *dram_capacity_bytes == 0 {
             bail!("fabric.dram_capacity_bytes must be positive");
         }
+        fabric.eviction()?;
         let EngineSection {
             kind,
             model_path,

@@ -34,6 +34,19 @@ pub enum Command {
         #[arg(long, default_value = "cachet")]
         label: String,
     },
+    /// Replay a Mooncake-format trace (`{"hash_ids": [...]}` per line) through the fabric's
+    /// own eviction and admission code, without an engine, and print the prefix hit ratio of
+    /// each policy and capacity (plain LRU always printed beside).
+    SimulateCache {
+        #[arg(long)]
+        trace: std::path::PathBuf,
+        /// Capacity in blocks; repeat for several.
+        #[arg(long = "capacity-blocks", required = true)]
+        capacity_blocks: Vec<u64>,
+        /// `frequency` (default), `frequency:<horizon factor>` or `lru`; repeat for several.
+        #[arg(long, default_values_t = vec!["frequency".to_string()])]
+        policy: Vec<String>,
+    },
     /// A bare axum server answering every POST with a fixed Messages-shaped body: the limit
     /// of HTTP on this machine, for side-by-side comparison.
     BareServer {
@@ -83,7 +96,52 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
         Command::BareServer { listen, seconds } => {
             bare_server(listen, Duration::from_secs(seconds)).await
         }
+        Command::SimulateCache {
+            trace,
+            capacity_blocks,
+            policy,
+        } => simulate_cache(&trace, &capacity_blocks, &policy),
     }
+}
+
+fn simulate_cache(
+    trace: &std::path::Path,
+    capacities: &[u64],
+    policies: &[String],
+) -> anyhow::Result<()> {
+    use cache_fabric::EvictionPolicy;
+    use cache_fabric::simulate::{read_trace, replay};
+    let mut parsed = vec![EvictionPolicy::Lru];
+    for p in policies {
+        let p = EvictionPolicy::parse(p).map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
+        if !parsed.contains(&p) {
+            parsed.push(p);
+        }
+    }
+    if let Some(c) = capacities.iter().find(|c| **c == 0) {
+        bail!("--capacity-blocks must be positive, got {c}");
+    }
+    let file = std::fs::File::open(trace)
+        .with_context(|| format!("opening the trace {}", trace.display()))?;
+    let requests = read_trace(std::io::BufReader::new(file))
+        .map_err(|e| anyhow::anyhow!("{}: {e}", trace.display()))?;
+    for &cap in capacities {
+        for &p in &parsed {
+            let started = Instant::now();
+            let r = replay(&requests, cap, p);
+            println!(
+                "policy={}\tcapacity_blocks={cap}\trequests={}\tblocks={}\thit_blocks={}\thit_ratio={:.4}\tnot_admitted={}\tseconds={:.1}",
+                r.policy,
+                r.requests,
+                r.blocks,
+                r.hit_blocks,
+                r.hit_ratio(),
+                r.not_admitted,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    Ok(())
 }
 
 fn check_loopback(url: &str) -> anyhow::Result<()> {

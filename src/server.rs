@@ -125,6 +125,7 @@ pub async fn start(
     let (meter, meter_task) = Meter::start(meter_pool, config.meter(), meter_stop.clone())?;
     let node = FabricNode::new(NodeConfig {
         dram_capacity_bytes: config.fabric.dram_capacity_bytes,
+        eviction: config.fabric.eviction()?,
     });
     let fabric = FabricClient::local(node.clone());
     let redis = (!config.redis_url.is_empty()).then_some(config.redis_url.as_str());

@@ -6,7 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use cache_fabric::{FabricClient, FabricNode, KeySpace, NodeConfig, PutBlock};
+use cache_fabric::{
+    EntryKind, EvictionPolicy, FabricClient, FabricNode, KeySpace, NodeConfig, PutBlock,
+};
 use cachet_common::{Scope, TenantId, WorkspaceId};
 use common::*;
 use engine::reference::{ReferenceEngine, default_model_path};
@@ -186,6 +188,7 @@ async fn a_fresh_engine_instance_uses_a_prefix_read_back_from_the_fabric() {
     // Store the blocks in a fabric node and read them back.
     let fabric = FabricClient::local(FabricNode::new(NodeConfig {
         dram_capacity_bytes: 1 << 30,
+        eviction: EvictionPolicy::DEFAULT,
     }));
     let now = tokio::time::Instant::now();
     let puts: Vec<PutBlock> = exported
@@ -194,7 +197,15 @@ async fn a_fresh_engine_instance_uses_a_prefix_read_back_from_the_fabric() {
         .map(|(b, l)| PutBlock::new(b.hash, l.parent, (b.end - b.start) as u32, b.data.clone()))
         .collect();
     fabric
-        .write_entry(scope, &keys, bp, &puts, Duration::from_secs(300), now)
+        .write_entry(
+            scope,
+            &keys,
+            bp,
+            &puts,
+            Duration::from_secs(300),
+            now,
+            EntryKind::Paid,
+        )
         .await
         .unwrap();
     let read = fabric.read_prefix(scope, &keys, bp, now).await;

@@ -12,12 +12,16 @@ use tokio::time::Instant;
 
 use crate::keys::{ChainLink, PrefixKeys};
 use crate::metrics;
-use crate::store::{FetchedBlock, PutBlock, RemovalReason, Store, StoreLimits, WriteRefused};
+use crate::policy::EvictionPolicy;
+use crate::store::{
+    EntryKind, FetchedBlock, PutBlock, RemovalReason, Store, StoreLimits, WriteRefused,
+};
 
 /// Node configuration.
 #[derive(Clone, Copy, Debug)]
 pub struct NodeConfig {
     pub dram_capacity_bytes: u64,
+    pub eviction: EvictionPolicy,
 }
 
 /// One fabric node: the tiers it holds. Cheap to share.
@@ -30,6 +34,7 @@ impl FabricNode {
         Arc::new(Self {
             store: Mutex::new(Store::new(StoreLimits {
                 capacity_bytes: config.dram_capacity_bytes,
+                policy: config.eviction,
             })),
         })
     }
@@ -127,6 +132,8 @@ impl FabricClient {
 
     /// Write the entry ending at `offset`: the blocks of `keys.chain_to(offset)` that are in
     /// `new` are stored, the others must already be stored and get their TTL extended.
+    /// `kind` says whether it was paid for (explicit breakpoint) or is best effort.
+    #[allow(clippy::too_many_arguments)]
     pub async fn write_entry(
         &self,
         scope: Scope,
@@ -135,6 +142,7 @@ impl FabricClient {
         new: &[PutBlock],
         ttl: Duration,
         now: Instant,
+        kind: EntryKind,
     ) -> Result<(), WriteRefused> {
         let links = keys.chain_to(offset).ok_or(WriteRefused::MissingParent)?;
         let mut existing = Vec::new();
@@ -147,7 +155,7 @@ impl FabricClient {
         }
         self.node
             .store()
-            .put_entry(&scope, &existing, fresh, ttl, now)
+            .put_entry(&scope, &existing, fresh, ttl, now, kind)
     }
 
     /// Explain a miss at `offset` (the first block of its chain that is not stored).

@@ -4,7 +4,9 @@
 //! - [`keys`]: the block key scheme (chained, scoped SHA-256 over token blocks, tail keys).
 //! - [`FabricClient`]: the client API the gateway and engines use (read the longest cached
 //!   prefix, write an entry with a TTL, explain a miss, apply tenant quotas).
-//! - [`FabricNode`]: one node's tiers; today the DRAM tier ([`store`]).
+//! - [`FabricNode`]: one node's tiers; today the DRAM tier ([`store`]), with eviction and
+//!   admission decided by [`policy`].
+//! - [`simulate`]: replays a Mooncake-format trace through the store's own eviction code.
 //!
 //! What it is not: it never sees prompts or text, only token-block hashes and opaque KV bytes
 //! with a checksum; it knows nothing of billing or HTTP.
@@ -12,8 +14,11 @@
 pub mod client;
 pub mod keys;
 pub mod metrics;
+pub mod policy;
+pub mod simulate;
 pub mod store;
 
 pub use client::{FabricClient, FabricNode, MissReason, NodeConfig, PrefixRead};
 pub use keys::{ChainLink, KeySpace, PrefixKeys, TailKey};
-pub use store::{FetchedBlock, PutBlock, RemovalReason, WriteRefused, checksum};
+pub use policy::EvictionPolicy;
+pub use store::{EntryKind, FetchedBlock, PutBlock, RemovalReason, WriteRefused, checksum};

@@ -1,10 +1,17 @@
 //! The DRAM tier of one fabric node: blocks with TTLs, per-tenant quotas, checksums and
-//! least-recently-used eviction that always takes a chain's tail before its ancestors.
+//! eviction that always takes a chain's tail before its ancestors.
 //!
 //! Only *leaves* (blocks no stored block points to as its parent) are candidates for
 //! eviction, so a child always goes before its parent: a child is useless without it.
 //! Every operation touches a whole prefix from the root, so a parent never expires before
 //! its children (to within [`EXPIRY_SLACK`]).
+//!
+//! Eviction order, when room is needed: expired blocks first; then, for a tenant over its
+//! quota, that tenant's own leaves (paid or not); then, for node capacity, the leaves of
+//! *best-effort* entries (automatic caching) by the [`policy`](crate::policy)'s key. Blocks of
+//! *paid* entries (explicit breakpoints, billed as cache writes) are never taken for another
+//! tenant's or entry's capacity: they stay for their TTL unless their own tenant's quota
+//! forces them out, and a write that cannot find room is refused (and not billed).
 //!
 //! Time is `tokio::time::Instant`, passed in by the caller (the request's start time), so
 //! TTL behaviour is testable with paused time.
@@ -17,6 +24,7 @@ use cachet_common::{BlockHash, Scope, TenantId};
 use tokio::time::Instant;
 
 use crate::metrics;
+use crate::policy::{EvictionPolicy, Ranking};
 
 /// crc32c of a block's bytes; computed by the writer, verified on every put and get.
 pub fn checksum(data: &[u8]) -> u32 {
@@ -75,6 +83,15 @@ impl RemovalReason {
     }
 }
 
+/// What an entry write is: it decides what the entry's blocks may be evicted for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EntryKind {
+    /// Written at an explicit breakpoint: protected from capacity eviction for its TTL.
+    Paid,
+    /// Automatic caching: best effort, admitted and evicted by the eviction policy.
+    BestEffort,
+}
+
 /// Why an entry write was refused; such a write is not billed as one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum WriteRefused {
@@ -86,6 +103,8 @@ pub enum WriteRefused {
     Corrupt,
     #[error("a block's parent is not stored")]
     MissingParent,
+    #[error("the entry ranks below every block it would displace")]
+    NotAdmitted,
 }
 
 impl WriteRefused {
@@ -95,6 +114,7 @@ impl WriteRefused {
             WriteRefused::Capacity => "capacity",
             WriteRefused::Corrupt => "corrupt",
             WriteRefused::MissingParent => "missing_parent",
+            WriteRefused::NotAdmitted => "not_admitted",
         }
     }
 }
@@ -107,7 +127,10 @@ struct Block {
     checksum: u32,
     ttl: Duration,
     expires_at: Instant,
-    tick: u64,
+    /// Eviction key (smallest goes first), from the policy at the last use.
+    key: u64,
+    /// Written or extended by a paid entry: never evicted for capacity.
+    paid: bool,
     children: u32,
 }
 
@@ -115,6 +138,7 @@ struct Block {
 #[derive(Clone, Copy, Debug)]
 pub struct StoreLimits {
     pub capacity_bytes: u64,
+    pub policy: EvictionPolicy,
 }
 
 const TOMBSTONES: usize = 65_536;
@@ -131,8 +155,11 @@ pub struct Store {
     used_bytes: u64,
     tenant_bytes: HashMap<TenantId, u64>,
     tenant_quota: HashMap<TenantId, u64>,
+    /// Leaves that capacity eviction may take (not paid), by key.
     leaves: BTreeSet<(u64, BlockHash)>,
+    /// Every leaf of each tenant, by key (quota eviction).
     tenant_leaves: HashMap<TenantId, BTreeSet<(u64, BlockHash)>>,
+    ranking: Ranking,
     expiry: BTreeSet<(Instant, BlockHash)>,
     clock: u64,
     tombstones: HashMap<BlockHash, RemovalReason>,
@@ -149,6 +176,7 @@ impl Store {
             tenant_quota: HashMap::new(),
             leaves: BTreeSet::new(),
             tenant_leaves: HashMap::new(),
+            ranking: Ranking::new(limits.policy),
             expiry: BTreeSet::new(),
             clock: 0,
             tombstones: HashMap::new(),
@@ -245,7 +273,7 @@ impl Store {
                 data: block.data.clone(),
             };
             let ttl = block.ttl;
-            self.touch(hash, now + ttl, ttl);
+            self.touch(hash, now + ttl, ttl, false);
             out.push(fetched);
         }
         metrics::BLOCK_READS
@@ -256,9 +284,11 @@ impl Store {
 
     /// Store an entry: `existing` blocks (already stored, in chain order) get their TTL
     /// extended, then `new` blocks (in chain order, each one's parent stored or earlier in
-    /// `new`) are inserted. Evicts expired blocks, then the tenant's own LRU blocks past its
-    /// quota, then LRU leaves past the node capacity; never a block of this entry. All or
-    /// nothing: on refusal no new block of the entry stays.
+    /// `new`) are inserted. Evicts expired blocks, then the tenant's own lowest-ranked leaves
+    /// past its quota, then best-effort leaves past the node capacity (see the module
+    /// documentation); never a block of this entry. A best-effort entry whose first new block
+    /// would rank below the leaf it displaces is not admitted. All or nothing: on refusal no
+    /// new block of the entry stays.
     pub fn put_entry(
         &mut self,
         scope: &Scope,
@@ -266,6 +296,7 @@ impl Store {
         new: Vec<PutBlock>,
         ttl: Duration,
         now: Instant,
+        kind: EntryKind,
     ) -> Result<(), WriteRefused> {
         self.purge_expired(now);
         for b in &new {
@@ -294,20 +325,38 @@ impl Store {
                 }
             }
         }
+        if kind == EntryKind::BestEffort
+            && self.ranking.admits_selectively()
+            && self.used_bytes + incoming > self.limits.capacity_bytes
+            && let Some(first) = new.iter().find(|b| !self.blocks.contains_key(&b.hash))
+        {
+            let candidate =
+                self.ranking
+                    .prospective_key(&first.hash, self.clock + 1, self.blocks.len());
+            let victim = self.leaves.iter().find(|(_, h)| !pinned.contains(h));
+            if victim.is_some_and(|(key, _)| *key > candidate) {
+                // Seen, though not stored: the next use of these blocks ranks higher.
+                for b in &new {
+                    self.ranking.record(&b.hash, self.blocks.len());
+                }
+                return Err(refused(WriteRefused::NotAdmitted));
+            }
+        }
         while self.used_bytes + incoming > self.limits.capacity_bytes {
             if !self.evict_one(None, &pinned, RemovalReason::Capacity) {
                 return Err(refused(WriteRefused::Capacity));
             }
         }
         let expires = now + ttl;
+        let paid = kind == EntryKind::Paid;
         for h in existing {
-            self.touch(h, expires, ttl);
+            self.touch(h, expires, ttl, paid);
         }
         let mut inserted: Vec<BlockHash> = Vec::new();
         for b in new {
             if self.blocks.contains_key(&b.hash) {
                 if self.contains(scope, &b.hash, now) {
-                    self.touch(&b.hash, expires, ttl);
+                    self.touch(&b.hash, expires, ttl, paid);
                     continue;
                 }
                 // Same hash under another scope cannot happen (scope is in the preimage);
@@ -323,30 +372,32 @@ impl Store {
                 return Err(refused(WriteRefused::MissingParent));
             }
             inserted.push(b.hash);
-            self.insert(scope, b, ttl, expires);
+            self.insert(scope, b, ttl, expires, paid);
         }
         Ok(())
     }
 
-    fn insert(&mut self, scope: &Scope, b: PutBlock, ttl: Duration, expires_at: Instant) {
+    fn insert(
+        &mut self,
+        scope: &Scope,
+        b: PutBlock,
+        ttl: Duration,
+        expires_at: Instant,
+        paid: bool,
+    ) {
         let tick = self.tick();
+        let key = self.ranking.use_key(&b.hash, tick, self.blocks.len() + 1);
         let len = b.data.len() as u64;
         if let Some(p) = b.parent
             && let Some(parent) = self.blocks.get_mut(&p)
         {
-            if parent.children == 0 {
-                self.leaves.remove(&(parent.tick, p));
-                if let Some(set) = self.tenant_leaves.get_mut(&parent.scope.tenant) {
-                    set.remove(&(parent.tick, p));
-                }
-            }
             parent.children += 1;
+            if parent.children == 1 {
+                let (k, t) = (parent.key, parent.scope.tenant);
+                self.unset_leaf(t, k, p);
+            }
         }
-        self.leaves.insert((tick, b.hash));
-        self.tenant_leaves
-            .entry(scope.tenant)
-            .or_default()
-            .insert((tick, b.hash));
+        self.set_leaf(scope.tenant, key, b.hash, paid);
         self.expiry.insert((expires_at, b.hash));
         self.used_bytes += len;
         *self.tenant_bytes.entry(scope.tenant).or_default() += len;
@@ -361,7 +412,8 @@ impl Store {
                 checksum: b.checksum,
                 ttl,
                 expires_at,
-                tick,
+                key,
+                paid,
                 children: 0,
             },
         );
@@ -370,21 +422,25 @@ impl Store {
         self.publish_gauges(scope.tenant);
     }
 
-    /// Mark recently used; extend expiry to at least `expires_at` (within [`EXPIRY_SLACK`])
-    /// and the TTL class to at least `ttl`.
-    fn touch(&mut self, hash: &BlockHash, expires_at: Instant, ttl: Duration) {
-        let tick = self.tick();
-        let Some(b) = self.blocks.get_mut(hash) else {
+    /// Mark used (a new eviction key); extend expiry to at least `expires_at` (within
+    /// [`EXPIRY_SLACK`]) and the TTL class to at least `ttl`; `paid` marks it paid (a paid
+    /// block stays paid).
+    fn touch(&mut self, hash: &BlockHash, expires_at: Instant, ttl: Duration, paid: bool) {
+        if !self.blocks.contains_key(hash) {
             return;
-        };
-        if b.children == 0 {
-            self.leaves.remove(&(b.tick, *hash));
-            self.leaves.insert((tick, *hash));
-            let set = self.tenant_leaves.entry(b.scope.tenant).or_default();
-            set.remove(&(b.tick, *hash));
-            set.insert((tick, *hash));
         }
-        b.tick = tick;
+        let tick = self.tick();
+        let key = self.ranking.use_key(hash, tick, self.blocks.len());
+        let b = self.blocks.get_mut(hash).expect("checked above");
+        let (old_key, tenant, leaf) = (b.key, b.scope.tenant, b.children == 0);
+        b.key = key;
+        b.paid |= paid;
+        let now_paid = b.paid;
+        if leaf {
+            self.unset_leaf(tenant, old_key, *hash);
+            self.set_leaf(tenant, key, *hash, now_paid);
+        }
+        let b = self.blocks.get_mut(hash).expect("checked above");
         if expires_at >= b.expires_at + EXPIRY_SLACK || (expires_at > b.expires_at && ttl > b.ttl) {
             self.expiry.remove(&(b.expires_at, *hash));
             self.expiry.insert((expires_at, *hash));
@@ -393,7 +449,8 @@ impl Store {
         b.ttl = b.ttl.max(ttl);
     }
 
-    /// Evict the least-recently-used leaf (of `tenant`, or of anyone), skipping `pinned`.
+    /// Evict the lowest-ranked leaf of `tenant` (any leaf), or else of anyone (a leaf that
+    /// is not paid), skipping `pinned`.
     fn evict_one(
         &mut self,
         tenant: Option<TenantId>,
@@ -433,12 +490,13 @@ impl Store {
         let Some(b) = self.blocks.remove(hash) else {
             return;
         };
+        debug_assert!(
+            !(b.paid && reason == RemovalReason::Capacity),
+            "a paid block was evicted for capacity"
+        );
         self.expiry.remove(&(b.expires_at, *hash));
-        self.leaves.remove(&(b.tick, *hash));
         let tenant = b.scope.tenant;
-        if let Some(set) = self.tenant_leaves.get_mut(&tenant) {
-            set.remove(&(b.tick, *hash));
-        }
+        self.unset_leaf(tenant, b.key, *hash);
         let len = b.data.len() as u64;
         self.used_bytes -= len;
         if let Some(tb) = self.tenant_bytes.get_mut(&tenant) {
@@ -449,11 +507,8 @@ impl Store {
         {
             parent.children -= 1;
             if parent.children == 0 {
-                self.leaves.insert((parent.tick, p));
-                self.tenant_leaves
-                    .entry(parent.scope.tenant)
-                    .or_default()
-                    .insert((parent.tick, p));
+                let (k, t, paid) = (parent.key, parent.scope.tenant, parent.paid);
+                self.set_leaf(t, k, p, paid);
             }
         }
         if self.tombstone_order.len() >= TOMBSTONES
@@ -472,6 +527,33 @@ impl Store {
             }])
             .inc();
         self.publish_gauges(tenant);
+    }
+
+    fn set_leaf(&mut self, tenant: TenantId, key: u64, hash: BlockHash, paid: bool) {
+        if !paid {
+            self.leaves.insert((key, hash));
+        }
+        self.tenant_leaves
+            .entry(tenant)
+            .or_default()
+            .insert((key, hash));
+    }
+
+    fn unset_leaf(&mut self, tenant: TenantId, key: u64, hash: BlockHash) {
+        self.leaves.remove(&(key, hash));
+        if let Some(set) = self.tenant_leaves.get_mut(&tenant) {
+            set.remove(&(key, hash));
+        }
+    }
+
+    /// The eviction policy in force.
+    pub fn policy(&self) -> EvictionPolicy {
+        self.ranking.policy()
+    }
+
+    /// Whether a block is stored as part of a paid entry.
+    pub fn is_paid(&self, hash: &BlockHash) -> bool {
+        self.blocks.get(hash).is_some_and(|b| b.paid)
     }
 
     fn publish_gauges(&self, tenant: TenantId) {
@@ -512,10 +594,20 @@ impl Store {
                 .count() as u32;
             assert_eq!(children, b.children, "child count of {h:?}");
             assert_eq!(
-                self.leaves.contains(&(b.tick, *h)),
-                b.children == 0,
-                "leaf set of {h:?}"
+                self.leaves.contains(&(b.key, *h)),
+                b.children == 0 && !b.paid,
+                "evictable leaf set of {h:?}"
             );
+            assert_eq!(
+                self.tenant_leaves
+                    .get(&b.scope.tenant)
+                    .is_some_and(|s| s.contains(&(b.key, *h))),
+                b.children == 0,
+                "tenant leaf set of {h:?}"
+            );
+            if let Some(p) = b.parent.and_then(|p| self.blocks.get(&p)) {
+                assert!(!b.paid || p.paid, "a paid block's parent is paid");
+            }
             assert!(self.expiry.contains(&(b.expires_at, *h)));
             if let Some(p) = b.parent.and_then(|p| self.blocks.get(&p)) {
                 // Within the expiry slack; an orphaned child is unreachable and expires within it.
@@ -528,7 +620,10 @@ impl Store {
         assert_eq!(used, self.used_bytes);
         assert_eq!(
             self.leaves.len(),
-            self.blocks.values().filter(|b| b.children == 0).count()
+            self.blocks
+                .values()
+                .filter(|b| b.children == 0 && !b.paid)
+                .count()
         );
         for (t, bytes) in per_tenant {
             assert_eq!(self.tenant_bytes(t), bytes);

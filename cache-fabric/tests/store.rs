@@ -1,12 +1,13 @@
 //! Fabric behaviour through its client API and store: TTL (paused time), refresh on read,
-//! quotas, LRU eviction with tails before ancestors, checksums.
+//! quotas, eviction with tails before ancestors, paid entries protected from capacity
+//! eviction, frequency-aware admission of best-effort entries, checksums.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use cache_fabric::{
-    FabricClient, FabricNode, KeySpace, MissReason, NodeConfig, PrefixKeys, PutBlock,
-    RemovalReason, WriteRefused,
+    EntryKind, EvictionPolicy, FabricClient, FabricNode, KeySpace, MissReason, NodeConfig,
+    PrefixKeys, PutBlock, RemovalReason, WriteRefused,
 };
 use cachet_common::{Scope, TenantId, WorkspaceId};
 use proptest::prelude::*;
@@ -40,11 +41,22 @@ fn blocks_to(keys: &PrefixKeys, offset: usize) -> Vec<PutBlock> {
 }
 
 fn client(capacity: u64) -> (FabricClient, std::sync::Arc<FabricNode>) {
+    client_with(capacity, EvictionPolicy::Lru)
+}
+
+fn client_with(
+    capacity: u64,
+    eviction: EvictionPolicy,
+) -> (FabricClient, std::sync::Arc<FabricNode>) {
     let node = FabricNode::new(NodeConfig {
         dram_capacity_bytes: capacity,
+        eviction,
     });
     (FabricClient::local(node.clone()), node)
 }
+
+const PAID: EntryKind = EntryKind::Paid;
+const AUTO: EntryKind = EntryKind::BestEffort;
 
 fn toks(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| seed * 1000 + i).collect()
@@ -57,9 +69,17 @@ async fn entry_expires_after_its_ttl_and_reads_refresh_it() {
     let t = toks(1, 10);
     let k = keys(s, &t, &[10]);
     let t0 = Instant::now();
-    c.write_entry(s, &k, 10, &blocks_to(&k, 10), Duration::from_secs(300), t0)
-        .await
-        .unwrap();
+    c.write_entry(
+        s,
+        &k,
+        10,
+        &blocks_to(&k, 10),
+        Duration::from_secs(300),
+        t0,
+        PAID,
+    )
+    .await
+    .unwrap();
     assert_eq!(c.read_prefix(s, &k, 10, t0).await.tokens, 10);
 
     tokio::time::advance(Duration::from_secs(240)).await;
@@ -91,12 +111,28 @@ async fn one_hour_entry_outlives_a_five_minute_one_sharing_its_blocks() {
     let t = toks(2, 16);
     let k = keys(s, &t, &[6, 16]);
     let now = Instant::now();
-    c.write_entry(s, &k, 6, &blocks_to(&k, 6), Duration::from_secs(3600), now)
-        .await
-        .unwrap();
-    c.write_entry(s, &k, 16, &blocks_to(&k, 16), Duration::from_secs(300), now)
-        .await
-        .unwrap();
+    c.write_entry(
+        s,
+        &k,
+        6,
+        &blocks_to(&k, 6),
+        Duration::from_secs(3600),
+        now,
+        PAID,
+    )
+    .await
+    .unwrap();
+    c.write_entry(
+        s,
+        &k,
+        16,
+        &blocks_to(&k, 16),
+        Duration::from_secs(300),
+        now,
+        PAID,
+    )
+    .await
+    .unwrap();
     tokio::time::advance(Duration::from_secs(600)).await;
     let r = c.read_prefix(s, &k, 16, Instant::now()).await;
     assert_eq!(
@@ -119,6 +155,7 @@ async fn tenants_never_read_each_others_blocks() {
         &blocks_to(&ka, 12),
         Duration::from_secs(300),
         Instant::now(),
+        PAID,
     )
     .await
     .unwrap();
@@ -137,14 +174,30 @@ async fn quota_evicts_only_the_tenants_own_lru_blocks() {
     c.set_tenant_quota(a.tenant, Some(2 * per_entry)).await;
     let now = Instant::now();
     let kb = keys(b, &toks(9, 8), &[8]);
-    c.write_entry(b, &kb, 8, &blocks_to(&kb, 8), Duration::from_secs(300), now)
-        .await
-        .unwrap();
+    c.write_entry(
+        b,
+        &kb,
+        8,
+        &blocks_to(&kb, 8),
+        Duration::from_secs(300),
+        now,
+        PAID,
+    )
+    .await
+    .unwrap();
     let ka: Vec<PrefixKeys> = (0..3).map(|i| keys(a, &toks(10 + i, 8), &[8])).collect();
     for k in &ka {
-        c.write_entry(a, k, 8, &blocks_to(k, 8), Duration::from_secs(300), now)
-            .await
-            .unwrap();
+        c.write_entry(
+            a,
+            k,
+            8,
+            &blocks_to(k, 8),
+            Duration::from_secs(300),
+            now,
+            PAID,
+        )
+        .await
+        .unwrap();
     }
     assert_eq!(c.tenant_bytes(a.tenant).await, 2 * per_entry);
     assert_eq!(
@@ -172,6 +225,7 @@ async fn quota_evicts_only_the_tenants_own_lru_blocks() {
             &blocks_to(&big, 24),
             Duration::from_secs(300),
             now,
+            PAID,
         )
         .await;
     assert_eq!(r, Err(WriteRefused::Quota));
@@ -187,9 +241,17 @@ async fn capacity_eviction_takes_tails_before_ancestors() {
     let now = Instant::now();
     let t = toks(4, 16);
     let k = keys(s, &t, &[16]);
-    c.write_entry(s, &k, 16, &blocks_to(&k, 16), Duration::from_secs(300), now)
-        .await
-        .unwrap();
+    c.write_entry(
+        s,
+        &k,
+        16,
+        &blocks_to(&k, 16),
+        Duration::from_secs(300),
+        now,
+        AUTO,
+    )
+    .await
+    .unwrap();
     // Re-read the chain so the root is the most recently used block; LRU alone would take it.
     c.read_prefix(s, &k, 4, now).await;
     let other = keys(s, &toks(5, 4), &[4]);
@@ -200,6 +262,7 @@ async fn capacity_eviction_takes_tails_before_ancestors() {
         &blocks_to(&other, 4),
         Duration::from_secs(300),
         now,
+        AUTO,
     )
     .await
     .unwrap();
@@ -215,9 +278,17 @@ async fn a_flipped_bit_is_detected_and_the_block_never_served() {
     let t = toks(6, 12);
     let k = keys(s, &t, &[12]);
     let now = Instant::now();
-    c.write_entry(s, &k, 12, &blocks_to(&k, 12), Duration::from_secs(300), now)
-        .await
-        .unwrap();
+    c.write_entry(
+        s,
+        &k,
+        12,
+        &blocks_to(&k, 12),
+        Duration::from_secs(300),
+        now,
+        PAID,
+    )
+    .await
+    .unwrap();
     assert!(node.with_store(|st| st.corrupt_for_test(&k.blocks[1])));
     let r = c.read_prefix(s, &k, 12, now).await;
     assert_eq!(r.tokens, 4, "prefix stops before the corrupt block");
@@ -229,7 +300,7 @@ async fn a_flipped_bit_is_detected_and_the_block_never_served() {
     let mut bad = blocks_to(&k, 12);
     bad[1].checksum ^= 1;
     assert_eq!(
-        c.write_entry(s, &k, 12, &bad, Duration::from_secs(300), now)
+        c.write_entry(s, &k, 12, &bad, Duration::from_secs(300), now, PAID)
             .await,
         Err(WriteRefused::Corrupt)
     );
@@ -242,13 +313,229 @@ async fn tail_hits_are_exact_at_boundaries() {
     let t = toks(7, 14);
     let k = keys(s, &t, &[6, 14]);
     let now = Instant::now();
-    c.write_entry(s, &k, 6, &blocks_to(&k, 6), Duration::from_secs(300), now)
-        .await
-        .unwrap();
+    c.write_entry(
+        s,
+        &k,
+        6,
+        &blocks_to(&k, 6),
+        Duration::from_secs(300),
+        now,
+        PAID,
+    )
+    .await
+    .unwrap();
     let r = c.read_prefix(s, &k, 14, now).await;
     assert_eq!(r.tokens, 6);
     assert_eq!(r.blocks.len(), 2);
     assert_eq!(r.blocks[1].n_tokens, 2);
+}
+
+#[tokio::test]
+async fn paid_entries_are_never_evicted_for_capacity() {
+    // Room for 4 blocks; a paid entry fills it.
+    let (c, node) = client(4 * (B * BYTES_PER_TOKEN) as u64);
+    let (s, other) = (scope(), scope());
+    let now = Instant::now();
+    let k = keys(s, &toks(30, 16), &[16]);
+    c.write_entry(
+        s,
+        &k,
+        16,
+        &blocks_to(&k, 16),
+        Duration::from_secs(300),
+        now,
+        PAID,
+    )
+    .await
+    .unwrap();
+    for (who, kind) in [(s, AUTO), (s, PAID), (other, AUTO), (other, PAID)] {
+        let kx = keys(who, &toks(31, 4), &[4]);
+        assert_eq!(
+            c.write_entry(
+                who,
+                &kx,
+                4,
+                &blocks_to(&kx, 4),
+                Duration::from_secs(300),
+                now,
+                kind
+            )
+            .await,
+            Err(WriteRefused::Capacity),
+            "{kind:?} write of {:?} must not displace a paid entry",
+            who.tenant
+        );
+    }
+    assert_eq!(c.read_prefix(s, &k, 16, now).await.tokens, 16);
+    // Its own tenant's quota still can.
+    c.set_tenant_quota(s.tenant, Some(2 * (B * BYTES_PER_TOKEN) as u64))
+        .await;
+    assert_eq!(c.read_prefix(s, &k, 16, now).await.tokens, 8);
+    node.with_store(|st| st.check_invariants());
+}
+
+#[tokio::test]
+async fn best_effort_blocks_go_before_paid_ones_whatever_their_recency() {
+    let (c, node) = client(4 * (B * BYTES_PER_TOKEN) as u64);
+    let s = scope();
+    let now = Instant::now();
+    let paid = keys(s, &toks(40, 8), &[8]);
+    let auto = keys(s, &toks(41, 8), &[8]);
+    c.write_entry(
+        s,
+        &paid,
+        8,
+        &blocks_to(&paid, 8),
+        Duration::from_secs(300),
+        now,
+        PAID,
+    )
+    .await
+    .unwrap();
+    c.write_entry(
+        s,
+        &auto,
+        8,
+        &blocks_to(&auto, 8),
+        Duration::from_secs(300),
+        now,
+        AUTO,
+    )
+    .await
+    .unwrap();
+    // The automatic entry is now the most recently used; LRU alone would keep it.
+    c.read_prefix(s, &auto, 8, now).await;
+    let next = keys(s, &toks(42, 8), &[8]);
+    c.write_entry(
+        s,
+        &next,
+        8,
+        &blocks_to(&next, 8),
+        Duration::from_secs(300),
+        now,
+        PAID,
+    )
+    .await
+    .unwrap();
+    assert_eq!(c.read_prefix(s, &paid, 8, now).await.tokens, 8);
+    assert_eq!(c.read_prefix(s, &auto, 8, now).await.tokens, 0);
+    assert_eq!(
+        c.miss_reason(s, &auto, 8, now).await,
+        MissReason::Removed(RemovalReason::Capacity)
+    );
+    node.with_store(|st| {
+        assert!(st.is_paid(&paid.blocks[0]) && st.is_paid(&next.blocks[1]));
+        st.check_invariants();
+    });
+}
+
+#[tokio::test]
+async fn a_paid_write_over_an_automatic_prefix_makes_the_whole_chain_paid() {
+    let (c, node) = client(1 << 20);
+    let s = scope();
+    let now = Instant::now();
+    let k = keys(s, &toks(43, 16), &[8, 16]);
+    c.write_entry(
+        s,
+        &k,
+        8,
+        &blocks_to(&k, 8),
+        Duration::from_secs(300),
+        now,
+        AUTO,
+    )
+    .await
+    .unwrap();
+    node.with_store(|st| assert!(!st.is_paid(&k.blocks[0])));
+    let rest: Vec<PutBlock> = blocks_to(&k, 16).into_iter().skip(2).collect();
+    c.write_entry(s, &k, 16, &rest, Duration::from_secs(300), now, PAID)
+        .await
+        .unwrap();
+    node.with_store(|st| {
+        assert!(k.blocks.iter().all(|h| st.is_paid(h)));
+        st.check_invariants();
+    });
+}
+
+#[tokio::test]
+async fn frequency_policy_declines_a_one_off_entry_that_would_displace_hot_blocks() {
+    // Room for 4 blocks, held by two best-effort entries read many times.
+    let (c, node) = client_with(4 * (B * BYTES_PER_TOKEN) as u64, EvictionPolicy::DEFAULT);
+    let s = scope();
+    let now = Instant::now();
+    let hot: Vec<PrefixKeys> = (0..2).map(|i| keys(s, &toks(50 + i, 8), &[8])).collect();
+    for k in &hot {
+        c.write_entry(
+            s,
+            k,
+            8,
+            &blocks_to(k, 8),
+            Duration::from_secs(300),
+            now,
+            AUTO,
+        )
+        .await
+        .unwrap();
+    }
+    for _ in 0..10 {
+        for k in &hot {
+            assert_eq!(c.read_prefix(s, k, 8, now).await.tokens, 8);
+        }
+    }
+    let once = keys(s, &toks(60, 8), &[8]);
+    assert_eq!(
+        c.write_entry(
+            s,
+            &once,
+            8,
+            &blocks_to(&once, 8),
+            Duration::from_secs(300),
+            now,
+            AUTO
+        )
+        .await,
+        Err(WriteRefused::NotAdmitted)
+    );
+    // A paid entry is not subject to admission: it displaces best-effort blocks.
+    c.write_entry(
+        s,
+        &once,
+        8,
+        &blocks_to(&once, 8),
+        Duration::from_secs(300),
+        now,
+        PAID,
+    )
+    .await
+    .unwrap();
+    assert_eq!(c.read_prefix(s, &once, 8, now).await.tokens, 8);
+    // Under LRU the same one-off best-effort entry is simply stored.
+    let (lru, _) = client(4 * (B * BYTES_PER_TOKEN) as u64);
+    for k in &hot {
+        lru.write_entry(
+            s,
+            k,
+            8,
+            &blocks_to(k, 8),
+            Duration::from_secs(300),
+            now,
+            AUTO,
+        )
+        .await
+        .unwrap();
+    }
+    lru.write_entry(
+        s,
+        &once,
+        8,
+        &blocks_to(&once, 8),
+        Duration::from_secs(300),
+        now,
+        AUTO,
+    )
+    .await
+    .unwrap();
+    node.with_store(|st| st.check_invariants());
 }
 
 proptest! {
@@ -256,17 +543,22 @@ proptest! {
     /// Random writes and reads from several tenants under capacity and quota pressure keep
     /// every index consistent, never exceed capacity, and never exceed a tenant's quota.
     #[test]
+    /// Paid blocks are never evicted for capacity (a debug assertion in the store), and
+    /// every eviction takes a leaf (the child counts in the invariants).
+    #[test]
     fn random_workloads_keep_invariants_and_bounds(
-        ops in proptest::collection::vec((0usize..3, 0u32..12, 1usize..20, any::<bool>()), 1..60),
+        ops in proptest::collection::vec((0usize..3, 0u32..12, 1usize..20, any::<bool>(), any::<bool>()), 1..60),
+        frequency in any::<bool>(),
     ) {
         let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
         rt.block_on(async {
             let cap = 24 * (B * BYTES_PER_TOKEN) as u64;
             let quota = 10 * (B * BYTES_PER_TOKEN) as u64;
-            let (c, node) = client(cap);
+            let policy = if frequency { EvictionPolicy::DEFAULT } else { EvictionPolicy::Lru };
+            let (c, node) = client_with(cap, policy);
             let scopes: Vec<Scope> = (0..3).map(|_| scope()).collect();
             c.set_tenant_quota(scopes[0].tenant, Some(quota)).await;
-            for (who, seed, len, long_ttl) in ops {
+            for (who, seed, len, long_ttl, paid) in ops {
                 let s = scopes[who];
                 let t = toks(seed, len);
                 let k = keys(s, &t, &[len]);
@@ -274,7 +566,8 @@ proptest! {
                 let read = c.read_prefix(s, &k, len, now).await;
                 let new: Vec<PutBlock> = blocks_to(&k, len).into_iter().filter(|b| !read.blocks.iter().any(|r| r.hash == b.hash)).collect();
                 let ttl = Duration::from_secs(if long_ttl { 3600 } else { 300 });
-                let _ = c.write_entry(s, &k, len, &new, ttl, now).await;
+                let kind = if paid { PAID } else { AUTO };
+                let _ = c.write_entry(s, &k, len, &new, ttl, now, kind).await;
                 tokio::time::advance(Duration::from_secs(45)).await;
                 node.with_store(|st| {
                     st.check_invariants();

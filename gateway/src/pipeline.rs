@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use billing::{UsageEvent, UsageStatus};
-use cache_fabric::{ChainLink, PrefixKeys, PrefixRead, PutBlock};
+use cache_fabric::{ChainLink, EntryKind, PrefixKeys, PrefixRead, PutBlock};
 use cachet_common::{RequestId, Scope, Ttl};
 use chrono::{DateTime, Utc};
 use engine::{
@@ -432,6 +432,11 @@ async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRe
                     &blocks,
                     pl.bp.ttl.duration(),
                     w.start,
+                    if pl.bp.automatic {
+                        EntryKind::BestEffort
+                    } else {
+                        EntryKind::Paid
+                    },
                 )
                 .await
             {
