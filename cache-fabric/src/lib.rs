@@ -6,6 +6,7 @@
 //!   prefix, write an entry with a TTL, explain a miss, apply tenant quotas).
 //! - [`FabricNode`]: one node's tiers; today the DRAM tier ([`store`]), with eviction and
 //!   admission decided by [`policy`].
+//! - [`placement`]: tenant → shard group → block owners by rendezvous hashing, rack-aware.
 //! - [`simulate`]: replays a Mooncake-format trace through the store's own eviction code.
 //!
 //! What it is not: it never sees prompts or text, only token-block hashes and opaque KV bytes
@@ -14,6 +15,7 @@
 pub mod client;
 pub mod keys;
 pub mod metrics;
+pub mod placement;
 pub mod policy;
 pub mod simulate;
 pub mod store;
