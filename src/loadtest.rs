@@ -47,6 +47,20 @@ pub enum Command {
         #[arg(long, default_values_t = vec!["frequency".to_string()])]
         policy: Vec<String>,
     },
+    /// Node→node transfer of one large block over loopback: the fabric's TCP transport vs a
+    /// plain tokio socket copy of the same bytes (the limit) vs Redis SET/GET.
+    Transfer {
+        #[arg(long, default_value_t = 32)]
+        size_mib: usize,
+        #[arg(long, default_value_t = 20)]
+        iterations: usize,
+        /// Parallel connections per block pull; repeat for several rows.
+        #[arg(long, default_values_t = vec![1usize, 2, 4])]
+        stripes: Vec<usize>,
+        /// Redis for the SET/GET rows; empty to skip them.
+        #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+        redis_url: String,
+    },
     /// A bare axum server answering every POST with a fixed Messages-shaped body: the limit
     /// of HTTP on this machine, for side-by-side comparison.
     BareServer {
@@ -96,6 +110,12 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
         Command::BareServer { listen, seconds } => {
             bare_server(listen, Duration::from_secs(seconds)).await
         }
+        Command::Transfer {
+            size_mib,
+            iterations,
+            stripes,
+            redis_url,
+        } => transfer_bench(size_mib, iterations, &stripes, &redis_url).await,
         Command::SimulateCache {
             trace,
             capacity_blocks,
@@ -284,5 +304,163 @@ async fn bare_server(listen: SocketAddr, dur: Duration) -> anyhow::Result<()> {
     axum::serve(listener, app)
         .with_graceful_shutdown(tokio::time::sleep(dur))
         .await?;
+    Ok(())
+}
+
+/// Node→node transfer of one large block over loopback: the fabric's TCP transport (pull,
+/// checksum verified) vs a plain tokio socket copy of the same bytes vs Redis SET/GET.
+pub async fn transfer_bench(
+    size_mib: usize,
+    iterations: usize,
+    stripes: &[usize],
+    redis_url: &str,
+) -> anyhow::Result<()> {
+    use cache_fabric::transport::{RemoteEntry, TcpTransport, Transport, serve_tcp};
+    use cache_fabric::{EntryKind, EvictionPolicy, FabricNode, NodeConfig, PutBlock};
+    use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    if size_mib == 0 || iterations == 0 {
+        bail!("--size-mib and --iterations must be positive");
+    }
+    let size = size_mib << 20;
+    let payload: bytes::Bytes = (0..size)
+        .map(|i| (i * 131 % 251) as u8)
+        .collect::<Vec<u8>>()
+        .into();
+    let gib = |secs: f64| (size * iterations) as f64 / secs / (1u64 << 30) as f64;
+    let mut rows: Vec<(String, f64)> = Vec::new();
+
+    // 1. Plain tokio socket copy: one connection, a one-byte request, the payload back into a
+    //    buffer allocated once. The limit for moving these bytes over loopback TCP here.
+    {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let p = payload.clone();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await?;
+            s.set_nodelay(true)?;
+            while s.read_u8().await.is_ok() {
+                s.write_all(&p).await?;
+            }
+            anyhow::Ok(())
+        });
+        let mut c = tokio::net::TcpStream::connect(addr).await?;
+        c.set_nodelay(true)?;
+        let mut buf = vec![0u8; size];
+        for _ in 0..2 {
+            c.write_u8(1).await?;
+            c.read_exact(&mut buf).await?;
+        }
+        let t = Instant::now();
+        for _ in 0..iterations {
+            c.write_u8(1).await?;
+            c.read_exact(&mut buf).await?;
+        }
+        rows.push((
+            "plain tokio socket copy".into(),
+            gib(t.elapsed().as_secs_f64()),
+        ));
+        anyhow::ensure!(buf[..] == payload[..], "plain copy corrupted the payload");
+        drop(c);
+        server.await??;
+    }
+
+    // 2. The fabric: a node serving its store, pulled through the TCP transport.
+    let node = FabricNode::new(NodeConfig {
+        dram_capacity_bytes: (4 * size) as u64,
+        eviction: EvictionPolicy::Lru,
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?.to_string();
+    let token: std::sync::Arc<str> = "bench-token".into();
+    let serving = tokio::spawn(serve_tcp(listener, node.clone(), token.clone()));
+    let scope = Scope {
+        tenant: TenantId::new(),
+        workspace: WorkspaceId::new(),
+    };
+    let hash = BlockHash([7; 32]);
+    let block = PutBlock::new(hash, None, 16, payload.clone());
+    let entry = RemoteEntry {
+        scope,
+        existing: vec![],
+        new: vec![block],
+        ttl: Duration::from_secs(3600),
+        kind: EntryKind::Paid,
+    };
+    for &n in stripes {
+        let mut t = TcpTransport::new(token.clone());
+        t.stripes = n.max(1);
+        t.put_entry(&addr, &entry)
+            .await?
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        for _ in 0..2 {
+            t.get_block(&addr, scope, hash).await?;
+        }
+        let start = Instant::now();
+        for _ in 0..iterations {
+            let b = t
+                .get_block(&addr, scope, hash)
+                .await?
+                .context("the block vanished")?;
+            anyhow::ensure!(b.data.len() == size);
+        }
+        rows.push((
+            format!(
+                "cachet fabric pull, {} connection(s), crc32c verified",
+                t.stripes
+            ),
+            gib(start.elapsed().as_secs_f64()),
+        ));
+        let start = Instant::now();
+        for _ in 0..iterations {
+            t.put_entry(&addr, &entry)
+                .await?
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        rows.push((
+            "cachet fabric push (PUT), 1 connection".into(),
+            gib(start.elapsed().as_secs_f64()),
+        ));
+    }
+    serving.abort();
+
+    // 3. Redis: SET then GET of the same payload.
+    if !redis_url.is_empty() {
+        let client = redis::Client::open(redis_url)?;
+        let mut con = client
+            .get_multiplexed_async_connection()
+            .await
+            .with_context(|| format!("connecting to {redis_url}"))?;
+        let key = "cachet:bench:transfer";
+        let _: () = redis::cmd("SET")
+            .arg(key)
+            .arg(&payload[..])
+            .query_async(&mut con)
+            .await?;
+        let start = Instant::now();
+        for _ in 0..iterations {
+            let _: () = redis::cmd("SET")
+                .arg(key)
+                .arg(&payload[..])
+                .query_async(&mut con)
+                .await?;
+        }
+        rows.push(("redis SET".into(), gib(start.elapsed().as_secs_f64())));
+        let start = Instant::now();
+        for _ in 0..iterations {
+            let v: Vec<u8> = redis::cmd("GET").arg(key).query_async(&mut con).await?;
+            anyhow::ensure!(v.len() == size);
+        }
+        rows.push(("redis GET".into(), gib(start.elapsed().as_secs_f64())));
+        let _: () = redis::cmd("DEL").arg(key).query_async(&mut con).await?;
+    }
+    let limit = rows[0].1;
+    for (name, rate) in &rows {
+        println!(
+            "{name}\t{size_mib} MiB × {iterations}\t{rate:.2} GiB/s\t{:.0}% of plain copy",
+            100.0 * rate / limit
+        );
+    }
     Ok(())
 }

@@ -7,6 +7,8 @@
 //! - [`FabricNode`]: one node's tiers; today the DRAM tier ([`store`]), with eviction and
 //!   admission decided by [`policy`].
 //! - [`placement`]: tenant → shard group → block owners by rendezvous hashing, rack-aware.
+//! - [`transport`]: moving blocks between nodes (the `Transport` trait; TCP with pooled,
+//!   authenticated connections and striped large blocks).
 //! - [`simulate`]: replays a Mooncake-format trace through the store's own eviction code.
 //!
 //! What it is not: it never sees prompts or text, only token-block hashes and opaque KV bytes
@@ -19,6 +21,7 @@ pub mod placement;
 pub mod policy;
 pub mod simulate;
 pub mod store;
+pub mod transport;
 
 pub use client::{FabricClient, FabricNode, MissReason, NodeConfig, PrefixRead};
 pub use keys::{ChainLink, KeySpace, PrefixKeys, TailKey};

@@ -105,6 +105,8 @@ pub enum WriteRefused {
     MissingParent,
     #[error("the entry ranks below every block it would displace")]
     NotAdmitted,
+    #[error("a block with this hash is stored for another scope")]
+    Conflict,
 }
 
 impl WriteRefused {
@@ -115,6 +117,7 @@ impl WriteRefused {
             WriteRefused::Corrupt => "corrupt",
             WriteRefused::MissingParent => "missing_parent",
             WriteRefused::NotAdmitted => "not_admitted",
+            WriteRefused::Conflict => "conflict",
         }
     }
 }
@@ -359,9 +362,13 @@ impl Store {
                     self.touch(&b.hash, expires, ttl, paid);
                     continue;
                 }
-                // Same hash under another scope cannot happen (scope is in the preimage);
-                // an expired copy is replaced.
-                self.remove(&b.hash, RemovalReason::Expired);
+                // Expired blocks were purged above, so this one is live under another scope.
+                // Keys put the scope in the hash's preimage, so only a faulty or hostile
+                // peer sends this: refuse, and never touch the other scope's block.
+                for h in inserted {
+                    self.remove(&h, RemovalReason::Capacity);
+                }
+                return Err(refused(WriteRefused::Conflict));
             }
             if let Some(p) = &b.parent
                 && !self.blocks.contains_key(p)

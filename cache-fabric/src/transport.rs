@@ -1,0 +1,709 @@
+//! Moving blocks between fabric nodes: the [`Transport`] trait and its TCP implementation.
+//!
+//! A node serves its store with [`serve_tcp`]; peers and gateways reach it through a
+//! [`TcpTransport`]. Every connection starts with the cluster token (a peer without it gets
+//! nothing). Frames are length-prefixed little-endian binary:
+//!
+//! ```text
+//! request  = op:u8 body                     response = status:u8 body
+//! HELLO  1 = token_len:u16 token             ok
+//! GET    2 = scope:32 n:u32 hash:32 × n      count:u32, count × (hash:32 n_tokens:u32 crc:u32 len:u64 data)
+//! PUT    3 = scope:32 ttl_ms:u64 kind:u8     ok | refused(reason:u8)
+//!            n_existing:u32 hash:32 × n
+//!            n_new:u32 (hash:32 parent:33 n_tokens:u32 crc:u32 len:u64 data) × n
+//! STRIPE 4 = scope:32 hash:32 index:u32      found:u8, n_tokens:u32 crc:u32 total:u64
+//!            count:u32                         offset:u64 len:u64 data
+//! ```
+//!
+//! Block bytes go from the store's `Bytes` straight to the socket and from the socket
+//! straight into the buffer the block will live in (no zero-fill, no reassembly copy). A block
+//! of at least [`TcpTransport::stripe_min`] bytes is pulled in `stripes` byte ranges over as
+//! many pooled connections at once, each range read into its own part of one buffer. Every
+//! block's crc32c is verified on arrival; a mismatch drops the block and the connection.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::mem::MaybeUninit;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::client::FabricNode;
+use crate::store::{EntryKind, FetchedBlock, PutBlock, WriteRefused, checksum};
+
+/// Why a transfer failed (the caller recomputes; it never fails a request).
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("connection to {addr}: {source}")]
+    Io {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("{addr} refused the cluster token")]
+    Unauthorized { addr: String },
+    #[error("{addr} sent a malformed frame: {what}")]
+    Protocol { addr: String, what: String },
+    #[error("block {hash:?} from {addr} failed its checksum")]
+    Corrupt { addr: String, hash: BlockHash },
+}
+
+/// An entry to store on a remote node (see [`crate::store::Store::put_entry`]).
+#[derive(Clone, Debug)]
+pub struct RemoteEntry {
+    pub scope: Scope,
+    pub existing: Vec<BlockHash>,
+    pub new: Vec<PutBlock>,
+    pub ttl: Duration,
+    pub kind: EntryKind,
+}
+
+/// How blocks move between nodes. One contract test suite runs against every implementation.
+pub trait Transport: Send + Sync + 'static {
+    /// The longest stored prefix of `chain` on the node at `addr`, checksums verified.
+    fn get_chain(
+        &self,
+        addr: &str,
+        scope: Scope,
+        chain: &[BlockHash],
+    ) -> impl Future<Output = Result<Vec<FetchedBlock>, TransportError>> + Send;
+
+    /// One (possibly large) block, pulled in parallel ranges; `None` if not stored.
+    fn get_block(
+        &self,
+        addr: &str,
+        scope: Scope,
+        hash: BlockHash,
+    ) -> impl Future<Output = Result<Option<FetchedBlock>, TransportError>> + Send;
+
+    /// Store an entry on the node at `addr`: the node's answer, or a transport failure.
+    fn put_entry(
+        &self,
+        addr: &str,
+        entry: &RemoteEntry,
+    ) -> impl Future<Output = Result<Result<(), WriteRefused>, TransportError>> + Send;
+}
+
+const OP_HELLO: u8 = 1;
+const OP_GET: u8 = 2;
+const OP_PUT: u8 = 3;
+const OP_STRIPE: u8 = 4;
+const OK: u8 = 0;
+const DENIED: u8 = 1;
+const REFUSED: u8 = 2;
+/// Largest request frame a node accepts (a PUT carries block data).
+const MAX_FRAME: usize = 1 << 30;
+
+fn put_scope(b: &mut BytesMut, s: &Scope) {
+    b.put_slice(s.tenant.as_uuid().as_bytes());
+    b.put_slice(s.workspace.as_uuid().as_bytes());
+}
+
+fn get_scope(b: &mut Bytes) -> Scope {
+    let t = uuid::Uuid::from_slice(&b.split_to(16)).expect("16 bytes");
+    let w = uuid::Uuid::from_slice(&b.split_to(16)).expect("16 bytes");
+    Scope {
+        tenant: TenantId::from(t),
+        workspace: WorkspaceId::from(w),
+    }
+}
+
+fn get_hash(b: &mut Bytes) -> BlockHash {
+    let mut h = [0u8; 32];
+    b.copy_to_slice(&mut h);
+    BlockHash(h)
+}
+
+fn refused_code(r: WriteRefused) -> u8 {
+    match r {
+        WriteRefused::Quota => 1,
+        WriteRefused::Capacity => 2,
+        WriteRefused::Corrupt => 3,
+        WriteRefused::MissingParent => 4,
+        WriteRefused::NotAdmitted => 5,
+        WriteRefused::Conflict => 6,
+    }
+}
+
+fn refused_from(code: u8) -> Option<WriteRefused> {
+    Some(match code {
+        1 => WriteRefused::Quota,
+        2 => WriteRefused::Capacity,
+        3 => WriteRefused::Corrupt,
+        4 => WriteRefused::MissingParent,
+        5 => WriteRefused::NotAdmitted,
+        6 => WriteRefused::Conflict,
+        _ => return None,
+    })
+}
+
+/// Read exactly `len` bytes into a fresh buffer, without zero-filling it first.
+async fn read_bytes<R: AsyncRead + Unpin>(r: &mut R, len: usize) -> std::io::Result<Bytes> {
+    let mut buf = BytesMut::with_capacity(len);
+    while buf.len() < len {
+        let mut limited = (&mut *r).take((len - buf.len()) as u64);
+        if limited.read_buf(&mut buf).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(buf.freeze())
+}
+
+/// Read exactly `dst.len()` bytes into uninitialized memory.
+async fn read_uninit<R: AsyncRead + Unpin>(
+    r: &mut R,
+    dst: &mut [MaybeUninit<u8>],
+) -> std::io::Result<()> {
+    let mut rb = ReadBuf::uninit(dst);
+    while rb.remaining() > 0 {
+        let before = rb.filled().len();
+        std::future::poll_fn(|cx| std::pin::Pin::new(&mut *r).poll_read(cx, &mut rb)).await?;
+        if rb.filled().len() == before {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(())
+}
+
+/// Constant-time comparison (the token is a secret).
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Serve `node`'s store on `listener` until the listener fails. Each connection must open
+/// with `token`.
+pub async fn serve_tcp(listener: TcpListener, node: Arc<FabricNode>, token: Arc<str>) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "fabric listener accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (node, token) = (node.clone(), token.clone());
+        tokio::spawn(async move {
+            if let Err(e) = serve_conn(stream, &node, &token).await
+                && e.kind() != std::io::ErrorKind::UnexpectedEof
+            {
+                tracing::debug!(%peer, error = %e, "fabric connection closed");
+            }
+        });
+    }
+}
+
+async fn read_frame(s: &mut TcpStream) -> std::io::Result<Bytes> {
+    let len = s.read_u32_le().await? as usize;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes exceeds the limit"),
+        ));
+    }
+    read_bytes(s, len).await
+}
+
+fn bad(what: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
+}
+
+async fn serve_conn(mut s: TcpStream, node: &FabricNode, token: &str) -> std::io::Result<()> {
+    let mut hello = read_frame(&mut s).await?;
+    if hello.remaining() < 3 || hello.get_u8() != OP_HELLO {
+        return Err(bad("first frame is not HELLO"));
+    }
+    let n = hello.get_u16_le() as usize;
+    if hello.remaining() != n || !same_secret(&hello, token.as_bytes()) {
+        s.write_all(&[DENIED]).await?;
+        return Err(bad("wrong cluster token"));
+    }
+    s.write_all(&[OK]).await?;
+    loop {
+        let mut f = read_frame(&mut s).await?;
+        if !f.has_remaining() {
+            return Err(bad("empty frame"));
+        }
+        match f.get_u8() {
+            OP_GET => {
+                if f.remaining() < 36 {
+                    return Err(bad("short GET"));
+                }
+                let scope = get_scope(&mut f);
+                let n = f.get_u32_le() as usize;
+                if f.remaining() != n * 32 {
+                    return Err(bad("GET hash count"));
+                }
+                let chain: Vec<BlockHash> = (0..n).map(|_| get_hash(&mut f)).collect();
+                let now = tokio::time::Instant::now();
+                let blocks = node.with_store(|st| st.get_chain(&scope, &chain, now));
+                let mut head = BytesMut::with_capacity(5 + blocks.len() * 48);
+                head.put_u8(OK);
+                head.put_u32_le(blocks.len() as u32);
+                s.write_all(&head).await?;
+                for b in blocks {
+                    let mut h = BytesMut::with_capacity(48);
+                    h.put_slice(&b.hash.0);
+                    h.put_u32_le(b.n_tokens);
+                    h.put_u32_le(checksum(&b.data));
+                    h.put_u64_le(b.data.len() as u64);
+                    s.write_all(&h).await?;
+                    s.write_all(&b.data).await?;
+                }
+            }
+            OP_STRIPE => {
+                if f.remaining() != 72 {
+                    return Err(bad("STRIPE length"));
+                }
+                let scope = get_scope(&mut f);
+                let hash = get_hash(&mut f);
+                let (index, count) = (f.get_u32_le() as u64, f.get_u32_le() as u64);
+                if count == 0 || index >= count {
+                    return Err(bad("STRIPE index"));
+                }
+                let now = tokio::time::Instant::now();
+                let block = node.with_store(|st| st.get_chain(&scope, &[hash], now).pop());
+                let mut h = BytesMut::with_capacity(40);
+                match block {
+                    None => {
+                        h.put_u8(OK);
+                        h.put_u8(0);
+                        s.write_all(&h).await?;
+                    }
+                    Some(b) => {
+                        let total = b.data.len() as u64;
+                        let per = total.div_ceil(count);
+                        let lo = (index * per).min(total);
+                        let hi = ((index + 1) * per).min(total);
+                        h.put_u8(OK);
+                        h.put_u8(1);
+                        h.put_u32_le(b.n_tokens);
+                        h.put_u32_le(checksum(&b.data));
+                        h.put_u64_le(total);
+                        h.put_u64_le(lo);
+                        h.put_u64_le(hi - lo);
+                        s.write_all(&h).await?;
+                        s.write_all(&b.data[lo as usize..hi as usize]).await?;
+                    }
+                }
+            }
+            OP_PUT => {
+                let entry = decode_put(&mut f).ok_or_else(|| bad("malformed PUT"))?;
+                let now = tokio::time::Instant::now();
+                let r = node.with_store(|st| {
+                    st.put_entry(
+                        &entry.scope,
+                        &entry.existing,
+                        entry.new,
+                        entry.ttl,
+                        now,
+                        entry.kind,
+                    )
+                });
+                match r {
+                    Ok(()) => s.write_all(&[OK]).await?,
+                    Err(e) => s.write_all(&[REFUSED, refused_code(e)]).await?,
+                }
+            }
+            _ => return Err(bad("unknown op")),
+        }
+    }
+}
+
+fn decode_put(f: &mut Bytes) -> Option<RemoteEntry> {
+    if f.remaining() < 32 + 8 + 1 + 4 {
+        return None;
+    }
+    let scope = get_scope(f);
+    let ttl = Duration::from_millis(f.get_u64_le());
+    let kind = match f.get_u8() {
+        0 => EntryKind::Paid,
+        1 => EntryKind::BestEffort,
+        _ => return None,
+    };
+    let n = f.get_u32_le() as usize;
+    if f.remaining() < n * 32 + 4 {
+        return None;
+    }
+    let existing = (0..n).map(|_| get_hash(f)).collect();
+    let m = f.get_u32_le() as usize;
+    let mut new = Vec::with_capacity(m.min(4096));
+    for _ in 0..m {
+        if f.remaining() < 32 + 33 + 16 {
+            return None;
+        }
+        let hash = get_hash(f);
+        let parent = match f.get_u8() {
+            0 => {
+                f.advance(32);
+                None
+            }
+            _ => Some(get_hash(f)),
+        };
+        let n_tokens = f.get_u32_le();
+        let crc = f.get_u32_le();
+        let len = f.get_u64_le() as usize;
+        if f.remaining() < len {
+            return None;
+        }
+        let data = f.split_to(len);
+        new.push(PutBlock {
+            hash,
+            parent,
+            n_tokens,
+            data,
+            checksum: crc,
+        });
+    }
+    if f.has_remaining() {
+        return None;
+    }
+    Some(RemoteEntry {
+        scope,
+        existing,
+        new,
+        ttl,
+        kind,
+    })
+}
+
+/// The TCP transport: pooled, authenticated connections per node address.
+pub struct TcpTransport {
+    token: Arc<str>,
+    idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+    /// Parallel byte ranges for one large block.
+    pub stripes: usize,
+    /// Blocks at least this large are striped.
+    pub stripe_min: usize,
+    /// Idle connections kept per node.
+    pub pool_per_node: usize,
+}
+
+impl TcpTransport {
+    pub fn new(token: impl Into<Arc<str>>) -> Self {
+        Self {
+            token: token.into(),
+            idle: Mutex::new(HashMap::new()),
+            stripes: 2,
+            stripe_min: 4 << 20,
+            pool_per_node: 16,
+        }
+    }
+
+    fn io(addr: &str) -> impl Fn(std::io::Error) -> TransportError + '_ {
+        move |source| TransportError::Io {
+            addr: addr.to_string(),
+            source,
+        }
+    }
+
+    async fn connect(&self, addr: &str) -> Result<TcpStream, TransportError> {
+        let pooled = self
+            .idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(addr)
+            .and_then(|v| v.pop());
+        if let Some(s) = pooled {
+            return Ok(s);
+        }
+        let mut s = TcpStream::connect(addr).await.map_err(Self::io(addr))?;
+        s.set_nodelay(true).map_err(Self::io(addr))?;
+        let mut hello = BytesMut::with_capacity(7 + self.token.len());
+        hello.put_u32_le((3 + self.token.len()) as u32);
+        hello.put_u8(OP_HELLO);
+        hello.put_u16_le(self.token.len() as u16);
+        hello.put_slice(self.token.as_bytes());
+        s.write_all(&hello).await.map_err(Self::io(addr))?;
+        match s.read_u8().await {
+            Ok(OK) => Ok(s),
+            Ok(_) | Err(_) => Err(TransportError::Unauthorized {
+                addr: addr.to_string(),
+            }),
+        }
+    }
+
+    fn give_back(&self, addr: &str, s: TcpStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let v = idle.entry(addr.to_string()).or_default();
+        if v.len() < self.pool_per_node {
+            v.push(s);
+        }
+    }
+
+    async fn send(s: &mut TcpStream, addr: &str, body: &[u8]) -> Result<(), TransportError> {
+        let mut head = [0u8; 4];
+        head.copy_from_slice(&(body.len() as u32).to_le_bytes());
+        s.write_all(&head).await.map_err(Self::io(addr))?;
+        s.write_all(body).await.map_err(Self::io(addr))
+    }
+
+    /// Ask for range `index` of `count` of a block and read its header; the body follows
+    /// on the returned connection.
+    async fn open_stripe(
+        &self,
+        addr: &str,
+        scope: Scope,
+        hash: BlockHash,
+        index: u32,
+        count: u32,
+    ) -> Result<Option<(TcpStream, StripeHead)>, TransportError> {
+        let mut s = self.connect(addr).await?;
+        let mut req = BytesMut::with_capacity(73);
+        req.put_u8(OP_STRIPE);
+        put_scope(&mut req, &scope);
+        req.put_slice(&hash.0);
+        req.put_u32_le(index);
+        req.put_u32_le(count);
+        Self::send(&mut s, addr, &req).await?;
+        let io = Self::io(addr);
+        let status = s.read_u8().await.map_err(&io)?;
+        let found = s.read_u8().await.map_err(&io)?;
+        if status != OK {
+            return Err(protocol(addr, "STRIPE status"));
+        }
+        if found == 0 {
+            self.give_back(addr, s);
+            return Ok(None);
+        }
+        let mut h = [0u8; 32];
+        s.read_exact(&mut h).await.map_err(&io)?;
+        let mut h = Bytes::copy_from_slice(&h);
+        let head = StripeHead {
+            n_tokens: h.get_u32_le(),
+            crc: h.get_u32_le(),
+            total: h.get_u64_le(),
+            offset: h.get_u64_le(),
+            len: h.get_u64_le(),
+        };
+        Ok(Some((s, head)))
+    }
+
+    /// Read a range's body into `dst` (exactly its length) and pool the connection.
+    async fn finish_stripe(
+        &self,
+        addr: &str,
+        mut s: TcpStream,
+        head: &StripeHead,
+        dst: &mut [MaybeUninit<u8>],
+    ) -> Result<(), TransportError> {
+        if head.len != dst.len() as u64 {
+            return Err(protocol(addr, "range length"));
+        }
+        read_uninit(&mut s, dst).await.map_err(Self::io(addr))?;
+        self.give_back(addr, s);
+        Ok(())
+    }
+
+    async fn stripe_into(
+        &self,
+        addr: &str,
+        scope: Scope,
+        hash: BlockHash,
+        (index, count): (u32, u32),
+        dst: &mut [MaybeUninit<u8>],
+    ) -> Result<StripeHead, TransportError> {
+        let (s, head) = self
+            .open_stripe(addr, scope, hash, index, count)
+            .await?
+            .ok_or_else(|| protocol(addr, "block vanished between ranges"))?;
+        self.finish_stripe(addr, s, &head, dst).await?;
+        Ok(head)
+    }
+}
+
+struct StripeHead {
+    n_tokens: u32,
+    crc: u32,
+    total: u64,
+    offset: u64,
+    len: u64,
+}
+
+fn protocol(addr: &str, what: &str) -> TransportError {
+    TransportError::Protocol {
+        addr: addr.to_string(),
+        what: what.to_string(),
+    }
+}
+
+impl Transport for TcpTransport {
+    async fn get_chain(
+        &self,
+        addr: &str,
+        scope: Scope,
+        chain: &[BlockHash],
+    ) -> Result<Vec<FetchedBlock>, TransportError> {
+        let mut s = self.connect(addr).await?;
+        let mut req = BytesMut::with_capacity(37 + chain.len() * 32);
+        req.put_u8(OP_GET);
+        put_scope(&mut req, &scope);
+        req.put_u32_le(chain.len() as u32);
+        for h in chain {
+            req.put_slice(&h.0);
+        }
+        Self::send(&mut s, addr, &req).await?;
+        let io = Self::io(addr);
+        if s.read_u8().await.map_err(&io)? != OK {
+            return Err(protocol(addr, "GET status"));
+        }
+        let n = s.read_u32_le().await.map_err(&io)? as usize;
+        if n > chain.len() {
+            return Err(protocol(addr, "more blocks than asked for"));
+        }
+        let mut out = Vec::with_capacity(n);
+        for want in &chain[..n] {
+            let mut h = [0u8; 48];
+            s.read_exact(&mut h).await.map_err(&io)?;
+            let mut h = Bytes::copy_from_slice(&h);
+            let hash = get_hash(&mut h);
+            let (n_tokens, crc, len) = (h.get_u32_le(), h.get_u32_le(), h.get_u64_le());
+            if hash != *want || len as usize > MAX_FRAME {
+                return Err(protocol(addr, "GET block header"));
+            }
+            let data = read_bytes(&mut s, len as usize).await.map_err(&io)?;
+            if checksum(&data) != crc {
+                crate::metrics::BLOCK_READS
+                    .with_label_values(&["corrupt"])
+                    .inc();
+                return Err(TransportError::Corrupt {
+                    addr: addr.to_string(),
+                    hash,
+                });
+            }
+            out.push(FetchedBlock {
+                hash,
+                n_tokens,
+                data,
+            });
+        }
+        self.give_back(addr, s);
+        Ok(out)
+    }
+
+    async fn get_block(
+        &self,
+        addr: &str,
+        scope: Scope,
+        hash: BlockHash,
+    ) -> Result<Option<FetchedBlock>, TransportError> {
+        // Range 0's header gives the block's size; its body and the other ranges are then
+        // read concurrently, each straight into its part of one buffer.
+        let count = self.stripes.max(1) as u32;
+        let Some((s0, h0)) = self.open_stripe(addr, scope, hash, 0, count).await? else {
+            return Ok(None);
+        };
+        let total = h0.total as usize;
+        if total > MAX_FRAME {
+            return Err(protocol(addr, "block larger than a frame"));
+        }
+        let per = total.div_ceil(count as usize).max(1);
+        let mut buf: Vec<u8> = Vec::with_capacity(total);
+        let mut parts = buf.spare_capacity_mut()[..total].chunks_mut(per);
+        let mut empty: [MaybeUninit<u8>; 0] = [];
+        let first = parts.next().unwrap_or(&mut empty);
+        let rest = parts
+            .enumerate()
+            .map(|(i, part)| self.stripe_into(addr, scope, hash, (i as u32 + 1, count), part));
+        let (r0, heads) = futures::future::join(
+            self.finish_stripe(addr, s0, &h0, first),
+            futures::future::join_all(rest),
+        )
+        .await;
+        r0?;
+        for (i, h) in heads.into_iter().enumerate() {
+            let h = h?;
+            if h.total != h0.total || h.crc != h0.crc || h.offset != ((i + 1) * per) as u64 {
+                return Err(protocol(addr, "range does not fit the block"));
+            }
+        }
+        // SAFETY: the ranges `chunks_mut(per)` cover the first `total` bytes exactly, and
+        // each was filled completely by `read_uninit` (every read above succeeded and had
+        // the range's length).
+        unsafe { buf.set_len(total) };
+        if checksum(&buf) != h0.crc {
+            crate::metrics::BLOCK_READS
+                .with_label_values(&["corrupt"])
+                .inc();
+            return Err(TransportError::Corrupt {
+                addr: addr.to_string(),
+                hash,
+            });
+        }
+        Ok(Some(FetchedBlock {
+            hash,
+            n_tokens: h0.n_tokens,
+            data: Bytes::from(buf),
+        }))
+    }
+
+    async fn put_entry(
+        &self,
+        addr: &str,
+        e: &RemoteEntry,
+    ) -> Result<Result<(), WriteRefused>, TransportError> {
+        let mut s = self.connect(addr).await?;
+        let data: usize = e.new.iter().map(|b| b.data.len()).sum();
+        let mut req = BytesMut::with_capacity(64 + e.existing.len() * 32 + e.new.len() * 90);
+        req.put_u8(OP_PUT);
+        put_scope(&mut req, &e.scope);
+        req.put_u64_le(e.ttl.as_millis() as u64);
+        req.put_u8(match e.kind {
+            EntryKind::Paid => 0,
+            EntryKind::BestEffort => 1,
+        });
+        req.put_u32_le(e.existing.len() as u32);
+        for h in &e.existing {
+            req.put_slice(&h.0);
+        }
+        req.put_u32_le(e.new.len() as u32);
+        let io = Self::io(addr);
+        // Headers and data are written in order without first copying the data into one
+        // frame: the frame length is known up front.
+        let mut headers = Vec::with_capacity(e.new.len());
+        for b in &e.new {
+            let mut h = BytesMut::with_capacity(81);
+            h.put_slice(&b.hash.0);
+            match b.parent {
+                Some(p) => {
+                    h.put_u8(1);
+                    h.put_slice(&p.0);
+                }
+                None => {
+                    h.put_u8(0);
+                    h.put_slice(&[0; 32]);
+                }
+            }
+            h.put_u32_le(b.n_tokens);
+            h.put_u32_le(b.checksum);
+            h.put_u64_le(b.data.len() as u64);
+            headers.push(h);
+        }
+        let frame_len = req.len() + headers.iter().map(|h| h.len()).sum::<usize>() + data;
+        if frame_len > MAX_FRAME {
+            return Err(protocol(addr, "entry larger than a frame"));
+        }
+        s.write_all(&(frame_len as u32).to_le_bytes())
+            .await
+            .map_err(&io)?;
+        s.write_all(&req).await.map_err(&io)?;
+        for (h, b) in headers.iter().zip(&e.new) {
+            s.write_all(h).await.map_err(&io)?;
+            s.write_all(&b.data).await.map_err(&io)?;
+        }
+        let r = match s.read_u8().await.map_err(&io)? {
+            OK => Ok(()),
+            REFUSED => {
+                let code = s.read_u8().await.map_err(&io)?;
+                Err(refused_from(code).ok_or_else(|| protocol(addr, "refusal reason"))?)
+            }
+            _ => return Err(protocol(addr, "PUT status")),
+        };
+        self.give_back(addr, s);
+        Ok(r)
+    }
+}

@@ -1,0 +1,207 @@
+//! The transport contract, run against every `Transport` implementation (TCP here; RDMA
+//! where a device is named): blocks move intact, checksums are enforced, tenants stay apart,
+//! and a peer without the cluster token gets nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use cache_fabric::transport::{RemoteEntry, TcpTransport, Transport, TransportError, serve_tcp};
+use cache_fabric::{
+    EntryKind, EvictionPolicy, FabricNode, NodeConfig, PutBlock, RemovalReason, WriteRefused,
+};
+use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
+use sha2::{Digest, Sha256};
+
+const TOKEN: &str = "cluster-token-for-tests";
+
+fn scope() -> Scope {
+    Scope {
+        tenant: TenantId::new(),
+        workspace: WorkspaceId::new(),
+    }
+}
+
+fn hash(s: &str) -> BlockHash {
+    BlockHash(Sha256::digest(s.as_bytes()).into())
+}
+
+/// A chain of `n` blocks of `size` bytes each, the data derived from the hash; like real
+/// block keys, the hashes depend on the scope.
+fn chain(scope: Scope, tag: &str, n: usize, size: usize) -> Vec<PutBlock> {
+    let mut out = Vec::new();
+    let mut parent = None;
+    for i in 0..n {
+        let h = hash(&format!("{}/{}/{tag}/{i}", scope.tenant, scope.workspace));
+        let data: Vec<u8> = (0..size).map(|j| h.0[j % 32] ^ (j / 32) as u8).collect();
+        out.push(PutBlock::new(h, parent, 16, Bytes::from(data)));
+        parent = Some(h);
+    }
+    out
+}
+
+async fn node() -> (String, Arc<FabricNode>) {
+    let node = FabricNode::new(NodeConfig {
+        dram_capacity_bytes: 1 << 30,
+        eviction: EvictionPolicy::DEFAULT,
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(serve_tcp(listener, node.clone(), TOKEN.into()));
+    (addr, node)
+}
+
+fn entry(scope: Scope, blocks: &[PutBlock], kind: EntryKind) -> RemoteEntry {
+    RemoteEntry {
+        scope,
+        existing: vec![],
+        new: blocks.to_vec(),
+        ttl: Duration::from_secs(300),
+        kind,
+    }
+}
+
+/// The contract every transport must keep.
+async fn contract<T: Transport>(t: &T, addr: &str, node: &FabricNode) {
+    let s = scope();
+    let blocks = chain(s, "a", 5, 3000);
+    let hashes: Vec<BlockHash> = blocks.iter().map(|b| b.hash).collect();
+
+    // Put, then read the whole chain back byte for byte.
+    t.put_entry(addr, &entry(s, &blocks, EntryKind::Paid))
+        .await
+        .unwrap()
+        .unwrap();
+    let got = t.get_chain(addr, s, &hashes).await.unwrap();
+    assert_eq!(got.len(), 5);
+    for (g, b) in got.iter().zip(&blocks) {
+        assert_eq!((g.hash, g.n_tokens, &g.data), (b.hash, b.n_tokens, &b.data));
+    }
+    // A chain is read up to its first missing block.
+    let mut longer = hashes.clone();
+    longer.insert(3, hash("missing"));
+    assert_eq!(t.get_chain(addr, s, &longer).await.unwrap().len(), 3);
+    assert!(
+        t.get_chain(addr, s, &[hash("nothing")])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // Another tenant (or workspace) sees nothing, even with the right hashes.
+    assert!(
+        t.get_chain(addr, scope(), &hashes)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        t.get_block(addr, scope(), hashes[0])
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    // A large block is pulled in ranges and arrives whole.
+    let big = chain(s, "big", 1, (9 << 20) + 7);
+    t.put_entry(addr, &entry(s, &big, EntryKind::BestEffort))
+        .await
+        .unwrap()
+        .unwrap();
+    let b = t.get_block(addr, s, big[0].hash).await.unwrap().unwrap();
+    assert_eq!(b.data, big[0].data);
+    assert!(
+        t.get_block(addr, s, hash("absent"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    // Refusals come back as the node's answer, not as transport failures.
+    let mut orphan = chain(s, "orphan", 2, 100);
+    orphan.remove(0);
+    assert_eq!(
+        t.put_entry(addr, &entry(s, &orphan, EntryKind::Paid))
+            .await
+            .unwrap(),
+        Err(WriteRefused::MissingParent)
+    );
+    let mut bad = chain(s, "bad", 1, 100);
+    bad[0].checksum ^= 1;
+    assert_eq!(
+        t.put_entry(addr, &entry(s, &bad, EntryKind::Paid))
+            .await
+            .unwrap(),
+        Err(WriteRefused::Corrupt)
+    );
+
+    // A block hash stored for another scope is refused, and the owner's block untouched.
+    let intruder = RemoteEntry {
+        scope: scope(),
+        ..entry(s, &blocks[..1], EntryKind::Paid)
+    };
+    assert_eq!(
+        t.put_entry(addr, &intruder).await.unwrap(),
+        Err(WriteRefused::Conflict)
+    );
+    assert_eq!(t.get_chain(addr, s, &hashes[..1]).await.unwrap().len(), 1);
+
+    // A bit flipped at rest is detected by the node and the block is never served.
+    assert!(node.with_store(|st| st.corrupt_for_test(&hashes[2])));
+    assert_eq!(t.get_chain(addr, s, &hashes).await.unwrap().len(), 2);
+    assert_eq!(
+        node.with_store(|st| st.removal_reason(&hashes[2])),
+        Some(RemovalReason::Corrupt)
+    );
+}
+
+#[tokio::test]
+async fn tcp_transport_keeps_the_contract() {
+    let (addr, node) = node().await;
+    let t = TcpTransport::new(TOKEN);
+    contract(&t, &addr, &node).await;
+    // Striping off (one range) keeps it too.
+    let mut one = TcpTransport::new(TOKEN);
+    one.stripes = 1;
+    contract(&one, &addr, &node).await;
+}
+
+#[tokio::test]
+async fn a_peer_without_the_cluster_token_gets_nothing() {
+    let (addr, node) = node().await;
+    let s = scope();
+    let blocks = chain(s, "secret", 1, 64);
+    node.with_store(|st| {
+        st.put_entry(
+            &s,
+            &[],
+            blocks.clone(),
+            Duration::from_secs(300),
+            tokio::time::Instant::now(),
+            EntryKind::Paid,
+        )
+    })
+    .unwrap();
+    let t = TcpTransport::new("wrong-token");
+    let r = t.get_chain(&addr, s, &[blocks[0].hash]).await;
+    assert!(
+        matches!(r, Err(TransportError::Unauthorized { .. })),
+        "{r:?}"
+    );
+    // Raw bytes that are not a HELLO get the connection closed.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    raw.write_all(&[5, 0, 0, 0, 2, 1, 2, 3, 4]).await.unwrap();
+    let mut buf = [0u8; 16];
+    assert_eq!(raw.read(&mut buf).await.unwrap_or(0), 0);
+}
+
+#[tokio::test]
+async fn a_dead_node_is_a_transport_error_not_a_hang() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    drop(listener);
+    let t = TcpTransport::new(TOKEN);
+    let r = t.get_chain(&addr, scope(), &[hash("x")]).await;
+    assert!(matches!(r, Err(TransportError::Io { .. })), "{r:?}");
+}
