@@ -285,6 +285,32 @@ impl Store {
         out
     }
 
+    /// One block with its stored checksum, TTL refreshed, *without* verifying the bytes: for
+    /// transfers whose receiver verifies the whole block end to end (a ranged pull cannot be
+    /// checked range by range). A receiver that finds a mismatch re-reads through
+    /// [`Store::get_chain`], which verifies and drops a block corrupt at rest.
+    pub fn get_for_transfer(
+        &mut self,
+        scope: &Scope,
+        hash: &BlockHash,
+        now: Instant,
+    ) -> Option<(FetchedBlock, u32)> {
+        self.purge_expired(now);
+        let block = self.live(scope, hash, now)?;
+        let out = (
+            FetchedBlock {
+                hash: *hash,
+                n_tokens: block.n_tokens,
+                data: block.data.clone(),
+            },
+            block.checksum,
+        );
+        let ttl = block.ttl;
+        self.touch(hash, now + ttl, ttl, false);
+        metrics::BLOCK_READS.with_label_values(&["hit"]).inc();
+        Some(out)
+    }
+
     /// Store an entry: `existing` blocks (already stored, in chain order) get their TTL
     /// extended, then `new` blocks (in chain order, each one's parent stored or earlier in
     /// `new`) are inserted. Evicts expired blocks, then the tenant's own lowest-ranked leaves

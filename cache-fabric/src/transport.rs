@@ -152,20 +152,23 @@ async fn read_bytes<R: AsyncRead + Unpin>(r: &mut R, len: usize) -> std::io::Res
     Ok(buf.freeze())
 }
 
-/// Read exactly `dst.len()` bytes into uninitialized memory.
+/// Read exactly `dst.len()` bytes into uninitialized memory; returns their crc32c, computed
+/// on each piece as it arrives (while it is still in cache).
 async fn read_uninit<R: AsyncRead + Unpin>(
     r: &mut R,
     dst: &mut [MaybeUninit<u8>],
-) -> std::io::Result<()> {
+) -> std::io::Result<u32> {
     let mut rb = ReadBuf::uninit(dst);
+    let mut crc = 0;
     while rb.remaining() > 0 {
         let before = rb.filled().len();
         std::future::poll_fn(|cx| std::pin::Pin::new(&mut *r).poll_read(cx, &mut rb)).await?;
         if rb.filled().len() == before {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
+        crc = crc32c::crc32c_append(crc, &rb.filled()[before..]);
     }
-    Ok(())
+    Ok(crc)
 }
 
 /// Constant-time comparison (the token is a secret).
@@ -266,7 +269,8 @@ async fn serve_conn(mut s: TcpStream, node: &FabricNode, token: &str) -> std::io
                     return Err(bad("STRIPE index"));
                 }
                 let now = tokio::time::Instant::now();
-                let block = node.with_store(|st| st.get_chain(&scope, &[hash], now).pop());
+                // Unverified here: the receiver checks the whole block end to end.
+                let block = node.with_store(|st| st.get_for_transfer(&scope, &hash, now));
                 let mut h = BytesMut::with_capacity(40);
                 match block {
                     None => {
@@ -274,7 +278,7 @@ async fn serve_conn(mut s: TcpStream, node: &FabricNode, token: &str) -> std::io
                         h.put_u8(0);
                         s.write_all(&h).await?;
                     }
-                    Some(b) => {
+                    Some((b, crc)) => {
                         let total = b.data.len() as u64;
                         let per = total.div_ceil(count);
                         let lo = (index * per).min(total);
@@ -282,7 +286,7 @@ async fn serve_conn(mut s: TcpStream, node: &FabricNode, token: &str) -> std::io
                         h.put_u8(OK);
                         h.put_u8(1);
                         h.put_u32_le(b.n_tokens);
-                        h.put_u32_le(checksum(&b.data));
+                        h.put_u32_le(crc);
                         h.put_u64_le(total);
                         h.put_u64_le(lo);
                         h.put_u64_le(hi - lo);
@@ -371,10 +375,62 @@ fn decode_put(f: &mut Bytes) -> Option<RemoteEntry> {
     })
 }
 
+/// Receive buffers for large blocks, reused once the block's last `Bytes` is dropped: a
+/// fresh 32 MiB buffer costs 8,192 page faults, each zero-filling a page the socket read then
+/// overwrites (the buffer pools of an RDMA transport, registered once, play the same role).
+struct RecvPool {
+    free: Mutex<Vec<Vec<u8>>>,
+    budget: usize,
+}
+
+impl RecvPool {
+    /// A buffer of capacity at least `len` (and at most twice it, so small blocks do not
+    /// pin large buffers), empty.
+    fn take(&self, len: usize) -> Vec<u8> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        match free
+            .iter()
+            .position(|b| b.capacity() >= len && b.capacity() <= 2 * len.max(1))
+        {
+            Some(i) => free.swap_remove(i),
+            None => Vec::with_capacity(len),
+        }
+    }
+
+    fn give(&self, mut buf: Vec<u8>) {
+        buf.clear();
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let held: usize = free.iter().map(|b| b.capacity()).sum();
+        if held + buf.capacity() <= self.budget {
+            free.push(buf);
+        }
+    }
+}
+
+/// A received block's bytes; the buffer goes back to its pool when the last `Bytes` of it
+/// is dropped.
+struct Pooled {
+    buf: Vec<u8>,
+    pool: Arc<RecvPool>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        self.pool.give(std::mem::take(&mut self.buf));
+    }
+}
+
 /// The TCP transport: pooled, authenticated connections per node address.
 pub struct TcpTransport {
     token: Arc<str>,
     idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+    recv: Arc<RecvPool>,
     /// Parallel byte ranges for one large block.
     pub stripes: usize,
     /// Blocks at least this large are striped.
@@ -388,6 +444,10 @@ impl TcpTransport {
         Self {
             token: token.into(),
             idle: Mutex::new(HashMap::new()),
+            recv: Arc::new(RecvPool {
+                free: Mutex::new(Vec::new()),
+                budget: 256 << 20,
+            }),
             stripes: 2,
             stripe_min: 4 << 20,
             pool_per_node: 16,
@@ -490,13 +550,13 @@ impl TcpTransport {
         mut s: TcpStream,
         head: &StripeHead,
         dst: &mut [MaybeUninit<u8>],
-    ) -> Result<(), TransportError> {
+    ) -> Result<u32, TransportError> {
         if head.len != dst.len() as u64 {
             return Err(protocol(addr, "range length"));
         }
-        read_uninit(&mut s, dst).await.map_err(Self::io(addr))?;
+        let crc = read_uninit(&mut s, dst).await.map_err(Self::io(addr))?;
         self.give_back(addr, s);
-        Ok(())
+        Ok(crc)
     }
 
     async fn stripe_into(
@@ -506,13 +566,75 @@ impl TcpTransport {
         hash: BlockHash,
         (index, count): (u32, u32),
         dst: &mut [MaybeUninit<u8>],
-    ) -> Result<StripeHead, TransportError> {
+    ) -> Result<(StripeHead, u32), TransportError> {
         let (s, head) = self
             .open_stripe(addr, scope, hash, index, count)
             .await?
             .ok_or_else(|| protocol(addr, "block vanished between ranges"))?;
-        self.finish_stripe(addr, s, &head, dst).await?;
-        Ok(head)
+        let crc = self.finish_stripe(addr, s, &head, dst).await?;
+        Ok((head, crc))
+    }
+
+    /// The ranged pull of [`Transport::get_block`]; `Corrupt` if the bytes do not match.
+    async fn pull_ranges(
+        &self,
+        addr: &str,
+        scope: Scope,
+        hash: BlockHash,
+    ) -> Result<Option<FetchedBlock>, TransportError> {
+        // Range 0's header gives the block's size; its body and the other ranges are then
+        // read concurrently, each straight into its part of one (reused) buffer, each
+        // range's crc32c computed as its bytes arrive and the crcs combined.
+        let count = self.stripes.max(1) as u32;
+        let Some((s0, h0)) = self.open_stripe(addr, scope, hash, 0, count).await? else {
+            return Ok(None);
+        };
+        let total = h0.total as usize;
+        if total > MAX_FRAME {
+            return Err(protocol(addr, "block larger than a frame"));
+        }
+        let per = total.div_ceil(count as usize).max(1);
+        let mut buf = self.recv.take(total);
+        let mut parts = buf.spare_capacity_mut()[..total].chunks_mut(per);
+        let mut empty: [MaybeUninit<u8>; 0] = [];
+        let first = parts.next().unwrap_or(&mut empty);
+        let rest = parts.enumerate().map(|(i, part)| {
+            let len = part.len();
+            let f = self.stripe_into(addr, scope, hash, (i as u32 + 1, count), part);
+            async move { f.await.map(|r| (r, len)) }
+        });
+        let (r0, others) = futures::future::join(
+            self.finish_stripe(addr, s0, &h0, first),
+            futures::future::join_all(rest),
+        )
+        .await;
+        let mut crc = r0?;
+        for (i, r) in others.into_iter().enumerate() {
+            let ((h, part_crc), len) = r?;
+            if h.total != h0.total || h.crc != h0.crc || h.offset != ((i + 1) * per) as u64 {
+                return Err(protocol(addr, "range does not fit the block"));
+            }
+            crc = crc32c::crc32c_combine(crc, part_crc, len);
+        }
+        // SAFETY: the ranges `chunks_mut(per)` cover the first `total` bytes exactly, and
+        // each was filled completely by `read_uninit` (every read above succeeded and had
+        // the range's length).
+        unsafe { buf.set_len(total) };
+        let data = Bytes::from_owner(Pooled {
+            buf,
+            pool: self.recv.clone(),
+        });
+        if crc != h0.crc {
+            return Err(TransportError::Corrupt {
+                addr: addr.to_string(),
+                hash,
+            });
+        }
+        Ok(Some(FetchedBlock {
+            hash,
+            n_tokens: h0.n_tokens,
+            data,
+        }))
     }
 }
 
@@ -591,54 +713,18 @@ impl Transport for TcpTransport {
         scope: Scope,
         hash: BlockHash,
     ) -> Result<Option<FetchedBlock>, TransportError> {
-        // Range 0's header gives the block's size; its body and the other ranges are then
-        // read concurrently, each straight into its part of one buffer.
-        let count = self.stripes.max(1) as u32;
-        let Some((s0, h0)) = self.open_stripe(addr, scope, hash, 0, count).await? else {
-            return Ok(None);
-        };
-        let total = h0.total as usize;
-        if total > MAX_FRAME {
-            return Err(protocol(addr, "block larger than a frame"));
-        }
-        let per = total.div_ceil(count as usize).max(1);
-        let mut buf: Vec<u8> = Vec::with_capacity(total);
-        let mut parts = buf.spare_capacity_mut()[..total].chunks_mut(per);
-        let mut empty: [MaybeUninit<u8>; 0] = [];
-        let first = parts.next().unwrap_or(&mut empty);
-        let rest = parts
-            .enumerate()
-            .map(|(i, part)| self.stripe_into(addr, scope, hash, (i as u32 + 1, count), part));
-        let (r0, heads) = futures::future::join(
-            self.finish_stripe(addr, s0, &h0, first),
-            futures::future::join_all(rest),
-        )
-        .await;
-        r0?;
-        for (i, h) in heads.into_iter().enumerate() {
-            let h = h?;
-            if h.total != h0.total || h.crc != h0.crc || h.offset != ((i + 1) * per) as u64 {
-                return Err(protocol(addr, "range does not fit the block"));
+        match self.pull_ranges(addr, scope, hash).await {
+            Err(TransportError::Corrupt { .. }) => {
+                // Corrupt in transit or at rest: re-read it whole through the node's
+                // verifying path, which drops a block corrupt at rest (and so answers
+                // nothing); a second mismatch in transit is an error.
+                crate::metrics::BLOCK_READS
+                    .with_label_values(&["corrupt"])
+                    .inc();
+                Ok(self.get_chain(addr, scope, &[hash]).await?.pop())
             }
+            r => r,
         }
-        // SAFETY: the ranges `chunks_mut(per)` cover the first `total` bytes exactly, and
-        // each was filled completely by `read_uninit` (every read above succeeded and had
-        // the range's length).
-        unsafe { buf.set_len(total) };
-        if checksum(&buf) != h0.crc {
-            crate::metrics::BLOCK_READS
-                .with_label_values(&["corrupt"])
-                .inc();
-            return Err(TransportError::Corrupt {
-                addr: addr.to_string(),
-                hash,
-            });
-        }
-        Ok(Some(FetchedBlock {
-            hash,
-            n_tokens: h0.n_tokens,
-            data: Bytes::from(buf),
-        }))
     }
 
     async fn put_entry(
