@@ -117,6 +117,20 @@ async fn contract<T: Transport>(t: &T, addr: &str, node: &FabricNode) {
             .is_none()
     );
 
+    // A large block corrupted at rest: the ranged pull sees the mismatch, the verifying
+    // re-read makes the node drop it, and nothing is served.
+    let big2 = chain(s, "big2", 1, 5 << 20);
+    t.put_entry(addr, &entry(s, &big2, EntryKind::BestEffort))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(node.with_store(|st| st.corrupt_for_test(&big2[0].hash)));
+    assert!(t.get_block(addr, s, big2[0].hash).await.unwrap().is_none());
+    assert_eq!(
+        node.with_store(|st| st.removal_reason(&big2[0].hash)),
+        Some(RemovalReason::Corrupt)
+    );
+
     // Refusals come back as the node's answer, not as transport failures.
     let mut orphan = chain(s, "orphan", 2, 100);
     orphan.remove(0);
