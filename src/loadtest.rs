@@ -61,6 +61,18 @@ pub enum Command {
         #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
         redis_url: String,
     },
+    /// The gateway's prefix index at scale: lookup time of a long prompt's prefix among
+    /// millions of indexed blocks, and memory per indexed block.
+    Index {
+        #[arg(long, default_value_t = 10_000_000)]
+        blocks: usize,
+        #[arg(long, default_value_t = 131_072)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 16)]
+        block_tokens: usize,
+        #[arg(long, default_value_t = 2000)]
+        lookups: usize,
+    },
     /// A bare axum server answering every POST with a fixed Messages-shaped body: the limit
     /// of HTTP on this machine, for side-by-side comparison.
     BareServer {
@@ -116,6 +128,12 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             stripes,
             redis_url,
         } => transfer_bench(size_mib, iterations, &stripes, &redis_url).await,
+        Command::Index {
+            blocks,
+            prompt_tokens,
+            block_tokens,
+            lookups,
+        } => index_bench(blocks, prompt_tokens, block_tokens, lookups),
         Command::SimulateCache {
             trace,
             capacity_blocks,
@@ -462,5 +480,109 @@ pub async fn transfer_bench(
             100.0 * rate / limit
         );
     }
+    Ok(())
+}
+
+/// Resident set size of this process, from `/proc/self/statm` (Linux).
+fn rss_bytes() -> anyhow::Result<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").context("reading /proc/self/statm")?;
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .context("statm has no RSS field")?
+        .parse()?;
+    Ok(pages * 4096)
+}
+
+fn index_bench(
+    blocks: usize,
+    prompt_tokens: usize,
+    block_tokens: usize,
+    lookups: usize,
+) -> anyhow::Result<()> {
+    use cache_fabric::index::{BlockEvent, PrefixIndex};
+    use cachet_common::BlockHash;
+    if block_tokens == 0 || prompt_tokens < block_tokens || lookups == 0 {
+        bail!("--prompt-tokens must be at least --block-tokens (> 0), --lookups > 0");
+    }
+    let chain_len = prompt_tokens / block_tokens;
+    let chains = (blocks / chain_len).max(1);
+    // Pseudo-random block hashes (only their uniformity matters here), laid out as `chains`
+    // prompts of `chain_len` blocks each, spread over 8 nodes.
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let hash_of = |seed: u64| {
+        let mut b = [0u8; 32];
+        b[..8].copy_from_slice(&seed.to_le_bytes());
+        BlockHash(b)
+    };
+    let keys: Vec<u64> = (0..chains * chain_len).map(|_| next()).collect();
+    let before = rss_bytes()?;
+    let started = Instant::now();
+    let mut idx = PrefixIndex::with_capacity(keys.len());
+    for (i, k) in keys.iter().enumerate() {
+        idx.apply(BlockEvent::Stored {
+            hash: hash_of(*k),
+            slot: i % 8,
+        });
+    }
+    let build = started.elapsed();
+    let per_block = (rss_bytes()? - before) as f64 / idx.len() as f64;
+    // Look up whole prompts, each a different chain, in a scattered order (a warm cache
+    // would flatter the figures).
+    let mut times = Vec::with_capacity(lookups);
+    let mut found = 0usize;
+    let mut chain = Vec::with_capacity(chain_len);
+    for l in 0..lookups {
+        let c = (l * 7919) % chains;
+        chain.clear();
+        chain.extend(
+            keys[c * chain_len..(c + 1) * chain_len]
+                .iter()
+                .map(|k| hash_of(*k)),
+        );
+        let t = Instant::now();
+        found += idx.longest_prefix(&chain);
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    anyhow::ensure!(found == lookups * chain_len, "a prefix was not found whole");
+    times.sort_by(f64::total_cmp);
+    let pct = |p: f64| times[((times.len() - 1) as f64 * p) as usize];
+    println!(
+        "indexed_blocks={}\tbuild_s={:.1}\tbytes_per_block={per_block:.1}\tprompt_blocks={chain_len}\tlookup_p50_us={:.2}\tlookup_p99_us={:.2}",
+        idx.len(),
+        build.as_secs_f64(),
+        pct(0.5),
+        pct(0.99)
+    );
+    // The per-node local share for routing, estimated from 128 blocks of the prefix.
+    let t = Instant::now();
+    let mut total = 0u64;
+    for l in 0..lookups {
+        let c = (l * 104_729) % chains;
+        chain.clear();
+        chain.extend(
+            keys[c * chain_len..(c + 1) * chain_len]
+                .iter()
+                .map(|k| hash_of(*k)),
+        );
+        total += idx
+            .local_share(&chain, 128)
+            .1
+            .iter()
+            .map(|v| *v as u64)
+            .sum::<u64>();
+    }
+    println!(
+        "local_share_us={:.1}\t(longest prefix + 128 sampled blocks; {} blocks attributed)",
+        t.elapsed().as_secs_f64() * 1e6 / lookups as f64,
+        total
+    );
     Ok(())
 }

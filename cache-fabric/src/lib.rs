@@ -6,6 +6,7 @@
 //!   prefix, write an entry with a TTL, explain a miss, apply tenant quotas).
 //! - [`FabricNode`]: one node's tiers; today the DRAM tier ([`store`]), with eviction and
 //!   admission decided by [`policy`].
+//! - [`index`]: the gateway's prefix index (block → nodes) kept from node events.
 //! - [`placement`]: tenant → shard group → block owners by rendezvous hashing, rack-aware.
 //! - [`transport`]: moving blocks between nodes (the `Transport` trait; TCP with pooled,
 //!   authenticated connections and striped large blocks).
@@ -15,6 +16,7 @@
 //! with a checksum; it knows nothing of billing or HTTP.
 
 pub mod client;
+pub mod index;
 pub mod keys;
 pub mod metrics;
 pub mod placement;
