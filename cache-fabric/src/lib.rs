@@ -8,6 +8,7 @@
 //!   admission decided by [`policy`].
 //! - [`index`]: the gateway's prefix index (block → nodes) kept from node events.
 //! - [`placement`]: tenant → shard group → block owners by rendezvous hashing, rack-aware.
+//! - [`tier`]: where block bytes live (the `TierStore` trait: DRAM, local-disk segments).
 //! - [`transport`]: moving blocks between nodes (the `Transport` trait; TCP with pooled,
 //!   authenticated connections and striped large blocks).
 //! - [`simulate`]: replays a Mooncake-format trace through the store's own eviction code.
@@ -23,6 +24,7 @@ pub mod placement;
 pub mod policy;
 pub mod simulate;
 pub mod store;
+pub mod tier;
 pub mod transport;
 
 pub use client::{FabricClient, FabricNode, MissReason, NodeConfig, PrefixRead};

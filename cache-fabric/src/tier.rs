@@ -1,0 +1,525 @@
+//! Where block bytes live: the [`TierStore`] trait and its DRAM and local-disk
+//! implementations, behind one contract test suite (`cache-fabric/tests/tiers.rs`).
+//!
+//! A tier stores opaque block records (bytes plus the metadata needed to put a block back
+//! into the node's index: scope, parent, token count, TTL and paid flag) under their hash,
+//! verifies the crc32c of every record it returns, and keeps itself within a byte capacity.
+//! The node's eviction and TTL logic live in [`crate::store`]; a tier is the place bytes go
+//! (DRAM pressure demotes to disk before dropping; a disk hit promotes).
+//!
+//! The disk tier writes append-only segment files (`seg-<n>.cachet`, 64 MiB by default).
+//! Each record is a fixed header with its own crc32c, then the data:
+//!
+//! ```text
+//! magic "CKV1" | header_crc:u32 | hash:32 | tenant:16 | workspace:16 | has_parent:u8
+//! | parent:32 | n_tokens:u32 | ttl_ms:u64 | paid:u8 | data_crc:u32 | len:u64 | data
+//! ```
+//!
+//! On open, every segment is scanned and the index rebuilt; a torn or corrupt record ends
+//! its segment's scan (everything before it is recovered). Removal drops the index entry;
+//! space is reclaimed by deleting whole segments, oldest first, when over capacity (a
+//! segment's live blocks go with it — a disk cache, not a database). A record whose data no
+//! longer matches its crc is reported as corrupt, dropped, and never returned.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
+
+use crate::store::checksum;
+
+/// A block as a tier keeps it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TierBlock {
+    pub hash: BlockHash,
+    pub scope: Scope,
+    pub parent: Option<BlockHash>,
+    pub n_tokens: u32,
+    pub ttl: Duration,
+    pub paid: bool,
+    pub data: Bytes,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TierError {
+    #[error("tier I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("block {0:?} failed its checksum and was dropped")]
+    Corrupt(BlockHash),
+    #[error("a block of {size} bytes cannot fit a tier of {capacity}")]
+    TooLarge { size: u64, capacity: u64 },
+}
+
+/// One storage tier. Implementations: [`DramTier`], [`DiskTier`] (and GPU memory behind the
+/// `cuda` feature where a GPU exists).
+pub trait TierStore: Send {
+    /// Store (or replace) a block, making room within the capacity if needed.
+    fn put(&mut self, block: TierBlock) -> Result<(), TierError>;
+    /// A stored block, its bytes verified; `Corrupt` (and the block dropped) on a mismatch.
+    fn get(&mut self, hash: &BlockHash) -> Result<Option<TierBlock>, TierError>;
+    fn remove(&mut self, hash: &BlockHash) -> bool;
+    fn contains(&self, hash: &BlockHash) -> bool;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Bytes of block data held (what capacity counts).
+    fn used_bytes(&self) -> u64;
+    fn capacity_bytes(&self) -> u64;
+    /// A short name for metrics and logs.
+    fn name(&self) -> &'static str;
+}
+
+/// The DRAM tier as a plain tier: blocks in memory, oldest inserted dropped first when full.
+pub struct DramTier {
+    blocks: HashMap<BlockHash, (u64, TierBlock, u32)>,
+    order: BTreeMap<u64, BlockHash>,
+    seq: u64,
+    used: u64,
+    capacity: u64,
+}
+
+impl DramTier {
+    pub fn new(capacity: u64) -> Self {
+        Self {
+            blocks: HashMap::new(),
+            order: BTreeMap::new(),
+            seq: 0,
+            used: 0,
+            capacity,
+        }
+    }
+
+    /// Test hook: flip a bit of a stored block.
+    #[doc(hidden)]
+    pub fn corrupt_for_test(&mut self, hash: &BlockHash) -> bool {
+        let Some((_, b, _)) = self.blocks.get_mut(hash) else {
+            return false;
+        };
+        let mut v = b.data.to_vec();
+        if let Some(x) = v.first_mut() {
+            *x ^= 1;
+        }
+        b.data = Bytes::from(v);
+        true
+    }
+}
+
+impl TierStore for DramTier {
+    fn put(&mut self, block: TierBlock) -> Result<(), TierError> {
+        let size = block.data.len() as u64;
+        if size > self.capacity {
+            return Err(TierError::TooLarge {
+                size,
+                capacity: self.capacity,
+            });
+        }
+        self.remove(&block.hash);
+        while self.used + size > self.capacity {
+            let Some((_, h)) = self.order.pop_first() else {
+                break;
+            };
+            if let Some((_, b, _)) = self.blocks.remove(&h) {
+                self.used -= b.data.len() as u64;
+            }
+        }
+        self.seq += 1;
+        self.order.insert(self.seq, block.hash);
+        self.used += size;
+        let crc = checksum(&block.data);
+        self.blocks.insert(block.hash, (self.seq, block, crc));
+        Ok(())
+    }
+
+    fn get(&mut self, hash: &BlockHash) -> Result<Option<TierBlock>, TierError> {
+        let Some((_, b, crc)) = self.blocks.get(hash) else {
+            return Ok(None);
+        };
+        if checksum(&b.data) != *crc {
+            self.remove(hash);
+            return Err(TierError::Corrupt(*hash));
+        }
+        Ok(Some(b.clone()))
+    }
+
+    fn remove(&mut self, hash: &BlockHash) -> bool {
+        match self.blocks.remove(hash) {
+            Some((seq, b, _)) => {
+                self.order.remove(&seq);
+                self.used -= b.data.len() as u64;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn contains(&self, hash: &BlockHash) -> bool {
+        self.blocks.contains_key(hash)
+    }
+    fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    fn used_bytes(&self) -> u64 {
+        self.used
+    }
+    fn capacity_bytes(&self) -> u64 {
+        self.capacity
+    }
+    fn name(&self) -> &'static str {
+        "dram"
+    }
+}
+
+const MAGIC: &[u8; 4] = b"CKV1";
+/// Header bytes after the magic and the header crc.
+const HEADER: usize = 32 + 16 + 16 + 1 + 32 + 4 + 8 + 1 + 4 + 8;
+const PREFIX: usize = 4 + 4;
+
+/// Where one record is.
+#[derive(Clone, Copy, Debug)]
+struct Loc {
+    segment: u64,
+    offset: u64,
+    len: u64,
+}
+
+/// The local-disk tier: append-only segment files in one directory.
+pub struct DiskTier {
+    dir: PathBuf,
+    segment_bytes: u64,
+    capacity: u64,
+    index: HashMap<BlockHash, Loc>,
+    /// Segment id → (file, bytes written, live data bytes).
+    segments: BTreeMap<u64, (File, u64, u64)>,
+    used: u64,
+}
+
+fn segment_path(dir: &Path, id: u64) -> PathBuf {
+    dir.join(format!("seg-{id:08}.cachet"))
+}
+
+fn encode_header(b: &TierBlock, data_crc: u32) -> BytesMut {
+    let mut h = BytesMut::with_capacity(HEADER);
+    h.put_slice(&b.hash.0);
+    h.put_slice(b.scope.tenant.as_uuid().as_bytes());
+    h.put_slice(b.scope.workspace.as_uuid().as_bytes());
+    match b.parent {
+        Some(p) => {
+            h.put_u8(1);
+            h.put_slice(&p.0);
+        }
+        None => {
+            h.put_u8(0);
+            h.put_slice(&[0; 32]);
+        }
+    }
+    h.put_u32_le(b.n_tokens);
+    h.put_u64_le(b.ttl.as_millis() as u64);
+    h.put_u8(b.paid as u8);
+    h.put_u32_le(data_crc);
+    h.put_u64_le(b.data.len() as u64);
+    h
+}
+
+/// Decoded header: the block without data, the data crc and length.
+fn decode_header(mut h: &[u8]) -> (TierBlock, u32, u64) {
+    let mut hash = [0u8; 32];
+    h.copy_to_slice(&mut hash);
+    let mut t = [0u8; 16];
+    h.copy_to_slice(&mut t);
+    let mut w = [0u8; 16];
+    h.copy_to_slice(&mut w);
+    let has_parent = h.get_u8() == 1;
+    let mut p = [0u8; 32];
+    h.copy_to_slice(&mut p);
+    let n_tokens = h.get_u32_le();
+    let ttl = Duration::from_millis(h.get_u64_le());
+    let paid = h.get_u8() == 1;
+    let crc = h.get_u32_le();
+    let len = h.get_u64_le();
+    (
+        TierBlock {
+            hash: BlockHash(hash),
+            scope: Scope {
+                tenant: TenantId::from(uuid::Uuid::from_bytes(t)),
+                workspace: WorkspaceId::from(uuid::Uuid::from_bytes(w)),
+            },
+            parent: has_parent.then_some(BlockHash(p)),
+            n_tokens,
+            ttl,
+            paid,
+            data: Bytes::new(),
+        },
+        crc,
+        len,
+    )
+}
+
+impl DiskTier {
+    /// Open (creating if needed) the tier in `dir`, recovering every intact record.
+    pub fn open(dir: impl Into<PathBuf>, capacity: u64) -> Result<Self, TierError> {
+        Self::open_with(dir, capacity, 64 << 20)
+    }
+
+    pub fn open_with(
+        dir: impl Into<PathBuf>,
+        capacity: u64,
+        segment_bytes: u64,
+    ) -> Result<Self, TierError> {
+        let dir = dir.into();
+        std::fs::create_dir_all(&dir)?;
+        let mut ids: Vec<u64> = std::fs::read_dir(&dir)?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                name.strip_prefix("seg-")?
+                    .strip_suffix(".cachet")?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        ids.sort_unstable();
+        let mut tier = Self {
+            dir,
+            segment_bytes,
+            capacity,
+            index: HashMap::new(),
+            segments: BTreeMap::new(),
+            used: 0,
+        };
+        for id in ids {
+            tier.recover_segment(id)?;
+        }
+        tier.enforce_capacity(0)?;
+        Ok(tier)
+    }
+
+    /// Scan one segment: index every intact record up to the first torn or corrupt one,
+    /// and truncate the file there so new records follow valid ones.
+    fn recover_segment(&mut self, id: u64) -> Result<(), TierError> {
+        let path = segment_path(&self.dir, id);
+        // Append mode: new records always go to the end, also after a truncation below.
+        let mut file = OpenOptions::new().read(true).append(true).open(&path)?;
+        let size = file.metadata()?.len();
+        let mut bytes = Vec::with_capacity(size as usize);
+        file.read_to_end(&mut bytes)?;
+        let mut off = 0usize;
+        let mut live = 0u64;
+        while off + PREFIX + HEADER <= bytes.len() {
+            if &bytes[off..off + 4] != MAGIC {
+                break;
+            }
+            let hcrc = u32::from_le_bytes(bytes[off + 4..off + 8].try_into().expect("4"));
+            let header = &bytes[off + PREFIX..off + PREFIX + HEADER];
+            if checksum(header) != hcrc {
+                break;
+            }
+            let (block, dcrc, len) = decode_header(header);
+            let start = off + PREFIX + HEADER;
+            let end = start + len as usize;
+            if end > bytes.len() || checksum(&bytes[start..end]) != dcrc {
+                break;
+            }
+            // A later record of the same hash replaces an earlier one.
+            if let Some(old) = self.index.insert(
+                block.hash,
+                Loc {
+                    segment: id,
+                    offset: off as u64,
+                    len,
+                },
+            ) {
+                self.used -= old.len;
+                if let Some(seg) = self.segments.get_mut(&old.segment) {
+                    seg.2 -= old.len;
+                } else if old.segment == id {
+                    live -= old.len;
+                }
+            }
+            self.used += len;
+            live += len;
+            off = end;
+        }
+        if (off as u64) < size {
+            tracing::warn!(segment = %path.display(), kept = off, size, "torn or corrupt record; truncating the segment there");
+            file.set_len(off as u64)?;
+        }
+        self.segments.insert(id, (file, off as u64, live));
+        Ok(())
+    }
+
+    /// Drop whole segments, oldest first, until `incoming` more bytes fit.
+    fn enforce_capacity(&mut self, incoming: u64) -> Result<(), TierError> {
+        while self.used + incoming > self.capacity {
+            let Some((&id, _)) = self.segments.first_key_value() else {
+                break;
+            };
+            self.drop_segment(id)?;
+        }
+        Ok(())
+    }
+
+    fn drop_segment(&mut self, id: u64) -> Result<(), TierError> {
+        self.segments.remove(&id);
+        let mut freed = 0;
+        self.index.retain(|_, l| {
+            if l.segment == id {
+                freed += l.len;
+                false
+            } else {
+                true
+            }
+        });
+        self.used -= freed;
+        match std::fs::remove_file(segment_path(&self.dir, id)) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The segment to append `record` bytes to (a new one when the last is full).
+    fn writable_segment(&mut self, record: u64) -> Result<u64, TierError> {
+        if let Some((&id, (_, written, _))) = self.segments.last_key_value()
+            && (*written == 0 || written + record <= self.segment_bytes)
+        {
+            return Ok(id);
+        }
+        let id = self
+            .segments
+            .last_key_value()
+            .map(|(id, _)| id + 1)
+            .unwrap_or(0);
+        let file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create_new(true)
+            .open(segment_path(&self.dir, id))?;
+        self.segments.insert(id, (file, 0, 0));
+        Ok(id)
+    }
+
+    /// Test hook: flip one bit of a stored block's data on disk.
+    #[doc(hidden)]
+    pub fn corrupt_for_test(&mut self, hash: &BlockHash) -> Result<bool, TierError> {
+        let Some(l) = self.index.get(hash).copied() else {
+            return Ok(false);
+        };
+        let path = segment_path(&self.dir, l.segment);
+        let f = OpenOptions::new().read(true).write(true).open(path)?;
+        let at = l.offset + (PREFIX + HEADER) as u64;
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, at)?;
+        b[0] ^= 1;
+        f.write_all_at(&b, at)?;
+        Ok(true)
+    }
+
+    pub fn segments(&self) -> usize {
+        self.segments.len()
+    }
+}
+
+impl TierStore for DiskTier {
+    fn put(&mut self, block: TierBlock) -> Result<(), TierError> {
+        let len = block.data.len() as u64;
+        if len > self.capacity {
+            return Err(TierError::TooLarge {
+                size: len,
+                capacity: self.capacity,
+            });
+        }
+        self.remove(&block.hash);
+        self.enforce_capacity(len)?;
+        let header = encode_header(&block, checksum(&block.data));
+        let record = (PREFIX + HEADER) as u64 + len;
+        let id = self.writable_segment(record)?;
+        let (file, written, live) = self.segments.get_mut(&id).expect("just chosen");
+        let mut prefix = [0u8; PREFIX];
+        prefix[..4].copy_from_slice(MAGIC);
+        prefix[4..].copy_from_slice(&checksum(&header).to_le_bytes());
+        file.write_all(&prefix)?;
+        file.write_all(&header)?;
+        file.write_all(&block.data)?;
+        let offset = *written;
+        *written += record;
+        *live += len;
+        self.used += len;
+        self.index.insert(
+            block.hash,
+            Loc {
+                segment: id,
+                offset,
+                len,
+            },
+        );
+        Ok(())
+    }
+
+    fn get(&mut self, hash: &BlockHash) -> Result<Option<TierBlock>, TierError> {
+        let Some(l) = self.index.get(hash).copied() else {
+            return Ok(None);
+        };
+        let (file, _, _) = self
+            .segments
+            .get(&l.segment)
+            .expect("indexed segment is open");
+        let mut raw = vec![0u8; PREFIX + HEADER + l.len as usize];
+        file.read_exact_at(&mut raw, l.offset)?;
+        let header = &raw[PREFIX..PREFIX + HEADER];
+        let hcrc = u32::from_le_bytes(raw[4..8].try_into().expect("4"));
+        let header_ok = checksum(header) == hcrc;
+        let (mut block, dcrc, len) = decode_header(header);
+        let data = Bytes::from(raw).slice(PREFIX + HEADER..);
+        if !header_ok
+            || data.len() != len as usize
+            || block.hash != *hash
+            || checksum(&data) != dcrc
+        {
+            self.remove(hash);
+            return Err(TierError::Corrupt(*hash));
+        }
+        block.data = data;
+        Ok(Some(block))
+    }
+
+    fn remove(&mut self, hash: &BlockHash) -> bool {
+        let Some(l) = self.index.remove(hash) else {
+            return false;
+        };
+        self.used -= l.len;
+        let empty = match self.segments.get_mut(&l.segment) {
+            Some(seg) => {
+                seg.2 -= l.len;
+                seg.2 == 0 && self.segments.len() > 1
+            }
+            None => false,
+        };
+        // A segment with nothing live left (and not the one being written) is deleted.
+        if empty && self.segments.last_key_value().map(|(id, _)| *id) != Some(l.segment) {
+            let _ = self.drop_segment(l.segment);
+        }
+        true
+    }
+
+    fn contains(&self, hash: &BlockHash) -> bool {
+        self.index.contains_key(hash)
+    }
+    fn len(&self) -> usize {
+        self.index.len()
+    }
+    fn used_bytes(&self) -> u64 {
+        self.used
+    }
+    fn capacity_bytes(&self) -> u64 {
+        self.capacity
+    }
+    fn name(&self) -> &'static str {
+        "disk"
+    }
+}
