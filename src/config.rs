@@ -32,6 +32,9 @@ pub struct FabricSection {
     /// `frequency:<horizon factor>` or `lru`. Explicit-breakpoint entries are never evicted
     /// for capacity.
     pub eviction: String,
+    /// Bytes of the local-disk tier under `data_dir/fabric-disk`; 0 turns it off. DRAM
+    /// evictions are demoted there and promoted back on a read.
+    pub disk_capacity_bytes: u64,
 }
 
 impl FabricSection {
@@ -104,6 +107,7 @@ impl Default for FabricSection {
         Self {
             dram_capacity_bytes: 1 << 30,
             eviction: "frequency".into(),
+            disk_capacity_bytes: 0,
         }
     }
 }
@@ -185,6 +189,10 @@ impl Config {
             &mut self.fabric.dram_capacity_bytes,
         )?;
         env_parse("CACHET_FABRIC_EVICTION", &mut self.fabric.eviction)?;
+        env_parse(
+            "CACHET_DISK_CAPACITY_BYTES",
+            &mut self.fabric.disk_capacity_bytes,
+        )?;
         env_parse("CACHET_ENGINE", &mut self.engine.kind)?;
         env_parse("CACHET_MODEL_PATH", &mut self.engine.model_path)?;
         env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
@@ -222,6 +230,7 @@ impl Config {
         let FabricSection {
             dram_capacity_bytes,
             eviction: _,
+            disk_capacity_bytes: _,
         } = fabric;
         if *dram_capacity_bytes == 0 {
             bail!("fabric.dram_capacity_bytes must be positive");

@@ -123,10 +123,18 @@ pub async fn start(
         .connect_lazy(&config.database_url)?;
     let meter_stop = CancellationToken::new();
     let (meter, meter_task) = Meter::start(meter_pool, config.meter(), meter_stop.clone())?;
-    let node = FabricNode::new(NodeConfig {
+    let node_config = NodeConfig {
         dram_capacity_bytes: config.fabric.dram_capacity_bytes,
         eviction: config.fabric.eviction()?,
-    });
+    };
+    let node = match config.fabric.disk_capacity_bytes {
+        0 => FabricNode::new(node_config),
+        cap => {
+            let dir = config.data_dir.join("fabric-disk");
+            FabricNode::with_disk(node_config, &dir, cap)
+                .with_context(|| format!("opening the disk tier in {}", dir.display()))?
+        }
+    };
     let fabric = FabricClient::local(node.clone());
     let redis = (!config.redis_url.is_empty()).then_some(config.redis_url.as_str());
     let state = gateway::state(

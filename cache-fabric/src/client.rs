@@ -39,6 +39,25 @@ impl FabricNode {
         })
     }
 
+    /// A node whose DRAM tier demotes capacity evictions to a local-disk tier in `dir`
+    /// (recovered if it exists) and promotes from it on reads.
+    pub fn with_disk(
+        config: NodeConfig,
+        dir: impl Into<std::path::PathBuf>,
+        disk_capacity_bytes: u64,
+    ) -> Result<Arc<Self>, crate::tier::TierError> {
+        let disk = crate::tier::DiskTier::open(dir, disk_capacity_bytes)?;
+        Ok(Arc::new(Self {
+            store: Mutex::new(
+                Store::new(StoreLimits {
+                    capacity_bytes: config.dram_capacity_bytes,
+                    policy: config.eviction,
+                })
+                .with_lower_tier(Box::new(disk)),
+            ),
+        }))
+    }
+
     fn store(&self) -> MutexGuard<'_, Store> {
         // A panic while holding the lock leaves indexes possibly inconsistent but memory-safe;
         // serving from them is better than failing every later request.

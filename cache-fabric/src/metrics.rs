@@ -90,3 +90,13 @@ pub static TENANT_BYTES: LazyLock<IntGaugeVec> = LazyLock::new(|| {
 pub fn forget_tenant(tenant: &str) {
     let _ = TENANT_BYTES.remove_label_values(&[tenant]);
 }
+pub static TIER_MOVES: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_fabric_tier_moves_total",
+            "Blocks moved between DRAM and the lower (disk) tier: demoted, promoted, and failures",
+        ),
+        &["move"],
+    )
+    .expect("metric"))
+});

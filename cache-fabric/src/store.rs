@@ -25,6 +25,7 @@ use tokio::time::Instant;
 
 use crate::metrics;
 use crate::policy::{EvictionPolicy, Ranking};
+use crate::tier::{TierBlock, TierStore};
 
 /// crc32c of a block's bytes; computed by the writer, verified on every put and get.
 pub fn checksum(data: &[u8]) -> u32 {
@@ -163,6 +164,9 @@ pub struct Store {
     /// Every leaf of each tenant, by key (quota eviction).
     tenant_leaves: HashMap<TenantId, BTreeSet<(u64, BlockHash)>>,
     ranking: Ranking,
+    /// Where capacity evictions go instead of being dropped (the local-disk tier), and
+    /// where a miss looks before giving up.
+    lower: Option<Box<dyn TierStore>>,
     expiry: BTreeSet<(Instant, BlockHash)>,
     clock: u64,
     tombstones: HashMap<BlockHash, RemovalReason>,
@@ -180,11 +184,23 @@ impl Store {
             leaves: BTreeSet::new(),
             tenant_leaves: HashMap::new(),
             ranking: Ranking::new(limits.policy),
+            lower: None,
             expiry: BTreeSet::new(),
             clock: 0,
             tombstones: HashMap::new(),
             tombstone_order: VecDeque::new(),
         }
+    }
+
+    /// Demote capacity evictions to `tier` (local disk) and promote from it on a read.
+    pub fn with_lower_tier(mut self, tier: Box<dyn TierStore>) -> Self {
+        self.lower = Some(tier);
+        self
+    }
+
+    /// Blocks and bytes held by the lower tier, if there is one.
+    pub fn lower_tier_usage(&self) -> Option<(usize, u64)> {
+        self.lower.as_ref().map(|t| (t.len(), t.used_bytes()))
     }
 
     pub fn used_bytes(&self) -> u64 {
@@ -235,11 +251,14 @@ impl Store {
         self.live(scope, hash, now).is_some()
     }
 
-    /// How many leading hashes of `chain` are stored and live.
+    /// How many leading hashes of `chain` are stored and live (in DRAM, or in the lower
+    /// tier, whose expiry and scope are checked when the block is promoted).
     pub fn leading_present(&self, scope: &Scope, chain: &[BlockHash], now: Instant) -> usize {
         chain
             .iter()
-            .take_while(|h| self.contains(scope, h, now))
+            .take_while(|h| {
+                self.contains(scope, h, now) || self.lower.as_ref().is_some_and(|t| t.contains(h))
+            })
             .count()
     }
 
@@ -259,7 +278,11 @@ impl Store {
     ) -> Vec<FetchedBlock> {
         self.purge_expired(now);
         let mut out = Vec::with_capacity(chain.len());
-        for hash in chain {
+        for (i, hash) in chain.iter().enumerate() {
+            if self.live(scope, hash, now).is_none() {
+                let parent = i.checked_sub(1).map(|p| chain[p]);
+                self.promote(scope, hash, parent, &chain[..i], now);
+            }
             let Some(block) = self.live(scope, hash, now) else {
                 metrics::BLOCK_READS.with_label_values(&["miss"]).inc();
                 break;
@@ -283,6 +306,55 @@ impl Store {
             .with_label_values(&["hit"])
             .inc_by(out.len() as u64);
         out
+    }
+
+    /// Bring `hash` back from the lower tier into DRAM if it is there, of this scope, not
+    /// expired, verified, and continues `parent`; making room evicts (and so demotes) other
+    /// blocks, never one of `pinned`.
+    fn promote(
+        &mut self,
+        scope: &Scope,
+        hash: &BlockHash,
+        parent: Option<BlockHash>,
+        pinned: &[BlockHash],
+        now: Instant,
+    ) {
+        let Some(tier) = self.lower.as_mut() else {
+            return;
+        };
+        if !tier.contains(hash) {
+            return;
+        }
+        let tb = match tier.get(hash) {
+            Ok(Some(tb)) => tb,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::error!(block = %hash, error = %e, "lower tier read failed; block dropped");
+                metrics::TIER_MOVES
+                    .with_label_values(&["promote_failed"])
+                    .inc();
+                return;
+            }
+        };
+        let wall = unix_ms();
+        if tb.scope != *scope || tb.parent != parent || tb.expires_unix_ms <= wall {
+            if tb.expires_unix_ms <= wall {
+                tier.remove(hash);
+            }
+            return;
+        }
+        tier.remove(hash);
+        let len = tb.data.len() as u64;
+        let pinned: HashSet<BlockHash> = pinned.iter().copied().collect();
+        while self.used_bytes + len > self.limits.capacity_bytes {
+            if !self.evict_one(None, &pinned, RemovalReason::Capacity) {
+                return;
+            }
+        }
+        let remaining = Duration::from_millis(tb.expires_unix_ms - wall);
+        let put = PutBlock::new(*hash, tb.parent, tb.n_tokens, tb.data);
+        self.insert(scope, put, tb.ttl, now + remaining, tb.paid);
+        metrics::TIER_MOVES.with_label_values(&["promoted"]).inc();
     }
 
     /// One block with its stored checksum, TTL refreshed, *without* verifying the bytes: for
@@ -527,6 +599,30 @@ impl Store {
             !(b.paid && reason == RemovalReason::Capacity),
             "a paid block was evicted for capacity"
         );
+        if reason == RemovalReason::Capacity
+            && let Some(tier) = self.lower.as_mut()
+        {
+            let remaining = b.expires_at.saturating_duration_since(Instant::now());
+            let demoted = TierBlock {
+                hash: *hash,
+                scope: b.scope,
+                parent: b.parent,
+                n_tokens: b.n_tokens,
+                ttl: b.ttl,
+                expires_unix_ms: unix_ms() + remaining.as_millis() as u64,
+                paid: b.paid,
+                data: b.data.clone(),
+            };
+            match tier.put(demoted) {
+                Ok(()) => metrics::TIER_MOVES.with_label_values(&["demoted"]).inc(),
+                Err(e) => {
+                    tracing::warn!(block = %hash, error = %e, "demotion to the lower tier failed");
+                    metrics::TIER_MOVES
+                        .with_label_values(&["demote_failed"])
+                        .inc();
+                }
+            }
+        }
         self.expiry.remove(&(b.expires_at, *hash));
         let tenant = b.scope.tenant;
         self.unset_leaf(tenant, b.key, *hash);
@@ -662,6 +758,13 @@ impl Store {
             assert_eq!(self.tenant_bytes(t), bytes);
         }
     }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 fn refused(r: WriteRefused) -> WriteRefused {

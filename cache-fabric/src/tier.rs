@@ -12,11 +12,13 @@
 //!
 //! ```text
 //! magic "CKV1" | header_crc:u32 | hash:32 | tenant:16 | workspace:16 | has_parent:u8
-//! | parent:32 | n_tokens:u32 | ttl_ms:u64 | paid:u8 | data_crc:u32 | len:u64 | data
+//! | parent:32 | n_tokens:u32 | ttl_ms:u64 | expires_unix_ms:u64 | paid:u8 | data_crc:u32
+//! | len:u64 | data
 //! ```
 //!
-//! On open, every segment is scanned and the index rebuilt; a torn or corrupt record ends
-//! its segment's scan (everything before it is recovered). Removal drops the index entry;
+//! On open, every segment is scanned and the index rebuilt: a record whose data fails its
+//! crc is skipped (its header vouches for its length), a torn record or a corrupt header ends
+//! the segment's scan there and the file is truncated to what was intact. Removal drops the index entry;
 //! space is reclaimed by deleting whole segments, oldest first, when over capacity (a
 //! segment's live blocks go with it — a disk cache, not a database). A record whose data no
 //! longer matches its crc is reported as corrupt, dropped, and never returned.
@@ -41,6 +43,9 @@ pub struct TierBlock {
     pub parent: Option<BlockHash>,
     pub n_tokens: u32,
     pub ttl: Duration,
+    /// When the block expires, in milliseconds since the Unix epoch (wall clock, so that it
+    /// survives a restart).
+    pub expires_unix_ms: u64,
     pub paid: bool,
     pub data: Bytes,
 }
@@ -177,7 +182,7 @@ impl TierStore for DramTier {
 
 const MAGIC: &[u8; 4] = b"CKV1";
 /// Header bytes after the magic and the header crc.
-const HEADER: usize = 32 + 16 + 16 + 1 + 32 + 4 + 8 + 1 + 4 + 8;
+const HEADER: usize = 32 + 16 + 16 + 1 + 32 + 4 + 8 + 8 + 1 + 4 + 8;
 const PREFIX: usize = 4 + 4;
 
 /// Where one record is.
@@ -220,6 +225,7 @@ fn encode_header(b: &TierBlock, data_crc: u32) -> BytesMut {
     }
     h.put_u32_le(b.n_tokens);
     h.put_u64_le(b.ttl.as_millis() as u64);
+    h.put_u64_le(b.expires_unix_ms);
     h.put_u8(b.paid as u8);
     h.put_u32_le(data_crc);
     h.put_u64_le(b.data.len() as u64);
@@ -239,6 +245,7 @@ fn decode_header(mut h: &[u8]) -> (TierBlock, u32, u64) {
     h.copy_to_slice(&mut p);
     let n_tokens = h.get_u32_le();
     let ttl = Duration::from_millis(h.get_u64_le());
+    let expires_unix_ms = h.get_u64_le();
     let paid = h.get_u8() == 1;
     let crc = h.get_u32_le();
     let len = h.get_u64_le();
@@ -252,6 +259,7 @@ fn decode_header(mut h: &[u8]) -> (TierBlock, u32, u64) {
             parent: has_parent.then_some(BlockHash(p)),
             n_tokens,
             ttl,
+            expires_unix_ms,
             paid,
             data: Bytes::new(),
         },
@@ -322,8 +330,14 @@ impl DiskTier {
             let (block, dcrc, len) = decode_header(header);
             let start = off + PREFIX + HEADER;
             let end = start + len as usize;
-            if end > bytes.len() || checksum(&bytes[start..end]) != dcrc {
+            if end > bytes.len() {
                 break;
+            }
+            if checksum(&bytes[start..end]) != dcrc {
+                // The header vouches for the length: skip just this record.
+                tracing::error!(segment = %path.display(), offset = off, block = %block.hash, "block data failed its checksum; not recovered");
+                off = end;
+                continue;
             }
             // A later record of the same hash replaces an earlier one.
             if let Some(old) = self.index.insert(

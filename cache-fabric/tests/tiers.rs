@@ -17,6 +17,7 @@ fn block(i: u64, size: usize, scope: Scope) -> TierBlock {
         parent: (i > 0).then(|| BlockHash(Sha256::digest((i - 1).to_le_bytes()).into())),
         n_tokens: 16,
         ttl: Duration::from_secs(if i.is_multiple_of(2) { 300 } else { 3600 }),
+        expires_unix_ms: 1_900_000_000_000 + i,
         paid: i.is_multiple_of(3),
         data: Bytes::from(
             (0..size)
@@ -178,4 +179,23 @@ fn a_smaller_capacity_on_reopen_drops_the_oldest_segments() {
     assert!(t.used_bytes() <= 20_000);
     assert!(t.get(&block(19, 4000, s).hash).unwrap().is_some());
     assert!(t.get(&block(0, 4000, s).hash).unwrap().is_none());
+}
+
+#[test]
+fn a_record_corrupted_at_rest_is_skipped_on_recovery_and_later_ones_kept() {
+    let dir = TempDir::new();
+    let s = scope();
+    let blocks: Vec<TierBlock> = (0..3).map(|i| block(i, 1000, s)).collect();
+    {
+        let mut t = DiskTier::open_with(&dir.0, 1 << 20, 1 << 20).unwrap();
+        for b in &blocks {
+            t.put(b.clone()).unwrap();
+        }
+        assert!(t.corrupt_for_test(&blocks[1].hash).unwrap());
+    }
+    let mut t = DiskTier::open_with(&dir.0, 1 << 20, 1 << 20).unwrap();
+    assert_eq!(t.get(&blocks[0].hash).unwrap().as_ref(), Some(&blocks[0]));
+    assert!(t.get(&blocks[1].hash).unwrap().is_none());
+    assert_eq!(t.get(&blocks[2].hash).unwrap().as_ref(), Some(&blocks[2]));
+    assert_eq!(t.used_bytes(), 2000);
 }
