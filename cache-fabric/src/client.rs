@@ -58,6 +58,11 @@ impl FabricNode {
         }))
     }
 
+    /// Report the blocks this node stores and drops to `sink` (see [`crate::events`]).
+    pub fn set_event_sink(&self, sink: crate::events::EventSink) {
+        self.store().set_event_sink(sink);
+    }
+
     fn store(&self) -> MutexGuard<'_, Store> {
         // A panic while holding the lock leaves indexes possibly inconsistent but memory-safe;
         // serving from them is better than failing every later request.

@@ -6,6 +6,8 @@
 //!   prefix, write an entry with a TTL, explain a miss, apply tenant quotas).
 //! - [`FabricNode`]: one node's tiers; today the DRAM tier ([`store`]), with eviction and
 //!   admission decided by [`policy`].
+//! - [`events`]: block stored/removed events from nodes over a Redis Stream into gateways'
+//!   indexes.
 //! - [`index`]: the gateway's prefix index (block → nodes) kept from node events.
 //! - [`placement`]: tenant → shard group → block owners by rendezvous hashing, rack-aware.
 //! - [`tier`]: where block bytes live (the `TierStore` trait: DRAM, local-disk segments).
@@ -17,6 +19,7 @@
 //! with a checksum; it knows nothing of billing or HTTP.
 
 pub mod client;
+pub mod events;
 pub mod index;
 pub mod keys;
 pub mod metrics;

@@ -3,7 +3,9 @@
 
 use std::sync::LazyLock;
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts};
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+};
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
     // A second registration (several nodes in one test process) is harmless: keep the first.
@@ -97,6 +99,28 @@ pub static TIER_MOVES: LazyLock<IntCounterVec> = LazyLock::new(|| {
             "Blocks moved between DRAM and the lower (disk) tier: demoted, promoted, and failures",
         ),
         &["move"],
+    )
+    .expect("metric"))
+});
+pub static EVENTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_fabric_block_events_total",
+            "Block stored/removed events: published (by nodes), dropped (channel full or Redis away), applied (by index followers)",
+        ),
+        &["outcome"],
+    )
+    .expect("metric"))
+});
+pub static INDEX_STALENESS: LazyLock<Histogram> = LazyLock::new(|| {
+    reg(Histogram::with_opts(
+        HistogramOpts::new(
+            "cachet_fabric_index_staleness_seconds",
+            "Prefix index staleness: from a block event on a node to its application in an index",
+        )
+        .buckets(vec![
+            0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+        ]),
     )
     .expect("metric"))
 });

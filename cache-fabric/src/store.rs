@@ -23,6 +23,7 @@ use bytes::Bytes;
 use cachet_common::{BlockHash, Scope, TenantId};
 use tokio::time::Instant;
 
+use crate::events::{EventSink, StoreEvent};
 use crate::metrics;
 use crate::policy::{EvictionPolicy, Ranking};
 use crate::tier::{TierBlock, TierStore};
@@ -167,6 +168,8 @@ pub struct Store {
     /// Where capacity evictions go instead of being dropped (the local-disk tier), and
     /// where a miss looks before giving up.
     lower: Option<Box<dyn TierStore>>,
+    /// Where block stored / removed events go (to the cluster's index), if anywhere.
+    events: Option<EventSink>,
     expiry: BTreeSet<(Instant, BlockHash)>,
     clock: u64,
     tombstones: HashMap<BlockHash, RemovalReason>,
@@ -185,6 +188,7 @@ impl Store {
             tenant_leaves: HashMap::new(),
             ranking: Ranking::new(limits.policy),
             lower: None,
+            events: None,
             expiry: BTreeSet::new(),
             clock: 0,
             tombstones: HashMap::new(),
@@ -196,6 +200,17 @@ impl Store {
     pub fn with_lower_tier(mut self, tier: Box<dyn TierStore>) -> Self {
         self.lower = Some(tier);
         self
+    }
+
+    /// Report every block this node starts or stops holding (in any tier) to `sink`.
+    pub fn set_event_sink(&mut self, sink: EventSink) {
+        self.events = Some(sink);
+    }
+
+    fn emit(&self, e: StoreEvent) {
+        if let Some(s) = &self.events {
+            s.emit(e);
+        }
     }
 
     /// Blocks and bytes held by the lower tier, if there is one.
@@ -524,6 +539,7 @@ impl Store {
         );
         metrics::BLOCKS_WRITTEN.inc();
         metrics::BYTES_WRITTEN.inc_by(len);
+        self.emit(StoreEvent::Stored(b.hash));
         self.publish_gauges(scope.tenant);
     }
 
@@ -599,6 +615,7 @@ impl Store {
             !(b.paid && reason == RemovalReason::Capacity),
             "a paid block was evicted for capacity"
         );
+        let mut demoted_ok = false;
         if reason == RemovalReason::Capacity
             && let Some(tier) = self.lower.as_mut()
         {
@@ -614,7 +631,10 @@ impl Store {
                 data: b.data.clone(),
             };
             match tier.put(demoted) {
-                Ok(()) => metrics::TIER_MOVES.with_label_values(&["demoted"]).inc(),
+                Ok(()) => {
+                    demoted_ok = true;
+                    metrics::TIER_MOVES.with_label_values(&["demoted"]).inc()
+                }
                 Err(e) => {
                     tracing::warn!(block = %hash, error = %e, "demotion to the lower tier failed");
                     metrics::TIER_MOVES
@@ -622,6 +642,10 @@ impl Store {
                         .inc();
                 }
             }
+        }
+        // Still held (on disk) after a demotion; otherwise gone from this node.
+        if !demoted_ok {
+            self.emit(StoreEvent::Removed(*hash));
         }
         self.expiry.remove(&(b.expires_at, *hash));
         let tenant = b.scope.tenant;
