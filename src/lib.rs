@@ -3,4 +3,5 @@
 
 pub mod config;
 pub mod loadtest;
+pub mod node;
 pub mod server;

@@ -26,6 +26,22 @@ struct Cli {
 enum Command {
     /// Run gateway + fabric node + engines + meter in one process.
     Serve,
+    /// Run one fabric node of a cluster: its store served over the fabric transport,
+    /// announced in Redis with heartbeats, block events published (CACHET_CLUSTER_TOKEN).
+    Node {
+        /// Fabric transport address.
+        #[arg(long, default_value = "127.0.0.1:7400")]
+        listen: String,
+        /// Node id (unique in the cluster); default: node-<port>.
+        #[arg(long)]
+        id: Option<String>,
+        /// Failure domain, for replica placement.
+        #[arg(long)]
+        rack: Option<String>,
+        /// Prefix of the cluster's Redis keys.
+        #[arg(long, default_value = "cachet")]
+        redis_prefix: String,
+    },
     /// Create the database if needed and apply migrations.
     Migrate,
     /// Tenants.
@@ -111,6 +127,33 @@ async fn main() -> anyhow::Result<()> {
     let config = Config::load(cli.config.as_deref())?;
     init_tracing(config.log.format == "json");
     match cli.command {
+        Command::Node {
+            listen,
+            id,
+            rack,
+            redis_prefix,
+        } => {
+            let id =
+                id.unwrap_or_else(|| format!("node-{}", listen.rsplit(':').next().unwrap_or("0")));
+            let stop = CancellationToken::new();
+            let s = stop.clone();
+            tokio::spawn(async move {
+                wait_for_signal().await;
+                tracing::info!("shutting down");
+                s.cancel();
+            });
+            cachet::node::run(
+                config,
+                cachet::node::NodeArgs {
+                    listen,
+                    id,
+                    rack,
+                    redis_prefix,
+                },
+                stop,
+            )
+            .await
+        }
         Command::Serve => {
             let listener = tokio::net::TcpListener::bind(&config.listen)
                 .await
@@ -119,12 +162,7 @@ async fn main() -> anyhow::Result<()> {
             let running = server::start(config, listener, shutdown.clone()).await?;
             let stop = shutdown.clone();
             tokio::spawn(async move {
-                let mut term =
-                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
-                }
+                wait_for_signal().await;
                 tracing::info!("shutting down");
                 stop.cancel();
             });
@@ -224,5 +262,14 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Loadtest { .. } => unreachable!("handled above"),
+    }
+}
+
+/// SIGINT or SIGTERM.
+async fn wait_for_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
     }
 }

@@ -9,6 +9,7 @@
 //! - [`events`]: block stored/removed events from nodes over a Redis Stream into gateways'
 //!   indexes.
 //! - [`index`]: the gateway's prefix index (block → nodes) kept from node events.
+//! - [`membership`]: nodes register and heartbeat in Redis; silent for 3 s = down.
 //! - [`placement`]: tenant → shard group → block owners by rendezvous hashing, rack-aware.
 //! - [`tier`]: where block bytes live (the `TierStore` trait: DRAM, local-disk segments).
 //! - [`transport`]: moving blocks between nodes (the `Transport` trait; TCP with pooled,
@@ -22,6 +23,7 @@ pub mod client;
 pub mod events;
 pub mod index;
 pub mod keys;
+pub mod membership;
 pub mod metrics;
 pub mod placement;
 pub mod policy;
