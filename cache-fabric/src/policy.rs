@@ -99,12 +99,15 @@ impl FrequencySketch {
         u64::from_le_bytes(w.try_into().expect("8 bytes")) as usize & self.mask
     }
 
-    /// Record one use; halves every counter once `reset_after` uses have been recorded.
-    pub fn record(&mut self, hash: &BlockHash, reset_after: u64) {
+    /// Record one use and return the new estimate; halves every counter once `reset_after`
+    /// uses have been recorded.
+    pub fn record(&mut self, hash: &BlockHash, reset_after: u64) -> u8 {
+        let mut min = MAX_COUNT;
         for r in 0..ROWS {
             let i = self.index(hash, r);
             let c = &mut self.rows[r][i];
             *c = (*c + 1).min(MAX_COUNT);
+            min = min.min(*c);
         }
         self.samples += 1;
         if self.samples >= reset_after {
@@ -114,7 +117,9 @@ impl FrequencySketch {
                     *c /= 2;
                 }
             }
+            return self.estimate(hash);
         }
+        min
     }
 
     /// Estimated recent uses (never below 1).
@@ -169,11 +174,8 @@ impl Ranking {
     /// Record a use that stores nothing (a refused entry's blocks still count as seen).
     pub fn record(&mut self, hash: &BlockHash, stored: usize) -> u8 {
         match &mut self.sketch {
-            Some(s) => {
-                // Halve after ten uses per stored block (at least 4,096 blocks' worth).
-                s.record(hash, 10 * stored.max(4096) as u64);
-                s.estimate(hash)
-            }
+            // Halve after ten uses per stored block (at least 4,096 blocks' worth).
+            Some(s) => s.record(hash, 10 * stored.max(4096) as u64).max(1),
             None => 1,
         }
     }

@@ -547,21 +547,25 @@ impl Store {
     /// [`EXPIRY_SLACK`]) and the TTL class to at least `ttl`; `paid` marks it paid (a paid
     /// block stays paid).
     fn touch(&mut self, hash: &BlockHash, expires_at: Instant, ttl: Duration, paid: bool) {
-        if !self.blocks.contains_key(hash) {
+        let stored = self.blocks.len();
+        let Some(b) = self.blocks.get_mut(hash) else {
             return;
-        }
-        let tick = self.tick();
-        let key = self.ranking.use_key(hash, tick, self.blocks.len());
-        let b = self.blocks.get_mut(hash).expect("checked above");
-        let (old_key, tenant, leaf) = (b.key, b.scope.tenant, b.children == 0);
+        };
+        self.clock += 1;
+        let key = self.ranking.use_key(hash, self.clock, stored);
+        let old_key = b.key;
         b.key = key;
         b.paid |= paid;
-        let now_paid = b.paid;
-        if leaf {
-            self.unset_leaf(tenant, old_key, *hash);
-            self.set_leaf(tenant, key, *hash, now_paid);
+        if b.children == 0 {
+            // The leaf sets, updated in place (fields, not methods: `b` is still borrowed).
+            self.leaves.remove(&(old_key, *hash));
+            if !b.paid {
+                self.leaves.insert((key, *hash));
+            }
+            let set = self.tenant_leaves.entry(b.scope.tenant).or_default();
+            set.remove(&(old_key, *hash));
+            set.insert((key, *hash));
         }
-        let b = self.blocks.get_mut(hash).expect("checked above");
         if expires_at >= b.expires_at + EXPIRY_SLACK || (expires_at > b.expires_at && ttl > b.ttl) {
             self.expiry.remove(&(b.expires_at, *hash));
             self.expiry.insert((expires_at, *hash));
