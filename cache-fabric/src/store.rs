@@ -16,11 +16,11 @@
 //! Time is `tokio::time::Instant`, passed in by the caller (the request's start time), so
 //! TTL behaviour is testable with paused time.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
 use bytes::Bytes;
-use cachet_common::{BlockHash, Scope, TenantId};
+use cachet_common::{BlockHash, BlockMap, BlockSet, Scope, TenantId};
 use tokio::time::Instant;
 
 use crate::events::{EventSink, StoreEvent};
@@ -156,7 +156,7 @@ pub const EXPIRY_SLACK: Duration = Duration::from_secs(1);
 /// The DRAM block store. Not `Sync` by itself: the node wraps it in a mutex.
 pub struct Store {
     limits: StoreLimits,
-    blocks: HashMap<BlockHash, Block>,
+    blocks: BlockMap<Block>,
     used_bytes: u64,
     tenant_bytes: HashMap<TenantId, u64>,
     tenant_quota: HashMap<TenantId, u64>,
@@ -172,7 +172,7 @@ pub struct Store {
     events: Option<EventSink>,
     expiry: BTreeSet<(Instant, BlockHash)>,
     clock: u64,
-    tombstones: HashMap<BlockHash, RemovalReason>,
+    tombstones: BlockMap<RemovalReason>,
     tombstone_order: VecDeque<BlockHash>,
 }
 
@@ -180,7 +180,7 @@ impl Store {
     pub fn new(limits: StoreLimits) -> Self {
         Self {
             limits,
-            blocks: HashMap::new(),
+            blocks: BlockMap::default(),
             used_bytes: 0,
             tenant_bytes: HashMap::new(),
             tenant_quota: HashMap::new(),
@@ -191,7 +191,7 @@ impl Store {
             events: None,
             expiry: BTreeSet::new(),
             clock: 0,
-            tombstones: HashMap::new(),
+            tombstones: BlockMap::default(),
             tombstone_order: VecDeque::new(),
         }
     }
@@ -237,7 +237,7 @@ impl Store {
         match quota {
             Some(q) => {
                 self.tenant_quota.insert(tenant, q);
-                let pinned = HashSet::new();
+                let pinned = BlockSet::default();
                 while self.tenant_bytes(tenant) > q {
                     if !self.evict_one(Some(tenant), &pinned, RemovalReason::Quota) {
                         break;
@@ -294,7 +294,7 @@ impl Store {
         self.purge_expired(now);
         let mut out = Vec::with_capacity(chain.len());
         for (i, hash) in chain.iter().enumerate() {
-            if self.live(scope, hash, now).is_none() {
+            if self.lower.is_some() && self.live(scope, hash, now).is_none() {
                 let parent = i.checked_sub(1).map(|p| chain[p]);
                 self.promote(scope, hash, parent, &chain[..i], now);
             }
@@ -360,7 +360,7 @@ impl Store {
         }
         tier.remove(hash);
         let len = tb.data.len() as u64;
-        let pinned: HashSet<BlockHash> = pinned.iter().copied().collect();
+        let pinned: BlockSet = pinned.iter().copied().collect();
         while self.used_bytes + len > self.limits.capacity_bytes {
             if !self.evict_one(None, &pinned, RemovalReason::Capacity) {
                 return;
@@ -423,7 +423,7 @@ impl Store {
         if existing.iter().any(|h| !self.contains(scope, h, now)) {
             return Err(refused(WriteRefused::MissingParent));
         }
-        let pinned: HashSet<BlockHash> = existing
+        let pinned: BlockSet = existing
             .iter()
             .chain(new.iter().map(|b| &b.hash))
             .copied()
@@ -579,7 +579,7 @@ impl Store {
     fn evict_one(
         &mut self,
         tenant: Option<TenantId>,
-        pinned: &HashSet<BlockHash>,
+        pinned: &BlockSet,
         reason: RemovalReason,
     ) -> bool {
         let victim = match tenant {

@@ -105,6 +105,41 @@ pub struct Scope {
     pub workspace: WorkspaceId,
 }
 
+/// Hashes a [`BlockHash`] for hash maps by taking 8 of its bytes: they are SHA-256 output,
+/// already uniform, so running them through SipHash again only costs time (the fabric looks
+/// up hundreds of blocks per request). Only for maps keyed by `BlockHash`. Flooding such a map
+/// would take many hashes sharing 64 bits, i.e. SHA-256 multicollisions, and block hashes are
+/// computed by the gateway, not chosen by clients.
+#[derive(Default, Clone, Copy)]
+pub struct BlockHasher(u64);
+
+impl std::hash::Hasher for BlockHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        match bytes.get(..8) {
+            Some(b) => self.0 ^= u64::from_le_bytes(b.try_into().expect("8 bytes")),
+            // Not a block hash (e.g. a length prefix written as bytes): fold it in.
+            None => {
+                for b in bytes {
+                    self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+                }
+            }
+        }
+    }
+    fn write_usize(&mut self, _len: usize) {
+        // The slice length prefix of `[u8; 32]`: the same for every key.
+    }
+}
+
+/// A hash map keyed by block hash, hashed with [`BlockHasher`].
+pub type BlockMap<V> =
+    std::collections::HashMap<BlockHash, V, std::hash::BuildHasherDefault<BlockHasher>>;
+/// A hash set of block hashes, hashed with [`BlockHasher`].
+pub type BlockSet =
+    std::collections::HashSet<BlockHash, std::hash::BuildHasherDefault<BlockHasher>>;
+
 /// A 32-byte SHA-256 block hash (see `cache_fabric::keys`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct BlockHash(pub [u8; 32]);
