@@ -73,6 +73,18 @@ pub enum Command {
         #[arg(long, default_value_t = 2000)]
         lookups: usize,
     },
+    /// Block events from a node's store through a Redis Stream into a follower's prefix
+    /// index: events/s and index staleness (event time → applied).
+    Events {
+        /// Blocks written (each is one stored event).
+        #[arg(long, default_value_t = 200_000)]
+        blocks: usize,
+        /// Offered load: blocks stored per second.
+        #[arg(long, default_value_t = 20_000)]
+        rate: usize,
+        #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+        redis_url: String,
+    },
     /// A bare axum server answering every POST with a fixed Messages-shaped body: the limit
     /// of HTTP on this machine, for side-by-side comparison.
     BareServer {
@@ -134,6 +146,11 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             block_tokens,
             lookups,
         } => index_bench(blocks, prompt_tokens, block_tokens, lookups),
+        Command::Events {
+            blocks,
+            rate,
+            redis_url,
+        } => events_bench(blocks, rate, &redis_url).await,
         Command::SimulateCache {
             trace,
             capacity_blocks,
@@ -584,5 +601,129 @@ fn index_bench(
         t.elapsed().as_secs_f64() * 1e6 / lookups as f64,
         total
     );
+    Ok(())
+}
+
+async fn events_bench(blocks: usize, rate: usize, redis_url: &str) -> anyhow::Result<()> {
+    use cache_fabric::events::{self, Follower};
+    use cache_fabric::index::PrefixIndex;
+    use cache_fabric::{EntryKind, EvictionPolicy, FabricNode, NodeConfig, PutBlock};
+    use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
+    use std::sync::{Arc, RwLock};
+
+    if blocks == 0 || rate == 0 {
+        bail!("--blocks and --rate must be positive");
+    }
+    let client = redis::Client::open(redis_url)?;
+    let publish_conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .with_context(|| format!("connecting to {redis_url}"))?;
+    let mut follow_conn = client.get_multiplexed_async_connection().await?;
+    let stream = format!("cachet:bench:events:{}", uuid::Uuid::new_v4().simple());
+    let node = FabricNode::new(NodeConfig {
+        dram_capacity_bytes: blocks as u64 * 64,
+        eviction: EvictionPolicy::Lru,
+    });
+    let (sink, rx) = events::channel(65_536);
+    node.set_event_sink(sink);
+    let publisher = tokio::spawn(events::publish(
+        publish_conn,
+        stream.clone(),
+        "bench-node".into(),
+        rx,
+        blocks * 2,
+    ));
+    let index = Arc::new(RwLock::new(PrefixIndex::with_capacity(blocks)));
+    let mut follower = Follower::new(&stream, "0-0", index.clone());
+    let scope = Scope {
+        tenant: TenantId::new(),
+        workspace: WorkspaceId::new(),
+    };
+    let staleness_before = cache_fabric::metrics::INDEX_STALENESS.get_sample_sum();
+    let count_before = cache_fabric::metrics::INDEX_STALENESS.get_sample_count();
+    let started = Instant::now();
+    // The writer: chains of 8 blocks at the offered rate, in 10 ms steps.
+    let writer_node = node.clone();
+    let writer = tokio::spawn(async move {
+        let now = tokio::time::Instant::now();
+        let chains = blocks.div_ceil(8);
+        let per_step = (rate / 100 / 8).max(1);
+        let mut tick = tokio::time::interval(Duration::from_millis(10));
+        let mut c = 0;
+        while c < chains {
+            tick.tick().await;
+            for _ in 0..per_step {
+                if c == chains {
+                    break;
+                }
+                let mut parent = None;
+                let mut new = Vec::with_capacity(8);
+                for i in 0..8usize.min(blocks - c * 8) {
+                    let mut h = [0u8; 32];
+                    h[..8].copy_from_slice(&((c * 8 + i) as u64).to_le_bytes());
+                    h[8] = 1;
+                    let b = PutBlock::new(
+                        BlockHash(h),
+                        parent,
+                        16,
+                        bytes::Bytes::from_static(&[0; 64]),
+                    );
+                    parent = Some(b.hash);
+                    new.push(b);
+                }
+                writer_node.with_store(|st| {
+                    st.put_entry(
+                        &scope,
+                        &[],
+                        new,
+                        Duration::from_secs(3600),
+                        now,
+                        EntryKind::BestEffort,
+                    )
+                })?;
+                c += 1;
+            }
+        }
+        anyhow::Ok(())
+    });
+    let mut applied = 0usize;
+    let mut idle_since = None;
+    // Until everything is applied, or nothing more arrives for 2 s after the writer is done
+    // (events dropped on a full channel never arrive; they are counted below).
+    while applied < blocks {
+        let got = follower
+            .poll(&mut follow_conn, Duration::from_millis(100))
+            .await?;
+        applied += got;
+        if got == 0 && writer.is_finished() {
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if since.elapsed() > Duration::from_secs(2) {
+                break;
+            }
+        } else {
+            idle_since = None;
+        }
+    }
+    writer.await??;
+    let secs = started.elapsed().as_secs_f64();
+    let n = cache_fabric::metrics::INDEX_STALENESS.get_sample_count() - count_before;
+    let mean = (cache_fabric::metrics::INDEX_STALENESS.get_sample_sum() - staleness_before)
+        / n.max(1) as f64;
+    let dropped = cache_fabric::metrics::EVENTS
+        .with_label_values(&["dropped"])
+        .get();
+    println!(
+        "offered_per_s={rate}\tevents={blocks}\tapplied={applied}\tdropped={dropped}\tindexed={}\tapplied_per_s={:.0}\tmean_staleness_ms={:.1}",
+        index.read().map(|i| i.len()).unwrap_or(0),
+        applied as f64 / secs,
+        mean * 1e3
+    );
+    drop(node);
+    let _ = tokio::time::timeout(Duration::from_secs(5), publisher).await;
+    let _: () = redis::cmd("DEL")
+        .arg(&stream)
+        .query_async(&mut follow_conn)
+        .await?;
     Ok(())
 }
