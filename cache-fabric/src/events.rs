@@ -55,7 +55,8 @@ fn unix_ms() -> u64 {
 }
 
 /// Append the node's events to `stream` in batches until the channel closes. A failed batch
-/// is retried a few times, then dropped (and counted): the index heals on re-announcement.
+/// is retried a few times, then dropped (and counted); the index misses those blocks (a node
+/// re-announcing its holdings would heal it; not built yet).
 pub async fn publish(
     mut conn: impl redis::aio::ConnectionLike + Send,
     stream: String,
