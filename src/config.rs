@@ -42,6 +42,23 @@ impl FabricSection {
         cache_fabric::EvictionPolicy::parse(&self.eviction)
             .map_err(|e| anyhow::anyhow!("fabric.eviction: {e}"))
     }
+
+    /// This process's fabric node: DRAM, plus the disk tier in `disk_dir` when
+    /// `disk_capacity_bytes` is set.
+    pub fn node(
+        &self,
+        disk_dir: &std::path::Path,
+    ) -> anyhow::Result<std::sync::Arc<cache_fabric::FabricNode>> {
+        let config = cache_fabric::NodeConfig {
+            dram_capacity_bytes: self.dram_capacity_bytes,
+            eviction: self.eviction()?,
+        };
+        Ok(match self.disk_capacity_bytes {
+            0 => cache_fabric::FabricNode::new(config),
+            cap => cache_fabric::FabricNode::with_disk(config, disk_dir, cap)
+                .with_context(|| format!("opening the disk tier in {}", disk_dir.display()))?,
+        })
+    }
 }
 
 #[derive(Clone, Debug, Deserialize)]

@@ -12,7 +12,6 @@ use anyhow::{Context, bail};
 use cache_fabric::events;
 use cache_fabric::membership::{self, NodeRecord};
 use cache_fabric::transport::serve_tcp;
-use cache_fabric::{FabricNode, NodeConfig};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
@@ -46,18 +45,9 @@ pub async fn run(config: Config, args: NodeArgs, stop: CancellationToken) -> any
         .await
         .with_context(|| format!("binding the fabric port {}", args.listen))?;
     let addr = listener.local_addr()?.to_string();
-    let node_config = NodeConfig {
-        dram_capacity_bytes: config.fabric.dram_capacity_bytes,
-        eviction: config.fabric.eviction()?,
-    };
-    let node = match config.fabric.disk_capacity_bytes {
-        0 => FabricNode::new(node_config),
-        cap => {
-            let dir = config.data_dir.join(format!("fabric-disk-{}", args.id));
-            FabricNode::with_disk(node_config, &dir, cap)
-                .with_context(|| format!("opening the disk tier in {}", dir.display()))?
-        }
-    };
+    let node = config
+        .fabric
+        .node(&config.data_dir.join(format!("fabric-disk-{}", args.id)))?;
     let epoch = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_millis() as u64;

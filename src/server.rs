@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use billing::{Meter, MeterHandle};
-use cache_fabric::{FabricClient, FabricNode, NodeConfig};
+use cache_fabric::{FabricClient, FabricNode};
 use engine::Engine;
 use engine::reference::ReferenceEngine;
 use engine::sim::{SimEngine, SimProfile};
@@ -123,18 +123,7 @@ pub async fn start(
         .connect_lazy(&config.database_url)?;
     let meter_stop = CancellationToken::new();
     let (meter, meter_task) = Meter::start(meter_pool, config.meter(), meter_stop.clone())?;
-    let node_config = NodeConfig {
-        dram_capacity_bytes: config.fabric.dram_capacity_bytes,
-        eviction: config.fabric.eviction()?,
-    };
-    let node = match config.fabric.disk_capacity_bytes {
-        0 => FabricNode::new(node_config),
-        cap => {
-            let dir = config.data_dir.join("fabric-disk");
-            FabricNode::with_disk(node_config, &dir, cap)
-                .with_context(|| format!("opening the disk tier in {}", dir.display()))?
-        }
-    };
+    let node = config.fabric.node(&config.data_dir.join("fabric-disk"))?;
     let fabric = FabricClient::local(node.clone());
     let redis = (!config.redis_url.is_empty()).then_some(config.redis_url.as_str());
     let state = gateway::state(

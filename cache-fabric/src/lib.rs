@@ -31,6 +31,7 @@ pub mod simulate;
 pub mod store;
 pub mod tier;
 pub mod transport;
+pub mod wire;
 
 pub use client::{FabricClient, FabricNode, MissReason, NodeConfig, PrefixRead};
 pub use keys::{ChainLink, KeySpace, PrefixKeys, TailKey};

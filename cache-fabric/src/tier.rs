@@ -31,9 +31,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
+use cachet_common::{BlockHash, Scope};
 
 use crate::store::checksum;
+use crate::wire::{get_hash, get_parent, get_scope, put_parent, put_scope};
 
 /// A block as a tier keeps it.
 #[derive(Clone, Debug, PartialEq)]
@@ -211,18 +212,8 @@ fn segment_path(dir: &Path, id: u64) -> PathBuf {
 fn encode_header(b: &TierBlock, data_crc: u32) -> BytesMut {
     let mut h = BytesMut::with_capacity(HEADER);
     h.put_slice(&b.hash.0);
-    h.put_slice(b.scope.tenant.as_uuid().as_bytes());
-    h.put_slice(b.scope.workspace.as_uuid().as_bytes());
-    match b.parent {
-        Some(p) => {
-            h.put_u8(1);
-            h.put_slice(&p.0);
-        }
-        None => {
-            h.put_u8(0);
-            h.put_slice(&[0; 32]);
-        }
-    }
+    put_scope(&mut h, &b.scope);
+    put_parent(&mut h, b.parent);
     h.put_u32_le(b.n_tokens);
     h.put_u64_le(b.ttl.as_millis() as u64);
     h.put_u64_le(b.expires_unix_ms);
@@ -234,15 +225,9 @@ fn encode_header(b: &TierBlock, data_crc: u32) -> BytesMut {
 
 /// Decoded header: the block without data, the data crc and length.
 fn decode_header(mut h: &[u8]) -> (TierBlock, u32, u64) {
-    let mut hash = [0u8; 32];
-    h.copy_to_slice(&mut hash);
-    let mut t = [0u8; 16];
-    h.copy_to_slice(&mut t);
-    let mut w = [0u8; 16];
-    h.copy_to_slice(&mut w);
-    let has_parent = h.get_u8() == 1;
-    let mut p = [0u8; 32];
-    h.copy_to_slice(&mut p);
+    let hash = get_hash(&mut h);
+    let scope = get_scope(&mut h);
+    let parent = get_parent(&mut h);
     let n_tokens = h.get_u32_le();
     let ttl = Duration::from_millis(h.get_u64_le());
     let expires_unix_ms = h.get_u64_le();
@@ -251,12 +236,9 @@ fn decode_header(mut h: &[u8]) -> (TierBlock, u32, u64) {
     let len = h.get_u64_le();
     (
         TierBlock {
-            hash: BlockHash(hash),
-            scope: Scope {
-                tenant: TenantId::from(uuid::Uuid::from_bytes(t)),
-                workspace: WorkspaceId::from(uuid::Uuid::from_bytes(w)),
-            },
-            parent: has_parent.then_some(BlockHash(p)),
+            hash,
+            scope,
+            parent,
             n_tokens,
             ttl,
             expires_unix_ms,

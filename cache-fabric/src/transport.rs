@@ -28,12 +28,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
+use cachet_common::{BlockHash, Scope};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::client::FabricNode;
 use crate::store::{EntryKind, FetchedBlock, PutBlock, WriteRefused, checksum};
+use crate::wire::{get_hash, get_parent, get_scope, put_parent, put_scope};
 
 /// Why a transfer failed (the caller recomputes; it never fails a request).
 #[derive(Debug, thiserror::Error)]
@@ -96,26 +97,6 @@ const DENIED: u8 = 1;
 const REFUSED: u8 = 2;
 /// Largest request frame a node accepts (a PUT carries block data).
 const MAX_FRAME: usize = 1 << 30;
-
-fn put_scope(b: &mut BytesMut, s: &Scope) {
-    b.put_slice(s.tenant.as_uuid().as_bytes());
-    b.put_slice(s.workspace.as_uuid().as_bytes());
-}
-
-fn get_scope(b: &mut Bytes) -> Scope {
-    let t = uuid::Uuid::from_slice(&b.split_to(16)).expect("16 bytes");
-    let w = uuid::Uuid::from_slice(&b.split_to(16)).expect("16 bytes");
-    Scope {
-        tenant: TenantId::from(t),
-        workspace: WorkspaceId::from(w),
-    }
-}
-
-fn get_hash(b: &mut Bytes) -> BlockHash {
-    let mut h = [0u8; 32];
-    b.copy_to_slice(&mut h);
-    BlockHash(h)
-}
 
 fn refused_code(r: WriteRefused) -> u8 {
     match r {
@@ -341,13 +322,7 @@ fn decode_put(f: &mut Bytes) -> Option<RemoteEntry> {
             return None;
         }
         let hash = get_hash(f);
-        let parent = match f.get_u8() {
-            0 => {
-                f.advance(32);
-                None
-            }
-            _ => Some(get_hash(f)),
-        };
+        let parent = get_parent(f);
         let n_tokens = f.get_u32_le();
         let crc = f.get_u32_le();
         let len = f.get_u64_le() as usize;
@@ -754,16 +729,7 @@ impl Transport for TcpTransport {
         for b in &e.new {
             let mut h = BytesMut::with_capacity(81);
             h.put_slice(&b.hash.0);
-            match b.parent {
-                Some(p) => {
-                    h.put_u8(1);
-                    h.put_slice(&p.0);
-                }
-                None => {
-                    h.put_u8(0);
-                    h.put_slice(&[0; 32]);
-                }
-            }
+            put_parent(&mut h, b.parent);
             h.put_u32_le(b.n_tokens);
             h.put_u32_le(b.checksum);
             h.put_u64_le(b.data.len() as u64);
