@@ -75,13 +75,15 @@ async fn live_ids(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) ->
         .collect()
 }
 
-async fn wait_until(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) -> Duration {
+/// Poll until `f` holds; `limit` only bounds a hang (it is not a performance target).
+async fn wait_until(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
     let start = Instant::now();
     while !f().await {
-        assert!(start.elapsed() < limit, "{what} within {limit:?}");
+        if start.elapsed() > limit {
+            panic!("gave up waiting for: {what}");
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    start.elapsed()
 }
 
 #[tokio::test]
@@ -93,9 +95,11 @@ async fn a_node_process_serves_announces_publishes_and_leaves() {
 
     let a = start_node("node-a", &prefix, &dir);
     let b = start_node("node-b", &prefix, &dir);
-    wait_until("both nodes announced", Duration::from_secs(5), async || {
-        live_ids(&mut conn, &prefix).await == ["node-a", "node-b"]
-    })
+    wait_until(
+        "both nodes announced",
+        Duration::from_secs(15),
+        async || live_ids(&mut conn, &prefix).await == ["node-a", "node-b"],
+    )
     .await;
     let records = membership::live_nodes(&mut conn, &prefix).await.unwrap();
     assert_eq!(records[0].addr, a.addr);
@@ -144,7 +148,7 @@ async fn a_node_process_serves_announces_publishes_and_leaves() {
     let index = Arc::new(RwLock::new(PrefixIndex::default()));
     let mut follower = Follower::new(format!("{prefix}:blocks"), "0-0", index.clone());
     let mut fconn = client.get_multiplexed_async_connection().await.unwrap();
-    wait_until("events indexed", Duration::from_secs(5), async || {
+    wait_until("events indexed", Duration::from_secs(15), async || {
         follower
             .poll(&mut fconn, Duration::from_millis(100))
             .await
@@ -153,19 +157,21 @@ async fn a_node_process_serves_announces_publishes_and_leaves() {
     })
     .await;
 
-    // kill -9: the node is down once its record expires (about 3 s), not before a beat.
+    // kill -9: nobody removes the record; the node is down once it expires (3 s after its
+    // last heartbeat).
     let mut a = a;
     a.child.kill().unwrap();
     a.child.wait().unwrap();
-    let took = wait_until(
+    wait_until(
         "killed node seen down",
-        Duration::from_secs(6),
+        Duration::from_secs(15),
         async || live_ids(&mut conn, &prefix).await == ["node-b"],
     )
     .await;
-    assert!(took >= Duration::from_millis(1000), "down after {took:?}");
 
-    // A graceful stop (SIGTERM) leaves at once.
+    // A graceful stop (SIGTERM) removes the record itself before the process exits, so it
+    // is gone the moment the process is (an expiry would leave it for up to 3 s more).
+    let mut b = b;
     let pid = b.child.id().to_string();
     assert!(
         Command::new("kill")
@@ -174,11 +180,14 @@ async fn a_node_process_serves_announces_publishes_and_leaves() {
             .unwrap()
             .success()
     );
-    let took = wait_until("stopped node gone", Duration::from_secs(3), async || {
-        live_ids(&mut conn, &prefix).await.is_empty()
-    })
-    .await;
-    assert!(took < Duration::from_millis(2500), "left after {took:?}");
+    assert!(b.child.wait().unwrap().success(), "clean exit on SIGTERM");
+    let key_left: bool = redis::cmd("EXISTS")
+        .arg(format!("{prefix}:node:node-b"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!key_left, "the record was removed on the way out");
+    assert!(live_ids(&mut conn, &prefix).await.is_empty());
     drop(b);
     let _: () = redis::cmd("DEL")
         .arg(format!("{prefix}:blocks"))
