@@ -39,13 +39,6 @@ impl EvictionPolicy {
         horizon_factor: 10.0,
     };
 
-    pub fn name(&self) -> &'static str {
-        match self {
-            EvictionPolicy::Lru => "lru",
-            EvictionPolicy::Frequency { .. } => "frequency",
-        }
-    }
-
     /// `lru`, `frequency`, or `frequency:<horizon factor>`.
     pub fn parse(s: &str) -> Result<Self, String> {
         match s.split_once(':') {
@@ -60,6 +53,16 @@ impl EvictionPolicy {
             _ => Err(format!(
                 "{s:?} is not an eviction policy; available: lru, frequency, frequency:<factor>"
             )),
+        }
+    }
+}
+
+/// The form [`EvictionPolicy::parse`] reads: `lru` or `frequency:<horizon factor>`.
+impl std::fmt::Display for EvictionPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EvictionPolicy::Lru => f.write_str("lru"),
+            EvictionPolicy::Frequency { horizon_factor } => write!(f, "frequency:{horizon_factor}"),
         }
     }
 }
@@ -225,6 +228,9 @@ mod tests {
         );
         assert!(EvictionPolicy::parse("frequency:-1").is_err());
         assert!(EvictionPolicy::parse("lfu").is_err());
+        for p in [EvictionPolicy::Lru, EvictionPolicy::DEFAULT] {
+            assert_eq!(EvictionPolicy::parse(&p.to_string()), Ok(p));
+        }
     }
 
     #[test]

@@ -85,10 +85,7 @@ pub fn replay(trace: &[Request], capacity_blocks: u64, policy: EvictionPolicy) -
     let now = Instant::now();
     let data = Bytes::from_static(&[0]);
     let mut r = SimResult {
-        policy: match policy {
-            EvictionPolicy::Lru => "lru".into(),
-            EvictionPolicy::Frequency { horizon_factor } => format!("frequency:{horizon_factor}"),
-        },
+        policy: policy.to_string(),
         capacity_blocks,
         requests: trace.len() as u64,
         blocks: 0,
