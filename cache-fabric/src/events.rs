@@ -20,7 +20,7 @@ use redis::Value;
 use tokio::sync::mpsc;
 
 use crate::index::{BlockEvent, MAX_NODES, PrefixIndex};
-use crate::metrics;
+use crate::{metrics, unix_ms};
 
 /// What a store reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,13 +45,6 @@ impl EventSink {
 pub fn channel(capacity: usize) -> (EventSink, mpsc::Receiver<StoreEvent>) {
     let (tx, rx) = mpsc::channel(capacity);
     (EventSink(tx), rx)
-}
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 /// Append the node's events to `stream` in batches until the channel closes. A failed batch

@@ -19,9 +19,9 @@
 //!   position, is safe.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 
-use cachet_common::BlockHash;
+use cachet_common::{BlockHash, BlockHasher};
 
 /// Up to 64 node slots per index (a slot is reused after its node is removed).
 pub const MAX_NODES: usize = 64;
@@ -49,25 +49,6 @@ pub enum BlockEvent {
     Removed { hash: BlockHash, slot: usize },
 }
 
-/// Hashes an already uniformly distributed `u64` key by identity.
-#[derive(Default)]
-pub struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `write_u64` is used for index keys; anything else is folded in.
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
-
 fn key(h: &BlockHash) -> u64 {
     u64::from_le_bytes(h.0[..8].try_into().expect("8 bytes"))
 }
@@ -75,7 +56,7 @@ fn key(h: &BlockHash) -> u64 {
 /// Blocks → node slots.
 #[derive(Default)]
 pub struct PrefixIndex {
-    map: HashMap<u64, NodeSet, BuildHasherDefault<KeyHasher>>,
+    map: HashMap<u64, NodeSet, BuildHasherDefault<BlockHasher>>,
 }
 
 impl PrefixIndex {

@@ -37,3 +37,12 @@ pub use client::{FabricClient, FabricNode, MissReason, NodeConfig, PrefixRead};
 pub use keys::{ChainLink, KeySpace, PrefixKeys, TailKey};
 pub use policy::EvictionPolicy;
 pub use store::{EntryKind, FetchedBlock, PutBlock, RemovalReason, WriteRefused, checksum};
+
+/// Wall-clock milliseconds since the Unix epoch: expiries that outlive the process (disk
+/// tier) and event times compared across processes (block events).
+pub(crate) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

@@ -24,9 +24,9 @@ use cachet_common::{BlockHash, BlockMap, BlockSet, Scope, TenantId};
 use tokio::time::Instant;
 
 use crate::events::{EventSink, StoreEvent};
-use crate::metrics;
 use crate::policy::{EvictionPolicy, Ranking};
 use crate::tier::{TierBlock, TierStore};
+use crate::{metrics, unix_ms};
 
 /// crc32c of a block's bytes; computed by the writer, verified on every put and get.
 pub fn checksum(data: &[u8]) -> u32 {
@@ -786,13 +786,6 @@ impl Store {
             assert_eq!(self.tenant_bytes(t), bytes);
         }
     }
-}
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 fn refused(r: WriteRefused) -> WriteRefused {

@@ -107,7 +107,8 @@ pub struct Scope {
 
 /// Hashes a [`BlockHash`] for hash maps by taking 8 of its bytes: they are SHA-256 output,
 /// already uniform, so running them through SipHash again only costs time (the fabric looks
-/// up hundreds of blocks per request). Only for maps keyed by `BlockHash`. Flooding such a map
+/// up hundreds of blocks per request). Only for maps keyed by `BlockHash` or by 8 bytes taken
+/// from one (a `u64` key is hashed by identity). Flooding such a map
 /// would take many hashes sharing 64 bits, i.e. SHA-256 multicollisions, and block hashes are
 /// computed by the gateway, not chosen by clients.
 #[derive(Default, Clone, Copy)]
