@@ -22,7 +22,8 @@ const STRIP: usize = 8 * NR;
 /// Row counts up to this use [`matmul_small`]; larger batches go to the general GEMM.
 pub const SMALL_M: usize = 32;
 
-fn simd() -> bool {
+/// Whether this CPU has AVX2 and FMA (the vector kernels' instruction sets).
+pub(super) fn simd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")

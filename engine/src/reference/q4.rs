@@ -11,6 +11,8 @@
 
 use rayon::prelude::*;
 
+use super::kernels::simd;
+
 const BLOCK: usize = 32;
 const BLOCK_BYTES: usize = 20;
 const Q8_BLOCK_BYTES: usize = 34;
@@ -85,39 +87,39 @@ impl Q4Matrix {
     pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
         assert_eq!(x.len(), self.cols);
         assert_eq!(y.len(), self.rows);
-        #[cfg(target_arch = "x86_64")]
-        let simd = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        let simd = simd();
         y.par_chunks_mut(256).enumerate().for_each(|(chunk, out)| {
             for (k, o) in out.iter_mut().enumerate() {
-                let r = chunk * 256 + k;
-                let row = self.row(r);
-                #[cfg(target_arch = "x86_64")]
-                if simd {
-                    // SAFETY: AVX2 and FMA were detected on this CPU just above.
-                    *o = unsafe {
-                        match self.format {
-                            Format::Q4_1 => dot_avx2(&row, x),
-                            Format::Q8_0 => dot_q8_avx2(&row, x),
-                        }
-                    };
-                    continue;
-                }
-                *o = match self.format {
-                    Format::Q4_1 => dot_scalar(&row, x),
-                    Format::Q8_0 => dot_q8_scalar(&row, x),
-                };
+                *o = self.dot(&self.row(chunk * 256 + k), x, simd);
             }
         });
     }
-}
 
-impl Q4Matrix {
+    /// One weight row · `x`, with AVX2/FMA when `simd` (detected by the caller) is true.
+    fn dot(&self, row: &Row<'_>, x: &[f32], simd: bool) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: the caller detected AVX2 and FMA on this CPU.
+            return unsafe {
+                match self.format {
+                    Format::Q4_1 => dot_avx2(row, x),
+                    Format::Q8_0 => dot_q8_avx2(row, x),
+                }
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = simd;
+        match self.format {
+            Format::Q4_1 => dot_scalar(row, x),
+            Format::Q8_0 => dot_q8_scalar(row, x),
+        }
+    }
+
     /// `Y = X · Wᵀ` for a few rows: `x` is `(m × cols)`, the result `(m × rows)`. Each block
     /// of weights is rebuilt in registers once per 8 rows of `x` and used for all of them.
     pub fn matmul_rows(&self, x: &[f32], m: usize) -> Vec<f32> {
         assert_eq!(x.len(), m * self.cols);
-        #[cfg(target_arch = "x86_64")]
-        let simd = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        let simd = simd();
         const CHUNK: usize = 64;
         // Output transposed (`rows × m`) so that each task owns a contiguous slice.
         let mut yt = vec![0f32; self.rows * m];
@@ -143,22 +145,7 @@ impl Q4Matrix {
                         }
                     }
                     for (i, v) in o.iter_mut().enumerate().skip(r) {
-                        let xr = &x[i * self.cols..(i + 1) * self.cols];
-                        #[cfg(target_arch = "x86_64")]
-                        if simd {
-                            // SAFETY: as above.
-                            *v = unsafe {
-                                match self.format {
-                                    Format::Q4_1 => dot_avx2(&row, xr),
-                                    Format::Q8_0 => dot_q8_avx2(&row, xr),
-                                }
-                            };
-                            continue;
-                        }
-                        *v = match self.format {
-                            Format::Q4_1 => dot_scalar(&row, xr),
-                            Format::Q8_0 => dot_q8_scalar(&row, xr),
-                        };
+                        *v = self.dot(&row, &x[i * self.cols..(i + 1) * self.cols], simd);
                     }
                 }
             });
