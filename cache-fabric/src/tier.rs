@@ -61,8 +61,8 @@ pub enum TierError {
     TooLarge { size: u64, capacity: u64 },
 }
 
-/// One storage tier. Implementations: [`DramTier`], [`DiskTier`] (and GPU memory behind the
-/// `cuda` feature where a GPU exists).
+/// One storage tier. Implementations: [`DramTier`], [`DiskTier`] (a GPU-memory tier is not
+/// built yet).
 pub trait TierStore: Send {
     /// Store (or replace) a block, making room within the capacity if needed.
     fn put(&mut self, block: TierBlock) -> Result<(), TierError>;

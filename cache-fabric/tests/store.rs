@@ -2,6 +2,8 @@
 //! quotas, eviction with tails before ancestors, paid entries protected from capacity
 //! eviction, frequency-aware admission of best-effort entries, checksums.
 
+mod common;
+
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -9,19 +11,14 @@ use cache_fabric::{
     EntryKind, EvictionPolicy, FabricClient, FabricNode, KeySpace, MissReason, NodeConfig,
     PrefixKeys, PutBlock, RemovalReason, WriteRefused,
 };
-use cachet_common::{Scope, TenantId, WorkspaceId};
+use common::{TempDir, scope};
+
+use cachet_common::Scope;
 use proptest::prelude::*;
 use tokio::time::Instant;
 
 const B: usize = 4;
 const BYTES_PER_TOKEN: usize = 8;
-
-fn scope() -> Scope {
-    Scope {
-        tenant: TenantId::new(),
-        workspace: WorkspaceId::new(),
-    }
-}
 
 fn keys(scope: Scope, toks: &[u32], bps: &[usize]) -> PrefixKeys {
     KeySpace::new(scope, "m", "", "f16", B).prefix_keys(toks, toks.len(), bps)
@@ -536,21 +533,6 @@ async fn frequency_policy_declines_a_one_off_entry_that_would_displace_hot_block
     .await
     .unwrap();
     node.with_store(|st| st.check_invariants());
-}
-
-/// A temporary directory, removed on drop.
-struct TempDir(std::path::PathBuf);
-impl TempDir {
-    fn new() -> Self {
-        let p = std::env::temp_dir().join(format!("cachet-store-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn disk_node(

@@ -1,12 +1,15 @@
-//! The tier contract, run against every `TierStore` (DRAM and local disk here; GPU memory
-//! where a GPU exists), and the disk tier's recovery after a restart or a torn write.
+//! The tier contract, run against every `TierStore` (DRAM and local disk; a GPU-memory tier
+//! is not built yet), and the disk tier's recovery after a restart or a torn write.
 
-use std::path::PathBuf;
+mod common;
+
 use std::time::Duration;
 
 use bytes::Bytes;
 use cache_fabric::tier::{DiskTier, DramTier, TierBlock, TierError, TierStore};
-use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
+use common::{TempDir, scope};
+
+use cachet_common::{BlockHash, Scope};
 use sha2::{Digest, Sha256};
 
 fn block(i: u64, size: usize, scope: Scope) -> TierBlock {
@@ -24,27 +27,6 @@ fn block(i: u64, size: usize, scope: Scope) -> TierBlock {
                 .map(|j| (j as u64 * 31 + i) as u8)
                 .collect::<Vec<u8>>(),
         ),
-    }
-}
-
-fn scope() -> Scope {
-    Scope {
-        tenant: TenantId::new(),
-        workspace: WorkspaceId::new(),
-    }
-}
-
-struct TempDir(PathBuf);
-impl TempDir {
-    fn new() -> Self {
-        let p = std::env::temp_dir().join(format!("cachet-tier-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

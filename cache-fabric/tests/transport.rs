@@ -1,6 +1,8 @@
-//! The transport contract, run against every `Transport` implementation (TCP here; RDMA
-//! where a device is named): blocks move intact, checksums are enforced, tenants stay apart,
-//! and a peer without the cluster token gets nothing.
+//! The transport contract, to run against every `Transport` implementation (today only TCP;
+//! an RDMA transport is not built yet): blocks move intact, checksums are enforced, tenants
+//! stay apart, and a peer without the cluster token gets nothing.
+
+mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,17 +12,12 @@ use cache_fabric::transport::{RemoteEntry, TcpTransport, Transport, TransportErr
 use cache_fabric::{
     EntryKind, EvictionPolicy, FabricNode, NodeConfig, PutBlock, RemovalReason, WriteRefused,
 };
-use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
+use common::scope;
+
+use cachet_common::{BlockHash, Scope};
 use sha2::{Digest, Sha256};
 
 const TOKEN: &str = "cluster-token-for-tests";
-
-fn scope() -> Scope {
-    Scope {
-        tenant: TenantId::new(),
-        workspace: WorkspaceId::new(),
-    }
-}
 
 fn hash(s: &str) -> BlockHash {
     BlockHash(Sha256::digest(s.as_bytes()).into())
