@@ -32,10 +32,7 @@ pub struct FabricNode {
 impl FabricNode {
     pub fn new(config: NodeConfig) -> Arc<Self> {
         Arc::new(Self {
-            store: Mutex::new(Store::new(StoreLimits {
-                capacity_bytes: config.dram_capacity_bytes,
-                policy: config.eviction,
-            })),
+            store: Mutex::new(Self::dram(config)),
         })
     }
 
@@ -48,14 +45,15 @@ impl FabricNode {
     ) -> Result<Arc<Self>, crate::tier::TierError> {
         let disk = crate::tier::DiskTier::open(dir, disk_capacity_bytes)?;
         Ok(Arc::new(Self {
-            store: Mutex::new(
-                Store::new(StoreLimits {
-                    capacity_bytes: config.dram_capacity_bytes,
-                    policy: config.eviction,
-                })
-                .with_lower_tier(Box::new(disk)),
-            ),
+            store: Mutex::new(Self::dram(config).with_lower_tier(Box::new(disk))),
         }))
+    }
+
+    fn dram(config: NodeConfig) -> Store {
+        Store::new(StoreLimits {
+            capacity_bytes: config.dram_capacity_bytes,
+            policy: config.eviction,
+        })
     }
 
     /// Report the blocks this node stores and drops to `sink` (see [`crate::events`]).
