@@ -422,6 +422,7 @@ pub async fn transfer_bench(
         new: vec![block],
         ttl: Duration::from_secs(3600),
         kind: EntryKind::Paid,
+        replica: false,
     };
     for &n in stripes {
         let mut t = TcpTransport::new(token.clone());

@@ -124,6 +124,7 @@ async fn a_node_process_serves_announces_publishes_and_leaves() {
             new: blocks.clone(),
             ttl: Duration::from_secs(300),
             kind: EntryKind::Paid,
+            replica: false,
         },
     )
     .await

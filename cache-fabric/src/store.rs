@@ -136,7 +136,22 @@ struct Block {
     key: u64,
     /// Written or extended by a paid entry: never evicted for capacity.
     paid: bool,
+    /// Stored blocks whose parent is this one.
     children: u32,
+    /// Written as a replica (see [`Store::put_replica`]): its parent may live on another
+    /// node, and its TTL is refreshed by the reads this node serves, not its parent's.
+    replica: bool,
+}
+
+/// A stored block as [`Store::handoff`] lists it.
+#[derive(Clone, Debug)]
+pub struct Handoff {
+    pub scope: Scope,
+    pub block: PutBlock,
+    /// Its TTL class, and how much of it is left.
+    pub ttl: Duration,
+    pub remaining: Duration,
+    pub kind: EntryKind,
 }
 
 /// Store limits.
@@ -174,6 +189,9 @@ pub struct Store {
     clock: u64,
     tombstones: BlockMap<RemovalReason>,
     tombstone_order: VecDeque<BlockHash>,
+    /// For each parent hash that is *not* stored: how many stored blocks name it as parent
+    /// (replicas arrive without their parents; a parent arriving later adopts them).
+    orphans: BlockMap<u32>,
 }
 
 impl Store {
@@ -193,6 +211,7 @@ impl Store {
             clock: 0,
             tombstones: BlockMap::default(),
             tombstone_order: VecDeque::new(),
+            orphans: BlockMap::default(),
         }
     }
 
@@ -296,7 +315,7 @@ impl Store {
         for (i, hash) in chain.iter().enumerate() {
             if self.lower.is_some() && self.live(scope, hash, now).is_none() {
                 let parent = i.checked_sub(1).map(|p| chain[p]);
-                self.promote(scope, hash, parent, &chain[..i], now);
+                self.promote(scope, hash, Some(parent), &chain[..i], now);
             }
             let Some(block) = self.live(scope, hash, now) else {
                 metrics::BLOCK_READS.with_label_values(&["miss"]).inc();
@@ -324,13 +343,13 @@ impl Store {
     }
 
     /// Bring `hash` back from the lower tier into DRAM if it is there, of this scope, not
-    /// expired, verified, and continues `parent`; making room evicts (and so demotes) other
-    /// blocks, never one of `pinned`.
+    /// expired, verified, and continues `parent` (`None`: any parent, a replica read by
+    /// hash); making room evicts (and so demotes) other blocks, never one of `pinned`.
     fn promote(
         &mut self,
         scope: &Scope,
         hash: &BlockHash,
-        parent: Option<BlockHash>,
+        parent: Option<Option<BlockHash>>,
         pinned: &[BlockHash],
         now: Instant,
     ) {
@@ -352,7 +371,10 @@ impl Store {
             }
         };
         let wall = unix_ms();
-        if tb.scope != *scope || tb.parent != parent || tb.expires_unix_ms <= wall {
+        if tb.scope != *scope
+            || parent.is_some_and(|p| p != tb.parent)
+            || tb.expires_unix_ms <= wall
+        {
             if tb.expires_unix_ms <= wall {
                 tier.remove(hash);
             }
@@ -368,7 +390,14 @@ impl Store {
         }
         let remaining = Duration::from_millis(tb.expires_unix_ms - wall);
         let put = PutBlock::new(*hash, tb.parent, tb.n_tokens, tb.data);
-        self.insert(scope, put, tb.ttl, now + remaining, tb.paid);
+        self.insert(
+            scope,
+            put,
+            tb.ttl,
+            now + remaining,
+            tb.paid,
+            parent.is_none(),
+        );
         metrics::TIER_MOVES.with_label_values(&["promoted"]).inc();
     }
 
@@ -383,6 +412,9 @@ impl Store {
         now: Instant,
     ) -> Option<(FetchedBlock, u32)> {
         self.purge_expired(now);
+        if self.lower.is_some() && self.live(scope, hash, now).is_none() {
+            self.promote(scope, hash, None, &[], now);
+        }
         let block = self.live(scope, hash, now)?;
         let out = (
             FetchedBlock {
@@ -396,6 +428,43 @@ impl Store {
         self.touch(hash, now + ttl, ttl, false);
         metrics::BLOCK_READS.with_label_values(&["hit"]).inc();
         Some(out)
+    }
+
+    /// Every live DRAM block with what a replica write of it needs: for re-replication
+    /// after a node failure and for handing blocks over when this node drains. Bytes are
+    /// shared, not copied; blocks whose bytes fail their checksum are left out (and dropped).
+    pub fn handoff(&mut self, now: Instant) -> Vec<Handoff> {
+        self.purge_expired(now);
+        let corrupt: Vec<BlockHash> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| checksum(&b.data) != b.checksum)
+            .map(|(h, _)| *h)
+            .collect();
+        for h in &corrupt {
+            tracing::error!(block = %h, "checksum mismatch found while handing off; dropping block");
+            self.remove(h, RemovalReason::Corrupt);
+        }
+        self.blocks
+            .iter()
+            .map(|(h, b)| Handoff {
+                scope: b.scope,
+                block: PutBlock {
+                    hash: *h,
+                    parent: b.parent,
+                    n_tokens: b.n_tokens,
+                    data: b.data.clone(),
+                    checksum: b.checksum,
+                },
+                ttl: b.ttl,
+                remaining: b.expires_at.saturating_duration_since(now),
+                kind: if b.paid {
+                    EntryKind::Paid
+                } else {
+                    EntryKind::BestEffort
+                },
+            })
+            .collect()
     }
 
     /// Store an entry: `existing` blocks (already stored, in chain order) get their TTL
@@ -414,7 +483,49 @@ impl Store {
         now: Instant,
         kind: EntryKind,
     ) -> Result<(), WriteRefused> {
+        self.put(scope, existing, new, ttl, now, kind, false)
+    }
+
+    /// Store blocks this node holds as one of their owners (cluster placement puts each
+    /// block of a chain on its own owners): like [`Store::put_entry`], except that a block's
+    /// parent need not be stored here, and `existing` blocks that are not stored here are
+    /// skipped instead of refusing the write. Eviction still takes a locally stored chain's
+    /// tail before its ancestors.
+    pub fn put_replica(
+        &mut self,
+        scope: &Scope,
+        existing: &[BlockHash],
+        new: Vec<PutBlock>,
+        ttl: Duration,
+        now: Instant,
+        kind: EntryKind,
+    ) -> Result<(), WriteRefused> {
+        self.put(scope, existing, new, ttl, now, kind, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put(
+        &mut self,
+        scope: &Scope,
+        existing: &[BlockHash],
+        new: Vec<PutBlock>,
+        ttl: Duration,
+        now: Instant,
+        kind: EntryKind,
+        replica: bool,
+    ) -> Result<(), WriteRefused> {
         self.purge_expired(now);
+        let present: Vec<BlockHash>;
+        let existing = if replica {
+            present = existing
+                .iter()
+                .filter(|h| self.contains(scope, h, now))
+                .copied()
+                .collect();
+            &present[..]
+        } else {
+            existing
+        };
         for b in &new {
             if checksum(&b.data) != b.checksum {
                 return Err(refused(WriteRefused::Corrupt));
@@ -484,6 +595,7 @@ impl Store {
                 return Err(refused(WriteRefused::Conflict));
             }
             if let Some(p) = &b.parent
+                && !replica
                 && !self.blocks.contains_key(p)
             {
                 for h in inserted {
@@ -492,7 +604,7 @@ impl Store {
                 return Err(refused(WriteRefused::MissingParent));
             }
             inserted.push(b.hash);
-            self.insert(scope, b, ttl, expires, paid);
+            self.insert(scope, b, ttl, expires, paid, replica);
         }
         Ok(())
     }
@@ -504,20 +616,27 @@ impl Store {
         ttl: Duration,
         expires_at: Instant,
         paid: bool,
+        replica: bool,
     ) {
         let tick = self.tick();
         let key = self.ranking.use_key(&b.hash, tick, self.blocks.len() + 1);
         let len = b.data.len() as u64;
-        if let Some(p) = b.parent
-            && let Some(parent) = self.blocks.get_mut(&p)
-        {
-            parent.children += 1;
-            if parent.children == 1 {
-                let (k, t) = (parent.key, parent.scope.tenant);
-                self.unset_leaf(t, k, p);
+        if let Some(p) = b.parent {
+            if let Some(parent) = self.blocks.get_mut(&p) {
+                parent.children += 1;
+                if parent.children == 1 {
+                    let (k, t) = (parent.key, parent.scope.tenant);
+                    self.unset_leaf(t, k, p);
+                }
+            } else {
+                *self.orphans.entry(p).or_default() += 1;
             }
         }
-        self.set_leaf(scope.tenant, key, b.hash, paid);
+        // Children that arrived before it (replicas) make it an inner block at once.
+        let children = self.orphans.remove(&b.hash).unwrap_or(0);
+        if children == 0 {
+            self.set_leaf(scope.tenant, key, b.hash, paid);
+        }
         self.expiry.insert((expires_at, b.hash));
         self.used_bytes += len;
         *self.tenant_bytes.entry(scope.tenant).or_default() += len;
@@ -534,7 +653,8 @@ impl Store {
                 expires_at,
                 key,
                 paid,
-                children: 0,
+                children,
+                replica,
             },
         );
         metrics::BLOCKS_WRITTEN.inc();
@@ -659,14 +779,23 @@ impl Store {
         if let Some(tb) = self.tenant_bytes.get_mut(&tenant) {
             *tb -= len;
         }
-        if let Some(p) = b.parent
-            && let Some(parent) = self.blocks.get_mut(&p)
-        {
-            parent.children -= 1;
-            if parent.children == 0 {
-                let (k, t, paid) = (parent.key, parent.scope.tenant, parent.paid);
-                self.set_leaf(t, k, p, paid);
+        if let Some(p) = b.parent {
+            if let Some(parent) = self.blocks.get_mut(&p) {
+                parent.children -= 1;
+                if parent.children == 0 {
+                    let (k, t, paid) = (parent.key, parent.scope.tenant, parent.paid);
+                    self.set_leaf(t, k, p, paid);
+                }
+            } else if let Some(n) = self.orphans.get_mut(&p) {
+                *n -= 1;
+                if *n == 0 {
+                    self.orphans.remove(&p);
+                }
             }
+        }
+        // An inner block removed (expired or corrupt): its children wait for it as orphans.
+        if b.children > 0 {
+            self.orphans.insert(*hash, b.children);
         }
         if self.tombstone_order.len() >= TOMBSTONES
             && let Some(old) = self.tombstone_order.pop_front()
@@ -762,11 +891,15 @@ impl Store {
                 b.children == 0,
                 "tenant leaf set of {h:?}"
             );
-            if let Some(p) = b.parent.and_then(|p| self.blocks.get(&p)) {
+            if let Some(p) = b.parent.and_then(|p| self.blocks.get(&p))
+                && !b.replica
+            {
                 assert!(!b.paid || p.paid, "a paid block's parent is paid");
             }
             assert!(self.expiry.contains(&(b.expires_at, *h)));
-            if let Some(p) = b.parent.and_then(|p| self.blocks.get(&p)) {
+            if let Some(p) = b.parent.and_then(|p| self.blocks.get(&p))
+                && !b.replica
+            {
                 // Within the expiry slack; an orphaned child is unreachable and expires within it.
                 assert!(
                     p.expires_at + EXPIRY_SLACK >= b.expires_at,
@@ -775,6 +908,13 @@ impl Store {
             }
         }
         assert_eq!(used, self.used_bytes);
+        let mut orphans: BlockMap<u32> = BlockMap::default();
+        for b in self.blocks.values() {
+            if let Some(p) = b.parent.filter(|p| !self.blocks.contains_key(p)) {
+                *orphans.entry(p).or_default() += 1;
+            }
+        }
+        assert_eq!(orphans, self.orphans, "orphan counts");
         assert_eq!(
             self.leaves.len(),
             self.blocks

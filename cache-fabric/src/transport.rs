@@ -8,7 +8,7 @@
 //! request  = op:u8 body                     response = status:u8 body
 //! HELLO  1 = token_len:u16 token             ok
 //! GET    2 = scope:32 n:u32 hash:32 × n      count:u32, count × (hash:32 n_tokens:u32 crc:u32 len:u64 data)
-//! PUT    3 = scope:32 ttl_ms:u64 kind:u8     ok | refused(reason:u8)
+//! PUT    3 = scope:32 ttl_ms:u64 kind:u8     ok | refused(reason:u8)   (kind | 0x80: replica)
 //!            n_existing:u32 hash:32 × n
 //!            n_new:u32 (hash:32 parent:33 n_tokens:u32 crc:u32 len:u64 data) × n
 //! STRIPE 4 = scope:32 hash:32 index:u32      found:u8, n_tokens:u32 crc:u32 total:u64
@@ -33,7 +33,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::client::FabricNode;
-use crate::store::{EntryKind, FetchedBlock, PutBlock, WriteRefused, checksum};
+use crate::store::{EntryKind, FetchedBlock, PutBlock, Store, WriteRefused, checksum};
 use crate::wire::{get_hash, get_parent, get_scope, put_parent, put_scope};
 
 /// Why a transfer failed (the caller recomputes; it never fails a request).
@@ -60,6 +60,9 @@ pub struct RemoteEntry {
     pub new: Vec<PutBlock>,
     pub ttl: Duration,
     pub kind: EntryKind,
+    /// Stored as a replica by an owner ([`crate::store::Store::put_replica`]): parents may
+    /// live elsewhere and `existing` blocks the node lacks are skipped.
+    pub replica: bool,
 }
 
 /// How blocks move between nodes. One contract test suite runs against every implementation.
@@ -92,6 +95,8 @@ const OP_HELLO: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_PUT: u8 = 3;
 const OP_STRIPE: u8 = 4;
+/// Flag in PUT's kind byte: store as a replica.
+const REPLICA: u8 = 0x80;
 const OK: u8 = 0;
 const DENIED: u8 = 1;
 const REFUSED: u8 = 2;
@@ -280,7 +285,13 @@ async fn serve_conn(mut s: TcpStream, node: &FabricNode, token: &str) -> std::io
                 let entry = decode_put(&mut f).ok_or_else(|| bad("malformed PUT"))?;
                 let now = tokio::time::Instant::now();
                 let r = node.with_store(|st| {
-                    st.put_entry(
+                    let put = if entry.replica {
+                        Store::put_replica
+                    } else {
+                        Store::put_entry
+                    };
+                    put(
+                        st,
                         &entry.scope,
                         &entry.existing,
                         entry.new,
@@ -305,7 +316,9 @@ fn decode_put(f: &mut Bytes) -> Option<RemoteEntry> {
     }
     let scope = get_scope(f);
     let ttl = Duration::from_millis(f.get_u64_le());
-    let kind = match f.get_u8() {
+    let kind = f.get_u8();
+    let replica = kind & REPLICA != 0;
+    let kind = match kind & !REPLICA {
         0 => EntryKind::Paid,
         1 => EntryKind::BestEffort,
         _ => return None,
@@ -347,6 +360,7 @@ fn decode_put(f: &mut Bytes) -> Option<RemoteEntry> {
         new,
         ttl,
         kind,
+        replica,
     })
 }
 
@@ -713,10 +727,12 @@ impl Transport for TcpTransport {
         req.put_u8(OP_PUT);
         put_scope(&mut req, &e.scope);
         req.put_u64_le(e.ttl.as_millis() as u64);
-        req.put_u8(match e.kind {
-            EntryKind::Paid => 0,
-            EntryKind::BestEffort => 1,
-        });
+        req.put_u8(
+            match e.kind {
+                EntryKind::Paid => 0,
+                EntryKind::BestEffort => 1,
+            } | if e.replica { REPLICA } else { 0 },
+        );
         req.put_u32_le(e.existing.len() as u32);
         for h in &e.existing {
             req.put_slice(&h.0);

@@ -678,4 +678,40 @@ proptest! {
             }
         });
     }
+    /// Owners receive chains in pieces (replica writes without parents, parents later,
+    /// ordinary writes over them): child counts and orphan counts stay exact, so eviction
+    /// still takes only leaves, and capacity and quota bounds hold.
+    #[test]
+    fn replica_writes_in_any_order_keep_invariants_and_bounds(
+        ops in proptest::collection::vec((0usize..2, 0u32..8, 1usize..12, any::<u16>(), any::<bool>()), 1..60),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
+        rt.block_on(async {
+            let cap = 16 * (B * BYTES_PER_TOKEN) as u64;
+            let quota = 8 * (B * BYTES_PER_TOKEN) as u64;
+            let (c, node) = client_with(cap, EvictionPolicy::DEFAULT);
+            let scopes: Vec<Scope> = (0..2).map(|_| scope()).collect();
+            c.set_tenant_quota(scopes[0].tenant, Some(quota)).await;
+            for (who, seed, len, mask, paid) in ops {
+                let s = scopes[who];
+                let k = keys(s, &toks(seed, len * B), &[len * B]);
+                let now = Instant::now();
+                let kind = if paid { PAID } else { AUTO };
+                let ttl = Duration::from_secs(300);
+                let picked: Vec<PutBlock> = blocks_to(&k, len * B)
+                    .into_iter()
+                    .enumerate()
+                    .filter(|(i, _)| mask & (1 << (i % 16)) != 0)
+                    .map(|(_, b)| b)
+                    .collect();
+                node.with_store(|st| {
+                    let _ = st.put_replica(&s, &[], picked, ttl, now, kind);
+                    st.check_invariants();
+                    assert!(st.used_bytes() <= cap);
+                    assert!(st.tenant_bytes(scopes[0].tenant) <= quota);
+                });
+                tokio::time::advance(Duration::from_secs(40)).await;
+            }
+        });
+    }
 }

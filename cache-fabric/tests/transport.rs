@@ -55,6 +55,7 @@ fn entry(scope: Scope, blocks: &[PutBlock], kind: EntryKind) -> RemoteEntry {
         new: blocks.to_vec(),
         ttl: Duration::from_secs(300),
         kind,
+        replica: false,
     }
 }
 
@@ -164,6 +165,34 @@ async fn contract<T: Transport>(t: &T, addr: &str, node: &FabricNode) {
         node.with_store(|st| st.removal_reason(&hashes[2])),
         Some(RemovalReason::Corrupt)
     );
+
+    // Owners hold blocks without their parents: a replica write of a chain's middle is
+    // stored and served by hash, where an ordinary entry write is refused.
+    let mid = chain(s, "replica", 4, 2048);
+    assert_eq!(
+        t.put_entry(addr, &entry(s, &mid[2..], EntryKind::Paid))
+            .await
+            .unwrap(),
+        Err(WriteRefused::MissingParent)
+    );
+    let replica = RemoteEntry {
+        replica: true,
+        existing: vec![mid[0].hash],
+        ..entry(s, &mid[2..], EntryKind::Paid)
+    };
+    assert_eq!(t.put_entry(addr, &replica).await.unwrap(), Ok(()));
+    let got = t.get_block(addr, s, mid[3].hash).await.unwrap().unwrap();
+    assert_eq!(got.data, mid[3].data);
+    assert!(t.get_block(addr, s, mid[1].hash).await.unwrap().is_none());
+    // The parent arriving later adopts its children: the chain is whole again.
+    let parents = RemoteEntry {
+        replica: true,
+        ..entry(s, &mid[..2], EntryKind::Paid)
+    };
+    assert_eq!(t.put_entry(addr, &parents).await.unwrap(), Ok(()));
+    let hashes: Vec<BlockHash> = mid.iter().map(|b| b.hash).collect();
+    assert_eq!(t.get_chain(addr, s, &hashes).await.unwrap().len(), 4);
+    node.with_store(|st| st.check_invariants());
 }
 
 #[tokio::test]
