@@ -188,7 +188,7 @@ impl Spool {
 /// Where usage events go. Cheap to clone.
 #[derive(Clone)]
 pub struct MeterHandle {
-    tx: mpsc::Sender<UsageEvent>,
+    tx: mpsc::Sender<Queued>,
     spool: Arc<Spool>,
     pending: Arc<AtomicU64>,
 }
@@ -197,8 +197,28 @@ impl MeterHandle {
     /// Hand one event to the meter. Waits (backpressure) if the queue is full; appends to the
     /// spool directly if the writer is gone. An error means the event could not be kept.
     pub async fn record(&self, event: UsageEvent) -> Result<(), MeterError> {
+        self.send(event, None).await
+    }
+
+    /// Like [`MeterHandle::record`], but returns only once the event is committed to
+    /// Postgres or fsynced to the spool: a process killed after this returns loses nothing.
+    /// Costs the group commit's latency (`linger` plus one insert).
+    pub async fn record_durable(&self, event: UsageEvent) -> Result<(), MeterError> {
+        let (ack, done) = tokio::sync::oneshot::channel();
+        self.send(event, Some(ack)).await?;
+        // A dropped ack means the writer stopped with the event in hand; its drain commits
+        // or spools everything it holds before it exits.
+        let _ = done.await;
+        Ok(())
+    }
+
+    async fn send(
+        &self,
+        event: UsageEvent,
+        ack: Option<tokio::sync::oneshot::Sender<()>>,
+    ) -> Result<(), MeterError> {
         self.pending.fetch_add(1, Ordering::SeqCst);
-        if let Err(mpsc::error::SendError(event)) = self.tx.send(event).await {
+        if let Err(mpsc::error::SendError((event, _))) = self.tx.send((event, ack)).await {
             let spool = self.spool.clone();
             let res = tokio::task::spawn_blocking(move || spool.append(&[event]))
                 .await
@@ -232,11 +252,14 @@ impl MeterHandle {
     }
 }
 
+/// An event on its way to the writer, with whom to tell once it is durable.
+type Queued = (UsageEvent, Option<tokio::sync::oneshot::Sender<()>>);
+
 /// The writer task.
 pub struct Meter {
     pool: PgPool,
     config: MeterConfig,
-    rx: mpsc::Receiver<UsageEvent>,
+    rx: mpsc::Receiver<Queued>,
     spool: Arc<Spool>,
     pending: Arc<AtomicU64>,
     degraded_until: Option<Instant>,
@@ -291,7 +314,7 @@ impl Meter {
                                 Err(_) => break,
                             }
                         }
-                        self.commit(batch).await;
+                        self.commit_acked(batch).await;
                     }
                     None => break,
                 },
@@ -308,12 +331,23 @@ impl Meter {
         while let Some(e) = self.rx.recv().await {
             rest.push(e);
         }
-        for chunk in rest.chunks(self.config.batch_max.max(1)) {
-            self.commit(chunk.to_vec()).await;
+        while !rest.is_empty() {
+            let n = rest.len().min(self.config.batch_max.max(1));
+            let chunk: Vec<Queued> = rest.drain(..n).collect();
+            self.commit_acked(chunk).await;
         }
         if self.spool.events.load(Ordering::SeqCst) > 0 {
             self.degraded_until = None;
             self.replay().await;
+        }
+    }
+
+    /// Commit (or spool) a batch, then tell the waiting senders.
+    async fn commit_acked(&mut self, batch: Vec<Queued>) {
+        let (events, acks): (Vec<UsageEvent>, Vec<_>) = batch.into_iter().unzip();
+        self.commit(events).await;
+        for ack in acks.into_iter().flatten() {
+            let _ = ack.send(());
         }
     }
 

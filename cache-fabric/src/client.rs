@@ -1,8 +1,8 @@
 //! The fabric's client API: what the gateway and the engine side use to read and write KV.
 //!
-//! Today every client talks to a node in the same process; the API is already shaped for a
-//! remote node (async, owned results, no references into the store), so the network
-//! transport slots in behind it without callers changing.
+//! A client is either *local* (one node in the same process: `cachet serve`) or a cluster
+//! member's (`cachet node`): the same calls then read blocks from and write them to their
+//! owners through [`crate::cluster::Cluster`]. Callers do not change.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -10,6 +10,7 @@ use std::time::Duration;
 use cachet_common::{BlockHash, Scope, TenantId};
 use tokio::time::Instant;
 
+use crate::cluster::Cluster;
 use crate::keys::{ChainLink, PrefixKeys};
 use crate::metrics;
 use crate::policy::EvictionPolicy;
@@ -61,7 +62,7 @@ impl FabricNode {
         self.store().set_event_sink(sink);
     }
 
-    fn store(&self) -> MutexGuard<'_, Store> {
+    pub(crate) fn store(&self) -> MutexGuard<'_, Store> {
         // A panic while holding the lock leaves indexes possibly inconsistent but memory-safe;
         // serving from them is better than failing every later request.
         self.store.lock().unwrap_or_else(|p| p.into_inner())
@@ -104,11 +105,23 @@ impl MissReason {
 #[derive(Clone)]
 pub struct FabricClient {
     node: Arc<FabricNode>,
+    cluster: Option<Arc<Cluster>>,
 }
 
 impl FabricClient {
     pub fn local(node: Arc<FabricNode>) -> Self {
-        Self { node }
+        Self {
+            node,
+            cluster: None,
+        }
+    }
+
+    /// The client of a cluster member: `cluster`'s node is the local one.
+    pub fn clustered(node: Arc<FabricNode>, cluster: Arc<Cluster>) -> Self {
+        Self {
+            node,
+            cluster: Some(cluster),
+        }
     }
 
     /// Read the longest cached prefix of `keys` ending at or before `upto`: at any full-block
@@ -121,6 +134,9 @@ impl FabricClient {
         upto: usize,
         now: Instant,
     ) -> PrefixRead {
+        if let Some(c) = &self.cluster {
+            return c.read_prefix(scope, keys, upto, now).await;
+        }
         let b = keys.block_size;
         let mut store = self.node.store();
         let max_full = (upto / b).min(keys.blocks.len());
@@ -175,9 +191,13 @@ impl FabricClient {
                 None => existing.push(l.hash),
             }
         }
-        self.node
-            .store()
-            .put_entry(&scope, &existing, fresh, ttl, now, kind)
+        match &self.cluster {
+            Some(c) => c.write_entry(scope, &existing, fresh, ttl, now, kind).await,
+            None => self
+                .node
+                .store()
+                .put_entry(&scope, &existing, fresh, ttl, now, kind),
+        }
     }
 
     /// Explain a miss at `offset` (the first block of its chain that is not stored).
@@ -203,8 +223,20 @@ impl FabricClient {
         MissReason::NeverWritten
     }
 
-    /// Apply a tenant's resident-bytes quota (`None`: unlimited).
+    /// Apply a tenant's resident-bytes quota (`None`: unlimited). In a cluster the quota
+    /// counts one copy of each block: each node of the tenant's shard group holds at most
+    /// `quota × R / G` of the tenant's bytes (copies included), so the cluster holds at most
+    /// `R × quota` bytes of the tenant, one copy of each at most `quota` (see
+    /// docs/decisions/0009-cluster-roles.md).
     pub async fn set_tenant_quota(&self, tenant: TenantId, bytes: Option<u64>) {
+        let bytes = match (&self.cluster, bytes) {
+            (Some(c), Some(q)) => {
+                let group = c.view().membership.len().min(c.config().group_size).max(1) as u64;
+                let r = (c.config().replicas as u64).clamp(1, group);
+                Some(q.saturating_mul(r) / group)
+            }
+            (_, b) => b,
+        };
         self.node.store().set_quota(tenant, bytes);
     }
 

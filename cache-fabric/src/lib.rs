@@ -4,8 +4,10 @@
 //! - [`keys`]: the block key scheme (chained, scoped SHA-256 over token blocks, tail keys).
 //! - [`FabricClient`]: the client API the gateway and engines use (read the longest cached
 //!   prefix, write an entry with a TTL, explain a miss, apply tenant quotas).
-//! - [`FabricNode`]: one node's tiers; today the DRAM tier ([`store`]), with eviction and
-//!   admission decided by [`policy`].
+//! - [`FabricNode`]: one node's tiers: the DRAM tier ([`store`]) over an optional local-disk
+//!   tier ([`tier`]), with eviction and admission decided by [`policy`].
+//! - [`cluster`]: a node's part in a cluster: reads from and writes to blocks' owners,
+//!   re-replication after membership changes, draining.
 //! - [`events`]: block stored/removed events from nodes over a Redis Stream into gateways'
 //!   indexes.
 //! - [`index`]: the gateway's prefix index (block → nodes) kept from node events.
@@ -20,6 +22,7 @@
 //! with a checksum; it knows nothing of billing or HTTP.
 
 pub mod client;
+pub mod cluster;
 pub mod events;
 pub mod index;
 pub mod keys;

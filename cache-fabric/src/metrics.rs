@@ -124,3 +124,25 @@ pub static INDEX_STALENESS: LazyLock<Histogram> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static REMOTE_BLOCKS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_fabric_remote_blocks_total",
+            "Blocks a cluster read asked owners for, by outcome (hit, miss, error, late: \
+             not fetched before the recompute deadline)",
+        ),
+        &["outcome"],
+    )
+    .expect("metric"))
+});
+pub static REPLICA_PUSHES: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_fabric_replica_pushes_total",
+            "Blocks pushed to their owners, by why (write, repair: restoring R after a \
+             membership change, drain: handed over on shutdown) and outcome",
+        ),
+        &["why", "outcome"],
+    )
+    .expect("metric"))
+});

@@ -109,6 +109,8 @@ pub enum WriteRefused {
     NotAdmitted,
     #[error("a block with this hash is stored for another scope")]
     Conflict,
+    #[error("no owner of a block could be reached")]
+    Unavailable,
 }
 
 impl WriteRefused {
@@ -120,6 +122,7 @@ impl WriteRefused {
             WriteRefused::MissingParent => "missing_parent",
             WriteRefused::NotAdmitted => "not_admitted",
             WriteRefused::Conflict => "conflict",
+            WriteRefused::Unavailable => "unavailable",
         }
     }
 }
@@ -399,6 +402,35 @@ impl Store {
             parent.is_none(),
         );
         metrics::TIER_MOVES.with_label_values(&["promoted"]).inc();
+    }
+
+    /// One block by hash, whatever its parent (a replica, or a tail), checksum verified and
+    /// TTL refreshed; promoted from the lower tier if it is there. A corrupt block is
+    /// dropped and never served.
+    pub fn get_block(
+        &mut self,
+        scope: &Scope,
+        hash: &BlockHash,
+        now: Instant,
+    ) -> Option<FetchedBlock> {
+        let (block, crc) = self.get_for_transfer(scope, hash, now)?;
+        if checksum(&block.data) != crc {
+            metrics::BLOCK_READS.with_label_values(&["corrupt"]).inc();
+            tracing::error!(block = %hash, "checksum mismatch on read; dropping block");
+            self.remove(hash, RemovalReason::Corrupt);
+            return None;
+        }
+        Some(block)
+    }
+
+    /// Which of `hashes` are stored and live for `scope` (in DRAM or the lower tier).
+    pub fn has(&self, scope: &Scope, hashes: &[BlockHash], now: Instant) -> Vec<bool> {
+        hashes
+            .iter()
+            .map(|h| {
+                self.contains(scope, h, now) || self.lower.as_ref().is_some_and(|t| t.contains(h))
+            })
+            .collect()
     }
 
     /// One block with its stored checksum, TTL refreshed, *without* verifying the bytes: for

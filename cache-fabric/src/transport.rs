@@ -13,6 +13,7 @@
 //!            n_new:u32 (hash:32 parent:33 n_tokens:u32 crc:u32 len:u64 data) × n
 //! STRIPE 4 = scope:32 hash:32 index:u32      found:u8, n_tokens:u32 crc:u32 total:u64
 //!            count:u32                         offset:u64 len:u64 data
+//! HAS    5 = scope:32 n:u32 hash:32 × n      n × held:u8
 //! ```
 //!
 //! Block bytes go from the store's `Bytes` straight to the socket and from the socket
@@ -83,6 +84,14 @@ pub trait Transport: Send + Sync + 'static {
         hash: BlockHash,
     ) -> impl Future<Output = Result<Option<FetchedBlock>, TransportError>> + Send;
 
+    /// Which of `hashes` the node at `addr` holds for `scope` (re-replication checks).
+    fn has(
+        &self,
+        addr: &str,
+        scope: Scope,
+        hashes: &[BlockHash],
+    ) -> impl Future<Output = Result<Vec<bool>, TransportError>> + Send;
+
     /// Store an entry on the node at `addr`: the node's answer, or a transport failure.
     fn put_entry(
         &self,
@@ -95,6 +104,7 @@ const OP_HELLO: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_PUT: u8 = 3;
 const OP_STRIPE: u8 = 4;
+const OP_HAS: u8 = 5;
 /// Flag in PUT's kind byte: store as a replica.
 const REPLICA: u8 = 0x80;
 const OK: u8 = 0;
@@ -111,6 +121,7 @@ fn refused_code(r: WriteRefused) -> u8 {
         WriteRefused::MissingParent => 4,
         WriteRefused::NotAdmitted => 5,
         WriteRefused::Conflict => 6,
+        WriteRefused::Unavailable => 7,
     }
 }
 
@@ -122,6 +133,7 @@ fn refused_from(code: u8) -> Option<WriteRefused> {
         4 => WriteRefused::MissingParent,
         5 => WriteRefused::NotAdmitted,
         6 => WriteRefused::Conflict,
+        7 => WriteRefused::Unavailable,
         _ => return None,
     })
 }
@@ -280,6 +292,23 @@ async fn serve_conn(mut s: TcpStream, node: &FabricNode, token: &str) -> std::io
                         s.write_all(&b.data[lo as usize..hi as usize]).await?;
                     }
                 }
+            }
+            OP_HAS => {
+                if f.remaining() < 36 {
+                    return Err(bad("short HAS"));
+                }
+                let scope = get_scope(&mut f);
+                let n = f.get_u32_le() as usize;
+                if f.remaining() != n * 32 {
+                    return Err(bad("HAS hash count"));
+                }
+                let hashes: Vec<BlockHash> = (0..n).map(|_| get_hash(&mut f)).collect();
+                let now = tokio::time::Instant::now();
+                let held = node.with_store(|st| st.has(&scope, &hashes, now));
+                let mut out = BytesMut::with_capacity(1 + n);
+                out.put_u8(OK);
+                out.extend(held.into_iter().map(u8::from));
+                s.write_all(&out).await?;
             }
             OP_PUT => {
                 let entry = decode_put(&mut f).ok_or_else(|| bad("malformed PUT"))?;
@@ -714,6 +743,31 @@ impl Transport for TcpTransport {
             }
             r => r,
         }
+    }
+
+    async fn has(
+        &self,
+        addr: &str,
+        scope: Scope,
+        hashes: &[BlockHash],
+    ) -> Result<Vec<bool>, TransportError> {
+        let mut s = self.connect(addr).await?;
+        let mut req = BytesMut::with_capacity(37 + hashes.len() * 32);
+        req.put_u8(OP_HAS);
+        put_scope(&mut req, &scope);
+        req.put_u32_le(hashes.len() as u32);
+        for h in hashes {
+            req.put_slice(&h.0);
+        }
+        Self::send(&mut s, addr, &req).await?;
+        let io = Self::io(addr);
+        if s.read_u8().await.map_err(&io)? != OK {
+            return Err(protocol(addr, "HAS status"));
+        }
+        let mut held = vec![0u8; hashes.len()];
+        s.read_exact(&mut held).await.map_err(&io)?;
+        self.give_back(addr, s);
+        Ok(held.into_iter().map(|b| b != 0).collect())
     }
 
     async fn put_entry(

@@ -193,6 +193,16 @@ async fn contract<T: Transport>(t: &T, addr: &str, node: &FabricNode) {
     let hashes: Vec<BlockHash> = mid.iter().map(|b| b.hash).collect();
     assert_eq!(t.get_chain(addr, s, &hashes).await.unwrap().len(), 4);
     node.with_store(|st| st.check_invariants());
+    // HAS answers per hash, and only for the scope that stored it.
+    let probe = [mid[1].hash, hash("never stored"), mid[3].hash];
+    assert_eq!(
+        t.has(addr, s, &probe).await.unwrap(),
+        vec![true, false, true]
+    );
+    assert_eq!(
+        t.has(addr, scope(), &probe).await.unwrap(),
+        vec![false, false, false]
+    );
 }
 
 #[tokio::test]

@@ -1,0 +1,265 @@
+//! Cluster reads, writes, repair and drain across real TCP nodes in one process (the
+//! multi-process test with `cachet node` processes is the root crate's `tests/cluster.rs`).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use cache_fabric::cluster::{Cluster, ClusterConfig, View};
+use cache_fabric::membership::NodeRecord;
+use cache_fabric::transport::{TcpTransport, Transport, serve_tcp};
+use cache_fabric::{
+    EntryKind, EvictionPolicy, FabricClient, FabricNode, KeySpace, NodeConfig, PrefixKeys, PutBlock,
+};
+use cachet_common::{BlockHash, Scope};
+use common::scope;
+use tokio::time::Instant;
+
+const TOKEN: &str = "cluster-token-for-tests";
+const B: usize = 4;
+
+struct Member {
+    record: NodeRecord,
+    node: Arc<FabricNode>,
+    serving: tokio::task::JoinHandle<()>,
+}
+
+async fn member(id: &str) -> Member {
+    let node = FabricNode::new(NodeConfig {
+        dram_capacity_bytes: 1 << 30,
+        eviction: EvictionPolicy::DEFAULT,
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let serving = tokio::spawn(serve_tcp(listener, node.clone(), TOKEN.into()));
+    Member {
+        record: NodeRecord {
+            id: id.into(),
+            addr,
+            rack: None,
+            dram_capacity_bytes: 1 << 30,
+            disk_capacity_bytes: 0,
+            epoch: 1,
+            dram_used_bytes: 0,
+        },
+        node,
+        serving,
+    }
+}
+
+fn client(m: &Member, members: &[&Member]) -> (FabricClient, Arc<Cluster>) {
+    let cluster = Cluster::new(
+        m.record.id.clone(),
+        m.node.clone(),
+        TOKEN,
+        ClusterConfig::default(),
+    );
+    let records: Vec<NodeRecord> = members.iter().map(|m| m.record.clone()).collect();
+    cluster.set_view(View::from_records(&records));
+    (
+        FabricClient::clustered(m.node.clone(), cluster.clone()),
+        cluster,
+    )
+}
+
+fn keys(s: Scope, n_tokens: usize) -> PrefixKeys {
+    let toks: Vec<u32> = (0..n_tokens as u32).collect();
+    KeySpace::new(s, "m", "", "f16", B).prefix_keys(&toks, n_tokens, &[n_tokens])
+}
+
+fn blocks(k: &PrefixKeys, offset: usize) -> Vec<PutBlock> {
+    k.chain_to(offset)
+        .unwrap()
+        .iter()
+        .map(|l| {
+            let data: Vec<u8> = (0..512).map(|i| l.hash.0[i % 32] ^ i as u8).collect();
+            PutBlock::new(
+                l.hash,
+                l.parent,
+                (l.end - l.start) as u32,
+                Bytes::from(data),
+            )
+        })
+        .collect()
+}
+
+/// How many of `members` hold `hash` (asked over the transport).
+async fn copies(members: &[&Member], s: Scope, hash: BlockHash) -> usize {
+    let t = TcpTransport::new(TOKEN);
+    let mut n = 0;
+    for m in members {
+        if t.has(&m.record.addr, s, &[hash]).await.unwrap()[0] {
+            n += 1;
+        }
+    }
+    n
+}
+
+#[tokio::test]
+async fn blocks_land_on_their_owners_and_any_member_reads_them() {
+    let (a, b, c) = (member("a").await, member("b").await, member("c").await);
+    let all = [&a, &b, &c];
+    let (ca, cluster) = client(&a, &all);
+    let (cb, _) = client(&b, &all);
+    let s = scope();
+    let k = keys(s, 12 * B + 2);
+    let offset = 12 * B + 2;
+    let new = blocks(&k, offset);
+    ca.write_entry(
+        s,
+        &k,
+        offset,
+        &new,
+        Duration::from_secs(300),
+        Instant::now(),
+        EntryKind::Paid,
+    )
+    .await
+    .unwrap();
+
+    // Every block is on each of its R = 2 owners (and on the writer, which keeps them).
+    let view = cluster.view();
+    for blk in &new {
+        let owners = cluster.owners(&view, s.tenant, &blk.hash);
+        assert_eq!(owners.len(), 2);
+        let t = TcpTransport::new(TOKEN);
+        for o in &owners {
+            let m = all.iter().find(|m| m.record.id == *o).unwrap();
+            assert!(t.has(&m.record.addr, s, &[blk.hash]).await.unwrap()[0]);
+        }
+    }
+
+    // Node B holds only what it owns, yet reads the whole prefix, tail included, verified.
+    let read = cb.read_prefix(s, &k, offset, Instant::now()).await;
+    assert_eq!(read.tokens, offset);
+    for (got, want) in read.blocks.iter().zip(&new) {
+        assert_eq!(got.data, want.data);
+    }
+    // Another scope reads nothing of it.
+    let other = scope();
+    assert_eq!(
+        cb.read_prefix(other, &k, offset, Instant::now())
+            .await
+            .tokens,
+        0
+    );
+}
+
+#[tokio::test]
+async fn a_dead_owner_costs_nothing_and_repair_restores_r() {
+    let (a, b, c) = (member("a").await, member("b").await, member("c").await);
+    let all = [&a, &b, &c];
+    let (ca, _) = client(&a, &all);
+    let s = scope();
+    let offset = 16 * B;
+    let k = keys(s, offset);
+    let new = blocks(&k, offset);
+    ca.write_entry(
+        s,
+        &k,
+        offset,
+        &new,
+        Duration::from_secs(300),
+        Instant::now(),
+        EntryKind::BestEffort,
+    )
+    .await
+    .unwrap();
+    // C dies; readers' views still list it (membership lags by the heartbeat expiry).
+    c.serving.abort();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // A reader holding nothing gets every block from a live owner: C's failures fall over
+    // to the other owner.
+    let d = member("d").await;
+    let (cd, _) = client(&d, &all);
+    let read = cd.read_prefix(s, &k, offset, Instant::now()).await;
+    assert_eq!(read.tokens, offset);
+
+    // The view drops C; repair on A (the writer keeps every block) pushes each block to its
+    // new owners, A and B.
+    let (_, cluster_a) = client(&a, &[&a, &b]);
+    let report = cluster_a.repair().await;
+    assert!(report.pushed > 0 && report.failed == 0, "{report:?}");
+    for blk in &new {
+        assert_eq!(copies(&[&a, &b], s, blk.hash).await, 2);
+    }
+    // A second repair finds nothing missing.
+    assert_eq!(cluster_a.repair().await.missing, 0);
+}
+
+#[tokio::test]
+async fn blocks_nobody_can_serve_are_recomputed_not_waited_for() {
+    let (a, b) = (member("a").await, member("b").await);
+    let s = scope();
+    let offset = 8 * B;
+    let k = keys(s, offset);
+    let new = blocks(&k, offset);
+    let (ca, _) = client(&a, &[&a]);
+    ca.write_entry(
+        s,
+        &k,
+        offset,
+        &new,
+        Duration::from_secs(300),
+        Instant::now(),
+        EntryKind::Paid,
+    )
+    .await
+    .unwrap();
+    // B believes A and a node that never answers own the blocks.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut ghost = a.record.clone();
+    ghost.id = "ghost".into();
+    ghost.addr = silent.local_addr().unwrap().to_string();
+    a.serving.abort();
+    let cluster = Cluster::new(
+        "b",
+        b.node.clone(),
+        TOKEN,
+        ClusterConfig {
+            min_deadline: Duration::from_millis(200),
+            ..ClusterConfig::default()
+        },
+    );
+    cluster.set_view(View::from_records(&[ghost, b.record.clone()]));
+    let cb = FabricClient::clustered(b.node.clone(), cluster);
+    let started = std::time::Instant::now();
+    let read = cb.read_prefix(s, &k, offset, Instant::now()).await;
+    assert_eq!(read.tokens, 0);
+    // The read gave up at its deadline rather than hanging on the silent node (a bound far
+    // above the deadline: this checks termination, not speed).
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[tokio::test]
+async fn a_draining_node_hands_its_blocks_to_the_remaining_owners() {
+    let (a, b, c) = (member("a").await, member("b").await, member("c").await);
+    let all = [&a, &b, &c];
+    let (ca, cluster_a) = client(&a, &all);
+    let s = scope();
+    let offset = 16 * B;
+    let k = keys(s, offset);
+    let new = blocks(&k, offset);
+    ca.write_entry(
+        s,
+        &k,
+        offset,
+        &new,
+        Duration::from_secs(300),
+        Instant::now(),
+        EntryKind::Paid,
+    )
+    .await
+    .unwrap();
+    let report = cluster_a.drain().await;
+    assert_eq!(report.failed, 0);
+    for blk in &new {
+        assert_eq!(
+            copies(&[&b, &c], s, blk.hash).await,
+            2,
+            "both remaining nodes"
+        );
+    }
+}
