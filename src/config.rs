@@ -21,7 +21,51 @@ pub struct Config {
     pub engine: EngineSection,
     pub gateway: GatewaySection,
     pub meter: MeterSection,
+    pub cluster: ClusterSection,
     pub log: LogSection,
+}
+
+/// Cluster roles (`cachet node`, `cachet gateway`): placement, reads, routing.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterSection {
+    /// Nodes in a tenant's shard group (G).
+    pub group_size: usize,
+    /// Owners of each block (R).
+    pub replicas: usize,
+    /// Prompt tokens a node prefills per second: the cost of recomputing, which bounds how
+    /// long a read waits for remote blocks, and the gateway's routing estimate.
+    pub prefill_tokens_per_sec: u64,
+    /// Node-to-node bandwidth the gateway assumes for blocks a node must pull.
+    pub transfer_bytes_per_sec: u64,
+    /// The gateway answers 529 at once when no node is expected to start answering within
+    /// this time-to-first-token.
+    pub ttft_slo_ms: u64,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        Self {
+            group_size: 4,
+            replicas: 2,
+            prefill_tokens_per_sec: 400,
+            transfer_bytes_per_sec: 1_000_000_000,
+            ttft_slo_ms: 30_000,
+        }
+    }
+}
+
+impl ClusterSection {
+    pub fn fabric(&self) -> cache_fabric::cluster::ClusterConfig {
+        cache_fabric::cluster::ClusterConfig {
+            group_size: self.group_size,
+            replicas: self.replicas,
+            recompute_per_token: Duration::from_secs_f64(
+                1.0 / self.prefill_tokens_per_sec.max(1) as f64,
+            ),
+            ..Default::default()
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -115,6 +159,7 @@ impl Default for Config {
             engine: EngineSection::default(),
             gateway: GatewaySection::default(),
             meter: MeterSection::default(),
+            cluster: ClusterSection::default(),
             log: LogSection::default(),
         }
     }
@@ -230,6 +275,7 @@ impl Config {
             engine,
             gateway,
             meter,
+            cluster,
             log,
         } = self;
         listen
@@ -301,6 +347,22 @@ impl Config {
         if spool_file.as_os_str().is_empty() {
             bail!("meter.spool_file must not be empty");
         }
+        let ClusterSection {
+            group_size,
+            replicas,
+            prefill_tokens_per_sec,
+            transfer_bytes_per_sec,
+            ttft_slo_ms,
+        } = cluster;
+        if *group_size == 0 || *replicas == 0 || replicas > group_size {
+            bail!("cluster.replicas must be between 1 and cluster.group_size");
+        }
+        if *prefill_tokens_per_sec == 0 || *transfer_bytes_per_sec == 0 || *ttft_slo_ms == 0 {
+            bail!(
+                "cluster.prefill_tokens_per_sec, cluster.transfer_bytes_per_sec and \
+                 cluster.ttft_slo_ms must be positive"
+            );
+        }
         let LogSection { format } = log;
         if format != "text" && format != "json" {
             bail!("log.format must be text or json");
@@ -317,6 +379,8 @@ impl Config {
             max_body_bytes: self.gateway.max_body_bytes,
             auth_cache_ttl: Duration::from_secs(self.gateway.auth_cache_ttl_secs),
             redis_timeout: Duration::from_millis(self.gateway.redis_timeout_ms),
+            internal_token: None,
+            durable_usage: false,
         }
     }
 

@@ -26,18 +26,30 @@ struct Cli {
 enum Command {
     /// Run gateway + fabric node + engines + meter in one process.
     Serve,
-    /// Run one fabric node of a cluster: its store served over the fabric transport,
-    /// announced in Redis with heartbeats, block events published (CACHET_CLUSTER_TOKEN).
+    /// Run one node of a cluster: its fabric store served over the fabric transport,
+    /// announced in Redis with heartbeats, block events published, blocks replicated to
+    /// their owners; with --api-listen also engines and the API for a gateway
+    /// (CACHET_CLUSTER_TOKEN).
     Node {
         /// Fabric transport address.
         #[arg(long, default_value = "127.0.0.1:7400")]
         listen: String,
+        /// Internal API address for gateways (omit for a storage-only node).
+        #[arg(long)]
+        api_listen: Option<String>,
         /// Node id (unique in the cluster); default: node-<port>.
         #[arg(long)]
         id: Option<String>,
         /// Failure domain, for replica placement.
         #[arg(long)]
         rack: Option<String>,
+        /// Prefix of the cluster's Redis keys.
+        #[arg(long, default_value = "cachet")]
+        redis_prefix: String,
+    },
+    /// Run the routing gateway of a cluster: the public API on `listen`, each request sent
+    /// to the node the conductor picks (CACHET_CLUSTER_TOKEN).
+    Gateway {
         /// Prefix of the cluster's Redis keys.
         #[arg(long, default_value = "cachet")]
         redis_prefix: String,
@@ -129,6 +141,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Node {
             listen,
+            api_listen,
             id,
             rack,
             redis_prefix,
@@ -146,6 +159,7 @@ async fn main() -> anyhow::Result<()> {
                 config,
                 cachet::node::NodeArgs {
                     listen,
+                    api_listen,
                     id,
                     rack,
                     redis_prefix,
@@ -153,6 +167,21 @@ async fn main() -> anyhow::Result<()> {
                 stop,
             )
             .await
+        }
+        Command::Gateway { redis_prefix } => {
+            let listener = tokio::net::TcpListener::bind(&config.listen)
+                .await
+                .with_context(|| format!("binding {}", config.listen))?;
+            let shutdown = CancellationToken::new();
+            let (addr, task) =
+                server::start_gateway(config, listener, shutdown.clone(), redis_prefix).await?;
+            println!("gateway listening on {addr}");
+            tokio::spawn(async move {
+                wait_for_signal().await;
+                tracing::info!("shutting down");
+                shutdown.cancel();
+            });
+            task.await.context("gateway task panicked")?
         }
         Command::Serve => {
             let listener = tokio::net::TcpListener::bind(&config.listen)

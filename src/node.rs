@@ -1,17 +1,28 @@
-//! `cachet node`: one fabric node as its own process — its store (DRAM, and local disk when
-//! `fabric.disk_capacity_bytes` is set) served to peers and gateways over the fabric's TCP
-//! transport, its block events published to Redis, and its membership record kept alive by
-//! heartbeats. Every connection must present the cluster token (`CACHET_CLUSTER_TOKEN`).
+//! `cachet node`: one member of a Cachet cluster.
 //!
-//! Not here yet: the node's own engine, replication to owners, re-replication after a
-//! failure, draining on shutdown (issue 4's remaining scope; see docs/architecture.md).
+//! - Its fabric store (DRAM, and local disk when `fabric.disk_capacity_bytes` is set) is
+//!   served to peers over the fabric's TCP transport.
+//! - Its membership record (fabric and API addresses, rack, capacity, epoch) is kept alive
+//!   in Redis by heartbeats, and its block events are published for gateways' indexes.
+//! - It follows the membership, reads and writes blocks through their owners
+//!   ([`cache_fabric::cluster`]), and restores `R` copies after every membership change.
+//! - With `--api-listen`, it also runs the engines and the API pipeline (auth, admission,
+//!   fabric, engine, meter) for requests routed to it by `cachet gateway`; that port takes
+//!   only requests carrying the cluster token, and answers only once the request's ledger
+//!   row is durable (a node killed after answering loses no usage).
+//!
+//! Every internal connection must present the cluster token (`CACHET_CLUSTER_TOKEN`).
+//! On SIGTERM the node stops taking requests, finishes those in flight, leaves the
+//! membership, hands its blocks to their new owners, then exits.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
-use cache_fabric::events;
+use cache_fabric::cluster::Cluster;
 use cache_fabric::membership::{self, NodeRecord};
 use cache_fabric::transport::serve_tcp;
+use cache_fabric::{FabricClient, events};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
@@ -20,11 +31,18 @@ use crate::config::Config;
 pub struct NodeArgs {
     /// Fabric transport address (port 0 picks one; the chosen address is announced).
     pub listen: String,
+    /// Internal API address for gateways; `None`: a storage-only node.
+    pub api_listen: Option<String>,
     pub id: String,
     pub rack: Option<String>,
     /// Prefix of the cluster's Redis keys (membership, block events).
     pub redis_prefix: String,
 }
+
+/// How often a node re-reads the membership.
+const MEMBERSHIP_POLL: Duration = Duration::from_millis(500);
+/// How soon a repair that could not reach an owner is retried.
+const REPAIR_RETRY: Duration = Duration::from_secs(2);
 
 /// The token from the environment: required, and long enough not to be guessed.
 pub fn cluster_token() -> anyhow::Result<Arc<str>> {
@@ -38,64 +56,140 @@ pub fn cluster_token() -> anyhow::Result<Arc<str>> {
     Ok(t.into())
 }
 
-/// Run until `stop`; prints `node <id> listening on <addr>` once serving.
-pub async fn run(config: Config, args: NodeArgs, stop: CancellationToken) -> anyhow::Result<()> {
+/// Run until `stop`. Prints `node <id> listening on <addr>` once the fabric port serves,
+/// then `node <id> api on <addr>` if it runs the API.
+pub async fn run(
+    mut config: Config,
+    args: NodeArgs,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
     let token = cluster_token()?;
+    if config.redis_url.is_empty() {
+        bail!("a cluster node needs redis_url (membership and block events live in Redis)");
+    }
+    // Each node keeps its own disk tier and usage spool, even when nodes share a data_dir.
+    config.data_dir = config.data_dir.join(format!("node-{}", args.id));
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("binding the fabric port {}", args.listen))?;
     let addr = listener.local_addr()?.to_string();
-    let node = config
-        .fabric
-        .node(&config.data_dir.join(format!("fabric-disk-{}", args.id)))?;
+    let api_listener = match &args.api_listen {
+        Some(a) => Some(
+            tokio::net::TcpListener::bind(a)
+                .await
+                .with_context(|| format!("binding the API port {a}"))?,
+        ),
+        None => None,
+    };
+    let api_addr = api_listener
+        .as_ref()
+        .map(|l| l.local_addr().map(|a| a.to_string()))
+        .transpose()?;
+    let node = config.fabric.node(&config.data_dir.join("fabric-disk"))?;
+    let cluster = Cluster::new(
+        args.id.clone(),
+        node.clone(),
+        token.clone(),
+        config.cluster.fabric(),
+    );
     let epoch = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_millis() as u64;
-    let mut tasks = Vec::new();
-    if config.redis_url.is_empty() {
-        tracing::warn!("no redis_url: this node is not announced and publishes no block events");
-    } else {
-        let client = redis::Client::open(config.redis_url.as_str())?;
-        let conn = client
-            .get_multiplexed_async_connection()
-            .await
-            .with_context(|| format!("connecting to Redis at {}", config.redis_url))?;
-        let (sink, rx) = events::channel(65_536);
-        node.set_event_sink(sink);
-        tasks.push(tokio::spawn(events::publish(
-            conn.clone(),
-            format!("{}:blocks", args.redis_prefix),
-            args.id.clone(),
-            rx,
-            1_000_000,
-        )));
-        let record = NodeRecord {
-            id: args.id.clone(),
-            addr: addr.clone(),
-            rack: args.rack.clone(),
-            dram_capacity_bytes: config.fabric.dram_capacity_bytes,
-            disk_capacity_bytes: config.fabric.disk_capacity_bytes,
-            epoch,
-            dram_used_bytes: 0,
-        };
-        let n = node.clone();
-        tasks.push(tokio::spawn(membership::heartbeat(
-            conn,
-            args.redis_prefix.clone(),
-            move || NodeRecord {
-                dram_used_bytes: n.with_store(|s| s.used_bytes()),
-                ..record.clone()
-            },
-            stop.clone(),
-        )));
-    }
-    let serving = tokio::spawn(serve_tcp(listener, node.clone(), token));
+
+    let redis = redis::Client::open(config.redis_url.as_str())?;
+    let conn = redis
+        .get_multiplexed_async_connection()
+        .await
+        .with_context(|| format!("connecting to Redis at {}", config.redis_url))?;
+    // Stopped in order at shutdown: the API, then the membership, then the rest.
+    let leave = CancellationToken::new();
+    let background = CancellationToken::new();
+    let (sink, rx) = events::channel(65_536);
+    node.set_event_sink(sink);
+    let publisher = tokio::spawn(events::publish(
+        conn.clone(),
+        format!("{}:blocks", args.redis_prefix),
+        args.id.clone(),
+        rx,
+        1_000_000,
+    ));
+    let record = NodeRecord {
+        id: args.id.clone(),
+        addr: addr.clone(),
+        rack: args.rack.clone(),
+        dram_capacity_bytes: config.fabric.dram_capacity_bytes,
+        disk_capacity_bytes: config.fabric.disk_capacity_bytes,
+        epoch,
+        dram_used_bytes: 0,
+        api_addr: api_addr.clone(),
+    };
+    let n = node.clone();
+    let heartbeat = tokio::spawn(membership::heartbeat(
+        conn.clone(),
+        args.redis_prefix.clone(),
+        move || NodeRecord {
+            dram_used_bytes: n.with_store(|s| s.used_bytes()),
+            ..record.clone()
+        },
+        leave.clone(),
+    ));
+    tokio::spawn(cluster.clone().follow_membership(
+        conn.clone(),
+        args.redis_prefix.clone(),
+        MEMBERSHIP_POLL,
+        background.clone(),
+    ));
+    tokio::spawn(
+        cluster
+            .clone()
+            .run_repairs(REPAIR_RETRY, background.clone()),
+    );
+    let serving = tokio::spawn(serve_tcp(listener, node.clone(), token.clone()));
     println!("node {} listening on {addr}", args.id);
+
+    let api_stop = CancellationToken::new();
+    let api = match api_listener {
+        Some(l) => {
+            let mut gw = config.gateway();
+            gw.internal_token = Some(token.clone());
+            gw.durable_usage = true;
+            let fabric = FabricClient::clustered(node.clone(), cluster.clone());
+            let running = crate::server::start_api(
+                config.clone(),
+                gw,
+                l,
+                api_stop.clone(),
+                node.clone(),
+                fabric,
+            )
+            .await?;
+            println!("node {} api on {}", args.id, running.addr);
+            Some(running)
+        }
+        None => None,
+    };
+
     stop.cancelled().await;
-    serving.abort();
-    // The heartbeat task leaves the cluster on `stop`; give it a moment to say so.
-    for t in tasks.into_iter().rev() {
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), t).await;
+    // 1. No new requests; those in flight finish and their usage is committed.
+    api_stop.cancel();
+    if let Some(api) = api
+        && let Err(e) = api.wait().await
+    {
+        tracing::error!(error = %e, "the node's API stopped with an error");
     }
+    // 2. Leave the membership, so readers and gateways stop counting on this node.
+    leave.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(2), heartbeat).await;
+    // 3. Hand every block to its owners in the cluster without this node.
+    let report = cluster.drain().await;
+    tracing::info!(
+        missing = report.missing,
+        pushed = report.pushed,
+        failed = report.failed,
+        "drained"
+    );
+    background.cancel();
+    serving.abort();
+    let _ = tokio::time::timeout(Duration::from_millis(500), publisher).await;
     Ok(())
 }

@@ -113,6 +113,22 @@ pub async fn start(
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Running> {
+    let node = config.fabric.node(&config.data_dir.join("fabric-disk"))?;
+    let fabric = FabricClient::local(node.clone());
+    let gateway_config = config.gateway();
+    start_api(config, gateway_config, listener, shutdown, node, fabric).await
+}
+
+/// Start the API (engines, meter, gateway) on `listener` over a given fabric node and
+/// client: the all-in-one service's, or a cluster node's.
+pub async fn start_api(
+    config: Config,
+    gateway_config: gateway::GatewayConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+    node: Arc<FabricNode>,
+    fabric: FabricClient,
+) -> anyhow::Result<Running> {
     let addr = listener.local_addr()?;
     // Load the engines first: a missing model file is reported before anything starts.
     let engine_pool = engines(&config).await?;
@@ -123,11 +139,9 @@ pub async fn start(
         .connect_lazy(&config.database_url)?;
     let meter_stop = CancellationToken::new();
     let (meter, meter_task) = Meter::start(meter_pool, config.meter(), meter_stop.clone())?;
-    let node = config.fabric.node(&config.data_dir.join("fabric-disk"))?;
-    let fabric = FabricClient::local(node.clone());
     let redis = (!config.redis_url.is_empty()).then_some(config.redis_url.as_str());
     let state = gateway::state(
-        config.gateway(),
+        gateway_config,
         pool.clone(),
         fabric,
         engine_pool,
@@ -151,4 +165,53 @@ pub async fn start(
         meter,
         task,
     })
+}
+
+/// Start the routing gateway of a cluster (`cachet gateway`) on `listener`: auth, validation
+/// and routing here, requests served by the nodes announced under `redis_prefix`.
+pub async fn start_gateway(
+    config: Config,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+    redis_prefix: String,
+) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<anyhow::Result<()>>)> {
+    let token = crate::node::cluster_token()?;
+    if config.redis_url.is_empty() {
+        anyhow::bail!("the routing gateway needs redis_url (it finds nodes and blocks there)");
+    }
+    let addr = listener.local_addr()?;
+    let engine_pool = engines(&config).await?;
+    let pool = connect_and_migrate(&config.database_url, 8).await?;
+    let redis = redis::Client::open(config.redis_url.as_str())?;
+    let conn = redis
+        .get_multiplexed_async_connection()
+        .await
+        .with_context(|| format!("connecting to Redis at {}", config.redis_url))?;
+    let c = &config.cluster;
+    let routing = gateway::routing::RoutingConfig {
+        max_body_bytes: config.gateway.max_body_bytes,
+        auth_cache_ttl: Duration::from_secs(config.gateway.auth_cache_ttl_secs),
+        cluster_token: token,
+        cost: gateway::conductor::CostModel {
+            prefill_per_token: Duration::from_secs_f64(1.0 / c.prefill_tokens_per_sec as f64),
+            transfer_bytes_per_sec: c.transfer_bytes_per_sec as f64,
+            ttft_slo: Duration::from_millis(c.ttft_slo_ms),
+        },
+        node_timeout: Duration::from_secs(600),
+    };
+    let state = gateway::routing::state(routing, pool, engine_pool)?;
+    tokio::spawn(gateway::routing::follow_cluster(
+        state.clone(),
+        conn,
+        redis_prefix,
+        Duration::from_millis(500),
+        shutdown.clone(),
+    ));
+    let task = tokio::spawn(async move {
+        gateway::routing::run(listener, state, shutdown)
+            .await
+            .context("http server failed")
+    });
+    tracing::info!(%addr, "cachet gateway routing");
+    Ok((addr, task))
 }

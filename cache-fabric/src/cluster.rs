@@ -306,12 +306,10 @@ impl Cluster {
         let mut blocks: Vec<FetchedBlock> = Vec::new();
         {
             let view = &view;
-            let mut pulls = futures::stream::iter(
-                full_links
-                    .iter()
-                    .map(|l| self.fetch(view, scope, l.hash, now)),
-            )
-            .buffered(self.config.fetch_window.max(1));
+            let hashes: Vec<BlockHash> = full_links.iter().map(|l| l.hash).collect();
+            let mut pulls = futures::stream::iter(hashes)
+                .map(move |h| self.fetch(view, scope, h, now))
+                .buffered(self.config.fetch_window.max(1));
             loop {
                 match tokio::time::timeout_at(deadline, pulls.next()).await {
                     Ok(Some(Fetched::Hit(block))) => blocks.push(block),

@@ -29,6 +29,10 @@ pub struct NodeRecord {
     pub epoch: u64,
     /// Bytes resident in DRAM at the last heartbeat (for placement and routing).
     pub dram_used_bytes: u64,
+    /// The node's internal API address (host:port) where gateways send requests; `None`
+    /// for a storage-only node.
+    #[serde(default)]
+    pub api_addr: Option<String>,
 }
 
 fn node_key(prefix: &str, id: &str) -> String {

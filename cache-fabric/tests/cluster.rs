@@ -43,6 +43,7 @@ async fn member(id: &str) -> Member {
             disk_capacity_bytes: 0,
             epoch: 1,
             dram_used_bytes: 0,
+            api_addr: None,
         },
         node,
         serving,

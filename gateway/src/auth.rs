@@ -26,7 +26,8 @@ struct Entry {
 
 pub struct Authenticator {
     pool: PgPool,
-    fabric: FabricClient,
+    /// Where tenants' cache quotas are applied (none for a routing-only gateway).
+    fabric: Option<FabricClient>,
     ttl: Duration,
     cache: Mutex<HashMap<[u8; 32], Entry>>,
 }
@@ -52,7 +53,7 @@ pub fn presented_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
 }
 
 impl Authenticator {
-    pub fn new(pool: PgPool, fabric: FabricClient, ttl: Duration) -> Self {
+    pub fn new(pool: PgPool, fabric: Option<FabricClient>, ttl: Duration) -> Self {
         Self {
             pool,
             fabric,
@@ -91,7 +92,9 @@ impl Authenticator {
                 let principal = found.map(Arc::new);
                 if let Some(p) = &principal {
                     let q = p.quotas.cache_resident_bytes.map(|b| b.max(0) as u64);
-                    self.fabric.set_tenant_quota(p.tenant, q).await;
+                    if let Some(f) = &self.fabric {
+                        f.set_tenant_quota(p.tenant, q).await;
+                    }
                 }
                 let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
                 if cache.len() >= MAX_ENTRIES {

@@ -1,6 +1,8 @@
 //! The Cachet gateway: the Anthropic-compatible HTTP API.
 //!
 //! What it exposes: [`run`] (serve a router on a listener until a shutdown token fires),
+//! [`routing`] (the routing gateway of a cluster, `cachet gateway`, with the
+//! [`conductor`]'s choice of node),
 //! [`router`], [`AppState`] (built from the fabric client, the engine pool, the meter handle,
 //! Postgres and Redis), [`tenants`] (tenant and key administration used by the CLI), and the
 //! OpenAPI document ([`openapi::document`]).
@@ -15,12 +17,14 @@
 pub mod admission;
 pub mod api;
 pub mod auth;
+pub mod conductor;
 pub mod engines;
 pub mod error;
 pub mod metrics;
 pub mod openapi;
 pub mod pipeline;
 pub mod render;
+pub mod routing;
 pub mod tenants;
 pub mod usage;
 
@@ -50,7 +54,20 @@ pub struct GatewayConfig {
     pub max_body_bytes: usize,
     pub auth_cache_ttl: Duration,
     pub redis_timeout: Duration,
+    /// Serving behind a routing gateway (`cachet node`): every request must carry this
+    /// cluster token in [`CLUSTER_TOKEN_HEADER`], and may name its request id in
+    /// [`REQUEST_ID_HEADER`] (a retry on another node keeps the id, so the ledger counts it
+    /// once).
+    pub internal_token: Option<Arc<str>>,
+    /// Answer only once the request's usage is committed (or spooled): a process killed
+    /// after answering has lost no ledger row. Costs one group commit of latency.
+    pub durable_usage: bool,
 }
+
+/// Header carrying the cluster token on internal requests.
+pub const CLUSTER_TOKEN_HEADER: &str = "x-cachet-cluster-token";
+/// Header carrying the request id chosen by the routing gateway.
+pub const REQUEST_ID_HEADER: &str = "x-cachet-request-id";
 
 impl Default for GatewayConfig {
     fn default() -> Self {
@@ -58,6 +75,8 @@ impl Default for GatewayConfig {
             max_body_bytes: 32 * 1024 * 1024,
             auth_cache_ttl: Duration::from_secs(30),
             redis_timeout: Duration::from_millis(250),
+            internal_token: None,
+            durable_usage: false,
         }
     }
 }
@@ -84,7 +103,7 @@ pub fn state(
     meter: MeterHandle,
     redis_url: Option<&str>,
 ) -> anyhow::Result<AppState> {
-    let auth = Authenticator::new(pool.clone(), fabric.clone(), config.auth_cache_ttl);
+    let auth = Authenticator::new(pool.clone(), Some(fabric.clone()), config.auth_cache_ttl);
     let admission = Admission::new(redis_url, config.redis_timeout)?;
     Ok(Arc::new(Inner {
         config,
@@ -97,9 +116,37 @@ pub fn state(
     }))
 }
 
-/// Every response gets a `request-id`; every request a span and metrics.
-async fn request_context(mut req: Request, next: Next) -> Response {
-    let rid = RequestId::new();
+/// Constant-time comparison (the token is a secret).
+pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Every response gets a `request-id`; every request a span and metrics. Behind a routing
+/// gateway, a request without the cluster token is refused here.
+async fn request_context(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+    let mut rid = None;
+    if let Some(token) = &state.config.internal_token
+        && req.uri().path() != "/healthz"
+    {
+        let presented = req
+            .headers()
+            .get(CLUSTER_TOKEN_HEADER)
+            .map(|v| v.as_bytes())
+            .unwrap_or_default();
+        if !same_secret(presented, token.as_bytes()) {
+            return error::ApiError::new(
+                error::ErrorKind::Authentication,
+                "this is an internal node port: requests must come through a gateway",
+            )
+            .into_response();
+        }
+        rid = req
+            .headers()
+            .get(REQUEST_ID_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<RequestId>().ok());
+    }
+    let rid = rid.unwrap_or_default();
     let route = req
         .extensions()
         .get::<MatchedPath>()
@@ -142,7 +189,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
     (StatusCode::OK, Json(body)).into_response()
 }
 
-async fn metrics_text() -> Response {
+pub(crate) async fn metrics_text() -> Response {
     let families = prometheus::gather();
     match prometheus::TextEncoder::new().encode_to_string(&families) {
         Ok(s) => ([("content-type", "text/plain; version=0.0.4")], s).into_response(),
@@ -150,7 +197,7 @@ async fn metrics_text() -> Response {
     }
 }
 
-async fn openapi_json() -> Response {
+pub(crate) async fn openapi_json() -> Response {
     ([("content-type", "application/json")], openapi::document()).into_response()
 }
 
@@ -184,7 +231,10 @@ pub fn router(state: AppState) -> Router {
         .route("/openapi.json", get(openapi_json))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
-        .layer(middleware::from_fn(request_context))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            request_context,
+        ))
         .with_state(state)
 }
 

@@ -89,3 +89,21 @@ pub static KV_RECOMPUTES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static ROUTED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_routed_total",
+            "Routing gateway decisions (forwarded, retried: a node failed and the next was \
+             tried, failed: no node could serve, over_slo and no_nodes: answered 529 at once)",
+        ),
+        &["outcome"],
+    )
+    .expect("metric"))
+});
+pub static ROUTABLE_NODES: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_gateway_routable_nodes",
+        "Live nodes with an API the routing gateway can send requests to",
+    )
+    .expect("metric"))
+});

@@ -490,7 +490,12 @@ async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRe
 
 async fn record(state: &AppState, ev: UsageEvent) {
     let id = ev.request_id;
-    if let Err(e) = state.meter.record(ev).await {
+    let recorded = if state.config.durable_usage {
+        state.meter.record_durable(ev).await
+    } else {
+        state.meter.record(ev).await
+    };
+    if let Err(e) = recorded {
         tracing::error!(request_id = %id, error = %e, "usage event could not be recorded");
     }
 }

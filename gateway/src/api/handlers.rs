@@ -30,7 +30,7 @@ const INLINE_RENDER_BYTES: usize = 256 * 1024;
 /// API versions accepted in `anthropic-version`.
 pub const API_VERSIONS: &[&str] = &["2023-06-01", "2023-01-01", "2026-10-21"];
 
-fn check_version(headers: &HeaderMap) -> Result<(), ApiError> {
+pub(crate) fn check_version(headers: &HeaderMap) -> Result<(), ApiError> {
     match headers
         .get("anthropic-version")
         .map(|v| v.to_str().unwrap_or(""))
@@ -44,7 +44,7 @@ fn check_version(headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::new(

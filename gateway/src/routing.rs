@@ -1,0 +1,525 @@
+//! The routing gateway (`cachet gateway`): a stateless front door for a cluster of
+//! `cachet node`s.
+//!
+//! For each `POST /v1/messages` it authenticates the key and validates and renders the
+//! request (so bad requests get their 4xx here, and the prompt's block keys are known),
+//! asks the [`conductor`](crate::conductor) which node should serve it from the prefix index
+//! (kept from the nodes' block events, [`follow_cluster`]) and its count of requests in
+//! flight per node, and forwards the request there with the cluster token and the request
+//! id it chose. If no node can start answering within the TTFT SLO it answers 529 at once.
+//!
+//! A node that cannot be reached, or fails before its answer is complete, is skipped and
+//! the request goes to the next node in the conductor's order with the same request id: the
+//! ledger keys usage by request id, so a retried request is billed once. A streamed answer
+//! that breaks after its first bytes cannot be retried; the stream ends early.
+//!
+//! What it is not: it runs no engine and holds no KV; it loads the engines only to render
+//! and count tokens exactly as the nodes do.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get};
+use cache_fabric::events::Follower;
+use cache_fabric::index::PrefixIndex;
+use cache_fabric::membership;
+use cachet_common::{RequestId, Scope};
+use serde_json::json;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::validate::{self, ModelLimits};
+use crate::auth::Authenticator;
+use crate::conductor::{Candidate, CostModel, Demand, Refusal};
+use crate::engines::EnginePool;
+use crate::error::{ApiError, ErrorKind};
+use crate::{CLUSTER_TOKEN_HEADER, REQUEST_ID_HEADER, metrics, render};
+
+/// Routing gateway settings.
+#[derive(Clone, Debug)]
+pub struct RoutingConfig {
+    pub max_body_bytes: usize,
+    pub auth_cache_ttl: Duration,
+    pub cluster_token: Arc<str>,
+    pub cost: CostModel,
+    /// How long one forwarded request may take before the node is given up on.
+    pub node_timeout: Duration,
+}
+
+/// A node requests can be sent to.
+#[derive(Clone, Debug)]
+struct NodeEntry {
+    id: String,
+    base: String,
+    slot: Option<usize>,
+}
+
+#[derive(Default)]
+struct Load {
+    in_flight: AtomicUsize,
+    /// Moving average of service time, in microseconds.
+    service_us: AtomicUsize,
+}
+
+pub struct RouterInner {
+    config: RoutingConfig,
+    auth: Authenticator,
+    engines: EnginePool,
+    http: reqwest::Client,
+    nodes: RwLock<Vec<NodeEntry>>,
+    index: Arc<RwLock<PrefixIndex>>,
+    load: Mutex<HashMap<String, Arc<Load>>>,
+    turn: AtomicUsize,
+}
+
+pub type RouterState = Arc<RouterInner>;
+
+pub fn state(
+    config: RoutingConfig,
+    pool: PgPool,
+    engines: EnginePool,
+) -> anyhow::Result<RouterState> {
+    let http = reqwest::Client::builder()
+        .pool_idle_timeout(Duration::from_secs(30))
+        .connect_timeout(Duration::from_secs(1))
+        .build()?;
+    Ok(Arc::new(RouterInner {
+        auth: Authenticator::new(pool, None, config.auth_cache_ttl),
+        config,
+        engines,
+        http,
+        nodes: RwLock::new(Vec::new()),
+        index: Arc::new(RwLock::new(PrefixIndex::with_capacity(1 << 16))),
+        load: Mutex::new(HashMap::new()),
+        turn: AtomicUsize::new(0),
+    }))
+}
+
+impl RouterInner {
+    fn load(&self, id: &str) -> Arc<Load> {
+        self.load
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(id.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Nodes currently routable.
+    pub fn node_ids(&self) -> Vec<String> {
+        self.nodes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|n| n.id.clone())
+            .collect()
+    }
+}
+
+/// Keep the node list and the prefix index current until `stop`: membership from Redis
+/// every `every` (a node that left or went silent leaves the index at once), block events
+/// from the cluster's stream, replayed from its start so a new gateway catches up.
+pub async fn follow_cluster(
+    state: RouterState,
+    mut conn: impl redis::aio::ConnectionLike + Send,
+    prefix: String,
+    every: Duration,
+    stop: CancellationToken,
+) {
+    let mut follower = Follower::new(format!("{prefix}:blocks"), "0-0", state.index.clone());
+    let mut refreshed: Option<Instant> = None;
+    while !stop.is_cancelled() {
+        if refreshed.is_none_or(|t| t.elapsed() >= every) {
+            refreshed = Some(Instant::now());
+            match membership::live_nodes(&mut conn, &prefix).await {
+                Ok(records) => {
+                    let fresh: Vec<NodeEntry> = records
+                        .iter()
+                        .filter_map(|r| {
+                            Some(NodeEntry {
+                                id: r.id.clone(),
+                                base: format!("http://{}", r.api_addr.as_ref()?),
+                                slot: follower.slot(&r.id),
+                            })
+                        })
+                        .collect();
+                    let mut nodes = state.nodes.write().unwrap_or_else(|p| p.into_inner());
+                    for gone in nodes.iter().filter(|n| !fresh.iter().any(|f| f.id == n.id)) {
+                        tracing::warn!(node = %gone.id, "node left the cluster; its blocks leave the index");
+                        if let Some(slot) = gone.slot {
+                            state
+                                .index
+                                .write()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .remove_node(slot);
+                        }
+                    }
+                    *nodes = fresh;
+                    metrics::ROUTABLE_NODES.set(nodes.len() as i64);
+                }
+                Err(e) => tracing::warn!(error = %e, "reading cluster membership failed"),
+            }
+        }
+        if let Err(e) = follower.poll(&mut conn, Duration::from_millis(200)).await {
+            tracing::warn!(error = %e, "reading block events failed");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// The demand a messages request puts on the cluster and where its prefix is cached.
+async fn demand(
+    state: &RouterState,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<(Demand, Vec<(String, usize)>), ApiError> {
+    crate::api::handlers::check_version(headers)?;
+    let principal = state.auth.authenticate(headers).await?;
+    let (req, bps) = validate::messages_request(body, |m| {
+        state.engines.get(m).map(|e| ModelLimits {
+            max_output_tokens: e.info().max_output_tokens,
+        })
+    })?;
+    let engine = state
+        .engines
+        .get(&req.model)
+        .cloned()
+        .ok_or_else(|| ApiError::invalid("model: unknown model"))?;
+    let scope = Scope {
+        tenant: principal.tenant,
+        workspace: principal.workspace,
+    };
+    let prompt = render::to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
+    let e2 = engine.clone();
+    let prepared =
+        tokio::task::spawn_blocking(move || render::prepare(e2.as_ref(), &prompt, &bps, scope))
+            .await
+            .map_err(|e| ApiError::internal("render task failed", e))??;
+    let info = engine.info();
+    let b = info.block_size;
+    let nodes = state
+        .nodes
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let (cached_blocks, local) = match &prepared.keys {
+        Some(k) => {
+            let index = state.index.read().unwrap_or_else(|p| p.into_inner());
+            let n = index.longest_prefix(&k.blocks);
+            let local: Vec<(String, usize)> = nodes
+                .iter()
+                .map(|node| {
+                    let held = node.slot.map_or(0, |s| {
+                        k.blocks[..n]
+                            .iter()
+                            .filter(|h| index.nodes(h).contains(s))
+                            .count()
+                    });
+                    (node.id.clone(), held * b)
+                })
+                .collect();
+            (n, local)
+        }
+        None => (0, nodes.iter().map(|n| (n.id.clone(), 0)).collect()),
+    };
+    Ok((
+        Demand {
+            prompt_tokens: prepared.rendered.tokens.len(),
+            cached_tokens: cached_blocks * b,
+            bytes_per_token: info.kv.bytes_per_token(),
+        },
+        local,
+    ))
+}
+
+async fn messages(
+    State(state): State<RouterState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let rid = RequestId::new();
+    let body = match crate::api::handlers::body_bytes(body) {
+        Ok(b) => b,
+        Err(e) => return e.with_request_id(rid).into_response(),
+    };
+    let (demand, local) = match demand(&state, &headers, &body).await {
+        Ok(d) => d,
+        Err(e) => return e.with_request_id(rid).into_response(),
+    };
+    let candidates: Vec<Candidate> = local
+        .into_iter()
+        .map(|(id, local_tokens)| {
+            let l = state.load(&id);
+            Candidate {
+                local_tokens,
+                in_flight: l.in_flight.load(Ordering::Relaxed),
+                service_time: Duration::from_micros(l.service_us.load(Ordering::Relaxed) as u64),
+                id,
+            }
+        })
+        .collect();
+    let turn = state.turn.fetch_add(1, Ordering::Relaxed);
+    let order = match state.config.cost.rank(&demand, &candidates, turn) {
+        Ok(o) => o,
+        Err(Refusal::NoNodes) => {
+            metrics::ROUTED.with_label_values(&["no_nodes"]).inc();
+            return ApiError::overloaded("no node is available to serve this request")
+                .with_request_id(rid)
+                .into_response();
+        }
+        Err(Refusal::OverSlo { best }) => {
+            metrics::ROUTED.with_label_values(&["over_slo"]).inc();
+            return ApiError::overloaded(format!(
+                "Overloaded: the earliest estimated first token is {} ms away, over the {} ms target",
+                best.as_millis(),
+                state.config.cost.ttft_slo.as_millis()
+            ))
+            .with_request_id(rid)
+            .into_response();
+        }
+    };
+    let ids: Vec<String> = order
+        .iter()
+        .map(|(i, _)| candidates[*i].id.clone())
+        .collect();
+    forward(&state, rid, "/v1/messages", &headers, body, &ids).await
+}
+
+/// Requests that need no routing decision (token counting, model listing) go to the least
+/// busy node.
+async fn passthrough(State(state): State<RouterState>, req: Request) -> Response {
+    let rid = RequestId::new();
+    let path = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_default();
+    let (parts, body) = req.into_parts();
+    let body = match axum::body::to_bytes(body, state.config.max_body_bytes).await {
+        Ok(b) => b,
+        Err(_) => {
+            return ApiError::new(ErrorKind::RequestTooLarge, "request body is too large")
+                .with_request_id(rid)
+                .into_response();
+        }
+    };
+    let mut ids = state.node_ids();
+    ids.sort_by_key(|id| state.load(id).in_flight.load(Ordering::Relaxed));
+    let method = parts.method.clone();
+    forward_with(&state, rid, method, &path, &parts.headers, body, &ids).await
+}
+
+async fn forward(
+    state: &RouterState,
+    rid: RequestId,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+    ids: &[String],
+) -> Response {
+    forward_with(
+        state,
+        rid,
+        axum::http::Method::POST,
+        path,
+        headers,
+        body,
+        ids,
+    )
+    .await
+}
+
+/// Headers a node's answer keeps on its way back.
+fn keep_response_header(name: &str) -> bool {
+    name == "content-type"
+        || name == "request-id"
+        || name == "retry-after"
+        || name.starts_with("anthropic-ratelimit-")
+}
+
+async fn forward_with(
+    state: &RouterState,
+    rid: RequestId,
+    method: axum::http::Method,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+    ids: &[String],
+) -> Response {
+    for id in ids {
+        let Some(base) = state
+            .nodes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|n| n.id == *id)
+            .map(|n| n.base.clone())
+        else {
+            continue;
+        };
+        let load = state.load(id);
+        load.in_flight.fetch_add(1, Ordering::Relaxed);
+        let started = Instant::now();
+        let mut req = state
+            .http
+            .request(method.clone(), format!("{base}{path}"))
+            .timeout(state.config.node_timeout)
+            .header(CLUSTER_TOKEN_HEADER, &*state.config.cluster_token)
+            .header(REQUEST_ID_HEADER, rid.to_string())
+            .body(body.clone());
+        for (name, value) in headers {
+            let n = name.as_str();
+            if n == "x-api-key"
+                || n == "authorization"
+                || n == "content-type"
+                || n == "anthropic-version"
+                || n == "anthropic-beta"
+            {
+                req = req.header(name, value);
+            }
+        }
+        let result = req.send().await;
+        let outcome = match result {
+            Ok(resp) => {
+                let status = resp.status();
+                let streamed = resp
+                    .headers()
+                    .get("content-type")
+                    .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+                let mut out = Response::builder().status(status.as_u16());
+                for (name, value) in resp.headers() {
+                    if keep_response_header(name.as_str()) {
+                        out = out.header(name.as_str(), value.as_bytes());
+                    }
+                }
+                if streamed {
+                    // Committed to this node from the first byte on.
+                    let load2 = load.clone();
+                    let stream = resp.bytes_stream();
+                    let guard = InFlight {
+                        load: load2,
+                        started,
+                    };
+                    let body = Body::from_stream(futures::StreamExt::map(stream, move |c| {
+                        let _keep = &guard;
+                        c
+                    }));
+                    metrics::ROUTED.with_label_values(&["forwarded"]).inc();
+                    return out.body(body).unwrap_or_else(|e| {
+                        ApiError::internal("building the response", e).into_response()
+                    });
+                }
+                match resp.bytes().await {
+                    Ok(bytes) => {
+                        finish(&load, started);
+                        metrics::ROUTED.with_label_values(&["forwarded"]).inc();
+                        return out.body(Body::from(bytes)).unwrap_or_else(|e| {
+                            ApiError::internal("building the response", e).into_response()
+                        });
+                    }
+                    Err(e) => e,
+                }
+            }
+            Err(e) => e,
+        };
+        load.in_flight.fetch_sub(1, Ordering::Relaxed);
+        metrics::ROUTED.with_label_values(&["retried"]).inc();
+        tracing::warn!(node = %id, request_id = %rid, error = %outcome, "node failed; trying the next one");
+    }
+    metrics::ROUTED.with_label_values(&["failed"]).inc();
+    ApiError::overloaded("no node could serve this request; retry shortly")
+        .with_request_id(rid)
+        .into_response()
+}
+
+fn finish(load: &Load, started: Instant) {
+    load.in_flight.fetch_sub(1, Ordering::Relaxed);
+    let took = started.elapsed().as_micros() as usize;
+    let old = load.service_us.load(Ordering::Relaxed);
+    // An exponential moving average with weight 1/8 for the newest sample.
+    let new = if old == 0 {
+        took
+    } else {
+        old - old / 8 + took / 8
+    };
+    load.service_us.store(new, Ordering::Relaxed);
+}
+
+/// Counts a streamed request as in flight until its body is dropped.
+struct InFlight {
+    load: Arc<Load>,
+    started: Instant,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        finish(&self.load, self.started);
+    }
+}
+
+async fn healthz() -> Response {
+    axum::Json(json!({"status": "ok"})).into_response()
+}
+
+async fn readyz(State(state): State<RouterState>) -> Response {
+    let nodes = state.node_ids();
+    let status = if nodes.is_empty() {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    let indexed = state.index.read().unwrap_or_else(|p| p.into_inner()).len();
+    (
+        status,
+        axum::Json(json!({
+            "status": if nodes.is_empty() { "no_nodes" } else { "ready" },
+            "nodes": nodes,
+            "indexed_blocks": indexed,
+        })),
+    )
+        .into_response()
+}
+
+async fn not_found(req: Request) -> Response {
+    ApiError::new(
+        ErrorKind::NotFound,
+        format!("no route for {} {}", req.method(), req.uri().path()),
+    )
+    .with_request_id(RequestId::new())
+    .into_response()
+}
+
+pub fn router(state: RouterState) -> Router {
+    let limit = state.config.max_body_bytes;
+    Router::new()
+        .route("/v1/messages", axum::routing::post(messages))
+        .route("/v1/messages/count_tokens", any(passthrough))
+        .route("/v1/models", any(passthrough))
+        .route("/v1/models/{model_id}", any(passthrough))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(crate::metrics_text))
+        .route("/openapi.json", get(crate::openapi_json))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// Serve until `shutdown`, then finish in-flight requests.
+pub async fn run(
+    listener: tokio::net::TcpListener,
+    state: RouterState,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+}
