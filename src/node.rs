@@ -106,6 +106,8 @@ pub async fn run(
     let background = CancellationToken::new();
     let (sink, rx) = events::channel(65_536);
     node.set_event_sink(sink);
+    // What survived a restart in the disk tier is announced again.
+    node.with_store(|s| s.announce_held());
     let publisher = tokio::spawn(events::publish(
         conn.clone(),
         format!("{}:blocks", args.redis_prefix),
@@ -123,6 +125,16 @@ pub async fn run(
         dram_used_bytes: 0,
         api_addr: api_addr.clone(),
     };
+    // Announced and with a first view before it serves anything: its first writes already
+    // go to their owners.
+    let mut c = conn.clone();
+    membership::announce(&mut c, &args.redis_prefix, &record)
+        .await
+        .context("announcing the node in Redis")?;
+    cluster
+        .refresh(&mut c, &args.redis_prefix)
+        .await
+        .context("reading the cluster membership")?;
     let n = node.clone();
     let heartbeat = tokio::spawn(membership::heartbeat(
         conn.clone(),

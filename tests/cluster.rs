@@ -21,6 +21,10 @@ const REDIS: &str = "redis://127.0.0.1:6379";
 struct Node {
     child: Child,
     addr: String,
+    /// The internal API address, when the node runs one.
+    api: Option<String>,
+    /// Kept open: a node whose stdout is closed would fail writing to it.
+    _stdout: BufReader<std::process::ChildStdout>,
 }
 
 impl Drop for Node {
@@ -31,39 +35,66 @@ impl Drop for Node {
 }
 
 fn start_node(id: &str, prefix: &str, data_dir: &std::path::Path) -> Node {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_cachet"))
-        .args([
-            "node",
-            "--listen",
-            "127.0.0.1:0",
-            "--id",
-            id,
-            "--redis-prefix",
-            prefix,
-        ])
-        .env("CACHET_CLUSTER_TOKEN", TOKEN)
-        .env("REDIS_URL", REDIS)
-        .env("CACHET_DATA_DIR", data_dir)
-        .env("CACHET_DISK_CAPACITY_BYTES", "1048576")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start cachet node");
+    start_node_with(id, prefix, data_dir, &[], false)
+}
+
+/// A `cachet node` process; `env` adds to (or overrides) the environment, `api` runs its
+/// engines and internal API too.
+fn start_node_with(
+    id: &str,
+    prefix: &str,
+    data_dir: &std::path::Path,
+    env: &[(&str, String)],
+    api: bool,
+) -> Node {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachet"));
+    cmd.args([
+        "node",
+        "--listen",
+        "127.0.0.1:0",
+        "--id",
+        id,
+        "--redis-prefix",
+        prefix,
+    ])
+    .env("CACHET_CLUSTER_TOKEN", TOKEN)
+    .env("REDIS_URL", REDIS)
+    .env("CACHET_DATA_DIR", data_dir)
+    .env("CACHET_DISK_CAPACITY_BYTES", "1048576")
+    .stdout(Stdio::piped())
+    .stderr(
+        std::env::var("CACHET_TEST_NODE_LOGS")
+            .ok()
+            .map(|d| Stdio::from(std::fs::File::create(format!("{d}/{id}.log")).unwrap()))
+            .unwrap_or_else(Stdio::null),
+    );
+    if api {
+        cmd.args(["--api-listen", "127.0.0.1:0"]);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("start cachet node");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .rsplit(' ')
-        .next()
-        .expect("node prints its address")
-        .to_string();
+    out.read_line(&mut line).unwrap();
     assert!(
         line.starts_with(&format!("node {id} listening on ")),
         "{line:?}"
     );
-    Node { child, addr }
+    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    let api = api.then(|| {
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert!(line.starts_with(&format!("node {id} api on ")), "{line:?}");
+        line.trim().rsplit(' ').next().unwrap().to_string()
+    });
+    Node {
+        child,
+        addr,
+        api,
+        _stdout: out,
+    }
 }
 
 async fn live_ids(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Vec<String> {
@@ -195,5 +226,376 @@ async fn a_node_process_serves_announces_publishes_and_leaves() {
         .query_async(&mut conn)
         .await
         .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+struct Gateway {
+    child: Child,
+    url: String,
+    _stdout: BufReader<std::process::ChildStdout>,
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_gateway(prefix: &str, env: &[(&str, String)]) -> Gateway {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachet"));
+    cmd.args(["gateway", "--redis-prefix", prefix])
+        .env("CACHET_CLUSTER_TOKEN", TOKEN)
+        .env("REDIS_URL", REDIS)
+        .env("CACHET_LISTEN", "127.0.0.1:0")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("start cachet gateway");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(line.starts_with("gateway listening on "), "{line:?}");
+    Gateway {
+        child,
+        url: format!("http://{}", line.trim().rsplit(' ').next().unwrap()),
+        _stdout: out,
+    }
+}
+
+/// POST a Messages request; `internal` sends it straight to a node's API with the token.
+async fn post(
+    http: &reqwest::Client,
+    base: &str,
+    key: &str,
+    body: &serde_json::Value,
+    internal: bool,
+) -> (u16, String, serde_json::Value) {
+    let mut req = http
+        .post(format!("{base}/v1/messages"))
+        .header("x-api-key", key)
+        .header("anthropic-version", "2023-06-01")
+        .json(body);
+    if internal {
+        req = req.header("x-cachet-cluster-token", TOKEN);
+    }
+    let resp = req.send().await.expect("request reaches the service");
+    let status = resp.status().as_u16();
+    let rid = resp
+        .headers()
+        .get("request-id")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let json = resp.json().await.unwrap_or(serde_json::Value::Null);
+    (status, rid, json)
+}
+
+/// A request with automatic caching (best-effort entries, which DRAM pressure demotes to
+/// disk) of a system prompt of `words` words.
+fn prompt(words: usize, tag: &str, user: &str) -> serde_json::Value {
+    let system: String = (0..words).map(|i| format!("{tag}{i} ")).collect();
+    serde_json::json!({
+        "model": "sim-tiny",
+        "max_tokens": 8,
+        "cache_control": {"type": "ephemeral"},
+        "system": system,
+        "messages": [{"role": "user", "content": user}],
+    })
+}
+
+/// The full-block hashes of a request's cached prefix, computed as every node does.
+fn block_hashes(body: &serde_json::Value, scope: Scope) -> Vec<BlockHash> {
+    use engine::Engine;
+    let engine = engine::sim::SimEngine::new(engine::sim::SimProfile::tiny(), 0.0);
+    let bytes = serde_json::to_vec(body).unwrap();
+    let (req, bps) = gateway::api::validate::messages_request(&bytes, |_| {
+        Some(gateway::api::validate::ModelLimits {
+            max_output_tokens: engine.info().max_output_tokens,
+        })
+    })
+    .unwrap();
+    let p = gateway::render::to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
+    let prepared = gateway::render::prepare(&engine, &p, &bps, scope).unwrap();
+    prepared.keys.unwrap().blocks
+}
+
+/// How many of the nodes at `addrs` hold `hash`.
+async fn copies(addrs: &[&str], scope: Scope, hash: BlockHash) -> usize {
+    let t = TcpTransport::new(TOKEN);
+    let mut n = 0;
+    for a in addrs {
+        if t.has(a, scope, &[hash])
+            .await
+            .map(|h| h[0])
+            .unwrap_or(false)
+        {
+            n += 1;
+        }
+    }
+    n
+}
+
+/// Issue 4's acceptance, on real processes, Postgres and Redis: three `cachet node`s and a
+/// `cachet gateway`. Blocks land on R = 2 distinct owners; a prefix written through one
+/// node is read by another; a bit flipped on disk is caught and never served; `kill -9` of
+/// a node under load fails no request and loses no ledger row, and R is restored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_and_a_gateway_replicate_share_prefixes_and_survive_kill_9() {
+    let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
+    let dir = std::env::temp_dir().join(&prefix);
+    let db_url = format!(
+        "postgres://postgres@127.0.0.1:5432/cachet_test_{}",
+        uuid::Uuid::new_v4().simple()
+    );
+    let pool = cachet::server::connect_and_migrate(&db_url, 2)
+        .await
+        .unwrap();
+    let tenant = gateway::tenants::create_tenant(&pool, "cluster-tenant")
+        .await
+        .unwrap();
+    let key = gateway::tenants::create_key(&pool, &tenant, "k")
+        .await
+        .unwrap()
+        .secret;
+    let scope = Scope {
+        tenant: tenant.id,
+        workspace: tenant.default_workspace,
+    };
+    let env = |extra: &[(&'static str, String)]| {
+        let mut v: Vec<(&'static str, String)> = vec![
+            ("DATABASE_URL", db_url.clone()),
+            ("CACHET_ENGINE", "sim".into()),
+            ("CACHET_SIM_TIME_SCALE", "0.2".into()),
+        ];
+        v.extend_from_slice(extra);
+        v
+    };
+    let n1 = start_node_with("n1", &prefix, &dir, &env(&[]), true);
+    let n2 = start_node_with("n2", &prefix, &dir, &env(&[]), true);
+    // n3 keeps almost nothing in DRAM: its blocks live in its disk tier.
+    let n3 = start_node_with(
+        "n3",
+        &prefix,
+        &dir,
+        &env(&[
+            ("CACHET_DRAM_CAPACITY_BYTES", "4096".into()),
+            ("CACHET_FABRIC_EVICTION", "lru".into()),
+            ("CACHET_DISK_CAPACITY_BYTES", (64u64 << 20).to_string()),
+        ]),
+        true,
+    );
+    let gw = start_gateway(&prefix, &env(&[]));
+    let http = reqwest::Client::new();
+    wait_until(
+        "the gateway sees three nodes",
+        Duration::from_secs(30),
+        async || {
+            let r: serde_json::Value = match http.get(format!("{}/readyz", gw.url)).send().await {
+                Ok(r) => r.json().await.unwrap_or_default(),
+                Err(_) => return false,
+            };
+            r["nodes"].as_array().is_some_and(|n| n.len() == 3)
+        },
+    )
+    .await;
+    let mut sent: Vec<String> = Vec::new();
+
+    // A prefix written through n1 is read through n2.
+    let shared = prompt(200, "p", "first question");
+    let n1_api = format!("http://{}", n1.api.as_ref().unwrap());
+    let n2_api = format!("http://{}", n2.api.as_ref().unwrap());
+    let (s, rid, r) = post(&http, &n1_api, &key, &shared, true).await;
+    assert_eq!(s, 200, "{r}");
+    sent.push(rid);
+    let written = r["usage"]["cache_creation_input_tokens"].as_u64().unwrap();
+    assert!(written >= 200, "{r}");
+    let (s, rid, r2) = post(&http, &n2_api, &key, &shared, true).await;
+    assert_eq!(s, 200, "{r2}");
+    sent.push(rid);
+    assert_eq!(
+        r2["usage"]["cache_read_input_tokens"].as_u64(),
+        Some(written)
+    );
+    assert_eq!(r["content"], r2["content"]);
+    // The internal port takes nothing without the cluster token.
+    let (s, _, _) = post(&http, &n2_api, &key, &shared, false).await;
+    assert_eq!(s, 401);
+
+    // Each block is on its R = 2 owners, distinct nodes.
+    let mut conn = redis::Client::open(REDIS)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let records = membership::live_nodes(&mut conn, &prefix).await.unwrap();
+    let view = cache_fabric::cluster::View::from_records(&records);
+    let hashes = block_hashes(&shared, scope);
+    assert!(hashes.len() >= 10);
+    let t = TcpTransport::new(TOKEN);
+    // Replication follows membership: a node that joined after a write receives the blocks
+    // it owns from the repair its arrival triggers.
+    wait_until(
+        "each block on its R owners",
+        Duration::from_secs(15),
+        async || {
+            for h in &hashes {
+                let owners = view.membership.owners(scope.tenant, h, 4, 2);
+                assert_eq!(owners.len(), 2);
+                assert_ne!(owners[0].id, owners[1].id);
+                for o in owners {
+                    let addr = view.addr(&o.id).unwrap();
+                    if !t.has(addr, scope, &[*h]).await.unwrap()[0] {
+                        return false;
+                    }
+                }
+            }
+            true
+        },
+    )
+    .await;
+
+    // A bit flipped in n3's disk tier: the block is detected and never served, and the
+    // request still gets the right answer.
+    let n3_blocks: Vec<BlockHash> = hashes
+        .iter()
+        .copied()
+        .filter(|h| {
+            view.membership
+                .owners(scope.tenant, h, 4, 2)
+                .iter()
+                .any(|m| m.id == "n3")
+        })
+        .collect();
+    assert!(!n3_blocks.is_empty());
+    let disk = dir.join("node-n3").join("fabric-disk");
+    let mut segments: Vec<std::path::PathBuf> = std::fs::read_dir(&disk)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    segments.sort();
+    let newest = segments.last().expect("n3 demoted blocks to disk").clone();
+    let mut bytes = std::fs::read(&newest).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    std::fs::write(&newest, &bytes).unwrap();
+    let mut dropped = 0;
+    for h in &n3_blocks {
+        match t.get_block(&n3.addr, scope, *h).await.unwrap() {
+            None => dropped += 1,
+            Some(b) => {
+                let other = t.get_block(&n2.addr, scope, *h).await.unwrap();
+                let other = match other {
+                    Some(o) => o,
+                    None => t.get_block(&n1.addr, scope, *h).await.unwrap().unwrap(),
+                };
+                assert_eq!(b.data, other.data, "n3 served wrong bytes");
+            }
+        }
+    }
+    assert!(dropped >= 1, "the flipped block was not detected");
+    let (s, rid, r3) = post(&http, &gw.url, &key, &shared, false).await;
+    assert_eq!(s, 200, "{r3}");
+    sent.push(rid);
+    assert_eq!(r3["content"], r["content"]);
+
+    // Load through the gateway; n1 is killed with SIGKILL a second in.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for w in 0..6 {
+        let (http, url, key, stop) = (http.clone(), gw.url.clone(), key.clone(), stop.clone());
+        workers.push(tokio::spawn(async move {
+            let mut done = Vec::new();
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let body = prompt(120, &format!("load{}-", i % 3), &format!("q {w} {i}"));
+                let (s, rid, r) = post(&http, &url, &key, &body, false).await;
+                assert_eq!(s, 200, "request failed during the node failure: {r}");
+                done.push((Instant::now(), rid));
+                i += 1;
+            }
+            done
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut n1 = n1;
+    n1.child.kill().unwrap();
+    n1.child.wait().unwrap();
+    let killed = Instant::now();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (mut before, mut after) = (0, 0);
+    for w in workers {
+        for (at, rid) in w.await.expect("no request failed") {
+            if at < killed {
+                before += 1;
+            } else {
+                after += 1;
+            }
+            sent.push(rid);
+        }
+    }
+    eprintln!("requests answered: {before} before the kill, {after} after");
+    assert!(before > 0 && after > 0);
+
+    // Every answered request has exactly one ledger row, and nothing else was billed.
+    let ids: Vec<uuid::Uuid> = sent
+        .iter()
+        .map(|r| r.parse::<cachet_common::RequestId>().unwrap().0)
+        .collect();
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM usage_events WHERE request_id = ANY($1)")
+            .bind(&ids)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(rows as usize, ids.len());
+    let all: i64 = sqlx::query_scalar("SELECT count(*) FROM usage_events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(all as usize, ids.len());
+
+    // The dead node left the gateway's view, and R is back: every block of the prefix
+    // is on both surviving nodes (n3's corrupt copy included).
+    let ready: serde_json::Value = http
+        .get(format!("{}/readyz", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ready["nodes"], serde_json::json!(["n2", "n3"]));
+    // The block dropped as corrupt on n3 had its other copy on n1: gone with it, so the
+    // next request recomputes it and writes it again.
+    let (s, rid, r4) = post(&http, &gw.url, &key, &shared, false).await;
+    assert_eq!(s, 200, "{r4}");
+    assert_eq!(r4["content"], r["content"]);
+    let ids_after: Vec<uuid::Uuid> = vec![rid.parse::<cachet_common::RequestId>().unwrap().0];
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM usage_events WHERE request_id = ANY($1)")
+            .bind(&ids_after)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(rows, 1);
+    wait_until(
+        "R = 2 restored on the survivors",
+        Duration::from_secs(30),
+        async || {
+            for h in &hashes {
+                if copies(&[&n2.addr, &n3.addr], scope, *h).await < 2 {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+
+    drop((n2, n3, gw));
+    pool.close().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

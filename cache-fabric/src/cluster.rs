@@ -207,18 +207,26 @@ impl Cluster {
                 _ = tick.tick() => {}
                 _ = stop.cancelled() => return,
             }
-            match membership::live_nodes(&mut conn, &prefix).await {
-                Ok(records) => {
-                    if self.set_view(View::from_records(&records)) {
-                        tracing::info!(
-                            nodes = ?records.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
-                            "cluster membership changed"
-                        );
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "reading cluster membership failed"),
+            if let Err(e) = self.refresh(&mut conn, &prefix).await {
+                tracing::warn!(error = %e, "reading cluster membership failed");
             }
         }
+    }
+
+    /// Read the membership once and adopt it.
+    pub async fn refresh(
+        &self,
+        conn: &mut (impl redis::aio::ConnectionLike + Send),
+        prefix: &str,
+    ) -> redis::RedisResult<()> {
+        let records = membership::live_nodes(conn, prefix).await?;
+        if self.set_view(View::from_records(&records)) {
+            tracing::info!(
+                nodes = ?records.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+                "cluster membership changed"
+            );
+        }
+        Ok(())
     }
 
     fn load(&self, id: &str) -> Arc<AtomicUsize> {

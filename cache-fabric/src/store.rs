@@ -462,9 +462,10 @@ impl Store {
         Some(out)
     }
 
-    /// Every live DRAM block with what a replica write of it needs: for re-replication
-    /// after a node failure and for handing blocks over when this node drains. Bytes are
-    /// shared, not copied; blocks whose bytes fail their checksum are left out (and dropped).
+    /// Every live block (DRAM, then the lower tier) with what a replica write of it needs:
+    /// for re-replication after a node failure and for handing blocks over when this node
+    /// drains. DRAM bytes are shared, not copied; blocks whose bytes fail their checksum are
+    /// left out (and dropped).
     pub fn handoff(&mut self, now: Instant) -> Vec<Handoff> {
         self.purge_expired(now);
         let corrupt: Vec<BlockHash> = self
@@ -477,7 +478,8 @@ impl Store {
             tracing::error!(block = %h, "checksum mismatch found while handing off; dropping block");
             self.remove(h, RemovalReason::Corrupt);
         }
-        self.blocks
+        let mut out: Vec<Handoff> = self
+            .blocks
             .iter()
             .map(|(h, b)| Handoff {
                 scope: b.scope,
@@ -496,7 +498,51 @@ impl Store {
                     EntryKind::BestEffort
                 },
             })
-            .collect()
+            .collect();
+        // The lower tier's blocks too, each read back and verified (a corrupt one is dropped
+        // there). This reads the whole tier: repairs follow membership changes, not requests.
+        if let Some(tier) = self.lower.as_mut() {
+            let wall = unix_ms();
+            for h in tier.hashes() {
+                if self.blocks.contains_key(&h) {
+                    continue;
+                }
+                match tier.get(&h) {
+                    Ok(Some(tb)) if tb.expires_unix_ms > wall => out.push(Handoff {
+                        scope: tb.scope,
+                        block: PutBlock::new(tb.hash, tb.parent, tb.n_tokens, tb.data),
+                        ttl: tb.ttl,
+                        remaining: Duration::from_millis(tb.expires_unix_ms - wall),
+                        kind: if tb.paid {
+                            EntryKind::Paid
+                        } else {
+                            EntryKind::BestEffort
+                        },
+                    }),
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::error!(block = %h, error = %e, "lower tier read failed while handing off")
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Report every block held (DRAM and lower tier) as stored: a node that restarts with
+    /// its disk tier re-announces what it still has (events are idempotent).
+    pub fn announce_held(&self) {
+        let Some(sink) = &self.events else {
+            return;
+        };
+        for h in self.blocks.keys() {
+            sink.emit(StoreEvent::Stored(*h));
+        }
+        if let Some(tier) = &self.lower {
+            for h in tier.hashes() {
+                sink.emit(StoreEvent::Stored(h));
+            }
+        }
     }
 
     /// Store an entry: `existing` blocks (already stored, in chain order) get their TTL
@@ -520,9 +566,10 @@ impl Store {
 
     /// Store blocks this node holds as one of their owners (cluster placement puts each
     /// block of a chain on its own owners): like [`Store::put_entry`], except that a block's
-    /// parent need not be stored here, and `existing` blocks that are not stored here are
-    /// skipped instead of refusing the write. Eviction still takes a locally stored chain's
-    /// tail before its ancestors.
+    /// parent need not be stored here, `existing` blocks that are not stored here are
+    /// skipped instead of refusing the write, and each new block is admitted on its own (a
+    /// refusal of one keeps the others and reports the first refusal). Eviction still takes
+    /// a locally stored chain's tail before its ancestors.
     pub fn put_replica(
         &mut self,
         scope: &Scope,
@@ -532,7 +579,16 @@ impl Store {
         now: Instant,
         kind: EntryKind,
     ) -> Result<(), WriteRefused> {
-        self.put(scope, existing, new, ttl, now, kind, true)
+        // Blocks an owner holds are independent of each other (their chain may be spread
+        // over several nodes), so each is admitted on its own: a large entry is not refused
+        // whole because this node's DRAM holds only part of it at once (the rest demotes).
+        let mut result = self.put(scope, existing, Vec::new(), ttl, now, kind, true);
+        for b in new {
+            if let Err(e) = self.put(scope, &[], vec![b], ttl, now, kind, true) {
+                result = result.and(Err(e));
+            }
+        }
+        result
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -70,6 +70,8 @@ pub trait TierStore: Send {
     fn get(&mut self, hash: &BlockHash) -> Result<Option<TierBlock>, TierError>;
     fn remove(&mut self, hash: &BlockHash) -> bool;
     fn contains(&self, hash: &BlockHash) -> bool;
+    /// Every stored block's hash (re-announcing and handing off what a node holds).
+    fn hashes(&self) -> Vec<BlockHash>;
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
         self.len() == 0
@@ -166,6 +168,9 @@ impl TierStore for DramTier {
 
     fn contains(&self, hash: &BlockHash) -> bool {
         self.blocks.contains_key(hash)
+    }
+    fn hashes(&self) -> Vec<BlockHash> {
+        self.blocks.keys().copied().collect()
     }
     fn len(&self) -> usize {
         self.blocks.len()
@@ -505,6 +510,9 @@ impl TierStore for DiskTier {
 
     fn contains(&self, hash: &BlockHash) -> bool {
         self.index.contains_key(hash)
+    }
+    fn hashes(&self) -> Vec<BlockHash> {
+        self.index.keys().copied().collect()
     }
     fn len(&self) -> usize {
         self.index.len()
