@@ -51,6 +51,11 @@ pub struct ClusterConfig {
     /// this times the prompt's length (and at least `min_deadline`).
     pub recompute_per_token: Duration,
     pub min_deadline: Duration,
+    /// A block this node pulls this many times within `hot_window` is hot: the node keeps
+    /// an extra replica of it (so a hot block spreads to every node that reads it, up to the
+    /// whole group). Extra replicas are best effort: capacity eviction drops them first.
+    pub hot_reads: u32,
+    pub hot_window: Duration,
 }
 
 impl Default for ClusterConfig {
@@ -61,6 +66,8 @@ impl Default for ClusterConfig {
             fetch_window: 16,
             recompute_per_token: Duration::from_micros(2_500),
             min_deadline: Duration::from_millis(20),
+            hot_reads: 3,
+            hot_window: Duration::from_secs(60),
         }
     }
 }
@@ -126,6 +133,39 @@ pub struct Cluster {
     changes: tokio::sync::watch::Sender<u64>,
     inflight: Mutex<HashMap<String, Arc<AtomicUsize>>>,
     picks: AtomicUsize,
+    popularity: Mutex<Popularity>,
+}
+
+/// Sliding-window pull counts per block: two fixed windows, the previous one weighted by how
+/// much of it still overlaps the sliding window (the usual rate-limiter approximation).
+#[derive(Default)]
+struct Popularity {
+    started: Option<Instant>,
+    current: HashMap<BlockHash, u32>,
+    previous: HashMap<BlockHash, u32>,
+}
+
+impl Popularity {
+    /// Count one pull of `hash` at `now`; returns its pulls within the last `window`.
+    fn record(&mut self, hash: BlockHash, now: Instant, window: Duration) -> f64 {
+        let started = *self.started.get_or_insert(now);
+        let elapsed = now.saturating_duration_since(started);
+        if elapsed >= window * 2 {
+            self.previous.clear();
+            self.current.clear();
+            self.started = Some(now);
+        } else if elapsed >= window {
+            self.previous = std::mem::take(&mut self.current);
+            self.started = Some(started + window);
+        }
+        let into = now
+            .saturating_duration_since(self.started.unwrap_or(now))
+            .as_secs_f64()
+            / window.as_secs_f64().max(1e-9);
+        let n = self.current.entry(hash).or_default();
+        *n += 1;
+        *n as f64 + self.previous.get(&hash).copied().unwrap_or(0) as f64 * (1.0 - into).max(0.0)
+    }
 }
 
 enum Fetched {
@@ -149,6 +189,7 @@ impl Cluster {
             changes: tokio::sync::watch::channel(0).0,
             inflight: Mutex::new(HashMap::new()),
             picks: AtomicUsize::new(0),
+            popularity: Mutex::new(Popularity::default()),
         })
     }
 
@@ -277,6 +318,7 @@ impl Cluster {
             match got {
                 Ok(Some(b)) => {
                     metrics::REMOTE_BLOCKS.with_label_values(&["hit"]).inc();
+                    self.keep_if_hot(scope, &b, now);
                     return Fetched::Hit(b);
                 }
                 Ok(None) => metrics::REMOTE_BLOCKS.with_label_values(&["miss"]).inc(),
@@ -287,6 +329,31 @@ impl Cluster {
             }
         }
         Fetched::Miss
+    }
+
+    /// Keep an extra, best-effort replica of a block pulled often enough to be hot.
+    fn keep_if_hot(&self, scope: Scope, b: &FetchedBlock, now: Instant) {
+        let pulls = self
+            .popularity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .record(b.hash, now, self.config.hot_window);
+        if pulls < self.config.hot_reads as f64 {
+            return;
+        }
+        // Its parent may live elsewhere; the replica is found by hash.
+        let put = PutBlock::new(b.hash, None, b.n_tokens, b.data.clone());
+        let kept = self.local.store().put_replica(
+            &scope,
+            &[],
+            vec![put],
+            self.config.hot_window,
+            now,
+            EntryKind::BestEffort,
+        );
+        metrics::REPLICA_PUSHES
+            .with_label_values(&["hot", if kept.is_ok() { "ok" } else { "refused" }])
+            .inc();
     }
 
     /// How long a read may wait for remote blocks: about what recomputing them costs.
@@ -375,11 +442,23 @@ impl Cluster {
         now: Instant,
         kind: EntryKind,
     ) -> Result<(), WriteRefused> {
+        let view = self.view();
+        // The writer keeps every block; those it does not own are extra replicas, best
+        // effort (capacity eviction drops them first), whatever the entry's kind.
+        let (owned, extra): (Vec<PutBlock>, Vec<PutBlock>) = fresh.iter().cloned().partition(|b| {
+            view.membership.is_empty()
+                || self.owners(&view, scope.tenant, &b.hash).contains(&self.me)
+        });
         let local = self
             .local
             .store()
-            .put_replica(&scope, existing, fresh.clone(), ttl, now, kind);
-        let view = self.view();
+            .put_replica(&scope, existing, owned, ttl, now, kind);
+        if !extra.is_empty() {
+            let _ =
+                self.local
+                    .store()
+                    .put_replica(&scope, &[], extra, ttl, now, EntryKind::BestEffort);
+        }
         if view.membership.is_empty() {
             // Not in a cluster view yet (or alone): this node's copy is all there is.
             return local;

@@ -264,3 +264,60 @@ async fn a_draining_node_hands_its_blocks_to_the_remaining_owners() {
         );
     }
 }
+
+#[tokio::test]
+async fn hot_blocks_gain_replicas_on_their_readers_and_extra_copies_are_best_effort() {
+    let (a, b, c, d) = (
+        member("a").await,
+        member("b").await,
+        member("c").await,
+        member("d").await,
+    );
+    let all = [&a, &b, &c];
+    let (ca, cluster_a) = client(&a, &all);
+    let s = scope();
+    let offset = 8 * B;
+    let k = keys(s, offset);
+    let new = blocks(&k, offset);
+    ca.write_entry(
+        s,
+        &k,
+        offset,
+        &new,
+        Duration::from_secs(300),
+        Instant::now(),
+        EntryKind::Paid,
+    )
+    .await
+    .unwrap();
+    // The writer's copies of blocks it does not own are extra replicas: best effort.
+    let view = cluster_a.view();
+    for blk in &new {
+        let owns = cluster_a
+            .owners(&view, s.tenant, &blk.hash)
+            .contains(&"a".to_string());
+        assert_eq!(a.node.with_store(|st| st.is_paid(&blk.hash)), owns);
+    }
+    // D, outside the owner sets, pulls the prefix: after the third pull within the window
+    // every block is hot and D keeps its own copy.
+    let (cd, _) = client(&d, &all);
+    let t = TcpTransport::new(TOKEN);
+    for round in 1..=3 {
+        let read = cd.read_prefix(s, &k, offset, Instant::now()).await;
+        assert_eq!(read.tokens, offset);
+        let held = t
+            .has(
+                &d.record.addr,
+                s,
+                &new.iter().map(|b| b.hash).collect::<Vec<_>>(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            held.iter().all(|h| *h),
+            round == 3,
+            "round {round}: {held:?}"
+        );
+    }
+    drop((b, c));
+}
