@@ -37,16 +37,23 @@ lint: fmt-check clippy
 fmt-check:
 	$(CARGO) fmt --all -- --check
 
+# The GPU and RDMA features build everywhere (CUDA is loaded at run time; ibverbs needs
+# cmake, libclang-dev and libibverbs-dev, which .ci/run installs) and are linted too.
+FEATURES := cachet/cuda,cachet/rdma
+
 clippy:
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
-	$(CARGO) clippy -p engine --features cuda --all-targets --locked -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --locked --features $(FEATURES) -- -D warnings
 
 doc:
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked
 
 rust-test: build
 	$(CARGO) test --workspace --locked
+	$(CARGO) build --workspace --locked --features $(FEATURES)
 	$(CARGO) test -p engine --features cuda --locked --lib gpu
+	$(CARGO) test -p cache-fabric --features cuda,rdma --locked --lib rdma
+	$(CARGO) test -p cache-fabric --features cuda,rdma --locked --test tiers
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: tests/sdk/requirements.txt

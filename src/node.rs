@@ -92,6 +92,16 @@ pub async fn run(
         token.clone(),
         config.cluster.fabric(),
     );
+    #[cfg(feature = "rdma")]
+    match cache_fabric::rdma::probe() {
+        cache_fabric::rdma::Availability::Available { devices } => tracing::warn!(
+            ?devices,
+            "RDMA devices found; the fabric still moves blocks over TCP (the one-sided READ path is not built yet)"
+        ),
+        cache_fabric::rdma::Availability::Unavailable { reason } => {
+            tracing::info!(%reason, "RDMA unavailable; the fabric transport is TCP")
+        }
+    }
     let epoch = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_millis() as u64;

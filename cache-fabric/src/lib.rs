@@ -16,6 +16,9 @@
 //! - [`tier`]: where block bytes live (the `TierStore` trait: DRAM, local-disk segments).
 //! - [`transport`]: moving blocks between nodes (the `Transport` trait; TCP with pooled,
 //!   authenticated connections and striped large blocks).
+//! - `rdma` (feature `rdma`): RDMA probing, registered-pool placement and READ coalescing;
+//!   transfers stay on TCP until the verbs data path is built.
+//! - `gpu` (feature `cuda`): the GPU-memory tier.
 //! - [`simulate`]: replays a Mooncake-format trace through the store's own eviction code.
 //!
 //! What it is not: it never sees prompts or text, only token-block hashes and opaque KV bytes
@@ -24,12 +27,16 @@
 pub mod client;
 pub mod cluster;
 pub mod events;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod index;
 pub mod keys;
 pub mod membership;
 pub mod metrics;
 pub mod placement;
 pub mod policy;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod simulate;
 pub mod store;
 pub mod tier;

@@ -59,10 +59,12 @@ pub enum TierError {
     Corrupt(BlockHash),
     #[error("a block of {size} bytes cannot fit a tier of {capacity}")]
     TooLarge { size: u64, capacity: u64 },
+    #[error("tier unavailable: {0}")]
+    Unavailable(String),
 }
 
-/// One storage tier. Implementations: [`DramTier`], [`DiskTier`] (a GPU-memory tier is not
-/// built yet).
+/// One storage tier. Implementations: [`DramTier`], [`DiskTier`], and `GpuTier` (feature
+/// `cuda`, in `crate::gpu`).
 pub trait TierStore: Send {
     /// Store (or replace) a block, making room within the capacity if needed.
     fn put(&mut self, block: TierBlock) -> Result<(), TierError>;

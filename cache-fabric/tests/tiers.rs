@@ -1,5 +1,6 @@
-//! The tier contract, run against every `TierStore` (DRAM and local disk; a GPU-memory tier
-//! is not built yet), and the disk tier's recovery after a restart or a torn write.
+//! The tier contract, run against every `TierStore` (DRAM, local disk, and GPU memory with
+//! the `cuda` feature where a GPU exists), and the disk tier's recovery after a restart or
+//! a torn write.
 
 mod common;
 
@@ -180,4 +181,23 @@ fn a_record_corrupted_at_rest_is_skipped_on_recovery_and_later_ones_kept() {
     assert!(t.get(&blocks[1].hash).unwrap().is_none());
     assert_eq!(t.get(&blocks[2].hash).unwrap().as_ref(), Some(&blocks[2]));
     assert_eq!(t.used_bytes(), 2000);
+}
+
+/// The GPU tier keeps the same contract where a GPU exists; elsewhere it says why it cannot
+/// open (and the test fails only when `CACHET_EXPECT_GPU` says a GPU is there).
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_tier_keeps_the_contract_where_a_gpu_exists() {
+    use cache_fabric::gpu::GpuTier;
+    match GpuTier::open(0, 10 * 1024) {
+        Ok(mut t) => contract(&mut t, |t, h| assert!(t.corrupt_for_test(h).unwrap())),
+        Err(TierError::Unavailable(why)) => {
+            assert!(
+                std::env::var_os("CACHET_EXPECT_GPU").is_none(),
+                "a GPU was expected: {why}"
+            );
+            eprintln!("no GPU here ({why}); the GPU tier contract did not run");
+        }
+        Err(e) => panic!("unexpected error opening the GPU tier: {e}"),
+    }
 }

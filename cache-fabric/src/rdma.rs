@@ -1,0 +1,343 @@
+//! RDMA (feature `rdma`, the `ibverbs` crate): probing, the pieces of a one-sided READ pull
+//! that do not need a device, and a transport that falls back to TCP cleanly.
+//!
+//! What is here:
+//! - [`probe`]: the RDMA devices of this host, or why there are none. A kernel without RDMA
+//!   support answers `ENOSYS` to the device list (that is what these build machines do), which
+//!   is "unavailable", never an error or a panic.
+//! - [`PoolAllocator`]: placement of blocks in a node's registered memory pool (first fit over
+//!   a free list, neighbours merged on free), so peers can read them with one-sided READs.
+//! - [`coalesce`]: KVDirect's coalescing: the blocks a reader wants from one peer, sorted by
+//!   their offsets in that peer's pool, merged into as few READs as possible (adjacent or
+//!   overlapping regions, up to a size limit per READ).
+//! - [`RdmaTransport`]: the [`Transport`] a node uses when built with the feature. Without a
+//!   usable device it is the TCP transport, and says so once in the log.
+//!
+//! What is not here yet: the verbs data path itself (queue-pair exchange over the TCP control
+//! connection, posting `IBV_WR_RDMA_READ` work requests into the reader's registered buffers,
+//! completion polling). The `ibverbs` crate's safe API posts only SENDs and keeps the queue
+//! pair's raw pointer private, so that path needs `ibverbs-sys` directly, and it cannot be
+//! exercised on machines without an RDMA kernel (these have none; see docs/decisions/0009).
+//! Until it exists a device is reported by [`probe`] but transfers still go over TCP.
+
+use std::collections::BTreeMap;
+
+use cachet_common::{BlockHash, Scope};
+
+use crate::store::{FetchedBlock, WriteRefused};
+use crate::transport::{RemoteEntry, TcpTransport, Transport, TransportError};
+
+/// Whether this host can do RDMA.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Availability {
+    Available { devices: Vec<String> },
+    Unavailable { reason: String },
+}
+
+/// The RDMA devices of this host, or why there are none. Never panics.
+pub fn probe() -> Availability {
+    match ibverbs::devices() {
+        Err(e) if e.raw_os_error() == Some(38) || e.kind() == std::io::ErrorKind::Unsupported => {
+            Availability::Unavailable {
+                reason: "the kernel has no RDMA support (ENOSYS)".into(),
+            }
+        }
+        Err(e) => Availability::Unavailable {
+            reason: format!("listing RDMA devices failed: {e}"),
+        },
+        Ok(list) if list.is_empty() => Availability::Unavailable {
+            reason: "no RDMA device".into(),
+        },
+        Ok(list) => Availability::Available {
+            devices: list
+                .iter()
+                .map(|d| {
+                    d.name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_else(|| "unnamed".into())
+                })
+                .collect(),
+        },
+    }
+}
+
+/// Offsets of blocks in a registered pool of `capacity` bytes: first fit, freed neighbours
+/// merged, so a pool does not fragment into unusable slivers.
+#[derive(Clone, Debug)]
+pub struct PoolAllocator {
+    capacity: u64,
+    /// Free extents: offset → length, never adjacent to each other.
+    free: BTreeMap<u64, u64>,
+    used: u64,
+}
+
+impl PoolAllocator {
+    pub fn new(capacity: u64) -> Self {
+        let mut free = BTreeMap::new();
+        if capacity > 0 {
+            free.insert(0, capacity);
+        }
+        Self {
+            capacity,
+            free,
+            used: 0,
+        }
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Room for `len` bytes, or `None` if no free extent is large enough.
+    pub fn alloc(&mut self, len: u64) -> Option<u64> {
+        if len == 0 {
+            return None;
+        }
+        let (&off, &extent) = self.free.iter().find(|(_, l)| **l >= len)?;
+        self.free.remove(&off);
+        if extent > len {
+            self.free.insert(off + len, extent - len);
+        }
+        self.used += len;
+        Some(off)
+    }
+
+    /// Give back `len` bytes at `off` (as returned by [`PoolAllocator::alloc`]).
+    pub fn free(&mut self, off: u64, len: u64) {
+        debug_assert!(off + len <= self.capacity);
+        let (mut start, mut end) = (off, off + len);
+        if let Some((&p, &pl)) = self.free.range(..off).next_back()
+            && p + pl == off
+        {
+            self.free.remove(&p);
+            start = p;
+        }
+        if let Some(&nl) = self.free.get(&end) {
+            self.free.remove(&end);
+            end += nl;
+        }
+        self.free.insert(start, end - start);
+        self.used -= len;
+    }
+}
+
+/// One block wanted from a peer: where it is in the peer's pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Wanted {
+    pub hash: BlockHash,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// One READ: a contiguous range of the peer's pool and the blocks inside it (with each
+/// block's offset from the READ's start).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Read {
+    pub offset: u64,
+    pub len: u64,
+    pub parts: Vec<(BlockHash, u64, u64)>,
+}
+
+/// Merge the blocks wanted from one peer into as few READs as possible: regions that touch
+/// or overlap join one READ as long as it stays within `max_read` bytes.
+pub fn coalesce(wanted: &[Wanted], max_read: u64) -> Vec<Read> {
+    let mut sorted: Vec<Wanted> = wanted.to_vec();
+    sorted.sort_by_key(|w| (w.offset, w.len));
+    let mut reads: Vec<Read> = Vec::new();
+    for w in sorted {
+        if let Some(r) = reads.last_mut() {
+            let end = r.offset + r.len;
+            let new_end = end.max(w.offset + w.len);
+            if w.offset <= end && new_end - r.offset <= max_read {
+                r.len = new_end - r.offset;
+                r.parts.push((w.hash, w.offset - r.offset, w.len));
+                continue;
+            }
+        }
+        reads.push(Read {
+            offset: w.offset,
+            len: w.len,
+            parts: vec![(w.hash, 0, w.len)],
+        });
+    }
+    reads
+}
+
+/// The transport of a node built with `rdma`: TCP until the one-sided path exists (see the
+/// module documentation), whatever [`probe`] finds.
+pub struct RdmaTransport {
+    tcp: TcpTransport,
+    availability: Availability,
+}
+
+impl RdmaTransport {
+    pub fn new(tcp: TcpTransport) -> Self {
+        let availability = probe();
+        match &availability {
+            Availability::Unavailable { reason } => {
+                tracing::info!(%reason, "RDMA unavailable; the fabric transport is TCP")
+            }
+            Availability::Available { devices } => tracing::warn!(
+                ?devices,
+                "RDMA devices found, but the one-sided READ path is not built yet; the fabric transport is TCP"
+            ),
+        }
+        Self { tcp, availability }
+    }
+
+    pub fn availability(&self) -> &Availability {
+        &self.availability
+    }
+}
+
+impl Transport for RdmaTransport {
+    async fn get_chain(
+        &self,
+        addr: &str,
+        scope: Scope,
+        chain: &[BlockHash],
+    ) -> Result<Vec<FetchedBlock>, TransportError> {
+        self.tcp.get_chain(addr, scope, chain).await
+    }
+
+    async fn get_block(
+        &self,
+        addr: &str,
+        scope: Scope,
+        hash: BlockHash,
+    ) -> Result<Option<FetchedBlock>, TransportError> {
+        self.tcp.get_block(addr, scope, hash).await
+    }
+
+    async fn has(
+        &self,
+        addr: &str,
+        scope: Scope,
+        hashes: &[BlockHash],
+    ) -> Result<Vec<bool>, TransportError> {
+        self.tcp.has(addr, scope, hashes).await
+    }
+
+    async fn put_entry(
+        &self,
+        addr: &str,
+        entry: &RemoteEntry,
+    ) -> Result<Result<(), WriteRefused>, TransportError> {
+        self.tcp.put_entry(addr, entry).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn h(i: u8) -> BlockHash {
+        BlockHash([i; 32])
+    }
+
+    #[test]
+    fn probing_never_panics_and_names_a_reason_without_rdma() {
+        match probe() {
+            Availability::Unavailable { reason } => assert!(!reason.is_empty()),
+            Availability::Available { devices } => assert!(!devices.is_empty()),
+        }
+        if std::env::var_os("CACHET_EXPECT_RDMA").is_some() {
+            assert!(matches!(probe(), Availability::Available { .. }));
+        }
+    }
+
+    #[test]
+    fn adjacent_blocks_become_one_read_and_gaps_split_reads() {
+        let wanted = [
+            Wanted {
+                hash: h(2),
+                offset: 4096,
+                len: 4096,
+            },
+            Wanted {
+                hash: h(1),
+                offset: 0,
+                len: 4096,
+            },
+            Wanted {
+                hash: h(3),
+                offset: 16384,
+                len: 4096,
+            },
+        ];
+        let reads = coalesce(&wanted, 1 << 20);
+        assert_eq!(
+            reads,
+            vec![
+                Read {
+                    offset: 0,
+                    len: 8192,
+                    parts: vec![(h(1), 0, 4096), (h(2), 4096, 4096)]
+                },
+                Read {
+                    offset: 16384,
+                    len: 4096,
+                    parts: vec![(h(3), 0, 4096)]
+                },
+            ]
+        );
+        // A READ never grows past the limit.
+        let capped = coalesce(&wanted, 4096);
+        assert_eq!(capped.len(), 3);
+    }
+
+    proptest! {
+        /// Allocations never overlap, stay inside the pool, and freeing everything gives the
+        /// whole pool back as one extent.
+        #[test]
+        fn pool_allocations_never_overlap(ops in proptest::collection::vec((1u64..5000, any::<bool>()), 1..200)) {
+            let mut pool = PoolAllocator::new(64 * 1024);
+            let mut live: Vec<(u64, u64)> = Vec::new();
+            for (len, free_one) in ops {
+                if free_one && !live.is_empty() {
+                    let (o, l) = live.swap_remove(len as usize % live.len());
+                    pool.free(o, l);
+                } else if let Some(o) = pool.alloc(len) {
+                    prop_assert!(o + len <= pool.capacity());
+                    for &(lo, ll) in &live {
+                        prop_assert!(o + len <= lo || lo + ll <= o, "overlap");
+                    }
+                    live.push((o, len));
+                }
+                prop_assert_eq!(pool.used(), live.iter().map(|(_, l)| l).sum::<u64>());
+            }
+            for (o, l) in live.drain(..) {
+                pool.free(o, l);
+            }
+            prop_assert_eq!(pool.alloc(64 * 1024), Some(0));
+        }
+
+        /// Coalesced reads cover exactly the wanted blocks, each once, within the limit.
+        #[test]
+        fn coalesced_reads_cover_every_block(regions in proptest::collection::vec((0u64..64, 1u64..8), 1..40)) {
+            let wanted: Vec<Wanted> = regions
+                .iter()
+                .enumerate()
+                .map(|(i, (o, l))| Wanted { hash: h(i as u8), offset: o * 1024, len: l * 1024 })
+                .collect();
+            let reads = coalesce(&wanted, 16 * 1024);
+            let mut seen = 0;
+            for r in &reads {
+                prop_assert!(r.len <= 16 * 1024 || r.parts.len() == 1);
+                for (hash, off, len) in &r.parts {
+                    let w = wanted.iter().find(|w| w.hash == *hash).unwrap();
+                    prop_assert_eq!(r.offset + off, w.offset);
+                    prop_assert_eq!(*len, w.len);
+                    prop_assert!(off + len <= r.len);
+                    seen += 1;
+                }
+            }
+            prop_assert_eq!(seen, wanted.len());
+        }
+    }
+}
