@@ -10,22 +10,21 @@
 //! - [`coalesce`]: KVDirect's coalescing: the blocks a reader wants from one peer, sorted by
 //!   their offsets in that peer's pool, merged into as few READs as possible (adjacent or
 //!   overlapping regions, up to a size limit per READ).
-//! - [`RdmaTransport`]: the [`Transport`] a node uses when built with the feature. Without a
-//!   usable device it is the TCP transport, and says so once in the log.
+//!
+//! A node built with the feature probes at start and logs what it found; its fabric transport
+//! is TCP either way (the fallback, and for now the only data path).
 //!
 //! What is not here yet: the verbs data path itself (queue-pair exchange over the TCP control
 //! connection, posting `IBV_WR_RDMA_READ` work requests into the reader's registered buffers,
 //! completion polling). The `ibverbs` crate's safe API posts only SENDs and keeps the queue
 //! pair's raw pointer private, so that path needs `ibverbs-sys` directly, and it cannot be
 //! exercised on machines without an RDMA kernel (these have none; see docs/decisions/0009).
-//! Until it exists a device is reported by [`probe`] but transfers still go over TCP.
+//! Until it exists a device is reported by [`probe`] but transfers still go over TCP; the
+//! pieces above are what that path will use, tested on their own.
 
 use std::collections::BTreeMap;
 
-use cachet_common::{BlockHash, Scope};
-
-use crate::store::{FetchedBlock, WriteRefused};
-use crate::transport::{RemoteEntry, TcpTransport, Transport, TransportError};
+use cachet_common::BlockHash;
 
 /// Whether this host can do RDMA.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -165,70 +164,6 @@ pub fn coalesce(wanted: &[Wanted], max_read: u64) -> Vec<Read> {
         });
     }
     reads
-}
-
-/// The transport of a node built with `rdma`: TCP until the one-sided path exists (see the
-/// module documentation), whatever [`probe`] finds.
-pub struct RdmaTransport {
-    tcp: TcpTransport,
-    availability: Availability,
-}
-
-impl RdmaTransport {
-    pub fn new(tcp: TcpTransport) -> Self {
-        let availability = probe();
-        match &availability {
-            Availability::Unavailable { reason } => {
-                tracing::info!(%reason, "RDMA unavailable; the fabric transport is TCP")
-            }
-            Availability::Available { devices } => tracing::warn!(
-                ?devices,
-                "RDMA devices found, but the one-sided READ path is not built yet; the fabric transport is TCP"
-            ),
-        }
-        Self { tcp, availability }
-    }
-
-    pub fn availability(&self) -> &Availability {
-        &self.availability
-    }
-}
-
-impl Transport for RdmaTransport {
-    async fn get_chain(
-        &self,
-        addr: &str,
-        scope: Scope,
-        chain: &[BlockHash],
-    ) -> Result<Vec<FetchedBlock>, TransportError> {
-        self.tcp.get_chain(addr, scope, chain).await
-    }
-
-    async fn get_block(
-        &self,
-        addr: &str,
-        scope: Scope,
-        hash: BlockHash,
-    ) -> Result<Option<FetchedBlock>, TransportError> {
-        self.tcp.get_block(addr, scope, hash).await
-    }
-
-    async fn has(
-        &self,
-        addr: &str,
-        scope: Scope,
-        hashes: &[BlockHash],
-    ) -> Result<Vec<bool>, TransportError> {
-        self.tcp.has(addr, scope, hashes).await
-    }
-
-    async fn put_entry(
-        &self,
-        addr: &str,
-        entry: &RemoteEntry,
-    ) -> Result<Result<(), WriteRefused>, TransportError> {
-        self.tcp.put_entry(addr, entry).await
-    }
 }
 
 #[cfg(test)]
