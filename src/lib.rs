@@ -1,6 +1,7 @@
 //! The `cachet` binary's library half: configuration and the wiring of the roles, callable
 //! from tests. `main.rs` only parses arguments, loads config, starts tracing and calls in.
 
+pub mod billing_cli;
 pub mod config;
 pub mod loadtest;
 pub mod node;

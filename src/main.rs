@@ -56,6 +56,11 @@ enum Command {
     },
     /// Create the database if needed and apply migrations.
     Migrate,
+    /// Billing: price book, plans, rollups, invoices, reconciliation.
+    Billing {
+        #[command(subcommand)]
+        command: cachet::billing_cli::Command,
+    },
     /// Tenants.
     Tenant {
         #[command(subcommand)]
@@ -196,6 +201,10 @@ async fn main() -> anyhow::Result<()> {
                 stop.cancel();
             });
             running.wait().await
+        }
+        Command::Billing { command } => {
+            let pool = server::connect_and_migrate(&config.database_url, 2).await?;
+            cachet::billing_cli::run(&pool, command).await
         }
         Command::Migrate => {
             server::connect_and_migrate(&config.database_url, 2).await?;

@@ -8,10 +8,19 @@
 //!   `usage_events` with `ON CONFLICT DO NOTHING` on the request id, and appends batches to a
 //!   local spool file while Postgres is unreachable, replaying it when Postgres returns.
 //!
+//! - [`money`]: exact amounts and the one rounding rule; [`prices`]: the versioned price
+//!   book, tenant custom rates and plans; [`invoice`]: rating the ledger into monthly
+//!   invoices (draft, finalized, adjustments); [`rollup`]: hourly/daily rollups and the
+//!   reconciliation of ledger, rollups and invoices (decision 0010).
+//!
 //! What it is not: it does not compute usage (the gateway does) nor talk HTTP.
 
+pub mod invoice;
 pub mod meter;
 pub mod metrics;
+pub mod money;
+pub mod prices;
+pub mod rollup;
 
 pub use meter::{Meter, MeterConfig, MeterError, MeterHandle, UsageEvent, UsageStatus};
 

@@ -1,0 +1,534 @@
+//! Rating and invoices.
+//!
+//! **Rating.** Every ledger row is priced by the price version in force at its `started_at`:
+//! the tenant's custom rates for the model if it has some then, else the model's list price;
+//! and the tenant's plan discount in force then. Each of the row's five token classes is
+//! priced exactly once. Rows are grouped by (model, price version, discount), so a line's
+//! quantity is a sum of ledger tokens and its amount one exact product (see [`crate::money`]).
+//!
+//! **Invoices.** One per tenant and calendar month (UTC). While the month's invoice is a
+//! draft it is recomputed from the ledger on demand ([`refresh_draft`]); [`finalize`] fixes
+//! it, and Postgres refuses any later change to it or its lines. A correction after that is
+//! an adjustment ([`add_adjustment`]), billed as a line of the tenant's next draft. Every
+//! (re-)rating writes a row to `billing_audit`.
+
+use chrono::{DateTime, Datelike, NaiveDate, TimeZone, Utc};
+use serde::Serialize;
+use sqlx::{PgPool, Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use crate::money::{Exact, Rates, TokenClass, format_minor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BillingError {
+    #[error("no price for model {model:?} at {at}: add one with `cachet billing price set`")]
+    NoPrice { model: String, at: DateTime<Utc> },
+    #[error("the invoice of {tenant} for {month} is finalized; corrections are adjustments")]
+    Finalized { tenant: Uuid, month: NaiveDate },
+    #[error("prices in force for {tenant} use several currencies: {currencies:?}")]
+    MixedCurrency {
+        tenant: Uuid,
+        currencies: Vec<String>,
+    },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+}
+
+/// What a line bills.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LineKind {
+    Usage,
+    Reserved,
+    Adjustment,
+}
+
+impl LineKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LineKind::Usage => "usage",
+            LineKind::Reserved => "reserved",
+            LineKind::Adjustment => "adjustment",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Line {
+    pub kind: LineKind,
+    pub model: Option<String>,
+    pub token_class: Option<String>,
+    pub price_from: Option<DateTime<Utc>>,
+    /// Tokens (usage), GB-hours × 10⁹ bytes (reserved: bytes × hours), 1 (adjustment).
+    pub quantity: i64,
+    /// Exact amount in nano-units, before the line's one rounding.
+    pub exact_nanos: String,
+    pub amount_minor: i64,
+    pub description: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Invoice {
+    pub id: Uuid,
+    pub tenant_id: Uuid,
+    pub period_start: NaiveDate,
+    pub currency: String,
+    pub status: String,
+    pub total_minor: i64,
+    pub lines: Vec<Line>,
+}
+
+/// The first day of `month`'s month and of the next, as UTC instants.
+pub fn month_bounds(month: NaiveDate) -> Result<(DateTime<Utc>, DateTime<Utc>), BillingError> {
+    let first = NaiveDate::from_ymd_opt(month.year(), month.month(), 1)
+        .ok_or_else(|| BillingError::Invalid(format!("no month {month}")))?;
+    let next = if month.month() == 12 {
+        NaiveDate::from_ymd_opt(month.year() + 1, 1, 1)
+    } else {
+        NaiveDate::from_ymd_opt(month.year(), month.month() + 1, 1)
+    }
+    .ok_or_else(|| BillingError::Invalid(format!("no month after {month}")))?;
+    let at = |d: NaiveDate| Utc.from_utc_datetime(&d.and_hms_opt(0, 0, 0).expect("midnight"));
+    Ok((at(first), at(next)))
+}
+
+/// Rate a tenant's month from the ledger (no writes).
+pub async fn compute(
+    pool: &PgPool,
+    tenant: Uuid,
+    month: NaiveDate,
+) -> Result<Invoice, BillingError> {
+    let (from, to) = month_bounds(month)?;
+    let mut conn = pool.acquire().await?;
+    // One group per model × price version × discount in force at each row's start.
+    let groups = sqlx::query(
+        r#"
+        SELECT e.model,
+               COALESCE(tp.effective_from, p.effective_from) AS price_from,
+               (tp.tenant_id IS NOT NULL) AS custom,
+               COALESCE(p.currency, 'USD') AS currency,
+               COALESCE(tp.input_nanos, p.input_nanos) AS input_nanos,
+               COALESCE(tp.output_nanos, p.output_nanos) AS output_nanos,
+               COALESCE(tp.cache_write_5m_bp, p.cache_write_5m_bp) AS w5,
+               COALESCE(tp.cache_write_1h_bp, p.cache_write_1h_bp) AS w1,
+               COALESCE(tp.cache_read_bp, p.cache_read_bp) AS rd,
+               COALESCE(pl.discount_bp, 0) AS discount_bp,
+               min(e.started_at) AS first_at,
+               sum(e.input_tokens)::BIGINT AS input_tokens,
+               sum(e.cache_write_5m_tokens)::BIGINT AS w5_tokens,
+               sum(e.cache_write_1h_tokens)::BIGINT AS w1_tokens,
+               sum(e.cache_read_tokens)::BIGINT AS read_tokens,
+               sum(e.output_tokens)::BIGINT AS output_tokens
+        FROM usage_events e
+        LEFT JOIN LATERAL (
+            SELECT * FROM tenant_prices t
+            WHERE t.tenant_id = e.tenant_id AND t.model = e.model AND t.effective_from <= e.started_at
+            ORDER BY t.effective_from DESC LIMIT 1) tp ON true
+        LEFT JOIN LATERAL (
+            SELECT * FROM prices q
+            WHERE q.model = e.model AND q.effective_from <= e.started_at
+            ORDER BY q.effective_from DESC LIMIT 1) p ON true
+        LEFT JOIN LATERAL (
+            SELECT * FROM tenant_plans x
+            WHERE x.tenant_id = e.tenant_id AND x.effective_from <= e.started_at
+            ORDER BY x.effective_from DESC LIMIT 1) pl ON true
+        WHERE e.tenant_id = $1 AND e.started_at >= $2 AND e.started_at < $3
+        GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
+        ORDER BY 1, 2, 10
+        "#,
+    )
+    .bind(tenant)
+    .bind(from)
+    .bind(to)
+    .fetch_all(&mut *conn)
+    .await?;
+
+    let mut currencies: Vec<String> = Vec::new();
+    let mut lines = Vec::new();
+    for g in &groups {
+        let model: String = g.get("model");
+        let Some(price_from) = g.get::<Option<DateTime<Utc>>, _>("price_from") else {
+            return Err(BillingError::NoPrice {
+                model,
+                at: g.get("first_at"),
+            });
+        };
+        let currency: String = g.get("currency");
+        if !currencies.contains(&currency) {
+            currencies.push(currency.clone());
+        }
+        let rates = Rates {
+            input_nanos: g.get("input_nanos"),
+            output_nanos: g.get("output_nanos"),
+            cache_write_5m_bp: g.get("w5"),
+            cache_write_1h_bp: g.get("w1"),
+            cache_read_bp: g.get("rd"),
+        };
+        let discount: i32 = g.get("discount_bp");
+        let custom: bool = g.get("custom");
+        for class in TokenClass::ALL {
+            let tokens: i64 = g.get(match class {
+                TokenClass::Input => "input_tokens",
+                TokenClass::CacheWrite5m => "w5_tokens",
+                TokenClass::CacheWrite1h => "w1_tokens",
+                TokenClass::CacheRead => "read_tokens",
+                TokenClass::Output => "output_tokens",
+            });
+            if tokens == 0 {
+                continue;
+            }
+            let exact = Exact::usage(tokens, &rates, class, discount);
+            let (nanos, bp) = rates.of(class);
+            let mut description = format!(
+                "{model} {class}: {tokens} tokens at {nanos} nano/token × {}.{:04}{}",
+                bp / 10_000,
+                bp % 10_000,
+                if custom { " (custom rate)" } else { "" }
+            );
+            if discount > 0 {
+                description.push_str(&format!(", {}.{:02}% off", discount / 100, discount % 100));
+            }
+            lines.push((
+                currency.clone(),
+                Line {
+                    kind: LineKind::Usage,
+                    model: Some(model.clone()),
+                    token_class: Some(class.as_str().to_string()),
+                    price_from: Some(price_from),
+                    quantity: tokens,
+                    exact_nanos: exact.nanos_decimal(),
+                    amount_minor: exact.to_minor(&currency),
+                    description,
+                },
+            ));
+        }
+    }
+    if currencies.len() > 1 {
+        return Err(BillingError::MixedCurrency { tenant, currencies });
+    }
+    let currency = currencies.pop().unwrap_or_else(|| "USD".to_string());
+    let mut lines: Vec<Line> = lines.into_iter().map(|(_, l)| l).collect();
+
+    // Reserved cache capacity: every whole hour of the month under each plan version.
+    let plans = sqlx::query(
+        r#"
+        SELECT effective_from, reserved_cache_bytes, reserved_nanos_per_gb_hour,
+               lead(effective_from) OVER (ORDER BY effective_from) AS until
+        FROM tenant_plans WHERE tenant_id = $1 ORDER BY effective_from
+        "#,
+    )
+    .bind(tenant)
+    .fetch_all(&mut *conn)
+    .await?;
+    for p in plans {
+        let start: DateTime<Utc> = p.get("effective_from");
+        let until: Option<DateTime<Utc>> = p.get("until");
+        let (bytes, rate): (i64, i64) = (
+            p.get("reserved_cache_bytes"),
+            p.get("reserved_nanos_per_gb_hour"),
+        );
+        let lo = start.max(from);
+        let hi = until.unwrap_or(to).min(to);
+        if bytes == 0 || rate == 0 || hi <= lo {
+            continue;
+        }
+        let hours = (hi - lo).num_hours();
+        let exact = Exact::reserved(bytes, hours, rate);
+        lines.push(Line {
+            kind: LineKind::Reserved,
+            model: None,
+            token_class: None,
+            price_from: Some(start),
+            quantity: bytes.saturating_mul(hours),
+            exact_nanos: exact.nanos_decimal(),
+            amount_minor: exact.to_minor(&currency),
+            description: format!(
+                "reserved cache: {bytes} bytes × {hours} h at {rate} nano per GB-hour"
+            ),
+        });
+    }
+
+    // Adjustments not yet billed elsewhere.
+    let adjustments = sqlx::query(
+        r#"
+        SELECT a.id, a.amount_minor, a.reason, a.corrects_invoice
+        FROM adjustments a
+        LEFT JOIN invoices i ON i.id = a.billed_on
+        WHERE a.tenant_id = $1
+          AND (a.billed_on IS NULL OR (i.period_start = $2 AND i.status = 'draft'))
+        ORDER BY a.created_at, a.id
+        "#,
+    )
+    .bind(tenant)
+    .bind(from.date_naive())
+    .fetch_all(&mut *conn)
+    .await?;
+    for a in adjustments {
+        let minor: i64 = a.get("amount_minor");
+        let corrects: Option<Uuid> = a.get("corrects_invoice");
+        lines.push(Line {
+            kind: LineKind::Adjustment,
+            model: None,
+            token_class: None,
+            price_from: None,
+            quantity: 1,
+            exact_nanos: Exact::from_minor(minor, &currency).nanos_decimal(),
+            amount_minor: minor,
+            description: match corrects {
+                Some(inv) => format!(
+                    "adjustment to invoice {inv}: {}",
+                    a.get::<String, _>("reason")
+                ),
+                None => format!("adjustment: {}", a.get::<String, _>("reason")),
+            },
+        });
+    }
+
+    let existing: Option<(Uuid, String)> = sqlx::query_as(
+        "SELECT id, status FROM invoices WHERE tenant_id = $1 AND period_start = $2",
+    )
+    .bind(tenant)
+    .bind(from.date_naive())
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(Invoice {
+        id: existing.as_ref().map(|e| e.0).unwrap_or_else(Uuid::now_v7),
+        tenant_id: tenant,
+        period_start: from.date_naive(),
+        currency,
+        status: existing.map(|e| e.1).unwrap_or_else(|| "draft".into()),
+        total_minor: lines.iter().map(|l| l.amount_minor).sum(),
+        lines,
+    })
+}
+
+async fn write_draft(
+    tx: &mut Transaction<'_, Postgres>,
+    inv: &Invoice,
+    actor: &str,
+) -> Result<(), BillingError> {
+    sqlx::query(
+        r#"
+        INSERT INTO invoices (id, tenant_id, period_start, currency, status, total_minor, computed_at)
+        VALUES ($1, $2, $3, $4, 'draft', $5, now())
+        ON CONFLICT (tenant_id, period_start)
+        DO UPDATE SET currency = EXCLUDED.currency, total_minor = EXCLUDED.total_minor,
+                      computed_at = EXCLUDED.computed_at
+        "#,
+    )
+    .bind(inv.id)
+    .bind(inv.tenant_id)
+    .bind(inv.period_start)
+    .bind(&inv.currency)
+    .bind(inv.total_minor)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query("DELETE FROM invoice_lines WHERE invoice_id = $1")
+        .bind(inv.id)
+        .execute(&mut **tx)
+        .await?;
+    for (i, l) in inv.lines.iter().enumerate() {
+        sqlx::query(
+            r#"
+            INSERT INTO invoice_lines (invoice_id, line_no, kind, model, token_class, price_from,
+                                       quantity, exact_nanos, amount_minor, description)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8::NUMERIC, $9, $10)
+            "#,
+        )
+        .bind(inv.id)
+        .bind(i as i32 + 1)
+        .bind(l.kind.as_str())
+        .bind(&l.model)
+        .bind(&l.token_class)
+        .bind(l.price_from)
+        .bind(l.quantity)
+        .bind(&l.exact_nanos)
+        .bind(l.amount_minor)
+        .bind(&l.description)
+        .execute(&mut **tx)
+        .await?;
+    }
+    // The draft takes in the adjustments it bills.
+    sqlx::query(
+        r#"
+        UPDATE adjustments SET billed_on = $2
+        WHERE tenant_id = $1 AND billed_on IS NULL
+        "#,
+    )
+    .bind(inv.tenant_id)
+    .bind(inv.id)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query("INSERT INTO billing_audit (actor, action, details) VALUES ($1, 'rate', $2)")
+        .bind(actor)
+        .bind(serde_json::json!({
+            "invoice": inv.id, "tenant": inv.tenant_id, "period_start": inv.period_start,
+            "total_minor": inv.total_minor, "total": format_minor(inv.total_minor, &inv.currency),
+            "currency": inv.currency, "lines": inv.lines.len(),
+        }))
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Lock the tenant's month so two raters never interleave.
+async fn lock(
+    tx: &mut Transaction<'_, Postgres>,
+    tenant: Uuid,
+    month: NaiveDate,
+) -> Result<Option<String>, BillingError> {
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+        .bind(format!("invoice:{tenant}:{month}"))
+        .execute(&mut **tx)
+        .await?;
+    let status: Option<String> = sqlx::query_scalar(
+        "SELECT status FROM invoices WHERE tenant_id = $1 AND period_start = $2",
+    )
+    .bind(tenant)
+    .bind(month)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(status)
+}
+
+/// Recompute and store the month's draft (an audited rating run). A finalized month is
+/// refused.
+pub async fn refresh_draft(
+    pool: &PgPool,
+    tenant: Uuid,
+    month: NaiveDate,
+    actor: &str,
+) -> Result<Invoice, BillingError> {
+    let (from, _) = month_bounds(month)?;
+    let month = from.date_naive();
+    let mut tx = pool.begin().await?;
+    if lock(&mut tx, tenant, month).await?.as_deref() == Some("finalized") {
+        return Err(BillingError::Finalized { tenant, month });
+    }
+    let inv = compute(pool, tenant, month).await?;
+    write_draft(&mut tx, &inv, actor).await?;
+    tx.commit().await?;
+    Ok(inv)
+}
+
+/// Rate the month one last time and finalize it. Only a month that has ended can be
+/// finalized.
+pub async fn finalize(
+    pool: &PgPool,
+    tenant: Uuid,
+    month: NaiveDate,
+    actor: &str,
+    now: DateTime<Utc>,
+) -> Result<Invoice, BillingError> {
+    let (from, to) = month_bounds(month)?;
+    if now < to {
+        return Err(BillingError::Invalid(format!(
+            "the month of {} is still open until {to}",
+            from.date_naive()
+        )));
+    }
+    let month = from.date_naive();
+    let mut tx = pool.begin().await?;
+    if lock(&mut tx, tenant, month).await?.as_deref() == Some("finalized") {
+        return Err(BillingError::Finalized { tenant, month });
+    }
+    let mut inv = compute(pool, tenant, month).await?;
+    write_draft(&mut tx, &inv, actor).await?;
+    sqlx::query(
+        "UPDATE invoices SET status = 'finalized', finalized_at = now(), finalized_by = $2 WHERE id = $1",
+    )
+    .bind(inv.id)
+    .bind(actor)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("INSERT INTO billing_audit (actor, action, details) VALUES ($1, 'finalize', $2)")
+        .bind(actor)
+        .bind(serde_json::json!({"invoice": inv.id, "tenant": tenant, "total_minor": inv.total_minor}))
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    inv.status = "finalized".into();
+    Ok(inv)
+}
+
+/// Record a correction to a finalized invoice: billed on the tenant's next draft.
+pub async fn add_adjustment(
+    pool: &PgPool,
+    tenant: Uuid,
+    corrects: Option<Uuid>,
+    amount_minor: i64,
+    reason: &str,
+    actor: &str,
+) -> Result<Uuid, BillingError> {
+    if reason.trim().is_empty() {
+        return Err(BillingError::Invalid("an adjustment needs a reason".into()));
+    }
+    let id = Uuid::now_v7();
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO adjustments (id, tenant_id, corrects_invoice, amount_minor, reason, created_by) VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(id)
+    .bind(tenant)
+    .bind(corrects)
+    .bind(amount_minor)
+    .bind(reason)
+    .bind(actor)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("INSERT INTO billing_audit (actor, action, details) VALUES ($1, 'adjustment', $2)")
+        .bind(actor)
+        .bind(serde_json::json!({"adjustment": id, "tenant": tenant, "corrects": corrects, "amount_minor": amount_minor, "reason": reason}))
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(id)
+}
+
+/// A stored invoice with its lines.
+pub async fn load(pool: &PgPool, id: Uuid) -> Result<Option<Invoice>, BillingError> {
+    let Some(h) = sqlx::query(
+        "SELECT id, tenant_id, period_start, currency, status, total_minor FROM invoices WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await?
+    else {
+        return Ok(None);
+    };
+    let lines = sqlx::query(
+        r#"SELECT kind, model, token_class, price_from, quantity, exact_nanos::TEXT AS exact,
+                  amount_minor, description
+           FROM invoice_lines WHERE invoice_id = $1 ORDER BY line_no"#,
+    )
+    .bind(id)
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(|r| Line {
+        kind: match r.get::<String, _>("kind").as_str() {
+            "usage" => LineKind::Usage,
+            "reserved" => LineKind::Reserved,
+            _ => LineKind::Adjustment,
+        },
+        model: r.get("model"),
+        token_class: r.get("token_class"),
+        price_from: r.get("price_from"),
+        quantity: r.get("quantity"),
+        exact_nanos: r.get("exact"),
+        amount_minor: r.get("amount_minor"),
+        description: r.get("description"),
+    })
+    .collect();
+    Ok(Some(Invoice {
+        id: h.get("id"),
+        tenant_id: h.get("tenant_id"),
+        period_start: h.get("period_start"),
+        currency: h.get("currency"),
+        status: h.get("status"),
+        total_minor: h.get("total_minor"),
+        lines,
+    }))
+}

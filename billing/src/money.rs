@@ -1,0 +1,256 @@
+//! Money without floats: exact amounts and the one rounding rule.
+//!
+//! Prices are integers (nano-units of the currency per token; multipliers in basis points;
+//! discounts in basis points off). An [`Exact`] amount is an integer count of 10⁻¹⁸ currency
+//! units ("atto"), which every product of those integers fits exactly: a usage line is
+//! `tokens × nanos × multiplier_bp × (10000 − discount_bp)` × 10 atto, a reserved-capacity line
+//! `bytes × hours × nanos_per_GB_hour` atto. Nothing is rounded until an amount becomes an
+//! invoice line: then it is rounded **once, half away from zero, to the currency's minor
+//! unit** ([`Exact::to_minor`]). Totals are sums of rounded lines.
+
+use std::fmt;
+
+/// Atto-units per nano-unit.
+const ATTO_PER_NANO: i128 = 1_000_000_000;
+
+/// An exact amount in 10⁻¹⁸ units of a currency.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Exact(pub i128);
+
+/// Digits of a currency's minor unit (ISO 4217): 0 for JPY and KRW, 3 for the dinars, else 2.
+pub fn minor_digits(currency: &str) -> u32 {
+    match currency {
+        "JPY" | "KRW" | "VND" | "CLP" | "ISK" => 0,
+        "BHD" | "KWD" | "OMR" | "JOD" | "TND" => 3,
+        _ => 2,
+    }
+}
+
+/// The usage classes of a ledger row, each priced exactly once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TokenClass {
+    Input,
+    CacheWrite5m,
+    CacheWrite1h,
+    CacheRead,
+    Output,
+}
+
+impl TokenClass {
+    pub const ALL: [TokenClass; 5] = [
+        TokenClass::Input,
+        TokenClass::CacheWrite5m,
+        TokenClass::CacheWrite1h,
+        TokenClass::CacheRead,
+        TokenClass::Output,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenClass::Input => "input",
+            TokenClass::CacheWrite5m => "cache_write_5m",
+            TokenClass::CacheWrite1h => "cache_write_1h",
+            TokenClass::CacheRead => "cache_read",
+            TokenClass::Output => "output",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+}
+
+/// One price version's rates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rates {
+    pub input_nanos: i64,
+    pub output_nanos: i64,
+    pub cache_write_5m_bp: i32,
+    pub cache_write_1h_bp: i32,
+    pub cache_read_bp: i32,
+}
+
+impl Rates {
+    /// The per-token price of a class as (nanos, multiplier in basis points).
+    pub fn of(&self, class: TokenClass) -> (i64, i32) {
+        match class {
+            TokenClass::Input => (self.input_nanos, 10_000),
+            TokenClass::Output => (self.output_nanos, 10_000),
+            TokenClass::CacheWrite5m => (self.input_nanos, self.cache_write_5m_bp),
+            TokenClass::CacheWrite1h => (self.input_nanos, self.cache_write_1h_bp),
+            TokenClass::CacheRead => (self.input_nanos, self.cache_read_bp),
+        }
+    }
+}
+
+impl Exact {
+    pub const ZERO: Exact = Exact(0);
+
+    /// `tokens` of `class` at `rates`, less `discount_bp` basis points.
+    pub fn usage(tokens: i64, rates: &Rates, class: TokenClass, discount_bp: i32) -> Exact {
+        let (nanos, bp) = rates.of(class);
+        // nanos × bp/10⁴ × (10⁴ − d)/10⁴ nano-units = … × 10⁻¹⁷ units = … × 10 atto.
+        Exact(tokens as i128 * nanos as i128 * bp as i128 * (10_000 - discount_bp as i128) * 10)
+    }
+
+    /// Reserved capacity: `bytes` committed for `hours` at `nanos_per_gb_hour` (GB = 10⁹ B).
+    pub fn reserved(bytes: i64, hours: i64, nanos_per_gb_hour: i64) -> Exact {
+        // bytes/10⁹ × hours × nanos nano-units = bytes × hours × nanos atto.
+        Exact(bytes as i128 * hours as i128 * nanos_per_gb_hour as i128)
+    }
+
+    pub fn from_minor(minor: i64, currency: &str) -> Exact {
+        Exact(minor as i128 * atto_per_minor(currency))
+    }
+
+    /// Rounded to the currency's minor unit, half away from zero: the only rounding.
+    pub fn to_minor(self, currency: &str) -> i64 {
+        let unit = atto_per_minor(currency);
+        let (q, r) = (self.0 / unit, self.0 % unit);
+        let q = if 2 * r.abs() >= unit {
+            q + self.0.signum()
+        } else {
+            q
+        };
+        q as i64
+    }
+
+    /// The exact amount in nano-units as a decimal string (9 decimals), for the audit
+    /// column `exact_nanos`.
+    pub fn nanos_decimal(self) -> String {
+        let sign = if self.0 < 0 { "-" } else { "" };
+        let v = self.0.unsigned_abs();
+        let per = ATTO_PER_NANO as u128;
+        format!("{sign}{}.{:09}", v / per, v % per)
+    }
+}
+
+fn atto_per_minor(currency: &str) -> i128 {
+    10i128.pow(18 - minor_digits(currency))
+}
+
+impl std::ops::Add for Exact {
+    type Output = Exact;
+    fn add(self, o: Exact) -> Exact {
+        Exact(self.0 + o.0)
+    }
+}
+
+impl std::iter::Sum for Exact {
+    fn sum<I: Iterator<Item = Exact>>(iter: I) -> Exact {
+        Exact(iter.map(|e| e.0).sum())
+    }
+}
+
+/// Minor units as a decimal string (`1234` USD → `12.34`).
+pub fn format_minor(minor: i64, currency: &str) -> String {
+    let d = minor_digits(currency);
+    if d == 0 {
+        return minor.to_string();
+    }
+    let unit = 10i64.pow(d);
+    let sign = if minor < 0 { "-" } else { "" };
+    let v = minor.unsigned_abs();
+    format!(
+        "{sign}{}.{:0width$}",
+        v / unit as u64,
+        v % unit as u64,
+        width = d as usize
+    )
+}
+
+impl fmt::Display for TokenClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const SONNET: Rates = Rates {
+        input_nanos: 3_000,
+        output_nanos: 15_000,
+        cache_write_5m_bp: 12_500,
+        cache_write_1h_bp: 20_000,
+        cache_read_bp: 1_000,
+    };
+
+    #[test]
+    fn cache_multipliers_are_exact() {
+        // 1M tokens at $3/MTok: input $3, 5m write $3.75, 1h write $6, read $0.30.
+        let m = 1_000_000;
+        assert_eq!(
+            Exact::usage(m, &SONNET, TokenClass::Input, 0).to_minor("USD"),
+            300
+        );
+        assert_eq!(
+            Exact::usage(m, &SONNET, TokenClass::CacheWrite5m, 0).to_minor("USD"),
+            375
+        );
+        assert_eq!(
+            Exact::usage(m, &SONNET, TokenClass::CacheWrite1h, 0).to_minor("USD"),
+            600
+        );
+        assert_eq!(
+            Exact::usage(m, &SONNET, TokenClass::CacheRead, 0).to_minor("USD"),
+            30
+        );
+        assert_eq!(
+            Exact::usage(m, &SONNET, TokenClass::Output, 0).to_minor("USD"),
+            1500
+        );
+        // 10% off $3.75 is $3.375: exact until rounded, then half away from zero.
+        let d = Exact::usage(m, &SONNET, TokenClass::CacheWrite5m, 1_000);
+        assert_eq!(d.nanos_decimal(), "3375000000.000000000");
+        assert_eq!(d.to_minor("USD"), 338);
+        assert_eq!(Exact(-d.0).to_minor("USD"), -338);
+    }
+
+    #[test]
+    fn rounding_happens_once_not_per_row() {
+        // 1,000 rows of one token at $0.25/MTok × 0.1 are $0.000025 exactly: each rounds to
+        // 0 cents, the sum is 0.0025 cents → 0; 10⁶ rows are $25 and must be 2500, not 0.
+        let cheap = Rates {
+            input_nanos: 250,
+            ..SONNET
+        };
+        let one = Exact::usage(1, &cheap, TokenClass::CacheRead, 0);
+        let million: Exact = std::iter::repeat_n(one, 1_000_000).sum();
+        assert_eq!(million.to_minor("USD"), 3);
+        assert_eq!(
+            Exact::usage(1_000_000, &cheap, TokenClass::CacheRead, 0),
+            million
+        );
+    }
+
+    #[test]
+    fn minor_units_follow_the_currency() {
+        let e = Exact::usage(1_000_000, &SONNET, TokenClass::Input, 0);
+        assert_eq!(e.to_minor("JPY"), 3);
+        assert_eq!(e.to_minor("KWD"), 3_000);
+        assert_eq!(format_minor(1234, "USD"), "12.34");
+        assert_eq!(format_minor(-5, "USD"), "-0.05");
+        assert_eq!(format_minor(1234, "JPY"), "1234");
+        assert_eq!(
+            Exact::reserved(2_000_000_000, 720, 10_000_000).to_minor("USD"),
+            1440
+        );
+    }
+
+    proptest! {
+        /// Rounding is half away from zero and never off by more than half a minor unit.
+        #[test]
+        fn rounding_is_within_half_a_unit(atto in -10i128.pow(30)..10i128.pow(30)) {
+            let unit = 10i128.pow(16);
+            let m = Exact(atto).to_minor("USD") as i128;
+            let err = atto - m * unit;
+            prop_assert!(2 * err.abs() <= unit);
+            if 2 * err.abs() == unit {
+                prop_assert!(m.abs() * unit > atto.abs(), "ties go away from zero");
+            }
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! The price book: versioned list prices per model, tenant custom rates, tenant plans.
+//!
+//! Versions are append-only (Postgres refuses edits): a new version takes effect at its
+//! `effective_from`. A version dated in the past *corrects* prices already in force; that
+//! is refused unless asked for explicitly (`backdate`), and audited as a price correction.
+//! Open drafts pick it up when next rated; finalized invoices never change (the difference is
+//! billed as an adjustment).
+
+use chrono::{DateTime, DurationRound, TimeDelta, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::invoice::BillingError;
+use crate::money::Rates;
+
+/// One list-price version of a model.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct PriceVersion {
+    pub model: String,
+    pub effective_from: DateTime<Utc>,
+    pub currency: String,
+    pub input_nanos: i64,
+    pub output_nanos: i64,
+    pub cache_write_5m_bp: i32,
+    pub cache_write_1h_bp: i32,
+    pub cache_read_bp: i32,
+}
+
+impl PriceVersion {
+    pub fn rates(&self) -> Rates {
+        Rates {
+            input_nanos: self.input_nanos,
+            output_nanos: self.output_nanos,
+            cache_write_5m_bp: self.cache_write_5m_bp,
+            cache_write_1h_bp: self.cache_write_1h_bp,
+            cache_read_bp: self.cache_read_bp,
+        }
+    }
+}
+
+/// A tenant's plan version.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Plan {
+    pub tenant_id: Uuid,
+    pub effective_from: DateTime<Utc>,
+    pub discount_bp: i32,
+    pub reserved_cache_bytes: i64,
+    pub reserved_nanos_per_gb_hour: i64,
+}
+
+fn check_rates(r: &Rates) -> Result<(), BillingError> {
+    if r.input_nanos < 0
+        || r.output_nanos < 0
+        || r.cache_write_5m_bp < 0
+        || r.cache_write_1h_bp < 0
+        || r.cache_read_bp < 0
+    {
+        return Err(BillingError::Invalid("prices cannot be negative".into()));
+    }
+    Ok(())
+}
+
+fn check_backdate(
+    from: DateTime<Utc>,
+    now: DateTime<Utc>,
+    backdate: bool,
+) -> Result<bool, BillingError> {
+    let past = from < now;
+    if past && !backdate {
+        return Err(BillingError::Invalid(format!(
+            "{from} is in the past: a version dated before now corrects prices already billed \
+             on open drafts; say so explicitly (--backdate) to do it"
+        )));
+    }
+    Ok(past)
+}
+
+async fn audit(
+    pool: &PgPool,
+    actor: &str,
+    action: &str,
+    details: serde_json::Value,
+) -> Result<(), BillingError> {
+    sqlx::query("INSERT INTO billing_audit (actor, action, details) VALUES ($1, $2, $3)")
+        .bind(actor)
+        .bind(action)
+        .bind(details)
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+fn duplicate(e: sqlx::Error, what: &str) -> BillingError {
+    match e.as_database_error().and_then(|d| d.code()) {
+        Some(c) if c == "23505" => {
+            BillingError::Invalid(format!("{what} already has a version at that time"))
+        }
+        Some(c) if c == "23503" => BillingError::Invalid(format!("{what}: no such tenant")),
+        _ => BillingError::Db(e),
+    }
+}
+
+/// Add a list-price version.
+pub async fn set_price(
+    pool: &PgPool,
+    p: &PriceVersion,
+    actor: &str,
+    backdate: bool,
+    now: DateTime<Utc>,
+) -> Result<(), BillingError> {
+    check_rates(&p.rates())?;
+    if p.currency.len() != 3 || !p.currency.bytes().all(|b| b.is_ascii_uppercase()) {
+        return Err(BillingError::Invalid(format!(
+            "currency {:?} is not an ISO 4217 code",
+            p.currency
+        )));
+    }
+    let corrects = check_backdate(p.effective_from, now, backdate)?;
+    sqlx::query(
+        r#"INSERT INTO prices (model, effective_from, currency, input_nanos, output_nanos,
+               cache_write_5m_bp, cache_write_1h_bp, cache_read_bp, created_by)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"#,
+    )
+    .bind(&p.model)
+    .bind(p.effective_from)
+    .bind(&p.currency)
+    .bind(p.input_nanos)
+    .bind(p.output_nanos)
+    .bind(p.cache_write_5m_bp)
+    .bind(p.cache_write_1h_bp)
+    .bind(p.cache_read_bp)
+    .bind(actor)
+    .execute(pool)
+    .await
+    .map_err(|e| duplicate(e, &format!("model {}", p.model)))?;
+    audit(
+        pool,
+        actor,
+        if corrects {
+            "price_correction"
+        } else {
+            "price"
+        },
+        serde_json::to_value(p).unwrap_or_default(),
+    )
+    .await
+}
+
+/// Add a custom-rate version for one tenant and model.
+#[allow(clippy::too_many_arguments)]
+pub async fn set_tenant_price(
+    pool: &PgPool,
+    tenant: Uuid,
+    model: &str,
+    effective_from: DateTime<Utc>,
+    rates: Rates,
+    actor: &str,
+    backdate: bool,
+    now: DateTime<Utc>,
+) -> Result<(), BillingError> {
+    check_rates(&rates)?;
+    let corrects = check_backdate(effective_from, now, backdate)?;
+    sqlx::query(
+        r#"INSERT INTO tenant_prices (tenant_id, model, effective_from, input_nanos, output_nanos,
+               cache_write_5m_bp, cache_write_1h_bp, cache_read_bp, created_by)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"#,
+    )
+    .bind(tenant)
+    .bind(model)
+    .bind(effective_from)
+    .bind(rates.input_nanos)
+    .bind(rates.output_nanos)
+    .bind(rates.cache_write_5m_bp)
+    .bind(rates.cache_write_1h_bp)
+    .bind(rates.cache_read_bp)
+    .bind(actor)
+    .execute(pool)
+    .await
+    .map_err(|e| duplicate(e, &format!("tenant {tenant} model {model}")))?;
+    audit(
+        pool,
+        actor,
+        if corrects {
+            "tenant_price_correction"
+        } else {
+            "tenant_price"
+        },
+        serde_json::json!({"tenant": tenant, "model": model, "effective_from": effective_from,
+            "input_nanos": rates.input_nanos, "output_nanos": rates.output_nanos,
+            "cache_write_5m_bp": rates.cache_write_5m_bp, "cache_write_1h_bp": rates.cache_write_1h_bp,
+            "cache_read_bp": rates.cache_read_bp}),
+    )
+    .await
+}
+
+/// Add a plan version. Plans change on the hour (reserved capacity is billed per hour).
+pub async fn set_plan(
+    pool: &PgPool,
+    plan: &Plan,
+    actor: &str,
+    backdate: bool,
+    now: DateTime<Utc>,
+) -> Result<(), BillingError> {
+    if !(0..=10_000).contains(&plan.discount_bp) {
+        return Err(BillingError::Invalid(
+            "discount_bp must be between 0 and 10000".into(),
+        ));
+    }
+    if plan.reserved_cache_bytes < 0 || plan.reserved_nanos_per_gb_hour < 0 {
+        return Err(BillingError::Invalid(
+            "reserved capacity and its price cannot be negative".into(),
+        ));
+    }
+    if plan.effective_from.duration_trunc(TimeDelta::hours(1)).ok() != Some(plan.effective_from) {
+        return Err(BillingError::Invalid(
+            "a plan takes effect on the hour (e.g. 2026-12-01T00:00:00Z)".into(),
+        ));
+    }
+    let corrects = check_backdate(plan.effective_from, now, backdate)?;
+    sqlx::query(
+        r#"INSERT INTO tenant_plans (tenant_id, effective_from, discount_bp, reserved_cache_bytes,
+               reserved_nanos_per_gb_hour, created_by)
+           VALUES ($1, $2, $3, $4, $5, $6)"#,
+    )
+    .bind(plan.tenant_id)
+    .bind(plan.effective_from)
+    .bind(plan.discount_bp)
+    .bind(plan.reserved_cache_bytes)
+    .bind(plan.reserved_nanos_per_gb_hour)
+    .bind(actor)
+    .execute(pool)
+    .await
+    .map_err(|e| duplicate(e, &format!("the plan of tenant {}", plan.tenant_id)))?;
+    audit(
+        pool,
+        actor,
+        if corrects { "plan_correction" } else { "plan" },
+        serde_json::to_value(plan).unwrap_or_default(),
+    )
+    .await
+}
+
+/// Every list-price version, by model then time.
+pub async fn list_prices(pool: &PgPool) -> Result<Vec<PriceVersion>, BillingError> {
+    Ok(sqlx::query_as::<_, PriceVersion>(
+        r#"SELECT model, effective_from, currency, input_nanos, output_nanos, cache_write_5m_bp,
+                  cache_write_1h_bp, cache_read_bp
+           FROM prices ORDER BY model, effective_from"#,
+    )
+    .fetch_all(pool)
+    .await?)
+}
