@@ -93,6 +93,20 @@ pub enum Command {
         #[arg(long, default_value = "cli")]
         actor: String,
     },
+    /// Print a finance API token (signed with CACHET_ADMIN_JWT_SECRET).
+    Token {
+        /// platform_admin, finance or tenant_admin.
+        #[arg(long)]
+        role: String,
+        /// The tenant (name or id) of a tenant_admin.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Who it is for (the `sub` claim, recorded as the actor of what it does).
+        #[arg(long, default_value = "cli")]
+        subject: String,
+        #[arg(long, default_value_t = 3600)]
+        ttl_secs: u64,
+    },
     /// Prove ledger totals = rollup totals = invoice totals per tenant and token class over
     /// [from, to) (whole UTC days); exits non-zero with the differences otherwise.
     Reconcile {
@@ -119,7 +133,11 @@ fn day(d: NaiveDate) -> DateTime<Utc> {
     Utc.from_utc_datetime(&d.and_hms_opt(0, 0, 0).expect("midnight"))
 }
 
-pub async fn run(pool: &PgPool, command: Command) -> anyhow::Result<()> {
+pub async fn run(
+    pool: &PgPool,
+    config: &crate::config::Config,
+    command: Command,
+) -> anyhow::Result<()> {
     let now = Utc::now();
     match command {
         Command::Price {
@@ -249,6 +267,30 @@ pub async fn run(pool: &PgPool, command: Command) -> anyhow::Result<()> {
             let adj =
                 invoice::add_adjustment(pool, id, corrects, amount_minor, &reason, &actor).await?;
             println!("adjustment {adj} recorded; it is billed on the next draft of {tenant}");
+        }
+        Command::Token {
+            role,
+            tenant,
+            subject,
+            ttl_secs,
+        } => {
+            let jwt = crate::server::admin_jwt(config)?
+                .context("set CACHET_ADMIN_JWT_SECRET (at least 32 bytes) to issue tokens")?;
+            let role: billing::api::Role = serde_json::from_value(serde_json::json!(role))
+                .context("role must be platform_admin, finance or tenant_admin")?;
+            let tenant = match tenant {
+                Some(t) => Some(tenant_id(pool, &t).await?),
+                None => None,
+            };
+            println!(
+                "{}",
+                jwt.issue(
+                    &subject,
+                    role,
+                    tenant,
+                    std::time::Duration::from_secs(ttl_secs)
+                )?
+            );
         }
         Command::Reconcile { from, to } => {
             let r = rollup::reconcile(pool, day(from), day(to)).await?;

@@ -23,6 +23,10 @@ pub struct Config {
     pub meter: MeterSection,
     pub cluster: ClusterSection,
     pub log: LogSection,
+    /// Signs the finance API's admin tokens (≥ 32 bytes). A secret: from the environment
+    /// only (`CACHET_ADMIN_JWT_SECRET`), never the file. Empty: the finance API is off.
+    #[serde(skip)]
+    pub admin_jwt_secret: String,
 }
 
 /// Cluster roles (`cachet node`, `cachet gateway`): placement, reads, routing.
@@ -161,6 +165,7 @@ impl Default for Config {
             meter: MeterSection::default(),
             cluster: ClusterSection::default(),
             log: LogSection::default(),
+            admin_jwt_secret: String::new(),
         }
     }
 }
@@ -261,6 +266,7 @@ impl Config {
         env_parse("CACHET_ENGINE_WORKERS", &mut self.engine.workers)?;
         env_parse("CACHET_ENGINE_QUEUE", &mut self.engine.queue)?;
         env_parse("CACHET_LOG_FORMAT", &mut self.log.format)?;
+        env_parse("CACHET_ADMIN_JWT_SECRET", &mut self.admin_jwt_secret)?;
         Ok(())
     }
 
@@ -277,7 +283,11 @@ impl Config {
             meter,
             cluster,
             log,
+            admin_jwt_secret,
         } = self;
+        if !admin_jwt_secret.is_empty() && admin_jwt_secret.len() < 32 {
+            bail!("CACHET_ADMIN_JWT_SECRET must be at least 32 bytes");
+        }
         listen
             .parse::<std::net::SocketAddr>()
             .with_context(|| format!("listen: {listen:?} is not host:port"))?;

@@ -204,7 +204,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Billing { command } => {
             let pool = server::connect_and_migrate(&config.database_url, 2).await?;
-            cachet::billing_cli::run(&pool, command).await
+            cachet::billing_cli::run(&pool, &config, command).await
         }
         Command::Migrate => {
             server::connect_and_migrate(&config.database_url, 2).await?;

@@ -68,6 +68,18 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> anyhow::Res
     Ok(pool)
 }
 
+/// The finance API's token signer (none without a secret: the finance API then answers 503
+/// saying how to turn it on).
+pub fn admin_jwt(config: &Config) -> anyhow::Result<Option<billing::api::Jwt>> {
+    if config.admin_jwt_secret.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(
+        billing::api::Jwt::new(config.admin_jwt_secret.as_bytes())
+            .context("CACHET_ADMIN_JWT_SECRET")?,
+    ))
+}
+
 /// The engines a config serves: SmolLM2 first when the reference engine is on, then the sims.
 pub async fn engines(config: &Config) -> anyhow::Result<EnginePool> {
     let mut list: Vec<Arc<dyn Engine>> = Vec::new();
@@ -148,9 +160,14 @@ pub async fn start_api(
         meter.clone(),
         redis,
     )?;
+    let finance = billing::api::FinanceState {
+        pool: pool.clone(),
+        jwt: admin_jwt(&config)?.map(std::sync::Arc::new),
+    };
+    let app = gateway::router(state).merge(billing::api::router(finance));
     let meter_handle = meter.clone();
     let task = tokio::spawn(async move {
-        let served = gateway::run(listener, state, shutdown).await;
+        let served = gateway::serve(listener, app, shutdown).await;
         // Requests still finishing in their own tasks get a moment to hand over usage.
         let _ = meter_handle.settled(Duration::from_secs(5)).await;
         meter_stop.cancel();

@@ -13,8 +13,12 @@
 //!   invoices (draft, finalized, adjustments); [`rollup`]: hourly/daily rollups and the
 //!   reconciliation of ledger, rollups and invoices (decision 0010).
 //!
-//! What it is not: it does not compute usage (the gateway does) nor talk HTTP.
+//! - [`api`]: the finance API (`/v1/billing/…`, JWT roles), served by `cachet serve` with
+//!   the gateway's routes; usage, invoices, prices, streamed exports.
+//!
+//! What it is not: it does not compute usage (the gateway does).
 
+pub mod api;
 pub mod invoice;
 pub mod meter;
 pub mod metrics;

@@ -244,7 +244,16 @@ pub async fn run(
     state: AppState,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
+    serve(listener, router(state), shutdown).await
+}
+
+/// Serve `app` (the gateway's router, possibly merged with others) until `shutdown`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(listener, app)
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
 }

@@ -19,15 +19,31 @@ impl Modify for Security {
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
         );
+        components.add_security_scheme(
+            "admin_jwt",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .bearer_format("JWT")
+                    .description(Some(
+                        "Finance API token (HS256) with a role claim: platform_admin, finance or tenant_admin",
+                    ))
+                    .build(),
+            ),
+        );
     }
 }
 
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Cachet API", description = "Anthropic-compatible Messages API with managed prompt caching."),
-    paths(handlers::create_message, handlers::count_tokens, handlers::list_models, handlers::get_model),
+    paths(handlers::create_message, handlers::count_tokens, handlers::list_models, handlers::get_model,
+          billing::api::usage, billing::api::list_invoices, billing::api::get_invoice,
+          billing::api::rate_invoice, billing::api::list_prices, billing::api::add_price,
+          billing::api::export_usage),
     modifiers(&Security),
-    tags((name = "messages", description = "Messages and token counting"), (name = "models", description = "Served models"))
+    tags((name = "messages", description = "Messages and token counting"), (name = "models", description = "Served models"),
+         (name = "billing", description = "Finance API: usage, invoices, prices, exports (admin JWT)"))
 )]
 pub struct ApiDoc;
 

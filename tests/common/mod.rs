@@ -15,6 +15,8 @@ use tokio_util::sync::CancellationToken;
 
 pub const PG: &str = "postgres://postgres@127.0.0.1:5432";
 pub const REDIS: &str = "redis://127.0.0.1:6379";
+/// The finance API's token secret in tests.
+pub const ADMIN_SECRET: &str = "a-test-secret-for-admin-tokens-of-32-bytes-or-more";
 
 pub struct TestApp {
     pub url: String,
@@ -107,6 +109,7 @@ impl TestApp {
         config.engine.model_path =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(&config.engine.model_path);
         config.meter.retry_interval_ms = 200;
+        config.admin_jwt_secret = ADMIN_SECRET.into();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let shutdown = CancellationToken::new();
         let running = server::start(config, listener, shutdown.clone())

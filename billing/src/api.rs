@@ -1,0 +1,787 @@
+//! The finance API (`/v1/billing/…`): usage, invoices, exports, prices.
+//!
+//! Auth is a JWT (HS256, `Authorization: Bearer`) whose claims carry a role:
+//!
+//! | role | may |
+//! |---|---|
+//! | `platform_admin` | everything |
+//! | `finance` | every tenant's usage, invoices and exports; rate and finalize invoices; read prices |
+//! | `tenant_admin` | its own tenant's usage and invoices (claim `tenant`); nothing else |
+//!
+//! Another tenant's invoice answers 404 to a tenant admin (its existence is not disclosed).
+//! Exports stream ledger rows as they are read (CSV per RFC 4180, JSON Lines, or CloudEvents
+//! in JSON Lines), through a bounded channel: a month of millions of rows costs constant
+//! memory. Errors have the gateway's shape: `{"type":"error","error":{"type","message"}}`.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::request::Parts;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use chrono::{DateTime, NaiveDate, Utc};
+use futures::TryStreamExt;
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgPool, Row};
+use utoipa::{IntoParams, ToSchema};
+use uuid::Uuid;
+
+use crate::invoice::{self, BillingError, Invoice};
+use crate::prices::{self, PriceVersion};
+
+/// A finance API role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    PlatformAdmin,
+    Finance,
+    TenantAdmin,
+}
+
+/// The token's claims.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Claims {
+    pub sub: String,
+    pub role: Role,
+    /// The tenant a `tenant_admin` administers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<Uuid>,
+    pub exp: u64,
+}
+
+/// Signs and checks admin tokens. The secret comes from `CACHET_ADMIN_JWT_SECRET`.
+#[derive(Clone)]
+pub struct Jwt {
+    encoding: EncodingKey,
+    decoding: DecodingKey,
+}
+
+impl Jwt {
+    /// At least 32 bytes of secret.
+    pub fn new(secret: &[u8]) -> Result<Self, BillingError> {
+        if secret.len() < 32 {
+            return Err(BillingError::Invalid(
+                "the admin JWT secret must be at least 32 bytes".into(),
+            ));
+        }
+        Ok(Self {
+            encoding: EncodingKey::from_secret(secret),
+            decoding: DecodingKey::from_secret(secret),
+        })
+    }
+
+    /// A token for `role` (and `tenant`, for a tenant admin) valid for `ttl`.
+    pub fn issue(
+        &self,
+        sub: &str,
+        role: Role,
+        tenant: Option<Uuid>,
+        ttl: std::time::Duration,
+    ) -> Result<String, BillingError> {
+        if (role == Role::TenantAdmin) != tenant.is_some() {
+            return Err(BillingError::Invalid(
+                "a tenant_admin token names exactly one tenant; other roles name none".into(),
+            ));
+        }
+        let exp = (Utc::now() + chrono::Duration::from_std(ttl).unwrap_or_default()).timestamp();
+        let claims = Claims {
+            sub: sub.to_string(),
+            role,
+            tenant,
+            exp: exp.max(0) as u64,
+        };
+        jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &self.encoding)
+            .map_err(|e| BillingError::Invalid(format!("signing the token: {e}")))
+    }
+
+    fn check(&self, token: &str) -> Result<Claims, ApiError> {
+        let mut v = Validation::new(Algorithm::HS256);
+        v.leeway = 5;
+        let data = jsonwebtoken::decode::<Claims>(token, &self.decoding, &v)
+            .map_err(|e| ApiError::unauthorized(&format!("invalid admin token: {e}")))?;
+        let c = data.claims;
+        if (c.role == Role::TenantAdmin) != c.tenant.is_some() {
+            return Err(ApiError::unauthorized(
+                "invalid admin token: a tenant_admin token names exactly one tenant",
+            ));
+        }
+        Ok(c)
+    }
+}
+
+/// State of the finance API.
+#[derive(Clone)]
+pub struct FinanceState {
+    pub pool: PgPool,
+    pub jwt: Option<Arc<Jwt>>,
+}
+
+/// An error in the API's shape.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+}
+
+/// The error body (the gateway's shape).
+#[derive(Serialize, ToSchema)]
+pub struct ErrorBody {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub error: ErrorDetail,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ErrorDetail {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            kind,
+            message: message.into(),
+        }
+    }
+    fn unauthorized(m: &str) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", m)
+    }
+    fn forbidden(m: &str) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_error", m)
+    }
+    fn invalid(m: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", m)
+    }
+    fn not_found(m: &str) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found_error", m)
+    }
+}
+
+impl From<BillingError> for ApiError {
+    fn from(e: BillingError) -> Self {
+        match e {
+            BillingError::Db(e) => {
+                tracing::error!(error = %e, "finance API database error");
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "api_error",
+                    "Internal server error",
+                )
+            }
+            BillingError::Finalized { .. } => {
+                ApiError::new(StatusCode::CONFLICT, "invalid_request_error", e.to_string())
+            }
+            other => ApiError::invalid(other.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody {
+            kind: "error".into(),
+            error: ErrorDetail {
+                kind: self.kind.into(),
+                message: self.message,
+            },
+        };
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// The caller, authenticated.
+pub struct Caller(pub Claims);
+
+impl FromRequestParts<FinanceState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &FinanceState,
+    ) -> Result<Self, Self::Rejection> {
+        let Some(jwt) = &state.jwt else {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "api_error",
+                "the finance API is off: set CACHET_ADMIN_JWT_SECRET",
+            ));
+        };
+        let token = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .ok_or_else(|| {
+                ApiError::unauthorized("an admin token is required (Authorization: Bearer)")
+            })?;
+        Ok(Caller(jwt.check(token.trim())?))
+    }
+}
+
+impl Caller {
+    /// The tenants this caller may read: `None` = all.
+    fn scope(&self) -> Option<Uuid> {
+        match self.0.role {
+            Role::TenantAdmin => self.0.tenant,
+            _ => None,
+        }
+    }
+
+    /// A tenant filter allowed for this caller (a tenant admin is confined to its own).
+    fn tenant_filter(&self, asked: Option<Uuid>) -> Result<Option<Uuid>, ApiError> {
+        match (self.scope(), asked) {
+            (None, a) => Ok(a),
+            (Some(own), None) => Ok(Some(own)),
+            (Some(own), Some(a)) if a == own => Ok(Some(own)),
+            (Some(_), Some(_)) => Err(ApiError::forbidden(
+                "a tenant admin reads only its own tenant",
+            )),
+        }
+    }
+
+    fn require(&self, roles: &[Role]) -> Result<(), ApiError> {
+        if roles.contains(&self.0.role) {
+            Ok(())
+        } else {
+            Err(ApiError::forbidden("this role may not do that"))
+        }
+    }
+}
+
+/// Usage query.
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct UsageQuery {
+    /// Start (inclusive), RFC 3339.
+    pub from: DateTime<Utc>,
+    /// End (exclusive), RFC 3339.
+    pub to: DateTime<Utc>,
+    pub tenant: Option<Uuid>,
+    pub model: Option<String>,
+    pub api_key: Option<Uuid>,
+    /// Comma-separated dimensions: `tenant`, `model`, `api_key`, and at most one of `hour`
+    /// or `day`. Default `tenant,model`.
+    pub group_by: Option<String>,
+}
+
+/// One group of usage.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UsageRow {
+    pub tenant: Option<Uuid>,
+    pub model: Option<String>,
+    pub api_key: Option<Uuid>,
+    pub bucket_start: Option<DateTime<Utc>>,
+    pub requests: i64,
+    pub input_tokens: i64,
+    pub cache_write_5m_tokens: i64,
+    pub cache_write_1h_tokens: i64,
+    pub cache_read_tokens: i64,
+    pub output_tokens: i64,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct UsageResponse {
+    pub data: Vec<UsageRow>,
+}
+
+/// Usage from the rollups (hourly buckets; whole hours of the window).
+#[utoipa::path(get, path = "/v1/billing/usage", tag = "billing", params(UsageQuery),
+    responses((status = 200, body = UsageResponse), (status = 400, body = ErrorBody),
+              (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
+    security(("admin_jwt" = [])))]
+pub async fn usage(
+    State(s): State<FinanceState>,
+    caller: Caller,
+    Query(q): Query<UsageQuery>,
+) -> Result<Json<UsageResponse>, ApiError> {
+    if q.to <= q.from {
+        return Err(ApiError::invalid("`to` must be after `from`"));
+    }
+    let tenant = caller.tenant_filter(q.tenant)?;
+    let dims = q.group_by.as_deref().unwrap_or("tenant,model");
+    let (mut by_tenant, mut by_model, mut by_key, mut bucket) = (false, false, false, None);
+    for d in dims.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        match d {
+            "tenant" => by_tenant = true,
+            "model" => by_model = true,
+            "api_key" => by_key = true,
+            "hour" | "day" if bucket.is_none() => bucket = Some(d),
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "group_by: {d:?} is not one of tenant, model, api_key, hour, day (one time bucket at most)"
+                )));
+            }
+        }
+    }
+    let rows = sqlx::query(
+        r#"
+        SELECT CASE WHEN $5 THEN tenant_id END AS tenant,
+               CASE WHEN $6 THEN model END AS model,
+               CASE WHEN $7 THEN api_key_id END AS api_key,
+               CASE WHEN $8::TEXT IS NOT NULL THEN date_trunc($8::TEXT, bucket_start, 'UTC') END AS bucket,
+               sum(requests)::BIGINT AS requests, sum(input_tokens)::BIGINT AS input_tokens,
+               sum(cache_write_5m_tokens)::BIGINT AS w5, sum(cache_write_1h_tokens)::BIGINT AS w1,
+               sum(cache_read_tokens)::BIGINT AS rd, sum(output_tokens)::BIGINT AS output_tokens
+        FROM usage_rollups
+        WHERE granularity = 'hour' AND bucket_start >= $1 AND bucket_start < $2
+          AND ($3::UUID IS NULL OR tenant_id = $3)
+          AND ($4::TEXT IS NULL OR model = $4)
+          AND ($9::UUID IS NULL OR api_key_id = $9)
+        GROUP BY 1, 2, 3, 4
+        ORDER BY 4 NULLS FIRST, 1 NULLS FIRST, 2 NULLS FIRST, 3 NULLS FIRST
+        "#,
+    )
+    .bind(q.from)
+    .bind(q.to)
+    .bind(tenant)
+    .bind(&q.model)
+    .bind(by_tenant)
+    .bind(by_model)
+    .bind(by_key)
+    .bind(bucket)
+    .bind(q.api_key)
+    .fetch_all(&s.pool)
+    .await
+    .map_err(BillingError::from)?;
+    Ok(Json(UsageResponse {
+        data: rows
+            .into_iter()
+            .map(|r| UsageRow {
+                tenant: r.get("tenant"),
+                model: r.get("model"),
+                api_key: r.get("api_key"),
+                bucket_start: r.get("bucket"),
+                requests: r.get("requests"),
+                input_tokens: r.get("input_tokens"),
+                cache_write_5m_tokens: r.get("w5"),
+                cache_write_1h_tokens: r.get("w1"),
+                cache_read_tokens: r.get("rd"),
+                output_tokens: r.get("output_tokens"),
+            })
+            .collect(),
+    }))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct InvoiceQuery {
+    pub tenant: Option<Uuid>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct InvoiceSummary {
+    pub id: Uuid,
+    pub tenant_id: Uuid,
+    pub period_start: NaiveDate,
+    pub currency: String,
+    pub status: String,
+    pub total_minor: i64,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct InvoiceList {
+    pub data: Vec<InvoiceSummary>,
+}
+
+/// Stored invoices, newest month first.
+#[utoipa::path(get, path = "/v1/billing/invoices", tag = "billing", params(InvoiceQuery),
+    responses((status = 200, body = InvoiceList), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
+    security(("admin_jwt" = [])))]
+pub async fn list_invoices(
+    State(s): State<FinanceState>,
+    caller: Caller,
+    Query(q): Query<InvoiceQuery>,
+) -> Result<Json<InvoiceList>, ApiError> {
+    let tenant = caller.tenant_filter(q.tenant)?;
+    let rows = sqlx::query(
+        r#"SELECT id, tenant_id, period_start, currency, status, total_minor FROM invoices
+           WHERE ($1::UUID IS NULL OR tenant_id = $1) ORDER BY period_start DESC, tenant_id"#,
+    )
+    .bind(tenant)
+    .fetch_all(&s.pool)
+    .await
+    .map_err(BillingError::from)?;
+    Ok(Json(InvoiceList {
+        data: rows
+            .into_iter()
+            .map(|r| InvoiceSummary {
+                id: r.get("id"),
+                tenant_id: r.get("tenant_id"),
+                period_start: r.get("period_start"),
+                currency: r.get("currency"),
+                status: r.get("status"),
+                total_minor: r.get("total_minor"),
+            })
+            .collect(),
+    }))
+}
+
+/// One invoice with its lines.
+#[utoipa::path(get, path = "/v1/billing/invoices/{id}", tag = "billing",
+    params(("id" = Uuid, Path, description = "Invoice id")),
+    responses((status = 200, description = "The invoice and its lines"), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
+    security(("admin_jwt" = [])))]
+pub async fn get_invoice(
+    State(s): State<FinanceState>,
+    caller: Caller,
+    Path(id): Path<Uuid>,
+) -> Result<Json<Invoice>, ApiError> {
+    match invoice::load(&s.pool, id).await? {
+        Some(inv) if caller.scope().is_none_or(|t| t == inv.tenant_id) => Ok(Json(inv)),
+        _ => Err(ApiError::not_found("no such invoice")),
+    }
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct RateRequest {
+    pub tenant: Uuid,
+    /// The month, `YYYY-MM`.
+    pub month: String,
+    /// Finalize (the month must be over); otherwise rate the draft.
+    #[serde(default)]
+    pub finalize: bool,
+}
+
+/// Rate a tenant's month into its draft, or finalize it.
+#[utoipa::path(post, path = "/v1/billing/invoices", tag = "billing", request_body = RateRequest,
+    responses((status = 200, description = "The invoice"), (status = 400, body = ErrorBody),
+              (status = 401, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)),
+    security(("admin_jwt" = [])))]
+pub async fn rate_invoice(
+    State(s): State<FinanceState>,
+    caller: Caller,
+    Json(r): Json<RateRequest>,
+) -> Result<Json<Invoice>, ApiError> {
+    caller.require(&[Role::PlatformAdmin, Role::Finance])?;
+    let month = NaiveDate::parse_from_str(&format!("{}-01", r.month), "%Y-%m-%d")
+        .map_err(|_| ApiError::invalid(format!("month {:?} is not YYYY-MM", r.month)))?;
+    let actor = format!("jwt:{}", caller.0.sub);
+    let inv = if r.finalize {
+        invoice::finalize(&s.pool, r.tenant, month, &actor, Utc::now()).await?
+    } else {
+        invoice::refresh_draft(&s.pool, r.tenant, month, &actor).await?
+    };
+    Ok(Json(inv))
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct PriceList {
+    pub data: Vec<serde_json::Value>,
+}
+
+/// The list-price versions.
+#[utoipa::path(get, path = "/v1/billing/prices", tag = "billing",
+    responses((status = 200, body = PriceList), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
+    security(("admin_jwt" = [])))]
+pub async fn list_prices(
+    State(s): State<FinanceState>,
+    caller: Caller,
+) -> Result<Json<PriceList>, ApiError> {
+    caller.require(&[Role::PlatformAdmin, Role::Finance])?;
+    let data = prices::list_prices(&s.pool)
+        .await?
+        .into_iter()
+        .map(|p| serde_json::to_value(p).unwrap_or_default())
+        .collect();
+    Ok(Json(PriceList { data }))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct NewPrice {
+    pub model: String,
+    pub effective_from: DateTime<Utc>,
+    #[serde(default = "usd")]
+    pub currency: String,
+    pub input_nanos: i64,
+    pub output_nanos: i64,
+    #[serde(default = "w5")]
+    pub cache_write_5m_bp: i32,
+    #[serde(default = "w1")]
+    pub cache_write_1h_bp: i32,
+    #[serde(default = "rd")]
+    pub cache_read_bp: i32,
+    /// A version dated in the past corrects prices in force (audited).
+    #[serde(default)]
+    pub backdate: bool,
+}
+
+fn usd() -> String {
+    "USD".into()
+}
+fn w5() -> i32 {
+    12_500
+}
+fn w1() -> i32 {
+    20_000
+}
+fn rd() -> i32 {
+    1_000
+}
+
+/// Add a list-price version (platform admins only).
+#[utoipa::path(post, path = "/v1/billing/prices", tag = "billing", request_body = NewPrice,
+    responses((status = 201, description = "Recorded"), (status = 400, body = ErrorBody),
+              (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
+    security(("admin_jwt" = [])))]
+pub async fn add_price(
+    State(s): State<FinanceState>,
+    caller: Caller,
+    Json(p): Json<NewPrice>,
+) -> Result<StatusCode, ApiError> {
+    caller.require(&[Role::PlatformAdmin])?;
+    let v = PriceVersion {
+        model: p.model,
+        effective_from: p.effective_from,
+        currency: p.currency,
+        input_nanos: p.input_nanos,
+        output_nanos: p.output_nanos,
+        cache_write_5m_bp: p.cache_write_5m_bp,
+        cache_write_1h_bp: p.cache_write_1h_bp,
+        cache_read_bp: p.cache_read_bp,
+    };
+    prices::set_price(
+        &s.pool,
+        &v,
+        &format!("jwt:{}", caller.0.sub),
+        p.backdate,
+        Utc::now(),
+    )
+    .await?;
+    Ok(StatusCode::CREATED)
+}
+
+/// Export format.
+#[derive(Clone, Copy, Debug, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    Csv,
+    Jsonl,
+    Cloudevents,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct ExportQuery {
+    pub from: DateTime<Utc>,
+    pub to: DateTime<Utc>,
+    pub tenant: Option<Uuid>,
+    /// `csv` (RFC 4180), `jsonl`, or `cloudevents` (JSON Lines of CloudEvents 1.0).
+    pub format: Format,
+}
+
+const CSV_HEADER: &str = "request_id,tenant_id,workspace_id,api_key_id,model,input_tokens,cache_write_5m_tokens,cache_write_1h_tokens,cache_read_tokens,output_tokens,status,started_at,finished_at\r\n";
+
+/// One field per RFC 4180: quoted when it holds a comma, quote, CR or LF; quotes doubled.
+pub fn csv_field(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.contains([',', '"', '\r', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\"")).into()
+    } else {
+        s.into()
+    }
+}
+
+/// A ledger row for exports.
+#[derive(Debug, Serialize, sqlx::FromRow)]
+pub struct LedgerRow {
+    pub request_id: Uuid,
+    pub tenant_id: Uuid,
+    pub workspace_id: Uuid,
+    pub api_key_id: Uuid,
+    pub model: String,
+    pub input_tokens: i64,
+    pub cache_write_5m_tokens: i64,
+    pub cache_write_1h_tokens: i64,
+    pub cache_read_tokens: i64,
+    pub output_tokens: i64,
+    pub status: String,
+    pub started_at: DateTime<Utc>,
+    pub finished_at: DateTime<Utc>,
+}
+
+/// Append one row in `format` to `out`.
+pub fn encode_row(format: Format, r: &LedgerRow, out: &mut Vec<u8>) {
+    use std::io::Write;
+    match format {
+        Format::Csv => {
+            let _ = write!(
+                out,
+                "{},{},{},{},{},{},{},{},{},{},{},{},{}\r\n",
+                r.request_id,
+                r.tenant_id,
+                r.workspace_id,
+                r.api_key_id,
+                csv_field(&r.model),
+                r.input_tokens,
+                r.cache_write_5m_tokens,
+                r.cache_write_1h_tokens,
+                r.cache_read_tokens,
+                r.output_tokens,
+                r.status,
+                r.started_at
+                    .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                r.finished_at
+                    .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            );
+        }
+        Format::Jsonl => {
+            let _ = serde_json::to_writer(&mut *out, r);
+            out.push(b'\n');
+        }
+        Format::Cloudevents => {
+            let ev = serde_json::json!({
+                "specversion": "1.0",
+                "type": "dev.cachet.usage.v1",
+                "source": "cachet/billing",
+                "id": r.request_id,
+                "subject": r.tenant_id,
+                "time": r.started_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                "datacontenttype": "application/json",
+                "data": r,
+            });
+            let _ = serde_json::to_writer(&mut *out, &ev);
+            out.push(b'\n');
+        }
+    }
+}
+
+/// Stream the ledger rows of `[from, to)` (optionally one tenant) in `format`, in chunks of
+/// about 64 KiB through a bounded channel.
+pub fn export_stream(
+    pool: PgPool,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+    tenant: Option<Uuid>,
+    format: Format,
+) -> Body {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(4);
+    tokio::spawn(async move {
+        let mut buf: Vec<u8> = Vec::with_capacity(80 * 1024);
+        if format == Format::Csv {
+            buf.extend_from_slice(CSV_HEADER.as_bytes());
+        }
+        let mut rows = sqlx::query_as::<_, LedgerRow>(
+            r#"SELECT request_id, tenant_id, workspace_id, api_key_id, model, input_tokens,
+                      cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens,
+                      output_tokens, status, started_at, finished_at
+               FROM usage_events
+               WHERE started_at >= $1 AND started_at < $2 AND ($3::UUID IS NULL OR tenant_id = $3)
+               ORDER BY started_at, request_id"#,
+        )
+        .bind(from)
+        .bind(to)
+        .bind(tenant)
+        .fetch(&pool);
+        loop {
+            match rows.try_next().await {
+                Ok(Some(r)) => {
+                    encode_row(format, &r, &mut buf);
+                    if buf.len() >= 64 * 1024 {
+                        let chunk = bytes::Bytes::from(std::mem::replace(
+                            &mut buf,
+                            Vec::with_capacity(80 * 1024),
+                        ));
+                        if tx.send(Ok(chunk)).await.is_err() {
+                            return; // the client went away
+                        }
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::error!(error = %e, "export failed mid-stream");
+                    let _ = tx
+                        .send(Err(std::io::Error::other("export failed; retry")))
+                        .await;
+                    return;
+                }
+            }
+        }
+        if !buf.is_empty() {
+            let _ = tx.send(Ok(bytes::Bytes::from(buf))).await;
+        }
+    });
+    Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+/// Ledger rows, streamed (finance and platform admins).
+#[utoipa::path(get, path = "/v1/billing/exports/usage", tag = "billing", params(ExportQuery),
+    responses((status = 200, description = "Rows as CSV, JSON Lines or CloudEvents JSON Lines"),
+              (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
+    security(("admin_jwt" = [])))]
+pub async fn export_usage(
+    State(s): State<FinanceState>,
+    caller: Caller,
+    Query(q): Query<ExportQuery>,
+) -> Result<Response, ApiError> {
+    caller.require(&[Role::PlatformAdmin, Role::Finance])?;
+    if q.to <= q.from {
+        return Err(ApiError::invalid("`to` must be after `from`"));
+    }
+    let content_type = match q.format {
+        Format::Csv => "text/csv; charset=utf-8; header=present",
+        Format::Jsonl => "application/jsonl",
+        Format::Cloudevents => "application/cloudevents-batch+jsonl",
+    };
+    let body = export_stream(s.pool.clone(), q.from, q.to, q.tenant, q.format);
+    Ok(([(header::CONTENT_TYPE, content_type)], body).into_response())
+}
+
+/// The finance API's routes.
+pub fn router(state: FinanceState) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/billing/usage", get(usage))
+        .route(
+            "/v1/billing/invoices",
+            get(list_invoices).post(rate_invoice),
+        )
+        .route("/v1/billing/invoices/{id}", get(get_invoice))
+        .route("/v1/billing/prices", get(list_prices).post(add_price))
+        .route("/v1/billing/exports/usage", get(export_usage))
+        .with_state(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_fields_follow_rfc_4180() {
+        assert_eq!(csv_field("plain"), "plain");
+        assert_eq!(csv_field("a,b"), "\"a,b\"");
+        assert_eq!(csv_field("say \"hi\""), "\"say \"\"hi\"\"\"");
+        assert_eq!(csv_field("two\r\nlines"), "\"two\r\nlines\"");
+    }
+
+    #[test]
+    fn tokens_carry_roles_and_are_checked() {
+        let jwt = Jwt::new(&[7u8; 32]).unwrap();
+        let t = jwt
+            .issue(
+                "ana",
+                Role::Finance,
+                None,
+                std::time::Duration::from_secs(60),
+            )
+            .unwrap();
+        assert_eq!(jwt.check(&t).unwrap().role, Role::Finance);
+        let other = Jwt::new(&[8u8; 32]).unwrap();
+        assert!(
+            other.check(&t).is_err(),
+            "another secret's token is refused"
+        );
+        assert!(
+            jwt.issue(
+                "x",
+                Role::TenantAdmin,
+                None,
+                std::time::Duration::from_secs(60)
+            )
+            .is_err()
+        );
+        assert!(Jwt::new(b"short").is_err());
+    }
+}

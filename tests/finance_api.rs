@@ -1,0 +1,304 @@
+//! The finance API end to end on the real service and Postgres: every endpoint × every role
+//! (and no token, a forged token, an expired token), and the content of the three export
+//! formats.
+
+mod common;
+
+use std::time::Duration;
+
+use billing::api::{Jwt, Role};
+use common::*;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+struct Fixture {
+    app: TestApp,
+    tenant: Uuid,
+    other: Uuid,
+    invoice: Uuid,
+    other_invoice: Uuid,
+}
+
+async fn fixture() -> Fixture {
+    let app = TestApp::start().await;
+    // Traffic from the app's tenant, then a second tenant.
+    let body = cached_body(120, "hello", 4);
+    for _ in 0..3 {
+        let (s, _, r) = app.post("/v1/messages", &app.key, &body).await;
+        assert_eq!(s, 200, "{r}");
+    }
+    let other_key = app.new_tenant_key().await;
+    let (s, _, _) = app.post("/v1/messages", &other_key, &body).await;
+    assert_eq!(s, 200);
+    app.settle().await;
+    let pool = sqlx::PgPool::connect(&app.db_url).await.unwrap();
+    let tenants: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT tenant_id FROM usage_events GROUP BY tenant_id ORDER BY min(recorded_at)",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let (tenant, other) = (tenants[0], tenants[1]);
+    let now = chrono::Utc::now();
+    billing::prices::set_price(
+        &pool,
+        &billing::prices::PriceVersion {
+            model: "sim-tiny".into(),
+            effective_from: now - chrono::Duration::days(400),
+            currency: "USD".into(),
+            input_nanos: 3_000,
+            output_nanos: 15_000,
+            cache_write_5m_bp: 12_500,
+            cache_write_1h_bp: 20_000,
+            cache_read_bp: 1_000,
+        },
+        "test",
+        true,
+        now,
+    )
+    .await
+    .unwrap();
+    let month = now.date_naive();
+    billing::rollup::rollup(
+        &pool,
+        now - chrono::Duration::days(1),
+        now + chrono::Duration::hours(1),
+    )
+    .await
+    .unwrap();
+    let invoice = billing::invoice::refresh_draft(&pool, tenant, month, "test")
+        .await
+        .unwrap()
+        .id;
+    let other_invoice = billing::invoice::refresh_draft(&pool, other, month, "test")
+        .await
+        .unwrap()
+        .id;
+    pool.close().await;
+    Fixture {
+        app,
+        tenant,
+        other,
+        invoice,
+        other_invoice,
+    }
+}
+
+fn token(role: Role, tenant: Option<Uuid>) -> String {
+    Jwt::new(ADMIN_SECRET.as_bytes())
+        .unwrap()
+        .issue("tester", role, tenant, Duration::from_secs(300))
+        .unwrap()
+}
+
+async fn call(
+    f: &Fixture,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> (u16, String) {
+    let mut req = f
+        .app
+        .client
+        .request(method.parse().unwrap(), format!("{}{path}", f.app.url));
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.text().await.unwrap())
+}
+
+#[tokio::test]
+async fn every_endpoint_answers_every_role_as_documented() {
+    let f = fixture().await;
+    let now = chrono::Utc::now();
+    let from = (now - chrono::Duration::days(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let to = (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let month = now.format("%Y-%m").to_string();
+    let q = |extra: &str| format!("from={from}&to={to}{extra}").replace('+', "%2B");
+    let (t, o) = (f.tenant, f.other);
+    let admin = token(Role::PlatformAdmin, None);
+    let finance = token(Role::Finance, None);
+    let tenant_admin = token(Role::TenantAdmin, Some(t));
+    let forged = Jwt::new(&[9u8; 40])
+        .unwrap()
+        .issue("x", Role::PlatformAdmin, None, Duration::from_secs(300))
+        .unwrap();
+    let expired = Jwt::new(ADMIN_SECRET.as_bytes())
+        .unwrap()
+        .issue("x", Role::PlatformAdmin, None, Duration::ZERO)
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(7)).await; // past the 5 s leeway
+
+    // (method, path, body, expected for platform_admin, finance, tenant_admin)
+    let cases: Vec<(&str, String, Option<Value>, [u16; 3])> = vec![
+        (
+            "GET",
+            format!("/v1/billing/usage?{}", q("")),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/billing/usage?{}", q(&format!("&tenant={o}"))),
+            None,
+            [200, 200, 403],
+        ),
+        (
+            "GET",
+            format!(
+                "/v1/billing/usage?{}",
+                q(&format!("&tenant={t}&group_by=model,day"))
+            ),
+            None,
+            [200, 200, 200],
+        ),
+        ("GET", "/v1/billing/invoices".into(), None, [200, 200, 200]),
+        (
+            "GET",
+            format!("/v1/billing/invoices?tenant={o}"),
+            None,
+            [200, 200, 403],
+        ),
+        (
+            "GET",
+            format!("/v1/billing/invoices/{}", f.invoice),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/billing/invoices/{}", f.other_invoice),
+            None,
+            [200, 200, 404],
+        ),
+        (
+            "POST",
+            "/v1/billing/invoices".into(),
+            Some(json!({"tenant": t, "month": month})),
+            [200, 200, 403],
+        ),
+        ("GET", "/v1/billing/prices".into(), None, [200, 200, 403]),
+        (
+            "POST",
+            "/v1/billing/prices".into(),
+            Some(
+                json!({"model": "sim-llama-8b", "effective_from": "2099-01-01T00:00:00Z", "input_nanos": 1, "output_nanos": 2}),
+            ),
+            [201, 403, 403],
+        ),
+        (
+            "GET",
+            format!("/v1/billing/exports/usage?{}", q("&format=csv")),
+            None,
+            [200, 200, 403],
+        ),
+    ];
+    for (method, path, body, expected) in &cases {
+        for (who, tok, want) in [
+            ("platform_admin", &admin, expected[0]),
+            ("finance", &finance, expected[1]),
+            ("tenant_admin", &tenant_admin, expected[2]),
+        ] {
+            let mut body = body.clone();
+            // Each price version can be added once: vary the time per caller.
+            if let Some(b) = body.as_mut().filter(|b| b.get("input_nanos").is_some()) {
+                b["effective_from"] = json!(format!("2099-01-0{}T00:00:00Z", 1 + who.len() % 7));
+            }
+            let (status, text) = call(&f, method, path, Some(tok), body).await;
+            assert_eq!(status, want, "{who} {method} {path}: {text}");
+        }
+        for (who, tok) in [
+            ("no token", None),
+            ("forged", Some(forged.as_str())),
+            ("expired", Some(expired.as_str())),
+        ] {
+            let (status, text) = call(&f, method, path, tok, body.clone()).await;
+            assert_eq!(status, 401, "{who} {method} {path}: {text}");
+            let err: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(err["error"]["type"], "authentication_error");
+        }
+    }
+
+    // A tenant admin's view is its own tenant only.
+    let (_, text) = call(&f, "GET", "/v1/billing/invoices", Some(&tenant_admin), None).await;
+    let list: Value = serde_json::from_str(&text).unwrap();
+    assert!(
+        list["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|i| i["tenant_id"] == json!(t))
+    );
+    let (_, text) = call(
+        &f,
+        "GET",
+        &format!("/v1/billing/usage?{}", q("&group_by=tenant")),
+        Some(&tenant_admin),
+        None,
+    )
+    .await;
+    let usage: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(usage["data"].as_array().unwrap().len(), 1);
+    assert_eq!(usage["data"][0]["tenant"], json!(t));
+    assert_eq!(usage["data"][0]["requests"], 3);
+    // Bad input is a 400 in the API's shape.
+    let (status, text) = call(
+        &f,
+        "GET",
+        &format!("/v1/billing/usage?{}", q("&group_by=planet")),
+        Some(&finance),
+        None,
+    )
+    .await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("group_by"));
+    f.app.stop().await;
+}
+
+#[tokio::test]
+async fn exports_stream_csv_jsonl_and_cloudevents() {
+    let f = fixture().await;
+    let now = chrono::Utc::now();
+    let from = (now - chrono::Duration::days(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let to = (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let finance = token(Role::Finance, None);
+    let get = |format: &str| {
+        let path = format!("/v1/billing/exports/usage?from={from}&to={to}&format={format}")
+            .replace('+', "%2B");
+        let finance = finance.clone();
+        let f = &f;
+        async move { call(f, "GET", &path, Some(&finance), None).await }
+    };
+    let (s, csv) = get("csv").await;
+    assert_eq!(s, 200);
+    let lines: Vec<&str> = csv.split("\r\n").filter(|l| !l.is_empty()).collect();
+    assert_eq!(lines.len(), 1 + 4, "header + 4 rows: {csv}");
+    assert!(lines[0].starts_with("request_id,tenant_id,"));
+    assert!(lines[1..].iter().all(|l| l.split(',').count() == 13));
+    let (s, jsonl) = get("jsonl").await;
+    assert_eq!(s, 200);
+    let rows: Vec<Value> = jsonl
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 4);
+    assert!(rows.iter().any(|r| r["tenant_id"] == json!(f.other)));
+    let (s, ce) = get("cloudevents").await;
+    assert_eq!(s, 200);
+    for (line, row) in ce.lines().zip(&rows) {
+        let ev: Value = serde_json::from_str(line).unwrap();
+        assert_eq!(ev["specversion"], "1.0");
+        assert_eq!(ev["type"], "dev.cachet.usage.v1");
+        assert_eq!(ev["id"], row["request_id"], "id is the request id");
+        assert_eq!(ev["subject"], row["tenant_id"], "subject is the tenant");
+        assert!(ev["time"].as_str().unwrap().ends_with('Z'));
+        assert_eq!(ev["data"], *row);
+    }
+    f.app.stop().await;
+}
