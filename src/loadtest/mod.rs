@@ -1,6 +1,8 @@
 //! `cachet loadtest …`: load generators and baselines. Targets must be on this machine
 //! (loopback); every run is bounded in time and stops by itself.
 
+mod ledger;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -85,6 +87,28 @@ pub enum Command {
         #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
         redis_url: String,
     },
+    /// Ledger ingest through the meter (group commit, idempotent) vs `COPY` of the same rows
+    /// into an index-free table on the same Postgres (a scratch database, dropped after).
+    Ingest {
+        #[arg(long, default_value_t = 300_000)]
+        events: usize,
+        /// Tasks handing events to the meter at once.
+        #[arg(long, default_value_t = 16)]
+        producers: usize,
+        /// Share of events delivered twice (retries, spool replays), in percent.
+        #[arg(long, default_value_t = 10)]
+        duplicates: usize,
+        #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
+        database_url: String,
+    },
+    /// A streamed CSV export of a large ledger through the finance API, with the process's
+    /// peak RSS (a scratch database, dropped after).
+    Export {
+        #[arg(long, default_value_t = 1_000_000)]
+        rows: usize,
+        #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
+        database_url: String,
+    },
     /// A bare axum server answering every POST with a fixed Messages-shaped body: the limit
     /// of HTTP on this machine, for side-by-side comparison.
     BareServer {
@@ -156,6 +180,13 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             capacity_blocks,
             policy,
         } => simulate_cache(&trace, &capacity_blocks, &policy),
+        Command::Ingest {
+            events,
+            producers,
+            duplicates,
+            database_url,
+        } => ledger::ingest(&database_url, events, producers, duplicates).await,
+        Command::Export { rows, database_url } => ledger::export(&database_url, rows).await,
     }
 }
 
@@ -502,7 +533,7 @@ pub async fn transfer_bench(
 }
 
 /// Resident set size of this process, from `/proc/self/statm` (Linux).
-fn rss_bytes() -> anyhow::Result<u64> {
+pub(crate) fn rss_bytes() -> anyhow::Result<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").context("reading /proc/self/statm")?;
     let pages: u64 = statm
         .split_whitespace()

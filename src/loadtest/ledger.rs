@@ -1,0 +1,222 @@
+//! Billing benchmarks: ledger ingest through the meter vs `COPY`, and a streamed export of a
+//! large ledger with the process's peak memory.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use billing::{Meter, MeterConfig, UsageEvent, UsageStatus};
+use cachet_common::{ApiKeyId, RequestId, TenantId, WorkspaceId};
+use futures::StreamExt;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, PgPool};
+
+/// A scratch database on the server of `url`, dropped by [`drop_scratch`].
+async fn scratch(url: &str) -> anyhow::Result<(PgPool, String, String)> {
+    let opts: PgConnectOptions = url.parse().context("parsing the database URL")?;
+    let name = format!("cachet_bench_{}", uuid::Uuid::new_v4().simple());
+    let scratch_url = opts.clone().database(&name).to_url_lossy().to_string();
+    let pool = crate::server::connect_and_migrate(&scratch_url, 8).await?;
+    Ok((pool, name, url.to_string()))
+}
+
+async fn drop_scratch(pool: PgPool, name: &str, url: &str) -> anyhow::Result<()> {
+    pool.close().await;
+    let opts: PgConnectOptions = url.parse()?;
+    let mut admin = opts.database("postgres").connect().await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
+    )))
+    .execute(&mut admin)
+    .await?;
+    Ok(())
+}
+
+fn events(n: usize) -> Vec<UsageEvent> {
+    let tenants: Vec<TenantId> = (0..50).map(|_| TenantId::new()).collect();
+    let keys: Vec<ApiKeyId> = (0..200).map(|_| ApiKeyId::new()).collect();
+    let ws = WorkspaceId::new();
+    let now = chrono::Utc::now();
+    (0..n)
+        .map(|i| UsageEvent {
+            request_id: RequestId::new(),
+            tenant_id: tenants[i % tenants.len()],
+            workspace_id: ws,
+            api_key_id: keys[i % keys.len()],
+            model: "sim-llama-8b".into(),
+            input_tokens: (i % 4000) as u64,
+            cache_write_5m_tokens: (i % 7 * 100) as u64,
+            cache_write_1h_tokens: (i % 3 * 50) as u64,
+            cache_read_tokens: (i % 11 * 1000) as u64,
+            output_tokens: (i % 500) as u64,
+            status: UsageStatus::Completed,
+            started_at: now,
+            finished_at: now,
+        })
+        .collect()
+}
+
+/// Ledger ingest: `n` events through the meter (group commit, `ON CONFLICT DO NOTHING`),
+/// `dup_percent` of them delivered a second time, vs `COPY` of the same rows into a table
+/// without indexes or keys (the limit), on the same Postgres.
+pub async fn ingest(url: &str, n: usize, producers: usize, dup_percent: usize) -> anyhow::Result<()> {
+    let (pool, name, url) = scratch(url).await?;
+    let evs = events(n);
+    let dir = std::env::temp_dir().join(format!("cachet-bench-{}", uuid::Uuid::new_v4().simple()));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (meter, task) = Meter::start(
+        pool.clone(),
+        MeterConfig::with_spool(dir.join("spool.jsonl")),
+        stop.clone(),
+    )?;
+    let dups = n * dup_percent / 100;
+    let started = Instant::now();
+    let per = n.div_ceil(producers.max(1));
+    let mut tasks = Vec::new();
+    for (p, chunk) in evs.chunks(per).enumerate() {
+        let (m, mut chunk) = (meter.clone(), chunk.to_vec());
+        // Duplicates (retries, spool replays) interleaved with first deliveries.
+        let again: Vec<UsageEvent> = chunk.iter().take(dups / producers.max(1)).cloned().collect();
+        chunk.extend(again);
+        tasks.push(tokio::spawn(async move {
+            for e in chunk {
+                m.record(e).await.map_err(|e| anyhow::anyhow!("producer {p}: {e}"))?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    anyhow::ensure!(meter.settled(Duration::from_secs(600)).await, "the meter did not settle");
+    let meter_secs = started.elapsed().as_secs_f64();
+    stop.cancel();
+    task.await?;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM usage_events")
+        .fetch_one(&pool)
+        .await?;
+    anyhow::ensure!(rows as usize == n, "ledger holds {rows} rows for {n} events");
+
+    // The same rows as CSV, COPYed into a table with no index or key.
+    sqlx::query("CREATE TABLE bench_copy (LIKE usage_events INCLUDING DEFAULTS)")
+        .execute(&pool)
+        .await?;
+    let mut csv = Vec::with_capacity(n * 200);
+    for e in &evs {
+        use std::io::Write;
+        writeln!(
+            csv,
+            "{},{},{},{},{},{},{},{},{},{},completed,{},{}",
+            e.request_id.0,
+            e.tenant_id.as_uuid(),
+            e.workspace_id.as_uuid(),
+            e.api_key_id.as_uuid(),
+            e.model,
+            e.input_tokens,
+            e.cache_write_5m_tokens,
+            e.cache_write_1h_tokens,
+            e.cache_read_tokens,
+            e.output_tokens,
+            e.started_at.to_rfc3339(),
+            e.finished_at.to_rfc3339()
+        )?;
+    }
+    let mut conn = pool.acquire().await?;
+    let started = Instant::now();
+    let mut copy = conn
+        .copy_in_raw(
+            "COPY bench_copy (request_id, tenant_id, workspace_id, api_key_id, model, input_tokens, \
+             cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens, output_tokens, status, \
+             started_at, finished_at) FROM STDIN WITH (FORMAT csv)",
+        )
+        .await?;
+    for chunk in csv.chunks(1 << 20) {
+        copy.send(chunk).await?;
+    }
+    let copied = copy.finish().await?;
+    let copy_secs = started.elapsed().as_secs_f64();
+    drop(conn);
+    anyhow::ensure!(copied as usize == n, "COPY took {copied} of {n} rows");
+
+    let meter_rate = n as f64 / meter_secs;
+    let copy_rate = n as f64 / copy_secs;
+    println!(
+        "meter\tevents={n}\tduplicates={dups}\tproducers={producers}\tseconds={meter_secs:.2}\tevents_per_s={meter_rate:.0}"
+    );
+    println!("copy\trows={n}\tseconds={copy_secs:.2}\trows_per_s={copy_rate:.0}");
+    println!("meter/copy\t{:.1}%", 100.0 * meter_rate / copy_rate);
+    let _ = std::fs::remove_dir_all(&dir);
+    drop_scratch(pool, &name, &url).await
+}
+
+/// A streamed CSV export of `rows` ledger rows through the finance API, read by a client in
+/// the same process that counts the bytes and drops them; prints the process's peak RSS
+/// during the export against its RSS before.
+pub async fn export(url: &str, rows: usize) -> anyhow::Result<()> {
+    let (pool, name, url) = scratch(url).await?;
+    sqlx::query(
+        r#"INSERT INTO usage_events (request_id, tenant_id, workspace_id, api_key_id, model,
+             input_tokens, cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens,
+             output_tokens, status, started_at, finished_at)
+           SELECT gen_random_uuid(), gen_random_uuid(), gen_random_uuid(), gen_random_uuid(),
+                  'sim-llama-8b', i % 4000, i % 700, i % 150, i % 11000, i % 500, 'completed',
+                  '2026-10-01T00:00:00Z'::TIMESTAMPTZ + (i % 2592000) * INTERVAL '1 second',
+                  '2026-10-01T00:00:00Z'::TIMESTAMPTZ + (i % 2592000) * INTERVAL '1 second'
+           FROM generate_series(1, $1) AS i"#,
+    )
+    .bind(rows as i64)
+    .execute(&pool)
+    .await?;
+    let secret = "bench-secret-for-the-finance-api-token-0123456789";
+    let jwt = billing::api::Jwt::new(secret.as_bytes())?;
+    let token = jwt.issue("bench", billing::api::Role::Finance, None, Duration::from_secs(3600))?;
+    let app = billing::api::router(billing::api::FinanceState {
+        pool: pool.clone(),
+        jwt: Some(std::sync::Arc::new(jwt)),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let before = super::rss_bytes()?;
+    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(before));
+    let sampler = {
+        let peak = peak.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Ok(r) = super::rss_bytes() {
+                    peak.fetch_max(r, std::sync::atomic::Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    let started = Instant::now();
+    let resp = reqwest::Client::new()
+        .get(format!(
+            "http://{addr}/v1/billing/exports/usage?from=2026-10-01T00:00:00Z&to=2026-11-01T00:00:00Z&format=csv"
+        ))
+        .bearer_auth(token)
+        .send()
+        .await?;
+    anyhow::ensure!(resp.status().is_success(), "export answered {}", resp.status());
+    let mut body = resp.bytes_stream();
+    let (mut bytes, mut lines) = (0u64, 0u64);
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk?;
+        bytes += chunk.len() as u64;
+        lines += chunk.iter().filter(|b| **b == b'\n').count() as u64;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    sampler.abort();
+    server.abort();
+    anyhow::ensure!(lines as usize == rows + 1, "{lines} lines for {rows} rows and a header");
+    let mb = |b: u64| b as f64 / (1 << 20) as f64;
+    let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+    println!(
+        "export\trows={rows}\tbytes={bytes}\tseconds={secs:.2}\trows_per_s={:.0}\trss_before_mib={:.1}\trss_peak_mib={:.1}\trss_growth_mib={:.1}",
+        rows as f64 / secs,
+        mb(before),
+        mb(peak),
+        mb(peak.saturating_sub(before))
+    );
+    drop_scratch(pool, &name, &url).await
+}
