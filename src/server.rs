@@ -165,6 +165,13 @@ pub async fn start_api(
         jwt: admin_jwt(&config)?.map(std::sync::Arc::new),
     };
     let app = gateway::router(state).merge(billing::api::router(finance));
+    // Usage rollups follow the ledger: the last two hours, every minute.
+    tokio::spawn(billing::rollup::keep_current(
+        pool.clone(),
+        Duration::from_secs(60),
+        chrono::TimeDelta::hours(2),
+        shutdown.clone(),
+    ));
     let meter_handle = meter.clone();
     let task = tokio::spawn(async move {
         let served = gateway::serve(listener, app, shutdown).await;

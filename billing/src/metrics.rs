@@ -45,3 +45,13 @@ pub static COMMIT_FAILURES: LazyLock<IntCounter> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static ROLLUP_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    reg(Histogram::with_opts(
+        HistogramOpts::new(
+            "cachet_billing_rollup_seconds",
+            "Time to refresh the usage rollups of the recent window",
+        )
+        .buckets(vec![0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
+    )
+    .expect("metric"))
+});

@@ -289,3 +289,37 @@ pub async fn reconcile(
         mismatches,
     })
 }
+
+/// Keep the rollups current: every `every`, recompute the buckets of the last `lookback`
+/// (late rows from a spool replay land inside it), until `stop`. Failures are logged and
+/// retried at the next tick; a failed run changes nothing (one transaction).
+pub async fn keep_current(
+    pool: PgPool,
+    every: std::time::Duration,
+    lookback: TimeDelta,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled() => return,
+        }
+        let now = Utc::now();
+        let started = std::time::Instant::now();
+        match rollup(&pool, now - lookback, now).await {
+            Ok(r) => {
+                crate::metrics::ROLLUP_SECONDS.observe(started.elapsed().as_secs_f64());
+                tracing::debug!(
+                    hourly = r.hourly_rows,
+                    daily = r.daily_rows,
+                    "rollups refreshed"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "refreshing the rollups failed; retrying at the next tick")
+            }
+        }
+    }
+}

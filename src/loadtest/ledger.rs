@@ -58,7 +58,12 @@ fn events(n: usize) -> Vec<UsageEvent> {
 /// Ledger ingest: `n` events through the meter (group commit, `ON CONFLICT DO NOTHING`),
 /// `dup_percent` of them delivered a second time, vs `COPY` of the same rows into a table
 /// without indexes or keys (the limit), on the same Postgres.
-pub async fn ingest(url: &str, n: usize, producers: usize, dup_percent: usize) -> anyhow::Result<()> {
+pub async fn ingest(
+    url: &str,
+    n: usize,
+    producers: usize,
+    dup_percent: usize,
+) -> anyhow::Result<()> {
     let (pool, name, url) = scratch(url).await?;
     let evs = events(n);
     let dir = std::env::temp_dir().join(format!("cachet-bench-{}", uuid::Uuid::new_v4().simple()));
@@ -75,11 +80,17 @@ pub async fn ingest(url: &str, n: usize, producers: usize, dup_percent: usize) -
     for (p, chunk) in evs.chunks(per).enumerate() {
         let (m, mut chunk) = (meter.clone(), chunk.to_vec());
         // Duplicates (retries, spool replays) interleaved with first deliveries.
-        let again: Vec<UsageEvent> = chunk.iter().take(dups / producers.max(1)).cloned().collect();
+        let again: Vec<UsageEvent> = chunk
+            .iter()
+            .take(dups / producers.max(1))
+            .cloned()
+            .collect();
         chunk.extend(again);
         tasks.push(tokio::spawn(async move {
             for e in chunk {
-                m.record(e).await.map_err(|e| anyhow::anyhow!("producer {p}: {e}"))?;
+                m.record(e)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("producer {p}: {e}"))?;
             }
             anyhow::Ok(())
         }));
@@ -87,14 +98,20 @@ pub async fn ingest(url: &str, n: usize, producers: usize, dup_percent: usize) -
     for t in tasks {
         t.await??;
     }
-    anyhow::ensure!(meter.settled(Duration::from_secs(600)).await, "the meter did not settle");
+    anyhow::ensure!(
+        meter.settled(Duration::from_secs(600)).await,
+        "the meter did not settle"
+    );
     let meter_secs = started.elapsed().as_secs_f64();
     stop.cancel();
     task.await?;
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM usage_events")
         .fetch_one(&pool)
         .await?;
-    anyhow::ensure!(rows as usize == n, "ledger holds {rows} rows for {n} events");
+    anyhow::ensure!(
+        rows as usize == n,
+        "ledger holds {rows} rows for {n} events"
+    );
 
     // The same rows as CSV, COPYed into a table with no index or key.
     sqlx::query("CREATE TABLE bench_copy (LIKE usage_events INCLUDING DEFAULTS)")
@@ -168,7 +185,12 @@ pub async fn export(url: &str, rows: usize) -> anyhow::Result<()> {
     .await?;
     let secret = "bench-secret-for-the-finance-api-token-0123456789";
     let jwt = billing::api::Jwt::new(secret.as_bytes())?;
-    let token = jwt.issue("bench", billing::api::Role::Finance, None, Duration::from_secs(3600))?;
+    let token = jwt.issue(
+        "bench",
+        billing::api::Role::Finance,
+        None,
+        Duration::from_secs(3600),
+    )?;
     let app = billing::api::router(billing::api::FinanceState {
         pool: pool.clone(),
         jwt: Some(std::sync::Arc::new(jwt)),
@@ -197,7 +219,11 @@ pub async fn export(url: &str, rows: usize) -> anyhow::Result<()> {
         .bearer_auth(token)
         .send()
         .await?;
-    anyhow::ensure!(resp.status().is_success(), "export answered {}", resp.status());
+    anyhow::ensure!(
+        resp.status().is_success(),
+        "export answered {}",
+        resp.status()
+    );
     let mut body = resp.bytes_stream();
     let (mut bytes, mut lines) = (0u64, 0u64);
     while let Some(chunk) = body.next().await {
@@ -208,7 +234,10 @@ pub async fn export(url: &str, rows: usize) -> anyhow::Result<()> {
     let secs = started.elapsed().as_secs_f64();
     sampler.abort();
     server.abort();
-    anyhow::ensure!(lines as usize == rows + 1, "{lines} lines for {rows} rows and a header");
+    anyhow::ensure!(
+        lines as usize == rows + 1,
+        "{lines} lines for {rows} rows and a header"
+    );
     let mb = |b: u64| b as f64 / (1 << 20) as f64;
     let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
     println!(

@@ -98,7 +98,11 @@ pub enum Command {
         /// Share of events delivered twice (retries, spool replays), in percent.
         #[arg(long, default_value_t = 10)]
         duplicates: usize,
-        #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
+        #[arg(
+            long,
+            env = "DATABASE_URL",
+            default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+        )]
         database_url: String,
     },
     /// A streamed CSV export of a large ledger through the finance API, with the process's
@@ -106,7 +110,11 @@ pub enum Command {
     Export {
         #[arg(long, default_value_t = 1_000_000)]
         rows: usize,
-        #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
+        #[arg(
+            long,
+            env = "DATABASE_URL",
+            default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+        )]
         database_url: String,
     },
     /// A bare axum server answering every POST with a fixed Messages-shaped body: the limit
