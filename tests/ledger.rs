@@ -249,6 +249,19 @@ async fn the_same_event_delivered_twice_is_one_row_and_a_spool_survives_a_restar
     .await
     .unwrap();
     assert_eq!(row, (10, 100, 50));
+    // Billed once: the rollups count each request once and reconcile with the ledger.
+    let today = chrono::Utc::now().date_naive();
+    let (from, to) = (day(today), day(today.succ_opt().unwrap()));
+    billing::rollup::rollup(&pool, from, to).await.unwrap();
+    let requests: i64 = sqlx::query_scalar(
+        "SELECT sum(requests)::BIGINT FROM usage_rollups WHERE granularity = 'day'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(requests, 2);
+    let r = billing::rollup::reconcile(&pool, from, to).await.unwrap();
+    assert!(r.mismatches.is_empty(), "{:?}", r.mismatches);
     // The ledger is append-only.
     let err = sqlx::query("UPDATE usage_events SET output_tokens = 0")
         .execute(&pool)

@@ -113,6 +113,17 @@ pub async fn ingest(
         "ledger holds {rows} rows for {n} events"
     );
 
+    // Rolling the ingested rows up (hourly and daily) keeps pace with ingest.
+    let now = chrono::Utc::now();
+    let started = Instant::now();
+    let r = billing::rollup::rollup(
+        &pool,
+        now - chrono::TimeDelta::hours(2),
+        now + chrono::TimeDelta::hours(1),
+    )
+    .await?;
+    let rollup_secs = started.elapsed().as_secs_f64();
+
     // The same rows as CSV, COPYed into a table with no index or key.
     sqlx::query("CREATE TABLE bench_copy (LIKE usage_events INCLUDING DEFAULTS)")
         .execute(&pool)
@@ -161,6 +172,12 @@ pub async fn ingest(
     );
     println!("copy\trows={n}\tseconds={copy_secs:.2}\trows_per_s={copy_rate:.0}");
     println!("meter/copy\t{:.1}%", 100.0 * meter_rate / copy_rate);
+    println!(
+        "rollup\trows={n}\tseconds={rollup_secs:.2}\trows_per_s={:.0}\thourly_rows={}\tdaily_rows={}",
+        n as f64 / rollup_secs,
+        r.hourly_rows,
+        r.daily_rows
+    );
     let _ = std::fs::remove_dir_all(&dir);
     drop_scratch(pool, &name, &url).await
 }
