@@ -124,11 +124,6 @@ async fn tenant_id(pool: &PgPool, name_or_id: &str) -> anyhow::Result<uuid::Uuid
     Ok(t.id.as_uuid())
 }
 
-fn month(s: &str) -> anyhow::Result<NaiveDate> {
-    NaiveDate::parse_from_str(&format!("{s}-01"), "%Y-%m-%d")
-        .with_context(|| format!("month {s:?} is not YYYY-MM"))
-}
-
 fn day(d: NaiveDate) -> DateTime<Utc> {
     Utc.from_utc_datetime(&d.and_hms_opt(0, 0, 0).expect("midnight"))
 }
@@ -230,7 +225,7 @@ pub async fn run(
             actor,
         } => {
             let id = tenant_id(pool, &tenant).await?;
-            let m = month(&m)?;
+            let m = invoice::parse_month(&m)?;
             let inv = if finalize {
                 invoice::finalize(pool, id, m, &actor, now).await?
             } else {

@@ -459,8 +459,7 @@ pub async fn rate_invoice(
     Json(r): Json<RateRequest>,
 ) -> Result<Json<Invoice>, ApiError> {
     caller.require(&[Role::PlatformAdmin, Role::Finance])?;
-    let month = NaiveDate::parse_from_str(&format!("{}-01", r.month), "%Y-%m-%d")
-        .map_err(|_| ApiError::invalid(format!("month {:?} is not YYYY-MM", r.month)))?;
+    let month = invoice::parse_month(&r.month)?;
     let actor = format!("jwt:{}", caller.0.sub);
     let inv = if r.finalize {
         invoice::finalize(&s.pool, r.tenant, month, &actor, Utc::now()).await?

@@ -80,6 +80,12 @@ pub struct Invoice {
     pub lines: Vec<Line>,
 }
 
+/// `YYYY-MM` → the first day of that month.
+pub fn parse_month(s: &str) -> Result<NaiveDate, BillingError> {
+    NaiveDate::parse_from_str(&format!("{s}-01"), "%Y-%m-%d")
+        .map_err(|_| BillingError::Invalid(format!("month {s:?} is not YYYY-MM")))
+}
+
 /// The first day of `month`'s month and of the next, as UTC instants.
 pub fn month_bounds(month: NaiveDate) -> Result<(DateTime<Utc>, DateTime<Utc>), BillingError> {
     let first = NaiveDate::from_ymd_opt(month.year(), month.month(), 1)

@@ -85,6 +85,23 @@ pub struct PrefixRead {
     pub blocks: Vec<FetchedBlock>,
 }
 
+impl PrefixRead {
+    /// The read of `blocks` along `links` (links past the last block are dropped), counted in
+    /// the lookup metric.
+    pub(crate) fn new(mut links: Vec<ChainLink>, blocks: Vec<FetchedBlock>) -> Self {
+        links.truncate(blocks.len());
+        let tokens = links.last().map(|l| l.end).unwrap_or(0);
+        metrics::PREFIX_LOOKUPS
+            .with_label_values(&[if tokens > 0 { "hit" } else { "miss" }])
+            .inc();
+        Self {
+            tokens,
+            links,
+            blocks,
+        }
+    }
+}
+
 /// Why there was no entry at an offset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MissReason {
@@ -156,16 +173,7 @@ impl FabricClient {
         let hashes: Vec<BlockHash> = links.iter().map(|l| l.hash).collect();
         let blocks = store.get_chain(&scope, &hashes, now);
         drop(store);
-        let links: Vec<ChainLink> = links.into_iter().take(blocks.len()).collect();
-        let tokens = links.last().map(|l| l.end).unwrap_or(0);
-        metrics::PREFIX_LOOKUPS
-            .with_label_values(&[if tokens > 0 { "hit" } else { "miss" }])
-            .inc();
-        PrefixRead {
-            tokens,
-            links,
-            blocks,
-        }
+        PrefixRead::new(links, blocks)
     }
 
     /// Write the entry ending at `offset`: the blocks of `keys.chain_to(offset)` that are in

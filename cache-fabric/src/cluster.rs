@@ -419,15 +419,7 @@ impl Cluster {
                 break;
             }
         }
-        let tokens = links.last().map(|l| l.end).unwrap_or(0);
-        metrics::PREFIX_LOOKUPS
-            .with_label_values(&[if tokens > 0 { "hit" } else { "miss" }])
-            .inc();
-        PrefixRead {
-            tokens,
-            links,
-            blocks,
-        }
+        PrefixRead::new(links, blocks)
     }
 
     /// Write an entry: keep its blocks here and push each to its owners. Succeeds once every

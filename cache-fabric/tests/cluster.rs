@@ -86,6 +86,28 @@ fn blocks(k: &PrefixKeys, offset: usize) -> Vec<PutBlock> {
         .collect()
 }
 
+/// Write the entry of `new` ending at `offset` with a 5-minute TTL; it must succeed.
+async fn write(
+    c: &FabricClient,
+    s: Scope,
+    k: &PrefixKeys,
+    offset: usize,
+    new: &[PutBlock],
+    kind: EntryKind,
+) {
+    c.write_entry(
+        s,
+        k,
+        offset,
+        new,
+        Duration::from_secs(300),
+        Instant::now(),
+        kind,
+    )
+    .await
+    .unwrap();
+}
+
 /// How many of `members` hold `hash` (asked over the transport).
 async fn copies(members: &[&Member], s: Scope, hash: BlockHash) -> usize {
     let t = TcpTransport::new(TOKEN);
@@ -108,17 +130,7 @@ async fn blocks_land_on_their_owners_and_any_member_reads_them() {
     let k = keys(s, 12 * B + 2);
     let offset = 12 * B + 2;
     let new = blocks(&k, offset);
-    ca.write_entry(
-        s,
-        &k,
-        offset,
-        &new,
-        Duration::from_secs(300),
-        Instant::now(),
-        EntryKind::Paid,
-    )
-    .await
-    .unwrap();
+    write(&ca, s, &k, offset, &new, EntryKind::Paid).await;
 
     // Every block is on each of its R = 2 owners (and on the writer, which keeps them).
     let view = cluster.view();
@@ -157,17 +169,7 @@ async fn a_dead_owner_costs_nothing_and_repair_restores_r() {
     let offset = 16 * B;
     let k = keys(s, offset);
     let new = blocks(&k, offset);
-    ca.write_entry(
-        s,
-        &k,
-        offset,
-        &new,
-        Duration::from_secs(300),
-        Instant::now(),
-        EntryKind::BestEffort,
-    )
-    .await
-    .unwrap();
+    write(&ca, s, &k, offset, &new, EntryKind::BestEffort).await;
     // C dies; readers' views still list it (membership lags by the heartbeat expiry).
     c.serving.abort();
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -198,17 +200,7 @@ async fn blocks_nobody_can_serve_are_recomputed_not_waited_for() {
     let k = keys(s, offset);
     let new = blocks(&k, offset);
     let (ca, _) = client(&a, &[&a]);
-    ca.write_entry(
-        s,
-        &k,
-        offset,
-        &new,
-        Duration::from_secs(300),
-        Instant::now(),
-        EntryKind::Paid,
-    )
-    .await
-    .unwrap();
+    write(&ca, s, &k, offset, &new, EntryKind::Paid).await;
     // B believes A and a node that never answers own the blocks.
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut ghost = a.record.clone();
@@ -243,17 +235,7 @@ async fn a_draining_node_hands_its_blocks_to_the_remaining_owners() {
     let offset = 16 * B;
     let k = keys(s, offset);
     let new = blocks(&k, offset);
-    ca.write_entry(
-        s,
-        &k,
-        offset,
-        &new,
-        Duration::from_secs(300),
-        Instant::now(),
-        EntryKind::Paid,
-    )
-    .await
-    .unwrap();
+    write(&ca, s, &k, offset, &new, EntryKind::Paid).await;
     let report = cluster_a.drain().await;
     assert_eq!(report.failed, 0);
     for blk in &new {
@@ -279,17 +261,7 @@ async fn hot_blocks_gain_replicas_on_their_readers_and_extra_copies_are_best_eff
     let offset = 8 * B;
     let k = keys(s, offset);
     let new = blocks(&k, offset);
-    ca.write_entry(
-        s,
-        &k,
-        offset,
-        &new,
-        Duration::from_secs(300),
-        Instant::now(),
-        EntryKind::Paid,
-    )
-    .await
-    .unwrap();
+    write(&ca, s, &k, offset, &new, EntryKind::Paid).await;
     // The writer's copies of blocks it does not own are extra replicas: best effort.
     let view = cluster_a.view();
     for blk in &new {

@@ -31,17 +31,16 @@ use axum::routing::{any, get};
 use cache_fabric::events::Follower;
 use cache_fabric::index::PrefixIndex;
 use cache_fabric::membership;
-use cachet_common::{RequestId, Scope};
+use cachet_common::RequestId;
 use serde_json::json;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::validate::{self, ModelLimits};
 use crate::auth::Authenticator;
 use crate::conductor::{Candidate, CostModel, Demand, Refusal};
 use crate::engines::EnginePool;
 use crate::error::{ApiError, ErrorKind};
-use crate::{CLUSTER_TOKEN_HEADER, REQUEST_ID_HEADER, metrics, render};
+use crate::{CLUSTER_TOKEN_HEADER, REQUEST_ID_HEADER, metrics};
 
 /// Routing gateway settings.
 #[derive(Clone, Debug)]
@@ -183,26 +182,8 @@ async fn demand(
 ) -> Result<(Demand, Vec<(String, usize)>), ApiError> {
     crate::api::handlers::check_version(headers)?;
     let principal = state.auth.authenticate(headers).await?;
-    let (req, bps) = validate::messages_request(body, |m| {
-        state.engines.get(m).map(|e| ModelLimits {
-            max_output_tokens: e.info().max_output_tokens,
-        })
-    })?;
-    let engine = state
-        .engines
-        .get(&req.model)
-        .cloned()
-        .ok_or_else(|| ApiError::invalid("model: unknown model"))?;
-    let scope = Scope {
-        tenant: principal.tenant,
-        workspace: principal.workspace,
-    };
-    let prompt = render::to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
-    let e2 = engine.clone();
-    let prepared =
-        tokio::task::spawn_blocking(move || render::prepare(e2.as_ref(), &prompt, &bps, scope))
-            .await
-            .map_err(|e| ApiError::internal("render task failed", e))??;
+    let (_, engine, prepared) =
+        crate::api::handlers::prepare_messages(&state.engines, &principal, body.clone()).await?;
     let info = engine.info();
     let b = info.block_size;
     let nodes = state

@@ -105,32 +105,7 @@ async fn create_message_inner(
     let body = body_bytes(body)?;
     check_version(&headers)?;
     let principal = state.auth.authenticate(&headers).await?;
-    let (req, bps) = validate::messages_request(&body, |m| {
-        state.engines.get(m).map(|e| ModelLimits {
-            max_output_tokens: e.info().max_output_tokens,
-        })
-    })?;
-    let large = body.len() > INLINE_RENDER_BYTES;
-    drop(body);
-    let engine = state
-        .engines
-        .get(&req.model)
-        .cloned()
-        .ok_or_else(|| ApiError::invalid("model: unknown model"))?;
-    let scope = Scope {
-        tenant: principal.tenant,
-        workspace: principal.workspace,
-    };
-    let prompt = render::to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
-    let prepared = if large {
-        let e2 = engine.clone();
-        tokio::task::spawn_blocking(move || render::prepare(e2.as_ref(), &prompt, &bps, scope))
-            .await
-            .map_err(|e| ApiError::internal("render task failed", e))??
-    } else {
-        // Small prompts render (memoized) in tens of microseconds: cheaper than a thread hop.
-        render::prepare(engine.as_ref(), &prompt, &bps, scope)?
-    };
+    let (req, engine, prepared) = prepare_messages(&state.engines, &principal, body).await?;
     // Generation never runs past the context window: it ends as `max_tokens` there.
     let room = engine
         .info()
@@ -209,6 +184,42 @@ async fn create_message_inner(
         };
         Ok(with_rate_headers(axum::Json(resp).into_response(), &rate))
     }
+}
+
+/// Validate a Messages body and render it for `principal`'s scope: the request, the engine of
+/// its model, and the prompt's tokens, breakpoints and block keys. Shared by the serving
+/// pipeline and the routing gateway, so both see the same keys.
+pub(crate) async fn prepare_messages(
+    engines: &crate::engines::EnginePool,
+    principal: &crate::tenants::Principal,
+    body: Bytes,
+) -> Result<(MessagesRequest, Arc<dyn engine::Engine>, render::Prepared), ApiError> {
+    let (req, bps) = validate::messages_request(&body, |m| {
+        engines.get(m).map(|e| ModelLimits {
+            max_output_tokens: e.info().max_output_tokens,
+        })
+    })?;
+    let large = body.len() > INLINE_RENDER_BYTES;
+    drop(body);
+    let engine = engines
+        .get(&req.model)
+        .cloned()
+        .ok_or_else(|| ApiError::invalid("model: unknown model"))?;
+    let scope = Scope {
+        tenant: principal.tenant,
+        workspace: principal.workspace,
+    };
+    let prompt = render::to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
+    let prepared = if large {
+        let e2 = engine.clone();
+        tokio::task::spawn_blocking(move || render::prepare(e2.as_ref(), &prompt, &bps, scope))
+            .await
+            .map_err(|e| ApiError::internal("render task failed", e))??
+    } else {
+        // Small prompts render (memoized) in tens of microseconds: cheaper than a thread hop.
+        render::prepare(engine.as_ref(), &prompt, &bps, scope)?
+    };
+    Ok((req, engine, prepared))
 }
 
 fn sse(name: &str, data: serde_json::Value) -> Result<SseEvent, Infallible> {
