@@ -83,6 +83,9 @@ pub struct FabricSection {
     /// Bytes of the local-disk tier under `data_dir/fabric-disk`; 0 turns it off. DRAM
     /// evictions are demoted there and promoted back on a read.
     pub disk_capacity_bytes: u64,
+    /// Bytes of GPU memory (device 0) used as the tier under DRAM instead of the disk; 0
+    /// turns it off. Needs a build with the `cuda` feature and a GPU.
+    pub gpu_capacity_bytes: u64,
 }
 
 impl FabricSection {
@@ -101,12 +104,38 @@ impl FabricSection {
             dram_capacity_bytes: self.dram_capacity_bytes,
             eviction: self.eviction()?,
         };
+        if self.gpu_capacity_bytes > 0 {
+            return gpu_node(config, self.gpu_capacity_bytes);
+        }
         Ok(match self.disk_capacity_bytes {
             0 => cache_fabric::FabricNode::new(config),
             cap => cache_fabric::FabricNode::with_disk(config, disk_dir, cap)
                 .with_context(|| format!("opening the disk tier in {}", disk_dir.display()))?,
         })
     }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_node(
+    config: cache_fabric::NodeConfig,
+    capacity: u64,
+) -> anyhow::Result<std::sync::Arc<cache_fabric::FabricNode>> {
+    let tier = cache_fabric::gpu::GpuTier::open(0, capacity)
+        .context("fabric.gpu_capacity_bytes is set, but GPU memory cannot be used")?;
+    Ok(cache_fabric::FabricNode::with_lower_tier(
+        config,
+        Box::new(tier),
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_node(
+    _config: cache_fabric::NodeConfig,
+    _capacity: u64,
+) -> anyhow::Result<std::sync::Arc<cache_fabric::FabricNode>> {
+    bail!(
+        "fabric.gpu_capacity_bytes needs a build with the cuda feature (cargo build --features cuda)"
+    )
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -175,6 +204,7 @@ impl Default for FabricSection {
             dram_capacity_bytes: 1 << 30,
             eviction: "frequency".into(),
             disk_capacity_bytes: 0,
+            gpu_capacity_bytes: 0,
         }
     }
 }
@@ -260,6 +290,10 @@ impl Config {
             "CACHET_DISK_CAPACITY_BYTES",
             &mut self.fabric.disk_capacity_bytes,
         )?;
+        env_parse(
+            "CACHET_GPU_CAPACITY_BYTES",
+            &mut self.fabric.gpu_capacity_bytes,
+        )?;
         env_parse("CACHET_ENGINE", &mut self.engine.kind)?;
         env_parse("CACHET_MODEL_PATH", &mut self.engine.model_path)?;
         env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
@@ -303,8 +337,14 @@ impl Config {
         let FabricSection {
             dram_capacity_bytes,
             eviction: _,
-            disk_capacity_bytes: _,
+            disk_capacity_bytes,
+            gpu_capacity_bytes,
         } = fabric;
+        if *disk_capacity_bytes > 0 && *gpu_capacity_bytes > 0 {
+            bail!(
+                "fabric.disk_capacity_bytes and fabric.gpu_capacity_bytes are both set: a node has one tier under DRAM"
+            );
+        }
         if *dram_capacity_bytes == 0 {
             bail!("fabric.dram_capacity_bytes must be positive");
         }
@@ -428,5 +468,25 @@ mod tests {
                 .to_string()
                 .contains("engine.kind")
         );
+    }
+
+    #[test]
+    fn one_tier_under_dram_and_gpu_memory_only_where_it_exists() {
+        let c: Config =
+            toml::from_str("[fabric]\ndisk_capacity_bytes = 1\ngpu_capacity_bytes = 1").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("one tier"));
+        let c: Config = toml::from_str("[fabric]\ngpu_capacity_bytes = 1048576").unwrap();
+        c.validate().unwrap();
+        // Without the feature, or without a GPU, the node refuses to start and says why.
+        match c.fabric.node(std::path::Path::new("/nonexistent")) {
+            Err(e) => {
+                let msg = format!("{e:#}");
+                assert!(msg.contains("gpu_capacity_bytes"), "{msg}");
+            }
+            Ok(_) => assert!(
+                cfg!(feature = "cuda"),
+                "a GPU tier opened in a build without the cuda feature"
+            ),
+        }
     }
 }

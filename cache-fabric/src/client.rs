@@ -50,6 +50,17 @@ impl FabricNode {
         }))
     }
 
+    /// A node whose DRAM tier demotes to `lower` (any [`crate::tier::TierStore`]: the disk
+    /// tier, or GPU memory with the `cuda` feature).
+    pub fn with_lower_tier(
+        config: NodeConfig,
+        lower: Box<dyn crate::tier::TierStore>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            store: Mutex::new(Self::dram(config).with_lower_tier(lower)),
+        })
+    }
+
     fn dram(config: NodeConfig) -> Store {
         Store::new(StoreLimits {
             capacity_bytes: config.dram_capacity_bytes,
