@@ -442,3 +442,39 @@ async fn reconcile_cli_exits_non_zero_with_the_differences() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("ledger = rollups = invoices"));
     drop_db(pool, name).await;
 }
+
+/// The plan's reserved cache bytes reach the fabric with the tenant's key.
+#[tokio::test]
+async fn a_plans_reserved_bytes_come_with_the_tenants_key() {
+    let (pool, tenant, name) = db().await;
+    let t = gateway::tenants::find_tenant(&pool, &tenant.to_string())
+        .await
+        .unwrap()
+        .unwrap();
+    let key = gateway::tenants::create_key(&pool, &t, "k").await.unwrap();
+    let lookup = || async {
+        gateway::tenants::lookup_key(&pool, &gateway::tenants::hash_secret(&key.secret))
+            .await
+            .unwrap()
+            .unwrap()
+            .cache_reserved_bytes
+    };
+    assert_eq!(lookup().await, None);
+    prices::set_plan(
+        &pool,
+        &Plan {
+            tenant_id: tenant,
+            effective_from: at("2026-01-01T00:00:00Z"),
+            discount_bp: 0,
+            reserved_cache_bytes: 5_000_000_000,
+            reserved_nanos_per_gb_hour: 1,
+        },
+        "test",
+        true,
+        NOW(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(lookup().await, Some(5_000_000_000));
+    drop_db(pool, name).await;
+}

@@ -248,15 +248,27 @@ impl FabricClient {
     /// `R × quota` bytes of the tenant, one copy of each at most `quota` (see
     /// docs/decisions/0009-cluster-roles.md).
     pub async fn set_tenant_quota(&self, tenant: TenantId, bytes: Option<u64>) {
-        let bytes = match (&self.cluster, bytes) {
-            (Some(c), Some(q)) => {
+        let bytes = bytes.map(|q| self.per_node_share(q));
+        self.node.store().set_quota(tenant, bytes);
+    }
+
+    /// Reserve fabric bytes for a tenant (`None`: none), counted like the quota: one copy
+    /// of each block, so each node of a cluster reserves `bytes × R / G`.
+    pub async fn set_tenant_reservation(&self, tenant: TenantId, bytes: Option<u64>) {
+        let bytes = bytes.map(|b| self.per_node_share(b));
+        self.node.store().set_reservation(tenant, bytes);
+    }
+
+    /// This node's share of a cluster-wide tenant budget (all of it when not clustered).
+    fn per_node_share(&self, bytes: u64) -> u64 {
+        match &self.cluster {
+            Some(c) => {
                 let group = c.view().membership.len().min(c.config().group_size).max(1) as u64;
                 let r = (c.config().replicas as u64).clamp(1, group);
-                Some(q.saturating_mul(r) / group)
+                bytes.saturating_mul(r) / group
             }
-            (_, b) => b,
-        };
-        self.node.store().set_quota(tenant, bytes);
+            None => bytes,
+        }
     }
 
     pub async fn tenant_bytes(&self, tenant: TenantId) -> u64 {

@@ -178,6 +178,8 @@ pub struct Store {
     used_bytes: u64,
     tenant_bytes: HashMap<TenantId, u64>,
     tenant_quota: HashMap<TenantId, u64>,
+    /// Bytes reserved for a tenant: capacity eviction never takes its blocks below this.
+    tenant_reserved: HashMap<TenantId, u64>,
     /// Leaves that capacity eviction may take (not paid), by key.
     leaves: BTreeSet<(u64, BlockHash)>,
     /// Every leaf of each tenant, by key (quota eviction).
@@ -205,6 +207,7 @@ impl Store {
             used_bytes: 0,
             tenant_bytes: HashMap::new(),
             tenant_quota: HashMap::new(),
+            tenant_reserved: HashMap::new(),
             leaves: BTreeSet::new(),
             tenant_leaves: HashMap::new(),
             ranking: Ranking::new(limits.policy),
@@ -255,6 +258,36 @@ impl Store {
 
     /// Set (or clear, with `None`) a tenant's resident-bytes quota. Lowering it below the
     /// tenant's usage evicts that tenant's own least-recently-used blocks.
+    /// Reserve bytes for a tenant (`None` or 0: none): other tenants' writes never evict its
+    /// blocks for capacity while it holds no more than this. (Its own quota still applies;
+    /// paid entries are never evicted for capacity whatever the reservations.)
+    pub fn set_reservation(&mut self, tenant: TenantId, bytes: Option<u64>) {
+        match bytes.filter(|b| *b > 0) {
+            Some(b) => {
+                self.tenant_reserved.insert(tenant, b);
+            }
+            None => {
+                self.tenant_reserved.remove(&tenant);
+            }
+        }
+    }
+
+    /// The best-effort leaf capacity eviction takes next: the lowest-ranked one that is not
+    /// pinned and whose removal keeps its tenant at or above its reservation.
+    fn capacity_victim(&self, pinned: &BlockSet) -> Option<(u64, BlockHash)> {
+        self.leaves
+            .iter()
+            .find(|(_, h)| {
+                !pinned.contains(h)
+                    && self.blocks.get(h).is_none_or(|b| {
+                        let t = b.scope.tenant;
+                        let reserved = self.tenant_reserved.get(&t).copied().unwrap_or(0);
+                        self.tenant_bytes(t).saturating_sub(b.data.len() as u64) >= reserved
+                    })
+            })
+            .copied()
+    }
+
     pub fn set_quota(&mut self, tenant: TenantId, quota: Option<u64>) {
         match quota {
             Some(q) => {
@@ -648,8 +681,8 @@ impl Store {
             let candidate =
                 self.ranking
                     .prospective_key(&first.hash, self.clock + 1, self.blocks.len());
-            let victim = self.leaves.iter().find(|(_, h)| !pinned.contains(h));
-            if victim.is_some_and(|(key, _)| *key > candidate) {
+            let victim = self.capacity_victim(&pinned);
+            if victim.is_some_and(|(key, _)| key > candidate) {
                 // Seen, though not stored: the next use of these blocks ranks higher.
                 for b in &new {
                     self.ranking.record(&b.hash, self.blocks.len());
@@ -795,11 +828,7 @@ impl Store {
                 .tenant_leaves
                 .get(&t)
                 .and_then(|s| s.iter().find(|(_, h)| !pinned.contains(h)).copied()),
-            None => self
-                .leaves
-                .iter()
-                .find(|(_, h)| !pinned.contains(h))
-                .copied(),
+            None => self.capacity_victim(pinned),
         };
         match victim {
             Some((_, h)) => {

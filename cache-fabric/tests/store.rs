@@ -231,6 +231,65 @@ async fn quota_evicts_only_the_tenants_own_lru_blocks() {
 }
 
 #[tokio::test]
+async fn reserved_bytes_are_never_taken_by_other_tenants() {
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    let (c, node) = client(8 * block);
+    let (a, b) = (scope(), scope());
+    node.with_store(|st| st.set_reservation(a.tenant, Some(3 * block)));
+    let now = Instant::now();
+    // A writes a 4-block chain first: under plain LRU it would be the first to go.
+    let ka = keys(a, &toks(1, 4 * B), &[4 * B]);
+    c.write_entry(
+        a,
+        &ka,
+        4 * B,
+        &blocks_to(&ka, 4 * B),
+        Duration::from_secs(300),
+        now,
+        AUTO,
+    )
+    .await
+    .unwrap();
+    // B writes far more than the node holds.
+    for seed in 10..40 {
+        let kb = keys(b, &toks(seed, B), &[B]);
+        c.write_entry(
+            b,
+            &kb,
+            B,
+            &blocks_to(&kb, B),
+            Duration::from_secs(300),
+            now,
+            AUTO,
+        )
+        .await
+        .unwrap();
+        node.with_store(|st| st.check_invariants());
+    }
+    // A lost only what it held beyond its reservation (its chain's tail), nothing more.
+    assert_eq!(c.tenant_bytes(a.tenant).await, 3 * block);
+    assert_eq!(c.read_prefix(a, &ka, 4 * B, now).await.tokens, 3 * B);
+    assert_eq!(c.tenant_bytes(b.tenant).await, 5 * block);
+    // Without the reservation, A's blocks go like anyone's.
+    node.with_store(|st| st.set_reservation(a.tenant, None));
+    for seed in 40..50 {
+        let kb = keys(b, &toks(seed, B), &[B]);
+        c.write_entry(
+            b,
+            &kb,
+            B,
+            &blocks_to(&kb, B),
+            Duration::from_secs(300),
+            now,
+            AUTO,
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(c.tenant_bytes(a.tenant).await, 0);
+}
+
+#[tokio::test]
 async fn capacity_eviction_takes_tails_before_ancestors() {
     // Room for exactly 4 blocks of 4 tokens.
     let (c, node) = client(4 * (B * BYTES_PER_TOKEN) as u64);

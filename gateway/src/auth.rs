@@ -94,6 +94,8 @@ impl Authenticator {
                     let q = p.quotas.cache_resident_bytes.map(|b| b.max(0) as u64);
                     if let Some(f) = &self.fabric {
                         f.set_tenant_quota(p.tenant, q).await;
+                        let reserved = p.cache_reserved_bytes.map(|b| b.max(0) as u64);
+                        f.set_tenant_reservation(p.tenant, reserved).await;
                     }
                 }
                 let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());

@@ -52,6 +52,8 @@ pub struct Principal {
     pub tenant: TenantId,
     pub workspace: WorkspaceId,
     pub quotas: Quotas,
+    /// Fabric bytes reserved for the tenant by its plan in force (billed per GB-hour).
+    pub cache_reserved_bytes: Option<i64>,
 }
 
 #[derive(Clone, Debug)]
@@ -203,7 +205,9 @@ pub async fn lookup_key(
     let row = sqlx::query(
         "SELECT k.id, k.tenant_id, k.workspace_id, q.requests_per_minute, q.input_tokens_per_minute, \
          q.output_tokens_per_minute, q.key_requests_per_minute, q.key_input_tokens_per_minute, \
-         q.key_output_tokens_per_minute, q.cache_resident_bytes \
+         q.key_output_tokens_per_minute, q.cache_resident_bytes, \
+         (SELECT p.reserved_cache_bytes FROM tenant_plans p WHERE p.tenant_id = k.tenant_id \
+          AND p.effective_from <= now() ORDER BY p.effective_from DESC LIMIT 1) AS cache_reserved_bytes \
          FROM api_keys k JOIN tenants t ON t.id = k.tenant_id LEFT JOIN tenant_quotas q ON q.tenant_id = k.tenant_id \
          WHERE k.secret_sha256 = $1 AND k.revoked_at IS NULL AND t.deleted_at IS NULL",
     )
@@ -223,6 +227,7 @@ pub async fn lookup_key(
             key_output_tokens_per_minute: r.get("key_output_tokens_per_minute"),
             cache_resident_bytes: r.get("cache_resident_bytes"),
         },
+        cache_reserved_bytes: r.get("cache_reserved_bytes"),
     }))
 }
 
