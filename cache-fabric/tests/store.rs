@@ -37,6 +37,28 @@ fn blocks_to(keys: &PrefixKeys, offset: usize) -> Vec<PutBlock> {
         .collect()
 }
 
+/// Write the whole chain of `keys` to `offset` as one entry with a TTL of `ttl_secs`.
+async fn write_whole(
+    c: &FabricClient,
+    s: Scope,
+    keys: &PrefixKeys,
+    offset: usize,
+    ttl_secs: u64,
+    now: Instant,
+    kind: EntryKind,
+) -> Result<(), cache_fabric::WriteRefused> {
+    c.write_entry(
+        s,
+        keys,
+        offset,
+        &blocks_to(keys, offset),
+        Duration::from_secs(ttl_secs),
+        now,
+        kind,
+    )
+    .await
+}
+
 fn client(capacity: u64) -> (FabricClient, std::sync::Arc<FabricNode>) {
     client_with(capacity, EvictionPolicy::Lru)
 }
@@ -66,17 +88,7 @@ async fn entry_expires_after_its_ttl_and_reads_refresh_it() {
     let t = toks(1, 10);
     let k = keys(s, &t, &[10]);
     let t0 = Instant::now();
-    c.write_entry(
-        s,
-        &k,
-        10,
-        &blocks_to(&k, 10),
-        Duration::from_secs(300),
-        t0,
-        PAID,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &k, 10, 300, t0, PAID).await.unwrap();
     assert_eq!(c.read_prefix(s, &k, 10, t0).await.tokens, 10);
 
     tokio::time::advance(Duration::from_secs(240)).await;
@@ -108,28 +120,8 @@ async fn one_hour_entry_outlives_a_five_minute_one_sharing_its_blocks() {
     let t = toks(2, 16);
     let k = keys(s, &t, &[6, 16]);
     let now = Instant::now();
-    c.write_entry(
-        s,
-        &k,
-        6,
-        &blocks_to(&k, 6),
-        Duration::from_secs(3600),
-        now,
-        PAID,
-    )
-    .await
-    .unwrap();
-    c.write_entry(
-        s,
-        &k,
-        16,
-        &blocks_to(&k, 16),
-        Duration::from_secs(300),
-        now,
-        PAID,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &k, 6, 3600, now, PAID).await.unwrap();
+    write_whole(&c, s, &k, 16, 300, now, PAID).await.unwrap();
     tokio::time::advance(Duration::from_secs(600)).await;
     let r = c.read_prefix(s, &k, 16, Instant::now()).await;
     assert_eq!(
@@ -171,17 +163,7 @@ async fn quota_evicts_only_the_tenants_own_lru_blocks() {
     c.set_tenant_quota(a.tenant, Some(2 * per_entry)).await;
     let now = Instant::now();
     let kb = keys(b, &toks(9, 8), &[8]);
-    c.write_entry(
-        b,
-        &kb,
-        8,
-        &blocks_to(&kb, 8),
-        Duration::from_secs(300),
-        now,
-        PAID,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, b, &kb, 8, 300, now, PAID).await.unwrap();
     let ka: Vec<PrefixKeys> = (0..3).map(|i| keys(a, &toks(10 + i, 8), &[8])).collect();
     for k in &ka {
         c.write_entry(
@@ -239,31 +221,13 @@ async fn reserved_bytes_are_never_taken_by_other_tenants() {
     let now = Instant::now();
     // A writes a 4-block chain first: under plain LRU it would be the first to go.
     let ka = keys(a, &toks(1, 4 * B), &[4 * B]);
-    c.write_entry(
-        a,
-        &ka,
-        4 * B,
-        &blocks_to(&ka, 4 * B),
-        Duration::from_secs(300),
-        now,
-        AUTO,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, a, &ka, 4 * B, 300, now, AUTO)
+        .await
+        .unwrap();
     // B writes far more than the node holds.
     for seed in 10..40 {
         let kb = keys(b, &toks(seed, B), &[B]);
-        c.write_entry(
-            b,
-            &kb,
-            B,
-            &blocks_to(&kb, B),
-            Duration::from_secs(300),
-            now,
-            AUTO,
-        )
-        .await
-        .unwrap();
+        write_whole(&c, b, &kb, B, 300, now, AUTO).await.unwrap();
         node.with_store(|st| st.check_invariants());
     }
     // A lost only what it held beyond its reservation (its chain's tail), nothing more.
@@ -274,17 +238,7 @@ async fn reserved_bytes_are_never_taken_by_other_tenants() {
     node.with_store(|st| st.set_reservation(a.tenant, None));
     for seed in 40..50 {
         let kb = keys(b, &toks(seed, B), &[B]);
-        c.write_entry(
-            b,
-            &kb,
-            B,
-            &blocks_to(&kb, B),
-            Duration::from_secs(300),
-            now,
-            AUTO,
-        )
-        .await
-        .unwrap();
+        write_whole(&c, b, &kb, B, 300, now, AUTO).await.unwrap();
     }
     assert_eq!(c.tenant_bytes(a.tenant).await, 0);
 }
@@ -297,31 +251,11 @@ async fn capacity_eviction_takes_tails_before_ancestors() {
     let now = Instant::now();
     let t = toks(4, 16);
     let k = keys(s, &t, &[16]);
-    c.write_entry(
-        s,
-        &k,
-        16,
-        &blocks_to(&k, 16),
-        Duration::from_secs(300),
-        now,
-        AUTO,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &k, 16, 300, now, AUTO).await.unwrap();
     // Re-read the chain so the root is the most recently used block; LRU alone would take it.
     c.read_prefix(s, &k, 4, now).await;
     let other = keys(s, &toks(5, 4), &[4]);
-    c.write_entry(
-        s,
-        &other,
-        4,
-        &blocks_to(&other, 4),
-        Duration::from_secs(300),
-        now,
-        AUTO,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &other, 4, 300, now, AUTO).await.unwrap();
     // The chain lost its tail block, not its root.
     assert_eq!(c.read_prefix(s, &k, 16, now).await.tokens, 12);
     node.with_store(|st| st.check_invariants());
@@ -334,17 +268,7 @@ async fn a_flipped_bit_is_detected_and_the_block_never_served() {
     let t = toks(6, 12);
     let k = keys(s, &t, &[12]);
     let now = Instant::now();
-    c.write_entry(
-        s,
-        &k,
-        12,
-        &blocks_to(&k, 12),
-        Duration::from_secs(300),
-        now,
-        PAID,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &k, 12, 300, now, PAID).await.unwrap();
     assert!(node.with_store(|st| st.corrupt_for_test(&k.blocks[1])));
     let r = c.read_prefix(s, &k, 12, now).await;
     assert_eq!(r.tokens, 4, "prefix stops before the corrupt block");
@@ -369,17 +293,7 @@ async fn tail_hits_are_exact_at_boundaries() {
     let t = toks(7, 14);
     let k = keys(s, &t, &[6, 14]);
     let now = Instant::now();
-    c.write_entry(
-        s,
-        &k,
-        6,
-        &blocks_to(&k, 6),
-        Duration::from_secs(300),
-        now,
-        PAID,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &k, 6, 300, now, PAID).await.unwrap();
     let r = c.read_prefix(s, &k, 14, now).await;
     assert_eq!(r.tokens, 6);
     assert_eq!(r.blocks.len(), 2);
@@ -393,30 +307,11 @@ async fn paid_entries_are_never_evicted_for_capacity() {
     let (s, other) = (scope(), scope());
     let now = Instant::now();
     let k = keys(s, &toks(30, 16), &[16]);
-    c.write_entry(
-        s,
-        &k,
-        16,
-        &blocks_to(&k, 16),
-        Duration::from_secs(300),
-        now,
-        PAID,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &k, 16, 300, now, PAID).await.unwrap();
     for (who, kind) in [(s, AUTO), (s, PAID), (other, AUTO), (other, PAID)] {
         let kx = keys(who, &toks(31, 4), &[4]);
         assert_eq!(
-            c.write_entry(
-                who,
-                &kx,
-                4,
-                &blocks_to(&kx, 4),
-                Duration::from_secs(300),
-                now,
-                kind
-            )
-            .await,
+            write_whole(&c, who, &kx, 4, 300, now, kind).await,
             Err(WriteRefused::Capacity),
             "{kind:?} write of {:?} must not displace a paid entry",
             who.tenant
@@ -437,42 +332,12 @@ async fn best_effort_blocks_go_before_paid_ones_whatever_their_recency() {
     let now = Instant::now();
     let paid = keys(s, &toks(40, 8), &[8]);
     let auto = keys(s, &toks(41, 8), &[8]);
-    c.write_entry(
-        s,
-        &paid,
-        8,
-        &blocks_to(&paid, 8),
-        Duration::from_secs(300),
-        now,
-        PAID,
-    )
-    .await
-    .unwrap();
-    c.write_entry(
-        s,
-        &auto,
-        8,
-        &blocks_to(&auto, 8),
-        Duration::from_secs(300),
-        now,
-        AUTO,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &paid, 8, 300, now, PAID).await.unwrap();
+    write_whole(&c, s, &auto, 8, 300, now, AUTO).await.unwrap();
     // The automatic entry is now the most recently used; LRU alone would keep it.
     c.read_prefix(s, &auto, 8, now).await;
     let next = keys(s, &toks(42, 8), &[8]);
-    c.write_entry(
-        s,
-        &next,
-        8,
-        &blocks_to(&next, 8),
-        Duration::from_secs(300),
-        now,
-        PAID,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &next, 8, 300, now, PAID).await.unwrap();
     assert_eq!(c.read_prefix(s, &paid, 8, now).await.tokens, 8);
     assert_eq!(c.read_prefix(s, &auto, 8, now).await.tokens, 0);
     assert_eq!(
@@ -491,17 +356,7 @@ async fn a_paid_write_over_an_automatic_prefix_makes_the_whole_chain_paid() {
     let s = scope();
     let now = Instant::now();
     let k = keys(s, &toks(43, 16), &[8, 16]);
-    c.write_entry(
-        s,
-        &k,
-        8,
-        &blocks_to(&k, 8),
-        Duration::from_secs(300),
-        now,
-        AUTO,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &k, 8, 300, now, AUTO).await.unwrap();
     node.with_store(|st| assert!(!st.is_paid(&k.blocks[0])));
     let rest: Vec<PutBlock> = blocks_to(&k, 16).into_iter().skip(2).collect();
     c.write_entry(s, &k, 16, &rest, Duration::from_secs(300), now, PAID)
@@ -540,30 +395,11 @@ async fn frequency_policy_declines_a_one_off_entry_that_would_displace_hot_block
     }
     let once = keys(s, &toks(60, 8), &[8]);
     assert_eq!(
-        c.write_entry(
-            s,
-            &once,
-            8,
-            &blocks_to(&once, 8),
-            Duration::from_secs(300),
-            now,
-            AUTO
-        )
-        .await,
+        write_whole(&c, s, &once, 8, 300, now, AUTO).await,
         Err(WriteRefused::NotAdmitted)
     );
     // A paid entry is not subject to admission: it displaces best-effort blocks.
-    c.write_entry(
-        s,
-        &once,
-        8,
-        &blocks_to(&once, 8),
-        Duration::from_secs(300),
-        now,
-        PAID,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &once, 8, 300, now, PAID).await.unwrap();
     assert_eq!(c.read_prefix(s, &once, 8, now).await.tokens, 8);
     // Under LRU the same one-off best-effort entry is simply stored.
     let (lru, _) = client(4 * (B * BYTES_PER_TOKEN) as u64);
@@ -580,17 +416,9 @@ async fn frequency_policy_declines_a_one_off_entry_that_would_displace_hot_block
         .await
         .unwrap();
     }
-    lru.write_entry(
-        s,
-        &once,
-        8,
-        &blocks_to(&once, 8),
-        Duration::from_secs(300),
-        now,
-        AUTO,
-    )
-    .await
-    .unwrap();
+    write_whole(&lru, s, &once, 8, 300, now, AUTO)
+        .await
+        .unwrap();
     node.with_store(|st| st.check_invariants());
 }
 
@@ -618,28 +446,8 @@ async fn dram_pressure_demotes_to_disk_and_a_disk_hit_promotes() {
     let now = Instant::now();
     let a = keys(s, &toks(70, 8), &[8]);
     let b = keys(s, &toks(71, 8), &[8]);
-    c.write_entry(
-        s,
-        &a,
-        8,
-        &blocks_to(&a, 8),
-        Duration::from_secs(300),
-        now,
-        AUTO,
-    )
-    .await
-    .unwrap();
-    c.write_entry(
-        s,
-        &b,
-        8,
-        &blocks_to(&b, 8),
-        Duration::from_secs(300),
-        now,
-        AUTO,
-    )
-    .await
-    .unwrap();
+    write_whole(&c, s, &a, 8, 300, now, AUTO).await.unwrap();
+    write_whole(&c, s, &b, 8, 300, now, AUTO).await.unwrap();
     node.with_store(|st| {
         assert_eq!(st.len(), 2, "DRAM holds b");
         assert_eq!(st.lower_tier_usage(), Some((2, 64)), "a went to disk");
