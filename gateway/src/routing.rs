@@ -8,9 +8,10 @@
 //! flight per node, and forwards the request there with the cluster token and the request
 //! id it chose. If no node can start answering within the TTFT SLO it answers 529 at once.
 //!
-//! A node that cannot be reached, or fails before its answer is complete, is skipped and
-//! the request goes to the next node in the conductor's order with the same request id: the
-//! ledger keys usage by request id, so a retried request is billed once. A streamed answer
+//! A node that cannot be reached, fails before its answer is complete, or answers 529 (its
+//! engines are saturated; it did no work) is skipped and the request goes to the next node in
+//! the conductor's order with the same request id: the ledger keys usage by request id, so a
+//! retried request is billed once. Other answers, errors included, are passed through. A streamed answer
 //! that breaks after its first bytes cannot be retried; the stream ends early.
 //!
 //! What it is not: it runs no engine and holds no KV; it loads the engines only to render
@@ -335,7 +336,7 @@ async fn forward_with(
     body: Bytes,
     ids: &[String],
 ) -> Response {
-    for id in ids {
+    for (attempt, id) in ids.iter().enumerate() {
         let Some(base) = state
             .nodes
             .read()
@@ -369,6 +370,14 @@ async fn forward_with(
         }
         let result = req.send().await;
         let outcome = match result {
+            Ok(resp) if resp.status().as_u16() == 529 && attempt + 1 < ids.len() => {
+                // That node's engines are saturated; it did no work and billed nothing, so
+                // the next node may serve the request under the same id.
+                finish(&load, started);
+                metrics::ROUTED.with_label_values(&["retried"]).inc();
+                tracing::info!(node = %id, request_id = %rid, "node overloaded; trying the next one");
+                continue;
+            }
             Ok(resp) => {
                 let status = resp.status();
                 let streamed = resp
