@@ -68,6 +68,27 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> anyhow::Res
     Ok(pool)
 }
 
+/// `app` with the finance API merged in, and the rollups kept current (the last two hours,
+/// every minute) until `shutdown`.
+fn finance(
+    config: &Config,
+    pool: &PgPool,
+    shutdown: &CancellationToken,
+    app: axum::Router,
+) -> anyhow::Result<axum::Router> {
+    let state = billing::api::FinanceState {
+        pool: pool.clone(),
+        jwt: admin_jwt(config)?.map(std::sync::Arc::new),
+    };
+    tokio::spawn(billing::rollup::keep_current(
+        pool.clone(),
+        Duration::from_secs(60),
+        chrono::TimeDelta::hours(2),
+        shutdown.clone(),
+    ));
+    Ok(app.merge(billing::api::router(state)))
+}
+
 /// The finance API's token signer (none without a secret: the finance API then answers 503
 /// saying how to turn it on).
 pub fn admin_jwt(config: &Config) -> anyhow::Result<Option<billing::api::Jwt>> {
@@ -142,6 +163,7 @@ pub async fn start_api(
     fabric: FabricClient,
 ) -> anyhow::Result<Running> {
     let addr = listener.local_addr()?;
+    let gateway_config_internal = gateway_config.internal_token.is_some();
     // Load the engines first: a missing model file is reported before anything starts.
     let engine_pool = engines(&config).await?;
     let pool = connect_and_migrate(&config.database_url, 16).await?;
@@ -160,18 +182,13 @@ pub async fn start_api(
         meter.clone(),
         redis,
     )?;
-    let finance = billing::api::FinanceState {
-        pool: pool.clone(),
-        jwt: admin_jwt(&config)?.map(std::sync::Arc::new),
+    // A cluster node's API is internal (cluster token only): the finance API and the rollups
+    // belong to the public side, `serve` or the cluster's gateway.
+    let app = if gateway_config_internal {
+        gateway::router(state)
+    } else {
+        finance(&config, &pool, &shutdown, gateway::router(state))?
     };
-    let app = gateway::router(state).merge(billing::api::router(finance));
-    // Usage rollups follow the ledger: the last two hours, every minute.
-    tokio::spawn(billing::rollup::keep_current(
-        pool.clone(),
-        Duration::from_secs(60),
-        chrono::TimeDelta::hours(2),
-        shutdown.clone(),
-    ));
     let meter_handle = meter.clone();
     let task = tokio::spawn(async move {
         let served = gateway::serve(listener, app, shutdown).await;
@@ -223,7 +240,7 @@ pub async fn start_gateway(
         },
         node_timeout: Duration::from_secs(600),
     };
-    let state = gateway::routing::state(routing, pool, engine_pool)?;
+    let state = gateway::routing::state(routing, pool.clone(), engine_pool)?;
     tokio::spawn(gateway::routing::follow_cluster(
         state.clone(),
         conn,
@@ -231,8 +248,9 @@ pub async fn start_gateway(
         Duration::from_millis(500),
         shutdown.clone(),
     ));
+    let app = finance(&config, &pool, &shutdown, gateway::routing::router(state))?;
     let task = tokio::spawn(async move {
-        gateway::routing::run(listener, state, shutdown)
+        gateway::serve(listener, app, shutdown)
             .await
             .context("http server failed")
     });

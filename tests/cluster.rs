@@ -623,10 +623,12 @@ async fn a_saturated_node_is_skipped_not_surfaced() {
         .await
         .unwrap()
         .secret;
+    let secret = "a-finance-secret-for-the-cluster-test-0123456789";
     let base: Vec<(&'static str, String)> = vec![
         ("DATABASE_URL", db_url.clone()),
         ("CACHET_ENGINE", "sim".into()),
         ("CACHET_SIM_TIME_SCALE", "1".into()),
+        ("CACHET_ADMIN_JWT_SECRET", secret.into()),
     ];
     // One engine worker, no queue, and slow: 2 ms × 100 = 0.2 s a token.
     let mut busy_env = base.clone();
@@ -686,6 +688,36 @@ async fn a_saturated_node_is_skipped_not_surfaced() {
     assert!(retried >= 1.0, "no request met the busy node:\n{metrics}");
     let (s, _, _) = hog.await.unwrap();
     assert_eq!(s, 200);
+
+    // The finance API is on the cluster's public side (the gateway), not on nodes' internal
+    // ports.
+    let prices = |base: String, token: Option<String>| {
+        let http = http.clone();
+        async move {
+            let mut req = http.get(format!("{base}/v1/billing/prices"));
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            req.send().await.unwrap().status().as_u16()
+        }
+    };
+    let finance = billing::api::Jwt::new(secret.as_bytes())
+        .unwrap()
+        .issue(
+            "t",
+            billing::api::Role::Finance,
+            None,
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    assert_eq!(prices(gw.url.clone(), None).await, 401);
+    assert_eq!(prices(gw.url.clone(), Some(finance.clone())).await, 200);
+    let node_api = format!("http://{}", busy.api.as_ref().unwrap());
+    assert_eq!(
+        prices(node_api, Some(finance)).await,
+        401,
+        "internal port, no cluster token"
+    );
     pool.close().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
