@@ -13,8 +13,11 @@ PY := $(VENV)/bin/python
 ## Start everything (Postgres and Redis too, if none answers) and serve on 127.0.0.1:8080.
 run: services model build-release
 	@$(TARGET)/release/cachet migrate >/dev/null
-	@KEY=$$($(TARGET)/release/cachet demo) && scripts/print-examples.sh "$$KEY"
-	@exec $(TARGET)/release/cachet serve
+	@export CACHET_ADMIN_JWT_SECRET="$${CACHET_ADMIN_JWT_SECRET:-$$(scripts/admin-secret.sh)}" && \
+	  KEY=$$($(TARGET)/release/cachet demo) && \
+	  ADMIN=$$($(TARGET)/release/cachet billing token --role platform_admin --subject make-run --ttl-secs 86400) && \
+	  scripts/print-examples.sh "$$KEY" "$$ADMIN" && \
+	  exec $(TARGET)/release/cachet serve
 
 ## The full suite: formatting, lints, Rust tests, docs, and the anthropic SDK tests.
 test: services model lint rust-test doc sdk-test

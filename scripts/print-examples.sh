@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Print ready-to-paste examples for the demo key.
 KEY="$1"
+ADMIN="${2:-}"
 URL="http://${CACHET_LISTEN:-127.0.0.1:8080}"
 SYSTEM="$(printf 'You are a friendly geography tutor who answers briefly. %.0s' $(seq 12))"
 cat <<MSG
@@ -35,5 +36,11 @@ for call in (1, 2):
 r = client.messages.create(model="smollm2-135m-instruct", max_tokens=48, system=system,
                            messages=[{"role": "user", "content": "And of Italy?"}])
 print(r.content[0].text, r.usage)
+
+Finance API (a platform_admin token valid for a day; \`cachet billing token --help\` for others;
+usage comes from rollups refreshed every minute):
+
+curl -s "$URL/v1/billing/usage?from=\$(date -u +%Y-%m-%dT00:00:00Z)&to=2100-01-01T00:00:00Z&group_by=model" \\
+  -H "authorization: Bearer $ADMIN"
 
 MSG
