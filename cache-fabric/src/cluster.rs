@@ -53,7 +53,8 @@ pub struct ClusterConfig {
     pub min_deadline: Duration,
     /// A block this node pulls this many times within `hot_window` is hot: the node keeps
     /// an extra replica of it (so a hot block spreads to every node that reads it, up to the
-    /// whole group). Extra replicas are best effort: capacity eviction drops them first.
+    /// whole group). Extra replicas are best effort: capacity eviction drops them before any
+    /// other block (`Store::put_extra`).
     pub hot_reads: u32,
     pub hot_window: Duration,
 }
@@ -343,14 +344,10 @@ impl Cluster {
         }
         // Its parent may live elsewhere; the replica is found by hash.
         let put = PutBlock::new(b.hash, None, b.n_tokens, b.data.clone());
-        let kept = self.local.store().put_replica(
-            &scope,
-            &[],
-            vec![put],
-            self.config.hot_window,
-            now,
-            EntryKind::BestEffort,
-        );
+        let kept = self
+            .local
+            .store()
+            .put_extra(&scope, vec![put], self.config.hot_window, now);
         metrics::REPLICA_PUSHES
             .with_label_values(&["hot", if kept.is_ok() { "ok" } else { "refused" }])
             .inc();
@@ -446,10 +443,7 @@ impl Cluster {
             .store()
             .put_replica(&scope, existing, owned, ttl, now, kind);
         if !extra.is_empty() {
-            let _ =
-                self.local
-                    .store()
-                    .put_replica(&scope, &[], extra, ttl, now, EntryKind::BestEffort);
+            let _ = self.local.store().put_extra(&scope, extra, ttl, now);
         }
         if view.membership.is_empty() {
             // Not in a cluster view yet (or alone): this node's copy is all there is.

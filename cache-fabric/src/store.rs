@@ -144,6 +144,9 @@ struct Block {
     /// Written as a replica (see [`Store::put_replica`]): its parent may live on another
     /// node, and its TTL is refreshed by the reads this node serves, not its parent's.
     replica: bool,
+    /// An extra copy of a block this node does not own ([`Store::put_extra`]): capacity
+    /// eviction takes such leaves before any other.
+    extra: bool,
 }
 
 /// A stored block as [`Store::handoff`] lists it.
@@ -182,6 +185,8 @@ pub struct Store {
     tenant_reserved: HashMap<TenantId, u64>,
     /// Leaves that capacity eviction may take (not paid), by key.
     leaves: BTreeSet<(u64, BlockHash)>,
+    /// The subset of `leaves` that are extra copies: taken first.
+    extra_leaves: BTreeSet<(u64, BlockHash)>,
     /// Every leaf of each tenant, by key (quota eviction).
     tenant_leaves: HashMap<TenantId, BTreeSet<(u64, BlockHash)>>,
     ranking: Ranking,
@@ -209,6 +214,7 @@ impl Store {
             tenant_quota: HashMap::new(),
             tenant_reserved: HashMap::new(),
             leaves: BTreeSet::new(),
+            extra_leaves: BTreeSet::new(),
             tenant_leaves: HashMap::new(),
             ranking: Ranking::new(limits.policy),
             lower: None,
@@ -274,17 +280,20 @@ impl Store {
 
     /// The best-effort leaf capacity eviction takes next: the lowest-ranked one that is not
     /// pinned and whose removal keeps its tenant at or above its reservation.
+    /// Extra copies of blocks other nodes own go first, whatever their rank.
     fn capacity_victim(&self, pinned: &BlockSet) -> Option<(u64, BlockHash)> {
-        self.leaves
+        let takeable = |(_, h): &&(u64, BlockHash)| {
+            !pinned.contains(h)
+                && self.blocks.get(h).is_none_or(|b| {
+                    let t = b.scope.tenant;
+                    let reserved = self.tenant_reserved.get(&t).copied().unwrap_or(0);
+                    self.tenant_bytes(t).saturating_sub(b.data.len() as u64) >= reserved
+                })
+        };
+        self.extra_leaves
             .iter()
-            .find(|(_, h)| {
-                !pinned.contains(h)
-                    && self.blocks.get(h).is_none_or(|b| {
-                        let t = b.scope.tenant;
-                        let reserved = self.tenant_reserved.get(&t).copied().unwrap_or(0);
-                        self.tenant_bytes(t).saturating_sub(b.data.len() as u64) >= reserved
-                    })
-            })
+            .find(takeable)
+            .or_else(|| self.leaves.iter().find(takeable))
             .copied()
     }
 
@@ -426,14 +435,8 @@ impl Store {
         }
         let remaining = Duration::from_millis(tb.expires_unix_ms - wall);
         let put = PutBlock::new(*hash, tb.parent, tb.n_tokens, tb.data);
-        self.insert(
-            scope,
-            put,
-            tb.ttl,
-            now + remaining,
-            tb.paid,
-            parent.is_none(),
-        );
+        let replica = parent.is_none();
+        self.insert(scope, put, tb.ttl, now + remaining, tb.paid, replica, false);
         metrics::TIER_MOVES.with_label_values(&["promoted"]).inc();
     }
 
@@ -594,7 +597,7 @@ impl Store {
         now: Instant,
         kind: EntryKind,
     ) -> Result<(), WriteRefused> {
-        self.put(scope, existing, new, ttl, now, kind, false)
+        self.put(scope, existing, new, ttl, now, kind, false, false)
     }
 
     /// Store blocks this node holds as one of their owners (cluster placement puts each
@@ -615,9 +618,36 @@ impl Store {
         // Blocks an owner holds are independent of each other (their chain may be spread
         // over several nodes), so each is admitted on its own: a large entry is not refused
         // whole because this node's DRAM holds only part of it at once (the rest demotes).
-        let mut result = self.put(scope, existing, Vec::new(), ttl, now, kind, true);
+        self.put_each(scope, existing, new, ttl, now, kind, false)
+    }
+
+    /// Store extra copies of blocks this node does not own (a writer's own copies, hot
+    /// blocks it reads often): replicas, best effort, and the first leaves capacity eviction
+    /// takes. An owner's write of the same block later makes it an ordinary one.
+    pub fn put_extra(
+        &mut self,
+        scope: &Scope,
+        new: Vec<PutBlock>,
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<(), WriteRefused> {
+        self.put_each(scope, &[], new, ttl, now, EntryKind::BestEffort, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put_each(
+        &mut self,
+        scope: &Scope,
+        existing: &[BlockHash],
+        new: Vec<PutBlock>,
+        ttl: Duration,
+        now: Instant,
+        kind: EntryKind,
+        extra: bool,
+    ) -> Result<(), WriteRefused> {
+        let mut result = self.put(scope, existing, Vec::new(), ttl, now, kind, true, extra);
         for b in new {
-            if let Err(e) = self.put(scope, &[], vec![b], ttl, now, kind, true) {
+            if let Err(e) = self.put(scope, &[], vec![b], ttl, now, kind, true, extra) {
                 result = result.and(Err(e));
             }
         }
@@ -634,6 +664,7 @@ impl Store {
         now: Instant,
         kind: EntryKind,
         replica: bool,
+        extra: bool,
     ) -> Result<(), WriteRefused> {
         self.purge_expired(now);
         let present: Vec<BlockHash>;
@@ -698,12 +729,18 @@ impl Store {
         let expires = now + ttl;
         let paid = kind == EntryKind::Paid;
         for h in existing {
+            if !extra {
+                self.unmark_extra(h);
+            }
             self.touch(h, expires, ttl, paid);
         }
         let mut inserted: Vec<BlockHash> = Vec::new();
         for b in new {
             if self.blocks.contains_key(&b.hash) {
                 if self.contains(scope, &b.hash, now) {
+                    if !extra {
+                        self.unmark_extra(&b.hash);
+                    }
                     self.touch(&b.hash, expires, ttl, paid);
                     continue;
                 }
@@ -725,11 +762,12 @@ impl Store {
                 return Err(refused(WriteRefused::MissingParent));
             }
             inserted.push(b.hash);
-            self.insert(scope, b, ttl, expires, paid, replica);
+            self.insert(scope, b, ttl, expires, paid, replica, extra);
         }
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn insert(
         &mut self,
         scope: &Scope,
@@ -738,6 +776,7 @@ impl Store {
         expires_at: Instant,
         paid: bool,
         replica: bool,
+        extra: bool,
     ) {
         let tick = self.tick();
         let key = self.ranking.use_key(&b.hash, tick, self.blocks.len() + 1);
@@ -756,7 +795,7 @@ impl Store {
         // Children that arrived before it (replicas) make it an inner block at once.
         let children = self.orphans.remove(&b.hash).unwrap_or(0);
         if children == 0 {
-            self.set_leaf(scope.tenant, key, b.hash, paid);
+            self.set_leaf(scope.tenant, key, b.hash, paid, extra);
         }
         self.expiry.insert((expires_at, b.hash));
         self.used_bytes += len;
@@ -776,6 +815,7 @@ impl Store {
                 paid,
                 children,
                 replica,
+                extra,
             },
         );
         metrics::BLOCKS_WRITTEN.inc();
@@ -800,8 +840,12 @@ impl Store {
         if b.children == 0 {
             // The leaf sets, updated in place (fields, not methods: `b` is still borrowed).
             self.leaves.remove(&(old_key, *hash));
+            self.extra_leaves.remove(&(old_key, *hash));
             if !b.paid {
                 self.leaves.insert((key, *hash));
+                if b.extra {
+                    self.extra_leaves.insert((key, *hash));
+                }
             }
             let set = self.tenant_leaves.entry(b.scope.tenant).or_default();
             set.remove(&(old_key, *hash));
@@ -900,8 +944,9 @@ impl Store {
             if let Some(parent) = self.blocks.get_mut(&p) {
                 parent.children -= 1;
                 if parent.children == 0 {
-                    let (k, t, paid) = (parent.key, parent.scope.tenant, parent.paid);
-                    self.set_leaf(t, k, p, paid);
+                    let (k, t, paid, extra) =
+                        (parent.key, parent.scope.tenant, parent.paid, parent.extra);
+                    self.set_leaf(t, k, p, paid, extra);
                 }
             } else if let Some(n) = self.orphans.get_mut(&p) {
                 *n -= 1;
@@ -932,9 +977,12 @@ impl Store {
         self.publish_gauges(tenant);
     }
 
-    fn set_leaf(&mut self, tenant: TenantId, key: u64, hash: BlockHash, paid: bool) {
+    fn set_leaf(&mut self, tenant: TenantId, key: u64, hash: BlockHash, paid: bool, extra: bool) {
         if !paid {
             self.leaves.insert((key, hash));
+            if extra {
+                self.extra_leaves.insert((key, hash));
+            }
         }
         self.tenant_leaves
             .entry(tenant)
@@ -942,8 +990,19 @@ impl Store {
             .insert((key, hash));
     }
 
+    /// An owner wrote this block: it is no longer an extra copy.
+    fn unmark_extra(&mut self, hash: &BlockHash) {
+        if let Some(b) = self.blocks.get_mut(hash)
+            && b.extra
+        {
+            b.extra = false;
+            self.extra_leaves.remove(&(b.key, *hash));
+        }
+    }
+
     fn unset_leaf(&mut self, tenant: TenantId, key: u64, hash: BlockHash) {
         self.leaves.remove(&(key, hash));
+        self.extra_leaves.remove(&(key, hash));
         if let Some(set) = self.tenant_leaves.get_mut(&tenant) {
             set.remove(&(key, hash));
         }
@@ -1032,6 +1091,13 @@ impl Store {
             }
         }
         assert_eq!(orphans, self.orphans, "orphan counts");
+        let extra: BTreeSet<(u64, BlockHash)> = self
+            .leaves
+            .iter()
+            .filter(|(_, h)| self.blocks.get(h).is_some_and(|b| b.extra))
+            .copied()
+            .collect();
+        assert_eq!(extra, self.extra_leaves, "extra leaves");
         assert_eq!(
             self.leaves.len(),
             self.blocks

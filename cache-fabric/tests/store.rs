@@ -244,6 +244,57 @@ async fn reserved_bytes_are_never_taken_by_other_tenants() {
 }
 
 #[tokio::test]
+async fn extra_copies_go_before_any_owned_block_and_an_owner_write_keeps_them() {
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    let (c, node) = client(6 * block);
+    let s = scope();
+    let now = Instant::now();
+    let one = |seed: u32| {
+        let k = keys(s, &toks(seed, B), &[B]);
+        (k.clone(), blocks_to(&k, B))
+    };
+    // Three owned blocks first (the oldest: plain LRU would take them first) ...
+    for seed in 1..=3 {
+        let (_, b) = one(seed);
+        node.with_store(|st| st.put_replica(&s, &[], b, Duration::from_secs(300), now, AUTO))
+            .unwrap();
+    }
+    // ... then three extra copies; one of them is then written by its owner.
+    for seed in 11..=13 {
+        let (_, b) = one(seed);
+        node.with_store(|st| st.put_extra(&s, b, Duration::from_secs(300), now))
+            .unwrap();
+    }
+    let (_, owned_now) = one(13);
+    node.with_store(|st| st.put_replica(&s, &[], owned_now, Duration::from_secs(300), now, AUTO))
+        .unwrap();
+    node.with_store(|st| st.check_invariants());
+    // Three more blocks need room: the two remaining extra copies go first, then the
+    // oldest owned block (the copy its owner wrote is owned now, and newer).
+    for seed in 21..=23 {
+        let (k, _) = one(seed);
+        write_whole(&c, s, &k, B, 300, now, AUTO).await.unwrap();
+    }
+    for seed in [2, 3, 13, 21, 22, 23] {
+        let (k, _) = one(seed);
+        assert_eq!(
+            c.read_prefix(s, &k, B, now).await.tokens,
+            B,
+            "block {seed} kept"
+        );
+    }
+    for seed in [11, 12, 1] {
+        let (k, _) = one(seed);
+        assert_eq!(
+            c.read_prefix(s, &k, B, now).await.tokens,
+            0,
+            "block {seed} evicted"
+        );
+    }
+    node.with_store(|st| st.check_invariants());
+}
+
+#[tokio::test]
 async fn capacity_eviction_takes_tails_before_ancestors() {
     // Room for exactly 4 blocks of 4 tokens.
     let (c, node) = client(4 * (B * BYTES_PER_TOKEN) as u64);
@@ -572,7 +623,12 @@ proptest! {
                     .map(|(_, b)| b)
                     .collect();
                 node.with_store(|st| {
-                    let _ = st.put_replica(&s, &[], picked, ttl, now, kind);
+                    // Some as extra copies (a writer's own, hot blocks), some as an owner's.
+                    let _ = if mask & 0x8000 != 0 {
+                        st.put_extra(&s, picked, ttl, now)
+                    } else {
+                        st.put_replica(&s, &[], picked, ttl, now, kind)
+                    };
                     st.check_invariants();
                     assert!(st.used_bytes() <= cap);
                     assert!(st.tenant_bytes(scopes[0].tenant) <= quota);
