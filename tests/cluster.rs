@@ -337,6 +337,39 @@ async fn copies(addrs: &[&str], scope: Scope, hash: BlockHash) -> usize {
     n
 }
 
+/// A fresh database with one tenant and its API key: (pool, URL, tenant, key secret).
+async fn tenant_db(name: &str) -> (sqlx::PgPool, String, gateway::tenants::Tenant, String) {
+    let db_url = format!(
+        "postgres://postgres@127.0.0.1:5432/cachet_test_{}",
+        uuid::Uuid::new_v4().simple()
+    );
+    let pool = cachet::server::connect_and_migrate(&db_url, 2)
+        .await
+        .unwrap();
+    let tenant = gateway::tenants::create_tenant(&pool, name).await.unwrap();
+    let key = gateway::tenants::create_key(&pool, &tenant, "k")
+        .await
+        .unwrap()
+        .secret;
+    (pool, db_url, tenant, key)
+}
+
+/// Wait until the gateway routes to `n` nodes.
+async fn wait_for_nodes(http: &reqwest::Client, gw: &Gateway, n: usize) {
+    wait_until(
+        &format!("the gateway sees {n} nodes"),
+        Duration::from_secs(30),
+        async || {
+            let r: serde_json::Value = match http.get(format!("{}/readyz", gw.url)).send().await {
+                Ok(r) => r.json().await.unwrap_or_default(),
+                Err(_) => return false,
+            };
+            r["nodes"].as_array().is_some_and(|nodes| nodes.len() == n)
+        },
+    )
+    .await;
+}
+
 /// Issue 4's acceptance, on real processes, Postgres and Redis: three `cachet node`s and a
 /// `cachet gateway`. Blocks land on R = 2 distinct owners; a prefix written through one
 /// node is read by another; a bit flipped on disk is caught and never served; `kill -9` of
@@ -345,20 +378,7 @@ async fn copies(addrs: &[&str], scope: Scope, hash: BlockHash) -> usize {
 async fn three_nodes_and_a_gateway_replicate_share_prefixes_and_survive_kill_9() {
     let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
     let dir = std::env::temp_dir().join(&prefix);
-    let db_url = format!(
-        "postgres://postgres@127.0.0.1:5432/cachet_test_{}",
-        uuid::Uuid::new_v4().simple()
-    );
-    let pool = cachet::server::connect_and_migrate(&db_url, 2)
-        .await
-        .unwrap();
-    let tenant = gateway::tenants::create_tenant(&pool, "cluster-tenant")
-        .await
-        .unwrap();
-    let key = gateway::tenants::create_key(&pool, &tenant, "k")
-        .await
-        .unwrap()
-        .secret;
+    let (pool, db_url, tenant, key) = tenant_db("cluster-tenant").await;
     let scope = Scope {
         tenant: tenant.id,
         workspace: tenant.default_workspace,
@@ -388,18 +408,7 @@ async fn three_nodes_and_a_gateway_replicate_share_prefixes_and_survive_kill_9()
     );
     let gw = start_gateway(&prefix, &env(&[]));
     let http = reqwest::Client::new();
-    wait_until(
-        "the gateway sees three nodes",
-        Duration::from_secs(30),
-        async || {
-            let r: serde_json::Value = match http.get(format!("{}/readyz", gw.url)).send().await {
-                Ok(r) => r.json().await.unwrap_or_default(),
-                Err(_) => return false,
-            };
-            r["nodes"].as_array().is_some_and(|n| n.len() == 3)
-        },
-    )
-    .await;
+    wait_for_nodes(&http, &gw, 3).await;
     let mut sent: Vec<String> = Vec::new();
 
     // A prefix written through n1 is read through n2.
@@ -609,20 +618,7 @@ async fn three_nodes_and_a_gateway_replicate_share_prefixes_and_survive_kill_9()
 async fn a_saturated_node_is_skipped_not_surfaced() {
     let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
     let dir = std::env::temp_dir().join(&prefix);
-    let db_url = format!(
-        "postgres://postgres@127.0.0.1:5432/cachet_test_{}",
-        uuid::Uuid::new_v4().simple()
-    );
-    let pool = cachet::server::connect_and_migrate(&db_url, 2)
-        .await
-        .unwrap();
-    let tenant = gateway::tenants::create_tenant(&pool, "busy")
-        .await
-        .unwrap();
-    let key = gateway::tenants::create_key(&pool, &tenant, "k")
-        .await
-        .unwrap()
-        .secret;
+    let (pool, db_url, _, key) = tenant_db("busy").await;
     let secret = "a-finance-secret-for-the-cluster-test-0123456789";
     let base: Vec<(&'static str, String)> = vec![
         ("DATABASE_URL", db_url.clone()),
@@ -639,18 +635,7 @@ async fn a_saturated_node_is_skipped_not_surfaced() {
     let _idle = start_node_with("idle", &prefix, &dir, &base, true);
     let gw = start_gateway(&prefix, &base);
     let http = reqwest::Client::new();
-    wait_until(
-        "the gateway sees both nodes",
-        Duration::from_secs(30),
-        async || {
-            let r: serde_json::Value = match http.get(format!("{}/readyz", gw.url)).send().await {
-                Ok(r) => r.json().await.unwrap_or_default(),
-                Err(_) => return false,
-            };
-            r["nodes"].as_array().is_some_and(|n| n.len() == 2)
-        },
-    )
-    .await;
+    wait_for_nodes(&http, &gw, 2).await;
     // Occupy the busy node's only engine worker with a generation of at least 12 tokens
     // (the sim answers 12 to 31 words): at 0.2 s a token it stays busy through the requests
     // below, which the idle node answers in milliseconds.
