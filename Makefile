@@ -8,7 +8,7 @@ VENV := .venv
 TARGET := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 PY := $(VENV)/bin/python
 
-.PHONY: run test model services build build-release lint fmt-check clippy doc rust-test sdk-test venv openapi bench-gateway bench-engine clean
+.PHONY: run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean
 
 ## Start everything (Postgres and Redis too, if none answers) and serve on 127.0.0.1:8080.
 run: services model build-release
@@ -20,7 +20,7 @@ run: services model build-release
 	  exec $(TARGET)/release/cachet serve
 
 ## The full suite: formatting, lints, Rust tests, docs, and the anthropic SDK tests.
-test: services model lint rust-test doc sdk-test
+test: services model lint rust-test rdma-test doc sdk-test
 
 services:
 	@scripts/services.sh
@@ -57,6 +57,12 @@ rust-test: build
 	$(CARGO) test -p engine --features cuda --locked --lib gpu
 	$(CARGO) test -p cache-fabric --features cuda,rdma --locked --lib rdma
 	$(CARGO) test -p cache-fabric --features cuda,rdma --locked --test tiers
+	$(CARGO) test -p cache-fabric --features cuda,rdma --locked --test transport
+
+## The RDMA transport contract over a real (soft-RoCE) device, in a virtual machine: this
+## machine's kernel has no RDMA support.
+rdma-test:
+	scripts/rdma-vm.sh
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: tests/sdk/requirements.txt

@@ -86,6 +86,13 @@ pub struct FabricSection {
     /// Bytes of GPU memory (device 0) used as the tier under DRAM instead of the disk; 0
     /// turns it off. Needs a build with the `cuda` feature and a GPU.
     pub gpu_capacity_bytes: u64,
+    /// A cluster node's RDMA (builds with the `rdma` feature): `auto` (default) uses the
+    /// first RDMA device if the host has one, `off` never does, anything else names the
+    /// device to use (the node refuses to start if it cannot open it). Without RDMA the
+    /// fabric moves blocks over TCP.
+    pub rdma_device: String,
+    /// Bytes of the registered pool a node stages blocks in for peers' RDMA READs.
+    pub rdma_pool_bytes: u64,
 }
 
 impl FabricSection {
@@ -205,6 +212,8 @@ impl Default for FabricSection {
             eviction: "frequency".into(),
             disk_capacity_bytes: 0,
             gpu_capacity_bytes: 0,
+            rdma_device: "auto".into(),
+            rdma_pool_bytes: 256 << 20,
         }
     }
 }
@@ -294,6 +303,8 @@ impl Config {
             "CACHET_GPU_CAPACITY_BYTES",
             &mut self.fabric.gpu_capacity_bytes,
         )?;
+        env_parse("CACHET_RDMA_DEVICE", &mut self.fabric.rdma_device)?;
+        env_parse("CACHET_RDMA_POOL_BYTES", &mut self.fabric.rdma_pool_bytes)?;
         env_parse("CACHET_ENGINE", &mut self.engine.kind)?;
         env_parse("CACHET_MODEL_PATH", &mut self.engine.model_path)?;
         env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
@@ -339,7 +350,17 @@ impl Config {
             eviction: _,
             disk_capacity_bytes,
             gpu_capacity_bytes,
+            rdma_device,
+            rdma_pool_bytes,
         } = fabric;
+        if rdma_device.is_empty() {
+            bail!("fabric.rdma_device must be auto, off, or a device name");
+        }
+        if *rdma_pool_bytes == 0 {
+            bail!(
+                "fabric.rdma_pool_bytes must be positive (fabric.rdma_device = \"off\" turns RDMA off)"
+            );
+        }
         if *disk_capacity_bytes > 0 && *gpu_capacity_bytes > 0 {
             bail!(
                 "fabric.disk_capacity_bytes and fabric.gpu_capacity_bytes are both set: a node has one tier under DRAM"

@@ -92,16 +92,7 @@ pub async fn run(
         token.clone(),
         config.cluster.fabric(),
     );
-    #[cfg(feature = "rdma")]
-    match cache_fabric::rdma::probe() {
-        cache_fabric::rdma::Availability::Available { devices } => tracing::warn!(
-            ?devices,
-            "RDMA devices found; the fabric still moves blocks over TCP (the one-sided READ path is not built yet)"
-        ),
-        cache_fabric::rdma::Availability::Unavailable { reason } => {
-            tracing::info!(%reason, "RDMA unavailable; the fabric transport is TCP")
-        }
-    }
+    rdma(&config.fabric, &node, &cluster)?;
     let epoch = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_millis() as u64;
@@ -214,4 +205,69 @@ pub async fn run(
     serving.abort();
     let _ = tokio::time::timeout(Duration::from_millis(500), publisher).await;
     Ok(())
+}
+
+/// Turn on RDMA as `fabric.rdma_device` says: export a registered pool for peers' READs and
+/// pull from peers by READ. `auto` without a device is TCP (logged); a named device that
+/// cannot be opened stops the node.
+#[cfg(feature = "rdma")]
+fn rdma(
+    fabric: &crate::config::FabricSection,
+    node: &std::sync::Arc<cache_fabric::FabricNode>,
+    cluster: &Cluster,
+) -> anyhow::Result<()> {
+    use cache_fabric::rdma::{Availability, probe, pull::Export, verbs::Device};
+    let wanted = match fabric.rdma_device.as_str() {
+        "off" => {
+            tracing::info!("RDMA off (fabric.rdma_device); the fabric transport is TCP");
+            return Ok(());
+        }
+        "auto" => match probe() {
+            Availability::Available { devices } => devices.into_iter().next(),
+            Availability::Unavailable { reason } => {
+                tracing::info!(%reason, "RDMA unavailable; the fabric transport is TCP");
+                return Ok(());
+            }
+        },
+        name => Some(name.to_string()),
+    };
+    let opened = Device::open(wanted.as_deref()).and_then(|device| {
+        let export = Export::new(device.clone(), fabric.rdma_pool_bytes as usize)?;
+        Ok((device, export))
+    });
+    match opened {
+        Ok((device, export)) => {
+            tracing::info!(
+                device = device.name(),
+                pool_bytes = fabric.rdma_pool_bytes,
+                "RDMA on: peers READ blocks from this node's pool, and reads from peers use RDMA READ"
+            );
+            node.export_rdma(export);
+            cluster.enable_rdma(device);
+            Ok(())
+        }
+        Err(e) if fabric.rdma_device == "auto" => {
+            tracing::warn!(error = %e, "RDMA device found but not usable; the fabric transport is TCP");
+            Ok(())
+        }
+        Err(e) => Err(anyhow::anyhow!(
+            "fabric.rdma_device = {:?}: {e}",
+            fabric.rdma_device
+        )),
+    }
+}
+
+/// Without the `rdma` feature the fabric transport is TCP; naming a device is an error.
+#[cfg(not(feature = "rdma"))]
+fn rdma(
+    fabric: &crate::config::FabricSection,
+    _node: &std::sync::Arc<cache_fabric::FabricNode>,
+    _cluster: &Cluster,
+) -> anyhow::Result<()> {
+    match fabric.rdma_device.as_str() {
+        "auto" | "off" => Ok(()),
+        name => anyhow::bail!(
+            "fabric.rdma_device = {name:?} needs a build with the rdma feature (cargo build --features rdma)"
+        ),
+    }
 }

@@ -28,13 +28,14 @@ pub struct NodeConfig {
 /// One fabric node: the tiers it holds. Cheap to share.
 pub struct FabricNode {
     store: Mutex<Store>,
+    /// The registered pool peers READ this node's blocks from (feature `rdma`).
+    #[cfg(feature = "rdma")]
+    rdma: std::sync::OnceLock<Arc<crate::rdma::pull::Export>>,
 }
 
 impl FabricNode {
     pub fn new(config: NodeConfig) -> Arc<Self> {
-        Arc::new(Self {
-            store: Mutex::new(Self::dram(config)),
-        })
+        Self::wrap(Self::dram(config))
     }
 
     /// A node whose DRAM tier demotes capacity evictions to a local-disk tier in `dir`
@@ -45,9 +46,9 @@ impl FabricNode {
         disk_capacity_bytes: u64,
     ) -> Result<Arc<Self>, crate::tier::TierError> {
         let disk = crate::tier::DiskTier::open(dir, disk_capacity_bytes)?;
-        Ok(Arc::new(Self {
-            store: Mutex::new(Self::dram(config).with_lower_tier(Box::new(disk))),
-        }))
+        Ok(Self::wrap(
+            Self::dram(config).with_lower_tier(Box::new(disk)),
+        ))
     }
 
     /// A node whose DRAM tier demotes to `lower` (any [`crate::tier::TierStore`]: the disk
@@ -56,9 +57,27 @@ impl FabricNode {
         config: NodeConfig,
         lower: Box<dyn crate::tier::TierStore>,
     ) -> Arc<Self> {
+        Self::wrap(Self::dram(config).with_lower_tier(lower))
+    }
+
+    fn wrap(store: Store) -> Arc<Self> {
         Arc::new(Self {
-            store: Mutex::new(Self::dram(config).with_lower_tier(lower)),
+            store: Mutex::new(store),
+            #[cfg(feature = "rdma")]
+            rdma: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Serve RDMA reads of this node's blocks from `export` (once; later calls are
+    /// ignored). Peers' `RCONNECT` is refused until then, and they read over TCP.
+    #[cfg(feature = "rdma")]
+    pub fn export_rdma(&self, export: Arc<crate::rdma::pull::Export>) {
+        let _ = self.rdma.set(export);
+    }
+
+    #[cfg(feature = "rdma")]
+    pub(crate) fn rdma_export(&self) -> Option<Arc<crate::rdma::pull::Export>> {
+        self.rdma.get().cloned()
     }
 
     fn dram(config: NodeConfig) -> Store {

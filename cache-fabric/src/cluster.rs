@@ -36,7 +36,7 @@ use crate::membership::{self, NodeRecord};
 use crate::metrics;
 use crate::placement::{Member, Membership};
 use crate::store::{EntryKind, FetchedBlock, Handoff, PutBlock, WriteRefused};
-use crate::transport::{RemoteEntry, TcpTransport, Transport};
+use crate::transport::{RemoteEntry, Transport};
 
 /// How a node places, reads and repairs.
 #[derive(Clone, Copy, Debug)]
@@ -124,11 +124,18 @@ pub struct RepairReport {
     pub failed: usize,
 }
 
+/// How this node reaches its peers: with the `rdma` feature, reads go by RDMA READ once
+/// [`Cluster::enable_rdma`] is called (TCP otherwise and whenever RDMA fails).
+#[cfg(feature = "rdma")]
+type Wire = crate::rdma::pull::RdmaTransport;
+#[cfg(not(feature = "rdma"))]
+type Wire = crate::transport::TcpTransport;
+
 /// This node's membership in the cluster.
 pub struct Cluster {
     me: String,
     local: Arc<FabricNode>,
-    transport: TcpTransport,
+    transport: Wire,
     config: ClusterConfig,
     view: RwLock<Arc<View>>,
     changes: tokio::sync::watch::Sender<u64>,
@@ -184,7 +191,7 @@ impl Cluster {
         Arc::new(Self {
             me: me.into(),
             local,
-            transport: TcpTransport::new(token),
+            transport: Wire::new(token),
             config,
             view: RwLock::new(Arc::new(View::default())),
             changes: tokio::sync::watch::channel(0).0,
@@ -192,6 +199,13 @@ impl Cluster {
             picks: AtomicUsize::new(0),
             popularity: Mutex::new(Popularity::default()),
         })
+    }
+
+    /// Pull blocks from peers by RDMA READ over `device` (peers that export no pool are
+    /// read over TCP).
+    #[cfg(feature = "rdma")]
+    pub fn enable_rdma(&self, device: Arc<crate::rdma::verbs::Device>) {
+        self.transport.enable(device);
     }
 
     pub fn id(&self) -> &str {

@@ -146,3 +146,21 @@ pub static REPLICA_PUSHES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static RDMA: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_fabric_rdma_total",
+            "RDMA pulls by outcome (read: blocks arrived by RDMA READ; fallback: the pull \
+             failed and went over TCP; pool_full: a serving node staged only part of a chain)",
+        ),
+        &["outcome"],
+    )
+    .expect("metric"))
+});
+pub static RDMA_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new(
+        "cachet_fabric_rdma_read_bytes_total",
+        "Block bytes that arrived by RDMA READ",
+    )
+    .expect("metric"))
+});

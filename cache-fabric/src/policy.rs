@@ -193,6 +193,11 @@ impl Ranking {
         }
     }
 
+    /// A block's estimated recent uses (`None` under LRU, which does not count them).
+    pub fn estimate(&self, hash: &BlockHash) -> Option<u8> {
+        self.sketch.as_ref().map(|s| s.estimate(hash))
+    }
+
     /// Whether admission applies to best-effort entries.
     pub fn admits_selectively(&self) -> bool {
         self.sketch.is_some()

@@ -1,26 +1,29 @@
-//! RDMA (feature `rdma`, the `ibverbs` crate): probing, the pieces of a one-sided READ pull
-//! that do not need a device, and a transport that falls back to TCP cleanly.
+//! RDMA (feature `rdma`): probing, the one-sided READ data path, and a transport that
+//! falls back to TCP cleanly.
 //!
 //! What is here:
 //! - [`probe`]: the RDMA devices of this host, or why there are none. A kernel without RDMA
 //!   support answers `ENOSYS` to the device list (that is what these build machines do), which
 //!   is "unavailable", never an error or a panic.
+//! - [`verbs`]: devices, registered regions and reliable-connected queue pairs posting
+//!   `IBV_WR_RDMA_READ` and polling their completions (over `ibverbs-sys`: the `ibverbs`
+//!   crate's safe API posts only SENDs and hides the handles a READ needs).
+//! - [`pull`]: the data path: a serving node stages blocks in its registered pool
+//!   ([`pull::Export`]), the reader pulls them with coalesced READs and verifies each checksum;
+//!   [`pull::RdmaTransport`] is the [`Transport`](crate::transport::Transport) that reads this
+//!   way and uses TCP for everything else and whenever RDMA fails.
 //! - [`PoolAllocator`]: placement of blocks in a node's registered memory pool (first fit over
 //!   a free list, neighbours merged on free), so peers can read them with one-sided READs.
 //! - [`coalesce`]: KVDirect's coalescing: the blocks a reader wants from one peer, sorted by
 //!   their offsets in that peer's pool, merged into as few READs as possible (adjacent or
 //!   overlapping regions, up to a size limit per READ).
 //!
-//! A node built with the feature probes at start and logs what it found; its fabric transport
-//! is TCP either way (the fallback, and for now the only data path).
-//!
-//! What is not here yet: the verbs data path itself (queue-pair exchange over the TCP control
-//! connection, posting `IBV_WR_RDMA_READ` work requests into the reader's registered buffers,
-//! completion polling). The `ibverbs` crate's safe API posts only SENDs and keeps the queue
-//! pair's raw pointer private, so that path needs `ibverbs-sys` directly, and it cannot be
-//! exercised on machines without an RDMA kernel (these have none; see docs/decisions/0009).
-//! Until it exists a device is reported by [`probe`] but transfers still go over TCP; the
-//! pieces above are what that path will use, tested on their own.
+//! The transport contract suite runs over RDMA when `CACHET_RDMA_DEVICE` names a device
+//! (`cache-fabric/tests/transport.rs`); `scripts/rdma-vm.sh` runs it on a soft-RoCE device
+//! inside a virtual machine, because the build machines' kernel has no RDMA support.
+
+pub mod pull;
+pub mod verbs;
 
 use std::collections::BTreeMap;
 

@@ -8,7 +8,11 @@
 //!
 //! Eviction order, when room is needed: expired blocks first; then, for a tenant over its
 //! quota, that tenant's own leaves (paid or not); then, for node capacity, the leaves of
-//! *best-effort* entries (automatic caching) by the [`policy`](crate::policy)'s key. Blocks of
+//! *best-effort* entries (automatic caching) by the [`policy`](crate::policy)'s key: extra
+//! copies of blocks other nodes own first, then ordinary leaves, and *popular* leaves last
+//! (an owner's copy of a block used at least [`STICKY_USES`] times recently, by the frequency
+//! policy's estimate: with the extra copies gone first, it is the block's last replica, and
+//! it stays while anything colder can go; it loses that standing once its uses fade). Blocks of
 //! *paid* entries (explicit breakpoints, billed as cache writes) are never taken for another
 //! tenant's or entry's capacity: they stay for their TTL unless their own tenant's quota
 //! forces them out, and a write that cannot find room is refused (and not billed).
@@ -174,6 +178,11 @@ const TOMBSTONES: usize = 65_536;
 /// refresh is such a move). A block may so live up to this much past its TTL, never less.
 pub const EXPIRY_SLACK: Duration = Duration::from_secs(1);
 
+/// Recent uses (the frequency policy's estimate) that make a block popular: its owner copy
+/// is the last leaf capacity eviction takes. A block a peer pulls this often gets an extra
+/// replica there too (`ClusterConfig::hot_reads` pulls, plus the write).
+pub const STICKY_USES: u8 = 4;
+
 /// The DRAM block store. Not `Sync` by itself: the node wraps it in a mutex.
 pub struct Store {
     limits: StoreLimits,
@@ -187,6 +196,8 @@ pub struct Store {
     leaves: BTreeSet<(u64, BlockHash)>,
     /// The subset of `leaves` that are extra copies: taken first.
     extra_leaves: BTreeSet<(u64, BlockHash)>,
+    /// The subset of `leaves` that are popular owner copies: taken last.
+    sticky_leaves: BTreeSet<(u64, BlockHash)>,
     /// Every leaf of each tenant, by key (quota eviction).
     tenant_leaves: HashMap<TenantId, BTreeSet<(u64, BlockHash)>>,
     ranking: Ranking,
@@ -215,6 +226,7 @@ impl Store {
             tenant_reserved: HashMap::new(),
             leaves: BTreeSet::new(),
             extra_leaves: BTreeSet::new(),
+            sticky_leaves: BTreeSet::new(),
             tenant_leaves: HashMap::new(),
             ranking: Ranking::new(limits.policy),
             lower: None,
@@ -280,7 +292,8 @@ impl Store {
 
     /// The best-effort leaf capacity eviction takes next: the lowest-ranked one that is not
     /// pinned and whose removal keeps its tenant at or above its reservation.
-    /// Extra copies of blocks other nodes own go first, whatever their rank.
+    /// Extra copies of blocks other nodes own go first, whatever their rank; popular owner
+    /// copies go last.
     fn capacity_victim(&self, pinned: &BlockSet) -> Option<(u64, BlockHash)> {
         let takeable = |(_, h): &&(u64, BlockHash)| {
             !pinned.contains(h)
@@ -293,8 +306,36 @@ impl Store {
         self.extra_leaves
             .iter()
             .find(takeable)
-            .or_else(|| self.leaves.iter().find(takeable))
+            .or_else(|| {
+                self.leaves
+                    .iter()
+                    .filter(|l| !self.sticky_leaves.contains(l))
+                    .find(takeable)
+            })
+            .or_else(|| self.sticky_leaves.iter().find(takeable))
             .copied()
+    }
+
+    /// Whether a block is popular enough that its owner copy is kept last.
+    fn popular(&self, hash: &BlockHash) -> bool {
+        self.ranking
+            .estimate(hash)
+            .is_some_and(|uses| uses >= STICKY_USES)
+    }
+
+    /// Popular leaves whose uses faded become ordinary again; looks at the few least
+    /// recently used ones each time capacity eviction runs, so the check is amortized.
+    fn unstick_faded(&mut self) {
+        let faded: Vec<(u64, BlockHash)> = self
+            .sticky_leaves
+            .iter()
+            .take(4)
+            .filter(|(_, h)| !self.popular(h))
+            .copied()
+            .collect();
+        for l in faded {
+            self.sticky_leaves.remove(&l);
+        }
     }
 
     pub fn set_quota(&mut self, tenant: TenantId, quota: Option<u64>) {
@@ -841,10 +882,17 @@ impl Store {
             // The leaf sets, updated in place (fields, not methods: `b` is still borrowed).
             self.leaves.remove(&(old_key, *hash));
             self.extra_leaves.remove(&(old_key, *hash));
+            self.sticky_leaves.remove(&(old_key, *hash));
             if !b.paid {
                 self.leaves.insert((key, *hash));
                 if b.extra {
                     self.extra_leaves.insert((key, *hash));
+                } else if self
+                    .ranking
+                    .estimate(hash)
+                    .is_some_and(|uses| uses >= STICKY_USES)
+                {
+                    self.sticky_leaves.insert((key, *hash));
                 }
             }
             let set = self.tenant_leaves.entry(b.scope.tenant).or_default();
@@ -867,6 +915,9 @@ impl Store {
         pinned: &BlockSet,
         reason: RemovalReason,
     ) -> bool {
+        if tenant.is_none() {
+            self.unstick_faded();
+        }
         let victim = match tenant {
             Some(t) => self
                 .tenant_leaves
@@ -982,6 +1033,8 @@ impl Store {
             self.leaves.insert((key, hash));
             if extra {
                 self.extra_leaves.insert((key, hash));
+            } else if self.popular(&hash) {
+                self.sticky_leaves.insert((key, hash));
             }
         }
         self.tenant_leaves
@@ -996,13 +1049,21 @@ impl Store {
             && b.extra
         {
             b.extra = false;
-            self.extra_leaves.remove(&(b.key, *hash));
+            if self.extra_leaves.remove(&(b.key, *hash))
+                && self
+                    .ranking
+                    .estimate(hash)
+                    .is_some_and(|uses| uses >= STICKY_USES)
+            {
+                self.sticky_leaves.insert((b.key, *hash));
+            }
         }
     }
 
     fn unset_leaf(&mut self, tenant: TenantId, key: u64, hash: BlockHash) {
         self.leaves.remove(&(key, hash));
         self.extra_leaves.remove(&(key, hash));
+        self.sticky_leaves.remove(&(key, hash));
         if let Some(set) = self.tenant_leaves.get_mut(&tenant) {
             set.remove(&(key, hash));
         }
@@ -1098,6 +1159,16 @@ impl Store {
             .copied()
             .collect();
         assert_eq!(extra, self.extra_leaves, "extra leaves");
+        for l in &self.sticky_leaves {
+            assert!(
+                self.leaves.contains(l),
+                "a sticky leaf is an evictable leaf"
+            );
+            assert!(
+                !self.extra_leaves.contains(l),
+                "an extra copy is never sticky"
+            );
+        }
         assert_eq!(
             self.leaves.len(),
             self.blocks

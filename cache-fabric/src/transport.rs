@@ -105,6 +105,14 @@ const OP_GET: u8 = 2;
 const OP_PUT: u8 = 3;
 const OP_STRIPE: u8 = 4;
 const OP_HAS: u8 = 5;
+/// RDMA control ops (feature `rdma`, see [`crate::rdma`]): answered only by a node that
+/// exports a registered pool; any other node closes the connection, and the reader uses TCP.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) const OP_RDMA_CONNECT: u8 = 6;
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) const OP_RDMA_GET: u8 = 7;
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) const OP_RDMA_DONE: u8 = 8;
 /// Flag in PUT's kind byte: store as a replica.
 const REPLICA: u8 = 0x80;
 const OK: u8 = 0;
@@ -224,12 +232,22 @@ async fn serve_conn(mut s: TcpStream, node: &FabricNode, token: &str) -> std::io
         return Err(bad("wrong cluster token"));
     }
     s.write_all(&[OK]).await?;
+    #[cfg(feature = "rdma")]
+    let mut rdma = node.rdma_export().map(crate::rdma::pull::ServerConn::new);
     loop {
         let mut f = read_frame(&mut s).await?;
         if !f.has_remaining() {
             return Err(bad("empty frame"));
         }
         match f.get_u8() {
+            #[cfg(feature = "rdma")]
+            op @ (OP_RDMA_CONNECT | OP_RDMA_GET | OP_RDMA_DONE) => {
+                let Some(conn) = rdma.as_mut() else {
+                    return Err(bad("this node exports no RDMA pool"));
+                };
+                let out = conn.handle(op, f, node)?;
+                s.write_all(&out).await?;
+            }
             OP_GET => {
                 if f.remaining() < 36 {
                     return Err(bad("short GET"));
@@ -479,7 +497,7 @@ impl TcpTransport {
         }
     }
 
-    async fn connect(&self, addr: &str) -> Result<TcpStream, TransportError> {
+    pub(crate) async fn connect(&self, addr: &str) -> Result<TcpStream, TransportError> {
         let pooled = self
             .idle
             .lock()
@@ -513,7 +531,11 @@ impl TcpTransport {
         }
     }
 
-    async fn send(s: &mut TcpStream, addr: &str, body: &[u8]) -> Result<(), TransportError> {
+    pub(crate) async fn send(
+        s: &mut TcpStream,
+        addr: &str,
+        body: &[u8],
+    ) -> Result<(), TransportError> {
         let mut head = [0u8; 4];
         head.copy_from_slice(&(body.len() as u32).to_le_bytes());
         s.write_all(&head).await.map_err(Self::io(addr))?;

@@ -1,6 +1,6 @@
 //! Fabric behaviour through its client API and store: TTL (paused time), refresh on read,
-//! quotas, eviction with tails before ancestors, paid entries protected from capacity
-//! eviction, frequency-aware admission of best-effort entries, checksums.
+//! quotas, eviction with tails before ancestors, extra copies first and popular blocks'
+//! last replicas last, paid entries protected from capacity eviction, frequency-aware admission of best-effort entries, checksums.
 
 mod common;
 
@@ -291,6 +291,71 @@ async fn extra_copies_go_before_any_owned_block_and_an_owner_write_keeps_them() 
             "block {seed} evicted"
         );
     }
+    node.with_store(|st| st.check_invariants());
+}
+
+/// The last replica of a popular block is sticky: capacity eviction takes every colder
+/// leaf first, even newer ones; an extra copy never is; and once the block's uses fade it is
+/// an ordinary leaf again.
+#[tokio::test]
+async fn a_popular_blocks_owner_copy_goes_last_until_its_uses_fade() {
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    // Horizon 0: eviction keys are pure recency, so only stickiness can keep an old block.
+    let (c, node) = client_with(
+        4 * block,
+        EvictionPolicy::Frequency {
+            horizon_factor: 0.0,
+        },
+    );
+    let s = scope();
+    let now = Instant::now();
+    let one = |seed: u32| keys(s, &toks(seed, B), &[B]);
+    let popular = one(1);
+    write_whole(&c, s, &popular, B, 300, now, AUTO)
+        .await
+        .unwrap();
+    for _ in 0..4 {
+        assert_eq!(c.read_prefix(s, &popular, B, now).await.tokens, B);
+    }
+    // A popular block held as an extra copy gets no such standing.
+    let extra_hot = one(2);
+    node.with_store(|st| st.put_extra(&s, blocks_to(&extra_hot, B), Duration::from_secs(300), now))
+        .unwrap();
+    for _ in 0..4 {
+        assert_eq!(c.read_prefix(s, &extra_hot, B, now).await.tokens, B);
+    }
+    // Twelve cold blocks through the three other places: the popular one stays.
+    for seed in 100..112 {
+        write_whole(&c, s, &one(seed), B, 300, now, AUTO)
+            .await
+            .unwrap();
+        node.with_store(|st| st.check_invariants());
+    }
+    assert_eq!(c.read_prefix(s, &popular, B, now).await.tokens, B, "sticky");
+    assert_eq!(
+        c.read_prefix(s, &extra_hot, B, now).await.tokens,
+        0,
+        "extra copy evicted"
+    );
+    for seed in 109..112 {
+        assert_eq!(c.read_prefix(s, &one(seed), B, now).await.tokens, B);
+    }
+    // Uses fade: the frequency sketch halves every ten uses per stored block (at least
+    // 40,960 uses), taking the popular block's five uses to two. It then is an ordinary
+    // leaf, older than every cold one, so the next eviction takes it.
+    let scratch = scope();
+    for seed in 0..42_000u32 {
+        let k = keys(scratch, &toks(1_000_000 + seed, B), &[B]);
+        let _ = write_whole(&c, scratch, &k, B, 300, now, AUTO).await;
+    }
+    write_whole(&c, s, &one(200), B, 300, now, AUTO)
+        .await
+        .unwrap();
+    assert_eq!(
+        c.read_prefix(s, &popular, B, now).await.tokens,
+        0,
+        "faded, evicted"
+    );
     node.with_store(|st| st.check_invariants());
 }
 

@@ -1,6 +1,8 @@
-//! The transport contract, to run against every `Transport` implementation (today only TCP;
-//! an RDMA transport is not built yet): blocks move intact, checksums are enforced, tenants
-//! stay apart, and a peer without the cluster token gets nothing.
+//! The transport contract, run against every `Transport` implementation: blocks move
+//! intact, checksums are enforced, tenants stay apart, and a peer without the cluster token
+//! gets nothing. TCP always; with the `rdma` feature, the RDMA transport without a device
+//! (all TCP), and over RDMA READ when `CACHET_RDMA_DEVICE` names a device
+//! (`scripts/rdma-vm.sh` runs that on soft-RoCE in a virtual machine).
 
 mod common;
 
@@ -254,4 +256,94 @@ async fn a_dead_node_is_a_transport_error_not_a_hang() {
     let t = TcpTransport::new(TOKEN);
     let r = t.get_chain(&addr, scope(), &[hash("x")]).await;
     assert!(matches!(r, Err(TransportError::Io { .. })), "{r:?}");
+}
+
+/// Built with RDMA but no device enabled: every call goes over TCP and keeps the contract.
+#[cfg(feature = "rdma")]
+#[tokio::test]
+async fn rdma_transport_without_a_device_is_tcp() {
+    use cache_fabric::rdma::pull::RdmaTransport;
+    let (addr, node) = node().await;
+    let t = RdmaTransport::new(TOKEN);
+    contract(&t, &addr, &node).await;
+    assert_eq!((t.rdma_bytes(), t.fallbacks()), (0, 0));
+}
+
+/// Over a real RDMA device (`CACHET_RDMA_DEVICE`, e.g. `rxe0`): blocks arrive by RDMA READ
+/// from the serving node's registered pool, the contract holds, every lease is released,
+/// a chain larger than the pool is served up to where the pool ran out, and a peer that
+/// exports no pool is read over TCP.
+#[cfg(feature = "rdma")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_transport_keeps_the_contract_over_a_device() {
+    use cache_fabric::rdma::pull::{Export, RdmaTransport};
+    use cache_fabric::rdma::verbs::Device;
+    let Some(name) = std::env::var("CACHET_RDMA_DEVICE")
+        .ok()
+        .filter(|n| !n.is_empty())
+    else {
+        eprintln!("skipped: CACHET_RDMA_DEVICE names no RDMA device (scripts/rdma-vm.sh)");
+        return;
+    };
+    let device = Device::open(Some(&name)).expect("the named RDMA device opens");
+    let (addr, served) = node().await;
+    let export = Export::new(device.clone(), 64 << 20).unwrap();
+    served.export_rdma(export.clone());
+    let t = RdmaTransport::new(TOKEN);
+    t.enable(device.clone());
+    contract(&t, &addr, &served).await;
+    assert_eq!(t.fallbacks(), 0, "no read fell back to TCP");
+    assert!(
+        t.rdma_bytes() > 9 << 20,
+        "the blocks, the 9 MiB one included, arrived by RDMA READ ({} bytes)",
+        t.rdma_bytes()
+    );
+    assert_eq!(export.staged_bytes(), 0, "every lease was released");
+
+    // Several readers at once over their own queue pairs.
+    let s = scope();
+    let blocks = chain(s, "parallel", 8, 256 << 10);
+    let hashes: Vec<BlockHash> = blocks.iter().map(|b| b.hash).collect();
+    t.put_entry(&addr, &entry(s, &blocks, EntryKind::Paid))
+        .await
+        .unwrap()
+        .unwrap();
+    let t = Arc::new(t);
+    let readers: Vec<_> = (0..4)
+        .map(|_| {
+            let (t, addr, hashes) = (t.clone(), addr.clone(), hashes.clone());
+            tokio::spawn(async move { t.get_chain(&addr, s, &hashes).await.unwrap() })
+        })
+        .collect();
+    for r in readers {
+        let got = r.await.unwrap();
+        assert_eq!(got.len(), 8);
+        for (g, b) in got.iter().zip(&blocks) {
+            assert_eq!(g.data, b.data);
+        }
+    }
+    assert_eq!(t.fallbacks(), 0);
+
+    // A pool smaller than the chain: the prefix that fit is served, the rest is not.
+    let (small_addr, small) = node().await;
+    small.export_rdma(Export::new(device.clone(), 1 << 20).unwrap());
+    let long = chain(s, "long", 6, 300 << 10);
+    let long_hashes: Vec<BlockHash> = long.iter().map(|b| b.hash).collect();
+    t.put_entry(&small_addr, &entry(s, &long, EntryKind::Paid))
+        .await
+        .unwrap()
+        .unwrap();
+    let got = t.get_chain(&small_addr, s, &long_hashes).await.unwrap();
+    assert_eq!(got.len(), 3, "three 300 KiB blocks fit a 1 MiB pool");
+    for (g, b) in got.iter().zip(&long) {
+        assert_eq!(g.data, b.data);
+    }
+
+    // A node that exports nothing refuses RCONNECT: the reader falls back to TCP.
+    let (plain_addr, plain) = node().await;
+    let t2 = RdmaTransport::new(TOKEN);
+    t2.enable(device);
+    contract(&t2, &plain_addr, &plain).await;
+    assert!(t2.fallbacks() >= 1);
+    assert_eq!(t2.rdma_bytes(), 0);
 }
