@@ -492,6 +492,27 @@ mod tests {
     }
 
     #[test]
+    fn rdma_settings_are_checked() {
+        let c: Config = toml::from_str("[fabric]\nrdma_device = \"\"").unwrap();
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("rdma_device")
+        );
+        let c: Config = toml::from_str("[fabric]\nrdma_pool_bytes = 0").unwrap();
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("rdma_pool_bytes")
+        );
+        let c: Config = toml::from_str("[fabric]\nrdma_device = \"mlx5_0\"").unwrap();
+        c.validate().unwrap();
+        assert_eq!(Config::default().fabric.rdma_device, "auto");
+    }
+
+    #[test]
     fn one_tier_under_dram_and_gpu_memory_only_where_it_exists() {
         let c: Config =
             toml::from_str("[fabric]\ndisk_capacity_bytes = 1\ngpu_capacity_bytes = 1").unwrap();

@@ -271,3 +271,34 @@ fn rdma(
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node_and_cluster() -> (Arc<cache_fabric::FabricNode>, Arc<Cluster>) {
+        let node = cache_fabric::FabricNode::new(cache_fabric::NodeConfig {
+            dram_capacity_bytes: 1 << 20,
+            eviction: cache_fabric::EvictionPolicy::DEFAULT,
+        });
+        let cluster = Cluster::new("n1", node.clone(), "token", Default::default());
+        (node, cluster)
+    }
+
+    /// `auto` and `off` always start (TCP where there is no RDMA: these machines have
+    /// none); a named device that cannot be used stops the node with the reason.
+    #[test]
+    fn rdma_auto_falls_back_to_tcp_and_a_named_device_must_exist() {
+        let (node, cluster) = node_and_cluster();
+        let mut fabric = crate::config::FabricSection::default();
+        for setting in ["auto", "off"] {
+            fabric.rdma_device = setting.into();
+            rdma(&fabric, &node, &cluster).unwrap();
+        }
+        fabric.rdma_device = "no-such-device".into();
+        let err = rdma(&fabric, &node, &cluster).unwrap_err().to_string();
+        assert!(err.contains("no-such-device"), "{err}");
+        #[cfg(not(feature = "rdma"))]
+        assert!(err.contains("rdma feature"), "{err}");
+    }
+}

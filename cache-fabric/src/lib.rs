@@ -16,8 +16,8 @@
 //! - [`tier`]: where block bytes live (the `TierStore` trait: DRAM, local-disk segments).
 //! - [`transport`]: moving blocks between nodes (the `Transport` trait; TCP with pooled,
 //!   authenticated connections and striped large blocks).
-//! - `rdma` (feature `rdma`): RDMA probing, registered-pool placement and READ coalescing;
-//!   transfers stay on TCP until the verbs data path is built.
+//! - `rdma` (feature `rdma`): RDMA probing and the one-sided READ data path (`rdma::pull`):
+//!   a node stages blocks in a registered pool, peers READ them; TCP whenever RDMA fails.
 //! - `gpu` (feature `cuda`): the GPU-memory tier.
 //! - [`simulate`]: replays a Mooncake-format trace through the store's own eviction code.
 //!

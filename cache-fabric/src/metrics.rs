@@ -151,7 +151,8 @@ pub static RDMA: LazyLock<IntCounterVec> = LazyLock::new(|| {
         Opts::new(
             "cachet_fabric_rdma_total",
             "RDMA pulls by outcome (read: blocks arrived by RDMA READ; fallback: the pull \
-             failed and went over TCP; pool_full: a serving node staged only part of a chain)",
+             failed and went over TCP; too_large: a block larger than the receive region went over \
+             TCP; pool_full: a serving node staged only part of a chain)",
         ),
         &["outcome"],
     )

@@ -324,6 +324,31 @@ async fn rdma_transport_keeps_the_contract_over_a_device() {
     }
     assert_eq!(t.fallbacks(), 0);
 
+    // A block larger than the reader's receive region goes over TCP for that call only; the
+    // peer stays on RDMA.
+    let mut narrow = RdmaTransport::new(TOKEN);
+    narrow.region_bytes = 1 << 20;
+    narrow.enable(device.clone());
+    let wide = chain(s, "wide", 1, 3 << 20);
+    t.put_entry(&addr, &entry(s, &wide, EntryKind::BestEffort))
+        .await
+        .unwrap()
+        .unwrap();
+    let got = narrow
+        .get_block(&addr, s, wide[0].hash)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.data, wide[0].data);
+    assert_eq!((narrow.rdma_bytes(), narrow.fallbacks()), (0, 0));
+    let got = narrow.get_chain(&addr, s, &hashes[..2]).await.unwrap();
+    assert_eq!(got.len(), 2);
+    assert_eq!(
+        narrow.rdma_bytes(),
+        2 * (256 << 10),
+        "small blocks still by RDMA"
+    );
+
     // A pool smaller than the chain: the prefix that fit is served, the rest is not.
     let (small_addr, small) = node().await;
     small.export_rdma(Export::new(device.clone(), 1 << 20).unwrap());

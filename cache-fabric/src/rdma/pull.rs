@@ -248,7 +248,10 @@ struct PeerConn {
 enum PullError {
     /// The bytes arrived and failed their checksum: reported, not retried over TCP.
     Corrupt(TransportError),
-    /// Anything else: the call goes over TCP.
+    /// A block larger than the receive region: this call goes over TCP, the peer stays on
+    /// RDMA.
+    TooLarge,
+    /// Anything else: the call goes over TCP, and the peer stays on TCP for a while.
     Fallback(String),
 }
 
@@ -273,7 +276,9 @@ pub struct RdmaTransport {
     off: Mutex<HashMap<String, std::time::Instant>>,
     read_bytes: AtomicU64,
     fallbacks: AtomicU64,
-    /// Registered receive buffer per connection; a block larger than this goes over TCP.
+    /// Registered (pinned) receive buffer per connection; a block larger than this goes
+    /// over TCP. A reader pins up to `(pool_per_node + in-flight reads) × region_bytes` per
+    /// peer.
     pub region_bytes: usize,
     /// How long a batch of READs may take before the peer is treated as failed.
     pub read_timeout: Duration,
@@ -293,10 +298,10 @@ impl RdmaTransport {
             off: Mutex::new(HashMap::new()),
             read_bytes: AtomicU64::new(0),
             fallbacks: AtomicU64::new(0),
-            region_bytes: 64 << 20,
+            region_bytes: 32 << 20,
             read_timeout: Duration::from_secs(5),
             retry_after: Duration::from_secs(30),
-            pool_per_node: 4,
+            pool_per_node: 2,
         }
     }
 
@@ -469,11 +474,7 @@ impl RdmaTransport {
                 j += 1;
             }
             if j == i {
-                result = Err(PullError::Fallback(format!(
-                    "a block of {} bytes exceeds the {}-byte receive region",
-                    staged[i].3,
-                    conn.region.len()
-                )));
+                result = Err(PullError::TooLarge);
                 break;
             }
             let wanted: Vec<Wanted> = staged[i..j]
@@ -547,7 +548,12 @@ impl RdmaTransport {
         if conn.stream.read_u8().await? != OK {
             return Err(PullError::Fallback("RDONE status".into()));
         }
-        result?;
+        if let Err(e) = result {
+            if matches!(e, PullError::TooLarge) {
+                self.give_back(addr, conn);
+            }
+            return Err(e);
+        }
         metrics::RDMA.with_label_values(&["read"]).inc();
         self.give_back(addr, conn);
         Ok(out)
@@ -565,6 +571,10 @@ impl RdmaTransport {
         match self.pull(addr, &device, scope, mode, hashes).await {
             Ok(blocks) => Some(Ok(blocks)),
             Err(PullError::Corrupt(e)) => Some(Err(e)),
+            Err(PullError::TooLarge) => {
+                metrics::RDMA.with_label_values(&["too_large"]).inc();
+                None
+            }
             Err(PullError::Fallback(why)) => {
                 self.fall_back(addr, &why);
                 None
