@@ -13,9 +13,12 @@
 //! (an owner's copy of a block used at least [`STICKY_USES`] times recently, by the frequency
 //! policy's estimate: with the extra copies gone first, it is the block's last replica, and
 //! it stays while anything colder can go; it loses that standing once its uses fade). Blocks of
-//! *paid* entries (explicit breakpoints, billed as cache writes) are never taken for another
+//! *paid* entries (explicit breakpoints, billed as cache writes) are never dropped for another
 //! tenant's or entry's capacity: they stay for their TTL unless their own tenant's quota
-//! forces them out, and a write that cannot find room is refused (and not billed).
+//! forces them out. When nothing best-effort is left to take, DRAM pressure *demotes* paid
+//! leaves to a lower tier that keeps paid blocks until they expire (the disk tier,
+//! [`TierStore::keeps_paid`]), least recently used first; a write that still cannot find room
+//! is refused (and not billed).
 //!
 //! Time is `tokio::time::Instant`, passed in by the caller (the request's start time), so
 //! TTL behaviour is testable with paused time.
@@ -198,6 +201,8 @@ pub struct Store {
     extra_leaves: BTreeSet<(u64, BlockHash)>,
     /// The subset of `leaves` that are popular owner copies: taken last.
     sticky_leaves: BTreeSet<(u64, BlockHash)>,
+    /// Leaves of paid entries: demoted (never dropped) when nothing else can make room.
+    paid_leaves: BTreeSet<(u64, BlockHash)>,
     /// Every leaf of each tenant, by key (quota eviction).
     tenant_leaves: HashMap<TenantId, BTreeSet<(u64, BlockHash)>>,
     ranking: Ranking,
@@ -227,6 +232,7 @@ impl Store {
             leaves: BTreeSet::new(),
             extra_leaves: BTreeSet::new(),
             sticky_leaves: BTreeSet::new(),
+            paid_leaves: BTreeSet::new(),
             tenant_leaves: HashMap::new(),
             ranking: Ranking::new(limits.policy),
             lower: None,
@@ -295,14 +301,8 @@ impl Store {
     /// Extra copies of blocks other nodes own go first, whatever their rank; popular owner
     /// copies go last.
     fn capacity_victim(&self, pinned: &BlockSet) -> Option<(u64, BlockHash)> {
-        let takeable = |(_, h): &&(u64, BlockHash)| {
-            !pinned.contains(h)
-                && self.blocks.get(h).is_none_or(|b| {
-                    let t = b.scope.tenant;
-                    let reserved = self.tenant_reserved.get(&t).copied().unwrap_or(0);
-                    self.tenant_bytes(t).saturating_sub(b.data.len() as u64) >= reserved
-                })
-        };
+        let takeable =
+            |(_, h): &&(u64, BlockHash)| !pinned.contains(h) && self.reservation_allows(h);
         self.extra_leaves
             .iter()
             .find(takeable)
@@ -314,6 +314,15 @@ impl Store {
             })
             .or_else(|| self.sticky_leaves.iter().find(takeable))
             .copied()
+    }
+
+    /// Whether taking `hash` out of DRAM keeps its tenant at or above its reservation.
+    fn reservation_allows(&self, hash: &BlockHash) -> bool {
+        self.blocks.get(hash).is_none_or(|b| {
+            let t = b.scope.tenant;
+            let reserved = self.tenant_reserved.get(&t).copied().unwrap_or(0);
+            self.tenant_bytes(t).saturating_sub(b.data.len() as u64) >= reserved
+        })
     }
 
     /// Whether a block is popular enough that its owner copy is kept last.
@@ -401,7 +410,12 @@ impl Store {
         for (i, hash) in chain.iter().enumerate() {
             if self.lower.is_some() && self.live(scope, hash, now).is_none() {
                 let parent = i.checked_sub(1).map(|p| chain[p]);
-                self.promote(scope, hash, Some(parent), &chain[..i], now);
+                if let Some(read_through) =
+                    self.promote(scope, hash, Some(parent), &chain[..i], now)
+                {
+                    out.push(read_through);
+                    continue;
+                }
             }
             let Some(block) = self.live(scope, hash, now) else {
                 metrics::BLOCK_READS.with_label_values(&["miss"]).inc();
@@ -431,6 +445,8 @@ impl Store {
     /// Bring `hash` back from the lower tier into DRAM if it is there, of this scope, not
     /// expired, verified, and continues `parent` (`None`: any parent, a replica read by
     /// hash); making room evicts (and so demotes) other blocks, never one of `pinned`.
+    /// When no room can be made (DRAM full of paid blocks, the lower tier too), the block
+    /// stays where it is and is returned to be served from there (`Some`, verified).
     fn promote(
         &mut self,
         scope: &Scope,
@@ -438,22 +454,20 @@ impl Store {
         parent: Option<Option<BlockHash>>,
         pinned: &[BlockHash],
         now: Instant,
-    ) {
-        let Some(tier) = self.lower.as_mut() else {
-            return;
-        };
+    ) -> Option<FetchedBlock> {
+        let tier = self.lower.as_mut()?;
         if !tier.contains(hash) {
-            return;
+            return None;
         }
         let tb = match tier.get(hash) {
             Ok(Some(tb)) => tb,
-            Ok(None) => return,
+            Ok(None) => return None,
             Err(e) => {
                 tracing::error!(block = %hash, error = %e, "lower tier read failed; block dropped");
                 metrics::TIER_MOVES
                     .with_label_values(&["promote_failed"])
                     .inc();
-                return;
+                return None;
             }
         };
         let wall = unix_ms();
@@ -464,21 +478,32 @@ impl Store {
             if tb.expires_unix_ms <= wall {
                 tier.remove(hash);
             }
-            return;
+            return None;
         }
-        tier.remove(hash);
         let len = tb.data.len() as u64;
-        let pinned: BlockSet = pinned.iter().copied().collect();
+        let mut pinned: BlockSet = pinned.iter().copied().collect();
+        pinned.insert(*hash);
         while self.used_bytes + len > self.limits.capacity_bytes {
             if !self.evict_one(None, &pinned, RemovalReason::Capacity) {
-                return;
+                metrics::TIER_MOVES
+                    .with_label_values(&["read_through"])
+                    .inc();
+                return Some(FetchedBlock {
+                    hash: *hash,
+                    n_tokens: tb.n_tokens,
+                    data: tb.data,
+                });
             }
+        }
+        if let Some(tier) = self.lower.as_mut() {
+            tier.remove(hash);
         }
         let remaining = Duration::from_millis(tb.expires_unix_ms - wall);
         let put = PutBlock::new(*hash, tb.parent, tb.n_tokens, tb.data);
         let replica = parent.is_none();
         self.insert(scope, put, tb.ttl, now + remaining, tb.paid, replica, false);
         metrics::TIER_MOVES.with_label_values(&["promoted"]).inc();
+        None
     }
 
     /// One block by hash, whatever its parent (a replica, or a tail), checksum verified and
@@ -521,8 +546,13 @@ impl Store {
         now: Instant,
     ) -> Option<(FetchedBlock, u32)> {
         self.purge_expired(now);
-        if self.lower.is_some() && self.live(scope, hash, now).is_none() {
-            self.promote(scope, hash, None, &[], now);
+        if self.lower.is_some()
+            && self.live(scope, hash, now).is_none()
+            && let Some(read_through) = self.promote(scope, hash, None, &[], now)
+        {
+            metrics::BLOCK_READS.with_label_values(&["hit"]).inc();
+            let crc = checksum(&read_through.data);
+            return Some((read_through, crc));
         }
         let block = self.live(scope, hash, now)?;
         let out = (
@@ -883,7 +913,10 @@ impl Store {
             self.leaves.remove(&(old_key, *hash));
             self.extra_leaves.remove(&(old_key, *hash));
             self.sticky_leaves.remove(&(old_key, *hash));
-            if !b.paid {
+            self.paid_leaves.remove(&(old_key, *hash));
+            if b.paid {
+                self.paid_leaves.insert((key, *hash));
+            } else {
                 self.leaves.insert((key, *hash));
                 if b.extra {
                     self.extra_leaves.insert((key, *hash));
@@ -930,8 +963,31 @@ impl Store {
                 self.remove(&h, reason);
                 true
             }
+            None if tenant.is_none() => self.demote_paid(pinned),
             None => false,
         }
+    }
+
+    /// Make room by moving the least recently used paid leaf (not pinned, its tenant kept at
+    /// its reservation) to a lower tier that keeps it until it expires. Never drops it: if
+    /// there is no such tier, or it is full of unexpired paid blocks, nothing happens.
+    fn demote_paid(&mut self, pinned: &BlockSet) -> bool {
+        if !self.lower.as_ref().is_some_and(|t| t.keeps_paid()) {
+            return false;
+        }
+        let victim = self
+            .paid_leaves
+            .iter()
+            .find(|(_, h)| !pinned.contains(h) && self.reservation_allows(h))
+            .copied();
+        let Some((_, h)) = victim else {
+            return false;
+        };
+        if !self.demote(&h) {
+            return false;
+        }
+        self.forget(&h, RemovalReason::Capacity, true);
+        true
     }
 
     fn purge_expired(&mut self, now: Instant) {
@@ -944,43 +1000,57 @@ impl Store {
     }
 
     fn remove(&mut self, hash: &BlockHash, reason: RemovalReason) {
+        let demoted = reason == RemovalReason::Capacity && self.demote(hash);
+        self.forget(hash, reason, demoted);
+    }
+
+    /// Copy a stored block to the lower tier (with its remaining TTL and paid flag); whether
+    /// the tier took it.
+    fn demote(&mut self, hash: &BlockHash) -> bool {
+        let (Some(b), Some(tier)) = (self.blocks.get(hash), self.lower.as_mut()) else {
+            return false;
+        };
+        let remaining = b.expires_at.saturating_duration_since(Instant::now());
+        let demoted = TierBlock {
+            hash: *hash,
+            scope: b.scope,
+            parent: b.parent,
+            n_tokens: b.n_tokens,
+            ttl: b.ttl,
+            expires_unix_ms: unix_ms() + remaining.as_millis() as u64,
+            paid: b.paid,
+            data: b.data.clone(),
+        };
+        match tier.put(demoted) {
+            Ok(()) => {
+                metrics::TIER_MOVES.with_label_values(&["demoted"]).inc();
+                true
+            }
+            Err(e) => {
+                if matches!(e, crate::tier::TierError::Full { .. }) {
+                    tracing::debug!(block = %hash, error = %e, "lower tier full of paid blocks");
+                } else {
+                    tracing::warn!(block = %hash, error = %e, "demotion to the lower tier failed");
+                }
+                metrics::TIER_MOVES
+                    .with_label_values(&["demote_failed"])
+                    .inc();
+                false
+            }
+        }
+    }
+
+    /// Take a block out of DRAM (`demoted`: it is still held by the lower tier).
+    fn forget(&mut self, hash: &BlockHash, reason: RemovalReason, demoted: bool) {
         let Some(b) = self.blocks.remove(hash) else {
             return;
         };
         debug_assert!(
-            !(b.paid && reason == RemovalReason::Capacity),
-            "a paid block was evicted for capacity"
+            !(b.paid && reason == RemovalReason::Capacity && !demoted),
+            "a paid block was dropped for capacity"
         );
-        let mut demoted_ok = false;
-        if reason == RemovalReason::Capacity
-            && let Some(tier) = self.lower.as_mut()
-        {
-            let remaining = b.expires_at.saturating_duration_since(Instant::now());
-            let demoted = TierBlock {
-                hash: *hash,
-                scope: b.scope,
-                parent: b.parent,
-                n_tokens: b.n_tokens,
-                ttl: b.ttl,
-                expires_unix_ms: unix_ms() + remaining.as_millis() as u64,
-                paid: b.paid,
-                data: b.data.clone(),
-            };
-            match tier.put(demoted) {
-                Ok(()) => {
-                    demoted_ok = true;
-                    metrics::TIER_MOVES.with_label_values(&["demoted"]).inc()
-                }
-                Err(e) => {
-                    tracing::warn!(block = %hash, error = %e, "demotion to the lower tier failed");
-                    metrics::TIER_MOVES
-                        .with_label_values(&["demote_failed"])
-                        .inc();
-                }
-            }
-        }
         // Still held (on disk) after a demotion; otherwise gone from this node.
-        if !demoted_ok {
+        if !demoted {
             self.emit(StoreEvent::Removed(*hash));
         }
         self.expiry.remove(&(b.expires_at, *hash));
@@ -1029,7 +1099,9 @@ impl Store {
     }
 
     fn set_leaf(&mut self, tenant: TenantId, key: u64, hash: BlockHash, paid: bool, extra: bool) {
-        if !paid {
+        if paid {
+            self.paid_leaves.insert((key, hash));
+        } else {
             self.leaves.insert((key, hash));
             if extra {
                 self.extra_leaves.insert((key, hash));
@@ -1064,6 +1136,7 @@ impl Store {
         self.leaves.remove(&(key, hash));
         self.extra_leaves.remove(&(key, hash));
         self.sticky_leaves.remove(&(key, hash));
+        self.paid_leaves.remove(&(key, hash));
         if let Some(set) = self.tenant_leaves.get_mut(&tenant) {
             set.remove(&(key, hash));
         }
@@ -1159,6 +1232,13 @@ impl Store {
             .copied()
             .collect();
         assert_eq!(extra, self.extra_leaves, "extra leaves");
+        let paid: BTreeSet<(u64, BlockHash)> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.children == 0 && b.paid)
+            .map(|(h, b)| (b.key, *h))
+            .collect();
+        assert_eq!(paid, self.paid_leaves, "paid leaves");
         for l in &self.sticky_leaves {
             assert!(
                 self.leaves.contains(l),

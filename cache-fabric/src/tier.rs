@@ -20,7 +20,10 @@
 //! crc is skipped (its header vouches for its length), a torn record or a corrupt header ends
 //! the segment's scan there and the file is truncated to what was intact. Removal drops the index entry;
 //! space is reclaimed by deleting whole segments, oldest first, when over capacity (a
-//! segment's live blocks go with it — a disk cache, not a database). A record whose data no
+//! segment's live blocks go with it — a disk cache, not a database), except *paid* blocks
+//! that have not expired: they are copied into a newer segment first, and a block that would
+//! need one of them dropped is refused (`Full`). The store demotes paid entries only to a
+//! tier that keeps them so ([`TierStore::keeps_paid`]). A record whose data no
 //! longer matches its crc is reported as corrupt, dropped, and never returned.
 
 use std::collections::{BTreeMap, HashMap};
@@ -61,6 +64,8 @@ pub enum TierError {
     TooLarge { size: u64, capacity: u64 },
     #[error("tier unavailable: {0}")]
     Unavailable(String),
+    #[error("the tier holds {protected} bytes of unexpired paid blocks of its {capacity}: no room")]
+    Full { protected: u64, capacity: u64 },
 }
 
 /// One storage tier. Implementations: [`DramTier`], [`DiskTier`], and `GpuTier` (feature
@@ -83,6 +88,12 @@ pub trait TierStore: Send {
     fn capacity_bytes(&self) -> u64;
     /// A short name for metrics and logs.
     fn name(&self) -> &'static str;
+    /// Whether the tier keeps paid blocks until they expire: it never drops one to make room
+    /// (`put` answers [`TierError::Full`] instead). The store demotes paid entries only to
+    /// such a tier.
+    fn keeps_paid(&self) -> bool {
+        false
+    }
 }
 
 /// The DRAM tier as a plain tier: blocks in memory, oldest inserted dropped first when full.
@@ -199,6 +210,12 @@ struct Loc {
     segment: u64,
     offset: u64,
     len: u64,
+    /// A paid block's expiry (ms since the epoch): it is kept until then. 0 if not paid.
+    paid_until_ms: u64,
+}
+
+fn paid_until(b: &TierBlock) -> u64 {
+    if b.paid { b.expires_unix_ms } else { 0 }
 }
 
 /// The local-disk tier: append-only segment files in one directory.
@@ -292,7 +309,15 @@ impl DiskTier {
         for id in ids {
             tier.recover_segment(id)?;
         }
-        tier.enforce_capacity(0)?;
+        // A capacity lowered since the last run is enforced even on paid blocks.
+        if tier.enforce_capacity(0).is_err() {
+            while tier.used > tier.capacity {
+                let Some((&id, _)) = tier.segments.first_key_value() else {
+                    break;
+                };
+                tier.drop_segment(id)?;
+            }
+        }
         Ok(tier)
     }
 
@@ -335,6 +360,7 @@ impl DiskTier {
                     segment: id,
                     offset: off as u64,
                     len,
+                    paid_until_ms: paid_until(&block),
                 },
             ) {
                 self.used -= old.len;
@@ -356,13 +382,57 @@ impl DiskTier {
         Ok(())
     }
 
-    /// Drop whole segments, oldest first, until `incoming` more bytes fit.
+    /// Drop whole segments, oldest first, until `incoming` more bytes fit; unexpired paid
+    /// blocks of a segment are copied into a newer one first. `Full` (and nothing dropped)
+    /// if they alone leave no room.
     fn enforce_capacity(&mut self, incoming: u64) -> Result<(), TierError> {
-        while self.used + incoming > self.capacity {
+        if self.used + incoming <= self.capacity {
+            return Ok(());
+        }
+        let now = crate::unix_ms();
+        let protected: u64 = self
+            .index
+            .values()
+            .filter(|l| l.paid_until_ms > now)
+            .map(|l| l.len)
+            .sum();
+        if protected + incoming > self.capacity {
+            return Err(TierError::Full {
+                protected,
+                capacity: self.capacity,
+            });
+        }
+        // Each round drops the oldest segment, so every byte that is not protected is
+        // reached within one pass over the segments there are now.
+        let mut rounds = 2 * self.segments.len() + 2;
+        while self.used + incoming > self.capacity && rounds > 0 {
+            rounds -= 1;
             let Some((&id, _)) = self.segments.first_key_value() else {
                 break;
             };
+            let keep: Vec<BlockHash> = self
+                .index
+                .iter()
+                .filter(|(_, l)| l.segment == id && l.paid_until_ms > now)
+                .map(|(h, _)| *h)
+                .collect();
+            let mut moved = Vec::with_capacity(keep.len());
+            for h in keep {
+                // A copy that fails its checksum is dropped by `get`, never carried on.
+                if let Ok(Some(b)) = self.get(&h) {
+                    moved.push(b);
+                }
+            }
+            for b in moved {
+                self.append(b, id + 1)?;
+            }
             self.drop_segment(id)?;
+        }
+        if self.used + incoming > self.capacity {
+            return Err(TierError::Full {
+                protected,
+                capacity: self.capacity,
+            });
         }
         Ok(())
     }
@@ -386,9 +456,11 @@ impl DiskTier {
         }
     }
 
-    /// The segment to append `record` bytes to (a new one when the last is full).
-    fn writable_segment(&mut self, record: u64) -> Result<u64, TierError> {
+    /// The segment to append `record` bytes to: the last one if it is at least `min_id`
+    /// and has room, else a new one.
+    fn writable_segment(&mut self, record: u64, min_id: u64) -> Result<u64, TierError> {
         if let Some((&id, (_, written, _))) = self.segments.last_key_value()
+            && id >= min_id
             && (*written == 0 || written + record <= self.segment_bytes)
         {
             return Ok(id);
@@ -397,7 +469,8 @@ impl DiskTier {
             .segments
             .last_key_value()
             .map(|(id, _)| id + 1)
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .max(min_id);
         let file = OpenOptions::new()
             .read(true)
             .append(true)
@@ -426,22 +499,15 @@ impl DiskTier {
     pub fn segments(&self) -> usize {
         self.segments.len()
     }
-}
 
-impl TierStore for DiskTier {
-    fn put(&mut self, block: TierBlock) -> Result<(), TierError> {
-        let len = block.data.len() as u64;
-        if len > self.capacity {
-            return Err(TierError::TooLarge {
-                size: len,
-                capacity: self.capacity,
-            });
-        }
+    /// Write `block` as a new record in a segment numbered at least `min_segment`
+    /// (replacing any earlier record of its hash), without making room.
+    fn append(&mut self, block: TierBlock, min_segment: u64) -> Result<(), TierError> {
         self.remove(&block.hash);
-        self.enforce_capacity(len)?;
+        let len = block.data.len() as u64;
         let header = encode_header(&block, checksum(&block.data));
         let record = (PREFIX + HEADER) as u64 + len;
-        let id = self.writable_segment(record)?;
+        let id = self.writable_segment(record, min_segment)?;
         let (file, written, live) = self.segments.get_mut(&id).expect("just chosen");
         let mut prefix = [0u8; PREFIX];
         prefix[..4].copy_from_slice(MAGIC);
@@ -459,9 +525,25 @@ impl TierStore for DiskTier {
                 segment: id,
                 offset,
                 len,
+                paid_until_ms: paid_until(&block),
             },
         );
         Ok(())
+    }
+}
+
+impl TierStore for DiskTier {
+    fn put(&mut self, block: TierBlock) -> Result<(), TierError> {
+        let len = block.data.len() as u64;
+        if len > self.capacity {
+            return Err(TierError::TooLarge {
+                size: len,
+                capacity: self.capacity,
+            });
+        }
+        self.remove(&block.hash);
+        self.enforce_capacity(len)?;
+        self.append(block, 0)
     }
 
     fn get(&mut self, hash: &BlockHash) -> Result<Option<TierBlock>, TierError> {
@@ -527,5 +609,8 @@ impl TierStore for DiskTier {
     }
     fn name(&self) -> &'static str {
         "disk"
+    }
+    fn keeps_paid(&self) -> bool {
+        true
     }
 }

@@ -584,6 +584,69 @@ async fn dram_pressure_demotes_to_disk_and_a_disk_hit_promotes() {
     assert_eq!(c.read_prefix(scope(), &a, 8, now).await.tokens, 0);
 }
 
+/// DRAM full of paid entries: a new write demotes the least recently used paid leaves to the
+/// disk tier (they stay readable for their TTL) instead of being refused; once the disk tier
+/// is full of unexpired paid blocks too, writes are refused and nothing paid is dropped; a
+/// block that cannot be promoted for lack of room is served from disk.
+#[tokio::test]
+async fn paid_entries_under_dram_pressure_move_to_disk_and_stay() {
+    let dir = TempDir::new();
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    let node = FabricNode::with_disk(
+        NodeConfig {
+            dram_capacity_bytes: 4 * block,
+            eviction: EvictionPolicy::DEFAULT,
+        },
+        &dir.0,
+        4 * block,
+    )
+    .unwrap();
+    let c = FabricClient::local(node.clone());
+    let (s, other) = (scope(), scope());
+    let now = Instant::now();
+    let first = keys(s, &toks(80, 16), &[16]);
+    write_whole(&c, s, &first, 16, 300, now, PAID)
+        .await
+        .unwrap();
+    // Another tenant's paid entry of four blocks: the first entry moves to disk, whole.
+    let second = keys(other, &toks(81, 16), &[16]);
+    write_whole(&c, other, &second, 16, 300, now, PAID)
+        .await
+        .unwrap();
+    node.with_store(|st| {
+        assert_eq!(st.lower_tier_usage(), Some((4, 4 * block)));
+        st.check_invariants();
+    });
+    // Both tiers full of unexpired paid blocks: a further write is refused, not billed.
+    let third = keys(other, &toks(82, 4), &[4]);
+    assert_eq!(
+        write_whole(&c, other, &third, 4, 300, now, PAID).await,
+        Err(WriteRefused::Capacity)
+    );
+    assert_eq!(
+        write_whole(&c, s, &third, 4, 300, now, AUTO).await,
+        Err(WriteRefused::Capacity)
+    );
+    // Nothing paid was lost: the first entry is read from disk (no room to promote it),
+    // the second from DRAM, bytes intact.
+    for (who, k) in [(s, &first), (other, &second)] {
+        let r = c.read_prefix(who, k, 16, now).await;
+        assert_eq!(r.tokens, 16);
+        for (got, want) in r.blocks.iter().zip(blocks_to(k, 16)) {
+            assert_eq!(got.data, want.data);
+        }
+    }
+    node.with_store(|st| {
+        assert_eq!(st.lower_tier_usage(), Some((4, 4 * block)));
+        st.check_invariants();
+    });
+    // Paid entries expire as usual: five minutes later there is room again.
+    let later = now + Duration::from_secs(301);
+    write_whole(&c, other, &third, 4, 300, later, PAID)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn a_block_corrupted_on_disk_is_never_promoted_and_a_restart_recovers_the_rest() {
     let dir = TempDir::new();

@@ -53,9 +53,13 @@ fn contract<T: TierStore>(t: &mut T, corrupt: impl Fn(&mut T, &BlockHash)) {
     assert!(t.get(&b.hash).unwrap().is_none());
     assert_eq!(t.used_bytes(), 0);
 
-    // Capacity holds, whatever is written.
+    // Capacity holds, whatever is written (best-effort blocks: paid ones are below).
     for i in 0..40 {
-        t.put(block(100 + i, 1024, s)).unwrap();
+        t.put(TierBlock {
+            paid: false,
+            ..block(100 + i, 1024, s)
+        })
+        .unwrap();
         assert!(t.used_bytes() <= t.capacity_bytes(), "{}", t.name());
     }
     assert!(
@@ -86,6 +90,78 @@ fn disk_tier_keeps_the_contract() {
     let dir = TempDir::new();
     let mut t = DiskTier::open_with(&dir.0, 10 * 1024, 4 * 1024).unwrap();
     contract(&mut t, |t, h| assert!(t.corrupt_for_test(h).unwrap()));
+}
+
+/// The disk tier keeps paid blocks until they expire: making room drops best-effort blocks
+/// and expired paid ones (paid ones are copied out of a segment before it is deleted), and a
+/// block that would need an unexpired paid one dropped is refused with `Full`. The copies
+/// survive a restart.
+#[test]
+fn disk_tier_keeps_unexpired_paid_blocks_until_they_expire() {
+    let dir = TempDir::new();
+    let s = scope();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let paid = |i: u64| TierBlock {
+        paid: true,
+        expires_unix_ms: now + 600_000,
+        ..block(i, 1024, s)
+    };
+    let free = |i: u64| TierBlock {
+        paid: false,
+        ..block(i, 1024, s)
+    };
+    let mut t = DiskTier::open_with(&dir.0, 10 * 1024, 3 * 1024).unwrap();
+    assert!(t.keeps_paid());
+    // Six paid blocks among twelve best-effort ones, through a 10-block tier.
+    for i in 0..6 {
+        t.put(paid(i)).unwrap();
+        t.put(free(100 + 2 * i)).unwrap();
+        t.put(free(101 + 2 * i)).unwrap();
+        assert!(t.used_bytes() <= t.capacity_bytes());
+    }
+    for i in 0..6 {
+        assert_eq!(
+            t.get(&paid(i).hash).unwrap(),
+            Some(paid(i)),
+            "paid {i} kept"
+        );
+    }
+    assert!(
+        t.get(&free(100).hash).unwrap().is_none(),
+        "oldest best-effort dropped"
+    );
+    // Paid blocks up to the whole capacity fit; one more does not, nor anything else.
+    for i in 6..10 {
+        t.put(paid(i)).unwrap();
+    }
+    assert!(matches!(t.put(paid(10)), Err(TierError::Full { .. })));
+    assert!(matches!(t.put(free(200)), Err(TierError::Full { .. })));
+    for i in 0..10 {
+        assert_eq!(t.get(&paid(i).hash).unwrap(), Some(paid(i)));
+    }
+    // An expired paid block is no longer protected.
+    assert!(t.remove(&paid(0).hash));
+    let expired = TierBlock {
+        expires_unix_ms: now - 1,
+        ..paid(20)
+    };
+    t.put(expired.clone()).unwrap();
+    t.put(paid(21)).unwrap();
+    assert!(t.get(&expired.hash).unwrap().is_none());
+    assert_eq!(t.get(&paid(21).hash).unwrap(), Some(paid(21)));
+    drop(t);
+    let mut t = DiskTier::open_with(&dir.0, 10 * 1024, 3 * 1024).unwrap();
+    for i in (1..10).chain([21]) {
+        assert_eq!(
+            t.get(&paid(i).hash).unwrap(),
+            Some(paid(i)),
+            "paid {i} after a restart"
+        );
+    }
+    assert!(t.used_bytes() <= t.capacity_bytes());
 }
 
 #[test]
