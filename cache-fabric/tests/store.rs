@@ -724,6 +724,58 @@ proptest! {
             }
         });
     }
+    /// With a disk tier under DRAM, a paid entry that was written stays readable, whole, for
+    /// its TTL, whatever other tenants write: DRAM pressure only moves it to disk, and the
+    /// disk tier never drops it to make room. Capacities and invariants hold throughout.
+    #[test]
+    fn paid_entries_stay_readable_for_their_ttl_across_dram_and_disk(
+        ops in proptest::collection::vec((0usize..3, 0u32..10, 1usize..6, any::<bool>()), 1..40),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
+        rt.block_on(async {
+            let dir = TempDir::new();
+            let block = (B * BYTES_PER_TOKEN) as u64;
+            let node = FabricNode::with_disk(
+                NodeConfig { dram_capacity_bytes: 8 * block, eviction: EvictionPolicy::DEFAULT },
+                &dir.0,
+                12 * block,
+            )
+            .unwrap();
+            let c = FabricClient::local(node.clone());
+            let scopes: Vec<Scope> = (0..3).map(|_| scope()).collect();
+            let mut paid: Vec<(Scope, PrefixKeys, usize, Instant)> = Vec::new();
+            for (who, seed, len, is_paid) in ops {
+                let s = scopes[who];
+                let n = len * B;
+                let k = keys(s, &toks(seed, n), &[n]);
+                let now = Instant::now();
+                let read = c.read_prefix(s, &k, n, now).await;
+                let new: Vec<PutBlock> = blocks_to(&k, n).into_iter().filter(|b| !read.blocks.iter().any(|r| r.hash == b.hash)).collect();
+                let ttl = Duration::from_secs(300);
+                let kind = if is_paid { PAID } else { AUTO };
+                if c.write_entry(s, &k, n, &new, ttl, now, kind).await.is_ok() && is_paid {
+                    paid.push((s, k, n, now + ttl));
+                }
+                tokio::time::advance(Duration::from_secs(20)).await;
+                let now = Instant::now();
+                for (s, k, n, expires) in &paid {
+                    if now + Duration::from_secs(2) < *expires {
+                        let r = c.read_prefix(*s, k, *n, now).await;
+                        assert_eq!(r.tokens, *n, "a paid entry was lost before its TTL");
+                        for (got, want) in r.blocks.iter().zip(blocks_to(k, *n)) {
+                            assert_eq!(got.data, want.data);
+                        }
+                    }
+                }
+                node.with_store(|st| {
+                    st.check_invariants();
+                    assert!(st.used_bytes() <= 8 * block);
+                    assert!(st.lower_tier_usage().is_some_and(|(_, b)| b <= 12 * block));
+                });
+            }
+        });
+    }
+
     /// Owners receive chains in pieces (replica writes without parents, parents later,
     /// ordinary writes over them): child counts and orphan counts stay exact, so eviction
     /// still takes only leaves, and capacity and quota bounds hold.
