@@ -706,3 +706,154 @@ async fn a_saturated_node_is_skipped_not_surfaced() {
     pool.close().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The text and event kinds of an SSE body.
+fn sse_text(body: &str) -> (String, Vec<String>) {
+    let mut text = String::new();
+    let mut kinds = Vec::new();
+    for event in body.split("\n\n").filter(|e| !e.trim().is_empty()) {
+        let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+            continue;
+        };
+        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        kinds.push(v["type"].as_str().unwrap_or_default().to_string());
+        if let Some(t) = v["delta"]["text"].as_str() {
+            text.push_str(t);
+        }
+    }
+    (text, kinds)
+}
+
+/// A streamed answer survives its node: `kill -9` of the node serving a stream, after the
+/// client has part of the text, and the gateway resumes the request on the other node under
+/// the same request id and splices that node's stream after what the client has. The client
+/// gets one well-formed stream whose text is exactly what the request generates (sampling is
+/// seeded by the request id), and the ledger holds one row for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_node_dies_is_resumed_on_another() {
+    use futures::StreamExt;
+    let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
+    let dir = std::env::temp_dir().join(&prefix);
+    let (pool, db_url, _, key) = tenant_db("stream").await;
+    // The sim engine at 0.2 s a token: an answer of 12 to 31 words streams for seconds.
+    let env: Vec<(&'static str, String)> = vec![
+        ("DATABASE_URL", db_url.clone()),
+        ("CACHET_ENGINE", "sim".into()),
+        ("CACHET_SIM_TIME_SCALE", "100".into()),
+    ];
+    let mut nodes = vec![
+        Some(start_node_with("a", &prefix, &dir, &env, true)),
+        Some(start_node_with("b", &prefix, &dir, &env, true)),
+    ];
+    let gw = start_gateway(&prefix, &env);
+    let http = reqwest::Client::new();
+    wait_for_nodes(&http, &gw, 2).await;
+
+    let body = serde_json::json!({
+        "model": "sim-tiny", "max_tokens": 64, "stream": true, "temperature": 1.0,
+        "messages": [{"role": "user", "content": "tell me a long story"}],
+    });
+    let resp = http
+        .post(format!("{}/v1/messages", gw.url))
+        .header("x-api-key", &key)
+        .header("anthropic-version", "2023-06-01")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let rid = resp.headers()["request-id"].to_str().unwrap().to_string();
+    let serving = resp.headers()["x-cachet-node"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let (victim, survivor) = if serving == "a" { (0, 1) } else { (1, 0) };
+    let mut stream = resp.bytes_stream();
+    let mut got = String::new();
+    // Kill the serving node once the client holds two text deltas.
+    while sse_text(&got)
+        .1
+        .iter()
+        .filter(|k| *k == "content_block_delta")
+        .count()
+        < 2
+    {
+        let chunk = stream.next().await.expect("stream open").unwrap();
+        got.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let before = sse_text(&got).0;
+    drop(nodes[victim].take());
+    while let Some(chunk) = stream.next().await {
+        got.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+    }
+    let (text, kinds) = sse_text(&got);
+    assert!(
+        text.starts_with(&before) && text.len() > before.len(),
+        "{got}"
+    );
+    let count = |k: &str| kinds.iter().filter(|x| *x == k).count();
+    assert_eq!(
+        (count("message_start"), count("content_block_start")),
+        (1, 1),
+        "{got}"
+    );
+    assert_eq!(
+        (
+            count("content_block_stop"),
+            count("message_delta"),
+            count("message_stop")
+        ),
+        (1, 1, 1),
+        "{got}"
+    );
+    assert_eq!(count("error"), 0, "{got}");
+    assert_eq!(kinds.last().map(String::as_str), Some("message_stop"));
+
+    // The same request (same id) generates exactly that text, as a whole answer.
+    let api = format!(
+        "http://{}",
+        nodes[survivor].as_ref().unwrap().api.as_ref().unwrap()
+    );
+    let whole: serde_json::Value = http
+        .post(format!("{api}/v1/messages"))
+        .header("x-api-key", &key)
+        .header("anthropic-version", "2023-06-01")
+        .header("x-cachet-cluster-token", TOKEN)
+        .header("x-cachet-request-id", &rid)
+        .json(&serde_json::json!({
+            "model": "sim-tiny", "max_tokens": 64, "temperature": 1.0,
+            "messages": [{"role": "user", "content": "tell me a long story"}],
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(whole["content"][0]["text"].as_str(), Some(text.as_str()));
+
+    // Billed once.
+    let id = rid.parse::<cachet_common::RequestId>().unwrap().0;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM usage_events WHERE request_id = $1")
+        .bind(id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+    let metrics = http
+        .get(format!("{}/metrics", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("cachet_gateway_routed_total{outcome=\"resumed\"} 1")),
+        "{metrics}"
+    );
+    pool.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -94,7 +94,9 @@ pub static ROUTED: LazyLock<IntCounterVec> = LazyLock::new(|| {
         Opts::new(
             "cachet_gateway_routed_total",
             "Routing gateway decisions (forwarded, retried: a node failed and the next was \
-             tried, failed: no node could serve, over_slo and no_nodes: answered 529 at once)",
+             tried, failed: no node could serve, over_slo and no_nodes: answered 529 at once, \
+             resumed: a stream whose node failed continued on another, resume_failed: it \
+             could not and ended with an error event)",
         ),
         &["outcome"],
     )

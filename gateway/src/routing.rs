@@ -11,8 +11,9 @@
 //! A node that cannot be reached, fails before its answer is complete, or answers 529 (its
 //! engines are saturated; it did no work) is skipped and the request goes to the next node in
 //! the conductor's order with the same request id: the ledger keys usage by request id, so a
-//! retried request is billed once. Other answers, errors included, are passed through. A streamed answer
-//! that breaks after its first bytes cannot be retried; the stream ends early.
+//! retried request is billed once. Other answers, errors included, are passed through. A
+//! streamed answer whose node fails mid-stream is resumed on the next node and spliced after
+//! what the client already has ([`relay`]); every answer names its node in `x-cachet-node`.
 //!
 //! What it is not: it runs no engine and holds no KV; it loads the engines only to render
 //! and count tokens exactly as the nodes do.
@@ -42,6 +43,11 @@ use crate::conductor::{Candidate, CostModel, Demand, Refusal};
 use crate::engines::EnginePool;
 use crate::error::{ApiError, ErrorKind};
 use crate::{CLUSTER_TOKEN_HEADER, REQUEST_ID_HEADER, metrics};
+
+mod relay;
+
+/// The response header naming the node that served a request.
+pub const NODE_HEADER: &str = "x-cachet-node";
 
 /// Routing gateway settings.
 #[derive(Clone, Debug)]
@@ -111,6 +117,48 @@ impl RouterInner {
             .entry(id.to_string())
             .or_default()
             .clone()
+    }
+
+    /// A routable node's base URL.
+    fn base_of(&self, id: &str) -> Option<String> {
+        self.nodes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|n| n.id == id)
+            .map(|n| n.base.clone())
+    }
+
+    /// The request to send to a node: the cluster token, the request id, and the client's
+    /// headers that matter to the API.
+    fn node_request(
+        &self,
+        base: &str,
+        method: axum::http::Method,
+        path: &str,
+        headers: &HeaderMap,
+        rid: RequestId,
+        body: Bytes,
+    ) -> reqwest::RequestBuilder {
+        let mut req = self
+            .http
+            .request(method, format!("{base}{path}"))
+            .timeout(self.config.node_timeout)
+            .header(CLUSTER_TOKEN_HEADER, &*self.config.cluster_token)
+            .header(REQUEST_ID_HEADER, rid.to_string())
+            .body(body);
+        for (name, value) in headers {
+            let n = name.as_str();
+            if n == "x-api-key"
+                || n == "authorization"
+                || n == "content-type"
+                || n == "anthropic-version"
+                || n == "anthropic-beta"
+            {
+                req = req.header(name, value);
+            }
+        }
+        req
     }
 
     /// Nodes currently routable.
@@ -337,37 +385,13 @@ async fn forward_with(
     ids: &[String],
 ) -> Response {
     for (attempt, id) in ids.iter().enumerate() {
-        let Some(base) = state
-            .nodes
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .find(|n| n.id == *id)
-            .map(|n| n.base.clone())
-        else {
+        let Some(base) = state.base_of(id) else {
             continue;
         };
         let load = state.load(id);
         load.in_flight.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
-        let mut req = state
-            .http
-            .request(method.clone(), format!("{base}{path}"))
-            .timeout(state.config.node_timeout)
-            .header(CLUSTER_TOKEN_HEADER, &*state.config.cluster_token)
-            .header(REQUEST_ID_HEADER, rid.to_string())
-            .body(body.clone());
-        for (name, value) in headers {
-            let n = name.as_str();
-            if n == "x-api-key"
-                || n == "authorization"
-                || n == "content-type"
-                || n == "anthropic-version"
-                || n == "anthropic-beta"
-            {
-                req = req.header(name, value);
-            }
-        }
+        let req = state.node_request(&base, method.clone(), path, headers, rid, body.clone());
         let result = req.send().await;
         let outcome = match result {
             Ok(resp) if resp.status().as_u16() == 529 && attempt + 1 < ids.len() => {
@@ -384,24 +408,40 @@ async fn forward_with(
                     .headers()
                     .get("content-type")
                     .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-                let mut out = Response::builder().status(status.as_u16());
+                let mut out = Response::builder()
+                    .status(status.as_u16())
+                    .header(NODE_HEADER, id.as_str());
                 for (name, value) in resp.headers() {
                     if keep_response_header(name.as_str()) {
                         out = out.header(name.as_str(), value.as_bytes());
                     }
                 }
-                if streamed {
-                    // Committed to this node from the first byte on.
-                    let load2 = load.clone();
-                    let stream = resp.bytes_stream();
-                    let guard = InFlight {
-                        load: load2,
-                        started,
+                if streamed && status.is_success() {
+                    // Relayed event by event; resumed on the next node if this one fails.
+                    let relay = Relay {
+                        state: state.clone(),
+                        rid,
+                        path: path.to_string(),
+                        headers: headers.clone(),
+                        body: body.clone(),
+                        rest: ids[attempt + 1..].to_vec().into_iter(),
+                        upstream: Some((
+                            Box::pin(resp.bytes_stream()),
+                            InFlight {
+                                load: load.clone(),
+                                started,
+                            },
+                        )),
+                        buf: Vec::new(),
+                        splice: relay::Splice::default(),
+                        done: false,
                     };
-                    let body = Body::from_stream(futures::StreamExt::map(stream, move |c| {
-                        let _keep = &guard;
-                        c
-                    }));
+                    let stream = futures::stream::unfold(relay, |mut r| async move {
+                        r.next_event()
+                            .await
+                            .map(|b| (Ok::<_, std::io::Error>(b), r))
+                    });
+                    let body = Body::from_stream(stream);
                     metrics::ROUTED.with_label_values(&["forwarded"]).inc();
                     return out.body(body).unwrap_or_else(|e| {
                         ApiError::internal("building the response", e).into_response()
@@ -441,6 +481,131 @@ fn finish(load: &Load, started: Instant) {
         old - old / 8 + took / 8
     };
     load.service_us.store(new, Ordering::Relaxed);
+}
+
+type Upstream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<bytes::Bytes, reqwest::Error>> + Send>>;
+
+/// A streamed answer on its way to the client (see [`relay`]).
+struct Relay {
+    state: RouterState,
+    rid: RequestId,
+    path: String,
+    headers: HeaderMap,
+    body: Bytes,
+    /// Nodes to resume on, in the conductor's order.
+    rest: std::vec::IntoIter<String>,
+    upstream: Option<(Upstream, InFlight)>,
+    buf: Vec<u8>,
+    splice: relay::Splice,
+    done: bool,
+}
+
+impl Relay {
+    /// The next bytes for the client, or `None` at the end.
+    async fn next_event(&mut self) -> Option<Bytes> {
+        use futures::StreamExt;
+        loop {
+            if self.done {
+                return None;
+            }
+            if let Some(end) = relay::event_end(&self.buf) {
+                let raw = Bytes::from(self.buf.drain(..end).collect::<Vec<u8>>());
+                match self.splice.event(raw) {
+                    relay::Step::Emit(b) => return Some(b),
+                    relay::Step::Skip => continue,
+                    relay::Step::End(b) => {
+                        self.done = true;
+                        self.upstream = None;
+                        return Some(b);
+                    }
+                    relay::Step::Diverged(why) => {
+                        self.done = true;
+                        self.upstream = None;
+                        metrics::ROUTED.with_label_values(&["resume_failed"]).inc();
+                        tracing::error!(request_id = %self.rid, reason = %why, "a resumed stream differs from what was sent; ending it");
+                        return Some(relay::error_event(
+                            "api_error",
+                            "the node serving this stream failed and its answer could not be resumed",
+                        ));
+                    }
+                }
+            }
+            let next = match self.upstream.as_mut() {
+                Some((s, _)) => s.next().await,
+                None => None,
+            };
+            match next {
+                Some(Ok(chunk)) => self.buf.extend_from_slice(&chunk),
+                other => {
+                    let why = match other {
+                        Some(Err(e)) => e.to_string(),
+                        _ => "the stream ended before message_stop".into(),
+                    };
+                    if self.splice.complete() {
+                        self.done = true;
+                        continue;
+                    }
+                    tracing::warn!(request_id = %self.rid, error = %why, "a node failed mid-stream; resuming on the next");
+                    if !self.failover().await {
+                        self.done = true;
+                        metrics::ROUTED.with_label_values(&["resume_failed"]).inc();
+                        return Some(relay::error_event(
+                            "overloaded_error",
+                            "the node serving this stream failed and no other could resume it; retry shortly",
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Send the request to the next node that answers with a stream; whether one did.
+    async fn failover(&mut self) -> bool {
+        self.upstream = None;
+        self.buf.clear();
+        self.splice.restart();
+        for id in self.rest.by_ref() {
+            let Some(base) = self.state.base_of(&id) else {
+                continue;
+            };
+            let load = self.state.load(&id);
+            load.in_flight.fetch_add(1, Ordering::Relaxed);
+            let started = Instant::now();
+            let req = self.state.node_request(
+                &base,
+                axum::http::Method::POST,
+                &self.path,
+                &self.headers,
+                self.rid,
+                self.body.clone(),
+            );
+            match req.send().await {
+                Ok(resp)
+                    if resp.status().is_success()
+                        && resp
+                            .headers()
+                            .get("content-type")
+                            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream")) =>
+                {
+                    metrics::ROUTED.with_label_values(&["resumed"]).inc();
+                    tracing::info!(node = %id, request_id = %self.rid, "stream resumed");
+                    self.upstream =
+                        Some((Box::pin(resp.bytes_stream()), InFlight { load, started }));
+                    return true;
+                }
+                Ok(resp) => {
+                    finish(&load, started);
+                    tracing::warn!(node = %id, request_id = %self.rid, status = resp.status().as_u16(), "node could not resume the stream");
+                }
+                Err(e) => {
+                    load.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    tracing::warn!(node = %id, request_id = %self.rid, error = %e, "node could not resume the stream");
+                }
+            }
+        }
+        false
+    }
 }
 
 /// Counts a streamed request as in flight until its body is dropped.

@@ -126,7 +126,9 @@ async fn create_message_inner(
             temperature: req.temperature,
             top_p: req.top_p,
             top_k: req.top_k,
-            seed: None,
+            // Sampling is reproducible per request: a request resumed on another node (or
+            // retried under its id) generates the same text.
+            seed: Some(rid.0.as_u64_pair().1),
         },
     };
     let mut rx = pipeline::spawn(state.clone(), job);
