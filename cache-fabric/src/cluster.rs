@@ -131,6 +131,9 @@ type Wire = crate::rdma::pull::RdmaTransport;
 #[cfg(not(feature = "rdma"))]
 type Wire = crate::transport::TcpTransport;
 
+/// Lower-tier bytes a repair or drain reads into memory at a time.
+pub const REPAIR_BATCH_BYTES: u64 = 64 << 20;
+
 /// This node's membership in the cluster.
 pub struct Cluster {
     me: String,
@@ -542,8 +545,38 @@ impl Cluster {
         self.push_to_owners(&view, "drain").await
     }
 
+    /// Push what this node holds to the owners under `view` that lack it: DRAM blocks in one
+    /// go (their bytes are shared), then the lower tier [`REPAIR_BATCH_BYTES`] at a time, so
+    /// a repair never holds the whole disk tier in memory.
     async fn push_to_owners(&self, view: &View, why: &'static str) -> RepairReport {
         let held = self.local.store().handoff(Instant::now());
+        let mut total = self.push_batch(view, why, held).await;
+        let lower = self.local.store().lower_hashes();
+        let mut next = 0;
+        while next < lower.len() {
+            let (batch, used) = self
+                .local
+                .store()
+                .lower_handoff(&lower[next..], REPAIR_BATCH_BYTES);
+            next += used.max(1);
+            let r = self.push_batch(view, why, batch).await;
+            total.missing += r.missing;
+            total.pushed += r.pushed;
+            total.failed += r.failed;
+        }
+        if total.missing > 0 {
+            tracing::info!(
+                why,
+                missing = total.missing,
+                pushed = total.pushed,
+                failed = total.failed,
+                "replicas restored"
+            );
+        }
+        total
+    }
+
+    async fn push_batch(&self, view: &View, why: &'static str, held: Vec<Handoff>) -> RepairReport {
         let mut per_owner: HashMap<(String, Scope), Vec<Handoff>> = HashMap::new();
         for h in held {
             for owner in self.owners(view, h.scope.tenant, &h.block.hash) {
@@ -609,15 +642,6 @@ impl Cluster {
             total.missing += r.missing;
             total.pushed += r.pushed;
             total.failed += r.failed;
-        }
-        if total.missing > 0 {
-            tracing::info!(
-                why,
-                missing = total.missing,
-                pushed = total.pushed,
-                failed = total.failed,
-                "replicas restored"
-            );
         }
         total
     }

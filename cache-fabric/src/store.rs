@@ -569,10 +569,10 @@ impl Store {
         Some(out)
     }
 
-    /// Every live block (DRAM, then the lower tier) with what a replica write of it needs:
-    /// for re-replication after a node failure and for handing blocks over when this node
-    /// drains. DRAM bytes are shared, not copied; blocks whose bytes fail their checksum are
-    /// left out (and dropped).
+    /// Every live DRAM block with what a replica write of it needs: for re-replication after
+    /// a node failure and for handing blocks over when this node drains. The bytes are
+    /// shared, not copied; blocks whose bytes fail their checksum are left out (and dropped).
+    /// The lower tier's blocks come in batches from [`Store::lower_handoff`].
     pub fn handoff(&mut self, now: Instant) -> Vec<Handoff> {
         self.purge_expired(now);
         let corrupt: Vec<BlockHash> = self
@@ -585,8 +585,7 @@ impl Store {
             tracing::error!(block = %h, "checksum mismatch found while handing off; dropping block");
             self.remove(h, RemovalReason::Corrupt);
         }
-        let mut out: Vec<Handoff> = self
-            .blocks
+        self.blocks
             .iter()
             .map(|(h, b)| Handoff {
                 scope: b.scope,
@@ -605,17 +604,42 @@ impl Store {
                     EntryKind::BestEffort
                 },
             })
-            .collect();
-        // The lower tier's blocks too, each read back and verified (a corrupt one is dropped
-        // there). This reads the whole tier: repairs follow membership changes, not requests.
-        if let Some(tier) = self.lower.as_mut() {
-            let wall = unix_ms();
-            for h in tier.hashes() {
-                if self.blocks.contains_key(&h) {
-                    continue;
-                }
-                match tier.get(&h) {
-                    Ok(Some(tb)) if tb.expires_unix_ms > wall => out.push(Handoff {
+            .collect()
+    }
+
+    /// The hashes the lower tier holds that DRAM does not (what [`Store::lower_handoff`]
+    /// reads, a batch at a time).
+    pub fn lower_hashes(&self) -> Vec<BlockHash> {
+        self.lower
+            .as_ref()
+            .map(|t| {
+                t.hashes()
+                    .into_iter()
+                    .filter(|h| !self.blocks.contains_key(h))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Read lower-tier blocks from the front of `hashes` (verified; corrupt ones are dropped
+    /// there, expired or vanished ones skipped) until about `budget` bytes are read; returns
+    /// them and how many hashes were consumed. Repairs hold one batch in memory at a time,
+    /// not the whole tier.
+    pub fn lower_handoff(&mut self, hashes: &[BlockHash], budget: u64) -> (Vec<Handoff>, usize) {
+        let Some(tier) = self.lower.as_mut() else {
+            return (Vec::new(), hashes.len());
+        };
+        let wall = unix_ms();
+        let (mut out, mut bytes, mut used) = (Vec::new(), 0u64, 0usize);
+        for h in hashes {
+            if bytes >= budget && !out.is_empty() {
+                break;
+            }
+            used += 1;
+            match tier.get(h) {
+                Ok(Some(tb)) if tb.expires_unix_ms > wall => {
+                    bytes += tb.data.len() as u64;
+                    out.push(Handoff {
                         scope: tb.scope,
                         block: PutBlock::new(tb.hash, tb.parent, tb.n_tokens, tb.data),
                         ttl: tb.ttl,
@@ -625,15 +649,15 @@ impl Store {
                         } else {
                             EntryKind::BestEffort
                         },
-                    }),
-                    Ok(_) => {}
-                    Err(e) => {
-                        tracing::error!(block = %h, error = %e, "lower tier read failed while handing off")
-                    }
+                    });
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::error!(block = %h, error = %e, "lower tier read failed while handing off")
                 }
             }
         }
-        out
+        (out, used)
     }
 
     /// Report every block held (DRAM and lower tier) as stored: a node that restarts with

@@ -647,6 +647,37 @@ async fn paid_entries_under_dram_pressure_move_to_disk_and_stay() {
         .unwrap();
 }
 
+/// Repairs read the disk tier a batch at a time: each batch stops at the byte budget (after
+/// at least one block), and the batches together hand over every block on disk exactly once.
+#[tokio::test]
+async fn the_disk_tier_is_handed_off_in_bounded_batches() {
+    let dir = TempDir::new();
+    let (c, node) = disk_node(2, &dir.0);
+    let s = scope();
+    let now = Instant::now();
+    for seed in 0..10 {
+        let k = keys(s, &toks(300 + seed, 8), &[8]);
+        write_whole(&c, s, &k, 8, 300, now, AUTO).await.unwrap();
+    }
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    let (dram, lower) = node.with_store(|st| (st.handoff(now), st.lower_hashes()));
+    assert_eq!(dram.len(), 2);
+    assert_eq!(lower.len(), 18);
+    let mut seen = std::collections::HashSet::new();
+    let mut next = 0;
+    while next < lower.len() {
+        let (batch, used) = node.with_store(|st| st.lower_handoff(&lower[next..], 3 * block));
+        assert!(!batch.is_empty() && batch.len() <= 3, "{}", batch.len());
+        for h in &batch {
+            assert!(seen.insert(h.block.hash), "handed off twice");
+            assert_eq!(h.block.checksum, cache_fabric::checksum(&h.block.data));
+        }
+        next += used;
+    }
+    assert_eq!(seen.len(), 18);
+    assert!(dram.iter().all(|h| !seen.contains(&h.block.hash)));
+}
+
 #[tokio::test]
 async fn a_block_corrupted_on_disk_is_never_promoted_and_a_restart_recovers_the_rest() {
     let dir = TempDir::new();
