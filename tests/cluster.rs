@@ -741,7 +741,7 @@ async fn a_stream_whose_node_dies_is_resumed_on_another() {
         ("CACHET_ENGINE", "sim".into()),
         ("CACHET_SIM_TIME_SCALE", "100".into()),
     ];
-    let mut nodes = vec![
+    let mut nodes = [
         Some(start_node_with("a", &prefix, &dir, &env, true)),
         Some(start_node_with("b", &prefix, &dir, &env, true)),
     ];

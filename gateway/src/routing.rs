@@ -424,7 +424,7 @@ async fn forward_with(
                         path: path.to_string(),
                         headers: headers.clone(),
                         body: body.clone(),
-                        rest: ids[attempt + 1..].to_vec().into_iter(),
+                        rest: ids[attempt + 1..].iter().cloned().collect(),
                         upstream: Some((
                             Box::pin(resp.bytes_stream()),
                             InFlight {
@@ -494,7 +494,7 @@ struct Relay {
     headers: HeaderMap,
     body: Bytes,
     /// Nodes to resume on, in the conductor's order.
-    rest: std::vec::IntoIter<String>,
+    rest: std::collections::VecDeque<String>,
     upstream: Option<(Upstream, InFlight)>,
     buf: Vec<u8>,
     splice: relay::Splice,
@@ -565,7 +565,7 @@ impl Relay {
         self.upstream = None;
         self.buf.clear();
         self.splice.restart();
-        for id in self.rest.by_ref() {
+        while let Some(id) = self.rest.pop_front() {
             let Some(base) = self.state.base_of(&id) else {
                 continue;
             };
