@@ -13,7 +13,7 @@
 //! the conductor's order with the same request id: the ledger keys usage by request id, so a
 //! retried request is billed once. Other answers, errors included, are passed through. A
 //! streamed answer whose node fails mid-stream is resumed on the next node and spliced after
-//! what the client already has ([`relay`]); every answer names its node in `x-cachet-node`.
+//! what the client already has (module `relay`); every answer names its node in `x-cachet-node`.
 //!
 //! What it is not: it runs no engine and holds no KV; it loads the engines only to render
 //! and count tokens exactly as the nodes do.
