@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Run the fabric's RDMA transport contract (cache-fabric/tests/transport.rs, feature rdma)
-# over a real RDMA device: soft-RoCE (rdma_rxe) inside a small virtual machine, because the
+# and its in-process cluster tests (cache-fabric/tests/cluster.rs) over a real RDMA device: soft-RoCE (rdma_rxe) inside a small virtual machine, because the
 # build machines' own kernel has no RDMA support at all (ENOSYS).
 #
 # What it does:
 #   1. builds the transport test binary with the rdma feature;
 #   2. fetches a Debian kernel package (it ships rdma_rxe as a module) and takes the kernel
 #      and the modules rxe needs (dependencies read from each module's modinfo);
-#   3. packs an initramfs: static busybox, the test binary and its shared libraries,
+#   3. packs an initramfs: static busybox, the test binaries and their shared libraries,
 #      libibverbs' rxe provider, iproute2's `rdma` tool, and an init script;
 #   4. boots it in QEMU (KVM when /dev/kvm is usable, else emulation); the init script loads
-#      the modules, creates rxe0 on a dummy Ethernet device, runs the test binary with
+#      the modules, creates rxe0 on a dummy Ethernet device, runs both test binaries with
 #      CACHET_RDMA_DEVICE=rxe0 and powers off;
-#   5. exits with the test binary's status.
+#   5. exits non-zero if either failed.
 #
 # Needs (installed when missing, Debian): qemu-system-x86, busybox-static, rdma-core,
 # ibverbs-providers, iproute2, plus what the rdma feature's build needs (cmake,
@@ -36,16 +36,18 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
-echo "== building the transport contract tests with the rdma feature"
-bin=${CACHET_RDMA_TEST_BIN:-}
-[ -n "$bin" ] || bin=$(cargo test -p cache-fabric --features rdma --locked --test transport --no-run \
-        --message-format=json 2>/dev/null |
+echo "== building the transport contract and cluster tests with the rdma feature"
+# CACHET_RDMA_TEST_BINS: the test binaries to run, already built (space-separated).
+bins=${CACHET_RDMA_TEST_BINS:-}
+[ -n "$bins" ] || bins=$(cargo test -p cache-fabric --features rdma --locked --test transport \
+        --test cluster --no-run --message-format=json 2>/dev/null |
       python3 -c 'import json,sys
 for l in sys.stdin:
     m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="transport":
-        print(m["executable"])' | tail -1)
-[ -x "$bin" ] || { echo "could not build the transport test binary" >&2; exit 1; }
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"] in ("transport","cluster"):
+        print(m["executable"])' | sort -u | tr '\n' ' ')
+for b in $bins; do [ -x "$b" ] || { echo "could not build the RDMA test binaries" >&2; exit 1; }; done
+[ "$(echo $bins | wc -w)" -eq 2 ] || { echo "could not build the RDMA test binaries" >&2; exit 1; }
 
 echo "== kernel with rdma_rxe"
 kdeb=$(ls "$work"/linux-image-*-amd64_*.deb 2>/dev/null | head -1 || true)
@@ -96,12 +98,12 @@ EOF
 
 # Shared libraries of the test binary and the rdma tool, and the rxe provider.
 provider=$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so | head -1)
-cp "$bin" "$root/bin/transport-tests"
+for b in $bins; do cp "$b" "$root/bin/$(basename "$b" | sed 's/-[0-9a-f]*$//')-tests"; done
 cp "$(command -v rdma)" "$root/bin/rdma"
 cp /etc/libibverbs.d/rxe.driver "$root/etc/libibverbs.d/"
 mkdir -p "$root/usr/lib/x86_64-linux-gnu/libibverbs"
 cp "$provider" "$root/usr/lib/x86_64-linux-gnu/libibverbs/"
-for f in "$bin" "$(command -v rdma)" "$provider"; do
+for f in $bins "$(command -v rdma)" "$provider"; do
   ldd "$f" | awk '/=> \//{print $3} /^\s*\/lib64/{print $1}'
 done | sort -u | while read -r lib; do
   mkdir -p "$root$(dirname "$lib")"
@@ -110,6 +112,8 @@ done
 [ -e "$root/lib64/ld-linux-x86-64.so.2" ] || cp -L /lib64/ld-linux-x86-64.so.2 "$root/lib64/"
 
 test_args="$*"
+# The device the tests use (CACHET_RDMA_VM_DEVICE= runs them without RDMA, for comparison).
+device=${CACHET_RDMA_VM_DEVICE-rxe0}
 cat > "$root/init" <<EOF
 #!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -127,8 +131,11 @@ rdma link add rxe0 type rxe netdev rdma0 || echo "rdma link add failed"
 rdma link show
 ulimit -l unlimited
 cd /tmp
-CACHET_RDMA_DEVICE=rxe0 RUST_BACKTRACE=1 /bin/transport-tests --test-threads=1 $test_args
-echo "CACHET_RDMA_VM_STATUS=\$?"
+status=0
+for t in /bin/transport-tests /bin/cluster-tests; do
+  CACHET_RDMA_DEVICE=$device RUST_BACKTRACE=1 \$t --test-threads=1 $test_args || status=\$?
+done
+echo "CACHET_RDMA_VM_STATUS=\$status"
 poweroff -f
 EOF
 chmod +x "$root/init"

@@ -232,8 +232,29 @@ impl Cluster {
         if changed {
             *cur = Arc::new(view);
             self.changes.send_modify(|n| *n += 1);
+            // RDMA connections to the peers are opened now, off any read's path.
+            #[cfg(feature = "rdma")]
+            for (id, addr) in &cur.addrs {
+                if *id != self.me {
+                    self.transport.warm(addr);
+                }
+            }
         }
         changed
+    }
+
+    /// Open an RDMA connection to every peer in the view that has none yet, and wait for
+    /// them (tests; a node relies on the background ones [`Cluster::set_view`] starts).
+    #[cfg(feature = "rdma")]
+    pub async fn connect_rdma(&self) -> Vec<Result<(), String>> {
+        let view = self.view();
+        let mut out = Vec::new();
+        for (id, addr) in &view.addrs {
+            if *id != self.me {
+                out.push(self.transport.connect_now(addr).await);
+            }
+        }
+        out
     }
 
     /// Bumped on every membership change.

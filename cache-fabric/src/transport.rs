@@ -245,7 +245,7 @@ async fn serve_conn(mut s: TcpStream, node: &FabricNode, token: &str) -> std::io
                 let Some(conn) = rdma.as_mut() else {
                     return Err(bad("this node exports no RDMA pool"));
                 };
-                let out = conn.handle(op, f, node)?;
+                let out = conn.handle(op, f, node).await?;
                 s.write_all(&out).await?;
             }
             OP_GET => {

@@ -1,5 +1,7 @@
 //! Cluster reads, writes, repair and drain across real TCP nodes in one process (the
 //! multi-process test with `cachet node` processes is the root crate's `tests/cluster.rs`).
+//! With the `rdma` feature and `CACHET_RDMA_DEVICE` naming a device (`scripts/rdma-vm.sh`),
+//! every member also exports an RDMA pool and reads from its peers by RDMA READ.
 
 mod common;
 
@@ -26,11 +28,31 @@ struct Member {
     serving: tokio::task::JoinHandle<()>,
 }
 
+/// The RDMA device the members use, if `CACHET_RDMA_DEVICE` names one.
+#[cfg(feature = "rdma")]
+fn rdma_device() -> Option<Arc<cache_fabric::rdma::verbs::Device>> {
+    static DEVICE: std::sync::OnceLock<Option<Arc<cache_fabric::rdma::verbs::Device>>> =
+        std::sync::OnceLock::new();
+    DEVICE
+        .get_or_init(|| {
+            let name = std::env::var("CACHET_RDMA_DEVICE").ok()?;
+            (!name.is_empty()).then(|| {
+                cache_fabric::rdma::verbs::Device::open(Some(&name))
+                    .expect("the named RDMA device opens")
+            })
+        })
+        .clone()
+}
+
 async fn member(id: &str) -> Member {
     let node = FabricNode::new(NodeConfig {
         dram_capacity_bytes: 1 << 30,
         eviction: EvictionPolicy::DEFAULT,
     });
+    #[cfg(feature = "rdma")]
+    if let Some(device) = rdma_device() {
+        node.export_rdma(cache_fabric::rdma::pull::Export::new(device, 16 << 20).unwrap());
+    }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let serving = tokio::spawn(serve_tcp(listener, node.clone(), TOKEN.into()));
@@ -51,12 +73,19 @@ async fn member(id: &str) -> Member {
 }
 
 fn client(m: &Member, members: &[&Member]) -> (FabricClient, Arc<Cluster>) {
-    let cluster = Cluster::new(
-        m.record.id.clone(),
-        m.node.clone(),
-        TOKEN,
-        ClusterConfig::default(),
-    );
+    #[allow(unused_mut)]
+    let mut config = ClusterConfig::default();
+    // Over soft-RoCE in an emulated machine every verb is slow; these tests check what
+    // arrives, not how fast, so reads may wait longer before recomputing.
+    #[cfg(feature = "rdma")]
+    if rdma_device().is_some() {
+        config.min_deadline = Duration::from_secs(10);
+    }
+    let cluster = Cluster::new(m.record.id.clone(), m.node.clone(), TOKEN, config);
+    #[cfg(feature = "rdma")]
+    if let Some(device) = rdma_device() {
+        cluster.enable_rdma(device);
+    }
     let records: Vec<NodeRecord> = members.iter().map(|m| m.record.clone()).collect();
     cluster.set_view(View::from_records(&records));
     (
@@ -125,7 +154,22 @@ async fn blocks_land_on_their_owners_and_any_member_reads_them() {
     let (a, b, c) = (member("a").await, member("b").await, member("c").await);
     let all = [&a, &b, &c];
     let (ca, cluster) = client(&a, &all);
-    let (cb, _) = client(&b, &all);
+    let (cb, cluster_b) = client(&b, &all);
+    #[cfg(feature = "rdma")]
+    if rdma_device().is_some() {
+        // Wait for the connections set_view opened (or open them), so B's reads use RDMA.
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        let _ = cluster_b.connect_rdma().await;
+    }
+    #[cfg(not(feature = "rdma"))]
+    let _ = cluster_b;
+    #[cfg(feature = "rdma")]
+    let (rdma_bytes, fallbacks) = (
+        cache_fabric::metrics::RDMA_BYTES.get(),
+        cache_fabric::metrics::RDMA
+            .with_label_values(&["fallback"])
+            .get(),
+    );
     let s = scope();
     let k = keys(s, 12 * B + 2);
     let offset = 12 * B + 2;
@@ -158,6 +202,17 @@ async fn blocks_land_on_their_owners_and_any_member_reads_them() {
             .tokens,
         0
     );
+    // Over RDMA, the blocks B lacked arrived by READ, and nothing fell back to TCP.
+    #[cfg(feature = "rdma")]
+    if rdma_device().is_some() {
+        assert!(cache_fabric::metrics::RDMA_BYTES.get() > rdma_bytes);
+        assert_eq!(
+            cache_fabric::metrics::RDMA
+                .with_label_values(&["fallback"])
+                .get(),
+            fallbacks
+        );
+    }
 }
 
 #[tokio::test]

@@ -291,6 +291,9 @@ async fn rdma_transport_keeps_the_contract_over_a_device() {
     served.export_rdma(export.clone());
     let t = RdmaTransport::new(TOKEN);
     t.enable(device.clone());
+    // Connections open in the background on first use; open one now so the contract's
+    // reads go over RDMA.
+    t.connect_now(&addr).await.unwrap();
     contract(&t, &addr, &served).await;
     assert_eq!(t.fallbacks(), 0, "no read fell back to TCP");
     assert!(
@@ -298,6 +301,13 @@ async fn rdma_transport_keeps_the_contract_over_a_device() {
         "the blocks, the 9 MiB one included, arrived by RDMA READ ({} bytes)",
         t.rdma_bytes()
     );
+    // RDONE is not answered: the node frees a lease when it reads it.
+    for _ in 0..500 {
+        if export.staged_bytes() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert_eq!(export.staged_bytes(), 0, "every lease was released");
 
     // Several readers at once over their own queue pairs.
@@ -327,8 +337,9 @@ async fn rdma_transport_keeps_the_contract_over_a_device() {
     // A block larger than the reader's receive region goes over TCP for that call only; the
     // peer stays on RDMA.
     let mut narrow = RdmaTransport::new(TOKEN);
-    narrow.region_bytes = 1 << 20;
+    narrow.set_region_bytes(1 << 20);
     narrow.enable(device.clone());
+    narrow.connect_now(&addr).await.unwrap();
     let wide = chain(s, "wide", 1, 3 << 20);
     t.put_entry(&addr, &entry(s, &wide, EntryKind::BestEffort))
         .await
@@ -358,6 +369,7 @@ async fn rdma_transport_keeps_the_contract_over_a_device() {
         .await
         .unwrap()
         .unwrap();
+    t.connect_now(&small_addr).await.unwrap();
     let got = t.get_chain(&small_addr, s, &long_hashes).await.unwrap();
     assert_eq!(got.len(), 3, "three 300 KiB blocks fit a 1 MiB pool");
     for (g, b) in got.iter().zip(&long) {
@@ -368,6 +380,7 @@ async fn rdma_transport_keeps_the_contract_over_a_device() {
     let (plain_addr, plain) = node().await;
     let t2 = RdmaTransport::new(TOKEN);
     t2.enable(device);
+    assert!(t2.connect_now(&plain_addr).await.is_err());
     contract(&t2, &plain_addr, &plain).await;
     assert!(t2.fallbacks() >= 1);
     assert_eq!(t2.rdma_bytes(), 0);

@@ -8,7 +8,7 @@
 //!                                           | unsupported(3) reason_len:u16 reason
 //! RGET     7 = scope:32 mode:u8 n:u32       ok lease:u64 count:u32
 //!              hash:32 × n                     count × (hash:32 n_tokens:u32 crc:u32 len:u64 offset:u64)
-//! RDONE    8 = lease:u64                    ok
+//! RDONE    8 = lease:u64                    (no answer: the connection's next request follows it)
 //! ```
 //!
 //! A serving node with an [`Export`] answers `RGET` by reading the blocks from its store
@@ -22,9 +22,10 @@
 //! fit is served up to where the pool ran out (the reader recomputes or re-reads the rest).
 //!
 //! [`RdmaTransport`] is a [`Transport`]: reads go over RDMA to peers that export a pool and
-//! over TCP otherwise; writes (`PUT`) and `HAS` stay on TCP. Any RDMA failure falls back to
-//! TCP for that call and keeps the peer on TCP for [`RdmaTransport::retry_after`]: a fault
-//! costs bandwidth, never a read.
+//! over TCP otherwise; writes (`PUT`) and `HAS` stay on TCP. Connections are opened in the
+//! background ([`RdmaTransport::warm`]), never on a read's critical path: a read with no idle
+//! connection goes over TCP. Any RDMA failure falls back to TCP for that call and keeps the
+//! peer on TCP for 30 s: a fault costs bandwidth, never a read.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,6 +54,8 @@ const MODE_CHAIN: u8 = 0;
 const MODE_BLOCK: u8 = 1;
 /// One staged block in an `RGET` answer.
 const STAGED_LEN: usize = 32 + 4 + 4 + 8 + 8;
+/// A connection's first receive region; it doubles (re-registered) when a block needs more.
+const FIRST_REGION: usize = 4 << 20;
 
 /// A node's registered pool that peers READ staged blocks from.
 pub struct Export {
@@ -103,8 +106,9 @@ impl ServerConn {
         }
     }
 
-    /// Answer one RDMA control op (`op` read off `f` already); `Err` closes the connection.
-    pub(crate) fn handle(
+    /// Answer one RDMA control op (`op` read off `f` already; `RDONE` has no answer); `Err`
+    /// closes the connection.
+    pub(crate) async fn handle(
         &mut self,
         op: u8,
         mut f: Bytes,
@@ -116,10 +120,15 @@ impl ServerConn {
         match op {
             OP_RDMA_CONNECT => {
                 let remote = Endpoint::decode(&f).ok_or_else(|| bad("RCONNECT endpoint"))?;
-                let connected = QueuePair::new(&self.export.device).and_then(|mut qp| {
+                // Verbs setup blocks: off the async workers.
+                let device = self.export.device.clone();
+                let connected = tokio::task::spawn_blocking(move || {
+                    let mut qp = QueuePair::new(&device)?;
                     qp.connect(&remote)?;
-                    Ok(qp)
-                });
+                    Ok::<_, std::io::Error>(qp)
+                })
+                .await
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
                 match connected {
                     Ok(qp) => {
                         out.put_u8(OK);
@@ -211,7 +220,6 @@ impl ServerConn {
                 if let Some(extents) = self.leases.remove(&f.get_u64_le()) {
                     self.export.free(&extents);
                 }
-                out.put_u8(OK);
             }
             _ => return Err(bad("unknown RDMA op")),
         }
@@ -268,107 +276,261 @@ impl From<std::io::Error> for PullError {
 }
 
 /// Reads over RDMA where the peer exports a pool, TCP for everything else.
+///
+/// RDMA connections are set up off the read path: [`RdmaTransport::warm`] (called by the
+/// cluster for every peer in a new view) opens them in the background, and a read with no
+/// idle connection to its peer goes over TCP meanwhile and asks for one more.
 pub struct RdmaTransport {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     tcp: TcpTransport,
     device: OnceLock<Arc<Device>>,
-    idle: Mutex<HashMap<String, Vec<PeerConn>>>,
-    /// Peers whose RDMA path failed, and when to try it again.
-    off: Mutex<HashMap<String, std::time::Instant>>,
+    peers: Mutex<HashMap<String, PeerState>>,
     read_bytes: AtomicU64,
     fallbacks: AtomicU64,
-    /// Registered (pinned) receive buffer per connection; a block larger than this goes
-    /// over TCP. A reader pins up to `(pool_per_node + in-flight reads) × region_bytes` per
-    /// peer.
-    pub region_bytes: usize,
+    /// The most a connection's registered (pinned) receive region grows to; a block larger
+    /// than this goes over TCP. Regions start at [`FIRST_REGION`] and double as needed.
+    region_bytes: usize,
     /// How long a batch of READs may take before the peer is treated as failed.
-    pub read_timeout: Duration,
+    read_timeout: Duration,
     /// How long a peer stays on TCP after an RDMA failure.
-    pub retry_after: Duration,
-    /// Idle RDMA connections kept per peer.
-    pub pool_per_node: usize,
+    retry_after: Duration,
+    /// RDMA connections per peer at most (each pins `region_bytes`).
+    conns_per_peer: usize,
+}
+
+#[derive(Default)]
+struct PeerState {
+    idle: Vec<PeerConn>,
+    /// Connections open or being opened (idle ones included).
+    open: usize,
+    /// One is being opened in the background: no other starts meanwhile.
+    warming: bool,
+    /// After a failure: TCP until then.
+    off_until: Option<std::time::Instant>,
 }
 
 impl RdmaTransport {
     /// A transport that moves everything over TCP until [`RdmaTransport::enable`].
     pub fn new(token: impl Into<Arc<str>>) -> Self {
         Self {
-            tcp: TcpTransport::new(token),
-            device: OnceLock::new(),
-            idle: Mutex::new(HashMap::new()),
-            off: Mutex::new(HashMap::new()),
-            read_bytes: AtomicU64::new(0),
-            fallbacks: AtomicU64::new(0),
-            region_bytes: 32 << 20,
-            read_timeout: Duration::from_secs(5),
-            retry_after: Duration::from_secs(30),
-            pool_per_node: 2,
+            inner: Arc::new(Inner {
+                tcp: TcpTransport::new(token),
+                device: OnceLock::new(),
+                peers: Mutex::new(HashMap::new()),
+                read_bytes: AtomicU64::new(0),
+                fallbacks: AtomicU64::new(0),
+                region_bytes: 64 << 20,
+                read_timeout: Duration::from_secs(5),
+                retry_after: Duration::from_secs(30),
+                conns_per_peer: 4,
+            }),
         }
+    }
+
+    fn inner_mut(&mut self) -> &mut Inner {
+        Arc::get_mut(&mut self.inner).expect("configured before first use")
+    }
+
+    /// The most a connection's receive region grows to (before first use); larger blocks
+    /// go over TCP.
+    pub fn set_region_bytes(&mut self, bytes: usize) {
+        self.inner_mut().region_bytes = bytes;
+    }
+
+    /// The TCP transport under it (tuning before first use; the path for everything but
+    /// reads).
+    pub fn tcp_mut(&mut self) -> &mut TcpTransport {
+        &mut self.inner_mut().tcp
     }
 
     /// Pull blocks over RDMA with `device` from now on (once; later calls are ignored).
     pub fn enable(&self, device: Arc<Device>) {
-        let _ = self.device.set(device);
-    }
-
-    /// The TCP transport under it (tuning, and the path for everything but reads).
-    pub fn tcp_mut(&mut self) -> &mut TcpTransport {
-        &mut self.tcp
+        let _ = self.inner.device.set(device);
     }
 
     /// Block bytes that arrived by RDMA READ so far.
     pub fn rdma_bytes(&self) -> u64 {
-        self.read_bytes.load(Ordering::Relaxed)
+        self.inner.read_bytes.load(Ordering::Relaxed)
     }
 
-    /// Reads that fell back to TCP so far.
+    /// RDMA failures that sent a peer to TCP so far.
     pub fn fallbacks(&self) -> u64 {
-        self.fallbacks.load(Ordering::Relaxed)
+        self.inner.fallbacks.load(Ordering::Relaxed)
     }
 
-    fn device_for(&self, addr: &str) -> Option<Arc<Device>> {
-        let dev = self.device.get()?;
-        let mut off = self.off.lock().unwrap_or_else(|p| p.into_inner());
-        match off.get(addr) {
-            Some(until) if *until > std::time::Instant::now() => None,
-            Some(_) => {
-                off.remove(addr);
-                Some(dev.clone())
-            }
-            None => Some(dev.clone()),
+    /// Open an RDMA connection to `addr` in the background, unless it has its share or is
+    /// on TCP after a failure. Needs a Tokio runtime (does nothing without one).
+    pub fn warm(&self, addr: &str) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let Some(device) = self.inner.reserve(addr, true) else {
+            return;
+        };
+        let (inner, addr) = (self.inner.clone(), addr.to_string());
+        rt.spawn(async move {
+            inner.open(&addr, &device).await;
+            inner.warmed(&addr);
+        });
+    }
+
+    /// Open an RDMA connection to `addr` now; why not, if it could not.
+    pub async fn connect_now(&self, addr: &str) -> Result<(), String> {
+        let device = self
+            .inner
+            .reserve(addr, false)
+            .ok_or_else(|| format!("no RDMA to {addr} now (no device, on TCP, or at its share)"))?;
+        if self.inner.open(addr, &device).await {
+            Ok(())
+        } else {
+            Err(format!("RDMA connection to {addr} failed"))
         }
     }
 
+    /// RDMA if an idle connection to the peer is ready, else `None` (TCP, and one more
+    /// connection is warmed).
+    async fn read_via(
+        &self,
+        addr: &str,
+        scope: Scope,
+        mode: u8,
+        hashes: &[BlockHash],
+    ) -> Option<Result<Vec<FetchedBlock>, TransportError>> {
+        let device = self.inner.device.get()?.clone();
+        let Some(conn) = self.inner.take_idle(addr) else {
+            self.warm(addr);
+            return None;
+        };
+        match self
+            .inner
+            .pull(conn, addr, &device, scope, mode, hashes)
+            .await
+        {
+            Ok((blocks, conn)) => {
+                self.inner.give_back(addr, conn);
+                Some(Ok(blocks))
+            }
+            Err((PullError::TooLarge, Some(conn))) => {
+                metrics::RDMA.with_label_values(&["too_large"]).inc();
+                self.inner.give_back(addr, conn);
+                None
+            }
+            Err((PullError::Corrupt(e), conn)) => {
+                match conn {
+                    Some(c) => self.inner.give_back(addr, c),
+                    None => self.inner.closed(addr),
+                }
+                Some(Err(e))
+            }
+            Err((e, _)) => {
+                self.inner.closed(addr);
+                let why = match e {
+                    PullError::Fallback(why) => why,
+                    _ => "connection lost".into(),
+                };
+                self.inner.fall_back(addr, &why);
+                None
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// Count one more connection to `addr` about to be opened, if it may be (`warm`: in the
+    /// background, one at a time per peer, so a burst of reads does not set up many).
+    fn reserve(&self, addr: &str, warm: bool) -> Option<Arc<Device>> {
+        let device = self.device.get()?.clone();
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        let p = peers.entry(addr.to_string()).or_default();
+        if p.off_until.is_some_and(|t| t > std::time::Instant::now())
+            || p.open >= self.conns_per_peer
+            || (warm && p.warming)
+        {
+            return None;
+        }
+        p.off_until = None;
+        p.open += 1;
+        p.warming |= warm;
+        Some(device)
+    }
+
+    /// The background opening of a connection to `addr` is over.
+    fn warmed(&self, addr: &str) {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = peers.get_mut(addr) {
+            p.warming = false;
+        }
+    }
+
+    /// Open a reserved connection and make it idle; whether that worked.
+    async fn open(&self, addr: &str, device: &Arc<Device>) -> bool {
+        match self.connect(addr, device).await {
+            Ok(conn) => {
+                self.give_back(addr, conn);
+                true
+            }
+            Err(why) => {
+                self.closed(addr);
+                let why = match why {
+                    PullError::Fallback(w) => w,
+                    _ => "connection failed".into(),
+                };
+                self.fall_back(addr, &why);
+                false
+            }
+        }
+    }
+
+    fn take_idle(&self, addr: &str) -> Option<PeerConn> {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        let p = peers.get_mut(addr)?;
+        if p.off_until.is_some_and(|t| t > std::time::Instant::now()) {
+            return None;
+        }
+        p.idle.pop()
+    }
+
+    fn give_back(&self, addr: &str, conn: PeerConn) {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers.entry(addr.to_string()).or_default().idle.push(conn);
+    }
+
+    /// A connection to `addr` is gone.
+    fn closed(&self, addr: &str) {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = peers.get_mut(addr) {
+            p.open = p.open.saturating_sub(1);
+        }
+    }
+
+    /// Keep `addr` on TCP for a while; its idle connections are closed.
     fn fall_back(&self, addr: &str, why: &str) {
         self.fallbacks.fetch_add(1, Ordering::Relaxed);
         metrics::RDMA.with_label_values(&["fallback"]).inc();
         tracing::warn!(
             peer = addr,
             reason = why,
-            "RDMA read failed; using TCP for this peer for a while"
+            "RDMA to this peer failed; using TCP for a while"
         );
-        self.off.lock().unwrap_or_else(|p| p.into_inner()).insert(
-            addr.to_string(),
-            std::time::Instant::now() + self.retry_after,
-        );
-        self.idle
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(addr);
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        let p = peers.entry(addr.to_string()).or_default();
+        p.off_until = Some(std::time::Instant::now() + self.retry_after);
+        p.open = p.open.saturating_sub(p.idle.len());
+        p.idle.clear();
     }
 
-    async fn peer(&self, addr: &str, device: &Arc<Device>) -> Result<PeerConn, PullError> {
-        let pooled = self
-            .idle
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_mut(addr)
-            .and_then(|v| v.pop());
-        if let Some(c) = pooled {
-            return Ok(c);
-        }
+    async fn connect(&self, addr: &str, device: &Arc<Device>) -> Result<PeerConn, PullError> {
         let mut stream = self.tcp.connect(addr).await?;
-        let mut qp = QueuePair::new(device)?;
-        let region = Region::new(device, self.region_bytes)?;
+        // Verbs setup blocks (registration pins pages): off the async workers.
+        let (dev, first) = (device.clone(), FIRST_REGION.min(self.region_bytes));
+        let (mut qp, region) = tokio::task::spawn_blocking(move || {
+            Ok::<_, std::io::Error>((QueuePair::new(&dev)?, Region::new(&dev, first)?))
+        })
+        .await
+        .map_err(|e| PullError::Fallback(format!("the setup thread failed: {e}")))??;
         let mut req = BytesMut::with_capacity(1 + Endpoint::LEN);
         req.put_u8(OP_RDMA_CONNECT);
         req.put_slice(&qp.endpoint().encode());
@@ -403,24 +565,19 @@ impl RdmaTransport {
         })
     }
 
-    fn give_back(&self, addr: &str, conn: PeerConn) {
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        let v = idle.entry(addr.to_string()).or_default();
-        if v.len() < self.pool_per_node {
-            v.push(conn);
-        }
-    }
-
-    /// `RGET` then READ everything staged, verify, release.
+    /// `RGET` then READ everything staged, verify, release. The connection comes back
+    /// unless it broke.
+    #[allow(clippy::type_complexity)]
     async fn pull(
         &self,
+        mut conn: PeerConn,
         addr: &str,
         device: &Arc<Device>,
         scope: Scope,
         mode: u8,
         hashes: &[BlockHash],
-    ) -> Result<Vec<FetchedBlock>, PullError> {
-        let mut conn = self.peer(addr, device).await?;
+    ) -> Result<(Vec<FetchedBlock>, PeerConn), (PullError, Option<PeerConn>)> {
+        let lost = |e: PullError| (e, None);
         let mut req = BytesMut::with_capacity(38 + hashes.len() * 32);
         req.put_u8(OP_RDMA_GET);
         put_scope(&mut req, &scope);
@@ -429,19 +586,22 @@ impl RdmaTransport {
         for h in hashes {
             req.put_slice(&h.0);
         }
-        TcpTransport::send(&mut conn.stream, addr, &req).await?;
-        if conn.stream.read_u8().await? != OK {
-            return Err(PullError::Fallback("RGET status".into()));
+        TcpTransport::send(&mut conn.stream, addr, &req)
+            .await
+            .map_err(|e| lost(e.into()))?;
+        let io = |e: std::io::Error| lost(e.into());
+        if conn.stream.read_u8().await.map_err(io)? != OK {
+            return Err(lost(PullError::Fallback("RGET status".into())));
         }
-        let lease = conn.stream.read_u64_le().await?;
-        let count = conn.stream.read_u32_le().await? as usize;
+        let lease = conn.stream.read_u64_le().await.map_err(io)?;
+        let count = conn.stream.read_u32_le().await.map_err(io)? as usize;
         if count > hashes.len() {
-            return Err(PullError::Fallback(
+            return Err(lost(PullError::Fallback(
                 "RGET answered more blocks than asked".into(),
-            ));
+            )));
         }
         let mut body = vec![0u8; count * STAGED_LEN];
-        conn.stream.read_exact(&mut body).await?;
+        conn.stream.read_exact(&mut body).await.map_err(io)?;
         let mut b = Bytes::from(body);
         let mut staged = Vec::with_capacity(count);
         for _ in 0..count {
@@ -456,9 +616,9 @@ impl RdmaTransport {
                 .checked_add(len)
                 .is_none_or(|end| end > conn.pool_len)
             {
-                return Err(PullError::Fallback(
+                return Err(lost(PullError::Fallback(
                     "a staged block lies outside the pool".into(),
-                ));
+                )));
             }
             staged.push((hash, n_tokens, crc, len, offset));
         }
@@ -474,8 +634,24 @@ impl RdmaTransport {
                 j += 1;
             }
             if j == i {
-                result = Err(PullError::TooLarge);
-                break;
+                // One block larger than the region: grow it, up to the limit.
+                let need = staged[i].3 as usize;
+                if need > self.region_bytes {
+                    result = Err(PullError::TooLarge);
+                    break;
+                }
+                let (dev, size) = (
+                    device.clone(),
+                    need.next_power_of_two().min(self.region_bytes),
+                );
+                let region = tokio::task::spawn_blocking(move || Region::new(&dev, size))
+                    .await
+                    .map_err(|e| {
+                        lost(PullError::Fallback(format!("the setup thread failed: {e}")))
+                    })?
+                    .map_err(|e| lost(e.into()))?;
+                conn.region = region;
+                continue;
             }
             let wanted: Vec<Wanted> = staged[i..j]
                 .iter()
@@ -512,9 +688,9 @@ impl RdmaTransport {
                 (conn, r)
             })
             .await
-            .map_err(|e| PullError::Fallback(format!("the READ thread failed: {e}")))?;
+            .map_err(|e| lost(PullError::Fallback(format!("the READ thread failed: {e}"))))?;
             conn = c;
-            read?;
+            read.map_err(|e| lost(e.into()))?;
             for &(hash, n_tokens, crc, len, _) in &staged[i..j] {
                 let data = match local_of.get(&hash) {
                     // SAFETY: the READs into this range completed; nothing writes it until
@@ -544,41 +720,15 @@ impl RdmaTransport {
         let mut done = BytesMut::with_capacity(9);
         done.put_u8(OP_RDMA_DONE);
         done.put_u64_le(lease);
-        TcpTransport::send(&mut conn.stream, addr, &done).await?;
-        if conn.stream.read_u8().await? != OK {
-            return Err(PullError::Fallback("RDONE status".into()));
-        }
-        if let Err(e) = result {
-            if matches!(e, PullError::TooLarge) {
-                self.give_back(addr, conn);
+        TcpTransport::send(&mut conn.stream, addr, &done)
+            .await
+            .map_err(|e| lost(e.into()))?;
+        match result {
+            Ok(()) => {
+                metrics::RDMA.with_label_values(&["read"]).inc();
+                Ok((out, conn))
             }
-            return Err(e);
-        }
-        metrics::RDMA.with_label_values(&["read"]).inc();
-        self.give_back(addr, conn);
-        Ok(out)
-    }
-
-    /// RDMA where possible, else (or after an RDMA failure) TCP.
-    async fn read_via(
-        &self,
-        addr: &str,
-        scope: Scope,
-        mode: u8,
-        hashes: &[BlockHash],
-    ) -> Option<Result<Vec<FetchedBlock>, TransportError>> {
-        let device = self.device_for(addr)?;
-        match self.pull(addr, &device, scope, mode, hashes).await {
-            Ok(blocks) => Some(Ok(blocks)),
-            Err(PullError::Corrupt(e)) => Some(Err(e)),
-            Err(PullError::TooLarge) => {
-                metrics::RDMA.with_label_values(&["too_large"]).inc();
-                None
-            }
-            Err(PullError::Fallback(why)) => {
-                self.fall_back(addr, &why);
-                None
-            }
+            Err(e) => Err((e, Some(conn))),
         }
     }
 }
@@ -592,7 +742,7 @@ impl Transport for RdmaTransport {
     ) -> Result<Vec<FetchedBlock>, TransportError> {
         match self.read_via(addr, scope, MODE_CHAIN, chain).await {
             Some(r) => r,
-            None => self.tcp.get_chain(addr, scope, chain).await,
+            None => self.inner.tcp.get_chain(addr, scope, chain).await,
         }
     }
 
@@ -604,7 +754,7 @@ impl Transport for RdmaTransport {
     ) -> Result<Option<FetchedBlock>, TransportError> {
         match self.read_via(addr, scope, MODE_BLOCK, &[hash]).await {
             Some(r) => r.map(|v| v.into_iter().next()),
-            None => self.tcp.get_block(addr, scope, hash).await,
+            None => self.inner.tcp.get_block(addr, scope, hash).await,
         }
     }
 
@@ -614,7 +764,7 @@ impl Transport for RdmaTransport {
         scope: Scope,
         hashes: &[BlockHash],
     ) -> Result<Vec<bool>, TransportError> {
-        self.tcp.has(addr, scope, hashes).await
+        self.inner.tcp.has(addr, scope, hashes).await
     }
 
     async fn put_entry(
@@ -622,6 +772,6 @@ impl Transport for RdmaTransport {
         addr: &str,
         entry: &RemoteEntry,
     ) -> Result<Result<(), WriteRefused>, TransportError> {
-        self.tcp.put_entry(addr, entry).await
+        self.inner.tcp.put_entry(addr, entry).await
     }
 }

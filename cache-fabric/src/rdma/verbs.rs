@@ -6,7 +6,7 @@
 //! - [`Region`]: a buffer registered for local writes and remote READs.
 //! - [`QueuePair`]: a reliable-connected queue pair with its own completion queue, connected
 //!   to a peer's [`Endpoint`] (exchanged over the TCP control connection), that posts
-//!   one-sided `IBV_WR_RDMA_READ`s and busy-polls their completions.
+//!   one-sided `IBV_WR_RDMA_READ`s and polls their completions (a short spin, then sleeps).
 //!
 //! Every handle is freed in `Drop`, children before parents (a region or queue pair holds an
 //! `Arc` of its device). libibverbs is thread-safe; each queue pair is used by one thread at
@@ -24,6 +24,9 @@ use ibverbs_sys as ffi;
 const PORT: u8 = 1;
 /// Work requests in flight per queue pair (and completion-queue depth).
 const DEPTH: u32 = 128;
+/// Empty polls of the completion queue before waiting starts to sleep (8 µs, doubling to
+/// about 1 ms).
+const SPIN_POLLS: u32 = 2048;
 
 fn other(what: impl Into<String>) -> io::Error {
     io::Error::other(what.into())
@@ -448,7 +451,8 @@ impl QueuePair {
     }
 
     /// Post every READ of `ops` into `local` (keeping at most the device's READ limit in
-    /// flight) with the peer's `rkey`, and busy-poll until all complete. Any failed
+    /// flight) with the peer's `rkey`, and poll until all complete (spinning, then sleeping
+    /// in growing steps). Any failed
     /// completion, or `timeout` passing, is an error; the queue pair is then unusable (the
     /// caller drops it).
     pub fn read(
@@ -495,6 +499,9 @@ impl QueuePair {
                 }
             }
             done += n as usize;
+            if n > 0 {
+                idle_polls = 0;
+            }
             if n == 0 {
                 if Instant::now() >= deadline {
                     return Err(io::Error::new(
@@ -506,11 +513,15 @@ impl QueuePair {
                         ),
                     ));
                 }
+                // Spin briefly (a READ on hardware completes in microseconds), then back off
+                // with growing sleeps so that many waiting readers do not starve the CPUs
+                // the device (or soft-RoCE) needs to complete them.
                 idle_polls += 1;
-                if idle_polls.is_multiple_of(64) {
-                    std::thread::yield_now();
-                } else {
+                if idle_polls < SPIN_POLLS {
                     std::hint::spin_loop();
+                } else {
+                    let step = (idle_polls - SPIN_POLLS).min(7);
+                    std::thread::sleep(Duration::from_micros(8 << step));
                 }
             }
         }
