@@ -354,6 +354,17 @@ async fn tenant_db(name: &str) -> (sqlx::PgPool, String, gateway::tenants::Tenan
     (pool, db_url, tenant, key)
 }
 
+/// The gateway's Prometheus metrics text.
+async fn gateway_metrics(http: &reqwest::Client, gw: &Gateway) -> String {
+    http.get(format!("{}/metrics", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 /// Wait until the gateway routes to `n` nodes.
 async fn wait_for_nodes(http: &reqwest::Client, gw: &Gateway, n: usize) {
     wait_until(
@@ -656,14 +667,7 @@ async fn a_saturated_node_is_skipped_not_surfaced() {
         let (s, _, r) = post(&http, &gw.url, &key, &body, false).await;
         assert_eq!(s, 200, "{r}");
     }
-    let metrics = http
-        .get(format!("{}/metrics", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gateway_metrics(&http, &gw).await;
     let retried: f64 = metrics
         .lines()
         .find(|l| l.starts_with("cachet_gateway_routed_total{outcome=\"retried\"}"))
@@ -840,14 +844,7 @@ async fn a_stream_whose_node_dies_is_resumed_on_another() {
         .await
         .unwrap();
     assert_eq!(rows, 1);
-    let metrics = http
-        .get(format!("{}/metrics", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gateway_metrics(&http, &gw).await;
     assert!(
         metrics
             .lines()
