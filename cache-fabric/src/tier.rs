@@ -227,6 +227,9 @@ pub struct DiskTier {
     /// Segment id → (file, bytes written, live data bytes).
     segments: BTreeMap<u64, (File, u64, u64)>,
     used: u64,
+    /// Bytes of paid blocks in the index (expired or not): an upper bound of what making
+    /// room must keep, so the exact count is only taken when this bound leaves no room.
+    paid_bytes: u64,
 }
 
 fn segment_path(dir: &Path, id: u64) -> PathBuf {
@@ -305,6 +308,7 @@ impl DiskTier {
             index: HashMap::new(),
             segments: BTreeMap::new(),
             used: 0,
+            paid_bytes: 0,
         };
         for id in ids {
             tier.recover_segment(id)?;
@@ -364,6 +368,9 @@ impl DiskTier {
                 },
             ) {
                 self.used -= old.len;
+                if old.paid_until_ms > 0 {
+                    self.paid_bytes -= old.len;
+                }
                 if let Some(seg) = self.segments.get_mut(&old.segment) {
                     seg.2 -= old.len;
                 } else if old.segment == id {
@@ -371,6 +378,9 @@ impl DiskTier {
                 }
             }
             self.used += len;
+            if paid_until(&block) > 0 {
+                self.paid_bytes += len;
+            }
             live += len;
             off = end;
         }
@@ -389,13 +399,25 @@ impl DiskTier {
         if self.used + incoming <= self.capacity {
             return Ok(());
         }
+        debug_assert_eq!(
+            self.paid_bytes,
+            self.index
+                .values()
+                .filter(|l| l.paid_until_ms > 0)
+                .map(|l| l.len)
+                .sum::<u64>(),
+            "paid byte count"
+        );
         let now = crate::unix_ms();
-        let protected: u64 = self
-            .index
-            .values()
-            .filter(|l| l.paid_until_ms > now)
-            .map(|l| l.len)
-            .sum();
+        let protected: u64 = if self.paid_bytes + incoming <= self.capacity {
+            self.paid_bytes
+        } else {
+            self.index
+                .values()
+                .filter(|l| l.paid_until_ms > now)
+                .map(|l| l.len)
+                .sum()
+        };
         if protected + incoming > self.capacity {
             return Err(TierError::Full {
                 protected,
@@ -439,16 +461,20 @@ impl DiskTier {
 
     fn drop_segment(&mut self, id: u64) -> Result<(), TierError> {
         self.segments.remove(&id);
-        let mut freed = 0;
+        let (mut freed, mut paid) = (0, 0);
         self.index.retain(|_, l| {
             if l.segment == id {
                 freed += l.len;
+                if l.paid_until_ms > 0 {
+                    paid += l.len;
+                }
                 false
             } else {
                 true
             }
         });
         self.used -= freed;
+        self.paid_bytes -= paid;
         match std::fs::remove_file(segment_path(&self.dir, id)) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -519,6 +545,9 @@ impl DiskTier {
         *written += record;
         *live += len;
         self.used += len;
+        if paid_until(&block) > 0 {
+            self.paid_bytes += len;
+        }
         self.index.insert(
             block.hash,
             Loc {
@@ -578,6 +607,9 @@ impl TierStore for DiskTier {
             return false;
         };
         self.used -= l.len;
+        if l.paid_until_ms > 0 {
+            self.paid_bytes -= l.len;
+        }
         let empty = match self.segments.get_mut(&l.segment) {
             Some(seg) => {
                 seg.2 -= l.len;
