@@ -232,10 +232,18 @@ impl Cluster {
         if changed {
             *cur = Arc::new(view);
             self.changes.send_modify(|n| *n += 1);
-            // RDMA connections to the peers are opened now, off any read's path.
+            // RDMA connections to the peers are opened now, off any read's path; those to
+            // nodes that left are closed.
             #[cfg(feature = "rdma")]
-            for (id, addr) in &cur.addrs {
-                if *id != self.me {
+            {
+                let peers: Vec<&str> = cur
+                    .addrs
+                    .iter()
+                    .filter(|(id, _)| **id != self.me)
+                    .map(|(_, addr)| addr.as_str())
+                    .collect();
+                self.transport.retain_peers(&peers);
+                for addr in peers {
                     self.transport.warm(addr);
                 }
             }

@@ -376,6 +376,12 @@ async fn rdma_transport_keeps_the_contract_over_a_device() {
         assert_eq!(g.data, b.data);
     }
 
+    // A peer that leaves the view takes its connections (and pinned regions) with it.
+    assert_eq!(t.peers(), 2);
+    t.retain_peers(&[addr.as_str()]);
+    assert_eq!(t.peers(), 1);
+    assert_eq!(t.get_chain(&addr, s, &hashes).await.unwrap().len(), 8);
+
     // A node that exports nothing refuses RCONNECT: the reader falls back to TCP.
     let (plain_addr, plain) = node().await;
     let t2 = RdmaTransport::new(TOKEN);

@@ -377,6 +377,22 @@ impl RdmaTransport {
         });
     }
 
+    /// Close the connections (and forget the state) of every peer not in `addrs`: a peer
+    /// that left the cluster keeps no pinned region here.
+    pub fn retain_peers(&self, addrs: &[&str]) {
+        let mut peers = self.inner.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers.retain(|addr, _| addrs.contains(&addr.as_str()));
+    }
+
+    /// Peers with RDMA state (connections open, being opened, or a recent failure).
+    pub fn peers(&self) -> usize {
+        self.inner
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
     /// Open an RDMA connection to `addr` now; why not, if it could not.
     pub async fn connect_now(&self, addr: &str) -> Result<(), String> {
         let device = self
