@@ -157,6 +157,12 @@ pub async fn run(
             .clone()
             .run_repairs(REPAIR_RETRY, background.clone()),
     );
+    // Blocks dropped as corrupt are fetched again from another owner.
+    tokio::spawn(
+        cluster
+            .clone()
+            .run_healing(Duration::from_secs(1), background.clone()),
+    );
     let serving = tokio::spawn(serve_tcp(listener, node.clone(), token.clone()));
     println!("node {} listening on {addr}", args.id);
 

@@ -675,6 +675,70 @@ impl Cluster {
         total
     }
 
+    /// Fetch again, from another owner, the blocks this node dropped as corrupt and owns: a
+    /// corrupt copy would otherwise leave its block one copy short until the next membership
+    /// change. Returns how many were restored.
+    pub async fn heal(&self) -> usize {
+        let damaged = self.local.store().take_damaged();
+        if damaged.is_empty() {
+            return 0;
+        }
+        let view = self.view();
+        let mut healed = 0;
+        for d in damaged {
+            if d.remaining.is_zero() {
+                continue;
+            }
+            let owners = self.owners(&view, d.scope.tenant, &d.hash);
+            if !owners.contains(&self.me) {
+                continue;
+            }
+            let mut outcome = "unavailable";
+            for owner in owners.iter().filter(|o| **o != self.me) {
+                let Some(addr) = view.addr(owner) else {
+                    continue;
+                };
+                let Ok(Some(b)) = self.transport.get_block(addr, d.scope, d.hash).await else {
+                    continue;
+                };
+                let put = PutBlock::new(d.hash, d.parent, b.n_tokens, b.data);
+                let kept = self.local.store().put_replica(
+                    &d.scope,
+                    &[],
+                    vec![put],
+                    d.remaining,
+                    Instant::now(),
+                    d.kind,
+                );
+                outcome = if kept.is_ok() {
+                    healed += 1;
+                    "ok"
+                } else {
+                    "refused"
+                };
+                break;
+            }
+            metrics::REPLICA_PUSHES
+                .with_label_values(&["heal", outcome])
+                .inc();
+            if outcome != "ok" {
+                tracing::warn!(block = %d.hash, outcome, "a block dropped as corrupt could not be fetched again");
+            }
+        }
+        healed
+    }
+
+    /// Heal (see [`Cluster::heal`]) every `every`, until `stop`.
+    pub async fn run_healing(self: Arc<Self>, every: Duration, stop: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            self.heal().await;
+        }
+    }
+
     /// Repair after every membership change (and once at start), until `stop`. A repair
     /// that could not reach an owner is retried after `retry`.
     pub async fn run_repairs(self: Arc<Self>, retry: Duration, stop: CancellationToken) {

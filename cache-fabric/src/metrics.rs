@@ -140,7 +140,8 @@ pub static REPLICA_PUSHES: LazyLock<IntCounterVec> = LazyLock::new(|| {
         Opts::new(
             "cachet_fabric_replica_pushes_total",
             "Blocks pushed to their owners, by why (write, repair: restoring R after a \
-             membership change, drain: handed over on shutdown) and outcome",
+             membership change, drain: handed over on shutdown, hot: an extra replica of a \
+             hot block, heal: a block dropped as corrupt fetched again) and outcome",
         ),
         &["why", "outcome"],
     )

@@ -167,6 +167,22 @@ pub struct Handoff {
     pub kind: EntryKind,
 }
 
+/// A block this node dropped as corrupt: what fetching it again from another owner needs
+/// ([`Store::take_damaged`]). Its TTL and kind are the dropped copy's; a block found corrupt
+/// in the lower tier, whose record cannot be trusted, is remembered as best effort with the
+/// shortest TTL.
+#[derive(Clone, Debug)]
+pub struct Damaged {
+    pub scope: Scope,
+    pub hash: BlockHash,
+    pub parent: Option<BlockHash>,
+    pub remaining: Duration,
+    pub kind: EntryKind,
+}
+
+/// Damaged blocks remembered at most (the oldest are forgotten past this).
+const DAMAGED: usize = 4096;
+
 /// Store limits.
 #[derive(Clone, Copy, Debug)]
 pub struct StoreLimits {
@@ -218,6 +234,8 @@ pub struct Store {
     /// For each parent hash that is *not* stored: how many stored blocks name it as parent
     /// (replicas arrive without their parents; a parent arriving later adopts them).
     orphans: BlockMap<u32>,
+    /// Blocks dropped as corrupt, for the cluster to fetch again from another owner.
+    damaged: VecDeque<Damaged>,
 }
 
 impl Store {
@@ -242,6 +260,7 @@ impl Store {
             tombstones: BlockMap::default(),
             tombstone_order: VecDeque::new(),
             orphans: BlockMap::default(),
+            damaged: VecDeque::new(),
         }
     }
 
@@ -467,6 +486,15 @@ impl Store {
                 metrics::TIER_MOVES
                     .with_label_values(&["promote_failed"])
                     .inc();
+                if matches!(e, crate::tier::TierError::Corrupt(_)) {
+                    self.note_damaged(Damaged {
+                        scope: *scope,
+                        hash: *hash,
+                        parent: parent.flatten(),
+                        remaining: Duration::from_secs(300),
+                        kind: EntryKind::BestEffort,
+                    });
+                }
                 return None;
             }
         };
@@ -1064,11 +1092,36 @@ impl Store {
         }
     }
 
+    fn note_damaged(&mut self, d: Damaged) {
+        if self.damaged.len() >= DAMAGED {
+            self.damaged.pop_front();
+        }
+        self.damaged.push_back(d);
+    }
+
+    /// The blocks dropped as corrupt since the last call (see [`Damaged`]).
+    pub fn take_damaged(&mut self) -> Vec<Damaged> {
+        self.damaged.drain(..).collect()
+    }
+
     /// Take a block out of DRAM (`demoted`: it is still held by the lower tier).
     fn forget(&mut self, hash: &BlockHash, reason: RemovalReason, demoted: bool) {
         let Some(b) = self.blocks.remove(hash) else {
             return;
         };
+        if reason == RemovalReason::Corrupt {
+            self.note_damaged(Damaged {
+                scope: b.scope,
+                hash: *hash,
+                parent: b.parent,
+                remaining: b.expires_at.saturating_duration_since(Instant::now()),
+                kind: if b.paid {
+                    EntryKind::Paid
+                } else {
+                    EntryKind::BestEffort
+                },
+            });
+        }
         debug_assert!(
             !(b.paid && reason == RemovalReason::Capacity && !demoted),
             "a paid block was dropped for capacity"

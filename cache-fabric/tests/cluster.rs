@@ -284,6 +284,52 @@ async fn blocks_nobody_can_serve_are_recomputed_not_waited_for() {
     assert_eq!(read.tokens, 0);
 }
 
+/// An owner that finds its copy of a block corrupt drops it (never serving it) and then
+/// fetches it again from another owner, with its kind and remaining TTL: R copies again
+/// without waiting for a membership change.
+#[tokio::test]
+async fn an_owner_refetches_a_block_it_dropped_as_corrupt() {
+    let (a, b, c) = (member("a").await, member("b").await, member("c").await);
+    let all = [&a, &b, &c];
+    let (ca, cluster) = client(&a, &all);
+    let s = scope();
+    let offset = 8 * B;
+    let k = keys(s, offset);
+    let new = blocks(&k, offset);
+    write(&ca, s, &k, offset, &new, EntryKind::Paid).await;
+    // A block that B owns, with its other copy on another owner.
+    let view = cluster.view();
+    let blk = new
+        .iter()
+        .find(|blk| {
+            cluster
+                .owners(&view, s.tenant, &blk.hash)
+                .contains(&"b".to_string())
+        })
+        .expect("B owns some block");
+    let (_, cluster_b) = client(&b, &all);
+    assert!(b.node.with_store(|st| st.corrupt_for_test(&blk.hash)));
+    // A reader pulling it from B gets nothing from B (the copy fails its checksum there).
+    let t = TcpTransport::new(TOKEN);
+    assert!(
+        t.get_block(&b.record.addr, s, blk.hash)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(!t.has(&b.record.addr, s, &[blk.hash]).await.unwrap()[0]);
+    // B heals: the block is back, intact, still paid.
+    assert_eq!(cluster_b.heal().await, 1);
+    let got = t
+        .get_block(&b.record.addr, s, blk.hash)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.data, blk.data);
+    assert!(b.node.with_store(|st| st.is_paid(&blk.hash)));
+    assert_eq!(cluster_b.heal().await, 0, "nothing left to heal");
+}
+
 #[tokio::test]
 async fn a_draining_node_hands_its_blocks_to_the_remaining_owners() {
     let (a, b, c) = (member("a").await, member("b").await, member("c").await);

@@ -716,6 +716,33 @@ async fn a_block_corrupted_on_disk_is_never_promoted_and_a_restart_recovers_the_
     node.with_store(|st| st.check_invariants());
 }
 
+/// A block whose disk copy fails its checksum when it is read is dropped and remembered, with
+/// its place in the chain, for the cluster to fetch again from another owner.
+#[tokio::test]
+async fn a_block_found_corrupt_on_disk_is_remembered_for_healing() {
+    let dir = TempDir::new();
+    let (c, node) = disk_node(2, &dir.0);
+    let s = scope();
+    let now = Instant::now();
+    let a = keys(s, &toks(90, 8), &[8]);
+    let b = keys(s, &toks(91, 8), &[8]);
+    write_whole(&c, s, &a, 8, 300, now, AUTO).await.unwrap();
+    write_whole(&c, s, &b, 8, 300, now, AUTO).await.unwrap();
+    // a went to disk, its tail first: flip a byte of that first record's data.
+    let seg = dir.0.join("seg-00000000.cachet");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    bytes[138] ^= 1;
+    std::fs::write(&seg, bytes).unwrap();
+    assert_eq!(c.read_prefix(s, &a, 8, now).await.tokens, 4);
+    let damaged = node.with_store(|st| st.take_damaged());
+    assert_eq!(damaged.len(), 1);
+    assert_eq!(
+        (damaged[0].hash, damaged[0].parent),
+        (a.blocks[1], Some(a.blocks[0]))
+    );
+    assert!(node.with_store(|st| st.take_damaged()).is_empty());
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     /// Random writes and reads from several tenants under capacity and quota pressure keep
