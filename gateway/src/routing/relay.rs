@@ -348,6 +348,57 @@ mod tests {
         assert_eq!(client_text(&out), "é");
     }
 
+    /// Split `text` into deltas at the given cut points (char boundaries).
+    fn chunks(text: &str, cuts: &[usize]) -> Vec<Bytes> {
+        let mut points: Vec<usize> = cuts
+            .iter()
+            .map(|c| c % (text.len() + 1))
+            .filter(|c| text.is_char_boundary(*c))
+            .collect();
+        points.extend([0, text.len()]);
+        points.sort_unstable();
+        points.dedup();
+        points
+            .windows(2)
+            .map(|w| text_ev(&text[w[0]..w[1]]))
+            .collect()
+    }
+
+    fn text_ev(t: &str) -> Bytes {
+        text(0, t)
+    }
+
+    proptest::proptest! {
+        /// However the two nodes chunk the same answer, and wherever the first one dies,
+        /// the client receives the answer exactly once, each event kind once.
+        #[test]
+        fn any_chunking_and_any_failure_point_splice_to_the_whole_answer(
+            text in "[a-zé😀 ,.]{0,60}",
+            first_cuts in proptest::collection::vec(0usize..80, 0..12),
+            second_cuts in proptest::collection::vec(0usize..80, 0..12),
+            died_after in 0usize..16,
+        ) {
+            let mut all_first = start();
+            all_first.extend(chunks(&text, &first_cuts));
+            all_first.extend(end());
+            let mut s = Splice::default();
+            let mut out = Vec::new();
+            let cut = died_after.min(all_first.len() - 1);
+            proptest::prop_assert_eq!(run(&mut s, all_first[..cut].to_vec(), &mut out), None);
+            s.restart();
+            let mut second = start();
+            second.extend(chunks(&text, &second_cuts));
+            second.extend(end());
+            proptest::prop_assert_eq!(run(&mut s, second, &mut out), None);
+            proptest::prop_assert!(s.complete());
+            proptest::prop_assert_eq!(client_text(&out), text);
+            let count = |k: &str| out.iter().filter(|b| std::str::from_utf8(b).unwrap().starts_with(&format!("event: {k}\n"))).count();
+            for k in ["message_start", "content_block_start", "content_block_stop", "message_delta", "message_stop"] {
+                proptest::prop_assert_eq!(count(k), 1, "{}", k);
+            }
+        }
+    }
+
     #[test]
     fn events_end_at_a_blank_line() {
         assert_eq!(event_end(b"event: a\ndata: {}\n\nevent: b"), Some(19));
