@@ -18,6 +18,9 @@
 # ibverbs-providers, iproute2, plus what the rdma feature's build needs (cmake,
 # libclang-dev, libibverbs-dev).
 # Usage: scripts/rdma-vm.sh [extra test-binary arguments, e.g. a test name filter]
+# CACHET_RDMA_VM_BENCH=path/to/cachet (a build with --features rdma) also runs
+# `cachet loadtest transfer --rdma-device rxe0` in the machine (a functional check of the
+# benchmark's RDMA row: emulated soft-RoCE says nothing of real throughput).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -103,7 +106,9 @@ cp "$(command -v rdma)" "$root/bin/rdma"
 cp /etc/libibverbs.d/rxe.driver "$root/etc/libibverbs.d/"
 mkdir -p "$root/usr/lib/x86_64-linux-gnu/libibverbs"
 cp "$provider" "$root/usr/lib/x86_64-linux-gnu/libibverbs/"
-for f in $bins "$(command -v rdma)" "$provider"; do
+bench=${CACHET_RDMA_VM_BENCH:-}
+[ -z "$bench" ] || cp "$bench" "$root/bin/cachet"
+for f in $bins $bench "$(command -v rdma)" "$provider"; do
   ldd "$f" | awk '/=> \//{print $3} /^\s*\/lib64/{print $1}'
 done | sort -u | while read -r lib; do
   mkdir -p "$root$(dirname "$lib")"
@@ -135,6 +140,9 @@ status=0
 for t in /bin/transport-tests /bin/cluster-tests; do
   CACHET_RDMA_DEVICE=$device RUST_BACKTRACE=1 \$t --test-threads=1 $test_args || status=\$?
 done
+if [ -x /bin/cachet ]; then
+  /bin/cachet loadtest transfer --size-mib 8 --iterations 5 --stripes 1 --redis-url "" --rdma-device $device || status=1
+fi
 echo "CACHET_RDMA_VM_STATUS=\$status"
 poweroff -f
 EOF

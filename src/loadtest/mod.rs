@@ -62,6 +62,10 @@ pub enum Command {
         /// Redis for the SET/GET rows; empty to skip them.
         #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
         redis_url: String,
+        /// Also pull the block over RDMA READ with this device (a build with the rdma
+        /// feature, on a host with RDMA).
+        #[arg(long)]
+        rdma_device: Option<String>,
     },
     /// The gateway's prefix index at scale: lookup time of a long prompt's prefix among
     /// millions of indexed blocks, and memory per indexed block.
@@ -171,7 +175,17 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             iterations,
             stripes,
             redis_url,
-        } => transfer_bench(size_mib, iterations, &stripes, &redis_url).await,
+            rdma_device,
+        } => {
+            transfer_bench(
+                size_mib,
+                iterations,
+                &stripes,
+                &redis_url,
+                rdma_device.as_deref(),
+            )
+            .await
+        }
         Command::Index {
             blocks,
             prompt_tokens,
@@ -388,6 +402,7 @@ pub async fn transfer_bench(
     iterations: usize,
     stripes: &[usize],
     redis_url: &str,
+    rdma_device: Option<&str>,
 ) -> anyhow::Result<()> {
     use cache_fabric::transport::{RemoteEntry, TcpTransport, Transport, serve_tcp};
     use cache_fabric::{EntryKind, EvictionPolicy, FabricNode, NodeConfig, PutBlock};
@@ -396,6 +411,10 @@ pub async fn transfer_bench(
 
     if size_mib == 0 || iterations == 0 {
         bail!("--size-mib and --iterations must be positive");
+    }
+    #[cfg(not(feature = "rdma"))]
+    if rdma_device.is_some() {
+        bail!("--rdma-device needs a build with the rdma feature (cargo build --features rdma)");
     }
     let size = size_mib << 20;
     let payload: bytes::Bytes = (0..size)
@@ -496,6 +515,41 @@ pub async fn transfer_bench(
         rows.push((
             "cachet fabric push (PUT), 1 connection".into(),
             gib(start.elapsed().as_secs_f64()),
+        ));
+    }
+    // The same pull by RDMA READ from the node's registered pool.
+    #[cfg(feature = "rdma")]
+    if let Some(name) = rdma_device {
+        use cache_fabric::rdma::{pull::Export, pull::RdmaTransport, verbs::Device};
+        let device = Device::open(Some(name)).with_context(|| format!("opening {name}"))?;
+        node.export_rdma(Export::new(device.clone(), 2 * size)?);
+        let mut t = RdmaTransport::new(token.clone());
+        t.set_region_bytes(size.next_power_of_two());
+        t.enable(device);
+        t.connect_now(&addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        for _ in 0..2 {
+            t.get_block(&addr, scope, hash).await?;
+        }
+        let before = t.rdma_bytes();
+        let start = Instant::now();
+        for _ in 0..iterations {
+            let b = t
+                .get_block(&addr, scope, hash)
+                .await?
+                .context("the block vanished")?;
+            anyhow::ensure!(b.data.len() == size);
+        }
+        let secs = start.elapsed().as_secs_f64();
+        anyhow::ensure!(
+            t.rdma_bytes() - before == (size * iterations) as u64,
+            "some pulls went over TCP ({} fallbacks)",
+            t.fallbacks()
+        );
+        rows.push((
+            format!("cachet fabric pull, RDMA READ ({name}), crc32c verified"),
+            gib(secs),
         ));
     }
     serving.abort();
