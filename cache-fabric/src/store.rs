@@ -202,6 +202,13 @@ pub const EXPIRY_SLACK: Duration = Duration::from_secs(1);
 /// replica there too (`ClusterConfig::hot_reads` pulls, plus the write).
 pub const STICKY_USES: u8 = 4;
 
+/// Whether a block is popular enough that its owner copy is kept last.
+fn popular(ranking: &Ranking, hash: &BlockHash) -> bool {
+    ranking
+        .estimate(hash)
+        .is_some_and(|uses| uses >= STICKY_USES)
+}
+
 /// The DRAM block store. Not `Sync` by itself: the node wraps it in a mutex.
 pub struct Store {
     limits: StoreLimits,
@@ -344,13 +351,6 @@ impl Store {
         })
     }
 
-    /// Whether a block is popular enough that its owner copy is kept last.
-    fn popular(&self, hash: &BlockHash) -> bool {
-        self.ranking
-            .estimate(hash)
-            .is_some_and(|uses| uses >= STICKY_USES)
-    }
-
     /// Popular leaves whose uses faded become ordinary again; looks at the few least
     /// recently used ones each time capacity eviction runs, so the check is amortized.
     fn unstick_faded(&mut self) {
@@ -358,7 +358,7 @@ impl Store {
             .sticky_leaves
             .iter()
             .take(4)
-            .filter(|(_, h)| !self.popular(h))
+            .filter(|(_, h)| !popular(&self.ranking, h))
             .copied()
             .collect();
         for l in faded {
@@ -972,11 +972,7 @@ impl Store {
                 self.leaves.insert((key, *hash));
                 if b.extra {
                     self.extra_leaves.insert((key, *hash));
-                } else if self
-                    .ranking
-                    .estimate(hash)
-                    .is_some_and(|uses| uses >= STICKY_USES)
-                {
+                } else if popular(&self.ranking, hash) {
                     self.sticky_leaves.insert((key, *hash));
                 }
             }
@@ -1182,7 +1178,7 @@ impl Store {
             self.leaves.insert((key, hash));
             if extra {
                 self.extra_leaves.insert((key, hash));
-            } else if self.popular(&hash) {
+            } else if popular(&self.ranking, &hash) {
                 self.sticky_leaves.insert((key, hash));
             }
         }
@@ -1198,12 +1194,7 @@ impl Store {
             && b.extra
         {
             b.extra = false;
-            if self.extra_leaves.remove(&(b.key, *hash))
-                && self
-                    .ranking
-                    .estimate(hash)
-                    .is_some_and(|uses| uses >= STICKY_USES)
-            {
+            if self.extra_leaves.remove(&(b.key, *hash)) && popular(&self.ranking, hash) {
                 self.sticky_leaves.insert((b.key, *hash));
             }
         }

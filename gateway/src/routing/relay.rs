@@ -348,24 +348,20 @@ mod tests {
         assert_eq!(client_text(&out), "é");
     }
 
-    /// Split `text` into deltas at the given cut points (char boundaries).
-    fn chunks(text: &str, cuts: &[usize]) -> Vec<Bytes> {
+    /// Split `answer` into deltas at the given cut points (char boundaries).
+    fn chunks(answer: &str, cuts: &[usize]) -> Vec<Bytes> {
         let mut points: Vec<usize> = cuts
             .iter()
-            .map(|c| c % (text.len() + 1))
-            .filter(|c| text.is_char_boundary(*c))
+            .map(|c| c % (answer.len() + 1))
+            .filter(|c| answer.is_char_boundary(*c))
             .collect();
-        points.extend([0, text.len()]);
+        points.extend([0, answer.len()]);
         points.sort_unstable();
         points.dedup();
         points
             .windows(2)
-            .map(|w| text_ev(&text[w[0]..w[1]]))
+            .map(|w| text(0, &answer[w[0]..w[1]]))
             .collect()
-    }
-
-    fn text_ev(t: &str) -> Bytes {
-        text(0, t)
     }
 
     proptest::proptest! {
