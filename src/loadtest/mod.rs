@@ -488,23 +488,13 @@ pub async fn transfer_bench(
         t.put_entry(&addr, &entry)
             .await?
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        for _ in 0..2 {
-            t.get_block(&addr, scope, hash).await?;
-        }
-        let start = Instant::now();
-        for _ in 0..iterations {
-            let b = t
-                .get_block(&addr, scope, hash)
-                .await?
-                .context("the block vanished")?;
-            anyhow::ensure!(b.data.len() == size);
-        }
+        let secs = timed_pulls(&t, &addr, scope, hash, size, iterations).await?;
         rows.push((
             format!(
                 "cachet fabric pull, {} connection(s), crc32c verified",
                 t.stripes
             ),
-            gib(start.elapsed().as_secs_f64()),
+            gib(secs),
         ));
         let start = Instant::now();
         for _ in 0..iterations {
@@ -529,21 +519,10 @@ pub async fn transfer_bench(
         t.connect_now(&addr)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        for _ in 0..2 {
-            t.get_block(&addr, scope, hash).await?;
-        }
         let before = t.rdma_bytes();
-        let start = Instant::now();
-        for _ in 0..iterations {
-            let b = t
-                .get_block(&addr, scope, hash)
-                .await?
-                .context("the block vanished")?;
-            anyhow::ensure!(b.data.len() == size);
-        }
-        let secs = start.elapsed().as_secs_f64();
+        let secs = timed_pulls(&t, &addr, scope, hash, size, iterations).await?;
         anyhow::ensure!(
-            t.rdma_bytes() - before == (size * iterations) as u64,
+            t.rdma_bytes() - before == (size * (iterations + 2)) as u64,
             "some pulls went over TCP ({} fallbacks)",
             t.fallbacks()
         );
@@ -592,6 +571,30 @@ pub async fn transfer_bench(
         );
     }
     Ok(())
+}
+
+/// Seconds that `iterations` pulls of the block take through `t`, after two warm-up pulls;
+/// each must arrive whole.
+async fn timed_pulls(
+    t: &impl cache_fabric::transport::Transport,
+    addr: &str,
+    scope: cachet_common::Scope,
+    hash: cachet_common::BlockHash,
+    size: usize,
+    iterations: usize,
+) -> anyhow::Result<f64> {
+    for _ in 0..2 {
+        t.get_block(addr, scope, hash).await?;
+    }
+    let start = Instant::now();
+    for _ in 0..iterations {
+        let b = t
+            .get_block(addr, scope, hash)
+            .await?
+            .context("the block vanished")?;
+        anyhow::ensure!(b.data.len() == size);
+    }
+    Ok(start.elapsed().as_secs_f64())
 }
 
 /// Resident set size of this process, from `/proc/self/statm` (Linux).
