@@ -8,19 +8,24 @@ VENV := .venv
 TARGET := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 PY := $(VENV)/bin/python
 
-.PHONY: run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean
+.PHONY: run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
 
-## Start everything (Postgres and Redis too, if none answers) and serve on 127.0.0.1:8080.
-run: services model build-release
+UI := admin-ui
+
+## Start everything (Postgres and Redis too, if none answers) and serve on 127.0.0.1:8080,
+## with the admin console at /admin.
+run: services model build-release admin-ui
 	@$(TARGET)/release/cachet migrate >/dev/null
+	@scripts/admin-user.sh $(TARGET)/release/cachet
 	@export CACHET_ADMIN_JWT_SECRET="$${CACHET_ADMIN_JWT_SECRET:-$$(scripts/admin-secret.sh)}" && \
 	  KEY=$$($(TARGET)/release/cachet demo) && \
 	  ADMIN=$$($(TARGET)/release/cachet billing token --role platform_admin --subject make-run --ttl-secs 86400) && \
 	  scripts/print-examples.sh "$$KEY" "$$ADMIN" && \
 	  exec $(TARGET)/release/cachet serve
 
-## The full suite: formatting, lints, Rust tests, docs, and the anthropic SDK tests.
-test: services model lint rust-test rdma-test doc sdk-test
+## The full suite: formatting, lints, Rust tests, docs, the anthropic SDK tests, the admin
+## UI's unit tests and its end-to-end suite in Chromium.
+test: services model lint rust-test rdma-test doc sdk-test ui-test e2e
 
 services:
 	@scripts/services.sh
@@ -73,6 +78,26 @@ $(VENV)/.installed: tests/sdk/requirements.txt
 sdk-test: build venv
 	CACHET_BIN=$(TARGET)/debug/cachet $(VENV)/bin/pytest -q tests/sdk
 
+## The admin UI's packages (package-lock.json pins them), installed once per lock change.
+ui-deps: $(UI)/node_modules/.installed
+$(UI)/node_modules/.installed: $(UI)/package-lock.json
+	cd $(UI) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+## Build the admin UI into admin-ui/dist (served by the gateway at /admin).
+admin-ui: ui-deps
+	cd $(UI) && npm run --silent build
+
+## The admin UI's type check and unit tests (vitest).
+ui-test: ui-deps
+	cd $(UI) && npx tsc --noEmit && npx vitest run
+
+## The admin console end to end: a real `cachet serve` on Postgres and Redis, driven in
+## Debian's Chromium (playwright-core), traffic from the anthropic SDK; screenshots of every
+## page in admin-ui/e2e-artifacts/.
+e2e: build admin-ui
+	cd $(UI) && CACHET_BIN=$(TARGET)/debug/cachet npx vitest run --config e2e/vitest.config.ts
+
 ## Regenerate openapi/openapi.json from the code.
 openapi:
 	CACHET_UPDATE_OPENAPI=1 $(CARGO) test -p gateway --test openapi_drift
@@ -80,6 +105,11 @@ openapi:
 ## Cache-hit throughput through the gateway vs a bare axum handler (docs/benchmarks.md).
 bench-gateway: services build-release
 	loadtests/gateway-hit.sh
+
+## The admin dashboard's usage API over a 10 M-row ledger (docs/benchmarks.md).
+bench-admin: services build-release
+	$(TARGET)/release/cachet loadtest dashboard --rows 10000000
+	$(TARGET)/release/cachet loadtest dashboard --rows 10000000 --concurrency 1
 
 ## Reference engine vs candle's quantized_llama on the same file (docs/benchmarks.md).
 bench-engine: model

@@ -37,8 +37,11 @@ r = client.messages.create(model="smollm2-135m-instruct", max_tokens=48, system=
                            messages=[{"role": "user", "content": "And of Italy?"}])
 print(r.content[0].text, r.usage)
 
-Finance API (a platform_admin token valid for a day; \`cachet billing token --help\` for others;
-usage comes from rollups refreshed every minute):
+Admin console: $URL/admin  (user "admin", password in .cachet/admin-password;
+more users: cachet admin user create --username NAME --role platform_admin|tenant_admin|finance)
+
+Admin and finance APIs (a platform_admin token valid for a day; \`cachet billing token --help\` for
+others; usage comes from rollups refreshed every minute):
 
 curl -s "$URL/v1/billing/usage?from=\$(date -u +%Y-%m-%dT00:00:00Z)&to=2100-01-01T00:00:00Z&group_by=model" \\
   -H "authorization: Bearer $ADMIN"

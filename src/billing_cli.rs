@@ -9,14 +9,17 @@ use chrono::{DateTime, NaiveDate, TimeZone, Utc};
 use clap::Subcommand;
 use sqlx::PgPool;
 
+use crate::cli_time::{TIME_HELP, parse_time, whole_day};
+
 #[derive(Subcommand)]
 pub enum Command {
     /// Add a list-price version of a model (or, with --tenant, that tenant's custom rates).
     Price {
         #[arg(long)]
         model: String,
-        /// When it takes effect (RFC 3339, e.g. 2026-12-01T00:00:00Z).
-        #[arg(long)]
+        /// When it takes effect: RFC 3339 (2026-12-01T00:00:00Z), a date (2026-12-01 =
+        /// midnight UTC), or now.
+        #[arg(long, value_parser = parse_time)]
         from: DateTime<Utc>,
         /// Base input price per token, in nano-units of the currency ($3/MTok = 3000).
         #[arg(long)]
@@ -47,7 +50,8 @@ pub enum Command {
     Plan {
         #[arg(long)]
         tenant: String,
-        #[arg(long)]
+        /// When it takes effect.
+        #[arg(long, value_parser = parse_time, help = TIME_HELP)]
         from: DateTime<Utc>,
         #[arg(long, default_value_t = 0)]
         discount_bp: i32,
@@ -62,9 +66,11 @@ pub enum Command {
     },
     /// Recompute the hourly and daily rollups of every bucket touching [from, to).
     Rollup {
-        #[arg(long)]
+        /// Start (inclusive).
+        #[arg(long, value_parser = parse_time, help = TIME_HELP)]
         from: DateTime<Utc>,
-        #[arg(long)]
+        /// End (exclusive).
+        #[arg(long, value_parser = parse_time, help = TIME_HELP)]
         to: DateTime<Utc>,
     },
     /// Rate a tenant's month into its draft invoice (or finalize it) and print it.
@@ -110,10 +116,12 @@ pub enum Command {
     /// Prove ledger totals = rollup totals = invoice totals per tenant and token class over
     /// [from, to) (whole UTC days); exits non-zero with the differences otherwise.
     Reconcile {
-        #[arg(long)]
-        from: NaiveDate,
-        #[arg(long)]
-        to: NaiveDate,
+        /// First day (inclusive): a date, or a time at midnight UTC.
+        #[arg(long, value_parser = parse_time, help = TIME_HELP)]
+        from: DateTime<Utc>,
+        /// Last day (exclusive): a date, or a time at midnight UTC.
+        #[arg(long, value_parser = parse_time, help = TIME_HELP)]
+        to: DateTime<Utc>,
     },
 }
 
@@ -288,6 +296,8 @@ pub async fn run(
             );
         }
         Command::Reconcile { from, to } => {
+            let from = whole_day(from, "--from").map_err(anyhow::Error::msg)?;
+            let to = whole_day(to, "--to").map_err(anyhow::Error::msg)?;
             let r = rollup::reconcile(pool, day(from), day(to)).await?;
             if r.mismatches.is_empty() {
                 println!(

@@ -23,8 +23,9 @@ pub struct Config {
     pub meter: MeterSection,
     pub cluster: ClusterSection,
     pub log: LogSection,
-    /// Signs the finance API's admin tokens (≥ 32 bytes). A secret: from the environment
-    /// only (`CACHET_ADMIN_JWT_SECRET`), never the file. Empty: the finance API is off.
+    pub admin: AdminSection,
+    /// Signs the admin and finance APIs' tokens (≥ 32 bytes). A secret: from the environment
+    /// only (`CACHET_ADMIN_JWT_SECRET`), never the file. Empty: both APIs are off.
     #[serde(skip)]
     pub admin_jwt_secret: String,
 }
@@ -181,6 +182,38 @@ pub struct MeterSection {
     pub spool_file: PathBuf,
 }
 
+/// The admin console (`/admin`, `/v1/admin`) and what keeps its views current.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminSection {
+    /// The built admin UI (`make admin-ui` writes it).
+    pub ui_dir: PathBuf,
+    /// Lifetime of an access token issued at login.
+    pub access_token_ttl_secs: u64,
+    /// Lifetime of a login (refreshing does not extend it).
+    pub session_ttl_secs: u64,
+    /// How often the usage rollups (what dashboards and budgets read) are brought up to date.
+    pub rollup_interval_secs: u64,
+    /// How often a process looks for administrative changes to apply.
+    pub change_poll_ms: u64,
+    /// How often budgeted tenants' spend this month is recomputed (admission refuses a tenant
+    /// over its budget from then on).
+    pub spend_refresh_secs: u64,
+}
+
+impl Default for AdminSection {
+    fn default() -> Self {
+        Self {
+            ui_dir: "admin-ui/dist".into(),
+            access_token_ttl_secs: 900,
+            session_ttl_secs: 12 * 3600,
+            rollup_interval_secs: 60,
+            change_poll_ms: 1000,
+            spend_refresh_secs: 15,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LogSection {
@@ -201,6 +234,7 @@ impl Default for Config {
             meter: MeterSection::default(),
             cluster: ClusterSection::default(),
             log: LogSection::default(),
+            admin: AdminSection::default(),
             admin_jwt_secret: String::new(),
         }
     }
@@ -312,6 +346,11 @@ impl Config {
         env_parse("CACHET_ENGINE_QUEUE", &mut self.engine.queue)?;
         env_parse("CACHET_LOG_FORMAT", &mut self.log.format)?;
         env_parse("CACHET_ADMIN_JWT_SECRET", &mut self.admin_jwt_secret)?;
+        env_parse("CACHET_ADMIN_UI_DIR", &mut self.admin.ui_dir)?;
+        env_parse(
+            "CACHET_ROLLUP_INTERVAL_SECS",
+            &mut self.admin.rollup_interval_secs,
+        )?;
         Ok(())
     }
 
@@ -328,6 +367,7 @@ impl Config {
             meter,
             cluster,
             log,
+            admin,
             admin_jwt_secret,
         } = self;
         if !admin_jwt_secret.is_empty() && admin_jwt_secret.len() < 32 {
@@ -438,7 +478,40 @@ impl Config {
         if format != "text" && format != "json" {
             bail!("log.format must be text or json");
         }
+        let AdminSection {
+            ui_dir: _,
+            access_token_ttl_secs,
+            session_ttl_secs,
+            rollup_interval_secs,
+            change_poll_ms,
+            spend_refresh_secs,
+        } = admin;
+        if !(60..=86_400).contains(access_token_ttl_secs) {
+            bail!("admin.access_token_ttl_secs must be between 60 and 86400");
+        }
+        if session_ttl_secs < access_token_ttl_secs {
+            bail!("admin.session_ttl_secs must be at least admin.access_token_ttl_secs");
+        }
+        if *rollup_interval_secs == 0 || *rollup_interval_secs > 3600 {
+            bail!("admin.rollup_interval_secs must be between 1 and 3600");
+        }
+        if !(50..=5000).contains(change_poll_ms) {
+            bail!(
+                "admin.change_poll_ms must be between 50 and 5000 (changes must apply within seconds)"
+            );
+        }
+        if *spend_refresh_secs == 0 || *spend_refresh_secs > 3600 {
+            bail!("admin.spend_refresh_secs must be between 1 and 3600");
+        }
         Ok(())
+    }
+
+    pub fn admin(&self) -> gateway::admin::AdminConfig {
+        gateway::admin::AdminConfig {
+            ui_dir: self.admin.ui_dir.clone(),
+            access_ttl: Duration::from_secs(self.admin.access_token_ttl_secs),
+            session_ttl: Duration::from_secs(self.admin.session_ttl_secs),
+        }
     }
 
     pub fn spool_path(&self) -> PathBuf {

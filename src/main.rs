@@ -61,15 +61,10 @@ enum Command {
         #[command(subcommand)]
         command: cachet::billing_cli::Command,
     },
-    /// Tenants.
-    Tenant {
+    /// Administration: tenants, keys, policy, usage, budget, cache, audit log, console users.
+    Admin {
         #[command(subcommand)]
-        command: TenantCommand,
-    },
-    /// API keys.
-    Key {
-        #[command(subcommand)]
-        command: KeyCommand,
+        command: cachet::admin_cli::Command,
     },
     /// Create a demo tenant and key unless one exists; print the key (make run uses this).
     Demo {
@@ -84,45 +79,6 @@ enum Command {
         #[command(subcommand)]
         command: loadtest::Command,
     },
-}
-
-#[derive(Subcommand)]
-enum TenantCommand {
-    /// Create a tenant (with a default workspace).
-    Create { name: String },
-    /// Set a tenant's limits (omitted = unlimited).
-    Quota {
-        /// Tenant name or id.
-        tenant: String,
-        #[arg(long)]
-        rpm: Option<i64>,
-        #[arg(long)]
-        input_tpm: Option<i64>,
-        #[arg(long)]
-        output_tpm: Option<i64>,
-        #[arg(long)]
-        key_rpm: Option<i64>,
-        #[arg(long)]
-        key_input_tpm: Option<i64>,
-        #[arg(long)]
-        key_output_tpm: Option<i64>,
-        #[arg(long)]
-        cache_bytes: Option<i64>,
-    },
-}
-
-#[derive(Subcommand)]
-enum KeyCommand {
-    /// Create an API key; the secret is printed once and never stored.
-    Create {
-        /// Tenant name or id.
-        #[arg(long)]
-        tenant: String,
-        #[arg(long, default_value = "default")]
-        name: String,
-    },
-    /// Revoke a key by id.
-    Revoke { id: uuid::Uuid },
 }
 
 fn init_tracing(json: bool) {
@@ -211,72 +167,21 @@ async fn main() -> anyhow::Result<()> {
             println!("migrations applied");
             Ok(())
         }
-        Command::Tenant { command } => {
+        Command::Admin { command } => {
             let pool = server::connect_and_migrate(&config.database_url, 2).await?;
-            match command {
-                TenantCommand::Create { name } => {
-                    let t = gateway::tenants::create_tenant(&pool, &name).await?;
-                    println!("tenant {} created: id {}", t.name, t.id);
-                }
-                TenantCommand::Quota {
-                    tenant,
-                    rpm,
-                    input_tpm,
-                    output_tpm,
-                    key_rpm,
-                    key_input_tpm,
-                    key_output_tpm,
-                    cache_bytes,
-                } => {
-                    let t = gateway::tenants::find_tenant(&pool, &tenant)
-                        .await?
-                        .with_context(|| format!("no tenant {tenant}"))?;
-                    let q = gateway::tenants::Quotas {
-                        requests_per_minute: rpm,
-                        input_tokens_per_minute: input_tpm,
-                        output_tokens_per_minute: output_tpm,
-                        key_requests_per_minute: key_rpm,
-                        key_input_tokens_per_minute: key_input_tpm,
-                        key_output_tokens_per_minute: key_output_tpm,
-                        cache_resident_bytes: cache_bytes,
-                    };
-                    gateway::tenants::set_quotas(&pool, t.id, &q).await?;
-                    println!("quotas of {} updated: {q:?}", t.name);
-                }
-            }
-            Ok(())
-        }
-        Command::Key { command } => {
-            let pool = server::connect_and_migrate(&config.database_url, 2).await?;
-            match command {
-                KeyCommand::Create { tenant, name } => {
-                    let t = gateway::tenants::find_tenant(&pool, &tenant)
-                        .await?
-                        .with_context(|| format!("no tenant {tenant}"))?;
-                    let k = gateway::tenants::create_key(&pool, &t, &name).await?;
-                    eprintln!(
-                        "key {} created for tenant {}; the secret is shown once:",
-                        k.id, t.name
-                    );
-                    println!("{}", k.secret);
-                }
-                KeyCommand::Revoke { id } => {
-                    let done = gateway::tenants::revoke_key(&pool, id.into()).await?;
-                    println!("{}", if done { "revoked" } else { "no such live key" });
-                }
-            }
-            Ok(())
+            cachet::admin_cli::run(&pool, &config, command).await
         }
         Command::Demo { key_file } => {
             let pool = server::connect_and_migrate(&config.database_url, 2).await?;
             let secret = match std::fs::read_to_string(&key_file) {
                 Ok(s) if !s.trim().is_empty() => s.trim().to_string(),
                 _ => {
+                    let actor = gateway::tenants::Actor::cli_user();
                     let t = match gateway::tenants::find_tenant(&pool, "demo").await? {
                         Some(t) => t,
-                        None => gateway::tenants::create_tenant(&pool, "demo").await?,
+                        None => gateway::tenants::create_tenant(&pool, &actor, "demo").await?,
                     };
-                    let k = gateway::tenants::create_key(&pool, &t, "demo").await?;
+                    let k = gateway::tenants::create_key(&pool, &actor, &t, "demo", None).await?;
                     if let Some(dir) = key_file.parent() {
                         std::fs::create_dir_all(dir)?;
                     }

@@ -185,7 +185,25 @@ pub async fn run(
             println!("node {} api on {}", args.id, running.addr);
             Some(running)
         }
-        None => None,
+        None => {
+            // A storage-only node still applies tenants' cache policy and purges deleted
+            // tenants (the API half does it for a node that has one).
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(Duration::from_secs(2))
+                .connect_lazy(&config.database_url)
+                .context("database_url")?;
+            crate::server::follow_changes(
+                &config,
+                pool,
+                gateway::admin::sync::Targets {
+                    fabric: Some(FabricClient::clustered(node.clone(), cluster.clone())),
+                    ..Default::default()
+                },
+                &background,
+            );
+            None
+        }
     };
 
     stop.cancelled().await;

@@ -68,29 +68,53 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> anyhow::Res
     Ok(pool)
 }
 
-/// `app` with the finance API merged in, and the rollups kept current (the last two hours,
-/// every minute) until `shutdown`.
-fn finance(
+/// The public side's admin console (admin and finance APIs, admin UI) with its cache view
+/// from `cache`, and the rollups its views read kept current (the last two hours, every
+/// `admin.rollup_interval_secs`) until `shutdown`.
+fn admin_console(
     config: &Config,
     pool: &PgPool,
     shutdown: &CancellationToken,
-    app: axum::Router,
-) -> anyhow::Result<axum::Router> {
-    let state = billing::api::FinanceState {
-        pool: pool.clone(),
-        jwt: admin_jwt(config)?.map(std::sync::Arc::new),
-    };
+    cache: gateway::admin::CacheSource,
+) -> anyhow::Result<gateway::admin::AdminState> {
+    let jwt = admin_jwt(config)?.map(Arc::new);
+    let server_key: Option<Arc<[u8]>> = (!config.admin_jwt_secret.is_empty())
+        .then(|| Arc::from(config.admin_jwt_secret.as_bytes()));
     tokio::spawn(billing::rollup::keep_current(
         pool.clone(),
-        Duration::from_secs(60),
+        Duration::from_secs(config.admin.rollup_interval_secs),
         chrono::TimeDelta::hours(2),
         shutdown.clone(),
     ));
-    Ok(app.merge(billing::api::router(state)))
+    Ok(gateway::admin::state(
+        pool.clone(),
+        jwt,
+        server_key,
+        cache,
+        config.admin(),
+    ))
 }
 
-/// The finance API's token signer (none without a secret: the finance API then answers 503
-/// saying how to turn it on).
+/// Follow the administrative change feed for `targets` until `shutdown`.
+pub fn follow_changes(
+    config: &Config,
+    pool: PgPool,
+    targets: gateway::admin::sync::Targets,
+    shutdown: &CancellationToken,
+) {
+    tokio::spawn(gateway::admin::sync::run(
+        pool,
+        targets,
+        gateway::admin::sync::SyncConfig {
+            poll: Duration::from_millis(config.admin.change_poll_ms),
+            spend_every: Duration::from_secs(config.admin.spend_refresh_secs),
+        },
+        shutdown.clone(),
+    ));
+}
+
+/// The admin and finance APIs' token signer (none without a secret: they then answer 503
+/// saying how to turn them on).
 pub fn admin_jwt(config: &Config) -> anyhow::Result<Option<billing::api::Jwt>> {
     if config.admin_jwt_secret.is_empty() {
         return Ok(None);
@@ -174,6 +198,18 @@ pub async fn start_api(
     let meter_stop = CancellationToken::new();
     let (meter, meter_task) = Meter::start(meter_pool, config.meter(), meter_stop.clone())?;
     let redis = (!config.redis_url.is_empty()).then_some(config.redis_url.as_str());
+    // A cluster node's API is internal (cluster token only): the admin console and the
+    // rollups belong to the public side, `serve` or the cluster's gateway.
+    let admin = if gateway_config_internal {
+        None
+    } else {
+        Some(admin_console(
+            &config,
+            &pool,
+            &shutdown,
+            gateway::admin::CacheSource::Local(fabric.clone()),
+        )?)
+    };
     let state = gateway::state(
         gateway_config,
         pool.clone(),
@@ -181,14 +217,10 @@ pub async fn start_api(
         engine_pool,
         meter.clone(),
         redis,
+        admin,
     )?;
-    // A cluster node's API is internal (cluster token only): the finance API and the rollups
-    // belong to the public side, `serve` or the cluster's gateway.
-    let app = if gateway_config_internal {
-        gateway::router(state)
-    } else {
-        finance(&config, &pool, &shutdown, gateway::router(state))?
-    };
+    follow_changes(&config, pool.clone(), state.sync_targets(), &shutdown);
+    let app = gateway::router(state);
     let meter_handle = meter.clone();
     let task = tokio::spawn(async move {
         let served = gateway::serve(listener, app, shutdown).await;
@@ -232,7 +264,7 @@ pub async fn start_gateway(
     let routing = gateway::routing::RoutingConfig {
         max_body_bytes: config.gateway.max_body_bytes,
         auth_cache_ttl: Duration::from_secs(config.gateway.auth_cache_ttl_secs),
-        cluster_token: token,
+        cluster_token: token.clone(),
         cost: gateway::conductor::CostModel {
             prefill_per_token: Duration::from_secs_f64(1.0 / c.prefill_tokens_per_sec as f64),
             transfer_bytes_per_sec: c.transfer_bytes_per_sec as f64,
@@ -248,7 +280,18 @@ pub async fn start_gateway(
         Duration::from_millis(500),
         shutdown.clone(),
     ));
-    let app = finance(&config, &pool, &shutdown, gateway::routing::router(state))?;
+    follow_changes(&config, pool.clone(), state.sync_targets(), &shutdown);
+    let nodes = state.clone();
+    let admin = admin_console(
+        &config,
+        &pool,
+        &shutdown,
+        gateway::admin::CacheSource::Cluster {
+            transport: Arc::new(cache_fabric::transport::TcpTransport::new(token)),
+            nodes: Arc::new(move || nodes.fabric_addrs()),
+        },
+    )?;
+    let app = gateway::routing::router(state, Some(admin));
     let task = tokio::spawn(async move {
         gateway::serve(listener, app, shutdown)
             .await

@@ -6,15 +6,21 @@ mod common;
 use common::*;
 use serde_json::Value;
 
-async fn set_quotas(app: &TestApp, q: gateway::tenants::Quotas) {
+async fn set_quotas(app: &TestApp, patch: gateway::tenants::policy::PolicyPatch) {
     let pool = sqlx::PgPool::connect(&app.db_url).await.unwrap();
     let tenant: uuid::Uuid = sqlx::query_scalar("SELECT tenant_id FROM api_keys LIMIT 1")
         .fetch_one(&pool)
         .await
         .unwrap();
-    gateway::tenants::set_quotas(&pool, tenant.into(), &q)
-        .await
-        .unwrap();
+    gateway::tenants::policy::patch_policy(
+        &pool,
+        &gateway::tenants::Actor::cli("test"),
+        tenant,
+        &patch,
+        true,
+    )
+    .await
+    .unwrap();
     pool.close().await;
 }
 
@@ -35,8 +41,8 @@ async fn requests_per_minute_limit_answers_429_with_retry_after_and_headers() {
     let app = TestApp::start().await;
     set_quotas(
         &app,
-        gateway::tenants::Quotas {
-            key_requests_per_minute: Some(3),
+        gateway::tenants::policy::PolicyPatch {
+            key_requests_per_minute: Some(Some(3)),
             ..Default::default()
         },
     )
@@ -68,8 +74,8 @@ async fn cache_reads_do_not_count_toward_input_tokens_per_minute() {
     // Enough for one uncached prompt (~310 tokens) plus many cached ones (~10 each).
     set_quotas(
         &app,
-        gateway::tenants::Quotas {
-            input_tokens_per_minute: Some(400),
+        gateway::tenants::policy::PolicyPatch {
+            input_tokens_per_minute: Some(Some(400)),
             ..Default::default()
         },
     )
@@ -113,8 +119,8 @@ async fn redis_unreachable_falls_back_to_local_limits() {
     .await;
     set_quotas(
         &app,
-        gateway::tenants::Quotas {
-            key_requests_per_minute: Some(2),
+        gateway::tenants::policy::PolicyPatch {
+            key_requests_per_minute: Some(Some(2)),
             ..Default::default()
         },
     )

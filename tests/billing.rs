@@ -26,9 +26,13 @@ async fn db() -> (PgPool, Uuid, String) {
     let pool = cachet::server::connect_and_migrate(&format!("{PG}/{name}"), 4)
         .await
         .unwrap();
-    let t = gateway::tenants::create_tenant(&pool, &format!("t-{}", Uuid::new_v4().simple()))
-        .await
-        .unwrap();
+    let t = gateway::tenants::create_tenant(
+        &pool,
+        &gateway::tenants::Actor::cli("test"),
+        &format!("t-{}", Uuid::new_v4().simple()),
+    )
+    .await
+    .unwrap();
     (pool, t.id.as_uuid(), name)
 }
 
@@ -451,13 +455,17 @@ async fn a_plans_reserved_bytes_come_with_the_tenants_key() {
         .await
         .unwrap()
         .unwrap();
-    let key = gateway::tenants::create_key(&pool, &t, "k").await.unwrap();
+    let key =
+        gateway::tenants::create_key(&pool, &gateway::tenants::Actor::cli("test"), &t, "k", None)
+            .await
+            .unwrap();
     let lookup = || async {
         gateway::tenants::lookup_key(&pool, &gateway::tenants::hash_secret(&key.secret))
             .await
             .unwrap()
             .unwrap()
-            .cache_reserved_bytes
+            .policy
+            .reserved_cache_bytes
     };
     assert_eq!(lookup().await, None);
     prices::set_plan(
@@ -476,5 +484,86 @@ async fn a_plans_reserved_bytes_come_with_the_tenants_key() {
     .await
     .unwrap();
     assert_eq!(lookup().await, Some(5_000_000_000));
+    drop_db(pool, name).await;
+}
+
+/// The dashboard's usage view: daily buckets read the daily rollups, except on a day whose
+/// price changes during it, which is rated hour by hour; either way it costs exactly what the
+/// invoice bills for the same rows, and its tokens are the ledger's.
+#[tokio::test]
+async fn the_usage_view_rates_a_mid_day_price_change_like_the_invoice() {
+    let (pool, tenant, name) = db().await;
+    prices::set_price(
+        &pool,
+        &price("2026-01-01T00:00:00Z", 3_000, 15_000),
+        "test",
+        true,
+        NOW(),
+    )
+    .await
+    .unwrap();
+    // The price triples at noon on 10 October.
+    prices::set_price(
+        &pool,
+        &price("2026-10-10T12:00:00Z", 9_000, 45_000),
+        "test",
+        true,
+        NOW(),
+    )
+    .await
+    .unwrap();
+    for (when, t) in [
+        ("2026-10-09T08:00:00Z", [1_000, 200, 0, 5_000, 100]),
+        ("2026-10-10T09:30:00Z", [2_000, 0, 300, 1_000, 50]),
+        ("2026-10-10T15:30:00Z", [2_000, 0, 300, 1_000, 50]),
+        ("2026-10-11T23:59:00Z", [777, 11, 0, 3, 9]),
+    ] {
+        row(&pool, tenant, when, t).await;
+    }
+    rollup::rollup(
+        &pool,
+        at("2026-10-01T00:00:00Z"),
+        at("2026-11-01T00:00:00Z"),
+    )
+    .await
+    .unwrap();
+    let (from, to) = (at("2026-10-01T00:00:00Z"), at("2026-11-01T00:00:00Z"));
+    use billing::dashboard::{Granularity, GroupBy, usage};
+    let daily = usage(&pool, tenant, from, to, Granularity::Day, GroupBy::None)
+        .await
+        .unwrap();
+    let hourly = usage(&pool, tenant, from, to, Granularity::Hour, GroupBy::None)
+        .await
+        .unwrap();
+    assert_eq!(daily.totals.tokens, hourly.totals.tokens);
+    assert_eq!(daily.totals.tokens.requests, 4);
+    assert_eq!(daily.totals.cost_minor, hourly.totals.cost_minor);
+    assert_eq!(daily.series.len(), 3);
+    let inv = invoice::compute(&pool, tenant, OCT()).await.unwrap();
+    let usage_lines: i64 = inv
+        .lines
+        .iter()
+        .filter(|l| l.kind == LineKind::Usage)
+        .map(|l| l.amount_minor)
+        .sum();
+    // The invoice rounds each line; the view rounds the exact total once.
+    assert!(
+        (usage_lines - daily.totals.cost_minor).abs() <= inv.lines.len() as i64,
+        "{usage_lines} vs {}",
+        daily.totals.cost_minor
+    );
+    // A window that starts and ends mid-day is still whole hours of exact rows.
+    let part = usage(
+        &pool,
+        tenant,
+        at("2026-10-10T09:10:00Z"),
+        at("2026-10-11T23:00:00Z"),
+        Granularity::Day,
+        GroupBy::None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(part.totals.tokens.requests, 2);
+    assert_eq!(part.from, at("2026-10-10T09:00:00Z"));
     drop_db(pool, name).await;
 }

@@ -346,11 +346,20 @@ async fn tenant_db(name: &str) -> (sqlx::PgPool, String, gateway::tenants::Tenan
     let pool = cachet::server::connect_and_migrate(&db_url, 2)
         .await
         .unwrap();
-    let tenant = gateway::tenants::create_tenant(&pool, name).await.unwrap();
-    let key = gateway::tenants::create_key(&pool, &tenant, "k")
-        .await
-        .unwrap()
-        .secret;
+    let tenant =
+        gateway::tenants::create_tenant(&pool, &gateway::tenants::Actor::cli("test"), name)
+            .await
+            .unwrap();
+    let key = gateway::tenants::create_key(
+        &pool,
+        &gateway::tenants::Actor::cli("test"),
+        &tenant,
+        "k",
+        None,
+    )
+    .await
+    .unwrap()
+    .secret;
     (pool, db_url, tenant, key)
 }
 
@@ -851,6 +860,123 @@ async fn a_stream_whose_node_dies_is_resumed_on_another() {
             .any(|l| l.starts_with("cachet_gateway_routed_total{outcome=\"resumed\"} 1")),
         "{metrics}"
     );
+    pool.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Administrative changes in a cluster, on real processes: the gateway serves the admin API;
+/// its cache view sums every node (storage-only ones too) over the fabric transport; a
+/// tenant's replication factor reaches every node (blocks get that many owners); a suspended
+/// tenant is refused and a deleted one's blocks are purged from every node, all within
+/// seconds and without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admin_changes_reach_every_node_of_a_cluster() {
+    const SECRET: &str = "cluster-admin-secret-of-at-least-32-bytes";
+    let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
+    let dir = std::env::temp_dir().join(&prefix);
+    let (pool, db_url, tenant, key) = tenant_db("cluster-admin").await;
+    let scope = Scope {
+        tenant: tenant.id,
+        workspace: tenant.default_workspace,
+    };
+    let env = vec![
+        ("DATABASE_URL", db_url.clone()),
+        ("CACHET_ENGINE", "sim".into()),
+        ("CACHET_SIM_TIME_SCALE", "0".into()),
+        ("CACHET_ADMIN_JWT_SECRET", SECRET.to_string()),
+    ];
+    let n1 = start_node_with("n1", &prefix, &dir, &env, true);
+    let n2 = start_node_with("n2", &prefix, &dir, &env, true);
+    let n3 = start_node_with("n3", &prefix, &dir, &env, false);
+    let gw = start_gateway(&prefix, &env);
+    let http = reqwest::Client::new();
+    wait_for_nodes(&http, &gw, 2).await;
+    let admin = billing::api::Jwt::new(SECRET.as_bytes())
+        .unwrap()
+        .issue(
+            "test",
+            billing::api::Role::PlatformAdmin,
+            None,
+            Duration::from_secs(600),
+        )
+        .unwrap();
+    let call = async |method: &str, path: &str, body: Option<serde_json::Value>| {
+        let mut r = http
+            .request(method.parse().unwrap(), format!("{}{path}", gw.url))
+            .bearer_auth(&admin);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        let r = r.send().await.unwrap();
+        let s = r.status().as_u16();
+        (s, r.json::<serde_json::Value>().await.unwrap_or_default())
+    };
+    let t = tenant.id;
+
+    // Every block on all three nodes once the tenant's replication factor is 3.
+    let (s, v) = call(
+        "PATCH",
+        &format!("/v1/admin/tenants/{t}/policy"),
+        Some(serde_json::json!({"replication_factor": 3})),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let body = prompt(120, "adm", "hello");
+    let (s, _, r) = post(&http, &gw.url, &key, &body, false).await;
+    assert_eq!(s, 200, "{r}");
+    let hashes = block_hashes(&body, scope);
+    let addrs = [n1.addr.as_str(), n2.addr.as_str(), n3.addr.as_str()];
+    wait_until(
+        "every block on the 3 nodes",
+        Duration::from_secs(20),
+        async || {
+            for h in &hashes {
+                if copies(&addrs, scope, *h).await < 3 {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+
+    // The cache view counts every node, the storage-only one included.
+    let (s, c) = call("GET", &format!("/v1/admin/tenants/{t}/cache"), None).await;
+    assert_eq!(s, 200, "{c}");
+    assert_eq!(c["nodes"], 3, "{c}");
+    assert_eq!(c["unreachable_nodes"], 0, "{c}");
+    assert!(c["total_bytes"].as_u64().unwrap() > 0, "{c}");
+
+    // Suspension reaches the nodes that serve requests.
+    call("POST", &format!("/v1/admin/tenants/{t}/suspend"), None).await;
+    wait_until(
+        "a suspended tenant gets 403",
+        Duration::from_secs(5),
+        async || post(&http, &gw.url, &key, &body, false).await.0 == 403,
+    )
+    .await;
+
+    // Deletion purges its blocks from every node.
+    let (s, v) = call("DELETE", &format!("/v1/admin/tenants/{t}"), None).await;
+    assert_eq!(s, 200, "{v}");
+    wait_until(
+        "every node purged the tenant",
+        Duration::from_secs(5),
+        async || {
+            for h in &hashes {
+                if copies(&addrs, scope, *h).await > 0 {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+    let (_, c) = call("GET", &format!("/v1/admin/tenants/{t}/cache"), None).await;
+    assert_eq!(c["total_bytes"], 0, "{c}");
+    assert_eq!(post(&http, &gw.url, &key, &body, false).await.0, 401);
+    drop((n1, n2, n3, gw));
     pool.close().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

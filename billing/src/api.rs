@@ -42,6 +42,22 @@ pub enum Role {
     TenantAdmin,
 }
 
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::PlatformAdmin => "platform_admin",
+            Role::Finance => "finance",
+            Role::TenantAdmin => "tenant_admin",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        [Role::PlatformAdmin, Role::Finance, Role::TenantAdmin]
+            .into_iter()
+            .find(|r| r.as_str() == s)
+    }
+}
+
 /// The token's claims.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Claims {
@@ -50,7 +66,14 @@ pub struct Claims {
     /// The tenant a `tenant_admin` administers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<Uuid>,
+    /// The admin session (login) the token belongs to: it stops working when the session is
+    /// logged out or its user disabled. Tokens made by `cachet billing token` have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sid: Option<Uuid>,
     pub exp: u64,
+    /// Not valid before (seconds since the epoch); checked.
+    #[serde(default)]
+    pub nbf: u64,
 }
 
 /// Signs and checks admin tokens. The secret comes from `CACHET_ADMIN_JWT_SECRET`.
@@ -82,25 +105,42 @@ impl Jwt {
         tenant: Option<Uuid>,
         ttl: std::time::Duration,
     ) -> Result<String, BillingError> {
+        self.issue_for_session(sub, role, tenant, None, ttl)
+    }
+
+    /// A token of an admin session `sid` (see [`Claims::sid`]).
+    pub fn issue_for_session(
+        &self,
+        sub: &str,
+        role: Role,
+        tenant: Option<Uuid>,
+        sid: Option<Uuid>,
+        ttl: std::time::Duration,
+    ) -> Result<String, BillingError> {
         if (role == Role::TenantAdmin) != tenant.is_some() {
             return Err(BillingError::Invalid(
                 "a tenant_admin token names exactly one tenant; other roles name none".into(),
             ));
         }
-        let exp = (Utc::now() + chrono::Duration::from_std(ttl).unwrap_or_default()).timestamp();
+        let now = Utc::now();
+        let exp = (now + chrono::Duration::from_std(ttl).unwrap_or_default()).timestamp();
         let claims = Claims {
             sub: sub.to_string(),
             role,
             tenant,
+            sid,
             exp: exp.max(0) as u64,
+            nbf: now.timestamp().max(0) as u64,
         };
         jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &self.encoding)
             .map_err(|e| BillingError::Invalid(format!("signing the token: {e}")))
     }
 
-    fn check(&self, token: &str) -> Result<Claims, ApiError> {
+    /// The claims of a token signed with this secret, unexpired and already valid.
+    pub fn check(&self, token: &str) -> Result<Claims, ApiError> {
         let mut v = Validation::new(Algorithm::HS256);
         v.leeway = 5;
+        v.validate_nbf = true;
         let data = jsonwebtoken::decode::<Claims>(token, &self.decoding, &v)
             .map_err(|e| ApiError::unauthorized(&format!("invalid admin token: {e}")))?;
         let c = data.claims;
@@ -126,6 +166,19 @@ pub struct ApiError {
     status: StatusCode,
     kind: &'static str,
     message: String,
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+    /// The error type (`authentication_error`, `permission_error`, …).
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+    pub fn message(&self) -> &str {
+        &self.message
+    }
 }
 
 /// The error body (the gateway's shape).
@@ -200,6 +253,46 @@ impl IntoResponse for ApiError {
 /// The caller, authenticated.
 pub struct Caller(pub Claims);
 
+/// Authenticate an admin request: a valid token in `Authorization: Bearer`, and, when it
+/// belongs to an admin session, a session that is neither logged out, expired, nor of a
+/// disabled user.
+pub async fn authenticate(
+    state: &FinanceState,
+    headers: &axum::http::HeaderMap,
+) -> Result<Claims, ApiError> {
+    let Some(jwt) = &state.jwt else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "api_error",
+            "the admin and finance APIs are off: set CACHET_ADMIN_JWT_SECRET",
+        ));
+    };
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .ok_or_else(|| {
+            ApiError::unauthorized("an admin token is required (Authorization: Bearer)")
+        })?;
+    let claims = jwt.check(token.trim())?;
+    if let Some(sid) = claims.sid {
+        let live: Option<bool> = sqlx::query_scalar(
+            "SELECT s.revoked_at IS NULL AND s.expires_at > now() AND u.disabled_at IS NULL \
+             FROM admin_sessions s JOIN admin_users u ON u.id = s.user_id WHERE s.id = $1",
+        )
+        .bind(sid)
+        .fetch_optional(&state.pool)
+        .await
+        .map_err(BillingError::from)?;
+        if live != Some(true) {
+            return Err(ApiError::unauthorized(
+                "this admin session has ended: log in again",
+            ));
+        }
+    }
+    Ok(claims)
+}
+
 impl FromRequestParts<FinanceState> for Caller {
     type Rejection = ApiError;
 
@@ -207,22 +300,7 @@ impl FromRequestParts<FinanceState> for Caller {
         parts: &mut Parts,
         state: &FinanceState,
     ) -> Result<Self, Self::Rejection> {
-        let Some(jwt) = &state.jwt else {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "api_error",
-                "the finance API is off: set CACHET_ADMIN_JWT_SECRET",
-            ));
-        };
-        let token = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .ok_or_else(|| {
-                ApiError::unauthorized("an admin token is required (Authorization: Bearer)")
-            })?;
-        Ok(Caller(jwt.check(token.trim())?))
+        Ok(Caller(authenticate(state, &parts.headers).await?))
     }
 }
 

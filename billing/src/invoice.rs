@@ -21,7 +21,7 @@ use crate::money::{Exact, Rates, TokenClass, format_minor};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BillingError {
-    #[error("no price for model {model:?} at {at}: add one with `cachet billing price set`")]
+    #[error("no price for model {model:?} at {at}: add one with `cachet billing price`")]
     NoPrice { model: String, at: DateTime<Utc> },
     #[error("the invoice of {tenant} for {month} is finalized; corrections are adjustments")]
     Finalized { tenant: Uuid, month: NaiveDate },

@@ -13,12 +13,16 @@
 //!   invoices (draft, finalized, adjustments); [`rollup`]: hourly/daily rollups and the
 //!   reconciliation of ledger, rollups and invoices (decision 0010).
 //!
+//! - [`dashboard`]: usage, cost and savings by cache over time from the rollups, and a
+//!   tenant's spend this month (the admin console and budget checks).
+//!
 //! - [`api`]: the finance API (`/v1/billing/…`, JWT roles), served by `cachet serve` with
 //!   the gateway's routes; usage, invoices, prices, streamed exports.
 //!
 //! What it is not: it does not compute usage (the gateway does).
 
 pub mod api;
+pub mod dashboard;
 pub mod invoice;
 pub mod meter;
 pub mod metrics;

@@ -98,6 +98,17 @@ impl FabricNode {
         self.store.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// What `tenant` holds on this node, with its `top` most-read prefixes.
+    pub fn tenant_stats(&self, tenant: TenantId, top: usize) -> crate::stats::TenantCacheStats {
+        self.store().tenant_stats(tenant, Instant::now(), top)
+    }
+
+    /// Drop every block of `tenant` from every tier of this node (its tenant was deleted);
+    /// how many blocks went.
+    pub fn purge_tenant(&self, tenant: TenantId) -> usize {
+        self.store().purge_tenant(tenant)
+    }
+
     /// Direct access for tests and fault injection.
     #[doc(hidden)]
     pub fn with_store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {
@@ -267,23 +278,41 @@ impl FabricClient {
     /// `R × quota` bytes of the tenant, one copy of each at most `quota` (see
     /// docs/decisions/0009-cluster-roles.md).
     pub async fn set_tenant_quota(&self, tenant: TenantId, bytes: Option<u64>) {
-        let bytes = bytes.map(|q| self.per_node_share(q));
+        let bytes = bytes.map(|q| self.per_node_share(tenant, q));
         self.node.store().set_quota(tenant, bytes);
     }
 
     /// Reserve fabric bytes for a tenant (`None`: none), counted like the quota: one copy
     /// of each block, so each node of a cluster reserves `bytes × R / G`.
     pub async fn set_tenant_reservation(&self, tenant: TenantId, bytes: Option<u64>) {
-        let bytes = bytes.map(|b| self.per_node_share(b));
+        let bytes = bytes.map(|b| self.per_node_share(tenant, b));
         self.node.store().set_reservation(tenant, bytes);
     }
 
+    /// Set (or clear) a tenant's replication factor (a cluster member's; ignored by a
+    /// single node).
+    pub fn set_tenant_replicas(&self, tenant: TenantId, replicas: Option<usize>) {
+        if let Some(c) = &self.cluster {
+            c.set_tenant_replicas(tenant, replicas);
+        }
+    }
+
+    /// What `tenant` holds on this node.
+    pub fn tenant_stats(&self, tenant: TenantId, top: usize) -> crate::stats::TenantCacheStats {
+        self.node.tenant_stats(tenant, top)
+    }
+
+    /// Drop every block of `tenant` from this node's tiers.
+    pub fn purge_tenant(&self, tenant: TenantId) -> usize {
+        self.node.purge_tenant(tenant)
+    }
+
     /// This node's share of a cluster-wide tenant budget (all of it when not clustered).
-    fn per_node_share(&self, bytes: u64) -> u64 {
+    fn per_node_share(&self, tenant: TenantId, bytes: u64) -> u64 {
         match &self.cluster {
             Some(c) => {
                 let group = c.view().membership.len().min(c.config().group_size).max(1) as u64;
-                let r = (c.config().replicas as u64).clamp(1, group);
+                let r = (c.replicas(tenant) as u64).clamp(1, group);
                 bytes.saturating_mul(r) / group
             }
             None => bytes,

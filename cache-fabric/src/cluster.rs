@@ -145,6 +145,8 @@ pub struct Cluster {
     inflight: Mutex<HashMap<String, Arc<AtomicUsize>>>,
     picks: AtomicUsize,
     popularity: Mutex<Popularity>,
+    /// Tenants whose plan sets their own replication factor (others use `config.replicas`).
+    tenant_replicas: RwLock<HashMap<TenantId, usize>>,
 }
 
 /// Sliding-window pull counts per block: two fixed windows, the previous one weighted by how
@@ -201,6 +203,7 @@ impl Cluster {
             inflight: Mutex::new(HashMap::new()),
             picks: AtomicUsize::new(0),
             popularity: Mutex::new(Popularity::default()),
+            tenant_replicas: RwLock::new(HashMap::new()),
         })
     }
 
@@ -270,10 +273,40 @@ impl Cluster {
         self.changes.subscribe()
     }
 
+    /// How many owners each block of `tenant` has: its own replication factor, else the
+    /// cluster's.
+    pub fn replicas(&self, tenant: TenantId) -> usize {
+        self.tenant_replicas
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&tenant)
+            .copied()
+            .unwrap_or(self.config.replicas)
+    }
+
+    /// Set (or, with `None`, clear) a tenant's replication factor. A change counts as a
+    /// membership change: repairs then give its blocks their new owners (an owner no longer
+    /// one keeps its copy as an ordinary block until evicted).
+    pub fn set_tenant_replicas(&self, tenant: TenantId, replicas: Option<usize>) {
+        let changed = {
+            let mut m = self
+                .tenant_replicas
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            match replicas.map(|r| r.max(1)) {
+                Some(r) => m.insert(tenant, r) != Some(r),
+                None => m.remove(&tenant).is_some(),
+            }
+        };
+        if changed {
+            self.changes.send_modify(|n| *n += 1);
+        }
+    }
+
     /// The owners of a block (ids), best first.
     pub fn owners(&self, view: &View, tenant: TenantId, hash: &BlockHash) -> Vec<String> {
         view.membership
-            .owners(tenant, hash, self.config.group_size, self.config.replicas)
+            .owners(tenant, hash, self.config.group_size, self.replicas(tenant))
             .into_iter()
             .map(|m| m.id.clone())
             .collect()

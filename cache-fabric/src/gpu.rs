@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use cachet_common::BlockHash;
+use cachet_common::{BlockHash, TenantId};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 use crate::store::checksum;
@@ -176,5 +176,11 @@ impl TierStore for GpuTier {
     }
     fn name(&self) -> &'static str {
         "gpu"
+    }
+    fn inventory(&self) -> Vec<(BlockHash, TenantId, u64)> {
+        self.blocks
+            .iter()
+            .map(|(h, b)| (*h, b.meta.scope.tenant, b.len))
+            .collect()
     }
 }

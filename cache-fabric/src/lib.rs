@@ -19,6 +19,8 @@
 //! - `rdma` (feature `rdma`): RDMA probing and the one-sided READ data path (`rdma::pull`):
 //!   a node stages blocks in a registered pool, peers READ them; TCP whenever RDMA fails.
 //! - `gpu` (feature `cuda`): the GPU-memory tier.
+//! - [`stats`]: what a tenant holds (bytes per tier, losses by reason, most-read
+//!   prefixes) for its administrators.
 //! - [`simulate`]: replays a Mooncake-format trace through the store's own eviction code.
 //!
 //! What it is not: it never sees prompts or text, only token-block hashes and opaque KV bytes
@@ -38,6 +40,7 @@ pub mod policy;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod simulate;
+pub mod stats;
 pub mod store;
 pub mod tier;
 pub mod transport;

@@ -79,6 +79,8 @@ pub enum RemovalReason {
     Capacity,
     Quota,
     Corrupt,
+    /// Its tenant was deleted.
+    Purged,
 }
 
 impl RemovalReason {
@@ -88,6 +90,7 @@ impl RemovalReason {
             RemovalReason::Capacity => "evicted",
             RemovalReason::Quota => "evicted_quota",
             RemovalReason::Corrupt => "corrupt",
+            RemovalReason::Purged => "purged",
         }
     }
 }
@@ -154,6 +157,8 @@ struct Block {
     /// An extra copy of a block this node does not own ([`Store::put_extra`]): capacity
     /// eviction takes such leaves before any other.
     extra: bool,
+    /// Prefix reads that ended at this block (the tenant's most-read prefixes).
+    reads: u32,
 }
 
 /// A stored block as [`Store::handoff`] lists it.
@@ -243,6 +248,8 @@ pub struct Store {
     orphans: BlockMap<u32>,
     /// Blocks dropped as corrupt, for the cluster to fetch again from another owner.
     damaged: VecDeque<Damaged>,
+    /// Blocks each tenant lost, by reason (its administrators' cache view).
+    removals: HashMap<TenantId, crate::stats::Evictions>,
 }
 
 impl Store {
@@ -268,6 +275,7 @@ impl Store {
             tombstone_order: VecDeque::new(),
             orphans: BlockMap::default(),
             damaged: VecDeque::new(),
+            removals: HashMap::new(),
         }
     }
 
@@ -458,6 +466,11 @@ impl Store {
         metrics::BLOCK_READS
             .with_label_values(&["hit"])
             .inc_by(out.len() as u64);
+        if let Some(last) = out.last()
+            && let Some(b) = self.blocks.get_mut(&last.hash)
+        {
+            b.reads = b.reads.saturating_add(1);
+        }
         out
     }
 
@@ -939,6 +952,7 @@ impl Store {
                 children,
                 replica,
                 extra,
+                reads: 0,
             },
         );
         metrics::BLOCKS_WRITTEN.inc();
@@ -1160,15 +1174,115 @@ impl Store {
         }
         self.tombstones.insert(*hash, reason);
         self.tombstone_order.push_back(*hash);
+        self.removals
+            .entry(tenant)
+            .or_default()
+            .count(reason, demoted);
         metrics::EVICTIONS
             .with_label_values(&[match reason {
                 RemovalReason::Expired => "expired",
                 RemovalReason::Capacity => "capacity",
                 RemovalReason::Quota => "quota",
                 RemovalReason::Corrupt => "corrupt",
+                RemovalReason::Purged => "purged",
             }])
             .inc();
         self.publish_gauges(tenant);
+    }
+
+    /// What `tenant` holds on this node: bytes per tier, blocks lost by reason, and its `top`
+    /// most-read prefixes. Scans the node's blocks once (an administrator's view, not a hot
+    /// path).
+    pub fn tenant_stats(
+        &self,
+        tenant: TenantId,
+        now: Instant,
+        top: usize,
+    ) -> crate::stats::TenantCacheStats {
+        use crate::stats::{PrefixStat, TenantCacheStats, TierUsage};
+        let mut dram = TierUsage {
+            tier: "dram".into(),
+            ..TierUsage::default()
+        };
+        let mut read: Vec<(u32, BlockHash)> = Vec::new();
+        for (h, b) in self.blocks.iter().filter(|(_, b)| b.scope.tenant == tenant) {
+            if b.expires_at <= now {
+                continue;
+            }
+            dram.blocks += 1;
+            dram.bytes += b.data.len() as u64;
+            if b.reads > 0 {
+                read.push((b.reads, *h));
+            }
+        }
+        read.sort_unstable_by(|a, b| b.cmp(a));
+        read.truncate(top);
+        let top_prefixes = read
+            .into_iter()
+            .filter_map(|(reads, h)| {
+                let b = self.blocks.get(&h)?;
+                // The chain back to its first block, as far as this node holds it.
+                let (mut tokens, mut bytes, mut at) = (0u64, 0u64, Some(h));
+                while let Some(x) = at.and_then(|a| self.blocks.get(&a)) {
+                    tokens += u64::from(x.n_tokens);
+                    bytes += x.data.len() as u64;
+                    at = x.parent;
+                }
+                Some(PrefixStat::new(
+                    &h,
+                    tokens,
+                    bytes,
+                    u64::from(reads),
+                    b.expires_at.saturating_duration_since(now),
+                    b.ttl,
+                    b.paid,
+                ))
+            })
+            .collect();
+        let mut tiers = vec![dram];
+        if let Some(t) = &self.lower {
+            let (blocks, bytes) = t.tenant_usage(tenant);
+            tiers.push(TierUsage {
+                tier: t.name().to_string(),
+                blocks: blocks as u64,
+                bytes,
+            });
+        }
+        TenantCacheStats {
+            tiers,
+            evictions: self.removals.get(&tenant).copied().unwrap_or_default(),
+            top_prefixes,
+            nodes: 1,
+        }
+    }
+
+    /// Drop every block of `tenant` from every tier, and forget its quota, reservation and
+    /// metrics (its tenant was deleted). Returns how many blocks went.
+    pub fn purge_tenant(&mut self, tenant: TenantId) -> usize {
+        let hashes: Vec<BlockHash> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.scope.tenant == tenant)
+            .map(|(h, _)| *h)
+            .collect();
+        for h in &hashes {
+            self.forget(h, RemovalReason::Purged, false);
+        }
+        let mut n = hashes.len();
+        if let Some(t) = self.lower.as_mut() {
+            let gone = t.remove_tenant(tenant);
+            n += gone.len();
+            for h in gone {
+                self.emit(StoreEvent::Removed(h));
+            }
+        }
+        self.tenant_quota.remove(&tenant);
+        self.tenant_reserved.remove(&tenant);
+        self.tenant_bytes.remove(&tenant);
+        self.tenant_leaves.remove(&tenant);
+        self.removals.remove(&tenant);
+        let _ = metrics::TENANT_BYTES.remove_label_values(&[&tenant.to_string()]);
+        n
     }
 
     fn set_leaf(&mut self, tenant: TenantId, key: u64, hash: BlockHash, paid: bool, extra: bool) {

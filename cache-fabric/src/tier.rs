@@ -34,7 +34,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use cachet_common::{BlockHash, Scope};
+use cachet_common::{BlockHash, Scope, TenantId};
 
 use crate::store::checksum;
 use crate::wire::{get_hash, get_parent, get_scope, put_parent, put_scope};
@@ -88,6 +88,28 @@ pub trait TierStore: Send {
     fn capacity_bytes(&self) -> u64;
     /// A short name for metrics and logs.
     fn name(&self) -> &'static str;
+    /// Every stored block's hash, tenant and data bytes.
+    fn inventory(&self) -> Vec<(BlockHash, TenantId, u64)>;
+    /// Blocks and bytes of `tenant` held (its administrators' cache view).
+    fn tenant_usage(&self, tenant: TenantId) -> (usize, u64) {
+        self.inventory()
+            .into_iter()
+            .filter(|(_, t, _)| *t == tenant)
+            .fold((0, 0), |(n, bytes), (_, _, len)| (n + 1, bytes + len))
+    }
+    /// Drop every block of `tenant` (its tenant was deleted); the hashes dropped.
+    fn remove_tenant(&mut self, tenant: TenantId) -> Vec<BlockHash> {
+        let gone: Vec<BlockHash> = self
+            .inventory()
+            .into_iter()
+            .filter(|(_, t, _)| *t == tenant)
+            .map(|(h, _, _)| h)
+            .collect();
+        for h in &gone {
+            self.remove(h);
+        }
+        gone
+    }
     /// Whether the tier keeps paid blocks until they expire: it never drops one to make room
     /// (`put` answers [`TierError::Full`] instead). The store demotes paid entries only to
     /// such a tier.
@@ -197,6 +219,12 @@ impl TierStore for DramTier {
     fn name(&self) -> &'static str {
         "dram"
     }
+    fn inventory(&self) -> Vec<(BlockHash, TenantId, u64)> {
+        self.blocks
+            .iter()
+            .map(|(h, (_, b, _))| (*h, b.scope.tenant, b.data.len() as u64))
+            .collect()
+    }
 }
 
 const MAGIC: &[u8; 4] = b"CKV1";
@@ -212,6 +240,7 @@ struct Loc {
     len: u64,
     /// A paid block's expiry (ms since the epoch): it is kept until then. 0 if not paid.
     paid_until_ms: u64,
+    tenant: TenantId,
 }
 
 fn paid_until(b: &TierBlock) -> u64 {
@@ -365,6 +394,7 @@ impl DiskTier {
                     offset: off as u64,
                     len,
                     paid_until_ms: paid_until(&block),
+                    tenant: block.scope.tenant,
                 },
             ) {
                 self.used -= old.len;
@@ -555,6 +585,7 @@ impl DiskTier {
                 offset,
                 len,
                 paid_until_ms: paid_until(&block),
+                tenant: block.scope.tenant,
             },
         );
         Ok(())
@@ -641,6 +672,12 @@ impl TierStore for DiskTier {
     }
     fn name(&self) -> &'static str {
         "disk"
+    }
+    fn inventory(&self) -> Vec<(BlockHash, TenantId, u64)> {
+        self.index
+            .iter()
+            .map(|(h, l)| (*h, l.tenant, l.len))
+            .collect()
     }
     fn keeps_paid(&self) -> bool {
         true

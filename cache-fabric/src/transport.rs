@@ -29,11 +29,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use cachet_common::{BlockHash, Scope};
+use cachet_common::{BlockHash, Scope, TenantId};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::client::FabricNode;
+use crate::stats::TenantCacheStats;
 use crate::store::{EntryKind, FetchedBlock, PutBlock, Store, WriteRefused, checksum};
 use crate::wire::{get_hash, get_parent, get_scope, put_parent, put_scope};
 
@@ -113,6 +114,10 @@ pub(crate) const OP_RDMA_CONNECT: u8 = 6;
 pub(crate) const OP_RDMA_GET: u8 = 7;
 #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
 pub(crate) const OP_RDMA_DONE: u8 = 8;
+/// A tenant's cache on this node (the admin console's cache view), as JSON.
+const OP_STATS: u8 = 9;
+/// Most prefixes a STATS answer lists.
+const MAX_TOP: usize = 1000;
 /// Flag in PUT's kind byte: store as a replica.
 const REPLICA: u8 = 0x80;
 const OK: u8 = 0;
@@ -352,6 +357,20 @@ async fn serve_conn(mut s: TcpStream, node: &FabricNode, token: &str) -> std::io
                     Err(e) => s.write_all(&[REFUSED, refused_code(e)]).await?,
                 }
             }
+            OP_STATS => {
+                if f.remaining() != 18 {
+                    return Err(bad("STATS length"));
+                }
+                let tenant = TenantId(uuid::Uuid::from_u128(f.get_u128_le()));
+                let top = (f.get_u16_le() as usize).min(MAX_TOP);
+                let stats = node.tenant_stats(tenant, top);
+                let json = serde_json::to_vec(&stats).map_err(|e| bad(&e.to_string()))?;
+                let mut out = BytesMut::with_capacity(5 + json.len());
+                out.put_u8(OK);
+                out.put_u32_le(json.len() as u32);
+                out.put_slice(&json);
+                s.write_all(&out).await?;
+            }
             _ => return Err(bad("unknown op")),
         }
     }
@@ -521,6 +540,33 @@ impl TcpTransport {
                 addr: addr.to_string(),
             }),
         }
+    }
+
+    /// What `tenant` holds on the node at `addr`, with its `top` most-read prefixes.
+    pub async fn tenant_stats(
+        &self,
+        addr: &str,
+        tenant: TenantId,
+        top: usize,
+    ) -> Result<TenantCacheStats, TransportError> {
+        let mut s = self.connect(addr).await?;
+        let mut req = BytesMut::with_capacity(19);
+        req.put_u8(OP_STATS);
+        req.put_u128_le(tenant.as_uuid().as_u128());
+        req.put_u16_le(top.min(MAX_TOP) as u16);
+        Self::send(&mut s, addr, &req).await?;
+        let io = Self::io(addr);
+        if s.read_u8().await.map_err(&io)? != OK {
+            return Err(protocol(addr, "STATS status"));
+        }
+        let len = s.read_u32_le().await.map_err(&io)? as usize;
+        if len > MAX_FRAME {
+            return Err(protocol(addr, "STATS length"));
+        }
+        let body = read_bytes(&mut s, len).await.map_err(&io)?;
+        let stats = serde_json::from_slice(&body).map_err(|_| protocol(addr, "STATS body"))?;
+        self.give_back(addr, s);
+        Ok(stats)
     }
 
     fn give_back(&self, addr: &str, s: TcpStream) {

@@ -876,3 +876,91 @@ proptest! {
         });
     }
 }
+
+/// A tenant's view of a node: bytes per tier, its most-read prefixes with their chain's size,
+/// blocks lost by reason; purging a tenant takes every block of it, in every tier, and no
+/// other tenant's.
+#[tokio::test(start_paused = true)]
+async fn tenant_stats_and_purge_cover_every_tier_and_only_that_tenant() {
+    let dir = TempDir::new();
+    let node = FabricNode::with_disk(
+        NodeConfig {
+            dram_capacity_bytes: 4 * B as u64 * BYTES_PER_TOKEN as u64 * 8,
+            eviction: EvictionPolicy::Lru,
+        },
+        &dir.0,
+        1 << 20,
+    )
+    .unwrap();
+    let c = FabricClient::local(node.clone());
+    let (a, b) = (scope(), scope());
+    let now = Instant::now();
+    let toks: Vec<u32> = (0..16).collect();
+    let ka = keys(a, &toks, &[16]);
+    write_whole(&c, a, &ka, 16, 300, now, EntryKind::Paid)
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        assert_eq!(c.read_prefix(a, &ka, 16, now).await.tokens, 16);
+    }
+    // b writes more than DRAM holds (best effort): its coldest blocks go to disk.
+    let mut kbs = Vec::new();
+    for i in 0..12u32 {
+        let t: Vec<u32> = (0..16).map(|x| x + 1000 * (i + 1)).collect();
+        let k = keys(b, &t, &[16]);
+        write_whole(&c, b, &k, 16, 300, now, EntryKind::BestEffort)
+            .await
+            .unwrap();
+        kbs.push(k);
+    }
+    let sa = node.tenant_stats(a.tenant, 10);
+    let total = |s: &cache_fabric::stats::TenantCacheStats| s.total_bytes();
+    assert_eq!(total(&sa), 16 * BYTES_PER_TOKEN as u64, "{sa:?}");
+    assert_eq!(
+        sa.tiers.iter().map(|t| t.tier.as_str()).collect::<Vec<_>>(),
+        ["dram", "disk"]
+    );
+    let sb = node.tenant_stats(b.tenant, 10);
+    assert!(sb.evictions.demoted > 0, "{sb:?}");
+    assert!(
+        sb.tiers[1].bytes > 0,
+        "demoted blocks are counted on disk: {sb:?}"
+    );
+    // The prefix read three times is a's top one, with its whole chain's size.
+    let top = node.tenant_stats(a.tenant, 10).top_prefixes;
+    let p = top.first().expect("a's read prefix is listed");
+    assert_eq!(p.reads, 3);
+    assert_eq!(
+        p.hash,
+        ka.chain_to(16).unwrap().last().unwrap().hash.to_hex()
+    );
+    assert_eq!((p.tokens, p.bytes), (16, 16 * BYTES_PER_TOKEN as u64));
+    assert!(p.paid);
+    assert_eq!(p.ttl_secs, 300);
+    // Quota evictions are counted as such.
+    c.set_tenant_quota(b.tenant, Some(0)).await;
+    let sb = node.tenant_stats(b.tenant, 10);
+    assert!(sb.evictions.evicted_quota > 0, "{sb:?}");
+    c.set_tenant_quota(b.tenant, None).await;
+    let k = &kbs[0];
+    write_whole(&c, b, k, 16, 300, now, EntryKind::BestEffort)
+        .await
+        .unwrap();
+    // Purging b takes it from DRAM and disk; a keeps what it had.
+    let a_before = total(&node.tenant_stats(a.tenant, 10));
+    let gone = node.purge_tenant(b.tenant);
+    assert!(gone >= 4, "{gone}");
+    let sb = node.tenant_stats(b.tenant, 10);
+    assert_eq!(total(&sb), 0, "{sb:?}");
+    assert_eq!(c.read_prefix(b, k, 16, now).await.tokens, 0);
+    assert_eq!(total(&node.tenant_stats(a.tenant, 10)), a_before);
+    assert_eq!(c.read_prefix(a, &ka, 16, now).await.tokens, 16);
+    node.with_store(|s| s.check_invariants());
+    // And purging a leaves nothing of it either.
+    assert!(node.purge_tenant(a.tenant) >= 4);
+    let sa = node.tenant_stats(a.tenant, 10);
+    assert_eq!(total(&sa), 0, "{sa:?}");
+    assert!(sa.top_prefixes.is_empty());
+    assert_eq!(c.read_prefix(a, &ka, 16, now).await.tokens, 0);
+    node.with_store(|s| s.check_invariants());
+}

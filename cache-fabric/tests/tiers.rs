@@ -77,6 +77,33 @@ fn contract<T: TierStore>(t: &mut T, corrupt: impl Fn(&mut T, &BlockHash)) {
     assert!(matches!(t.get(&victim), Err(TierError::Corrupt(h)) if h == victim));
     assert!(!t.contains(&victim));
     assert!(t.get(&victim).unwrap().is_none());
+
+    // Per tenant: what each holds, and a purge that takes one tenant's blocks and no other's.
+    let other = Scope {
+        tenant: cachet_common::TenantId::new(),
+        workspace: cachet_common::WorkspaceId::new(),
+    };
+    for i in 0..3 {
+        t.put(TierBlock {
+            paid: false,
+            ..block(200 + i, 512, other)
+        })
+        .unwrap();
+    }
+    let (mine, mine_bytes) = t.tenant_usage(s.tenant);
+    assert_eq!(t.tenant_usage(other.tenant), (3, 3 * 512));
+    assert_eq!(mine + 3, t.len());
+    assert_eq!(mine_bytes + 3 * 512, t.used_bytes());
+    let gone = t.remove_tenant(other.tenant);
+    assert_eq!(gone.len(), 3);
+    assert!(gone.iter().all(|h| !t.contains(h)));
+    assert_eq!(t.tenant_usage(other.tenant), (0, 0));
+    assert_eq!(
+        t.tenant_usage(s.tenant),
+        (mine, mine_bytes),
+        "another tenant's blocks stay"
+    );
+    assert_eq!(t.used_bytes(), mine_bytes);
 }
 
 #[test]

@@ -391,3 +391,33 @@ async fn rdma_transport_keeps_the_contract_over_a_device() {
     assert!(t2.fallbacks() >= 1);
     assert_eq!(t2.rdma_bytes(), 0);
 }
+
+/// A node answers what a tenant holds on it (the admin console's cache view) to a peer with
+/// the cluster token, and only for the tenant asked about.
+#[tokio::test]
+async fn a_node_reports_a_tenants_cache_to_the_cluster() {
+    let (addr, node) = node().await;
+    let t = TcpTransport::new(TOKEN);
+    let (a, b) = (scope(), scope());
+    let blocks = chain(a, "stats", 3, 1000);
+    t.put_entry(&addr, &entry(a, &blocks, EntryKind::Paid))
+        .await
+        .unwrap()
+        .unwrap();
+    let hashes: Vec<BlockHash> = blocks.iter().map(|b| b.hash).collect();
+    assert_eq!(t.get_chain(&addr, a, &hashes).await.unwrap().len(), 3);
+    let got = t.tenant_stats(&addr, a.tenant, 5).await.unwrap();
+    assert_eq!(got, node.tenant_stats(a.tenant, 5));
+    assert_eq!(got.total_bytes(), 3000);
+    assert_eq!(got.top_prefixes[0].reads, 1);
+    assert_eq!(got.top_prefixes[0].hash, hashes[2].to_hex());
+    assert_eq!(got.top_prefixes[0].tokens, 48);
+    let other = t.tenant_stats(&addr, b.tenant, 5).await.unwrap();
+    assert_eq!(other.total_bytes(), 0);
+    assert!(other.top_prefixes.is_empty());
+    let wrong = TcpTransport::new("not-the-cluster-token");
+    assert!(matches!(
+        wrong.tenant_stats(&addr, a.tenant, 5).await,
+        Err(TransportError::Unauthorized { .. })
+    ));
+}

@@ -4,6 +4,12 @@
 //! - Input cost is the prompt minus cache reads (reads never count, as on Anthropic).
 //! - Output cost is `max_tokens` at admission; the unused part is refunded at the end.
 //! - All buckets of a request are checked and taken atomically (one Lua script).
+//! - **Monthly spend budget**: a tenant whose spend this month (from the rollups, refreshed
+//!   by [`crate::admin::sync`] about every 15 s, so up to a minute or so behind) has reached its
+//!   budget is refused with 429 until the month ends. Until its spend is first known, a
+//!   tenant is admitted.
+//! - Every refusal is counted per tenant, key and limit ([`Admission::take_refusals`]) for the
+//!   budget view of the admin console.
 //! - **Redis unreachable**: admission falls back to the same buckets kept in this process
 //!   (see docs/decisions/0004-admission-when-redis-is-down.md). Requests keep flowing; each
 //!   gateway enforces the limits on its own share, so a cluster of N gateways admits at most N×
@@ -13,7 +19,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
+use cachet_common::{ApiKeyId, TenantId};
+use chrono::{DateTime, Utc};
 use redis::aio::ConnectionManager;
 
 use crate::metrics;
@@ -86,6 +93,10 @@ impl Class {
 struct Bucket {
     key: String,
     class: Class,
+    /// The policy field this bucket enforces (`key_requests_per_minute`, …).
+    limit: &'static str,
+    /// A key's own limit, or the whole tenant's.
+    per_key: bool,
     capacity: u64,
     cost: u64,
 }
@@ -105,9 +116,21 @@ pub enum Decision {
     Allowed(RateHeaders),
     Denied {
         retry_after_secs: u64,
-        class: Class,
+        /// The policy field that refused it.
+        limit: &'static str,
+        /// What to tell the client: which limit, and its value.
+        message: String,
         headers: RateHeaders,
     },
+}
+
+/// A tenant's spend this month, as last computed.
+#[derive(Clone, Debug)]
+pub struct Spend {
+    pub currency: String,
+    pub spent_minor: i64,
+    /// When the month (and so the budget) resets.
+    pub resets_at: DateTime<Utc>,
 }
 
 /// A granted admission, to refund unused output tokens against.
@@ -126,47 +149,69 @@ pub struct Admission {
     timeout: Duration,
     script: redis::Script,
     local: Mutex<HashMap<String, Local>>,
+    spend: Mutex<HashMap<TenantId, Spend>>,
+    refusals: Mutex<HashMap<(TenantId, ApiKeyId, &'static str), u64>>,
 }
 
 fn buckets(ask: &Ask<'_>) -> Vec<Bucket> {
     let p = ask.principal;
-    let q = &p.quotas;
+    let q = &p.policy;
     let key = format!("cachet:rl:k:{}", p.key_id);
     let tenant = format!("cachet:rl:t:{}", p.tenant);
+    let (input, output) = (ask.input_tokens, ask.output_tokens);
     let spec = [
-        (&key, Class::Requests, q.key_requests_per_minute, 1),
-        (&tenant, Class::Requests, q.requests_per_minute, 1),
         (
-            &key,
+            true,
+            Class::Requests,
+            "key_requests_per_minute",
+            q.key_requests_per_minute,
+            1,
+        ),
+        (
+            false,
+            Class::Requests,
+            "requests_per_minute",
+            q.requests_per_minute,
+            1,
+        ),
+        (
+            true,
             Class::InputTokens,
+            "key_input_tokens_per_minute",
             q.key_input_tokens_per_minute,
-            ask.input_tokens,
+            input,
         ),
         (
-            &tenant,
+            false,
             Class::InputTokens,
+            "input_tokens_per_minute",
             q.input_tokens_per_minute,
-            ask.input_tokens,
+            input,
         ),
         (
-            &key,
+            true,
             Class::OutputTokens,
+            "key_output_tokens_per_minute",
             q.key_output_tokens_per_minute,
-            ask.output_tokens,
+            output,
         ),
         (
-            &tenant,
+            false,
             Class::OutputTokens,
+            "output_tokens_per_minute",
             q.output_tokens_per_minute,
-            ask.output_tokens,
+            output,
         ),
     ];
     spec.into_iter()
-        .filter_map(|(k, class, limit, cost)| {
+        .filter_map(|(per_key, class, name, limit, cost)| {
             let cap = u64::try_from(limit?).ok().filter(|&c| c > 0)?;
+            let k = if per_key { &key } else { &tenant };
             Some(Bucket {
                 key: format!("{k}:{}", class.header()),
                 class,
+                limit: name,
+                per_key,
                 capacity: cap,
                 cost,
             })
@@ -217,6 +262,74 @@ impl Admission {
             timeout,
             script: redis::Script::new(SCRIPT),
             local: Mutex::new(HashMap::new()),
+            spend: Mutex::new(HashMap::new()),
+            refusals: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Record what a tenant has spent this month (see the module docs).
+    pub fn set_spend(&self, tenant: TenantId, spend: Spend) {
+        self.spend
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(tenant, spend);
+    }
+
+    /// What a tenant had spent this month when last computed.
+    pub fn spend(&self, tenant: TenantId) -> Option<Spend> {
+        self.spend
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&tenant)
+            .cloned()
+    }
+
+    /// Refusals since the last call: (tenant, key, limit) → count.
+    pub fn take_refusals(&self) -> Vec<(TenantId, ApiKeyId, &'static str, u64)> {
+        std::mem::take(&mut *self.refusals.lock().unwrap_or_else(|p| p.into_inner()))
+            .into_iter()
+            .map(|((t, k, l), n)| (t, k, l, n))
+            .collect()
+    }
+
+    fn refused(&self, p: &Principal, limit: &'static str) {
+        metrics::ADMISSION_REFUSALS
+            .with_label_values(&[limit])
+            .inc();
+        *self
+            .refusals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((p.tenant, p.key_id, limit))
+            .or_default() += 1;
+    }
+
+    /// A refusal for the monthly budget, if the tenant has one and has spent it.
+    fn over_budget(&self, p: &Principal, now: DateTime<Utc>) -> Option<Decision> {
+        let budget = p.policy.monthly_budget_minor?;
+        let spend = self.spend(p.tenant)?;
+        if spend.spent_minor < budget || spend.resets_at <= now {
+            return None;
+        }
+        let money = |m: i64| {
+            format!(
+                "{} {}",
+                billing::money::format_minor(m, &spend.currency),
+                spend.currency
+            )
+        };
+        Some(Decision::Denied {
+            retry_after_secs: (spend.resets_at - now).num_seconds().max(1) as u64,
+            limit: "monthly_budget",
+            message: format!(
+                "This request would exceed your organization's monthly spend budget of {} ({} spent this month). The budget resets at {}.",
+                money(budget),
+                money(spend.spent_minor),
+                spend
+                    .resets_at
+                    .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+            ),
+            headers: RateHeaders::default(),
         })
     }
 
@@ -341,6 +454,15 @@ impl Admission {
     }
 
     pub async fn admit(&self, ask: &Ask<'_>) -> (Decision, Ticket) {
+        if let Some(refusal) = self.over_budget(ask.principal, Utc::now()) {
+            self.refused(ask.principal, "monthly_budget");
+            return (
+                refusal,
+                Ticket {
+                    buckets: Vec::new(),
+                },
+            );
+        }
         let bs = buckets(ask);
         if bs.is_empty() {
             return (
@@ -352,12 +474,23 @@ impl Admission {
         let remaining: Vec<u64> = v[2..].iter().map(|&x| x.max(0) as u64).collect();
         let h = headers(&bs, &remaining);
         if v[0] > 0 {
-            let class = bs[(v[0] - 1) as usize].class;
+            let b = &bs[(v[0] - 1) as usize];
             let retry_after_secs = ((v[1] as u64).div_ceil(1000)).max(1);
+            self.refused(ask.principal, b.limit);
             return (
                 Decision::Denied {
                     retry_after_secs,
-                    class,
+                    limit: b.limit,
+                    message: format!(
+                        "This request would exceed your rate limit of {} {} ({}). Please retry after {retry_after_secs} seconds.",
+                        b.capacity,
+                        b.class.describe(),
+                        if b.per_key {
+                            "per API key"
+                        } else {
+                            "for your organization"
+                        },
+                    ),
                     headers: h,
                 },
                 Ticket {

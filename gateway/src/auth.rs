@@ -1,16 +1,22 @@
 //! API key authentication with a short-lived in-memory cache.
 //!
-//! Keys come in `x-api-key` or `Authorization: Bearer`. A resolved key is cached for
-//! `ttl` (revocation takes effect within it); an unknown key is cached as unknown for a few
-//! seconds so a flood of bad keys does not reach Postgres. If Postgres cannot be reached, a
-//! cached (even expired) principal keeps working: an outage should not log customers out.
+//! Keys come in `x-api-key` or `Authorization: Bearer`. A resolved key is cached for `ttl`;
+//! an unknown key is cached as unknown for a few seconds so a flood of bad keys does not reach
+//! Postgres. Administrative changes (a revoked or rotated key, a suspended tenant, new limits)
+//! do not wait for the cache: the change feed ([`crate::admin::sync`]) drops the entries they
+//! touch within about a second. If Postgres cannot be reached, a cached (even expired)
+//! principal keeps working: an outage should not log customers out.
+//!
+//! A key past its expiry (its own, or the end of a rotation's grace period) is refused with
+//! 401 at once, cached or not; a suspended tenant's keys get 403.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::http::HeaderMap;
-use cache_fabric::FabricClient;
+use cachet_common::{ApiKeyId, TenantId};
+use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
 use crate::error::{ApiError, ErrorKind};
@@ -26,10 +32,10 @@ struct Entry {
 
 pub struct Authenticator {
     pool: PgPool,
-    /// Where tenants' cache quotas are applied (none for a routing-only gateway).
-    fabric: Option<FabricClient>,
     ttl: Duration,
     cache: Mutex<HashMap<[u8; 32], Entry>>,
+    /// When each key was last used, since the last [`Authenticator::take_used`].
+    used: Mutex<HashMap<ApiKeyId, DateTime<Utc>>>,
 }
 
 /// The key a request presents, if any.
@@ -52,13 +58,35 @@ pub fn presented_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     }
 }
 
+/// Refuse a key that expired or whose tenant is suspended.
+fn usable(p: Arc<Principal>, now: DateTime<Utc>) -> Result<Arc<Principal>, ApiError> {
+    if let Some(at) = p.key_expires_at
+        && at <= now
+    {
+        return Err(ApiError::new(
+            ErrorKind::Authentication,
+            format!(
+                "this API key expired at {}",
+                at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+            ),
+        ));
+    }
+    if p.tenant_suspended {
+        return Err(ApiError::new(
+            ErrorKind::Permission,
+            "this API key's organization is suspended; contact your administrator",
+        ));
+    }
+    Ok(p)
+}
+
 impl Authenticator {
-    pub fn new(pool: PgPool, fabric: Option<FabricClient>, ttl: Duration) -> Self {
+    pub fn new(pool: PgPool, ttl: Duration) -> Self {
         Self {
             pool,
-            fabric,
             ttl,
             cache: Mutex::new(HashMap::new()),
+            used: Mutex::new(HashMap::new()),
         }
     }
 
@@ -69,10 +97,20 @@ impl Authenticator {
                 "x-api-key header is required",
             ));
         };
-        let hash = tenants::hash_secret(&secret);
+        let p = self.resolve(&tenants::hash_secret(&secret)).await?;
+        let now = Utc::now();
+        let p = usable(p, now)?;
+        self.used
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(p.key_id, now);
+        Ok(p)
+    }
+
+    async fn resolve(&self, hash: &[u8; 32]) -> Result<Arc<Principal>, ApiError> {
         let stale = {
             let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-            match cache.get(&hash) {
+            match cache.get(hash) {
                 Some(e) => {
                     let fresh_for = if e.principal.is_some() {
                         self.ttl
@@ -87,23 +125,15 @@ impl Authenticator {
                 None => None,
             }
         };
-        match tenants::lookup_key(&self.pool, &hash).await {
+        match tenants::lookup_key(&self.pool, hash).await {
             Ok(found) => {
                 let principal = found.map(Arc::new);
-                if let Some(p) = &principal {
-                    let q = p.quotas.cache_resident_bytes.map(|b| b.max(0) as u64);
-                    if let Some(f) = &self.fabric {
-                        f.set_tenant_quota(p.tenant, q).await;
-                        let reserved = p.cache_reserved_bytes.map(|b| b.max(0) as u64);
-                        f.set_tenant_reservation(p.tenant, reserved).await;
-                    }
-                }
                 let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
                 if cache.len() >= MAX_ENTRIES {
                     cache.clear();
                 }
                 cache.insert(
-                    hash,
+                    *hash,
                     Entry {
                         principal: principal.clone(),
                         fetched: Instant::now(),
@@ -119,6 +149,35 @@ impl Authenticator {
                 None => Err(ApiError::internal("api key lookup failed", e)),
             },
         }
+    }
+
+    /// Forget every cached key of `tenant` (its keys or policy changed).
+    pub fn invalidate_tenant(&self, tenant: TenantId) {
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, e| e.principal.as_ref().is_none_or(|p| p.tenant != tenant));
+    }
+
+    /// The keys used since the last call, with when each was last used.
+    pub fn take_used(&self) -> Vec<(ApiKeyId, DateTime<Utc>)> {
+        std::mem::take(&mut *self.used.lock().unwrap_or_else(|p| p.into_inner()))
+            .into_iter()
+            .collect()
+    }
+
+    /// Tenants with a cached key (those whose budgets this gateway checks).
+    pub fn cached_tenants(&self) -> Vec<TenantId> {
+        let mut t: Vec<TenantId> = self
+            .cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter_map(|e| e.principal.as_ref().map(|p| p.tenant))
+            .collect();
+        t.sort_unstable();
+        t.dedup();
+        t
     }
 }
 

@@ -15,7 +15,11 @@ pub enum ErrorKind {
     NotFound,
     RequestTooLarge,
     RateLimit,
+    /// A change that conflicts with the object's state (409, typed as an invalid request).
+    Conflict,
     Api,
+    /// A part of the service that is switched off (503).
+    Unavailable,
     Overloaded,
 }
 
@@ -28,19 +32,21 @@ impl ErrorKind {
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::RateLimit => StatusCode::TOO_MANY_REQUESTS,
+            ErrorKind::Conflict => StatusCode::CONFLICT,
             ErrorKind::Api => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Overloaded => StatusCode::from_u16(529).expect("529 is a valid status"),
         }
     }
     pub fn as_str(self) -> &'static str {
         match self {
-            ErrorKind::InvalidRequest => "invalid_request_error",
+            ErrorKind::InvalidRequest | ErrorKind::Conflict => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::Permission => "permission_error",
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::RequestTooLarge => "request_too_large",
             ErrorKind::RateLimit => "rate_limit_error",
-            ErrorKind::Api => "api_error",
+            ErrorKind::Api | ErrorKind::Unavailable => "api_error",
             ErrorKind::Overloaded => "overloaded_error",
         }
     }

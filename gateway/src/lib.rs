@@ -14,6 +14,7 @@
 //! What it is not: it stores no KV (the fabric does) and writes no ledger rows itself (the
 //! meter does).
 
+pub mod admin;
 pub mod admission;
 pub mod api;
 pub mod auth;
@@ -87,8 +88,10 @@ pub struct Inner {
     pub fabric: FabricClient,
     pub engines: EnginePool,
     pub meter: MeterHandle,
-    pub auth: Authenticator,
-    pub admission: Admission,
+    pub auth: Arc<Authenticator>,
+    pub admission: Arc<Admission>,
+    /// The admin and finance APIs and the admin UI (on the public side only).
+    pub admin: Option<admin::AdminState>,
 }
 
 /// Shared state of every handler. Cheap to clone.
@@ -102,9 +105,10 @@ pub fn state(
     engines: EnginePool,
     meter: MeterHandle,
     redis_url: Option<&str>,
+    admin: Option<admin::AdminState>,
 ) -> anyhow::Result<AppState> {
-    let auth = Authenticator::new(pool.clone(), Some(fabric.clone()), config.auth_cache_ttl);
-    let admission = Admission::new(redis_url, config.redis_timeout)?;
+    let auth = Arc::new(Authenticator::new(pool.clone(), config.auth_cache_ttl));
+    let admission = Arc::new(Admission::new(redis_url, config.redis_timeout)?);
     Ok(Arc::new(Inner {
         config,
         pool,
@@ -113,7 +117,19 @@ pub fn state(
         meter,
         auth,
         admission,
+        admin,
     }))
+}
+
+impl Inner {
+    /// What the change feed ([`admin::sync`]) applies changes to in this process.
+    pub fn sync_targets(&self) -> admin::sync::Targets {
+        admin::sync::Targets {
+            auth: Some(self.auth.clone()),
+            admission: Some(self.admission.clone()),
+            fabric: Some(self.fabric.clone()),
+        }
+    }
 }
 
 /// Constant-time comparison (the token is a secret).
@@ -217,7 +233,7 @@ async fn not_found(req: Request) -> Response {
 
 pub fn router(state: AppState) -> Router {
     let limit = state.config.max_body_bytes;
-    Router::new()
+    let mut app = Router::new()
         .route("/v1/messages", post(api::handlers::create_message))
         .route(
             "/v1/messages/count_tokens",
@@ -229,13 +245,13 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(openapi_json))
-        .fallback(not_found)
+        .with_state(state.clone());
+    if let Some(a) = &state.admin {
+        app = app.merge(admin::routes(a.clone()));
+    }
+    app.fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
-        .layer(middleware::from_fn_with_state(
-            state.clone(),
-            request_context,
-        ))
-        .with_state(state)
+        .layer(middleware::from_fn_with_state(state, request_context))
 }
 
 /// Serve until `shutdown` is cancelled, then finish in-flight requests.

@@ -109,3 +109,43 @@ pub static ROUTABLE_NODES: LazyLock<IntGauge> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static ADMISSION_REFUSALS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_admission_refusals_total",
+            "Requests refused at admission, by the limit that refused them",
+        ),
+        &["limit"],
+    )
+    .expect("metric"))
+});
+pub static ADMIN_LOGINS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_admin_logins_total",
+            "Admin console logins by outcome (ok, invalid, locked, throttled)",
+        ),
+        &["outcome"],
+    )
+    .expect("metric"))
+});
+pub static ADMIN_CHANGES_APPLIED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_admin_changes_applied_total",
+            "Administrative changes this process applied from the change feed, by action",
+        ),
+        &["action"],
+    )
+    .expect("metric"))
+});
+pub static ADMIN_CHANGE_LAG: LazyLock<prometheus::Histogram> = LazyLock::new(|| {
+    reg(prometheus::Histogram::with_opts(
+        HistogramOpts::new(
+            "cachet_gateway_admin_change_lag_seconds",
+            "Time from an administrative change's commit to this process applying it",
+        )
+        .buckets(vec![0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]),
+    )
+    .expect("metric"))
+});

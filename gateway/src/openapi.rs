@@ -4,6 +4,7 @@
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
+use crate::admin::{handlers as admin, login, views};
 use crate::api::handlers;
 
 struct Security;
@@ -26,7 +27,8 @@ impl Modify for Security {
                     .scheme(HttpAuthScheme::Bearer)
                     .bearer_format("JWT")
                     .description(Some(
-                        "Finance API token (HS256) with a role claim: platform_admin, finance or tenant_admin",
+                        "Admin token (HS256) with a role claim: platform_admin, finance or tenant_admin; \
+                         from POST /v1/admin/login, or `cachet billing token` for services",
                     ))
                     .build(),
             ),
@@ -40,10 +42,18 @@ impl Modify for Security {
     paths(handlers::create_message, handlers::count_tokens, handlers::list_models, handlers::get_model,
           billing::api::usage, billing::api::list_invoices, billing::api::get_invoice,
           billing::api::rate_invoice, billing::api::list_prices, billing::api::add_price,
-          billing::api::export_usage),
+          billing::api::export_usage,
+          login::login, login::refresh, login::logout, login::me, login::list_users,
+          login::create_user_handler, login::disable_user, login::unlock_user,
+          admin::list_tenants, admin::create_tenant, admin::get_tenant, admin::suspend, admin::resume,
+          admin::delete_tenant, admin::list_keys, admin::create_key, admin::update_key,
+          admin::revoke_key, admin::rotate_key, admin::get_policy, admin::patch_policy,
+          admin::list_audit, admin::export_audit, views::usage, views::budget, views::cache),
+    components(schemas(billing::api::Format)),
     modifiers(&Security),
     tags((name = "messages", description = "Messages and token counting"), (name = "models", description = "Served models"),
-         (name = "billing", description = "Finance API: usage, invoices, prices, exports (admin JWT)"))
+         (name = "billing", description = "Finance API: usage, invoices, prices, exports (admin JWT)"),
+         (name = "admin", description = "Admin API: login, users, tenants, keys, policy, usage, budget, cache, audit log (admin JWT)"))
 )]
 pub struct ApiDoc;
 

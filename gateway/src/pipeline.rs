@@ -195,14 +195,12 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
         Decision::Allowed(h) => h,
         Decision::Denied {
             retry_after_secs,
-            class,
+            message,
             headers,
+            ..
         } => {
-            let mut e = ApiError::new(
-                ErrorKind::RateLimit,
-                format!("This request would exceed your rate limit of {}. Please retry after {retry_after_secs} seconds.", class.describe()),
-            )
-            .with_header("retry-after", &retry_after_secs.to_string());
+            let mut e = ApiError::new(ErrorKind::RateLimit, message)
+                .with_header("retry-after", &retry_after_secs.to_string());
             for (k, v) in &headers.0 {
                 e = e.with_header(k, v);
             }

@@ -77,7 +77,9 @@ struct Load {
 
 pub struct RouterInner {
     config: RoutingConfig,
-    auth: Authenticator,
+    auth: Arc<Authenticator>,
+    /// Every member's fabric address (the admin console's cache view asks them).
+    fabric_addrs: RwLock<Vec<String>>,
     engines: EnginePool,
     http: reqwest::Client,
     nodes: RwLock<Vec<NodeEntry>>,
@@ -98,7 +100,8 @@ pub fn state(
         .connect_timeout(Duration::from_secs(1))
         .build()?;
     Ok(Arc::new(RouterInner {
-        auth: Authenticator::new(pool, None, config.auth_cache_ttl),
+        auth: Arc::new(Authenticator::new(pool, config.auth_cache_ttl)),
+        fabric_addrs: RwLock::new(Vec::new()),
         config,
         engines,
         http,
@@ -161,6 +164,22 @@ impl RouterInner {
         req
     }
 
+    /// What the change feed ([`crate::admin::sync`]) applies changes to here: the key cache.
+    pub fn sync_targets(&self) -> crate::admin::sync::Targets {
+        crate::admin::sync::Targets {
+            auth: Some(self.auth.clone()),
+            ..Default::default()
+        }
+    }
+
+    /// The fabric addresses of the cluster's live members.
+    pub fn fabric_addrs(&self) -> Vec<String> {
+        self.fabric_addrs
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// Nodes currently routable.
     pub fn node_ids(&self) -> Vec<String> {
         self.nodes
@@ -189,6 +208,11 @@ pub async fn follow_cluster(
             refreshed = Some(Instant::now());
             match membership::live_nodes(&mut conn, &prefix).await {
                 Ok(records) => {
+                    *state
+                        .fabric_addrs
+                        .write()
+                        .unwrap_or_else(|p| p.into_inner()) =
+                        records.iter().map(|r| r.addr.clone()).collect();
                     let fresh: Vec<NodeEntry> = records
                         .iter()
                         .filter_map(|r| {
@@ -652,9 +676,11 @@ async fn not_found(req: Request) -> Response {
     .into_response()
 }
 
-pub fn router(state: RouterState) -> Router {
+/// The routing gateway's routes, with the admin and finance APIs and the admin UI when
+/// `admin` is given.
+pub fn router(state: RouterState, admin: Option<crate::admin::AdminState>) -> Router {
     let limit = state.config.max_body_bytes;
-    Router::new()
+    let mut app = Router::new()
         .route("/v1/messages", axum::routing::post(messages))
         .route("/v1/messages/count_tokens", any(passthrough))
         .route("/v1/models", any(passthrough))
@@ -663,9 +689,11 @@ pub fn router(state: RouterState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(crate::metrics_text))
         .route("/openapi.json", get(crate::openapi_json))
-        .fallback(not_found)
-        .layer(DefaultBodyLimit::max(limit))
-        .with_state(state)
+        .with_state(state);
+    if let Some(a) = admin {
+        app = app.merge(crate::admin::routes(a));
+    }
+    app.fallback(not_found).layer(DefaultBodyLimit::max(limit))
 }
 
 /// Serve until `shutdown`, then finish in-flight requests.
@@ -674,7 +702,7 @@ pub async fn run(
     state: RouterState,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
+    axum::serve(listener, router(state, None))
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
 }

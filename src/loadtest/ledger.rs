@@ -11,7 +11,7 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, PgPool};
 
 /// A scratch database on the server of `url`, dropped by [`drop_scratch`].
-async fn scratch(url: &str) -> anyhow::Result<(PgPool, String, String)> {
+pub(super) async fn scratch(url: &str) -> anyhow::Result<(PgPool, String, String)> {
     let opts: PgConnectOptions = url.parse().context("parsing the database URL")?;
     let name = format!("cachet_bench_{}", uuid::Uuid::new_v4().simple());
     let scratch_url = opts.clone().database(&name).to_url_lossy().to_string();
@@ -19,7 +19,7 @@ async fn scratch(url: &str) -> anyhow::Result<(PgPool, String, String)> {
     Ok((pool, name, url.to_string()))
 }
 
-async fn drop_scratch(pool: PgPool, name: &str, url: &str) -> anyhow::Result<()> {
+pub(super) async fn drop_scratch(pool: PgPool, name: &str, url: &str) -> anyhow::Result<()> {
     pool.close().await;
     let opts: PgConnectOptions = url.parse()?;
     let mut admin = opts.database("postgres").connect().await?;

@@ -1,6 +1,7 @@
 //! `cachet loadtest …`: load generators and baselines. Targets must be on this machine
 //! (loopback); every run is bounded in time and stops by itself.
 
+mod dashboard;
 mod ledger;
 
 use std::net::SocketAddr;
@@ -121,6 +122,28 @@ pub enum Command {
         )]
         database_url: String,
     },
+    /// The admin dashboard's usage API over a large ledger (generated in a scratch database,
+    /// rolled up): latency per query shape over HTTP, beside the same totals read from the
+    /// raw ledger.
+    Dashboard {
+        #[arg(long, default_value_t = 10_000_000)]
+        rows: usize,
+        #[arg(long, default_value_t = 100)]
+        tenants: usize,
+        #[arg(long, default_value_t = 30)]
+        days: i64,
+        /// Timed requests per query shape.
+        #[arg(long, default_value_t = 400)]
+        requests: usize,
+        #[arg(long, default_value_t = 4)]
+        concurrency: usize,
+        #[arg(
+            long,
+            env = "DATABASE_URL",
+            default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+        )]
+        database_url: String,
+    },
     /// A bare axum server answering every POST with a fixed Messages-shaped body: the limit
     /// of HTTP on this machine, for side-by-side comparison.
     BareServer {
@@ -209,6 +232,14 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             database_url,
         } => ledger::ingest(&database_url, events, producers, duplicates).await,
         Command::Export { rows, database_url } => ledger::export(&database_url, rows).await,
+        Command::Dashboard {
+            rows,
+            tenants,
+            days,
+            requests,
+            concurrency,
+            database_url,
+        } => dashboard::dashboard(&database_url, rows, tenants, days, requests, concurrency).await,
     }
 }
 

@@ -85,14 +85,7 @@ impl TestApp {
         let pool = server::connect_and_migrate(&db_url, 2)
             .await
             .expect("postgres reachable for tests");
-        let t =
-            gateway::tenants::create_tenant(&pool, &format!("t-{}", uuid::Uuid::new_v4().simple()))
-                .await
-                .unwrap();
-        let key = gateway::tenants::create_key(&pool, &t, "test")
-            .await
-            .unwrap()
-            .secret;
+        let key = tenant_with_key(&pool, "test").await;
         pool.close().await;
         let data_dir = tempdir::Dir::new();
         let mut config = Config {
@@ -110,6 +103,10 @@ impl TestApp {
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(&config.engine.model_path);
         config.meter.retry_interval_ms = 200;
         config.admin_jwt_secret = ADMIN_SECRET.into();
+        // Administrative changes, rollups and budgets are quick here, so tests need not wait.
+        config.admin.change_poll_ms = 200;
+        config.admin.rollup_interval_secs = 1;
+        config.admin.spend_refresh_secs = 1;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let shutdown = CancellationToken::new();
         let running = server::start(config, listener, shutdown.clone())
@@ -135,14 +132,7 @@ impl TestApp {
     /// Another tenant with its own key, in the same database.
     pub async fn new_tenant_key(&self) -> String {
         let pool = sqlx::PgPool::connect(&self.db_url).await.unwrap();
-        let t =
-            gateway::tenants::create_tenant(&pool, &format!("t-{}", uuid::Uuid::new_v4().simple()))
-                .await
-                .unwrap();
-        let k = gateway::tenants::create_key(&pool, &t, "second")
-            .await
-            .unwrap()
-            .secret;
+        let k = tenant_with_key(&pool, "second").await;
         pool.close().await;
         k
     }
@@ -204,6 +194,22 @@ impl TestApp {
         }
         drop_db(&self.db_name).await;
     }
+}
+
+/// A new tenant with one key named `key_name`; the key's secret.
+pub async fn tenant_with_key(pool: &sqlx::PgPool, key_name: &str) -> String {
+    let actor = gateway::tenants::Actor::cli("test");
+    let t = gateway::tenants::create_tenant(
+        pool,
+        &actor,
+        &format!("t-{}", uuid::Uuid::new_v4().simple()),
+    )
+    .await
+    .unwrap();
+    gateway::tenants::create_key(pool, &actor, &t, key_name, None)
+        .await
+        .unwrap()
+        .secret
 }
 
 pub async fn drop_db(name: &str) {

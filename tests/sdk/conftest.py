@@ -37,10 +37,10 @@ def server():
                CACHET_DATA_DIR=data, CACHET_SIM_TIME_SCALE="0", RUST_LOG="warn",
                CACHET_MODEL_PATH=os.path.join(ROOT, ".cachet", "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
     _cachet(env, "migrate")
-    _cachet(env, "tenant", "create", "sdk-a")
-    _cachet(env, "tenant", "create", "sdk-b")
-    key_a = _cachet(env, "key", "create", "--tenant", "sdk-a")
-    key_b = _cachet(env, "key", "create", "--tenant", "sdk-b")
+    _cachet(env, "admin", "tenant", "create", "sdk-a")
+    _cachet(env, "admin", "tenant", "create", "sdk-b")
+    key_a = _cachet(env, "admin", "key", "create", "--tenant", "sdk-a")
+    key_b = _cachet(env, "admin", "key", "create", "--tenant", "sdk-b")
     proc = subprocess.Popen([BIN, "serve"], env=env)
     url = f"http://127.0.0.1:{port}"
     for _ in range(200):

@@ -201,6 +201,17 @@ pub(crate) async fn prepare_messages(
             max_output_tokens: e.info().max_output_tokens,
         })
     })?;
+    if !principal.policy.allow_1h_ttl
+        && let Some(bp) = bps.iter().find(|b| b.ttl == cachet_common::Ttl::OneHour)
+    {
+        return Err(ApiError::new(
+            ErrorKind::Permission,
+            format!(
+                "{}: a 1h cache TTL is not allowed for this organization by its administrator; use \"5m\"",
+                bp.location
+            ),
+        ));
+    }
     let large = body.len() > INLINE_RENDER_BYTES;
     drop(body);
     let engine = engines

@@ -1,0 +1,367 @@
+// The admin console end to end: every role logs in through the UI of a real `cachet serve`
+// (real Postgres and Redis), and API traffic comes from the official anthropic SDK.
+//
+// The story: the platform admin creates a tenant and its tenant admin; the tenant admin
+// creates a key, and SDK traffic with it shows on the dashboard (tokens, hit ratio); the key is
+// rotated (the old secret works during the grace period, then not) and revoked (refused
+// within 5 s); requests/min set to 2 refuses the third request of the minute with 429 quoting
+// the limit; another tenant's admin sees nothing of the first, in the UI or the API; finance
+// downloads a CSV export whose rows are the ledger's. Every page is photographed into
+// admin-ui/e2e-artifacts/.
+
+import Anthropic from "@anthropic-ai/sdk";
+import type { Browser, Page } from "playwright-core";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { eventually, launch, type Service, shot, startService } from "./harness";
+
+const ROOT_PASSWORD = "root-password-for-the-e2e-suite";
+const ADMIN_PASSWORD = "acme-admin-password-e2e";
+const OTHER_PASSWORD = "globex-admin-password-e2e";
+const FIN_PASSWORD = "finance-password-e2e-suite";
+const SUFFIX = Math.random().toString(36).slice(2, 7);
+const ACME = `acme-${SUFFIX}`;
+const GLOBEX = `globex-${SUFFIX}`;
+
+let svc: Service;
+let browser: Browser;
+
+/** A system prompt long enough to be cached (sim-tiny's minimum is one block). */
+const SYSTEM = Array.from({ length: 200 }, (_, i) => `rule ${i}: answer briefly`).join(". ");
+
+function sdk(key: string): Anthropic {
+  return new Anthropic({ apiKey: key, baseURL: svc.url, maxRetries: 0 });
+}
+
+function ask(key: string, question = "What is a prefix cache?") {
+  return sdk(key).messages.create({
+    model: "sim-tiny",
+    max_tokens: 8,
+    system: [{ type: "text", text: SYSTEM, cache_control: { type: "ephemeral" } }],
+    messages: [{ role: "user", content: question }],
+  });
+}
+
+/** The HTTP status an SDK call ended with. */
+async function status(p: Promise<unknown>): Promise<number> {
+  try {
+    await p;
+    return 200;
+  } catch (e) {
+    if (e instanceof Anthropic.APIError && e.status) return e.status;
+    throw e;
+  }
+}
+
+async function page(): Promise<Page> {
+  const ctx = await browser.newContext({ viewport: { width: 1280, height: 900 }, acceptDownloads: true });
+  const p = await ctx.newPage();
+  p.on("pageerror", (e) => {
+    throw new Error(`page error: ${e.message}`);
+  });
+  return p;
+}
+
+/** Log in with the keyboard only (labelled fields, Tab and Enter). */
+async function logIn(p: Page, username: string, password: string) {
+  await p.goto(`${svc.url}/admin/`);
+  await p.getByLabel("Username").focus();
+  await p.keyboard.type(username);
+  await p.keyboard.press("Tab");
+  await p.keyboard.type(password);
+  await p.keyboard.press("Enter");
+  await p.getByRole("button", { name: "Log out" }).waitFor();
+}
+
+async function logOut(p: Page) {
+  await p.getByRole("button", { name: "Log out" }).click();
+  await p.getByLabel("Username").waitFor();
+}
+
+async function token(username: string, password: string): Promise<string> {
+  const r = await fetch(`${svc.url}/v1/admin/login`, {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({ username, password }),
+  });
+  expect(r.status).toBe(200);
+  return (await r.json()).access_token;
+}
+
+async function adminApi(tok: string, method: string, path: string, body?: unknown) {
+  const r = await fetch(`${svc.url}${path}`, {
+    method,
+    headers: { authorization: `Bearer ${tok}`, ...(body ? { "content-type": "application/json" } : {}) },
+    body: body ? JSON.stringify(body) : undefined,
+  });
+  const text = await r.text();
+  return { status: r.status, body: text ? JSON.parse(text) : null };
+}
+
+beforeAll(async () => {
+  svc = await startService();
+  svc.cli(["admin", "user", "create", "--username", "root", "--role", "platform_admin", "--password-file", "-"], ROOT_PASSWORD);
+  svc.cli(["admin", "user", "create", "--username", "fin", "--role", "finance", "--password-file", "-"], FIN_PASSWORD);
+  svc.cli([
+    "billing", "price", "--model", "sim-tiny", "--from", "2026-01-01", "--backdate",
+    "--input-nanos", "3000", "--output-nanos", "15000",
+  ]);
+  browser = await launch();
+});
+
+afterAll(async () => {
+  await browser?.close();
+  if (svc) {
+    await svc.stop();
+  }
+});
+
+describe("the admin console", () => {
+  let acmeId = "";
+  let globexId = "";
+  let oldSecret = "";
+  let newSecret = "";
+
+  it("lets the platform admin create a tenant and its tenant admin", async () => {
+    const p = await page();
+    await p.goto(`${svc.url}/admin/`);
+    await shot(p, "01-login");
+    // A wrong password is refused with the API's text.
+    await p.getByLabel("Username").fill("root");
+    await p.getByLabel("Password").fill("not the password at all");
+    await p.getByRole("button", { name: "Log in" }).click();
+    await p.getByText("invalid username or password").waitFor();
+    await new Promise((r) => setTimeout(r, 1100)); // the backoff after one failure
+    await logIn(p, "root", ROOT_PASSWORD);
+    await p.getByRole("heading", { name: "Tenants" }).waitFor();
+    await p.getByLabel("New tenant's name").fill(ACME);
+    await p.getByRole("button", { name: "Create tenant" }).click();
+    await p.getByRole("heading", { name: ACME }).waitFor();
+    acmeId = p.url().split("/tenants/")[1].split("/")[0];
+    await p.getByRole("link", { name: "Admins" }).first().click();
+    await p.getByLabel("Username").fill("acme-admin");
+    await p.getByLabel("Password (12+ characters)").fill(ADMIN_PASSWORD);
+    await p.getByRole("button", { name: "Create user" }).click();
+    await p.getByText("Tenant admin acme-admin created.").waitFor();
+    await shot(p, "02-tenant-admins");
+    // A second tenant with its own admin, through the API.
+    const tok = await token("root", ROOT_PASSWORD);
+    const g = await adminApi(tok, "POST", "/v1/admin/tenants", { name: GLOBEX });
+    expect(g.status).toBe(201);
+    globexId = g.body.id;
+    const u = await adminApi(tok, "POST", "/v1/admin/users", {
+      username: "globex-admin",
+      password: OTHER_PASSWORD,
+      role: "tenant_admin",
+      tenant: globexId,
+    });
+    expect(u.status).toBe(201);
+    await p.getByRole("link", { name: "Tenants" }).first().click();
+    await p.getByRole("link", { name: GLOBEX }).waitFor();
+    await shot(p, "03-tenants");
+    await p.getByRole("link", { name: "Users" }).first().click();
+    await p.getByRole("cell", { name: "globex-admin", exact: true }).waitFor();
+    await shot(p, "04-users");
+    await p.getByRole("link", { name: "Audit log" }).first().click();
+    await p.getByRole("cell", { name: "user.create" }).first().waitFor();
+    await shot(p, "05-audit");
+    await logOut(p);
+  });
+
+  it("lets the tenant admin create a key whose traffic shows on the dashboard", async () => {
+    const p = await page();
+    await logIn(p, "acme-admin", ADMIN_PASSWORD);
+    await p.getByRole("heading", { name: "Usage" }).waitFor();
+    await p.getByRole("link", { name: "Keys" }).first().click();
+    await p.getByRole("button", { name: "Create key" }).click();
+    await p.getByLabel("Name").fill("ci");
+    await p.getByRole("button", { name: "Create", exact: true }).click();
+    const secret = p.locator("[data-secret]");
+    await secret.waitFor();
+    oldSecret = (await secret.textContent())!.trim();
+    expect(oldSecret).toMatch(/^sk-cachet-[0-9A-Za-z]{40}$/);
+    await shot(p, "06-key-created");
+    await p.getByRole("button", { name: "I have stored it" }).click();
+    await p.getByRole("cell", { name: "active" }).waitFor();
+    await shot(p, "07-keys");
+
+    // Official SDK traffic: the first request writes the prefix, the second reads it.
+    const first = await ask(oldSecret);
+    expect(first.usage.cache_creation_input_tokens).toBeGreaterThan(0);
+    const second = await ask(oldSecret);
+    expect(second.usage.cache_read_input_tokens).toBeGreaterThan(0);
+
+    // The dashboard shows it once the rollups catch up (about a second here).
+    await p.getByRole("link", { name: "Dashboard" }).first().click();
+    await eventually("the dashboard shows the two requests", 60_000, async () => {
+      await p.getByRole("button", { name: "Refresh" }).click();
+      await p.waitForTimeout(300);
+      const n = await p.locator('[data-kpi="Requests"]').textContent();
+      return n?.trim() === "2" ? true : undefined;
+    });
+    const ratio = (await p.locator('[data-kpi="Hit ratio"]').textContent())!;
+    expect(Number.parseFloat(ratio)).toBeGreaterThan(0);
+    const saved = (await p.locator('[data-kpi="Cost"]').textContent())!;
+    expect(saved).toMatch(/^\$\d/);
+    await p.locator('[data-chart="Tokens by class"] canvas').waitFor();
+    await shot(p, "08-dashboard");
+    // Usable on a narrow window: nothing wider than the screen.
+    await p.setViewportSize({ width: 390, height: 844 });
+    await p.waitForTimeout(300);
+    const overflow = await p.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+    expect(overflow).toBeLessThanOrEqual(0);
+    await shot(p, "09-dashboard-narrow");
+    await p.setViewportSize({ width: 1280, height: 900 });
+    await p.getByRole("link", { name: "Cache" }).first().click();
+    await p.getByRole("heading", { name: "Cache" }).waitFor();
+    expect(await p.locator('[data-tier-bytes="dram"]').textContent()).not.toBe("0 B");
+    await shot(p, "10-cache");
+  });
+
+  it("rotates a key: the old secret works during the grace period and not after", async () => {
+    const p = await page();
+    await logIn(p, "acme-admin", ADMIN_PASSWORD);
+    await p.getByRole("link", { name: "Keys" }).first().click();
+    await p.getByRole("button", { name: /^Rotate ci/ }).click();
+    await p.getByLabel("Grace period (hours)").fill("0.004"); // 14 seconds
+    await p.getByRole("button", { name: "Rotate", exact: true }).click();
+    const secret = p.locator("[data-secret]");
+    await secret.waitFor();
+    newSecret = (await secret.textContent())!.trim();
+    expect(newSecret).not.toBe(oldSecret);
+    const rotatedAt = Date.now();
+    await p.getByRole("button", { name: "I have stored it" }).click();
+    await p.getByRole("cell", { name: "rotating" }).waitFor();
+    await shot(p, "11-keys-rotated");
+    expect(await status(ask(oldSecret))).toBe(200);
+    expect(await status(ask(newSecret))).toBe(200);
+    await new Promise((r) => setTimeout(r, Math.max(0, rotatedAt + 16_000 - Date.now())));
+    expect(await status(ask(oldSecret))).toBe(401);
+    expect(await status(ask(newSecret))).toBe(200);
+  });
+
+  it("revokes a key: refused within 5 seconds", async () => {
+    const p = await page();
+    await logIn(p, "acme-admin", ADMIN_PASSWORD);
+    await p.getByRole("link", { name: "Keys" }).first().click();
+    // Cached by the gateway as valid right before the revocation.
+    expect(await status(ask(newSecret))).toBe(200);
+    await p.getByRole("button", { name: /^Revoke ci/ }).first().click();
+    await p.getByRole("button", { name: "Revoke", exact: true }).click();
+    await p.getByText(/revoked\./).waitFor();
+    await eventually("the revoked key is refused", 5_000, async () =>
+      (await status(ask(newSecret))) === 401 ? true : undefined,
+    );
+  });
+
+  it("applies requests per minute set by the tenant admin: the third request gets 429 quoting it", async () => {
+    const p = await page();
+    await logIn(p, "acme-admin", ADMIN_PASSWORD);
+    await p.getByRole("link", { name: "Keys" }).first().click();
+    await p.getByRole("button", { name: "Create key" }).click();
+    await p.getByLabel("Name").fill("load");
+    await p.getByRole("button", { name: "Create", exact: true }).click();
+    const key = (await p.locator("[data-secret]").textContent())!.trim();
+    await p.getByRole("button", { name: "I have stored it" }).click();
+    await p.getByRole("link", { name: "Quotas & policy" }).first().click();
+    // The form checks before sending.
+    await p.getByLabel("Requests per minute", { exact: true }).fill("0");
+    await p.getByRole("button", { name: "Save policy" }).click();
+    await p.getByText("a whole number of at least 1, or empty for no limit").first().waitFor();
+    await p.getByLabel("Requests per minute", { exact: true }).fill("2");
+    await p.getByRole("button", { name: "Save policy" }).click();
+    await p.getByText("Saved.").waitFor();
+    await shot(p, "12-policy");
+    // The tenant admin may not raise the platform's limits.
+    const tok = await token("acme-admin", ADMIN_PASSWORD);
+    const denied = await adminApi(tok, "PATCH", `/v1/admin/tenants/${acmeId}/policy`, { cache_resident_bytes: 1 });
+    expect(denied.status).toBe(403);
+    expect(denied.body.error.message).toContain("cache_resident_bytes");
+    // Within 5 s every gateway has it.
+    await new Promise((r) => setTimeout(r, 5_000));
+    expect(await status(ask(key, "one"))).toBe(200);
+    expect(await status(ask(key, "two"))).toBe(200);
+    let third: unknown;
+    try {
+      await ask(key, "three");
+    } catch (e) {
+      third = e;
+    }
+    expect(third).toBeInstanceOf(Anthropic.RateLimitError);
+    expect((third as Error).message).toContain("2 requests per minute");
+    // The refusal is counted on the dashboard's budget panel.
+    await p.getByRole("link", { name: "Dashboard" }).first().click();
+    await eventually("the refusal is counted", 30_000, async () => {
+      await p.getByRole("button", { name: "Refresh" }).click();
+      await p.waitForTimeout(300);
+      const n = p.locator('[data-refusals="requests_per_minute"]');
+      return (await n.count()) > 0 && (await n.textContent()) === "1" ? true : undefined;
+    });
+  });
+
+  it("shows another tenant's admin nothing of the first, in the UI or the API", async () => {
+    const p = await page();
+    await logIn(p, "globex-admin", OTHER_PASSWORD);
+    await p.getByRole("heading", { name: GLOBEX }).waitFor();
+    expect(await p.getByText(ACME).count()).toBe(0);
+    await p.goto(`${svc.url}/admin/#/tenants/${acmeId}/keys`);
+    await p.getByRole("alert").filter({ hasText: "not found" }).waitFor();
+    expect(await p.getByText(ACME).count()).toBe(0);
+    await shot(p, "13-other-tenant");
+    const tok = await token("globex-admin", OTHER_PASSWORD);
+    for (const path of [
+      `/v1/admin/tenants/${acmeId}`,
+      `/v1/admin/tenants/${acmeId}/keys`,
+      `/v1/admin/tenants/${acmeId}/usage?from=2026-01-01T00:00:00Z&to=2030-01-01T00:00:00Z`,
+      `/v1/admin/tenants/${acmeId}/cache`,
+      `/v1/admin/tenants/${acmeId}/budget`,
+      `/v1/admin/tenants/${acmeId}/policy`,
+      `/v1/admin/audit?tenant=${acmeId}`,
+    ]) {
+      const r = await adminApi(tok, "GET", path);
+      expect(r.status, path).toBe(404);
+    }
+    const own = await adminApi(tok, "GET", "/v1/admin/tenants");
+    expect(own.body.data.map((t: { id: string }) => t.id)).toEqual([globexId]);
+    const audit = await adminApi(tok, "GET", "/v1/admin/audit");
+    expect(audit.body.data.every((r: { tenant_id: string }) => r.tenant_id === globexId)).toBe(true);
+    const usage = await adminApi(tok, "GET", "/v1/billing/usage?from=2026-01-01T00:00:00Z&to=2030-01-01T00:00:00Z&group_by=tenant");
+    expect(usage.body.data.every((r: { tenant: string }) => r.tenant === globexId)).toBe(true);
+  });
+
+  it("lets finance rate an invoice and download a CSV whose rows are the ledger's", async () => {
+    const p = await page();
+    await logIn(p, "fin", FIN_PASSWORD);
+    await p.getByRole("link", { name: "Finance" }).first().click();
+    await p.getByLabel("Rate the draft of").selectOption({ label: ACME });
+    await p.getByRole("button", { name: "Rate draft" }).click();
+    await p.getByText(/^Draft for /).waitFor();
+    await p.getByRole("link", { name: new Date().toISOString().slice(0, 7) }).first().click();
+    await p.getByRole("heading", { name: /^Invoice / }).waitFor();
+    await shot(p, "14-invoice");
+    // Finalizing asks first, and the month is not over: the API's text is shown.
+    await p.getByRole("button", { name: "Finalize…" }).click();
+    await p.getByRole("button", { name: "Finalize", exact: true }).click();
+    await p.getByRole("alert").waitFor();
+    expect(await p.getByRole("alert").textContent()).toMatch(/month|over|end/i);
+    await p.getByRole("button", { name: "Cancel" }).click();
+    await p.getByRole("link", { name: "← Invoices" }).click();
+    await shot(p, "15-finance");
+    const [download] = await Promise.all([
+      p.waitForEvent("download"),
+      p.getByRole("button", { name: "Download CSV" }).click(),
+    ]);
+    const path = await download.path();
+    const csv = (await import("node:fs")).readFileSync(path!, "utf8");
+    const lines = csv.split("\r\n").filter((l) => l.length > 0);
+    expect(lines[0]).toMatch(/^request_id,tenant_id,workspace_id,api_key_id,model,/);
+    const rows = lines.slice(1).map((l) => l.split(",").slice(0, 11).join(","));
+    const ledger = svc
+      .sql(
+        "SELECT request_id, tenant_id, workspace_id, api_key_id, model, input_tokens, cache_write_5m_tokens, " +
+          "cache_write_1h_tokens, cache_read_tokens, output_tokens, status FROM usage_events ORDER BY started_at, request_id",
+      )
+      .map((r) => r.join(","));
+    expect(ledger.length).toBeGreaterThanOrEqual(8);
+    expect(rows).toEqual(ledger);
+  });
+});

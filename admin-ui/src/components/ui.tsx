@@ -1,0 +1,195 @@
+// Small building blocks shared by the pages: labelled fields, errors, dialogs, loading.
+
+import type { ComponentChildren, PartialInputHTMLAttributes } from "preact";
+import { useCallback, useEffect, useRef, useState } from "preact/hooks";
+import { ApiError } from "../api";
+
+/** Run `load` on mount and when `deps` change; `reload` runs it again. */
+export function useAsync<T>(load: () => Promise<T>, deps: unknown[]) {
+  const [data, setData] = useState<T | null>(null);
+  const [error, setError] = useState<string | null>(null);
+  const [loading, setLoading] = useState(true);
+  const run = useCallback(async () => {
+    setLoading(true);
+    try {
+      setData(await load());
+      setError(null);
+    } catch (e) {
+      setError(message(e));
+    } finally {
+      setLoading(false);
+    }
+    // eslint-disable-next-line react-hooks/exhaustive-deps
+  }, deps);
+  useEffect(() => {
+    run();
+  }, [run]);
+  return { data, error, loading, reload: run, setData };
+}
+
+export function message(e: unknown): string {
+  if (e instanceof ApiError) return e.message;
+  if (e instanceof Error) return e.message;
+  return String(e);
+}
+
+export function ErrorBanner({ error }: { error: string | null | undefined }) {
+  if (!error) return null;
+  return (
+    <p role="alert" class="error-banner">
+      {error}
+    </p>
+  );
+}
+
+export function Notice({ text }: { text: string | null }) {
+  return (
+    <p role="status" aria-live="polite" class="notice">
+      {text ?? ""}
+    </p>
+  );
+}
+
+export function Loading({ what }: { what: string }) {
+  return <p aria-busy="true">Loading {what}…</p>;
+}
+
+/** A labelled input with its hint and error under it (outside the label, so the input's
+ * accessible name is the label alone; they are tied to it by aria-describedby). */
+export function Field(props: {
+  id: string;
+  label: string;
+  error?: string;
+  hint?: string;
+  children?: ComponentChildren;
+} & Omit<PartialInputHTMLAttributes<HTMLInputElement>, "label" | "role">) {
+  const { id, label, error, hint, children, ...input } = props;
+  const described = [error ? `${id}-error` : "", hint ? `${id}-hint` : ""].filter(Boolean).join(" ");
+  return (
+    <div class="field">
+      <label for={id}>{label}</label>
+      {children ?? (
+        <input
+          id={id}
+          name={id}
+          aria-invalid={error ? "true" : undefined}
+          aria-describedby={described || undefined}
+          {...(input as Record<string, unknown>)}
+        />
+      )}
+      {hint && <small id={`${id}-hint`}>{hint}</small>}
+      {error && (
+        <small id={`${id}-error`} class="field-error">
+          {error}
+        </small>
+      )}
+    </div>
+  );
+}
+
+/** A modal dialog (native <dialog>: focus is kept inside, Escape closes it). */
+export function Dialog(props: {
+  open: boolean;
+  title: string;
+  onClose: () => void;
+  children: ComponentChildren;
+}) {
+  const ref = useRef<HTMLDialogElement>(null);
+  useEffect(() => {
+    const d = ref.current;
+    if (!d) return;
+    if (props.open && !d.open) d.showModal();
+    if (!props.open && d.open) d.close();
+  }, [props.open]);
+  return (
+    <dialog ref={ref} aria-labelledby="dialog-title" onClose={props.onClose}>
+      <article>
+        <header>
+          <button type="button" aria-label="Close" class="close" onClick={props.onClose} />
+          <h2 id="dialog-title">{props.title}</h2>
+        </header>
+        {props.open && props.children}
+      </article>
+    </dialog>
+  );
+}
+
+/** Ask before doing something that cannot be undone. */
+export function Confirm(props: {
+  open: boolean;
+  title: string;
+  body: ComponentChildren;
+  action: string;
+  danger?: boolean;
+  onConfirm: () => Promise<void> | void;
+  onClose: () => void;
+}) {
+  const [busy, setBusy] = useState(false);
+  const [error, setError] = useState<string | null>(null);
+  return (
+    <Dialog open={props.open} title={props.title} onClose={props.onClose}>
+      <div>{props.body}</div>
+      <ErrorBanner error={error} />
+      <footer>
+        <button type="button" class="secondary" onClick={props.onClose}>
+          Cancel
+        </button>
+        <button
+          type="button"
+          class={props.danger ? "danger" : undefined}
+          aria-busy={busy}
+          disabled={busy}
+          onClick={async () => {
+            setBusy(true);
+            try {
+              await props.onConfirm();
+              setError(null);
+              props.onClose();
+            } catch (e) {
+              setError(message(e));
+            } finally {
+              setBusy(false);
+            }
+          }}
+        >
+          {props.action}
+        </button>
+      </footer>
+    </Dialog>
+  );
+}
+
+/** A headline number. */
+export function Kpi({ label, value, note }: { label: string; value: string; note?: string }) {
+  return (
+    <article class="kpi">
+      <p class="kpi-label">{label}</p>
+      <p class="kpi-value" data-kpi={label}>
+        {value}
+      </p>
+      {note && <p class="kpi-note">{note}</p>}
+    </article>
+  );
+}
+
+/** A table that scrolls sideways on a narrow window instead of breaking the page. */
+export function Table({ caption, children }: { caption: string; children: ComponentChildren }) {
+  return (
+    <div class="table-wrap" role="region" aria-label={caption} tabIndex={0}>
+      <table class="striped">
+        <caption>{caption}</caption>
+        {children}
+      </table>
+    </div>
+  );
+}
+
+/** Copy text, with a fallback for browsers without clipboard access. */
+export async function copy(text: string): Promise<boolean> {
+  try {
+    await navigator.clipboard.writeText(text);
+    return true;
+  } catch {
+    return false;
+  }
+}

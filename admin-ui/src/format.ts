@@ -1,0 +1,105 @@
+// How the console shows numbers. Money arrives as integer minor units (cents) and is never
+// computed in floating point here: it is only formatted.
+
+/** Digits of a currency's minor unit (ISO 4217), as the server counts them. */
+export function minorDigits(currency: string): number {
+  if (["JPY", "KRW", "VND", "CLP", "ISK"].includes(currency)) return 0;
+  if (["BHD", "KWD", "OMR", "JOD", "TND"].includes(currency)) return 3;
+  return 2;
+}
+
+/** The symbol written before amounts of `currency`, if it has a common one. */
+function symbolOf(currency: string): string {
+  return ({ USD: "$", EUR: "€", GBP: "£" } as Record<string, string>)[currency] ?? "";
+}
+
+/** `123456` USD → `$1,234.56`; negative amounts keep their sign. */
+export function formatMoney(minor: number, currency = "USD"): string {
+  const digits = minorDigits(currency);
+  const negative = minor < 0;
+  const abs = Math.abs(minor);
+  const unit = 10 ** digits;
+  const whole = Math.floor(abs / unit);
+  const frac = abs % unit;
+  const grouped = whole.toLocaleString("en-US");
+  const symbol = symbolOf(currency);
+  const number = digits > 0 ? `${grouped}.${String(frac).padStart(digits, "0")}` : grouped;
+  const text = symbol ? `${symbol}${number}` : `${number} ${currency}`;
+  return negative ? `−${text}` : text;
+}
+
+/** An axis value in minor units (fractions of a cent included): `0.25` USD → `$0.0025`. */
+export function formatMoneyAxis(minor: number, currency = "USD"): string {
+  const major = minor / 10 ** minorDigits(currency);
+  const text = major.toLocaleString("en-US", { maximumFractionDigits: Math.abs(major) < 1 ? 4 : 2 });
+  const symbol = symbolOf(currency);
+  return symbol ? `${symbol}${text}` : `${text} ${currency}`;
+}
+
+/** Token counts: exact below 1,000, then K / M / B with three significant digits. */
+export function formatTokens(n: number): string {
+  const abs = Math.abs(n);
+  const sign = n < 0 ? "−" : "";
+  if (abs < 1000) return `${sign}${abs}`;
+  for (const [size, suffix] of [
+    [1e9, "B"],
+    [1e6, "M"],
+    [1e3, "K"],
+  ] as const) {
+    if (abs >= size) {
+      const v = abs / size;
+      const digits = v >= 100 ? 0 : v >= 10 ? 1 : 2;
+      return `${sign}${trimZeros(v.toFixed(digits))}${suffix}`;
+    }
+  }
+  return `${sign}${abs}`;
+}
+
+function trimZeros(s: string): string {
+  return s.includes(".") ? s.replace(/\.?0+$/, "") : s;
+}
+
+/** A ratio 0..1 as a percentage with at most one decimal: 0.375 → `37.5%`. */
+export function formatRatio(r: number): string {
+  if (!Number.isFinite(r)) return "–";
+  const pct = Math.round(r * 1000) / 10;
+  return `${trimZeros(pct.toFixed(1))}%`;
+}
+
+/** Bytes in binary units: 1536 → `1.5 KiB`. */
+export function formatBytes(n: number): string {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let v = n;
+  let i = 0;
+  while (Math.abs(v) >= 1024 && i < units.length - 1) {
+    v /= 1024;
+    i++;
+  }
+  return i === 0 ? `${v} B` : `${trimZeros(v.toFixed(v >= 100 ? 0 : 1))} ${units[i]}`;
+}
+
+/** A duration in milliseconds: `4m 12s`, `1h 5m`, `12s`. */
+export function formatDuration(ms: number): string {
+  let s = Math.max(0, Math.round(ms / 1000));
+  const h = Math.floor(s / 3600);
+  s -= h * 3600;
+  const m = Math.floor(s / 60);
+  s -= m * 60;
+  if (h > 0) return m > 0 ? `${h}h ${m}m` : `${h}h`;
+  if (m > 0) return s > 0 ? `${m}m ${s}s` : `${m}m`;
+  return `${s}s`;
+}
+
+/** An RFC 3339 time as `2026-11-24 10:05 UTC` (the service's clock is UTC). */
+export function formatTime(iso: string | null | undefined): string {
+  if (!iso) return "–";
+  const d = new Date(iso);
+  if (Number.isNaN(d.getTime())) return iso;
+  return `${d.toISOString().slice(0, 16).replace("T", " ")} UTC`;
+}
+
+/** The limit of a policy field: a number, or "no limit". */
+export function formatLimit(v: number | null | undefined, unit = ""): string {
+  if (v === null || v === undefined) return "no limit";
+  return `${v.toLocaleString("en-US")}${unit ? ` ${unit}` : ""}`;
+}

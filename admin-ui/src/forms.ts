@@ -1,0 +1,212 @@
+// Form validation, done before anything is sent (the server checks again and its error text
+// is shown as it is). Pure functions: tested in test/forms.test.ts.
+
+import { minorDigits } from "./format";
+
+export type Errors = Record<string, string>;
+
+/** A tenant's policy as the API returns it. */
+export interface Policy {
+  requests_per_minute: number | null;
+  input_tokens_per_minute: number | null;
+  output_tokens_per_minute: number | null;
+  key_requests_per_minute: number | null;
+  key_input_tokens_per_minute: number | null;
+  key_output_tokens_per_minute: number | null;
+  monthly_budget_minor: number | null;
+  budget_alert_percent: number;
+  cache_resident_bytes: number | null;
+  reserved_cache_bytes: number | null;
+  allow_1h_ttl: boolean;
+  replication_factor: number | null;
+}
+
+/** The rate limits, in form order: [field, label, unit]. */
+export const LIMIT_FIELDS: [keyof Policy, string, string][] = [
+  ["requests_per_minute", "Requests per minute", "requests"],
+  ["input_tokens_per_minute", "Uncached input tokens per minute", "tokens"],
+  ["output_tokens_per_minute", "Output tokens per minute", "tokens"],
+  ["key_requests_per_minute", "Requests per minute, per key", "requests"],
+  ["key_input_tokens_per_minute", "Uncached input tokens per minute, per key", "tokens"],
+  ["key_output_tokens_per_minute", "Output tokens per minute, per key", "tokens"],
+];
+
+/** Fields only a platform admin may change. */
+export const PLATFORM_FIELDS: (keyof Policy)[] = [
+  "cache_resident_bytes",
+  "reserved_cache_bytes",
+  "replication_factor",
+];
+
+/** The form's text inputs, keyed by policy field (`monthly_budget` in major units). */
+export type PolicyForm = Record<string, string | boolean>;
+
+/** The form's initial values from a policy. */
+export function policyForm(p: Policy, currency: string): PolicyForm {
+  const f: PolicyForm = {};
+  for (const [k] of LIMIT_FIELDS) f[k] = p[k] === null ? "" : String(p[k]);
+  f.monthly_budget = p.monthly_budget_minor === null ? "" : minorToText(p.monthly_budget_minor, currency);
+  f.budget_alert_percent = String(p.budget_alert_percent);
+  f.cache_resident_bytes = p.cache_resident_bytes === null ? "" : String(p.cache_resident_bytes);
+  f.reserved_cache_bytes = p.reserved_cache_bytes === null ? "" : String(p.reserved_cache_bytes);
+  f.replication_factor = p.replication_factor === null ? "" : String(p.replication_factor);
+  f.allow_1h_ttl = p.allow_1h_ttl;
+  return f;
+}
+
+/** `1234` minor units → `12.34` (no floating point). */
+export function minorToText(minor: number, currency: string): string {
+  const d = minorDigits(currency);
+  if (d === 0) return String(minor);
+  const s = String(Math.abs(minor)).padStart(d + 1, "0");
+  return `${minor < 0 ? "-" : ""}${s.slice(0, -d)}.${s.slice(-d)}`;
+}
+
+/** `12.3` → 1230 minor units; an error text for anything but a non-negative amount. */
+export function parseMoney(text: string, currency: string): number | string {
+  const d = minorDigits(currency);
+  const t = text.trim().replace(/,/g, "");
+  const re = d === 0 ? /^\d+$/ : new RegExp(`^\\d+(\\.\\d{1,${d}})?$`);
+  if (!re.test(t)) {
+    return d === 0
+      ? `a whole amount of ${currency}`
+      : `an amount of ${currency} with at most ${d} decimals, like 250.00`;
+  }
+  const [whole, frac = ""] = t.split(".");
+  const minor = Number(whole) * 10 ** d + Number(frac.padEnd(d, "0") || "0");
+  if (!Number.isSafeInteger(minor)) return "too large";
+  return minor;
+}
+
+/** A whole number ≥ `min`, or null for an empty input; else an error text. */
+export function parseLimit(text: string, min: number): number | null | string {
+  const t = text.trim().replace(/[,_ ]/g, "");
+  if (t === "") return null;
+  if (!/^\d+$/.test(t)) return `a whole number of at least ${min}, or empty for no limit`;
+  const n = Number(t);
+  if (!Number.isSafeInteger(n)) return "too large";
+  if (n < min) return `a whole number of at least ${min}, or empty for no limit`;
+  return n;
+}
+
+/**
+ * The merge patch that turns `current` into what the form says (only changed fields), or
+ * the errors per field. Platform fields are left out unless `platform`.
+ */
+export function policyPatch(
+  current: Policy,
+  form: PolicyForm,
+  currency: string,
+  platform: boolean,
+): { patch: Partial<Policy>; errors: Errors } {
+  const errors: Errors = {};
+  const next: Partial<Policy> = {};
+  const text = (k: string) => String(form[k] ?? "");
+  for (const [k] of LIMIT_FIELDS) {
+    const v = parseLimit(text(k), 1);
+    if (typeof v === "string") errors[k] = v;
+    else (next as Record<string, unknown>)[k] = v;
+  }
+  const budget = text("monthly_budget").trim();
+  if (budget === "") next.monthly_budget_minor = null;
+  else {
+    const v = parseMoney(budget, currency);
+    if (typeof v === "string") errors.monthly_budget = v;
+    else next.monthly_budget_minor = v;
+  }
+  const alert = parseLimit(text("budget_alert_percent"), 1);
+  if (typeof alert !== "number" || alert > 100) {
+    errors.budget_alert_percent = "a whole number from 1 to 100";
+  } else next.budget_alert_percent = alert;
+  next.allow_1h_ttl = Boolean(form.allow_1h_ttl);
+  if (platform) {
+    for (const k of ["cache_resident_bytes", "reserved_cache_bytes"] as const) {
+      const v = parseLimit(text(k), 0);
+      if (typeof v === "string") errors[k] = v.replace("at least 0", "bytes (0 or more)");
+      else next[k] = v;
+    }
+    const r = parseLimit(text("replication_factor"), 1);
+    if (typeof r === "string" || (typeof r === "number" && r > 16)) {
+      errors.replication_factor = "from 1 to 16, or empty for the cluster's default";
+    } else next.replication_factor = r;
+    if (
+      typeof next.reserved_cache_bytes === "number" &&
+      typeof next.cache_resident_bytes === "number" &&
+      next.reserved_cache_bytes > next.cache_resident_bytes
+    ) {
+      errors.reserved_cache_bytes = "cannot be more than the resident bytes limit";
+    }
+  }
+  const patch: Partial<Policy> = {};
+  for (const [k, v] of Object.entries(next) as [keyof Policy, unknown][]) {
+    if (current[k] !== v) (patch as Record<string, unknown>)[k] = v;
+  }
+  return { patch, errors };
+}
+
+/** A new key's name and expiry (a `datetime-local` value, read as UTC). */
+export function validateKey(name: string, expires: string, now = new Date()): {
+  value?: { name: string; expires_at: string | null };
+  errors: Errors;
+} {
+  const errors: Errors = {};
+  const n = name.trim();
+  if (n.length < 1 || n.length > 200) errors.name = "1 to 200 characters";
+  let expires_at: string | null = null;
+  if (expires.trim() !== "") {
+    const t = new Date(`${expires.trim()}${expires.includes("Z") ? "" : "Z"}`);
+    if (Number.isNaN(t.getTime())) errors.expires = "a date and time";
+    else if (t <= now) errors.expires = "must be in the future";
+    else expires_at = t.toISOString();
+  }
+  return Object.keys(errors).length ? { errors } : { value: { name: n, expires_at }, errors };
+}
+
+/** A rotation's grace period in hours → seconds (0 to 30 days). */
+export function parseGrace(hours: string): number | string {
+  const t = hours.trim();
+  if (!/^\d+(\.\d+)?$/.test(t)) return "hours, like 24 or 0.5";
+  const secs = Math.round(Number(t) * 3600);
+  if (secs > 30 * 86400) return "at most 30 days (720 hours)";
+  return secs;
+}
+
+/** A new console user. */
+export function validateUser(u: {
+  username: string;
+  password: string;
+  role: string;
+  tenant: string;
+}): Errors {
+  const errors: Errors = {};
+  if (!/^[A-Za-z0-9._@+-]{1,128}$/.test(u.username.trim())) {
+    errors.username = "1 to 128 letters, digits or . _ @ + -";
+  }
+  if ([...u.password].length < 12) errors.password = "at least 12 characters";
+  else if (u.password.toLowerCase() === u.username.trim().toLowerCase()) {
+    errors.password = "must not be the username";
+  }
+  if (!["platform_admin", "tenant_admin", "finance"].includes(u.role)) errors.role = "choose a role";
+  if (u.role === "tenant_admin" && !u.tenant) errors.tenant = "a tenant admin needs a tenant";
+  return errors;
+}
+
+/** A tenant name. */
+export function validateTenantName(name: string): string | null {
+  const n = name.trim();
+  if (n.length < 1 || n.length > 200) return "1 to 200 characters";
+  // eslint-disable-next-line no-control-regex
+  if (/[\u0000-\u001f\u007f]/.test(n)) return "no control characters";
+  return null;
+}
+
+/** A date range (two `YYYY-MM-DD` inputs, the end inclusive) as RFC 3339 `[from, to)`. */
+export function dateRange(from: string, to: string): { from: string; to: string } | string {
+  const f = new Date(`${from}T00:00:00Z`);
+  const t = new Date(`${to}T00:00:00Z`);
+  if (Number.isNaN(f.getTime()) || Number.isNaN(t.getTime())) return "choose both dates";
+  if (t < f) return "the end is before the start";
+  const end = new Date(t.getTime() + 86400_000);
+  if (end.getTime() - f.getTime() > 400 * 86400_000) return "at most 400 days";
+  return { from: f.toISOString(), to: end.toISOString() };
+}

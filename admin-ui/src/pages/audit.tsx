@@ -1,0 +1,113 @@
+import { useState } from "preact/hooks";
+import { api, download, qs, type Me } from "../api";
+import { ErrorBanner, Loading, Table, message, useAsync } from "../components/ui";
+import { formatTime } from "../format";
+import type { AuditRow, Tenant } from "../types";
+
+function summary(v: unknown): string {
+  if (v === null || v === undefined) return "";
+  const s = JSON.stringify(v);
+  return s.length > 160 ? `${s.slice(0, 157)}…` : s;
+}
+
+/** The audit log: every tenant's for a platform admin, one tenant's on its page. */
+export function AuditPage({ me, tenant }: { me: Me; tenant: Tenant | null }) {
+  const [action, setAction] = useState("");
+  const [pages, setPages] = useState<(number | null)[]>([null]);
+  const [error, setError] = useState<string | null>(null);
+  const before = pages[pages.length - 1];
+  const scope = tenant?.id ?? (me.role === "tenant_admin" ? me.tenant : null);
+  const log = useAsync(
+    () =>
+      api<{ data: AuditRow[]; next_before_id: number | null }>(
+        "GET",
+        `/v1/admin/audit${qs({ tenant: scope, action: action.trim(), before_id: before, limit: 50 })}`,
+      ),
+    [scope, action, before],
+  );
+  const exportAs = async (format: "csv" | "jsonl") => {
+    try {
+      await download(`/v1/admin/audit/export${qs({ tenant: scope, action: action.trim(), format })}`, `cachet-audit.${format}`);
+      setError(null);
+    } catch (e) {
+      setError(message(e));
+    }
+  };
+  return (
+    <section aria-labelledby="audit-title">
+      <h2 id="audit-title">Audit log</h2>
+      <div class="row">
+        <label for="audit-action">
+          Action starts with
+          <input
+            id="audit-action"
+            placeholder="key., policy.update, tenant."
+            value={action}
+            onChange={(e) => {
+              setAction(e.currentTarget.value);
+              setPages([null]);
+            }}
+          />
+        </label>
+        <div class="actions">
+          <button type="button" class="secondary" onClick={() => exportAs("csv")}>
+            Export CSV
+          </button>
+          <button type="button" class="secondary" onClick={() => exportAs("jsonl")}>
+            Export JSON Lines
+          </button>
+        </div>
+      </div>
+      <ErrorBanner error={error ?? log.error} />
+      {log.loading && !log.data ? (
+        <Loading what="the audit log" />
+      ) : (
+        <Table caption="Changes, newest first">
+          <thead>
+            <tr>
+              <th scope="col">When</th>
+              <th scope="col">Who</th>
+              <th scope="col">Action</th>
+              <th scope="col">Object</th>
+              <th scope="col">Before</th>
+              <th scope="col">After</th>
+            </tr>
+          </thead>
+          <tbody>
+            {log.data?.data.map((r) => (
+              <tr key={r.id}>
+                <td>{formatTime(r.at)}</td>
+                <td>{r.actor}</td>
+                <td>
+                  <code>{r.action}</code>
+                </td>
+                <td>
+                  <code class="hash">{r.target ?? ""}</code>
+                </td>
+                <td>
+                  <code class="hash">{summary(r.before)}</code>
+                </td>
+                <td>
+                  <code class="hash">{summary(r.after)}</code>
+                </td>
+              </tr>
+            ))}
+          </tbody>
+        </Table>
+      )}
+      <div class="actions">
+        <button type="button" class="secondary" disabled={pages.length < 2} onClick={() => setPages(pages.slice(0, -1))}>
+          Newer
+        </button>
+        <button
+          type="button"
+          class="secondary"
+          disabled={!log.data?.next_before_id}
+          onClick={() => setPages([...pages, log.data!.next_before_id])}
+        >
+          Older
+        </button>
+      </div>
+    </section>
+  );
+}

@@ -1,0 +1,293 @@
+import { useMemo, useState } from "preact/hooks";
+import { api, qs } from "../api";
+import { TimeChart } from "../components/chart";
+import { ErrorBanner, Kpi, Loading, Table, useAsync } from "../components/ui";
+import { formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../format";
+import { dateRange } from "../forms";
+import type { BudgetView, Tenant, UsagePoint, UsageView } from "../types";
+
+const PRESETS: [string, string, number][] = [
+  ["24h", "Last 24 hours", 1],
+  ["7d", "Last 7 days", 7],
+  ["30d", "Last 30 days", 30],
+];
+
+function rangeOf(preset: string, from: string, to: string): { from: string; to: string } | string {
+  const p = PRESETS.find(([k]) => k === preset);
+  if (p) {
+    const end = new Date(Math.ceil(Date.now() / 3600_000) * 3600_000);
+    return { from: new Date(end.getTime() - p[2] * 86400_000).toISOString(), to: end.toISOString() };
+  }
+  return dateRange(from, to);
+}
+
+export function DashboardTab({ tenant }: { tenant: Tenant }) {
+  const [preset, setPreset] = useState("24h");
+  const today = new Date().toISOString().slice(0, 10);
+  const [from, setFrom] = useState(today);
+  const [to, setTo] = useState(today);
+  const [by, setBy] = useState<"model" | "api_key">("model");
+  const [stamp, setStamp] = useState(0);
+  const range = rangeOf(preset, from, to);
+  const usage = useAsync(async () => {
+    if (typeof range === "string") throw new Error(range);
+    const base = `/v1/admin/tenants/${tenant.id}/usage`;
+    const [total, split] = await Promise.all([
+      api<UsageView>("GET", `${base}${qs({ ...range })}`),
+      api<UsageView>("GET", `${base}${qs({ ...range, group_by: by, granularity: "day" })}`),
+    ]);
+    return { total, split };
+  }, [tenant.id, preset, from, to, by, stamp]);
+  const budget = useAsync(() => api<BudgetView>("GET", `/v1/admin/tenants/${tenant.id}/budget`), [tenant.id, stamp]);
+  return (
+    <section aria-labelledby="dash-title">
+      <h2 id="dash-title">Usage</h2>
+      <form class="row" aria-label="Time range" onSubmit={(e) => e.preventDefault()}>
+        <label for="range">
+          Range
+          <select id="range" value={preset} onChange={(e) => setPreset(e.currentTarget.value)}>
+            {PRESETS.map(([k, label]) => (
+              <option key={k} value={k}>
+                {label}
+              </option>
+            ))}
+            <option value="custom">Dates…</option>
+          </select>
+        </label>
+        {preset === "custom" && (
+          <>
+            <label for="from">
+              From
+              <input id="from" type="date" value={from} onChange={(e) => setFrom(e.currentTarget.value)} />
+            </label>
+            <label for="to">
+              To (inclusive)
+              <input id="to" type="date" value={to} onChange={(e) => setTo(e.currentTarget.value)} />
+            </label>
+          </>
+        )}
+        <button type="button" class="secondary" onClick={() => setStamp((s) => s + 1)}>
+          Refresh
+        </button>
+      </form>
+      <ErrorBanner error={usage.error} />
+      {usage.loading && !usage.data && <Loading what="usage" />}
+      {usage.data && <Usage view={usage.data.total} />}
+      {budget.data && <Budget b={budget.data} />}
+      <ErrorBanner error={budget.error} />
+      {usage.data && (
+        <>
+          <label for="split">
+            Split by
+            <select id="split" value={by} onChange={(e) => setBy(e.currentTarget.value as "model" | "api_key")}>
+              <option value="model">Model</option>
+              <option value="api_key">API key</option>
+            </select>
+          </label>
+          <Split view={usage.data.split} />
+        </>
+      )}
+    </section>
+  );
+}
+
+const ratioOf = (p: UsagePoint): number | null => (p.requests > 0 ? p.hit_ratio : null);
+
+function Usage({ view }: { view: UsageView }) {
+  const t = view.totals;
+  const cur = view.currency;
+  const charts = useMemo(() => {
+    // Every bucket of the window, empty ones too (the API leaves them out).
+    const step = view.granularity === "hour" ? 3600_000 : 86400_000;
+    const start = Math.floor(new Date(view.from).getTime() / step) * step;
+    const byTime = new Map(view.series.map((p) => [new Date(p.bucket_start!).getTime(), p]));
+    const buckets: number[] = [];
+    for (let t = start; t < new Date(view.to).getTime(); t += step) buckets.push(t);
+    const times = buckets.map((t) => new Date(t).toISOString());
+    const pick = (f: (p: UsagePoint) => number | null) =>
+      buckets.map((t) => {
+        const p = byTime.get(t);
+        return p ? f(p) : f === ratioOf ? null : 0;
+      });
+    return {
+      times,
+      requests: [{ label: "Requests", values: pick((p) => p.requests), color: "#1e6fd9", fill: true }],
+      tokens: [
+        { label: "Input (uncached)", values: pick((p) => p.input_tokens), color: "#6b7280" },
+        { label: "Cache write 5m", values: pick((p) => p.cache_write_5m_tokens), color: "#d97706" },
+        { label: "Cache write 1h", values: pick((p) => p.cache_write_1h_tokens), color: "#b91c1c" },
+        { label: "Cache read", values: pick((p) => p.cache_read_tokens), color: "#059669" },
+        { label: "Output", values: pick((p) => p.output_tokens), color: "#7c3aed" },
+      ],
+      ratio: [{ label: "Hit ratio", values: pick(ratioOf), color: "#059669", fill: true }],
+      saved: [
+        { label: "Cost", values: pick((p) => p.cost_minor), color: "#1e6fd9" },
+        { label: "Saved by caching", values: pick((p) => p.saved_minor), color: "#059669", fill: true },
+      ],
+    };
+  }, [view]);
+  const prompt = t.input_tokens + t.cache_write_5m_tokens + t.cache_write_1h_tokens + t.cache_read_tokens;
+  return (
+    <>
+      <div class="kpis">
+        <Kpi label="Requests" value={t.requests.toLocaleString("en-US")} />
+        <Kpi label="Prompt tokens" value={formatTokens(prompt)} note={`${formatTokens(t.output_tokens)} output`} />
+        <Kpi label="Hit ratio" value={formatRatio(t.hit_ratio)} note="prompt tokens read from the cache" />
+        <Kpi label="Cost" value={formatMoney(t.cost_minor, cur)} note={`${formatMoney(t.cost_without_cache_minor, cur)} without caching`} />
+        <Kpi label="Saved by caching" value={formatMoney(t.saved_minor, cur)} note="net of the cache-write premium" />
+      </div>
+      {t.unpriced_tokens > 0 && (
+        <p role="note">
+          {formatTokens(t.unpriced_tokens)} tokens had no price in force and are counted at zero: add a price for their model.
+        </p>
+      )}
+      {view.series.length === 0 ? (
+        <p>No requests in this range yet (usage appears within a minute of a request).</p>
+      ) : (
+        <div class="charts">
+          <TimeChart
+            window={[view.from, view.to]}
+            title="Requests"
+            times={charts.times}
+            series={charts.requests}
+            format={(v) => formatTokens(v)}
+            summary={`${t.requests} requests in ${view.series.length} ${view.granularity}s`}
+          />
+          <TimeChart
+            window={[view.from, view.to]}
+            title="Tokens by class"
+            times={charts.times}
+            series={charts.tokens}
+            format={(v) => formatTokens(v)}
+            summary={`input ${t.input_tokens}, 5m writes ${t.cache_write_5m_tokens}, 1h writes ${t.cache_write_1h_tokens}, reads ${t.cache_read_tokens}, output ${t.output_tokens}`}
+          />
+          <TimeChart
+            window={[view.from, view.to]}
+            title="Hit ratio"
+            times={charts.times}
+            series={charts.ratio}
+            format={(v) => formatRatio(v)}
+            range={[0, 1]}
+            summary={`${formatRatio(t.hit_ratio)} over the range`}
+          />
+          <TimeChart
+            window={[view.from, view.to]}
+            title="Cost and savings"
+            times={charts.times}
+            series={charts.saved}
+            format={(v) => formatMoneyAxis(v, cur)}
+            summary={`cost ${formatMoney(t.cost_minor, cur)}, saved ${formatMoney(t.saved_minor, cur)}`}
+          />
+        </div>
+      )}
+    </>
+  );
+}
+
+function Budget({ b }: { b: BudgetView }) {
+  const pct = b.limit_minor ? Math.min(1, b.spent_minor / Math.max(1, b.limit_minor)) : 0;
+  return (
+    <article aria-labelledby="budget-title">
+      <h3 id="budget-title">Budget this month</h3>
+      <p>
+        Spent <strong>{formatMoney(b.spent_minor, b.currency)}</strong>
+        {b.limit_minor !== null ? (
+          <>
+            {" "}
+            of {formatMoney(b.limit_minor, b.currency)} (<span class={`state-${b.state}`}>{b.state}</span>, alert at{" "}
+            {b.alert_percent}%)
+          </>
+        ) : (
+          " (no budget set)"
+        )}
+        ; resets {formatTime(b.resets_at)}.
+      </p>
+      {b.limit_minor !== null && (
+        <div class="bar" role="progressbar" aria-label="Budget spent" aria-valuemin={0} aria-valuemax={100} aria-valuenow={Math.round(pct * 100)}>
+          <span style={{ width: `${pct * 100}%` }} />
+        </div>
+      )}
+      {b.refusals.length > 0 ? (
+        <Table caption="Requests refused this month, by limit">
+          <thead>
+            <tr>
+              <th scope="col">Limit</th>
+              <th scope="col">Refused</th>
+            </tr>
+          </thead>
+          <tbody>
+            {b.refusals.map((r) => (
+              <tr key={r.limit}>
+                <td>{r.limit.replace(/_/g, " ")}</td>
+                <td data-refusals={r.limit}>{r.count}</td>
+              </tr>
+            ))}
+          </tbody>
+        </Table>
+      ) : (
+        <p>No request was refused this month.</p>
+      )}
+    </article>
+  );
+}
+
+function Split({ view }: { view: UsageView }) {
+  const rows = useMemo(() => {
+    const m = new Map<string, UsagePoint[]>();
+    for (const p of view.series) {
+      const k = view.group_by === "api_key" ? (p.api_key ?? "") : (p.model ?? "");
+      m.set(k, [...(m.get(k) ?? []), p]);
+    }
+    return [...m.entries()].map(([k, ps]) => {
+      const sum = (f: (p: UsagePoint) => number) => ps.reduce((a, p) => a + f(p), 0);
+      const read = sum((p) => p.cache_read_tokens);
+      const prompt = read + sum((p) => p.input_tokens + p.cache_write_5m_tokens + p.cache_write_1h_tokens);
+      return {
+        name: view.group_by === "api_key" ? (view.key_names[k] ?? k) : k,
+        requests: sum((p) => p.requests),
+        input: sum((p) => p.input_tokens),
+        w5: sum((p) => p.cache_write_5m_tokens),
+        w1: sum((p) => p.cache_write_1h_tokens),
+        read,
+        output: sum((p) => p.output_tokens),
+        ratio: prompt ? read / prompt : 0,
+        cost: sum((p) => p.cost_minor),
+        saved: sum((p) => p.saved_minor),
+      };
+    });
+  }, [view]);
+  return (
+    <Table caption={view.group_by === "api_key" ? "By API key" : "By model"}>
+      <thead>
+        <tr>
+          <th scope="col">{view.group_by === "api_key" ? "Key" : "Model"}</th>
+          <th scope="col">Requests</th>
+          <th scope="col">Input</th>
+          <th scope="col">Write 5m</th>
+          <th scope="col">Write 1h</th>
+          <th scope="col">Read</th>
+          <th scope="col">Output</th>
+          <th scope="col">Hit ratio</th>
+          <th scope="col">Cost</th>
+          <th scope="col">Saved</th>
+        </tr>
+      </thead>
+      <tbody>
+        {rows.map((r) => (
+          <tr key={r.name}>
+            <th scope="row">{r.name}</th>
+            <td>{r.requests}</td>
+            <td>{formatTokens(r.input)}</td>
+            <td>{formatTokens(r.w5)}</td>
+            <td>{formatTokens(r.w1)}</td>
+            <td>{formatTokens(r.read)}</td>
+            <td>{formatTokens(r.output)}</td>
+            <td>{formatRatio(r.ratio)}</td>
+            <td>{formatMoney(r.cost, view.currency)}</td>
+            <td>{formatMoney(r.saved, view.currency)}</td>
+          </tr>
+        ))}
+      </tbody>
+    </Table>
+  );
+}

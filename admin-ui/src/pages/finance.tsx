@@ -1,0 +1,250 @@
+import { useState } from "preact/hooks";
+import { api, download, qs, type Me } from "../api";
+import { Confirm, ErrorBanner, Loading, Notice, Table, message, useAsync } from "../components/ui";
+import { formatMoney, formatTime, formatTokens } from "../format";
+import { dateRange } from "../forms";
+import type { Invoice, InvoiceSummary, Tenant } from "../types";
+
+function useTenants() {
+  return useAsync(() => api<{ data: Tenant[] }>("GET", "/v1/admin/tenants?include_deleted=true"), []);
+}
+
+export function FinancePage({ me }: { me: Me }) {
+  const tenants = useTenants();
+  const [tenant, setTenant] = useState("");
+  const invoices = useAsync(
+    () => api<{ data: InvoiceSummary[] }>("GET", `/v1/billing/invoices${qs({ tenant })}`),
+    [tenant],
+  );
+  const name = (id: string) => tenants.data?.data.find((t) => t.id === id)?.name ?? id;
+  const canRate = me.role === "platform_admin" || me.role === "finance";
+  return (
+    <section>
+      <h1>Finance</h1>
+      <label for="inv-tenant">
+        Tenant
+        <select id="inv-tenant" value={tenant} onChange={(e) => setTenant(e.currentTarget.value)}>
+          <option value="">All tenants</option>
+          {tenants.data?.data.map((t) => (
+            <option key={t.id} value={t.id}>
+              {t.name}
+            </option>
+          ))}
+        </select>
+      </label>
+      {canRate && tenants.data && <RateMonth tenants={tenants.data.data} onRated={() => invoices.reload()} />}
+      <ErrorBanner error={invoices.error} />
+      {invoices.loading && !invoices.data ? (
+        <Loading what="invoices" />
+      ) : (
+        <Table caption="Invoices, newest month first">
+          <thead>
+            <tr>
+              <th scope="col">Month</th>
+              <th scope="col">Tenant</th>
+              <th scope="col">Status</th>
+              <th scope="col">Total</th>
+            </tr>
+          </thead>
+          <tbody>
+            {invoices.data?.data.length === 0 && (
+              <tr>
+                <td colSpan={4}>No invoice yet: rate a month above.</td>
+              </tr>
+            )}
+            {invoices.data?.data.map((i) => (
+              <tr key={i.id}>
+                <td>
+                  <a href={`#/finance/invoices/${i.id}`}>{i.period_start.slice(0, 7)}</a>
+                </td>
+                <td>{name(i.tenant_id)}</td>
+                <td>{i.status}</td>
+                <td>{formatMoney(i.total_minor, i.currency)}</td>
+              </tr>
+            ))}
+          </tbody>
+        </Table>
+      )}
+      {canRate && <Exports tenant={tenant} />}
+    </section>
+  );
+}
+
+function RateMonth({ tenants, onRated }: { tenants: Tenant[]; onRated: () => void }) {
+  const [tenant, setTenant] = useState("");
+  const [month, setMonth] = useState(new Date().toISOString().slice(0, 7));
+  const [error, setError] = useState<string | null>(null);
+  const [notice, setNotice] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+  return (
+    <form
+      class="row"
+      aria-label="Rate a month"
+      onSubmit={async (e) => {
+        e.preventDefault();
+        if (!tenant) {
+          setError("Choose a tenant to rate.");
+          return;
+        }
+        if (!/^\d{4}-\d{2}$/.test(month)) {
+          setError("Choose a month.");
+          return;
+        }
+        setBusy(true);
+        try {
+          const inv = await api<Invoice>("POST", "/v1/billing/invoices", { tenant, month });
+          setError(null);
+          setNotice(`Draft for ${month}: ${formatMoney(inv.total_minor, inv.currency)}.`);
+          onRated();
+        } catch (err) {
+          setError(message(err));
+        } finally {
+          setBusy(false);
+        }
+      }}
+    >
+      <label for="rate-tenant">
+        Rate the draft of
+        <select id="rate-tenant" value={tenant} onChange={(e) => setTenant(e.currentTarget.value)}>
+          <option value="">Choose a tenant…</option>
+          {tenants
+            .filter((t) => t.state !== "deleted")
+            .map((t) => (
+              <option key={t.id} value={t.id}>
+                {t.name}
+              </option>
+            ))}
+        </select>
+      </label>
+      <label for="rate-month">
+        Month
+        <input id="rate-month" type="month" value={month} onChange={(e) => setMonth(e.currentTarget.value)} />
+      </label>
+      <button type="submit" aria-busy={busy} disabled={busy}>
+        Rate draft
+      </button>
+      <ErrorBanner error={error} />
+      <Notice text={notice} />
+    </form>
+  );
+}
+
+function Exports({ tenant }: { tenant: string }) {
+  const today = new Date().toISOString().slice(0, 10);
+  const first = `${today.slice(0, 8)}01`;
+  const [from, setFrom] = useState(first);
+  const [to, setTo] = useState(today);
+  const [error, setError] = useState<string | null>(null);
+  const get = async (format: "csv" | "jsonl" | "cloudevents") => {
+    const r = dateRange(from, to);
+    if (typeof r === "string") {
+      setError(r);
+      return;
+    }
+    try {
+      const ext = format === "csv" ? "csv" : "jsonl";
+      await download(`/v1/billing/exports/usage${qs({ ...r, tenant, format })}`, `cachet-usage-${from}-${to}-${format}.${ext}`);
+      setError(null);
+    } catch (e) {
+      setError(message(e));
+    }
+  };
+  return (
+    <section aria-labelledby="exports-title">
+      <h2 id="exports-title">Usage exports</h2>
+      <p>Every ledger row in the range ({tenant ? "the chosen tenant" : "all tenants"}), streamed.</p>
+      <div class="row">
+        <label for="exp-from">
+          From
+          <input id="exp-from" type="date" value={from} onChange={(e) => setFrom(e.currentTarget.value)} />
+        </label>
+        <label for="exp-to">
+          To (inclusive)
+          <input id="exp-to" type="date" value={to} onChange={(e) => setTo(e.currentTarget.value)} />
+        </label>
+        <div class="actions">
+          <button type="button" onClick={() => get("csv")}>
+            Download CSV
+          </button>
+          <button type="button" class="secondary" onClick={() => get("jsonl")}>
+            JSON Lines
+          </button>
+          <button type="button" class="secondary" onClick={() => get("cloudevents")}>
+            CloudEvents
+          </button>
+        </div>
+      </div>
+      <ErrorBanner error={error} />
+    </section>
+  );
+}
+
+export function InvoicePage({ me, id }: { me: Me; id: string }) {
+  const inv = useAsync(() => api<Invoice>("GET", `/v1/billing/invoices/${id}`), [id]);
+  const tenants = useTenants();
+  const [confirming, setConfirming] = useState(false);
+  if (inv.error) return <ErrorBanner error={inv.error} />;
+  if (!inv.data) return <Loading what="the invoice" />;
+  const i = inv.data;
+  const month = i.period_start.slice(0, 7);
+  const tenantName = tenants.data?.data.find((t) => t.id === i.tenant_id)?.name ?? i.tenant_id;
+  return (
+    <section>
+      <p>
+        <a href="#/finance">← Invoices</a>
+      </p>
+      <hgroup>
+        <h1>
+          Invoice {month} · {tenantName}
+        </h1>
+        <p>
+          {i.status}
+          {i.finalized_at ? ` on ${formatTime(i.finalized_at)}` : ""} · total {formatMoney(i.total_minor, i.currency)}
+        </p>
+      </hgroup>
+      <Notice text={i.status === "finalized" ? "Finalized: this invoice can no longer change; corrections are adjustments." : null} />
+      <Table caption="Lines">
+        <thead>
+          <tr>
+            <th scope="col">Description</th>
+            <th scope="col">Quantity</th>
+            <th scope="col">Amount</th>
+          </tr>
+        </thead>
+        <tbody>
+          {i.lines.map((l, n) => (
+            <tr key={n}>
+              <td>{l.description}</td>
+              <td>{l.kind === "usage" ? formatTokens(l.quantity) : l.quantity.toLocaleString("en-US")}</td>
+              <td>{formatMoney(l.amount_minor, i.currency)}</td>
+            </tr>
+          ))}
+        </tbody>
+        <tfoot>
+          <tr>
+            <th scope="row" colSpan={2}>
+              Total
+            </th>
+            <td>{formatMoney(i.total_minor, i.currency)}</td>
+          </tr>
+        </tfoot>
+      </Table>
+      {i.status === "draft" && me.role !== "tenant_admin" && (
+        <button type="button" onClick={() => setConfirming(true)}>
+          Finalize…
+        </button>
+      )}
+      <Confirm
+        open={confirming}
+        title={`Finalize the ${month} invoice of ${tenantName}?`}
+        body={<p>It is rated one last time and then can never change. Only a month that is over can be finalized.</p>}
+        action="Finalize"
+        danger
+        onClose={() => setConfirming(false)}
+        onConfirm={async () => {
+          inv.setData(await api<Invoice>("POST", "/v1/billing/invoices", { tenant: i.tenant_id, month, finalize: true }));
+        }}
+      />
+    </section>
+  );
+}

@@ -1,0 +1,311 @@
+import { useState } from "preact/hooks";
+import { api } from "../api";
+import { Confirm, Dialog, ErrorBanner, Field, Loading, Notice, Table, copy, message, useAsync } from "../components/ui";
+import { formatTime } from "../format";
+import { parseGrace, validateKey } from "../forms";
+import type { CreatedKey, Key, Rotation, Tenant } from "../types";
+
+/** Shows a secret once, with a copy button; closing it is final. */
+function SecretDialog(props: { title: string; secret: string | null; note: string; onClose: () => void }) {
+  const [copied, setCopied] = useState<string | null>(null);
+  return (
+    <Dialog open={props.secret !== null} title={props.title} onClose={props.onClose}>
+      <p>{props.note}</p>
+      <p class="secret" data-secret>
+        {props.secret}
+      </p>
+      <Notice text={copied} />
+      <footer>
+        <button
+          type="button"
+          class="secondary"
+          onClick={async () => setCopied((await copy(props.secret ?? "")) ? "Copied." : "Copy it by hand: the clipboard is not available.")}
+        >
+          Copy
+        </button>
+        <button type="button" onClick={props.onClose}>
+          I have stored it
+        </button>
+      </footer>
+    </Dialog>
+  );
+}
+
+export function KeysTab({ tenant }: { tenant: Tenant }) {
+  const keys = useAsync(() => api<{ data: Key[] }>("GET", `/v1/admin/tenants/${tenant.id}/keys`), [tenant.id]);
+  const [creating, setCreating] = useState(false);
+  const [secret, setSecret] = useState<{ title: string; value: string; note: string } | null>(null);
+  const [rotating, setRotating] = useState<Key | null>(null);
+  const [revoking, setRevoking] = useState<Key | null>(null);
+  const [expiring, setExpiring] = useState<Key | null>(null);
+  const [notice, setNotice] = useState<string | null>(null);
+  const live = tenant.state !== "deleted";
+  return (
+    <section aria-labelledby="keys-title">
+      <h2 id="keys-title">API keys</h2>
+      {live && (
+        <button type="button" onClick={() => setCreating(true)}>
+          Create key
+        </button>
+      )}
+      <Notice text={notice} />
+      <ErrorBanner error={keys.error} />
+      {keys.loading && !keys.data ? (
+        <Loading what="keys" />
+      ) : (
+        <Table caption="Keys (secrets are never shown again)">
+          <thead>
+            <tr>
+              <th scope="col">Name</th>
+              <th scope="col">Prefix</th>
+              <th scope="col">State</th>
+              <th scope="col">Created</th>
+              <th scope="col">Last used</th>
+              <th scope="col">Expires</th>
+              <th scope="col">Actions</th>
+            </tr>
+          </thead>
+          <tbody>
+            {keys.data?.data.map((k) => (
+              <tr key={k.id} data-key={k.id}>
+                <td>{k.name}</td>
+                <td>
+                  <code>{k.prefix}…</code>
+                </td>
+                <td class={`state-${k.state}`}>{k.state}</td>
+                <td>{formatTime(k.created_at)}</td>
+                <td>{formatTime(k.last_used_at)}</td>
+                <td>{formatTime(k.expires_at)}</td>
+                <td>
+                  {(k.state === "active" || k.state === "rotating") && (
+                    <div class="actions">
+                      {k.state === "active" && (
+                        <>
+                          <button type="button" class="secondary" onClick={() => setRotating(k)} aria-label={`Rotate ${k.name} ${k.prefix}`}>
+                            Rotate
+                          </button>
+                          <button type="button" class="secondary" onClick={() => setExpiring(k)} aria-label={`Set expiry of ${k.name} ${k.prefix}`}>
+                            Expiry
+                          </button>
+                        </>
+                      )}
+                      <button type="button" class="danger" onClick={() => setRevoking(k)} aria-label={`Revoke ${k.name} ${k.prefix}`}>
+                        Revoke
+                      </button>
+                    </div>
+                  )}
+                </td>
+              </tr>
+            ))}
+          </tbody>
+        </Table>
+      )}
+      <CreateKeyDialog
+        open={creating}
+        tenant={tenant}
+        onClose={() => setCreating(false)}
+        onCreated={(k) => {
+          setCreating(false);
+          keys.reload();
+          setSecret({
+            title: `Key "${k.name}" created`,
+            value: k.secret ?? "",
+            note: "Copy the secret now: it is shown this once and Cachet keeps only its hash.",
+          });
+        }}
+      />
+      <RotateDialog
+        keyToRotate={rotating}
+        tenant={tenant}
+        onClose={() => setRotating(null)}
+        onRotated={(r) => {
+          setRotating(null);
+          keys.reload();
+          setSecret({
+            title: `Key "${r.new_key.name}" rotated`,
+            value: r.secret ?? "",
+            note: `The old secret keeps working until ${formatTime(r.grace_until)}. Copy the new one now: it is shown this once.`,
+          });
+        }}
+      />
+      <ExpiryDialog
+        keyToChange={expiring}
+        tenant={tenant}
+        onClose={() => setExpiring(null)}
+        onChanged={() => {
+          setExpiring(null);
+          keys.reload();
+          setNotice("Expiry saved.");
+        }}
+      />
+      <Confirm
+        open={revoking !== null}
+        title={`Revoke ${revoking?.name ?? ""}?`}
+        body={<p>Requests with {revoking?.prefix}… are refused within seconds. This cannot be undone.</p>}
+        action="Revoke"
+        danger
+        onClose={() => setRevoking(null)}
+        onConfirm={async () => {
+          await api("POST", `/v1/admin/tenants/${tenant.id}/keys/${revoking!.id}/revoke`);
+          keys.reload();
+          setNotice(`Key ${revoking!.prefix}… revoked.`);
+        }}
+      />
+      <SecretDialog title={secret?.title ?? ""} secret={secret?.value ?? null} note={secret?.note ?? ""} onClose={() => setSecret(null)} />
+    </section>
+  );
+}
+
+function CreateKeyDialog(props: { open: boolean; tenant: Tenant; onClose: () => void; onCreated: (k: CreatedKey) => void }) {
+  const [name, setName] = useState("");
+  const [expires, setExpires] = useState("");
+  const [errors, setErrors] = useState<Record<string, string>>({});
+  const [error, setError] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+  return (
+    <Dialog open={props.open} title="Create an API key" onClose={props.onClose}>
+      <form
+        onSubmit={async (e) => {
+          e.preventDefault();
+          const v = validateKey(name, expires);
+          setErrors(v.errors);
+          if (!v.value) return;
+          setBusy(true);
+          try {
+            const k = await api<CreatedKey>("POST", `/v1/admin/tenants/${props.tenant.id}/keys`, v.value);
+            setError(null);
+            setName("");
+            setExpires("");
+            props.onCreated(k);
+          } catch (err) {
+            setError(message(err));
+          } finally {
+            setBusy(false);
+          }
+        }}
+      >
+        <Field id="key-name" label="Name" value={name} error={errors.name} onInput={(e) => setName(e.currentTarget.value)} />
+        <Field
+          id="key-expires"
+          label="Expires (UTC, optional)"
+          type="datetime-local"
+          value={expires}
+          error={errors.expires}
+          onInput={(e) => setExpires(e.currentTarget.value)}
+        />
+        <ErrorBanner error={error} />
+        <footer>
+          <button type="button" class="secondary" onClick={props.onClose}>
+            Cancel
+          </button>
+          <button type="submit" aria-busy={busy} disabled={busy}>
+            Create
+          </button>
+        </footer>
+      </form>
+    </Dialog>
+  );
+}
+
+function RotateDialog(props: { keyToRotate: Key | null; tenant: Tenant; onClose: () => void; onRotated: (r: Rotation) => void }) {
+  const [hours, setHours] = useState("24");
+  const [fieldError, setFieldError] = useState<string | undefined>();
+  const [error, setError] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+  // One idempotency key per dialog: a retry after a lost answer returns the same new key.
+  const [idem, setIdem] = useState(() => crypto.randomUUID());
+  const k = props.keyToRotate;
+  return (
+    <Dialog open={k !== null} title={`Rotate ${k?.name ?? ""} (${k?.prefix ?? ""}…)`} onClose={props.onClose}>
+      <form
+        onSubmit={async (e) => {
+          e.preventDefault();
+          const grace = parseGrace(hours);
+          setFieldError(typeof grace === "string" ? grace : undefined);
+          if (typeof grace === "string" || !k) return;
+          setBusy(true);
+          try {
+            const r = await api<Rotation>(
+              "POST",
+              `/v1/admin/tenants/${props.tenant.id}/keys/${k.id}/rotate`,
+              { grace_seconds: grace },
+              { "idempotency-key": idem },
+            );
+            setError(null);
+            setIdem(crypto.randomUUID());
+            props.onRotated(r);
+          } catch (err) {
+            setError(`${message(err)} — retrying is safe: it returns the same new key.`);
+          } finally {
+            setBusy(false);
+          }
+        }}
+      >
+        <p>A new key with the same name is made now. The old secret keeps working for the grace period, then stops.</p>
+        <Field
+          id="grace-hours"
+          label="Grace period (hours)"
+          inputMode="decimal"
+          value={hours}
+          error={fieldError}
+          onInput={(e) => setHours(e.currentTarget.value)}
+        />
+        <ErrorBanner error={error} />
+        <footer>
+          <button type="button" class="secondary" onClick={props.onClose}>
+            Cancel
+          </button>
+          <button type="submit" aria-busy={busy} disabled={busy}>
+            Rotate
+          </button>
+        </footer>
+      </form>
+    </Dialog>
+  );
+}
+
+function ExpiryDialog(props: { keyToChange: Key | null; tenant: Tenant; onClose: () => void; onChanged: () => void }) {
+  const [expires, setExpires] = useState("");
+  const [fieldError, setFieldError] = useState<string | undefined>();
+  const [error, setError] = useState<string | null>(null);
+  const k = props.keyToChange;
+  const save = async (expires_at: string | null) => {
+    try {
+      await api("PATCH", `/v1/admin/tenants/${props.tenant.id}/keys/${k!.id}`, { expires_at });
+      setError(null);
+      props.onChanged();
+    } catch (err) {
+      setError(message(err));
+    }
+  };
+  return (
+    <Dialog open={k !== null} title={`Expiry of ${k?.name ?? ""} (${k?.prefix ?? ""}…)`} onClose={props.onClose}>
+      <form
+        onSubmit={async (e) => {
+          e.preventDefault();
+          const v = validateKey(k?.name ?? "x", expires);
+          setFieldError(v.errors.expires ?? (expires ? undefined : "choose a date and time"));
+          if (!v.value || !expires) return;
+          await save(v.value.expires_at);
+        }}
+      >
+        <p>Now: {k?.expires_at ? formatTime(k.expires_at) : "never expires"}.</p>
+        <Field
+          id="key-expiry"
+          label="Expires (UTC)"
+          type="datetime-local"
+          value={expires}
+          error={fieldError}
+          onInput={(e) => setExpires(e.currentTarget.value)}
+        />
+        <ErrorBanner error={error} />
+        <footer>
+          <button type="button" class="secondary" onClick={() => save(null)}>
+            Never expire
+          </button>
+          <button type="submit">Save</button>
+        </footer>
+      </form>
+    </Dialog>
+  );
+}

@@ -1,0 +1,144 @@
+import { useEffect, useState } from "preact/hooks";
+import { api, type Me } from "../api";
+import { ErrorBanner, Field, Loading, Notice, message, useAsync } from "../components/ui";
+import { formatBytes } from "../format";
+import { LIMIT_FIELDS, type Policy, type PolicyForm, policyForm, policyPatch } from "../forms";
+import type { BudgetView, Tenant } from "../types";
+
+export function PolicyTab({ me, tenant }: { me: Me; tenant: Tenant }) {
+  const policy = useAsync(
+    async () => {
+      const [p, b] = await Promise.all([
+        api<Policy>("GET", `/v1/admin/tenants/${tenant.id}/policy`),
+        api<BudgetView>("GET", `/v1/admin/tenants/${tenant.id}/budget`),
+      ]);
+      return { p, currency: b.currency };
+    },
+    [tenant.id],
+  );
+  const [form, setForm] = useState<PolicyForm>({});
+  const [errors, setErrors] = useState<Record<string, string>>({});
+  const [error, setError] = useState<string | null>(null);
+  const [notice, setNotice] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+  useEffect(() => {
+    if (policy.data) setForm(policyForm(policy.data.p, policy.data.currency));
+  }, [policy.data]);
+  if (policy.error) return <ErrorBanner error={policy.error} />;
+  if (!policy.data) return <Loading what="the policy" />;
+  const { p, currency } = policy.data;
+  const platform = me.role === "platform_admin";
+  const editable = me.role !== "finance" && tenant.state !== "deleted";
+  const set = (k: string) => (e: { currentTarget: HTMLInputElement }) =>
+    setForm({ ...form, [k]: e.currentTarget.type === "checkbox" ? e.currentTarget.checked : e.currentTarget.value });
+  return (
+    <form
+      aria-labelledby="policy-title"
+      noValidate
+      onSubmit={async (e) => {
+        e.preventDefault();
+        const { patch, errors } = policyPatch(p, form, currency, platform);
+        setErrors(errors);
+        setNotice(null);
+        if (Object.keys(errors).length) {
+          setError("Fix the fields marked below.");
+          return;
+        }
+        if (Object.keys(patch).length === 0) {
+          setError(null);
+          setNotice("Nothing changed.");
+          return;
+        }
+        setBusy(true);
+        try {
+          const next = await api<Policy>("PATCH", `/v1/admin/tenants/${tenant.id}/policy`, patch);
+          policy.setData({ p: next, currency });
+          setError(null);
+          setNotice("Saved. Running gateways apply it within seconds.");
+        } catch (err) {
+          setError(message(err));
+        } finally {
+          setBusy(false);
+        }
+      }}
+    >
+      <h2 id="policy-title">Quotas and policy</h2>
+      <fieldset disabled={!editable}>
+        <legend>Rate limits (empty = no limit)</legend>
+        <div class="row">
+          {LIMIT_FIELDS.map(([k, label]) => (
+            <Field key={k} id={k} label={label} inputMode="numeric" value={String(form[k] ?? "")} error={errors[k]} onInput={set(k)} />
+          ))}
+        </div>
+      </fieldset>
+      <fieldset disabled={!editable}>
+        <legend>Monthly spend budget</legend>
+        <div class="row">
+          <Field
+            id="monthly_budget"
+            label={`Budget (${currency}, empty = none)`}
+            inputMode="decimal"
+            value={String(form.monthly_budget ?? "")}
+            error={errors.monthly_budget}
+            hint="Requests are refused (429) once this month's spend reaches it."
+            onInput={set("monthly_budget")}
+          />
+          <Field
+            id="budget_alert_percent"
+            label="Alert at (% of the budget)"
+            inputMode="numeric"
+            value={String(form.budget_alert_percent ?? "")}
+            error={errors.budget_alert_percent}
+            onInput={set("budget_alert_percent")}
+          />
+        </div>
+      </fieldset>
+      <fieldset disabled={!editable}>
+        <legend>Cache</legend>
+        <label>
+          <input type="checkbox" role="switch" id="allow_1h_ttl" checked={Boolean(form.allow_1h_ttl)} onChange={set("allow_1h_ttl")} />
+          Allow 1-hour cache TTLs (billed at 2× input for writes)
+        </label>
+        <div class="row">
+          <Field
+            id="cache_resident_bytes"
+            label="Resident cache bytes (empty = no limit)"
+            inputMode="numeric"
+            disabled={!platform}
+            value={String(form.cache_resident_bytes ?? "")}
+            error={errors.cache_resident_bytes}
+            hint={p.cache_resident_bytes !== null ? formatBytes(p.cache_resident_bytes) : undefined}
+            onInput={set("cache_resident_bytes")}
+          />
+          <Field
+            id="reserved_cache_bytes"
+            label="Reserved cache bytes (billed)"
+            inputMode="numeric"
+            disabled={!platform}
+            value={String(form.reserved_cache_bytes ?? "")}
+            error={errors.reserved_cache_bytes}
+            hint={p.reserved_cache_bytes !== null ? formatBytes(p.reserved_cache_bytes) : undefined}
+            onInput={set("reserved_cache_bytes")}
+          />
+          <Field
+            id="replication_factor"
+            label="Replication factor (empty = cluster default)"
+            inputMode="numeric"
+            disabled={!platform}
+            value={String(form.replication_factor ?? "")}
+            error={errors.replication_factor}
+            onInput={set("replication_factor")}
+          />
+        </div>
+        {!platform && <small>Cache capacity and replication are set by the platform's administrators.</small>}
+      </fieldset>
+      <ErrorBanner error={error} />
+      <Notice text={notice} />
+      {editable && (
+        <button type="submit" aria-busy={busy} disabled={busy}>
+          Save policy
+        </button>
+      )}
+    </form>
+  );
+}

@@ -1,0 +1,87 @@
+import { useState } from "preact/hooks";
+import { api, qs, type Me } from "../api";
+import { ErrorBanner, Field, Loading, Table, message, useAsync } from "../components/ui";
+import { formatTime } from "../format";
+import { validateTenantName } from "../forms";
+import { navigate } from "../router";
+import type { Tenant } from "../types";
+
+export function TenantsPage({ me }: { me: Me }) {
+  const [showDeleted, setShowDeleted] = useState(false);
+  const list = useAsync(
+    () => api<{ data: Tenant[] }>("GET", `/v1/admin/tenants${qs({ include_deleted: showDeleted })}`),
+    [showDeleted],
+  );
+  return (
+    <section>
+      <h1>Tenants</h1>
+      {me.role === "platform_admin" && <CreateTenant onCreated={(t) => navigate(`/tenants/${t.id}/dashboard`)} />}
+      <label>
+        <input type="checkbox" role="switch" checked={showDeleted} onChange={(e) => setShowDeleted(e.currentTarget.checked)} />
+        Show deleted tenants
+      </label>
+      <ErrorBanner error={list.error} />
+      {list.loading && !list.data ? (
+        <Loading what="tenants" />
+      ) : (
+        <Table caption={`${list.data?.data.length ?? 0} tenants`}>
+          <thead>
+            <tr>
+              <th scope="col">Name</th>
+              <th scope="col">State</th>
+              <th scope="col">Active keys</th>
+              <th scope="col">Created</th>
+            </tr>
+          </thead>
+          <tbody>
+            {list.data?.data.map((t) => (
+              <tr key={t.id}>
+                <td>
+                  <a href={`#/tenants/${t.id}/dashboard`}>{t.name}</a>
+                </td>
+                <td class={`state-${t.state}`}>{t.state}</td>
+                <td>{t.active_keys}</td>
+                <td>{formatTime(t.created_at)}</td>
+              </tr>
+            ))}
+          </tbody>
+        </Table>
+      )}
+    </section>
+  );
+}
+
+function CreateTenant({ onCreated }: { onCreated: (t: Tenant) => void }) {
+  const [name, setName] = useState("");
+  const [error, setError] = useState<string | null>(null);
+  const [fieldError, setFieldError] = useState<string | undefined>();
+  const [busy, setBusy] = useState(false);
+  return (
+    <form
+      class="row"
+      aria-label="Create a tenant"
+      onSubmit={async (e) => {
+        e.preventDefault();
+        const invalid = validateTenantName(name);
+        setFieldError(invalid ?? undefined);
+        if (invalid) return;
+        setBusy(true);
+        try {
+          const t = await api<Tenant>("POST", "/v1/admin/tenants", { name: name.trim() });
+          setError(null);
+          onCreated(t);
+        } catch (err) {
+          setError(message(err));
+        } finally {
+          setBusy(false);
+        }
+      }}
+    >
+      <Field id="tenant-name" label="New tenant's name" value={name} error={fieldError} onInput={(e) => setName(e.currentTarget.value)} />
+      <button type="submit" aria-busy={busy} disabled={busy}>
+        Create tenant
+      </button>
+      <ErrorBanner error={error} />
+    </form>
+  );
+}

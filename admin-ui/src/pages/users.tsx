@@ -1,0 +1,207 @@
+import { useState } from "preact/hooks";
+import { api, type Me } from "../api";
+import { Confirm, ErrorBanner, Field, Loading, Notice, Table, message, useAsync } from "../components/ui";
+import { formatTime } from "../format";
+import { validateUser } from "../forms";
+import type { Tenant, User } from "../types";
+
+function CreateUser(props: { tenants: Tenant[]; fixedTenant?: Tenant; onCreated: (u: User) => void }) {
+  const [u, setU] = useState({
+    username: "",
+    password: "",
+    role: props.fixedTenant ? "tenant_admin" : "finance",
+    tenant: props.fixedTenant?.id ?? "",
+  });
+  const [errors, setErrors] = useState<Record<string, string>>({});
+  const [error, setError] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+  return (
+    <form
+      aria-label="Create a user"
+      onSubmit={async (e) => {
+        e.preventDefault();
+        const errs = validateUser(u);
+        setErrors(errs);
+        if (Object.keys(errs).length) return;
+        setBusy(true);
+        try {
+          const created = await api<User>("POST", "/v1/admin/users", {
+            username: u.username.trim(),
+            password: u.password,
+            role: u.role,
+            tenant: u.role === "tenant_admin" ? u.tenant : null,
+          });
+          setError(null);
+          setU({ ...u, username: "", password: "" });
+          props.onCreated(created);
+        } catch (err) {
+          setError(message(err));
+        } finally {
+          setBusy(false);
+        }
+      }}
+    >
+      <div class="row">
+        <Field id="new-username" label="Username" autoComplete="off" value={u.username} error={errors.username} onInput={(e) => setU({ ...u, username: e.currentTarget.value })} />
+        <Field
+          id="new-password"
+          label="Password (12+ characters)"
+          type="password"
+          autoComplete="new-password"
+          value={u.password}
+          error={errors.password}
+          onInput={(e) => setU({ ...u, password: e.currentTarget.value })}
+        />
+        {!props.fixedTenant && (
+          <>
+            <label for="new-role">
+              Role
+              <select id="new-role" value={u.role} onChange={(e) => setU({ ...u, role: e.currentTarget.value })}>
+                <option value="platform_admin">Platform admin</option>
+                <option value="tenant_admin">Tenant admin</option>
+                <option value="finance">Finance</option>
+              </select>
+            </label>
+            {u.role === "tenant_admin" && (
+              <label for="new-tenant">
+                Tenant
+                <select id="new-tenant" value={u.tenant} aria-invalid={errors.tenant ? "true" : undefined} onChange={(e) => setU({ ...u, tenant: e.currentTarget.value })}>
+                  <option value="">Choose…</option>
+                  {props.tenants.map((t) => (
+                    <option key={t.id} value={t.id}>
+                      {t.name}
+                    </option>
+                  ))}
+                </select>
+                {errors.tenant && <small class="field-error">{errors.tenant}</small>}
+              </label>
+            )}
+          </>
+        )}
+        <button type="submit" aria-busy={busy} disabled={busy}>
+          Create user
+        </button>
+      </div>
+      <ErrorBanner error={error} />
+    </form>
+  );
+}
+
+function UserTable(props: { users: User[]; tenants: Tenant[]; onChange: () => void }) {
+  const [disabling, setDisabling] = useState<User | null>(null);
+  const name = (id: string | null) => props.tenants.find((t) => t.id === id)?.name ?? id ?? "–";
+  return (
+    <>
+      <Table caption="Users">
+        <thead>
+          <tr>
+            <th scope="col">Username</th>
+            <th scope="col">Role</th>
+            <th scope="col">Tenant</th>
+            <th scope="col">Last login</th>
+            <th scope="col">State</th>
+            <th scope="col">Actions</th>
+          </tr>
+        </thead>
+        <tbody>
+          {props.users.map((u) => {
+            const locked = u.locked_until && new Date(u.locked_until) > new Date();
+            return (
+              <tr key={u.id}>
+                <td>{u.username}</td>
+                <td>{u.role.replace("_", " ")}</td>
+                <td>{u.tenant ? name(u.tenant) : "–"}</td>
+                <td>{formatTime(u.last_login_at)}</td>
+                <td>{u.disabled_at ? "disabled" : locked ? `locked until ${formatTime(u.locked_until)}` : "active"}</td>
+                <td>
+                  {!u.disabled_at && (
+                    <div class="actions">
+                      {(locked || u.failed_logins > 0) && (
+                        <button type="button" class="secondary" onClick={() => api("POST", `/v1/admin/users/${u.id}/unlock`).then(props.onChange)}>
+                          Unlock
+                        </button>
+                      )}
+                      <button type="button" class="danger" onClick={() => setDisabling(u)} aria-label={`Disable ${u.username}`}>
+                        Disable
+                      </button>
+                    </div>
+                  )}
+                </td>
+              </tr>
+            );
+          })}
+        </tbody>
+      </Table>
+      <Confirm
+        open={disabling !== null}
+        title={`Disable ${disabling?.username ?? ""}?`}
+        body={<p>They are logged out at once and cannot log in again.</p>}
+        action="Disable"
+        danger
+        onClose={() => setDisabling(null)}
+        onConfirm={async () => {
+          await api("DELETE", `/v1/admin/users/${disabling!.id}`);
+          props.onChange();
+        }}
+      />
+    </>
+  );
+}
+
+export function UsersPage({ me }: { me: Me }) {
+  const data = useAsync(async () => {
+    const [users, tenants] = await Promise.all([
+      api<{ data: User[] }>("GET", "/v1/admin/users"),
+      api<{ data: Tenant[] }>("GET", "/v1/admin/tenants"),
+    ]);
+    return { users: users.data, tenants: tenants.data };
+  }, []);
+  const [notice, setNotice] = useState<string | null>(null);
+  if (me.role !== "platform_admin") return <p>Only platform admins manage users.</p>;
+  return (
+    <section>
+      <h1>Users</h1>
+      <ErrorBanner error={data.error} />
+      <Notice text={notice} />
+      {data.data ? (
+        <>
+          <CreateUser
+            tenants={data.data.tenants}
+            onCreated={(u) => {
+              setNotice(`User ${u.username} created.`);
+              data.reload();
+            }}
+          />
+          <UserTable users={data.data.users} tenants={data.data.tenants} onChange={data.reload} />
+        </>
+      ) : (
+        <Loading what="users" />
+      )}
+    </section>
+  );
+}
+
+/** A tenant's administrators, on the tenant's page (platform admins). */
+export function TenantAdmins({ tenant }: { tenant: Tenant }) {
+  const users = useAsync(() => api<{ data: User[] }>("GET", "/v1/admin/users"), []);
+  const [notice, setNotice] = useState<string | null>(null);
+  const mine = users.data?.data.filter((u) => u.tenant === tenant.id) ?? [];
+  return (
+    <section aria-labelledby="admins-title">
+      <h2 id="admins-title">Tenant admins</h2>
+      <ErrorBanner error={users.error} />
+      <Notice text={notice} />
+      {tenant.state !== "deleted" && (
+        <CreateUser
+          tenants={[tenant]}
+          fixedTenant={tenant}
+          onCreated={(u) => {
+            setNotice(`Tenant admin ${u.username} created.`);
+            users.reload();
+          }}
+        />
+      )}
+      <UserTable users={mine} tenants={[tenant]} onChange={users.reload} />
+    </section>
+  );
+}

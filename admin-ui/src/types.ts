@@ -1,0 +1,142 @@
+// Shapes of the admin and finance APIs' answers (see openapi/openapi.json).
+
+export interface Tenant {
+  id: string;
+  name: string;
+  state: "active" | "suspended" | "deleted";
+  created_at: string;
+  suspended_at: string | null;
+  deleted_at: string | null;
+  active_keys: number;
+}
+
+export interface Key {
+  id: string;
+  tenant_id: string;
+  name: string;
+  prefix: string;
+  state: "active" | "rotating" | "expired" | "revoked";
+  created_at: string;
+  last_used_at: string | null;
+  expires_at: string | null;
+  revoked_at: string | null;
+  rotated_to: string | null;
+}
+
+export interface CreatedKey extends Key {
+  secret: string | null;
+}
+
+export interface Rotation {
+  old_key: Key;
+  new_key: Key;
+  secret: string | null;
+  grace_until: string;
+  replayed: boolean;
+}
+
+export interface UsagePoint {
+  bucket_start?: string;
+  model?: string;
+  api_key?: string;
+  requests: number;
+  input_tokens: number;
+  cache_write_5m_tokens: number;
+  cache_write_1h_tokens: number;
+  cache_read_tokens: number;
+  output_tokens: number;
+  hit_ratio: number;
+  cost_minor: number;
+  cost_without_cache_minor: number;
+  saved_minor: number;
+  unpriced_tokens: number;
+}
+
+export interface UsageView {
+  tenant: string;
+  from: string;
+  to: string;
+  granularity: "hour" | "day";
+  group_by: "none" | "model" | "api_key";
+  currency: string;
+  totals: UsagePoint;
+  series: UsagePoint[];
+  key_names: Record<string, string>;
+}
+
+export interface BudgetView {
+  currency: string;
+  limit_minor: number | null;
+  alert_percent: number;
+  spent_minor: number;
+  month_start: string;
+  resets_at: string;
+  state: "none" | "ok" | "alert" | "exhausted";
+  refusals: { limit: string; count: number }[];
+}
+
+export interface CacheView {
+  quota_bytes: number | null;
+  reserved_bytes: number | null;
+  total_bytes: number;
+  tiers: { tier: string; blocks: number; bytes: number }[];
+  evictions: Record<string, number>;
+  top_prefixes: {
+    hash: string;
+    tokens: number;
+    bytes: number;
+    reads: number;
+    ttl_left_ms: number;
+    ttl_secs: number;
+    paid: boolean;
+  }[];
+  nodes: number;
+  unreachable_nodes: number;
+}
+
+export interface AuditRow {
+  id: number;
+  at: string;
+  actor: string;
+  actor_role: string | null;
+  tenant_id: string | null;
+  action: string;
+  target: string | null;
+  before: unknown;
+  after: unknown;
+  request_id: string | null;
+}
+
+export interface User {
+  id: string;
+  username: string;
+  role: "platform_admin" | "tenant_admin" | "finance";
+  tenant: string | null;
+  created_at: string;
+  disabled_at: string | null;
+  locked_until: string | null;
+  last_login_at: string | null;
+  failed_logins: number;
+}
+
+export interface InvoiceSummary {
+  id: string;
+  tenant_id: string;
+  period_start: string;
+  currency: string;
+  status: "draft" | "finalized";
+  total_minor: number;
+}
+
+export interface Invoice extends InvoiceSummary {
+  lines: {
+    kind: string;
+    model: string | null;
+    token_class: string | null;
+    quantity: number;
+    amount_minor: number;
+    description: string;
+  }[];
+  computed_at?: string;
+  finalized_at?: string | null;
+}

@@ -1,0 +1,69 @@
+import { describe, expect, it } from "vitest";
+import { formatBytes, formatDuration, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../src/format";
+
+describe("money", () => {
+  it("formats minor units exactly, with grouping and the currency's digits", () => {
+    expect(formatMoney(0)).toBe("$0.00");
+    expect(formatMoney(5)).toBe("$0.05");
+    expect(formatMoney(123456)).toBe("$1,234.56");
+    expect(formatMoney(-105)).toBe("−$1.05");
+    expect(formatMoney(1500, "JPY")).toBe("1,500 JPY");
+    expect(formatMoney(1234, "KWD")).toBe("1.234 KWD");
+    expect(formatMoney(99, "EUR")).toBe("€0.99");
+  });
+
+  it("shows fractions of a cent on chart axes", () => {
+    expect(formatMoneyAxis(0.25)).toBe("$0.0025");
+    expect(formatMoneyAxis(150)).toBe("$1.5");
+    expect(formatMoneyAxis(123456)).toBe("$1,234.56");
+    expect(formatMoneyAxis(7, "JPY")).toBe("7 JPY");
+  });
+
+  it("never rounds through floating point", () => {
+    // 2^53 - 1 cents: exact digits, no scientific notation.
+    expect(formatMoney(9007199254740991)).toBe("$90,071,992,547,409.91");
+  });
+});
+
+describe("token counts", () => {
+  it("are exact below a thousand and short above", () => {
+    expect(formatTokens(0)).toBe("0");
+    expect(formatTokens(999)).toBe("999");
+    expect(formatTokens(1000)).toBe("1K");
+    expect(formatTokens(1234)).toBe("1.23K");
+    expect(formatTokens(45_600)).toBe("45.6K");
+    expect(formatTokens(1_234_567)).toBe("1.23M");
+    expect(formatTokens(250_000_000)).toBe("250M");
+    expect(formatTokens(3_100_000_000)).toBe("3.1B");
+    expect(formatTokens(-2500)).toBe("−2.5K");
+  });
+});
+
+describe("ratios", () => {
+  it("are percentages with at most one decimal", () => {
+    expect(formatRatio(0)).toBe("0%");
+    expect(formatRatio(0.375)).toBe("37.5%");
+    expect(formatRatio(1 / 3)).toBe("33.3%");
+    expect(formatRatio(1)).toBe("100%");
+    expect(formatRatio(0.99999)).toBe("100%");
+    expect(formatRatio(Number.NaN)).toBe("–");
+  });
+});
+
+describe("other units", () => {
+  it("bytes are binary", () => {
+    expect(formatBytes(512)).toBe("512 B");
+    expect(formatBytes(1536)).toBe("1.5 KiB");
+    expect(formatBytes(1073741824)).toBe("1 GiB");
+    expect(formatBytes(300 * 1048576)).toBe("300 MiB");
+  });
+  it("durations and times", () => {
+    expect(formatDuration(12_400)).toBe("12s");
+    expect(formatDuration(252_000)).toBe("4m 12s");
+    expect(formatDuration(3_900_000)).toBe("1h 5m");
+    expect(formatTime("2026-11-24T10:05:31Z")).toBe("2026-11-24 10:05 UTC");
+    expect(formatTime(null)).toBe("–");
+    expect(formatLimit(null)).toBe("no limit");
+    expect(formatLimit(600, "requests")).toBe("600 requests");
+  });
+});

@@ -1,0 +1,117 @@
+import { describe, expect, it } from "vitest";
+import {
+  dateRange,
+  minorToText,
+  parseGrace,
+  parseLimit,
+  parseMoney,
+  type Policy,
+  policyForm,
+  policyPatch,
+  validateKey,
+  validateTenantName,
+  validateUser,
+} from "../src/forms";
+
+const policy: Policy = {
+  requests_per_minute: null,
+  input_tokens_per_minute: 400000,
+  output_tokens_per_minute: null,
+  key_requests_per_minute: null,
+  key_input_tokens_per_minute: null,
+  key_output_tokens_per_minute: null,
+  monthly_budget_minor: 25000,
+  budget_alert_percent: 80,
+  cache_resident_bytes: 1073741824,
+  reserved_cache_bytes: null,
+  allow_1h_ttl: true,
+  replication_factor: null,
+};
+
+describe("the policy form", () => {
+  it("round-trips a policy with no change", () => {
+    const form = policyForm(policy, "USD");
+    expect(form.monthly_budget).toBe("250.00");
+    expect(policyPatch(policy, form, "USD", true)).toEqual({ patch: {}, errors: {} });
+  });
+
+  it("sends only the changed fields; empty means no limit", () => {
+    const form = { ...policyForm(policy, "USD"), requests_per_minute: "2", input_tokens_per_minute: "", monthly_budget: "99.5" };
+    const { patch, errors } = policyPatch(policy, form, "USD", false);
+    expect(errors).toEqual({});
+    expect(patch).toEqual({ requests_per_minute: 2, input_tokens_per_minute: null, monthly_budget_minor: 9950 });
+  });
+
+  it("names every invalid field before sending", () => {
+    const form = {
+      ...policyForm(policy, "USD"),
+      requests_per_minute: "0",
+      output_tokens_per_minute: "12.5",
+      monthly_budget: "-3",
+      budget_alert_percent: "101",
+      replication_factor: "17",
+      reserved_cache_bytes: "2147483648",
+    };
+    const { errors } = policyPatch(policy, form, "USD", true);
+    expect(Object.keys(errors).sort()).toEqual(
+      ["budget_alert_percent", "monthly_budget", "output_tokens_per_minute", "replication_factor", "requests_per_minute", "reserved_cache_bytes"].sort(),
+    );
+    expect(errors.requests_per_minute).toContain("at least 1");
+    expect(errors.reserved_cache_bytes).toContain("resident");
+  });
+
+  it("leaves the platform's fields out for a tenant admin", () => {
+    const form = { ...policyForm(policy, "USD"), cache_resident_bytes: "5", replication_factor: "3" };
+    expect(policyPatch(policy, form, "USD", false).patch).toEqual({});
+    expect(policyPatch(policy, form, "USD", true).patch).toEqual({ cache_resident_bytes: 5, replication_factor: 3 });
+  });
+});
+
+describe("money and limits", () => {
+  it("parses amounts into minor units without floating point", () => {
+    expect(parseMoney("0.1", "USD")).toBe(10);
+    expect(parseMoney("1,234.56", "USD")).toBe(123456);
+    expect(parseMoney("19.99", "USD")).toBe(1999);
+    expect(parseMoney("500", "JPY")).toBe(500);
+    expect(typeof parseMoney("1.234", "USD")).toBe("string");
+    expect(typeof parseMoney("5.5", "JPY")).toBe("string");
+    expect(typeof parseMoney("abc", "USD")).toBe("string");
+    expect(minorToText(5, "USD")).toBe("0.05");
+    expect(minorToText(123456, "USD")).toBe("1234.56");
+  });
+  it("parses limits", () => {
+    expect(parseLimit("", 1)).toBeNull();
+    expect(parseLimit("1_000", 1)).toBe(1000);
+    expect(typeof parseLimit("0", 1)).toBe("string");
+    expect(parseLimit("0", 0)).toBe(0);
+    expect(typeof parseLimit("1e3", 1)).toBe("string");
+  });
+});
+
+describe("other forms", () => {
+  const now = new Date("2026-11-24T10:00:00Z");
+  it("keys need a name and a future expiry", () => {
+    expect(validateKey("ci", "", now)).toEqual({ value: { name: "ci", expires_at: null }, errors: {} });
+    expect(validateKey("ci", "2026-12-01T00:00", now).value?.expires_at).toBe("2026-12-01T00:00:00.000Z");
+    expect(validateKey("  ", "", now).errors.name).toBeTruthy();
+    expect(validateKey("ci", "2026-11-01T00:00", now).errors.expires).toBe("must be in the future");
+  });
+  it("grace periods are hours up to 30 days", () => {
+    expect(parseGrace("24")).toBe(86400);
+    expect(parseGrace("0.5")).toBe(1800);
+    expect(parseGrace("0")).toBe(0);
+    expect(typeof parseGrace("721")).toBe("string");
+    expect(typeof parseGrace("-1")).toBe("string");
+  });
+  it("users and tenants", () => {
+    expect(validateUser({ username: "ana", password: "a long passphrase", role: "finance", tenant: "" })).toEqual({});
+    const bad = validateUser({ username: "a b", password: "short", role: "tenant_admin", tenant: "" });
+    expect(Object.keys(bad).sort()).toEqual(["password", "tenant", "username"]);
+    expect(validateTenantName("acme")).toBeNull();
+    expect(validateTenantName("")).toBeTruthy();
+  });
+  it("date ranges include their last day", () => {
+    expect(dateRange("2026-11-01", "2026-11-30")).toEqual({ from: "2026-11-01T00:00:00.000Z", to: "2026-12-01T00:00:00.000Z" });
+    expect(dateRange("2026-11-02", "2026-11-01")).toBe("the end is before the start");
+  });
+});

@@ -1,0 +1,343 @@
+//! The admin API (`/v1/admin/…`) and the admin console's web UI (`/admin`).
+//!
+//! Who may do what (the roles of the finance API, carried by the same JWTs):
+//!
+//! | role | may |
+//! |---|---|
+//! | `platform_admin` | everything: tenants, users, every tenant's keys, policy, views, audit |
+//! | `tenant_admin` | its own tenant: keys, the self-service part of its policy, usage, budget, cache, audit; another tenant answers 404 |
+//! | `finance` | reads tenants, usage, budgets and cache of every tenant (and, in `/v1/billing`, invoices and exports); changes nothing but invoice state |
+//!
+//! - [`login`]: admin users (argon2id), login with backoff and lockout, short-lived access
+//!   tokens with rotating refresh tokens, logout;
+//! - [`handlers`]: tenants, keys, policy, audit log;
+//! - [`views`]: usage and savings over time, budget status, the cache view;
+//! - [`sync`]: the change feed every gateway and node follows, so changes apply in about a
+//!   second without a restart;
+//! - [`ui`]: the built single-page app from `admin-ui/dist`.
+//!
+//! Errors are the gateway's ([`crate::error`]): Anthropic's shape, one vocabulary.
+
+pub mod handlers;
+pub mod login;
+pub mod sync;
+pub mod ui;
+pub mod views;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
+use axum::routing::{get, post};
+use billing::api::{Claims, FinanceState, Role};
+use cache_fabric::FabricClient;
+use cache_fabric::transport::TcpTransport;
+use cachet_common::RequestId;
+use serde::de::DeserializeOwned;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::error::{ApiError, ErrorKind};
+use crate::tenants::{Actor, AdminError};
+
+/// Where the cache view comes from.
+pub enum CacheSource {
+    /// This process's fabric node (`cachet serve`).
+    Local(FabricClient),
+    /// Every node of a cluster, asked over the fabric transport (`cachet gateway`).
+    Cluster {
+        transport: Arc<TcpTransport>,
+        /// The nodes' fabric addresses now.
+        nodes: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
+    },
+}
+
+/// Admin console settings.
+#[derive(Clone, Debug)]
+pub struct AdminConfig {
+    /// Where the built admin UI is (`admin-ui/dist`).
+    pub ui_dir: std::path::PathBuf,
+    /// Lifetime of an access token.
+    pub access_ttl: Duration,
+    /// Lifetime of a login (its refresh tokens).
+    pub session_ttl: Duration,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self {
+            ui_dir: "admin-ui/dist".into(),
+            access_ttl: Duration::from_secs(15 * 60),
+            session_ttl: Duration::from_secs(12 * 3600),
+        }
+    }
+}
+
+pub struct AdminInner {
+    pub pool: PgPool,
+    /// The token secret and the pool, as the finance API uses them.
+    pub finance: FinanceState,
+    /// The server's admin secret (rotations derive secrets a retry can show again).
+    pub server_key: Option<Arc<[u8]>>,
+    pub cache: CacheSource,
+    pub config: AdminConfig,
+    pub throttle: login::Throttle,
+}
+
+/// Shared state of the admin API. Cheap to clone.
+pub type AdminState = Arc<AdminInner>;
+
+pub fn state(
+    pool: PgPool,
+    jwt: Option<Arc<billing::api::Jwt>>,
+    server_key: Option<Arc<[u8]>>,
+    cache: CacheSource,
+    config: AdminConfig,
+) -> AdminState {
+    Arc::new(AdminInner {
+        finance: FinanceState {
+            pool: pool.clone(),
+            jwt,
+        },
+        pool,
+        server_key,
+        cache,
+        config,
+        throttle: login::Throttle::default(),
+    })
+}
+
+impl From<AdminError> for ApiError {
+    fn from(e: AdminError) -> Self {
+        match e {
+            AdminError::TenantNotFound(_) | AdminError::NotFound(_) => {
+                ApiError::new(ErrorKind::NotFound, e.to_string())
+            }
+            AdminError::Conflict(_) | AdminError::State(_) => {
+                ApiError::new(ErrorKind::Conflict, e.to_string())
+            }
+            AdminError::Invalid(m) => ApiError::invalid(m),
+            AdminError::Forbidden(m) => ApiError::new(ErrorKind::Permission, m),
+            AdminError::Billing(billing::invoice::BillingError::Db(e)) | AdminError::Db(e) => {
+                ApiError::internal("admin database error", e)
+            }
+            AdminError::Billing(b) => ApiError::invalid(b.to_string()),
+            AdminError::Random(m) => ApiError::internal("admin", m),
+        }
+    }
+}
+
+impl From<billing::api::ApiError> for ApiError {
+    fn from(e: billing::api::ApiError) -> Self {
+        let kind = match e.status().as_u16() {
+            401 => ErrorKind::Authentication,
+            403 => ErrorKind::Permission,
+            404 => ErrorKind::NotFound,
+            409 => ErrorKind::Conflict,
+            400..=499 => ErrorKind::InvalidRequest,
+            503 => ErrorKind::Unavailable,
+            _ => ErrorKind::Api,
+        };
+        ApiError::new(kind, e.message())
+    }
+}
+
+impl From<billing::invoice::BillingError> for ApiError {
+    fn from(e: billing::invoice::BillingError) -> Self {
+        AdminError::Billing(e).into()
+    }
+}
+
+/// An authenticated admin request: its claims, and the actor its changes are recorded as.
+pub struct Admin {
+    pub claims: Claims,
+    pub actor: Actor,
+}
+
+impl FromRequestParts<AdminState> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AdminState,
+    ) -> Result<Self, Self::Rejection> {
+        let claims = billing::api::authenticate(&state.finance, &parts.headers).await?;
+        let actor = Actor {
+            name: if claims.sid.is_some() {
+                format!("user:{}", claims.sub)
+            } else {
+                format!("jwt:{}", claims.sub)
+            },
+            role: Some(claims.role.as_str().to_string()),
+            request_id: parts.extensions.get::<RequestId>().map(|r| r.to_string()),
+        };
+        Ok(Admin { claims, actor })
+    }
+}
+
+/// How a handler uses a tenant.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    /// A change a tenant admin may make to its own tenant.
+    Write,
+    /// A change only a platform admin may make.
+    Platform,
+}
+
+impl Admin {
+    pub fn role(&self) -> Role {
+        self.claims.role
+    }
+
+    pub fn is_platform(&self) -> bool {
+        self.claims.role == Role::PlatformAdmin
+    }
+
+    /// Refuse unless the caller's role is one of `roles`.
+    pub fn require(&self, roles: &[Role]) -> Result<(), ApiError> {
+        if roles.contains(&self.claims.role) {
+            Ok(())
+        } else {
+            Err(ApiError::new(
+                ErrorKind::Permission,
+                format!("the {} role may not do this", self.claims.role.as_str()),
+            ))
+        }
+    }
+
+    /// Whether the caller may use `tenant` as `access` says. A tenant admin asking about
+    /// another tenant is told it does not exist.
+    pub fn tenant(&self, tenant: Uuid, access: Access) -> Result<(), ApiError> {
+        match (self.claims.role, access) {
+            (Role::PlatformAdmin, _) => Ok(()),
+            (Role::TenantAdmin, Access::Read | Access::Write)
+                if self.claims.tenant == Some(tenant) =>
+            {
+                Ok(())
+            }
+            (Role::TenantAdmin, _) if self.claims.tenant != Some(tenant) => Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!("tenant {tenant} not found"),
+            )),
+            (Role::Finance, Access::Read) => Ok(()),
+            _ => Err(ApiError::new(
+                ErrorKind::Permission,
+                format!("the {} role may not do this", self.claims.role.as_str()),
+            )),
+        }
+    }
+}
+
+/// `Json<T>` whose rejections are API errors.
+pub struct AdminJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for AdminJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(v)) => Ok(AdminJson(v)),
+            Err(r) => Err(json_rejection(r)),
+        }
+    }
+}
+
+fn json_rejection(r: JsonRejection) -> ApiError {
+    match r {
+        JsonRejection::MissingJsonContentType(_) => {
+            ApiError::invalid("content-type: must be application/json")
+        }
+        other => ApiError::invalid(other.body_text()),
+    }
+}
+
+/// `Query<T>` whose rejections are API errors.
+pub struct AdminQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for AdminQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(v)) => Ok(AdminQuery(v)),
+            Err(r) => Err(query_rejection(r)),
+        }
+    }
+}
+
+fn query_rejection(r: QueryRejection) -> ApiError {
+    ApiError::invalid(r.body_text())
+}
+
+/// `Path<T>` whose rejections are API errors.
+pub struct AdminPath<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for AdminPath<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(v)) => Ok(AdminPath(v)),
+            Err(r) => Err(ApiError::invalid(format!("path: {}", r.body_text()))),
+        }
+    }
+}
+
+/// The admin API's routes, the finance API's, and the admin UI.
+pub fn routes(state: AdminState) -> Router {
+    use axum::routing::delete;
+    let admin = Router::new()
+        .route("/v1/admin/login", post(login::login))
+        .route("/v1/admin/refresh", post(login::refresh))
+        .route("/v1/admin/logout", post(login::logout))
+        .route("/v1/admin/me", get(login::me))
+        .route(
+            "/v1/admin/users",
+            get(login::list_users).post(login::create_user_handler),
+        )
+        .route("/v1/admin/users/{id}", delete(login::disable_user))
+        .route("/v1/admin/users/{id}/unlock", post(login::unlock_user))
+        .route(
+            "/v1/admin/tenants",
+            get(handlers::list_tenants).post(handlers::create_tenant),
+        )
+        .route(
+            "/v1/admin/tenants/{id}",
+            get(handlers::get_tenant).delete(handlers::delete_tenant),
+        )
+        .route("/v1/admin/tenants/{id}/suspend", post(handlers::suspend))
+        .route("/v1/admin/tenants/{id}/resume", post(handlers::resume))
+        .route(
+            "/v1/admin/tenants/{id}/keys",
+            get(handlers::list_keys).post(handlers::create_key),
+        )
+        .route(
+            "/v1/admin/tenants/{id}/keys/{key}",
+            axum::routing::patch(handlers::update_key),
+        )
+        .route(
+            "/v1/admin/tenants/{id}/keys/{key}/revoke",
+            post(handlers::revoke_key),
+        )
+        .route(
+            "/v1/admin/tenants/{id}/keys/{key}/rotate",
+            post(handlers::rotate_key),
+        )
+        .route(
+            "/v1/admin/tenants/{id}/policy",
+            get(handlers::get_policy).patch(handlers::patch_policy),
+        )
+        .route("/v1/admin/tenants/{id}/usage", get(views::usage))
+        .route("/v1/admin/tenants/{id}/budget", get(views::budget))
+        .route("/v1/admin/tenants/{id}/cache", get(views::cache))
+        .route("/v1/admin/audit", get(handlers::list_audit))
+        .route("/v1/admin/audit/export", get(handlers::export_audit))
+        .with_state(state.clone());
+    admin
+        .merge(billing::api::router(state.finance.clone()))
+        .merge(ui::routes(&state.config.ui_dir))
+}

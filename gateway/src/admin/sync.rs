@@ -1,0 +1,330 @@
+//! The change feed: how a running gateway or node applies administrative changes without a
+//! restart.
+//!
+//! Every change writes an audit row in its own transaction (see [`crate::tenants::audit`]).
+//! [`run`] polls `admin_audit` about once a second for rows it has not seen and, for each
+//! tenant they touch:
+//! - drops the tenant's cached API keys (a revoked, expired or rotated key, a suspended
+//!   tenant, new limits: the next request reads them again);
+//! - applies the tenant's cache policy to this process's fabric node (resident quota,
+//!   reservation, replication factor), or purges its blocks from every tier if it was deleted.
+//!
+//! At start it applies every tenant's policy and purges every deleted tenant's blocks (what a
+//! node's disk tier kept from before a restart included), then follows the feed from its end.
+//!
+//! Ids of rows that commit late can be lower than ids already seen; each poll re-reads a
+//! window of the last [`OVERLAP`] ids and skips those it has applied, so a late row is still
+//! applied. Applying a change twice is harmless (it reloads state), so nothing depends on
+//! exactly-once.
+//!
+//! Besides, on the same loop: the month's spend of tenants with a budget (for admission, every
+//! [`SyncConfig::spend_every`], with a `budget.alert` audit row the first time a tenant passes its alert
+//! threshold in a month), counts of refused requests and keys' last use (every
+//! [`FLUSH_EVERY`]), and erasing rotation seeds past their replay window.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cache_fabric::FabricClient;
+use cachet_common::TenantId;
+use chrono::{DateTime, DurationRound, TimeDelta, Utc};
+use serde_json::json;
+use sqlx::{PgPool, Row};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::admission::{Admission, Spend};
+use crate::auth::Authenticator;
+use crate::metrics;
+use crate::tenants::policy::{self, Policy};
+use crate::tenants::{AdminError, keys};
+
+/// Ids re-read behind the highest seen (rows that committed out of id order).
+pub const OVERLAP: i64 = 256;
+/// How often refusal counts and key use are written.
+pub const FLUSH_EVERY: Duration = Duration::from_secs(5);
+
+/// How often the loop does what.
+#[derive(Clone, Copy, Debug)]
+pub struct SyncConfig {
+    /// Polls of the change feed.
+    pub poll: Duration,
+    /// Recomputations of budgeted tenants' spend.
+    pub spend_every: Duration,
+}
+
+impl Default for SyncConfig {
+    fn default() -> Self {
+        Self {
+            poll: Duration::from_secs(1),
+            spend_every: Duration::from_secs(15),
+        }
+    }
+}
+
+/// What this process applies changes to.
+#[derive(Clone, Default)]
+pub struct Targets {
+    pub auth: Option<Arc<Authenticator>>,
+    pub admission: Option<Arc<Admission>>,
+    pub fabric: Option<FabricClient>,
+}
+
+/// A tenant's state as the fabric needs it.
+struct TenantState {
+    deleted: bool,
+    policy: Policy,
+}
+
+async fn load_states(
+    pool: &PgPool,
+    only: Option<&[Uuid]>,
+) -> Result<HashMap<Uuid, TenantState>, AdminError> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT t.id, t.deleted_at IS NOT NULL AS deleted, {} FROM tenants t \
+         LEFT JOIN tenant_quotas q ON q.tenant_id = t.id WHERE $1::UUID[] IS NULL OR t.id = ANY($1)",
+        policy::COLUMNS
+    )))
+    .bind(only)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            (
+                r.get("id"),
+                TenantState {
+                    deleted: r.get("deleted"),
+                    policy: policy::from_row(r),
+                },
+            )
+        })
+        .collect())
+}
+
+async fn apply_fabric(fabric: &FabricClient, tenant: Uuid, s: &TenantState) {
+    let t = TenantId(tenant);
+    if s.deleted {
+        let n = fabric.purge_tenant(t);
+        if n > 0 {
+            tracing::info!(tenant_id = %t, blocks = n, "purged the cache of a deleted tenant");
+        }
+        fabric.set_tenant_replicas(t, None);
+        return;
+    }
+    let bytes = |b: Option<i64>| b.map(|b| b.max(0) as u64);
+    fabric
+        .set_tenant_quota(t, bytes(s.policy.cache_resident_bytes))
+        .await;
+    fabric
+        .set_tenant_reservation(t, bytes(s.policy.reserved_cache_bytes))
+        .await;
+    fabric.set_tenant_replicas(t, s.policy.replication_factor.map(|r| r.max(1) as usize));
+}
+
+/// Follow the change feed until `stop`.
+pub async fn run(pool: PgPool, targets: Targets, config: SyncConfig, stop: CancellationToken) {
+    let mut follower = Follower::default();
+    let mut last_spend: Option<Instant> = None;
+    let mut last_flush = Instant::now();
+    let mut last_seed_sweep: Option<Instant> = None;
+    let mut tick = tokio::time::interval(config.poll);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled() => break,
+        }
+        if let Err(e) = follower.step(&pool, &targets).await {
+            tracing::warn!(error = %e, "following administrative changes failed; retrying");
+        }
+        if last_spend.is_none_or(|t| t.elapsed() >= config.spend_every)
+            && let (Some(auth), Some(adm)) = (&targets.auth, &targets.admission)
+        {
+            last_spend = Some(Instant::now());
+            if let Err(e) = refresh_spend(&pool, auth, adm).await {
+                tracing::warn!(error = %e, "refreshing budget spend failed");
+            }
+        }
+        if last_flush.elapsed() >= FLUSH_EVERY {
+            last_flush = Instant::now();
+            flush(&pool, &targets).await;
+        }
+        if last_seed_sweep.is_none_or(|t| t.elapsed() >= Duration::from_secs(600)) {
+            last_seed_sweep = Some(Instant::now());
+            if let Err(e) = keys::expire_rotation_seeds(&pool).await {
+                tracing::warn!(error = %e, "erasing old rotation seeds failed");
+            }
+        }
+    }
+    // What is counted but not yet written goes now.
+    flush(&pool, &targets).await;
+}
+
+/// The feed's position.
+#[derive(Default)]
+pub struct Follower {
+    started: bool,
+    high: i64,
+    /// Ids applied within the overlap window.
+    seen: BTreeSet<i64>,
+}
+
+impl Follower {
+    /// One poll: at first, apply every tenant's state; then apply what is new.
+    pub async fn step(&mut self, pool: &PgPool, targets: &Targets) -> Result<usize, AdminError> {
+        if !self.started {
+            // The feed's end first, then the full state: a change between the two is
+            // applied twice, never missed.
+            self.high = sqlx::query_scalar("SELECT COALESCE(max(id), 0) FROM admin_audit")
+                .fetch_one(pool)
+                .await?;
+            if let Some(f) = &targets.fabric {
+                for (id, s) in load_states(pool, None).await? {
+                    apply_fabric(f, id, &s).await;
+                }
+            }
+            self.started = true;
+            return Ok(0);
+        }
+        let rows = sqlx::query(
+            "SELECT id, at, tenant_id, action FROM admin_audit WHERE id > $1 ORDER BY id",
+        )
+        .bind(self.high - OVERLAP)
+        .fetch_all(pool)
+        .await?;
+        let mut tenants: BTreeSet<Uuid> = BTreeSet::new();
+        let now = Utc::now();
+        for r in &rows {
+            let id: i64 = r.get("id");
+            if id <= self.high - OVERLAP || !self.seen.insert(id) {
+                continue;
+            }
+            self.high = self.high.max(id);
+            let action: String = r.get("action");
+            let at: DateTime<Utc> = r.get("at");
+            metrics::ADMIN_CHANGE_LAG.observe((now - at).num_milliseconds().max(0) as f64 / 1e3);
+            metrics::ADMIN_CHANGES_APPLIED
+                .with_label_values(&[action.split('.').next().unwrap_or("other")])
+                .inc();
+            if let Some(t) = r.get::<Option<Uuid>, _>("tenant_id") {
+                tenants.insert(t);
+            }
+        }
+        let floor = self.high - OVERLAP;
+        self.seen = self.seen.split_off(&(floor + 1));
+        if let Some(auth) = &targets.auth {
+            for t in &tenants {
+                auth.invalidate_tenant(TenantId(*t));
+            }
+        }
+        if let Some(f) = &targets.fabric
+            && !tenants.is_empty()
+        {
+            let ids: Vec<Uuid> = tenants.iter().copied().collect();
+            for (id, s) in load_states(pool, Some(&ids)).await? {
+                apply_fabric(f, id, &s).await;
+            }
+        }
+        Ok(tenants.len())
+    }
+}
+
+/// Recompute this month's spend of the tenants with a budget that this process serves, and
+/// raise each tenant's budget alert once a month.
+async fn refresh_spend(
+    pool: &PgPool,
+    auth: &Authenticator,
+    admission: &Admission,
+) -> Result<(), AdminError> {
+    let served: Vec<Uuid> = auth.cached_tenants().iter().map(|t| t.as_uuid()).collect();
+    if served.is_empty() {
+        return Ok(());
+    }
+    let budgets = sqlx::query(
+        "SELECT tenant_id, monthly_budget_minor, budget_alert_percent FROM tenant_quotas \
+         WHERE monthly_budget_minor IS NOT NULL AND tenant_id = ANY($1)",
+    )
+    .bind(&served)
+    .fetch_all(pool)
+    .await?;
+    let now = Utc::now();
+    let (month, resets_at) = billing::dashboard::month_of(now);
+    for b in budgets {
+        let tenant: Uuid = b.get("tenant_id");
+        let limit: i64 = b.get("monthly_budget_minor");
+        let alert: i16 = b.get("budget_alert_percent");
+        let (currency, spent) = billing::dashboard::month_spend(pool, tenant, now).await?;
+        if i128::from(spent) * 100 >= i128::from(limit) * i128::from(alert) {
+            // Once a month per tenant, whichever process sees it first.
+            sqlx::query(
+                "INSERT INTO admin_audit (actor, tenant_id, action, target, after) \
+                 SELECT 'system', $1, 'budget.alert', $1::TEXT, $2 WHERE NOT EXISTS \
+                 (SELECT 1 FROM admin_audit WHERE tenant_id = $1 AND action = 'budget.alert' AND at >= $3)",
+            )
+            .bind(tenant)
+            .bind(json!({"spent_minor": spent, "limit_minor": limit, "alert_percent": alert, "currency": currency}))
+            .bind(month)
+            .execute(pool)
+            .await?;
+        }
+        admission.set_spend(
+            TenantId(tenant),
+            Spend {
+                currency,
+                spent_minor: spent,
+                resets_at,
+            },
+        );
+    }
+    Ok(())
+}
+
+/// Write refusal counts (per hour) and keys' last use.
+async fn flush(pool: &PgPool, targets: &Targets) {
+    if let Some(adm) = &targets.admission {
+        let refusals = adm.take_refusals();
+        if !refusals.is_empty() {
+            let hour = Utc::now()
+                .duration_trunc(TimeDelta::hours(1))
+                .unwrap_or_else(|_| Utc::now());
+            let mut tenants = Vec::new();
+            let mut keys_ = Vec::new();
+            let mut limits = Vec::new();
+            let mut counts = Vec::new();
+            for (t, k, l, n) in refusals {
+                tenants.push(t.as_uuid());
+                keys_.push(k.as_uuid());
+                limits.push(l.to_string());
+                counts.push(n as i64);
+            }
+            let r = sqlx::query(
+                "INSERT INTO admission_refusals (tenant_id, bucket_start, api_key_id, limit_name, refusals) \
+                 SELECT t, $1, k, l, n FROM UNNEST($2::UUID[], $3::UUID[], $4::TEXT[], $5::BIGINT[]) AS u(t, k, l, n) \
+                 ON CONFLICT (tenant_id, bucket_start, limit_name, api_key_id) \
+                 DO UPDATE SET refusals = admission_refusals.refusals + EXCLUDED.refusals",
+            )
+            .bind(hour)
+            .bind(&tenants)
+            .bind(&keys_)
+            .bind(&limits)
+            .bind(&counts)
+            .execute(pool)
+            .await;
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "recording refusal counts failed; they are dropped");
+            }
+        }
+    }
+    if let Some(auth) = &targets.auth {
+        let used: Vec<(Uuid, DateTime<Utc>)> = auth
+            .take_used()
+            .into_iter()
+            .map(|(k, t)| (k.as_uuid(), t))
+            .collect();
+        if let Err(e) = keys::touch_keys(pool, &used).await {
+            tracing::warn!(error = %e, "recording keys' last use failed");
+        }
+    }
+}

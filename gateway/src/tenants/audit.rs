@@ -1,0 +1,179 @@
+//! The audit log: every administrative change, who made it, the object before and after.
+//!
+//! Rows are written in the same transaction as the change they describe, so a change without
+//! its row (or a row without its change) cannot exist. Never a secret: keys appear by id and
+//! visible prefix, passwords not at all. The table is append-only (a trigger refuses UPDATE and
+//! DELETE), and it is also the change feed that gateways and nodes follow
+//! ([`crate::admin::sync`]).
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgPool, Postgres, Row, Transaction};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::AdminError;
+
+/// Who makes a change.
+#[derive(Clone, Debug)]
+pub struct Actor {
+    /// `user:<name>` for an admin console user, `cli:<login>` for the CLI, `jwt:<sub>` for a
+    /// service token.
+    pub name: String,
+    pub role: Option<String>,
+    pub request_id: Option<String>,
+}
+
+impl Actor {
+    /// The CLI run by `login` (a platform administrator with database access).
+    pub fn cli(login: &str) -> Self {
+        Self {
+            name: format!("cli:{login}"),
+            role: Some("platform_admin".into()),
+            request_id: None,
+        }
+    }
+
+    /// The operating-system user running the CLI.
+    pub fn cli_user() -> Self {
+        Self::cli(&std::env::var("USER").unwrap_or_else(|_| "unknown".into()))
+    }
+}
+
+/// One audit entry as written.
+pub struct Entry<'a> {
+    pub tenant: Option<Uuid>,
+    pub action: &'a str,
+    pub target: Option<String>,
+    pub before: Option<serde_json::Value>,
+    pub after: Option<serde_json::Value>,
+}
+
+/// Write `entry` in `tx` (the change's own transaction).
+pub async fn record(
+    tx: &mut Transaction<'_, Postgres>,
+    actor: &Actor,
+    entry: Entry<'_>,
+) -> Result<i64, AdminError> {
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO admin_audit (actor, actor_role, tenant_id, action, target, before, after, request_id) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING id",
+    )
+    .bind(&actor.name)
+    .bind(&actor.role)
+    .bind(entry.tenant)
+    .bind(entry.action)
+    .bind(entry.target)
+    .bind(entry.before)
+    .bind(entry.after)
+    .bind(&actor.request_id)
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok(id)
+}
+
+/// Write one entry on its own (events that change nothing else: logins, lockouts).
+pub async fn record_alone(
+    pool: &PgPool,
+    actor: &Actor,
+    entry: Entry<'_>,
+) -> Result<(), AdminError> {
+    let mut tx = pool.begin().await?;
+    record(&mut tx, actor, entry).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// An audit row as listed.
+#[derive(Clone, Debug, Serialize, ToSchema)]
+pub struct AuditRow {
+    pub id: i64,
+    pub at: DateTime<Utc>,
+    pub actor: String,
+    pub actor_role: Option<String>,
+    pub tenant_id: Option<Uuid>,
+    pub action: String,
+    pub target: Option<String>,
+    pub before: Option<serde_json::Value>,
+    pub after: Option<serde_json::Value>,
+    pub request_id: Option<String>,
+}
+
+fn row(r: &sqlx::postgres::PgRow) -> AuditRow {
+    AuditRow {
+        id: r.get("id"),
+        at: r.get("at"),
+        actor: r.get("actor"),
+        actor_role: r.get("actor_role"),
+        tenant_id: r.get("tenant_id"),
+        action: r.get("action"),
+        target: r.get("target"),
+        before: r.get("before"),
+        after: r.get("after"),
+        request_id: r.get("request_id"),
+    }
+}
+
+/// What to list.
+#[derive(Clone, Debug, Default)]
+pub struct Filter {
+    pub tenant: Option<Uuid>,
+    /// Actions starting with this (`key.` lists every key change).
+    pub action: Option<String>,
+    pub from: Option<DateTime<Utc>>,
+    pub to: Option<DateTime<Utc>>,
+    /// Rows with a smaller id (the next page of a newest-first listing).
+    pub before_id: Option<i64>,
+}
+
+const COLUMNS: &str =
+    "id, at, actor, actor_role, tenant_id, action, target, before, after, request_id";
+
+/// Newest first, at most `limit` rows.
+pub async fn list(pool: &PgPool, f: &Filter, limit: i64) -> Result<Vec<AuditRow>, AdminError> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM admin_audit \
+         WHERE ($1::UUID IS NULL OR tenant_id = $1) AND ($2::TEXT IS NULL OR starts_with(action, $2)) \
+         AND ($3::TIMESTAMPTZ IS NULL OR at >= $3) AND ($4::TIMESTAMPTZ IS NULL OR at < $4) \
+         AND ($5::BIGINT IS NULL OR id < $5) ORDER BY id DESC LIMIT $6"
+    )))
+    .bind(f.tenant)
+    .bind(&f.action)
+    .bind(f.from)
+    .bind(f.to)
+    .bind(f.before_id)
+    .bind(limit.clamp(1, 1000))
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.iter().map(row).collect())
+}
+
+/// Oldest first, as a stream (exports of any length at constant memory).
+pub fn stream(
+    pool: &PgPool,
+    f: Filter,
+) -> impl futures::Stream<Item = Result<AuditRow, sqlx::Error>> + Send + 'static {
+    use futures::StreamExt;
+    let pool = pool.clone();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<AuditRow, sqlx::Error>>(256);
+    tokio::spawn(async move {
+        let mut rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM admin_audit \
+             WHERE ($1::UUID IS NULL OR tenant_id = $1) AND ($2::TEXT IS NULL OR starts_with(action, $2)) \
+             AND ($3::TIMESTAMPTZ IS NULL OR at >= $3) AND ($4::TIMESTAMPTZ IS NULL OR at < $4) \
+             ORDER BY id"
+        )))
+        .bind(f.tenant)
+        .bind(f.action)
+        .bind(f.from)
+        .bind(f.to)
+        .fetch(&pool);
+        while let Some(r) = rows.next().await {
+            let failed = r.is_err();
+            if tx.send(r.map(|r| row(&r))).await.is_err() || failed {
+                return;
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}

@@ -1,0 +1,401 @@
+//! A tenant's policy: rate limits, monthly spend budget, cache quota and reservation, whether
+//! `1h` TTLs may be written, and its replication factor.
+//!
+//! A tenant admin may tighten or loosen the limits that protect the tenant from itself (rate
+//! limits, budget, `1h` TTLs); what costs the platform capacity (resident and reserved cache
+//! bytes, replication) is the platform admin's. Reserved bytes are part of the tenant's plan
+//! (they are billed per GB-hour), so changing them adds a plan version from now on.
+
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::json;
+use sqlx::{PgPool, Row};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::AdminError;
+use super::audit::{self, Actor};
+
+/// Limits and cache policy of a tenant; `None` is "no limit" (or, for the replication
+/// factor, the cluster's default).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, ToSchema)]
+pub struct Policy {
+    /// Requests per minute, whole tenant.
+    pub requests_per_minute: Option<i64>,
+    /// Uncached input tokens per minute (cache reads never count), whole tenant.
+    pub input_tokens_per_minute: Option<i64>,
+    pub output_tokens_per_minute: Option<i64>,
+    /// The same three limits for each key of the tenant.
+    pub key_requests_per_minute: Option<i64>,
+    pub key_input_tokens_per_minute: Option<i64>,
+    pub key_output_tokens_per_minute: Option<i64>,
+    /// Spend per calendar month (UTC) in minor units of the tenant's currency; requests are
+    /// refused with 429 once it is reached.
+    pub monthly_budget_minor: Option<i64>,
+    /// Share of the budget (percent) at which an alert is raised.
+    pub budget_alert_percent: i32,
+    /// Hard cap on KV bytes resident in the cache fabric (one copy of each block).
+    pub cache_resident_bytes: Option<i64>,
+    /// Bytes no other tenant's writes can take (the plan's reservation, billed).
+    pub reserved_cache_bytes: Option<i64>,
+    /// Whether breakpoints may ask for a `1h` TTL (refused with 403 otherwise).
+    pub allow_1h_ttl: bool,
+    /// Fabric nodes holding each block (the cluster's default when unset).
+    pub replication_factor: Option<i32>,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            requests_per_minute: None,
+            input_tokens_per_minute: None,
+            output_tokens_per_minute: None,
+            key_requests_per_minute: None,
+            key_input_tokens_per_minute: None,
+            key_output_tokens_per_minute: None,
+            monthly_budget_minor: None,
+            budget_alert_percent: 80,
+            cache_resident_bytes: None,
+            reserved_cache_bytes: None,
+            allow_1h_ttl: true,
+            replication_factor: None,
+        }
+    }
+}
+
+/// The policy columns, read from `tenant_quotas q` (and the plan in force).
+pub(crate) const COLUMNS: &str = "q.requests_per_minute, q.input_tokens_per_minute, \
+    q.output_tokens_per_minute, q.key_requests_per_minute, q.key_input_tokens_per_minute, \
+    q.key_output_tokens_per_minute, q.cache_resident_bytes, q.monthly_budget_minor, \
+    q.budget_alert_percent, q.allow_1h_ttl, q.replication_factor, \
+    (SELECT p.reserved_cache_bytes FROM tenant_plans p WHERE p.tenant_id = q.tenant_id \
+     AND p.effective_from <= now() ORDER BY p.effective_from DESC LIMIT 1) AS reserved_cache_bytes";
+
+pub(crate) fn from_row(r: &sqlx::postgres::PgRow) -> Policy {
+    Policy {
+        requests_per_minute: r.get("requests_per_minute"),
+        input_tokens_per_minute: r.get("input_tokens_per_minute"),
+        output_tokens_per_minute: r.get("output_tokens_per_minute"),
+        key_requests_per_minute: r.get("key_requests_per_minute"),
+        key_input_tokens_per_minute: r.get("key_input_tokens_per_minute"),
+        key_output_tokens_per_minute: r.get("key_output_tokens_per_minute"),
+        monthly_budget_minor: r.get("monthly_budget_minor"),
+        budget_alert_percent: r
+            .get::<Option<i16>, _>("budget_alert_percent")
+            .map(i32::from)
+            .unwrap_or(80),
+        cache_resident_bytes: r.get("cache_resident_bytes"),
+        reserved_cache_bytes: r
+            .get::<Option<i64>, _>("reserved_cache_bytes")
+            .filter(|b| *b > 0),
+        allow_1h_ttl: r.get::<Option<bool>, _>("allow_1h_ttl").unwrap_or(true),
+        replication_factor: r.get::<Option<i16>, _>("replication_factor").map(i32::from),
+    }
+}
+
+/// `Some(None)` for an explicit `null`, `Some(Some(v))` for a value, `None` when absent.
+fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<Option<T>>, D::Error> {
+    Ok(Some(Option::deserialize(d)?))
+}
+
+/// A change to a policy (JSON merge patch: absent = unchanged, `null` = no limit).
+#[derive(Clone, Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyPatch {
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub requests_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub input_tokens_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub output_tokens_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub key_requests_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub key_input_tokens_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub key_output_tokens_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub monthly_budget_minor: Option<Option<i64>>,
+    #[serde(default)]
+    pub budget_alert_percent: Option<i32>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub cache_resident_bytes: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub reserved_cache_bytes: Option<Option<i64>>,
+    #[serde(default)]
+    pub allow_1h_ttl: Option<bool>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i32>)]
+    pub replication_factor: Option<Option<i32>>,
+}
+
+impl PolicyPatch {
+    /// Fields only a platform admin may change, named if this patch touches one.
+    pub fn platform_fields(&self) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        if self.cache_resident_bytes.is_some() {
+            out.push("cache_resident_bytes");
+        }
+        if self.reserved_cache_bytes.is_some() {
+            out.push("reserved_cache_bytes");
+        }
+        if self.replication_factor.is_some() {
+            out.push("replication_factor");
+        }
+        out
+    }
+
+    /// `policy` with this patch applied, validated.
+    pub fn apply(&self, mut p: Policy) -> Result<Policy, AdminError> {
+        fn set<T: Copy>(slot: &mut T, v: Option<T>) {
+            if let Some(v) = v {
+                *slot = v;
+            }
+        }
+        set(&mut p.requests_per_minute, self.requests_per_minute);
+        set(&mut p.input_tokens_per_minute, self.input_tokens_per_minute);
+        set(
+            &mut p.output_tokens_per_minute,
+            self.output_tokens_per_minute,
+        );
+        set(&mut p.key_requests_per_minute, self.key_requests_per_minute);
+        set(
+            &mut p.key_input_tokens_per_minute,
+            self.key_input_tokens_per_minute,
+        );
+        set(
+            &mut p.key_output_tokens_per_minute,
+            self.key_output_tokens_per_minute,
+        );
+        set(&mut p.monthly_budget_minor, self.monthly_budget_minor);
+        set(&mut p.budget_alert_percent, self.budget_alert_percent);
+        set(&mut p.cache_resident_bytes, self.cache_resident_bytes);
+        set(&mut p.reserved_cache_bytes, self.reserved_cache_bytes);
+        set(&mut p.allow_1h_ttl, self.allow_1h_ttl);
+        set(&mut p.replication_factor, self.replication_factor);
+        validate(&p)?;
+        Ok(p)
+    }
+}
+
+/// The rules every stored policy keeps, with the API's error texts.
+pub fn validate(p: &Policy) -> Result<(), AdminError> {
+    let at_least = |name: &str, v: Option<i64>, min: i64| match v {
+        Some(v) if v < min => Err(AdminError::Invalid(format!(
+            "{name}: must be a whole number of at least {min}, or null for no limit"
+        ))),
+        _ => Ok(()),
+    };
+    at_least("requests_per_minute", p.requests_per_minute, 1)?;
+    at_least("input_tokens_per_minute", p.input_tokens_per_minute, 1)?;
+    at_least("output_tokens_per_minute", p.output_tokens_per_minute, 1)?;
+    at_least("key_requests_per_minute", p.key_requests_per_minute, 1)?;
+    at_least(
+        "key_input_tokens_per_minute",
+        p.key_input_tokens_per_minute,
+        1,
+    )?;
+    at_least(
+        "key_output_tokens_per_minute",
+        p.key_output_tokens_per_minute,
+        1,
+    )?;
+    at_least("monthly_budget_minor", p.monthly_budget_minor, 0)?;
+    at_least("cache_resident_bytes", p.cache_resident_bytes, 0)?;
+    at_least("reserved_cache_bytes", p.reserved_cache_bytes, 0)?;
+    if !(1..=100).contains(&p.budget_alert_percent) {
+        return Err(AdminError::Invalid(
+            "budget_alert_percent: must be between 1 and 100".into(),
+        ));
+    }
+    if let Some(r) = p.replication_factor
+        && !(1..=16).contains(&r)
+    {
+        return Err(AdminError::Invalid(
+            "replication_factor: must be between 1 and 16, or null for the cluster's default"
+                .into(),
+        ));
+    }
+    if let (Some(reserved), Some(cap)) = (p.reserved_cache_bytes, p.cache_resident_bytes)
+        && reserved > cap
+    {
+        return Err(AdminError::Invalid(format!(
+            "reserved_cache_bytes: {reserved} is more than cache_resident_bytes ({cap}); a tenant cannot reserve more than it may hold"
+        )));
+    }
+    Ok(())
+}
+
+/// A tenant's policy.
+pub async fn get_policy(pool: &PgPool, tenant: Uuid) -> Result<Policy, AdminError> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM tenant_quotas q JOIN tenants t ON t.id = q.tenant_id WHERE q.tenant_id = $1"
+    )))
+    .bind(tenant)
+    .fetch_optional(pool)
+    .await?;
+    row.map(|r| from_row(&r))
+        .ok_or_else(|| AdminError::TenantNotFound(tenant.to_string()))
+}
+
+/// Apply `patch` to a tenant's policy. `platform` says whether the caller may change the
+/// platform's fields ([`PolicyPatch::platform_fields`]).
+pub async fn patch_policy(
+    pool: &PgPool,
+    actor: &Actor,
+    tenant: Uuid,
+    patch: &PolicyPatch,
+    platform: bool,
+) -> Result<Policy, AdminError> {
+    let forbidden = patch.platform_fields();
+    if !platform && !forbidden.is_empty() {
+        return Err(AdminError::Forbidden(format!(
+            "{}: only a platform admin may change this",
+            forbidden.join(", ")
+        )));
+    }
+    let before = get_policy(pool, tenant).await?;
+    let after = patch.apply(before.clone())?;
+    if after.reserved_cache_bytes != before.reserved_cache_bytes {
+        set_reservation(pool, actor, tenant, after.reserved_cache_bytes).await?;
+    }
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "UPDATE tenant_quotas SET requests_per_minute = $2, input_tokens_per_minute = $3, \
+         output_tokens_per_minute = $4, key_requests_per_minute = $5, key_input_tokens_per_minute = $6, \
+         key_output_tokens_per_minute = $7, cache_resident_bytes = $8, monthly_budget_minor = $9, \
+         budget_alert_percent = $10, allow_1h_ttl = $11, replication_factor = $12, updated_at = now() \
+         WHERE tenant_id = $1",
+    )
+    .bind(tenant)
+    .bind(after.requests_per_minute)
+    .bind(after.input_tokens_per_minute)
+    .bind(after.output_tokens_per_minute)
+    .bind(after.key_requests_per_minute)
+    .bind(after.key_input_tokens_per_minute)
+    .bind(after.key_output_tokens_per_minute)
+    .bind(after.cache_resident_bytes)
+    .bind(after.monthly_budget_minor)
+    .bind(after.budget_alert_percent as i16)
+    .bind(after.allow_1h_ttl)
+    .bind(after.replication_factor.map(|r| r as i16))
+    .execute(&mut *tx)
+    .await?;
+    audit::record(
+        &mut tx,
+        actor,
+        audit::Entry {
+            tenant: Some(tenant),
+            action: "policy.update",
+            target: Some(tenant.to_string()),
+            before: Some(json!(before)),
+            after: Some(json!(after)),
+        },
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(after)
+}
+
+/// A new plan version from now with `bytes` reserved, keeping the plan's discount and
+/// reservation price.
+async fn set_reservation(
+    pool: &PgPool,
+    actor: &Actor,
+    tenant: Uuid,
+    bytes: Option<i64>,
+) -> Result<(), AdminError> {
+    let current = sqlx::query(
+        "SELECT discount_bp, reserved_nanos_per_gb_hour FROM tenant_plans WHERE tenant_id = $1 \
+         AND effective_from <= now() ORDER BY effective_from DESC LIMIT 1",
+    )
+    .bind(tenant)
+    .fetch_optional(pool)
+    .await?;
+    let (discount_bp, price) = current
+        .map(|r| (r.get("discount_bp"), r.get("reserved_nanos_per_gb_hour")))
+        .unwrap_or((0, 0));
+    let now = chrono::Utc::now();
+    billing::prices::set_plan(
+        pool,
+        &billing::prices::Plan {
+            tenant_id: tenant,
+            effective_from: now,
+            discount_bp,
+            reserved_cache_bytes: bytes.unwrap_or(0),
+            reserved_nanos_per_gb_hour: price,
+        },
+        &actor.name,
+        false,
+        now,
+    )
+    .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_merge_patch_sets_clears_and_keeps_fields() {
+        let p = Policy {
+            requests_per_minute: Some(10),
+            output_tokens_per_minute: Some(500),
+            ..Policy::default()
+        };
+        let patch: PolicyPatch = serde_json::from_value(
+            json!({"requests_per_minute": 2, "output_tokens_per_minute": null, "allow_1h_ttl": false}),
+        )
+        .unwrap();
+        let q = patch.apply(p).unwrap();
+        assert_eq!(q.requests_per_minute, Some(2));
+        assert_eq!(q.output_tokens_per_minute, None, "null clears the limit");
+        assert!(!q.allow_1h_ttl);
+        assert_eq!(q.budget_alert_percent, 80, "absent fields keep their value");
+        assert!(patch.platform_fields().is_empty());
+    }
+
+    #[test]
+    fn invalid_values_are_refused_with_the_field_named() {
+        for (patch, field) in [
+            (json!({"requests_per_minute": 0}), "requests_per_minute"),
+            (json!({"monthly_budget_minor": -1}), "monthly_budget_minor"),
+            (json!({"budget_alert_percent": 101}), "budget_alert_percent"),
+            (json!({"replication_factor": 0}), "replication_factor"),
+            (
+                json!({"cache_resident_bytes": 10, "reserved_cache_bytes": 11}),
+                "reserved_cache_bytes",
+            ),
+        ] {
+            let patch: PolicyPatch = serde_json::from_value(patch).unwrap();
+            let err = patch.apply(Policy::default()).unwrap_err().to_string();
+            assert!(err.starts_with(field), "{err}");
+        }
+        assert!(
+            serde_json::from_value::<PolicyPatch>(json!({"requests_per_minit": 3})).is_err(),
+            "a misspelt field is refused, not ignored"
+        );
+    }
+
+    #[test]
+    fn capacity_fields_are_the_platforms() {
+        let patch: PolicyPatch =
+            serde_json::from_value(json!({"cache_resident_bytes": 1, "replication_factor": 3}))
+                .unwrap();
+        assert_eq!(
+            patch.platform_fields(),
+            vec!["cache_resident_bytes", "replication_factor"]
+        );
+    }
+}

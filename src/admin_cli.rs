@@ -1,0 +1,660 @@
+//! `cachet admin …`: everything the admin API lets a platform admin do, from the command line,
+//! on the same functions (so the same checks, and the same audit rows, actor `cli:<user>`).
+//! Running servers apply the changes within about a second (they follow the audit log).
+//!
+//! The cache view lives in the serving processes' memory, so `cachet admin cache` asks the
+//! running service's admin API (`--url`), with a platform-admin token signed by
+//! `CACHET_ADMIN_JWT_SECRET`.
+
+use std::io::Read;
+
+use anyhow::{Context, bail};
+use billing::api::Role;
+use chrono::{DateTime, Utc};
+use clap::{Args, Subcommand};
+use gateway::tenants::{self, Actor, keys, policy};
+use serde_json::json;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::cli_time::{TIME_HELP, parse_duration, parse_time};
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Tenants: create, list, show, suspend, resume, delete.
+    Tenant {
+        #[command(subcommand)]
+        command: TenantCommand,
+    },
+    /// API keys: create, list, revoke, rotate, expire.
+    Key {
+        #[command(subcommand)]
+        command: KeyCommand,
+    },
+    /// A tenant's limits and cache policy.
+    Policy {
+        #[command(subcommand)]
+        command: PolicyCommand,
+    },
+    /// A tenant's usage, cost and savings over time (from the rollups).
+    Usage {
+        /// Tenant name or id.
+        tenant: String,
+        #[arg(long, value_parser = parse_time, help = TIME_HELP)]
+        from: DateTime<Utc>,
+        #[arg(long, value_parser = parse_time, help = TIME_HELP)]
+        to: DateTime<Utc>,
+        /// hour or day.
+        #[arg(long, default_value = "day")]
+        granularity: String,
+        /// none, model or api_key.
+        #[arg(long, default_value = "none")]
+        by: String,
+    },
+    /// A tenant's spend this month against its budget.
+    Budget {
+        /// Tenant name or id.
+        tenant: String,
+    },
+    /// A tenant's cache on the running service (bytes per tier, evictions, top prefixes).
+    Cache {
+        /// Tenant name or id.
+        tenant: String,
+        /// The running service's public address.
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        url: String,
+    },
+    /// The audit log.
+    Audit {
+        #[command(subcommand)]
+        command: AuditCommand,
+    },
+    /// Admin console users.
+    User {
+        #[command(subcommand)]
+        command: UserCommand,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum TenantCommand {
+    /// Create a tenant (with a default workspace and no limits).
+    Create { name: String },
+    /// List tenants.
+    List {
+        /// Include deleted tenants.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Show a tenant.
+    Show { tenant: String },
+    /// Suspend a tenant: its keys get 403 until it is resumed.
+    Suspend { tenant: String },
+    /// Resume a suspended tenant.
+    Resume { tenant: String },
+    /// Delete a tenant: keys revoked, cache purged; its ledger and invoices are kept.
+    Delete {
+        tenant: String,
+        /// Required: deleting cannot be undone.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum KeyCommand {
+    /// Create an API key; the secret is printed once and never stored.
+    Create {
+        /// Tenant name or id.
+        #[arg(long)]
+        tenant: String,
+        #[arg(long, default_value = "default")]
+        name: String,
+        /// When the key stops working.
+        #[arg(long, value_parser = parse_time, help = TIME_HELP)]
+        expires: Option<DateTime<Utc>>,
+    },
+    /// List a tenant's keys (never their secrets).
+    List {
+        /// Tenant name or id.
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Revoke a key.
+    Revoke { id: Uuid },
+    /// Rotate a key: prints the new secret; the old one works for the grace period.
+    Rotate {
+        id: Uuid,
+        /// How long the old secret keeps working (90s, 15m, 24h, 7d).
+        #[arg(long, default_value = "24h", value_parser = parse_duration)]
+        grace: chrono::Duration,
+        /// Retrying with the same idempotency key prints the same new key.
+        #[arg(long)]
+        idempotency_key: Option<String>,
+        /// The new key's expiry.
+        #[arg(long, value_parser = parse_time, help = TIME_HELP)]
+        expires: Option<DateTime<Utc>>,
+    },
+    /// Set (or with --never, clear) a key's expiry.
+    Expire {
+        id: Uuid,
+        #[arg(long, value_parser = parse_time, help = TIME_HELP, conflicts_with = "never")]
+        at: Option<DateTime<Utc>>,
+        #[arg(long)]
+        never: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum PolicyCommand {
+    /// Show a tenant's policy.
+    Show { tenant: String },
+    /// Change a tenant's policy: only the fields given change; `none` removes a limit.
+    Set(PolicySet),
+}
+
+/// A limit: a number, or `none`.
+fn limit(s: &str) -> Result<Option<i64>, String> {
+    if s == "none" {
+        return Ok(None);
+    }
+    s.parse::<i64>()
+        .map(Some)
+        .map_err(|_| format!("{s:?}: a whole number, or none"))
+}
+
+#[derive(Args)]
+pub struct PolicySet {
+    /// Tenant name or id.
+    pub tenant: String,
+    /// Requests per minute, whole tenant.
+    #[arg(long, value_parser = limit)]
+    pub rpm: Option<Option<i64>>,
+    /// Uncached input tokens per minute, whole tenant.
+    #[arg(long, value_parser = limit)]
+    pub input_tpm: Option<Option<i64>>,
+    #[arg(long, value_parser = limit)]
+    pub output_tpm: Option<Option<i64>>,
+    /// The same limits for each key.
+    #[arg(long, value_parser = limit)]
+    pub key_rpm: Option<Option<i64>>,
+    #[arg(long, value_parser = limit)]
+    pub key_input_tpm: Option<Option<i64>>,
+    #[arg(long, value_parser = limit)]
+    pub key_output_tpm: Option<Option<i64>>,
+    /// Monthly spend budget in minor units of the tenant's currency (cents).
+    #[arg(long, value_parser = limit)]
+    pub budget_minor: Option<Option<i64>>,
+    /// Percent of the budget at which an alert is raised.
+    #[arg(long)]
+    pub budget_alert_percent: Option<i32>,
+    /// Resident cache bytes (one copy of each block).
+    #[arg(long, value_parser = limit)]
+    pub cache_bytes: Option<Option<i64>>,
+    /// Reserved cache bytes (a plan change, billed).
+    #[arg(long, value_parser = limit)]
+    pub reserved_bytes: Option<Option<i64>>,
+    /// Whether 1h TTL breakpoints are allowed.
+    #[arg(long)]
+    pub allow_1h_ttl: Option<bool>,
+    /// Nodes holding each block (none = the cluster's default).
+    #[arg(long, value_parser = limit)]
+    pub replication: Option<Option<i64>>,
+}
+
+#[derive(Subcommand)]
+pub enum AuditCommand {
+    /// The newest entries.
+    List {
+        /// Only this tenant's (name or id).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Only actions starting with this (key., policy.update, …).
+        #[arg(long)]
+        action: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// Every entry in a window, oldest first, as JSON Lines or CSV on standard output.
+    Export {
+        #[arg(long, value_parser = parse_time, help = TIME_HELP)]
+        from: Option<DateTime<Utc>>,
+        #[arg(long, value_parser = parse_time, help = TIME_HELP)]
+        to: Option<DateTime<Utc>>,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// jsonl or csv.
+        #[arg(long, default_value = "jsonl")]
+        format: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum UserCommand {
+    /// Create a user of the admin console. The password is read from --password-file (`-`:
+    /// standard input); without it a random one is generated and printed once.
+    Create {
+        #[arg(long)]
+        username: String,
+        /// platform_admin, tenant_admin or finance.
+        #[arg(long)]
+        role: String,
+        /// The tenant (name or id) of a tenant_admin.
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        password_file: Option<std::path::PathBuf>,
+    },
+    /// List users.
+    List,
+    /// Disable a user and end its sessions.
+    Disable { username: String },
+    /// Clear a user's failed logins and lock.
+    Unlock { username: String },
+}
+
+async fn tenant_id(pool: &PgPool, name_or_id: &str) -> anyhow::Result<Uuid> {
+    Ok(tenants::find_tenant(pool, name_or_id)
+        .await?
+        .with_context(|| format!("no tenant {name_or_id}"))?
+        .id
+        .as_uuid())
+}
+
+async fn user_id(pool: &PgPool, username: &str) -> anyhow::Result<Uuid> {
+    sqlx::query_scalar("SELECT id FROM admin_users WHERE username = $1")
+        .bind(username)
+        .fetch_optional(pool)
+        .await?
+        .with_context(|| format!("no user {username}"))
+}
+
+fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+fn time(t: Option<DateTime<Utc>>) -> String {
+    t.map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+        .unwrap_or_else(|| "-".into())
+}
+
+/// A password of 24 random base62 characters (about 143 bits).
+fn random_password() -> anyhow::Result<String> {
+    const A: &[u8] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
+    let mut out = String::new();
+    while out.len() < 24 {
+        let mut b = [0u8; 32];
+        getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("random: {e}"))?;
+        out.extend(
+            b.iter()
+                .filter(|x| **x < 248)
+                .map(|x| A[(*x % 62) as usize] as char),
+        );
+    }
+    out.truncate(24);
+    Ok(out)
+}
+
+pub async fn run(
+    pool: &PgPool,
+    config: &crate::config::Config,
+    command: Command,
+) -> anyhow::Result<()> {
+    let actor = Actor::cli_user();
+    match command {
+        Command::Tenant { command } => match command {
+            TenantCommand::Create { name } => {
+                let t = tenants::create_tenant(pool, &actor, &name).await?;
+                println!("tenant {} created: id {}", t.name, t.id);
+            }
+            TenantCommand::List { all } => {
+                println!("{:<36}  {:<10}  {:>4}  name", "id", "state", "keys");
+                for t in tenants::list_tenants(pool, all).await? {
+                    println!(
+                        "{}  {:<10}  {:>4}  {}",
+                        t.id,
+                        format!("{:?}", t.state).to_lowercase(),
+                        t.active_keys,
+                        t.name
+                    );
+                }
+            }
+            TenantCommand::Show { tenant } => {
+                let id = tenant_id(pool, &tenant).await?;
+                print_json(&tenants::get_tenant(pool, id).await?)?;
+            }
+            TenantCommand::Suspend { tenant } => {
+                let id = tenant_id(pool, &tenant).await?;
+                tenants::set_suspended(pool, &actor, id, true).await?;
+                println!("tenant {tenant} suspended: its keys are refused within seconds");
+            }
+            TenantCommand::Resume { tenant } => {
+                let id = tenant_id(pool, &tenant).await?;
+                tenants::set_suspended(pool, &actor, id, false).await?;
+                println!("tenant {tenant} resumed");
+            }
+            TenantCommand::Delete { tenant, yes } => {
+                if !yes {
+                    bail!(
+                        "deleting {tenant} revokes its keys and purges its cache; add --yes to do it"
+                    );
+                }
+                let id = tenant_id(pool, &tenant).await?;
+                tenants::delete_tenant(pool, &actor, id).await?;
+                println!("tenant {tenant} deleted; its ledger and invoices are kept");
+            }
+        },
+        Command::Key { command } => match command {
+            KeyCommand::Create {
+                tenant,
+                name,
+                expires,
+            } => {
+                let t = tenants::find_tenant(pool, &tenant)
+                    .await?
+                    .with_context(|| format!("no tenant {tenant}"))?;
+                let k = keys::create_key(pool, &actor, &t, &name, expires).await?;
+                eprintln!(
+                    "key {} created for tenant {}; the secret is shown once:",
+                    k.id, t.name
+                );
+                println!("{}", k.secret);
+            }
+            KeyCommand::List { tenant } => {
+                let id = tenant_id(pool, &tenant).await?;
+                println!(
+                    "{:<36}  {:<8}  {:<16}  {:<20}  {:<20}  name",
+                    "id", "state", "prefix", "last used", "expires"
+                );
+                for k in keys::list_keys(pool, id).await? {
+                    println!(
+                        "{}  {:<8}  {:<16}  {:<20}  {:<20}  {}",
+                        k.id,
+                        format!("{:?}", k.state).to_lowercase(),
+                        k.prefix,
+                        time(k.last_used_at),
+                        time(k.expires_at),
+                        k.name
+                    );
+                }
+            }
+            KeyCommand::Revoke { id } => {
+                keys::revoke_key(pool, &actor, None, id.into()).await?;
+                println!("revoked: refused by running gateways within seconds");
+            }
+            KeyCommand::Rotate {
+                id,
+                grace,
+                idempotency_key,
+                expires,
+            } => {
+                let server_key = (!config.admin_jwt_secret.is_empty())
+                    .then_some(config.admin_jwt_secret.as_bytes());
+                let r = keys::rotate_key(
+                    pool,
+                    &actor,
+                    &keys::RotateRequest {
+                        tenant: None,
+                        key: id,
+                        grace,
+                        idempotency_key: idempotency_key.as_deref(),
+                        expires_at: expires,
+                    },
+                    server_key,
+                )
+                .await?;
+                eprintln!(
+                    "key {} replaces {}; the old secret works until {}{}",
+                    r.new.id,
+                    r.old.id,
+                    time(Some(r.grace_until)),
+                    if r.replayed {
+                        " (a retry of an earlier rotation)"
+                    } else {
+                        ""
+                    }
+                );
+                match r.secret {
+                    Some(s) => println!("{s}"),
+                    None => bail!(
+                        "the new key's secret can no longer be shown (its replay window has passed)"
+                    ),
+                }
+            }
+            KeyCommand::Expire { id, at, never } => {
+                if at.is_none() && !never {
+                    bail!("give --at TIME or --never");
+                }
+                let k = keys::set_key_expiry(pool, &actor, None, id, at).await?;
+                println!("key {} expires {}", k.id, time(k.expires_at));
+            }
+        },
+        Command::Policy { command } => match command {
+            PolicyCommand::Show { tenant } => {
+                let id = tenant_id(pool, &tenant).await?;
+                print_json(&policy::get_policy(pool, id).await?)?;
+            }
+            PolicyCommand::Set(s) => {
+                let id = tenant_id(pool, &s.tenant).await?;
+                let patch = policy::PolicyPatch {
+                    requests_per_minute: s.rpm,
+                    input_tokens_per_minute: s.input_tpm,
+                    output_tokens_per_minute: s.output_tpm,
+                    key_requests_per_minute: s.key_rpm,
+                    key_input_tokens_per_minute: s.key_input_tpm,
+                    key_output_tokens_per_minute: s.key_output_tpm,
+                    monthly_budget_minor: s.budget_minor,
+                    budget_alert_percent: s.budget_alert_percent,
+                    cache_resident_bytes: s.cache_bytes,
+                    reserved_cache_bytes: s.reserved_bytes,
+                    allow_1h_ttl: s.allow_1h_ttl,
+                    replication_factor: s
+                        .replication
+                        .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
+                };
+                let p = policy::patch_policy(pool, &actor, id, &patch, true).await?;
+                print_json(&p)?;
+            }
+        },
+        Command::Usage {
+            tenant,
+            from,
+            to,
+            granularity,
+            by,
+        } => {
+            let id = tenant_id(pool, &tenant).await?;
+            let granularity =
+                serde_json::from_value(json!(granularity)).context("--granularity: hour or day")?;
+            let by = serde_json::from_value(json!(by)).context("--by: none, model or api_key")?;
+            let r = billing::dashboard::usage(pool, id, from, to, granularity, by).await?;
+            print_json(&r)?;
+        }
+        Command::Budget { tenant } => {
+            let id = tenant_id(pool, &tenant).await?;
+            let p = policy::get_policy(pool, id).await?;
+            let now = Utc::now();
+            let (currency, spent) = billing::dashboard::month_spend(pool, id, now).await?;
+            let (_, resets) = billing::dashboard::month_of(now);
+            let money =
+                |m: i64| format!("{} {currency}", billing::money::format_minor(m, &currency));
+            println!(
+                "spent this month: {}; budget: {}; alert at {}%; resets {}",
+                money(spent),
+                p.monthly_budget_minor
+                    .map(money)
+                    .unwrap_or_else(|| "none".into()),
+                p.budget_alert_percent,
+                time(Some(resets))
+            );
+        }
+        Command::Cache { tenant, url } => {
+            let id = tenant_id(pool, &tenant).await?;
+            let jwt = crate::server::admin_jwt(config)?
+                .context("set CACHET_ADMIN_JWT_SECRET: the cache view is read from the running service's admin API")?;
+            let token = jwt.issue(
+                &format!("cli:{}", std::env::var("USER").unwrap_or_default()),
+                Role::PlatformAdmin,
+                None,
+                std::time::Duration::from_secs(60),
+            )?;
+            let resp = reqwest::Client::new()
+                .get(format!(
+                    "{}/v1/admin/tenants/{id}/cache",
+                    url.trim_end_matches('/')
+                ))
+                .bearer_auth(token)
+                .send()
+                .await
+                .with_context(|| format!("asking {url}"))?;
+            let status = resp.status();
+            let body: serde_json::Value = resp.json().await?;
+            if !status.is_success() {
+                bail!("{url} answered {status}: {body}");
+            }
+            print_json(&body)?;
+        }
+        Command::Audit { command } => match command {
+            AuditCommand::List {
+                tenant,
+                action,
+                limit,
+            } => {
+                let tenant = match tenant {
+                    Some(t) => Some(tenant_id(pool, &t).await?),
+                    None => None,
+                };
+                let f = tenants::audit::Filter {
+                    tenant,
+                    action,
+                    ..Default::default()
+                };
+                for r in tenants::audit::list(pool, &f, limit).await? {
+                    println!(
+                        "{:>6}  {}  {:<24}  {:<18}  {}",
+                        r.id,
+                        time(Some(r.at)),
+                        r.actor,
+                        r.action,
+                        r.target.unwrap_or_default()
+                    );
+                }
+            }
+            AuditCommand::Export {
+                from,
+                to,
+                tenant,
+                format,
+            } => {
+                use futures::StreamExt;
+                use std::io::Write;
+                if format != "jsonl" && format != "csv" {
+                    bail!("--format: jsonl or csv");
+                }
+                let tenant = match tenant {
+                    Some(t) => Some(tenant_id(pool, &t).await?),
+                    None => None,
+                };
+                let f = tenants::audit::Filter {
+                    tenant,
+                    from,
+                    to,
+                    ..Default::default()
+                };
+                let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+                if format == "csv" {
+                    out.write_all(gateway::admin::handlers::AUDIT_CSV_HEADER)?;
+                }
+                let mut rows = std::pin::pin!(tenants::audit::stream(pool, f));
+                while let Some(r) = rows.next().await {
+                    let r = r?;
+                    if format == "csv" {
+                        out.write_all(&gateway::admin::handlers::audit_csv(&r))?;
+                    } else {
+                        serde_json::to_writer(&mut out, &r)?;
+                        out.write_all(b"\n")?;
+                    }
+                }
+                out.flush()?;
+            }
+        },
+        Command::User { command } => match command {
+            UserCommand::Create {
+                username,
+                role,
+                tenant,
+                password_file,
+            } => {
+                let role = Role::parse(&role)
+                    .context("--role: platform_admin, tenant_admin or finance")?;
+                let tenant = match tenant {
+                    Some(t) => Some(tenant_id(pool, &t).await?),
+                    None => None,
+                };
+                let (password, generated) = match password_file {
+                    Some(p) if p.as_os_str() == "-" => {
+                        let mut s = String::new();
+                        std::io::stdin().read_to_string(&mut s)?;
+                        (s.trim_end_matches(['\r', '\n']).to_string(), false)
+                    }
+                    Some(p) => (
+                        std::fs::read_to_string(&p)
+                            .with_context(|| format!("reading {}", p.display()))?
+                            .trim_end_matches(['\r', '\n'])
+                            .to_string(),
+                        false,
+                    ),
+                    None => (random_password()?, true),
+                };
+                let u = gateway::admin::login::create_user(
+                    pool,
+                    &actor,
+                    gateway::admin::login::NewUser {
+                        username,
+                        password: password.clone(),
+                        role,
+                        tenant,
+                    },
+                )
+                .await?;
+                eprintln!("user {} ({}) created", u.username, role.as_str());
+                if generated {
+                    eprintln!("its password, shown once:");
+                    println!("{password}");
+                }
+            }
+            UserCommand::List => {
+                for u in gateway::admin::login::users(pool, None).await? {
+                    println!(
+                        "{:<24}  {:<15}  {:<36}  last login {}  {}",
+                        u.username,
+                        u.role.as_str(),
+                        u.tenant
+                            .map(|t| t.to_string())
+                            .unwrap_or_else(|| "-".into()),
+                        time(u.last_login_at),
+                        if u.disabled_at.is_some() {
+                            "disabled"
+                        } else if u.locked_until.is_some_and(|l| l > Utc::now()) {
+                            "locked"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+            }
+            UserCommand::Disable { username } => {
+                let id = user_id(pool, &username).await?;
+                gateway::admin::login::disable(pool, &actor, id).await?;
+                println!("user {username} disabled; its sessions are ended");
+            }
+            UserCommand::Unlock { username } => {
+                let id = user_id(pool, &username).await?;
+                gateway::admin::login::unlock(pool, &actor, id).await?;
+                println!("user {username} unlocked");
+            }
+        },
+    }
+    Ok(())
+}

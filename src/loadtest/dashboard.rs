@@ -1,0 +1,277 @@
+//! The admin dashboard's usage API at scale: `rows` ledger rows over `days` days for
+//! `tenants` tenants (skewed: the first tenants have most of the traffic), rolled up, then the
+//! usage view the dashboard asks for, over HTTP, timed per query shape — beside the same
+//! totals computed straight from the raw ledger (what a dashboard without rollups does).
+//!
+//! The rows are generated inside Postgres (`generate_series`), in batches, on a scratch
+//! database dropped at the end.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use billing::api::{Jwt, Role};
+use chrono::Utc;
+use sqlx::Row;
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+fn summary(name: &str, mut ms: Vec<f64>) -> (f64, f64) {
+    ms.sort_by(f64::total_cmp);
+    let (p50, p90, p99, max) = (
+        pct(&ms, 0.5),
+        pct(&ms, 0.9),
+        pct(&ms, 0.99),
+        ms.last().copied().unwrap_or(0.0),
+    );
+    println!(
+        "{name}\tn={}\tp50_ms={p50:.1}\tp90_ms={p90:.1}\tp99_ms={p99:.1}\tmax_ms={max:.1}",
+        ms.len()
+    );
+    (p50, p99)
+}
+
+pub async fn dashboard(
+    url: &str,
+    rows: usize,
+    tenants: usize,
+    days: i64,
+    requests: usize,
+    concurrency: usize,
+) -> anyhow::Result<()> {
+    let (pool, name, url) = super::ledger::scratch(url).await?;
+    let started = Instant::now();
+    // Tenants with 5 keys each (numbered for the generator), and list prices for the models.
+    let actor = gateway::tenants::Actor::cli("bench");
+    for i in 0..tenants {
+        let t = gateway::tenants::create_tenant(&pool, &actor, &format!("bench-{i:05}")).await?;
+        for k in 0..5 {
+            gateway::tenants::create_key(&pool, &actor, &t, &format!("k{k}"), None).await?;
+        }
+    }
+    sqlx::query(
+        "CREATE UNLOGGED TABLE bench_keys AS SELECT \
+         (row_number() OVER (PARTITION BY k.tenant_id ORDER BY k.id) - 1)::INT AS ki, t.rn::INT AS ti, \
+         k.tenant_id AS tenant, k.workspace_id AS ws, k.id AS key \
+         FROM api_keys k JOIN (SELECT id, row_number() OVER (ORDER BY name) - 1 AS rn FROM tenants) t \
+         ON t.id = k.tenant_id",
+    )
+    .execute(&pool)
+    .await?;
+    for model in ["sim-llama-8b", "sim-llama-70b"] {
+        billing::prices::set_price(
+            &pool,
+            &billing::prices::PriceVersion {
+                model: model.into(),
+                effective_from: Utc::now() - chrono::Duration::days(days + 30),
+                currency: "USD".into(),
+                input_nanos: if model.ends_with("8b") { 300 } else { 3_000 },
+                output_nanos: if model.ends_with("8b") { 1_500 } else { 15_000 },
+                cache_write_5m_bp: 12_500,
+                cache_write_1h_bp: 20_000,
+                cache_read_bp: 1_000,
+            },
+            "bench",
+            true,
+            Utc::now(),
+        )
+        .await?;
+    }
+    // The ledger, generated in Postgres in batches: tenant i gets a share ∝ (1 − x²)' skew
+    // (the square of a uniform draw), keys and models uniformly.
+    let batch = 1_000_000usize;
+    let mut done = 0usize;
+    while done < rows {
+        let n = batch.min(rows - done);
+        sqlx::query(
+            "INSERT INTO usage_events (request_id, tenant_id, workspace_id, api_key_id, model, input_tokens, \
+             cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens, output_tokens, status, started_at, finished_at) \
+             SELECT gen_random_uuid(), k.tenant, k.ws, k.key, \
+                    CASE WHEN r.m < 0.8 THEN 'sim-llama-8b' ELSE 'sim-llama-70b' END, \
+                    (r.a * 2000)::BIGINT, (r.b * 800)::BIGINT, CASE WHEN r.b > 0.9 THEN 500 ELSE 0 END, \
+                    (r.c * 6000)::BIGINT, (r.a * 400)::BIGINT, 'completed', r.at, r.at + interval '2 seconds' \
+             FROM (SELECT floor(power(random(), 2) * $2)::INT AS ti, floor(random() * 5)::INT AS ki, random() AS m, \
+                          random() AS a, random() AS b, random() AS c, \
+                          now() - random() * make_interval(days => $3) AS at \
+                   FROM generate_series(1, $1)) r \
+             JOIN bench_keys k ON k.ti = r.ti AND k.ki = r.ki",
+        )
+        .bind(n as i64)
+        .bind(tenants as i32)
+        .bind(days as i32)
+        .execute(&pool)
+        .await
+        .context("generating ledger rows")?;
+        done += n;
+        eprintln!(
+            "ledger rows: {done}/{rows} ({:.0} s)",
+            started.elapsed().as_secs_f64()
+        );
+    }
+    let generate_secs = started.elapsed().as_secs_f64();
+    // A bulk load leaves work for autovacuum that would otherwise run during the timing.
+    sqlx::query("VACUUM (ANALYZE) usage_events")
+        .execute(&pool)
+        .await?;
+    let now = Utc::now();
+    let t0 = Instant::now();
+    let r = billing::rollup::rollup(
+        &pool,
+        now - chrono::Duration::days(days) - chrono::Duration::hours(1),
+        now + chrono::Duration::hours(1),
+    )
+    .await?;
+    let rollup_secs = t0.elapsed().as_secs_f64();
+    sqlx::query("VACUUM (ANALYZE) usage_rollups")
+        .execute(&pool)
+        .await?;
+    println!(
+        "ledger\trows={rows}\ttenants={tenants}\tdays={days}\tgenerate_s={generate_secs:.0}\trollup_s={rollup_secs:.1}\thourly_rows={}\tdaily_rows={}",
+        r.hourly_rows, r.daily_rows
+    );
+
+    // The admin API in this process, over loopback HTTP.
+    let secret = "bench-admin-secret-of-at-least-32-bytes!";
+    let jwt = std::sync::Arc::new(Jwt::new(secret.as_bytes())?);
+    let token = jwt.issue(
+        "bench",
+        Role::PlatformAdmin,
+        None,
+        Duration::from_secs(3600),
+    )?;
+    let node = cache_fabric::FabricNode::new(cache_fabric::NodeConfig {
+        dram_capacity_bytes: 1 << 20,
+        eviction: cache_fabric::EvictionPolicy::DEFAULT,
+    });
+    let admin = gateway::admin::state(
+        pool.clone(),
+        Some(jwt),
+        None,
+        gateway::admin::CacheSource::Local(cache_fabric::FabricClient::local(node)),
+        gateway::admin::AdminConfig::default(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(gateway::serve(
+        listener,
+        gateway::admin::routes(admin),
+        stop.clone(),
+    ));
+    let http = reqwest::Client::new();
+
+    // The busiest tenant and a middling one.
+    let busiest: uuid::Uuid = sqlx::query_scalar(
+        "SELECT tenant_id FROM usage_rollups WHERE granularity = 'day' GROUP BY 1 ORDER BY sum(requests) DESC LIMIT 1",
+    )
+    .fetch_one(&pool)
+    .await?;
+    let fmt = |t: chrono::DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let month = (fmt(now - chrono::Duration::days(days)), fmt(now));
+    let day = (fmt(now - chrono::Duration::days(1)), fmt(now));
+    let shapes = [
+        ("30d_daily", &month, "day", "none"),
+        ("30d_daily_by_model", &month, "day", "model"),
+        ("30d_daily_by_key", &month, "day", "api_key"),
+        ("24h_hourly", &day, "hour", "none"),
+    ];
+    // Correctness first: the API's totals are the ledger's for the same whole hours.
+    let check: serde_json::Value = http
+        .get(format!(
+            "http://{addr}/v1/admin/tenants/{busiest}/usage?from={}&to={}&granularity=day",
+            month.0, month.1
+        ))
+        .bearer_auth(&token)
+        .send()
+        .await?
+        .json()
+        .await?;
+    let ledger = sqlx::query(
+        "SELECT count(*)::BIGINT AS n, sum(input_tokens)::BIGINT AS i, sum(cache_read_tokens)::BIGINT AS r \
+         FROM usage_events WHERE tenant_id = $1 AND started_at >= date_trunc('hour', $2::TIMESTAMPTZ) \
+         AND started_at < date_trunc('hour', $3::TIMESTAMPTZ) + interval '1 hour'",
+    )
+    .bind(busiest)
+    .bind(now - chrono::Duration::days(days))
+    .bind(now)
+    .fetch_one(&pool)
+    .await?;
+    let (n, i, rd): (i64, i64, i64) = (ledger.get("n"), ledger.get("i"), ledger.get("r"));
+    let tot = &check["totals"];
+    anyhow::ensure!(
+        tot["requests"] == n && tot["input_tokens"] == i && tot["cache_read_tokens"] == rd,
+        "the usage view differs from the ledger: {tot} vs requests {n}, input {i}, read {rd}"
+    );
+    println!("check\ttenant_requests={n}\tapi_totals=ledger_totals");
+
+    let mut worst_p99: f64 = 0.0;
+    for (shape, (from, to), gran, by) in shapes {
+        let url = format!(
+            "http://{addr}/v1/admin/tenants/{busiest}/usage?from={from}&to={to}&granularity={gran}&group_by={by}"
+        );
+        // Warm-up, then `requests` timed calls from `concurrency` clients.
+        for _ in 0..3 {
+            http.get(&url)
+                .bearer_auth(&token)
+                .send()
+                .await?
+                .error_for_status()?;
+        }
+        let per = requests.div_ceil(concurrency.max(1));
+        let mut tasks = Vec::new();
+        for _ in 0..concurrency.max(1) {
+            let (http, url, token) = (http.clone(), url.clone(), token.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut ms = Vec::with_capacity(per);
+                for _ in 0..per {
+                    let t = Instant::now();
+                    http.get(&url)
+                        .bearer_auth(&token)
+                        .send()
+                        .await?
+                        .error_for_status()?
+                        .bytes()
+                        .await?;
+                    ms.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                anyhow::Ok(ms)
+            }));
+        }
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await??);
+        }
+        let (_, p99) = summary(&format!("api_{shape}\tconcurrency={concurrency}"), all);
+        worst_p99 = worst_p99.max(p99);
+    }
+
+    // The baseline: the same 30-day daily totals straight from the ledger.
+    let mut raw = Vec::new();
+    for _ in 0..10 {
+        let t = Instant::now();
+        sqlx::query(
+            "SELECT date_trunc('day', started_at, 'UTC') AS d, model, count(*), sum(input_tokens), sum(cache_write_5m_tokens), \
+             sum(cache_write_1h_tokens), sum(cache_read_tokens), sum(output_tokens) FROM usage_events \
+             WHERE tenant_id = $1 AND started_at >= $2 AND started_at < $3 GROUP BY 1, 2",
+        )
+        .bind(busiest)
+        .bind(now - chrono::Duration::days(days))
+        .bind(now)
+        .fetch_all(&pool)
+        .await?;
+        raw.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let (raw_p50, _) = summary("raw_ledger_30d_daily_by_model\tconcurrency=1", raw);
+    println!(
+        "verdict\tapi_worst_p99_ms={worst_p99:.1}\ttarget_p99_ms=100\t{}\traw_ledger_p50_ms={raw_p50:.0}",
+        if worst_p99 <= 100.0 { "met" } else { "missed" }
+    );
+    stop.cancel();
+    let _ = server.await;
+    super::ledger::drop_scratch(pool, &name, &url).await
+}

@@ -1,0 +1,1096 @@
+//! The admin API (and the finance API beside it) on the real service, Postgres and Redis.
+//!
+//! - One table: every admin and billing endpoint × every role (logged in through
+//!   `/v1/admin/login`), allowed and refused, plus no token, a forged token and an expired one.
+//! - Logins: backoff, lockout, unlock, refresh (the old refresh token stops working), logout.
+//! - Changes reach running gateways within seconds: suspension, resumption, deletion (keys
+//!   revoked, cache purged, ledger kept), revocation.
+//! - Rotation: the same idempotency key gives the same new key and secret; the old secret
+//!   works until its grace period ends.
+//! - Policy: a 1h TTL refused when the tenant does not allow it; the monthly budget refuses
+//!   requests once spent (and raises its alert), with the refusals counted.
+//! - Views: usage totals equal the ledger's; the cache view shows the tenant's bytes and reads.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use billing::api::{Jwt, Role};
+use common::*;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+struct Admin {
+    app: TestApp,
+    pool: sqlx::PgPool,
+    /// The app's tenant (its key is `app.key`).
+    tenant: Uuid,
+}
+
+async fn setup() -> Admin {
+    let app = TestApp::start().await;
+    let pool = sqlx::PgPool::connect(&app.db_url).await.unwrap();
+    let tenant: Uuid = sqlx::query_scalar("SELECT tenant_id FROM api_keys LIMIT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    Admin { app, pool, tenant }
+}
+
+impl Admin {
+    async fn user(&self, name: &str, role: Role, tenant: Option<Uuid>) -> String {
+        let password = format!("{name}-password-long-enough");
+        gateway::admin::login::create_user(
+            &self.pool,
+            &gateway::tenants::Actor::cli("test"),
+            gateway::admin::login::NewUser {
+                username: name.into(),
+                password: password.clone(),
+                role,
+                tenant,
+            },
+        )
+        .await
+        .unwrap();
+        password
+    }
+
+    async fn login(&self, name: &str, password: &str) -> (u16, Value) {
+        self.call(
+            "POST",
+            "/v1/admin/login",
+            None,
+            Some(json!({"username": name, "password": password})),
+        )
+        .await
+    }
+
+    async fn token(&self, name: &str, password: &str) -> String {
+        let (s, v) = self.login(name, password).await;
+        assert_eq!(s, 200, "{v}");
+        v["access_token"].as_str().unwrap().to_string()
+    }
+
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        self.call_with(method, path, token, body, &[]).await
+    }
+
+    async fn call_with(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+        headers: &[(&str, &str)],
+    ) -> (u16, Value) {
+        let mut req = self
+            .app
+            .client
+            .request(method.parse().unwrap(), format!("{}{path}", self.app.url));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let r = req.send().await.unwrap();
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    /// A `/v1/messages` call with `key`; its status.
+    async fn message(&self, key: &str) -> (u16, Value) {
+        let (s, _, v) = self
+            .app
+            .post("/v1/messages", key, &cached_body(120, "hello", 4))
+            .await;
+        (s, v)
+    }
+
+    async fn new_key(&self, tenant: Uuid, token: &str, name: &str) -> (Uuid, String) {
+        let (s, v) = self
+            .call(
+                "POST",
+                &format!("/v1/admin/tenants/{tenant}/keys"),
+                Some(token),
+                Some(json!({"name": name})),
+            )
+            .await;
+        assert_eq!(s, 201, "{v}");
+        (
+            v["id"].as_str().unwrap().parse().unwrap(),
+            v["secret"].as_str().unwrap().to_string(),
+        )
+    }
+
+    async fn stop(self) {
+        self.pool.close().await;
+        self.app.stop().await;
+    }
+}
+
+/// Poll until `f` is true, at most `within`.
+async fn within<F, Fut>(what: &str, within: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if f().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
+    let a = setup().await;
+    let t = a.tenant;
+    // Traffic, a price and a draft invoice for the billing rows.
+    for _ in 0..2 {
+        assert_eq!(a.message(&a.app.key).await.0, 200);
+    }
+    a.app.settle().await;
+    let now = chrono::Utc::now();
+    billing::prices::set_price(
+        &a.pool,
+        &billing::prices::PriceVersion {
+            model: "sim-tiny".into(),
+            effective_from: now - chrono::Duration::days(400),
+            currency: "USD".into(),
+            input_nanos: 3_000,
+            output_nanos: 15_000,
+            cache_write_5m_bp: 12_500,
+            cache_write_1h_bp: 20_000,
+            cache_read_bp: 1_000,
+        },
+        "test",
+        true,
+        now,
+    )
+    .await
+    .unwrap();
+    let invoice = billing::invoice::refresh_draft(&a.pool, t, now.date_naive(), "test")
+        .await
+        .unwrap()
+        .id;
+
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let fin_pw = a.user("fin", Role::Finance, None).await;
+    let ta_pw = a.user("ta", Role::TenantAdmin, Some(t)).await;
+    let root = a.token("root", &root_pw).await;
+    let fin = a.token("fin", &fin_pw).await;
+    let ta = a.token("ta", &ta_pw).await;
+    let tokens = [&root, &fin, &ta];
+
+    // Another tenant, a tenant to suspend and delete, keys to act on, users to disable.
+    let (_, o) = a
+        .call(
+            "POST",
+            "/v1/admin/tenants",
+            Some(&root),
+            Some(json!({"name": "other"})),
+        )
+        .await;
+    let o: Uuid = o["id"].as_str().unwrap().parse().unwrap();
+    let (_, z) = a
+        .call(
+            "POST",
+            "/v1/admin/tenants",
+            Some(&root),
+            Some(json!({"name": "doomed"})),
+        )
+        .await;
+    let z: Uuid = z["id"].as_str().unwrap().parse().unwrap();
+    let mut keys = Vec::new();
+    for i in 0..6 {
+        keys.push(a.new_key(t, &root, &format!("k{i}")).await.0);
+    }
+    let victim = gateway::admin::login::create_user(
+        &a.pool,
+        &gateway::tenants::Actor::cli("test"),
+        gateway::admin::login::NewUser {
+            username: "victim".into(),
+            password: "victim-password-long".into(),
+            role: Role::Finance,
+            tenant: None,
+        },
+    )
+    .await
+    .unwrap()
+    .id;
+
+    let from = (now - chrono::Duration::days(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let to = (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let range = format!("from={from}&to={to}").replace('+', "%2B");
+    let month = now.format("%Y-%m").to_string();
+
+    // (method, path, body, [platform_admin, finance, tenant_admin of t]); `{role}` in a path
+    // is 0, 1, 2 for the caller (each acts on its own object where an action is one-shot).
+    let k = |i: usize| keys[i];
+    let rows: Vec<(&str, String, Option<Value>, [u16; 3])> = vec![
+        ("GET", "/v1/admin/me".into(), None, [200, 200, 200]),
+        ("GET", "/v1/admin/users".into(), None, [200, 403, 403]),
+        (
+            "POST",
+            "/v1/admin/users".into(),
+            Some(
+                json!({"username": "new-{role}", "password": "a-long-new-password", "role": "finance"}),
+            ),
+            [201, 403, 403],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/users/{victim}/unlock"),
+            None,
+            [200, 403, 403],
+        ),
+        (
+            "DELETE",
+            format!("/v1/admin/users/{victim}"),
+            None,
+            [200, 403, 403],
+        ),
+        ("GET", "/v1/admin/tenants".into(), None, [200, 200, 200]),
+        (
+            "POST",
+            "/v1/admin/tenants".into(),
+            Some(json!({"name": "made-by-{role}"})),
+            [201, 403, 403],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{t}"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{o}"),
+            None,
+            [200, 200, 404],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{z}/suspend"),
+            None,
+            [200, 403, 404],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/suspend"),
+            None,
+            [200, 403, 403],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/resume"),
+            None,
+            [200, 403, 403],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{z}/resume"),
+            None,
+            [200, 403, 404],
+        ),
+        (
+            "DELETE",
+            format!("/v1/admin/tenants/{z}"),
+            None,
+            [200, 403, 404],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{t}/keys"),
+            None,
+            [200, 403, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{o}/keys"),
+            None,
+            [200, 403, 404],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/keys"),
+            Some(json!({"name": "x"})),
+            [201, 403, 201],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{o}/keys"),
+            Some(json!({"name": "x"})),
+            [201, 403, 404],
+        ),
+        (
+            "PATCH",
+            format!("/v1/admin/tenants/{t}/keys/{}", k(0)),
+            Some(json!({"expires_at": "2099-01-01T00:00:00Z"})),
+            [200, 403, 200],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/keys/KEY{{role}}/rotate"),
+            Some(json!({"grace_seconds": 60})),
+            [200, 403, 200],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/keys/KEY{{role+3}}/revoke"),
+            None,
+            [200, 403, 200],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{o}/keys/{}/revoke", k(5)),
+            None,
+            [404, 403, 404],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{t}/policy"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{o}/policy"),
+            None,
+            [200, 200, 404],
+        ),
+        (
+            "PATCH",
+            format!("/v1/admin/tenants/{t}/policy"),
+            Some(json!({"requests_per_minute": 100000})),
+            [200, 403, 200],
+        ),
+        (
+            "PATCH",
+            format!("/v1/admin/tenants/{t}/policy"),
+            Some(json!({"cache_resident_bytes": 1000000000})),
+            [200, 403, 403],
+        ),
+        (
+            "PATCH",
+            format!("/v1/admin/tenants/{o}/policy"),
+            Some(json!({"requests_per_minute": 100000})),
+            [200, 403, 404],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{t}/usage?{range}"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{o}/usage?{range}"),
+            None,
+            [200, 200, 404],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{t}/budget"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{o}/budget"),
+            None,
+            [200, 200, 404],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{t}/cache"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{o}/cache"),
+            None,
+            [200, 200, 404],
+        ),
+        ("GET", "/v1/admin/audit".into(), None, [200, 403, 200]),
+        (
+            "GET",
+            format!("/v1/admin/audit?tenant={o}"),
+            None,
+            [200, 403, 404],
+        ),
+        (
+            "GET",
+            "/v1/admin/audit/export?format=csv".into(),
+            None,
+            [200, 403, 200],
+        ),
+        // The finance API.
+        (
+            "GET",
+            format!("/v1/billing/usage?{range}"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/billing/usage?{range}&tenant={o}"),
+            None,
+            [200, 200, 403],
+        ),
+        ("GET", "/v1/billing/invoices".into(), None, [200, 200, 200]),
+        (
+            "GET",
+            format!("/v1/billing/invoices?tenant={o}"),
+            None,
+            [200, 200, 403],
+        ),
+        (
+            "GET",
+            format!("/v1/billing/invoices/{invoice}"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "POST",
+            "/v1/billing/invoices".into(),
+            Some(json!({"tenant": t, "month": month})),
+            [200, 200, 403],
+        ),
+        ("GET", "/v1/billing/prices".into(), None, [200, 200, 403]),
+        (
+            "POST",
+            "/v1/billing/prices".into(),
+            Some(
+                json!({"model": "sim-llama-8b", "effective_from": "2099-01-0{role+1}T00:00:00Z", "input_nanos": 1, "output_nanos": 2}),
+            ),
+            [201, 403, 403],
+        ),
+        (
+            "GET",
+            format!("/v1/billing/exports/usage?{range}&format=csv"),
+            None,
+            [200, 200, 403],
+        ),
+    ];
+    let forged = Jwt::new(&[9u8; 40])
+        .unwrap()
+        .issue("x", Role::PlatformAdmin, None, Duration::from_secs(300))
+        .unwrap();
+    let expired = Jwt::new(ADMIN_SECRET.as_bytes())
+        .unwrap()
+        .issue("x", Role::PlatformAdmin, None, Duration::ZERO)
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(6)).await; // past the 5 s leeway
+    let fill = |s: &str, role: usize| {
+        s.replace("KEY{role+3}", &k(role + 3).to_string())
+            .replace("KEY{role}", &k(role).to_string())
+            .replace("{role+1}", &(role + 1).to_string())
+            .replace("{role}", &role.to_string())
+    };
+    for (method, path, body, expected) in &rows {
+        for (role, (tok, want)) in tokens.iter().zip(expected).enumerate() {
+            let path = fill(path, role);
+            let body = body
+                .as_ref()
+                .map(|b| serde_json::from_str(&fill(&b.to_string(), role)).unwrap());
+            let (status, v) = a.call(method, &path, Some(tok), body).await;
+            assert_eq!(
+                status,
+                *want,
+                "{} {method} {path}: {v}",
+                ["platform_admin", "finance", "tenant_admin"][role]
+            );
+            if status >= 400 {
+                assert_eq!(v["type"], "error", "{method} {path}: {v}");
+                assert!(v["error"]["message"].is_string(), "{method} {path}: {v}");
+            }
+        }
+        for (who, tok) in [
+            ("no token", None),
+            ("forged", Some(forged.as_str())),
+            ("expired", Some(expired.as_str())),
+        ] {
+            let path = fill(path, 0);
+            let (status, v) = a.call(method, &path, tok, body.clone()).await;
+            assert_eq!(status, 401, "{who} {method} {path}: {v}");
+            assert_eq!(v["error"]["type"], "authentication_error");
+        }
+    }
+    // Bad input is a 400 in the API's shape, naming what is wrong.
+    for (method, path, body, needle) in [
+        (
+            "PATCH",
+            format!("/v1/admin/tenants/{t}/policy"),
+            json!({"requests_per_minute": 0}),
+            "requests_per_minute",
+        ),
+        (
+            "PATCH",
+            format!("/v1/admin/tenants/{t}/policy"),
+            json!({"requests_per_minit": 5}),
+            "requests_per_minit",
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/keys"),
+            json!({"name": "x", "expires_at": "2001-01-01T00:00:00Z"}),
+            "expires_at",
+        ),
+        (
+            "POST",
+            "/v1/admin/users".into(),
+            json!({"username": "shorty", "password": "short", "role": "finance"}),
+            "password",
+        ),
+    ] {
+        let (s, v) = a.call(method, &path, Some(&root), Some(body)).await;
+        assert_eq!(s, 400, "{method} {path}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(needle),
+            "{v}"
+        );
+    }
+    let (s, v) = a
+        .call("GET", "/v1/admin/tenants/not-a-uuid", Some(&root), None)
+        .await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["type"], "error");
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn logins_back_off_lock_refresh_and_log_out() {
+    let a = setup().await;
+    let pw = a.user("ana", Role::PlatformAdmin, None).await;
+    // A wrong password, then an immediate retry: refused without checking (backoff).
+    let (s, v) = a.login("ana", "wrong password here").await;
+    assert_eq!(s, 401, "{v}");
+    assert_eq!(v["error"]["message"], "invalid username or password");
+    let (s, v) = a.login("ana", &pw).await;
+    assert_eq!(s, 429, "{v}");
+    // An unknown user is answered the same way.
+    let (s, v) = a.login("nobody", "whatever password").await;
+    assert_eq!(
+        (s, v["error"]["message"].as_str()),
+        (401, Some("invalid username or password"))
+    );
+    assert_eq!(a.login("nobody", "whatever password").await.0, 429);
+    // The fifth failure in a row locks the account, even for the right password.
+    sqlx::query("UPDATE admin_users SET failed_logins = 4, last_failed_at = now() - interval '1 hour' WHERE username = 'ana'")
+        .execute(&a.pool)
+        .await
+        .unwrap();
+    assert_eq!(a.login("ana", "wrong password here").await.0, 401);
+    let (s, v) = a.login("ana", &pw).await;
+    assert_eq!(s, 429, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("minutes"),
+        "{v}"
+    );
+    let locked: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT locked_until FROM admin_users WHERE username = 'ana'")
+            .fetch_one(&a.pool)
+            .await
+            .unwrap();
+    assert!(locked.unwrap() > chrono::Utc::now() + chrono::Duration::minutes(14));
+    // A platform admin unlocks it.
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let ana: Uuid = sqlx::query_scalar("SELECT id FROM admin_users WHERE username = 'ana'")
+        .fetch_one(&a.pool)
+        .await
+        .unwrap();
+    let (s, _) = a
+        .call(
+            "POST",
+            &format!("/v1/admin/users/{ana}/unlock"),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200);
+    let (s, login) = a.login("ana", &pw).await;
+    assert_eq!(s, 200, "{login}");
+    assert_eq!(login["user"]["role"], "platform_admin");
+    let access = login["access_token"].as_str().unwrap().to_string();
+    let refresh = login["refresh_token"].as_str().unwrap().to_string();
+    // Refreshing gives new tokens; the old refresh token is spent.
+    let (s, next) = a
+        .call(
+            "POST",
+            "/v1/admin/refresh",
+            None,
+            Some(json!({"refresh_token": refresh})),
+        )
+        .await;
+    assert_eq!(s, 200, "{next}");
+    let (s, _) = a
+        .call(
+            "POST",
+            "/v1/admin/refresh",
+            None,
+            Some(json!({"refresh_token": refresh})),
+        )
+        .await;
+    assert_eq!(s, 401, "a refresh token works once");
+    let access2 = next["access_token"].as_str().unwrap().to_string();
+    assert_eq!(
+        a.call("GET", "/v1/admin/me", Some(&access2), None).await.0,
+        200
+    );
+    // Logout ends the session: its access tokens (old and new) and its refresh token.
+    assert_eq!(
+        a.call("POST", "/v1/admin/logout", Some(&access2), None)
+            .await
+            .0,
+        204
+    );
+    for tok in [&access, &access2] {
+        let (s, v) = a.call("GET", "/v1/admin/me", Some(tok), None).await;
+        assert_eq!(s, 401, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("session"));
+    }
+    let (s, _) = a
+        .call(
+            "POST",
+            "/v1/admin/refresh",
+            None,
+            Some(json!({"refresh_token": next["refresh_token"]})),
+        )
+        .await;
+    assert_eq!(s, 401);
+    // Disabling a user ends its sessions too.
+    let (_, l) = a.login("ana", &pw).await;
+    let tok = l["access_token"].as_str().unwrap().to_string();
+    assert_eq!(
+        a.call(
+            "DELETE",
+            &format!("/v1/admin/users/{ana}"),
+            Some(&root),
+            None
+        )
+        .await
+        .0,
+        200
+    );
+    assert_eq!(a.call("GET", "/v1/admin/me", Some(&tok), None).await.0, 401);
+    assert_eq!(a.login("ana", &pw).await.0, 401);
+    // Every login, failure, lockout and logout is in the audit log; no password is.
+    let actions: Vec<String> = sqlx::query_scalar("SELECT action FROM admin_audit ORDER BY id")
+        .fetch_all(&a.pool)
+        .await
+        .unwrap();
+    for want in [
+        "login.failure",
+        "login.lockout",
+        "user.unlock",
+        "login.success",
+        "logout",
+        "user.disable",
+    ] {
+        assert!(actions.iter().any(|x| x == want), "{want} in {actions:?}");
+    }
+    let dump: String = sqlx::query_scalar("SELECT string_agg(coalesce(before::text,'') || coalesce(after::text,''), ' ') FROM admin_audit")
+        .fetch_one(&a.pool)
+        .await
+        .unwrap();
+    assert!(!dump.contains(&pw), "a password leaked into the audit log");
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn suspension_deletion_and_revocation_reach_the_gateway_within_seconds() {
+    let a = setup().await;
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let t = a.tenant;
+    let key = a.app.key.clone();
+    assert_eq!(
+        a.message(&key).await.0,
+        200,
+        "cached as valid before each change"
+    );
+    a.call(
+        "POST",
+        &format!("/v1/admin/tenants/{t}/suspend"),
+        Some(&root),
+        None,
+    )
+    .await;
+    within(
+        "a suspended tenant's key gets 403",
+        Duration::from_secs(5),
+        || async {
+            let (s, v) = a.message(&key).await;
+            s == 403 && v["error"]["type"] == "permission_error"
+        },
+    )
+    .await;
+    a.call(
+        "POST",
+        &format!("/v1/admin/tenants/{t}/resume"),
+        Some(&root),
+        None,
+    )
+    .await;
+    within(
+        "a resumed tenant's key works",
+        Duration::from_secs(5),
+        || async { a.message(&key).await.0 == 200 },
+    )
+    .await;
+    // Revocation of one key.
+    let (kid, secret) = a.new_key(t, &root, "short-lived").await;
+    assert_eq!(a.message(&secret).await.0, 200);
+    a.call(
+        "POST",
+        &format!("/v1/admin/tenants/{t}/keys/{kid}/revoke"),
+        Some(&root),
+        None,
+    )
+    .await;
+    within("a revoked key gets 401", Duration::from_secs(5), || async {
+        a.message(&secret).await.0 == 401
+    })
+    .await;
+    // Deletion: keys refused, the cache purged, the ledger kept, the name free again.
+    a.app.settle().await;
+    let ledger = a.app.ledger_count().await;
+    let node = a.app.running().node.clone();
+    let tid = cachet_common::TenantId(t);
+    assert!(node.tenant_stats(tid, 5).tiers[0].bytes > 0);
+    let name: String = sqlx::query_scalar("SELECT name FROM tenants WHERE id = $1")
+        .bind(t)
+        .fetch_one(&a.pool)
+        .await
+        .unwrap();
+    let (s, v) = a
+        .call(
+            "DELETE",
+            &format!("/v1/admin/tenants/{t}"),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!((s, v["state"].as_str()), (200, Some("deleted")), "{v}");
+    within(
+        "a deleted tenant's key gets 401",
+        Duration::from_secs(5),
+        || async { a.message(&key).await.0 == 401 },
+    )
+    .await;
+    within(
+        "a deleted tenant's cache is purged",
+        Duration::from_secs(5),
+        || async { node.tenant_stats(tid, 5).tiers.iter().all(|t| t.bytes == 0) },
+    )
+    .await;
+    assert_eq!(a.app.ledger_count().await, ledger, "the ledger is kept");
+    let (s, v) = a
+        .call(
+            "POST",
+            "/v1/admin/tenants",
+            Some(&root),
+            Some(json!({"name": name})),
+        )
+        .await;
+    assert_eq!(s, 201, "a deleted tenant's name can be used again: {v}");
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn rotation_is_idempotent_and_the_old_secret_works_until_its_grace_ends() {
+    let a = setup().await;
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let t = a.tenant;
+    let (kid, old) = a.new_key(t, &root, "svc").await;
+    let path = format!("/v1/admin/tenants/{t}/keys/{kid}/rotate");
+    let rotate = |idem: &'static str, grace: i64| {
+        let (a, path, root) = (&a, path.clone(), root.clone());
+        async move {
+            a.call_with(
+                "POST",
+                &path,
+                Some(&root),
+                Some(json!({"grace_seconds": grace})),
+                &[("idempotency-key", idem)],
+            )
+            .await
+        }
+    };
+    let (s, first) = rotate("rot-1", 3).await;
+    assert_eq!(s, 200, "{first}");
+    assert_eq!(first["replayed"], false);
+    let new = first["secret"].as_str().unwrap().to_string();
+    assert_ne!(new, old);
+    // A retry (say the answer was lost) gets the same key and secret.
+    let (s, again) = rotate("rot-1", 3).await;
+    assert_eq!(s, 200, "{again}");
+    assert_eq!(again["replayed"], true);
+    assert_eq!(again["new_key"]["id"], first["new_key"]["id"]);
+    assert_eq!(again["secret"].as_str(), Some(new.as_str()));
+    // Another rotation of the same key is a conflict.
+    let (s, v) = rotate("rot-2", 3).await;
+    assert_eq!(s, 409, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("already rotated")
+    );
+    // Both work during the grace period; then only the new one.
+    assert_eq!(a.message(&old).await.0, 200);
+    assert_eq!(a.message(&new).await.0, 200);
+    within(
+        "the old secret stops at the end of its grace",
+        Duration::from_secs(8),
+        || async {
+            let (s, v) = a.message(&old).await;
+            s == 401 && v["error"]["message"].as_str().unwrap().contains("expired")
+        },
+    )
+    .await;
+    assert_eq!(a.message(&new).await.0, 200);
+    // After the replay window the secret can no longer be shown.
+    sqlx::query("UPDATE api_key_rotations SET created_at = now() - interval '25 hours'")
+        .execute(&a.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        gateway::tenants::keys::expire_rotation_seeds(&a.pool)
+            .await
+            .unwrap(),
+        1
+    );
+    let (s, late) = rotate("rot-1", 3).await;
+    assert_eq!(s, 200, "{late}");
+    assert_eq!(late["new_key"]["id"], first["new_key"]["id"]);
+    assert!(late["secret"].is_null(), "{late}");
+    // The audit log holds the rotation, never a secret.
+    let dump: String =
+        sqlx::query_scalar("SELECT string_agg(coalesce(after::text,''), ' ') FROM admin_audit")
+            .fetch_one(&a.pool)
+            .await
+            .unwrap();
+    assert!(dump.contains("rotated_to") && !dump.contains(&new) && !dump.contains(&old));
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn policy_refuses_1h_ttls_and_spent_budgets() {
+    let a = setup().await;
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let t = a.tenant;
+    let policy = format!("/v1/admin/tenants/{t}/policy");
+    let mut body = cached_body(120, "hi", 4);
+    body["system"][0]["cache_control"]["ttl"] = json!("1h");
+    let (s, _, _) = a.app.post("/v1/messages", &a.app.key, &body).await;
+    assert_eq!(s, 200);
+    let (s, v) = a
+        .call(
+            "PATCH",
+            &policy,
+            Some(&root),
+            Some(json!({"allow_1h_ttl": false})),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    within("a 1h TTL is refused", Duration::from_secs(5), || async {
+        let (s, _, v) = a.app.post("/v1/messages", &a.app.key, &body).await;
+        s == 403 && v["error"]["message"].as_str().unwrap().contains("1h")
+    })
+    .await;
+
+    // A price that makes one request cost cents, and a budget of one cent.
+    billing::prices::set_price(
+        &a.pool,
+        &billing::prices::PriceVersion {
+            model: "sim-tiny".into(),
+            effective_from: chrono::Utc::now() - chrono::Duration::days(40),
+            currency: "USD".into(),
+            input_nanos: 100_000,
+            output_nanos: 100_000,
+            cache_write_5m_bp: 12_500,
+            cache_write_1h_bp: 20_000,
+            cache_read_bp: 1_000,
+        },
+        "test",
+        true,
+        chrono::Utc::now(),
+    )
+    .await
+    .unwrap();
+    let (s, v) = a
+        .call(
+            "PATCH",
+            &policy,
+            Some(&root),
+            Some(json!({"monthly_budget_minor": 1, "budget_alert_percent": 50})),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    within(
+        "a spent budget refuses requests",
+        Duration::from_secs(30),
+        || async {
+            let (s, v) = a.message(&a.app.key).await;
+            s == 429
+                && v["error"]["type"] == "rate_limit_error"
+                && v["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("monthly spend budget")
+        },
+    )
+    .await;
+    within(
+        "the budget view shows it and the refusals",
+        Duration::from_secs(15),
+        || async {
+            let (_, b) = a
+                .call(
+                    "GET",
+                    &format!("/v1/admin/tenants/{t}/budget"),
+                    Some(&root),
+                    None,
+                )
+                .await;
+            b["state"] == "exhausted"
+                && b["refusals"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|r| r["limit"] == "monthly_budget" && r["count"].as_i64().unwrap() >= 1)
+        },
+    )
+    .await;
+    let alerts: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM admin_audit WHERE action = 'budget.alert' AND tenant_id = $1",
+    )
+    .bind(t)
+    .fetch_one(&a.pool)
+    .await
+    .unwrap();
+    assert_eq!(alerts, 1, "the alert is raised once a month");
+    // Raising the budget lets requests through again.
+    a.call(
+        "PATCH",
+        &policy,
+        Some(&root),
+        Some(json!({"monthly_budget_minor": null})),
+    )
+    .await;
+    within("no budget, no refusal", Duration::from_secs(5), || async {
+        a.message(&a.app.key).await.0 == 200
+    })
+    .await;
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn usage_and_cache_views_agree_with_the_ledger_and_the_fabric() {
+    let a = setup().await;
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let t = a.tenant;
+    for q in ["one", "two", "three"] {
+        let (s, _, _) = a
+            .app
+            .post("/v1/messages", &a.app.key, &cached_body(200, q, 4))
+            .await;
+        assert_eq!(s, 200);
+    }
+    a.app.settle().await;
+    let sums: (i64, i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT sum(input_tokens)::BIGINT, sum(cache_write_5m_tokens)::BIGINT, sum(cache_read_tokens)::BIGINT, \
+         sum(output_tokens)::BIGINT, count(*) FROM usage_events WHERE tenant_id = $1",
+    )
+    .bind(t)
+    .fetch_one(&a.pool)
+    .await
+    .unwrap();
+    let now = chrono::Utc::now();
+    let range = format!(
+        "from={}&to={}",
+        (now - chrono::Duration::hours(2)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    )
+    .replace('+', "%2B");
+    within(
+        "the usage view matches the ledger",
+        Duration::from_secs(10),
+        || async {
+            let (_, v) = a
+                .call(
+                    "GET",
+                    &format!("/v1/admin/tenants/{t}/usage?{range}&group_by=api_key"),
+                    Some(&root),
+                    None,
+                )
+                .await;
+            let tot = &v["totals"];
+            tot["requests"] == sums.4
+                && tot["input_tokens"] == sums.0
+                && tot["cache_write_5m_tokens"] == sums.1
+                && tot["cache_read_tokens"] == sums.2
+                && tot["output_tokens"] == sums.3
+                && v["key_names"].as_object().unwrap().len() == 1
+        },
+    )
+    .await;
+    let (_, v) = a
+        .call(
+            "GET",
+            &format!("/v1/admin/tenants/{t}/usage?{range}"),
+            Some(&root),
+            None,
+        )
+        .await;
+    let ratio = v["totals"]["hit_ratio"].as_f64().unwrap();
+    let want = sums.2 as f64 / (sums.0 + sums.1 + sums.2) as f64;
+    assert!((ratio - want).abs() < 1e-9, "{ratio} vs {want}");
+    assert_eq!(v["granularity"], "hour");
+    // The cache view: the tenant's bytes, and its prefix read twice.
+    let (s, c) = a
+        .call(
+            "GET",
+            &format!("/v1/admin/tenants/{t}/cache"),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200, "{c}");
+    assert!(c["total_bytes"].as_u64().unwrap() > 0, "{c}");
+    assert_eq!(c["tiers"][0]["tier"], "dram");
+    let top = &c["top_prefixes"][0];
+    assert_eq!(top["reads"], 2, "{c}");
+    assert_eq!(top["hash"].as_str().unwrap().len(), 64);
+    assert!(top["ttl_left_ms"].as_u64().unwrap() > 0);
+    assert!(
+        !c.to_string().contains("w0 w1"),
+        "no prompt text in the cache view"
+    );
+    a.stop().await;
+}
