@@ -524,7 +524,6 @@ impl Config {
             auth_cache_ttl: Duration::from_secs(self.gateway.auth_cache_ttl_secs),
             redis_timeout: Duration::from_millis(self.gateway.redis_timeout_ms),
             internal_token: None,
-            durable_usage: false,
         }
     }
 

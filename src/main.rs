@@ -150,6 +150,7 @@ async fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("binding {}", config.listen))?;
             let shutdown = CancellationToken::new();
             let running = server::start(config, listener, shutdown.clone()).await?;
+            println!("serving on {}", running.addr);
             let stop = shutdown.clone();
             tokio::spawn(async move {
                 wait_for_signal().await;

@@ -171,7 +171,6 @@ pub async fn run(
         Some(l) => {
             let mut gw = config.gateway();
             gw.internal_token = Some(token.clone());
-            gw.durable_usage = true;
             let fabric = FabricClient::clustered(node.clone(), cluster.clone());
             let running = crate::server::start_api(
                 config.clone(),

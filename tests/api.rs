@@ -464,3 +464,30 @@ async fn generation_stops_at_the_context_window_as_max_tokens() {
     assert_eq!(r["stop_reason"], "max_tokens");
     app.stop().await;
 }
+
+/// A prompt whose text alone exceeds the context window is refused from its size, before
+/// any tokenizing (a 4 MB message used to cost seconds of CPU and gigabytes of memory on
+/// the reference model): the same 400 on both endpoints, and the service answers at once.
+#[tokio::test]
+async fn a_prompt_too_large_for_any_tokenization_is_refused_before_tokenizing() {
+    let app = TestApp::start().await;
+    let huge = "lorem ipsum dolor sit amet ".repeat(150_000); // ~4 MB
+    let mut body = cached_body(10, &huge, 8);
+    for path in ["/v1/messages", "/v1/messages/count_tokens"] {
+        if path.ends_with("count_tokens") {
+            body.as_object_mut().unwrap().remove("max_tokens");
+        }
+        let (s, _, e) = app.post(path, &app.key, &body).await;
+        assert_eq!(s, 400, "{path}: {e}");
+        assert_eq!(e["error"]["type"], "invalid_request_error");
+        let msg = e["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.starts_with("prompt is too long:") && msg.contains("at least"),
+            "{path}: {msg}"
+        );
+    }
+    // Nothing was metered for the refused request.
+    app.settle().await;
+    assert_eq!(app.ledger_count().await, 0);
+    app.stop().await;
+}

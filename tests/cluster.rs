@@ -316,7 +316,12 @@ fn block_hashes(body: &serde_json::Value, scope: Scope) -> Vec<BlockHash> {
         })
     })
     .unwrap();
-    let p = gateway::render::to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
+    let p = gateway::render::to_prompt(
+        req.tools.as_deref(),
+        req.system.as_ref(),
+        &req.messages,
+        scope,
+    );
     let prepared = gateway::render::prepare(&engine, &p, &bps, scope).unwrap();
     prepared.keys.unwrap().blocks
 }

@@ -162,6 +162,7 @@ async fn a_fresh_engine_instance_uses_a_prefix_read_back_from_the_fabric() {
                 blocks: vec!["And prefill?".into()],
             },
         ],
+        memo_scope: 0,
     };
     let r = first.render(&prompt).unwrap();
     let bp = r.message_ends[1][0]; // mid-block, after the assistant turn

@@ -23,6 +23,7 @@
 
 pub mod api;
 pub mod dashboard;
+mod intents;
 pub mod invoice;
 pub mod meter;
 pub mod metrics;

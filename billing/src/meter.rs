@@ -26,6 +26,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::intents::Intents;
 use crate::metrics;
 
 /// How a request ended.
@@ -190,6 +191,7 @@ impl Spool {
 pub struct MeterHandle {
     tx: mpsc::Sender<Queued>,
     spool: Arc<Spool>,
+    intents: Arc<Intents>,
     pending: Arc<AtomicU64>,
 }
 
@@ -204,11 +206,22 @@ impl MeterHandle {
     /// Postgres or fsynced to the spool: a process killed after this returns loses nothing.
     /// Costs the group commit's latency (`linger` plus one insert).
     pub async fn record_durable(&self, event: UsageEvent) -> Result<(), MeterError> {
+        let id = event.request_id;
         let (ack, done) = tokio::sync::oneshot::channel();
         self.send(event, Some(ack)).await?;
         // A dropped ack means the writer stopped with the event in hand; its drain commits
         // or spools everything it holds before it exits.
         let _ = done.await;
+        self.intents.close(id);
+        Ok(())
+    }
+
+    /// A streamed response is about to answer 200: journal `event` (its prompt usage, no
+    /// output yet) durably, so a crash before its final [`MeterHandle::record_durable`]
+    /// still leaves a ledger row (status `failed`) when the meter next starts. Blocking
+    /// (one fsync): call it from the generation's own thread.
+    pub fn open_stream(&self, event: &UsageEvent) -> Result<(), MeterError> {
+        self.intents.open(event)?;
         Ok(())
     }
 
@@ -275,11 +288,23 @@ impl Meter {
         shutdown: CancellationToken,
     ) -> Result<(MeterHandle, tokio::task::JoinHandle<()>), MeterError> {
         let spool = Arc::new(Spool::open(config.spool_path.clone())?);
+        // Streams a crash cut: into the spool (replayed like any spooled event; a no-op where
+        // the final row made it), then the journal starts empty.
+        let (intents, cut) = Intents::recover(config.spool_path.with_extension("open"))?;
+        if !cut.is_empty() {
+            tracing::warn!(
+                events = cut.len(),
+                "streams cut by the last stop recovered from the open-stream journal"
+            );
+            spool.append(&cut)?;
+        }
+        intents.clear()?;
         let (tx, rx) = mpsc::channel(config.queue_capacity);
         let pending = Arc::new(AtomicU64::new(0));
         let handle = MeterHandle {
             tx,
             spool: spool.clone(),
+            intents: Arc::new(intents),
             pending: pending.clone(),
         };
         let meter = Meter {

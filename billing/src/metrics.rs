@@ -38,6 +38,13 @@ pub static SPOOL_EVENTS: LazyLock<IntGauge> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static OPEN_STREAMS: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_billing_meter_open_streams",
+        "Streamed responses journaled as open (their final usage not yet durable)",
+    )
+    .expect("metric"))
+});
 pub static COMMIT_FAILURES: LazyLock<IntCounter> = LazyLock::new(|| {
     reg(IntCounter::new(
         "cachet_billing_meter_commit_failures_total",

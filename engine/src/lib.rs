@@ -81,6 +81,9 @@ pub struct ModelInfo {
     pub min_cacheable_tokens: usize,
     pub max_output_tokens: u32,
     pub context_window: usize,
+    /// The most bytes of text one token covers: a prompt of `n` bytes is at least
+    /// `n / max_token_bytes` tokens, which refuses a huge prompt before tokenizing it.
+    pub max_token_bytes: usize,
     pub kv: KvGeometry,
     /// LoRA adapter id; empty for the base model. Part of every block key.
     pub adapter_id: String,
@@ -153,6 +156,15 @@ pub struct Token {
 pub enum EngineError {
     #[error("prompt is too long: {tokens} tokens > {limit} maximum")]
     ContextTooLong { tokens: usize, limit: usize },
+    /// Refused before tokenizing: the text alone is more than the context could hold.
+    #[error(
+        "prompt is too long: {bytes} bytes of text are at least {min_tokens} tokens > {limit} maximum"
+    )]
+    PromptTooLarge {
+        bytes: usize,
+        min_tokens: usize,
+        limit: usize,
+    },
     #[error("imported KV for block {block} failed its integrity check")]
     KvIntegrity { block: BlockHash },
     #[error("invalid KV import: {0}")]

@@ -2,7 +2,7 @@
 
 use std::sync::LazyLock;
 
-use prometheus::{IntCounterVec, Opts};
+use prometheus::{IntCounterVec, IntGauge, Opts};
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
     let _ = prometheus::default_registry().register(Box::new(c.clone()));
@@ -27,6 +27,14 @@ pub static TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
             "Tokens processed by kind (prefilled, imported, generated)",
         ),
         &["model", "kind"],
+    )
+    .expect("metric"))
+});
+
+pub static MEMO_BYTES: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_engine_segment_memo_bytes",
+        "Bytes held by the segment tokenization memos (all engines)",
     )
     .expect("metric"))
 });

@@ -133,6 +133,7 @@ fn info(
         min_cacheable_tokens: min,
         max_output_tokens: max_out,
         context_window: ctx,
+        max_token_bytes: MAX_TOKEN_BYTES,
         kv,
         adapter_id: String::new(),
     }
@@ -150,7 +151,7 @@ impl SimEngine {
         Self {
             profile,
             time_scale: time_scale.max(0.0),
-            memo: SegmentMemo::new(100_000),
+            memo: SegmentMemo::new(MEMO_BYTES),
         }
     }
 
@@ -169,6 +170,12 @@ impl SimEngine {
 
 /// Tokenize text: alphanumeric runs (with one leading space, split every 6 chars),
 /// whitespace runs and single other characters each become one token.
+/// The longest text one sim token covers (a whitespace run; a word piece is at most 7 bytes).
+pub const MAX_TOKEN_BYTES: usize = 16;
+
+/// Bytes of tokens a sim engine's tokenization memo keeps.
+const MEMO_BYTES: usize = 64 << 20;
+
 pub fn tokenize(text: &str) -> Vec<u32> {
     let mut out = Vec::with_capacity(text.len() / 4 + 1);
     let bytes = text.as_bytes();
@@ -185,7 +192,8 @@ pub fn tokenize(text: &str) -> Vec<u32> {
                 i += 1;
             }
         } else if bytes[i].is_ascii_whitespace() {
-            while i < bytes.len() && bytes[i].is_ascii_whitespace() {
+            // Runs are cut at MAX_TOKEN_BYTES, like any real tokenizer's longest token.
+            while i < bytes.len() && bytes[i].is_ascii_whitespace() && i - start < MAX_TOKEN_BYTES {
                 i += 1;
             }
         } else {
@@ -262,9 +270,10 @@ impl crate::Engine for SimEngine {
     }
 
     fn render(&self, prompt: &Prompt) -> Result<Rendered, EngineError> {
+        prompt.check_fits(&self.profile.info)?;
         let mut r = Rendered::default();
         let push_block = |r: &mut Rendered, text: &str| {
-            let toks = self.memo.tokens(text, tokenize);
+            let toks = self.memo.tokens(prompt.memo_scope, text, tokenize);
             r.tokens.extend_from_slice(&toks);
         };
         if !prompt.tools.is_empty() {
@@ -454,6 +463,7 @@ mod tests {
                 role: Role::User,
                 blocks: vec![text.into(), "Thanks!".into()],
             }],
+            memo_scope: 0,
         }
     }
 
@@ -494,6 +504,45 @@ mod tests {
             e.render(&p).unwrap(),
             e.render(&p).unwrap(),
             "memoized render equals fresh render"
+        );
+    }
+
+    #[test]
+    fn a_prompt_too_large_for_any_tokenization_is_refused_before_tokenizing() {
+        let e = engine();
+        let limit = e.info().context_window;
+        // Each sim token covers at most MAX_TOKEN_BYTES, so this cannot fit however it splits.
+        let huge = "a".repeat((limit + 1) * MAX_TOKEN_BYTES + 5);
+        match e.render(&prompt(&huge)) {
+            Err(EngineError::PromptTooLarge {
+                bytes, min_tokens, ..
+            }) => {
+                assert!(bytes >= huge.len());
+                assert_eq!(
+                    min_tokens,
+                    bytes / MAX_TOKEN_BYTES,
+                    "the bound, not a count"
+                );
+            }
+            other => panic!("expected PromptTooLarge, got {other:?}"),
+        }
+        // Just inside the bound it is tokenized and refused on its real count (or fits).
+        let inside = "a".repeat(limit * MAX_TOKEN_BYTES / 2);
+        assert!(matches!(
+            e.render(&prompt(&inside)),
+            Err(EngineError::ContextTooLong { .. }) | Ok(_)
+        ));
+    }
+
+    #[test]
+    fn no_sim_token_covers_more_than_max_token_bytes() {
+        let text = format!("{}x{}\u{1F600}word", " ".repeat(100), "\n".repeat(40));
+        let toks = tokenize(&text);
+        // Every token id comes from at most MAX_TOKEN_BYTES bytes, so the count is bounded below.
+        assert!(
+            toks.len() >= text.len() / MAX_TOKEN_BYTES,
+            "{} tokens",
+            toks.len()
         );
     }
 

@@ -107,6 +107,7 @@ fn cached_prefix_from_exported_bytes_gives_identical_output() {
             role: Role::User,
             blocks: vec!["Name three rivers in Europe.".into()],
         }],
+        memo_scope: 0,
     };
     let r = e.render(&p).unwrap();
     let cut = r.system_ends[0];

@@ -60,9 +60,6 @@ pub struct GatewayConfig {
     /// [`REQUEST_ID_HEADER`] (a retry on another node keeps the id, so the ledger counts it
     /// once).
     pub internal_token: Option<Arc<str>>,
-    /// Answer only once the request's usage is committed (or spooled): a process killed
-    /// after answering has lost no ledger row. Costs one group commit of latency.
-    pub durable_usage: bool,
 }
 
 /// Header carrying the cluster token on internal requests.
@@ -77,7 +74,6 @@ impl Default for GatewayConfig {
             auth_cache_ttl: Duration::from_secs(30),
             redis_timeout: Duration::from_millis(250),
             internal_token: None,
-            durable_usage: false,
         }
     }
 }

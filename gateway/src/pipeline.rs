@@ -264,6 +264,9 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
         streaming: job.stream,
         rate,
         tx: tx.clone(),
+        intent: job
+            .stream
+            .then(|| meter(TokenUsage::default(), 0, UsageStatus::Failed)),
         block_size: info.block_size,
         model: info.id.clone(),
     };
@@ -318,12 +321,14 @@ struct Work {
     streaming: bool,
     rate: RateHeaders,
     tx: mpsc::Sender<Event>,
+    /// A streamed request's usage event, journaled with its prompt usage before the 200.
+    intent: Option<UsageEvent>,
     block_size: usize,
     model: String,
 }
 
 /// Prefill, write, report, decode. Returns the prompt usage, output tokens and how it ended.
-fn generate(w: Work, rt: &tokio::runtime::Handle) -> Finished {
+fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
     let finished = |usage, output, status, last| Finished {
         usage,
         output,
@@ -346,6 +351,15 @@ fn generate(w: Work, rt: &tokio::runtime::Handle) -> Finished {
         }
     };
     let (u, api_usage, report) = rt.block_on(write_entries(&w, &pre));
+    if let Some(mut ev) = w.intent.take() {
+        (ev.input_tokens, ev.cache_write_5m_tokens) = (u.input, u.write_5m);
+        (ev.cache_write_1h_tokens, ev.cache_read_tokens) = (u.write_1h, u.read);
+        ev.finished_at = Utc::now();
+        if let Err(e) = w.state.meter.open_stream(&ev) {
+            // Served anyway: only a crash before the final event would lose this row.
+            tracing::error!(error = %e, "could not journal the open stream");
+        }
+    }
     let Work {
         tx,
         rate,
@@ -486,14 +500,11 @@ async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRe
     (u, api_usage, report)
 }
 
+/// Every role answers only once the usage is committed or fsynced to the spool: a process
+/// killed after answering has lost no ledger row. Costs one group commit of latency.
 async fn record(state: &AppState, ev: UsageEvent) {
     let id = ev.request_id;
-    let recorded = if state.config.durable_usage {
-        state.meter.record_durable(ev).await
-    } else {
-        state.meter.record(ev).await
-    };
-    if let Err(e) = recorded {
+    if let Err(e) = state.meter.record_durable(ev).await {
         tracing::error!(request_id = %id, error = %e, "usage event could not be recorded");
     }
 }

@@ -55,8 +55,12 @@ pub fn to_prompt(
     tools: Option<&[Tool]>,
     system: Option<&SystemPrompt>,
     messages: &[InputMessage],
+    scope: Scope,
 ) -> Prompt {
     Prompt {
+        // Workspace ids are unique across tenants: a memo scoped by workspace is scoped by
+        // tenant too, like the cache itself.
+        memo_scope: scope.workspace.as_uuid().as_u128(),
         tools: tools.unwrap_or_default().iter().map(tool_text).collect(),
         system: match system {
             None => Vec::new(),
@@ -82,9 +86,9 @@ pub fn to_prompt(
 
 pub fn render_error(e: EngineError) -> ApiError {
     match e {
-        EngineError::ContextTooLong { tokens, limit } => ApiError::invalid(format!(
-            "prompt is too long: {tokens} tokens > {limit} maximum"
-        )),
+        e @ (EngineError::ContextTooLong { .. } | EngineError::PromptTooLarge { .. }) => {
+            ApiError::invalid(e.to_string())
+        }
         other => ApiError::internal("render failed", other),
     }
 }
@@ -149,7 +153,12 @@ mod tests {
         })
         .unwrap();
         let engine = SimEngine::new(SimProfile::tiny(), 0.0);
-        let prompt = to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
+        let prompt = to_prompt(
+            req.tools.as_deref(),
+            req.system.as_ref(),
+            &req.messages,
+            scope,
+        );
         prepare(&engine, &prompt, &bps, scope).unwrap()
     }
 

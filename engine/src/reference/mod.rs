@@ -37,6 +37,9 @@ pub const MODEL_ID: &str = "smollm2-135m-instruct";
 /// Prefill runs in chunks of this many tokens (measured in docs/benchmarks.md).
 const PREFILL_CHUNK: usize = 512;
 
+/// Bytes of tokens the tokenization memo keeps.
+const MEMO_BYTES: usize = 64 << 20;
+
 /// Keep freed buffers in the process instead of handing them back to the kernel.
 ///
 /// Every request allocates its KV cache (about 45 KiB per token) and per-layer activations
@@ -118,6 +121,7 @@ impl ReferenceEngine {
             min_cacheable_tokens: 64,
             max_output_tokens: 2048,
             context_window: c.context,
+            max_token_bytes: tokenizer.max_token_bytes,
             kv: KvGeometry {
                 layers: c.layers,
                 kv_heads: c.kv_heads,
@@ -131,7 +135,7 @@ impl ReferenceEngine {
             weights: Arc::new(weights),
             tokenizer: Arc::new(tokenizer),
             template,
-            memo: SegmentMemo::new(50_000),
+            memo: SegmentMemo::new(MEMO_BYTES),
         })
     }
 
@@ -168,6 +172,7 @@ impl crate::Engine for ReferenceEngine {
     }
 
     fn render(&self, prompt: &Prompt) -> Result<Rendered, EngineError> {
+        prompt.check_fits(&self.info)?;
         let pieces = self.template.render(prompt)?;
         // Block n → (which list, index) in tools → system → messages order.
         let mut texts: Vec<&str> = Vec::new();
@@ -199,12 +204,16 @@ impl crate::Engine for ReferenceEngine {
         let encode = |s: &str| self.tokenizer.encode(s);
         for p in pieces {
             match p {
-                Piece::Framing(s) => r.tokens.extend_from_slice(&self.memo.tokens(&s, encode)),
+                Piece::Framing(s) => {
+                    r.tokens
+                        .extend_from_slice(&self.memo.tokens(prompt.memo_scope, &s, encode))
+                }
                 Piece::Block(n) => {
                     let text = texts
                         .get(n)
                         .ok_or_else(|| EngineError::Internal("template lost a block".into()))?;
-                    r.tokens.extend_from_slice(&self.memo.tokens(text, encode));
+                    r.tokens
+                        .extend_from_slice(&self.memo.tokens(prompt.memo_scope, text, encode));
                     let end = r.tokens.len();
                     match slots[n] {
                         (0, i, _) => r.tool_ends[i] = end,

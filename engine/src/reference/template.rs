@@ -131,6 +131,7 @@ mod tests {
                     blocks: vec!["c".into()],
                 },
             ],
+            memo_scope: 0,
         };
         let pieces = t.render(&p).unwrap();
         let blocks: Vec<usize> = pieces

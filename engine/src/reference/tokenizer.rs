@@ -35,6 +35,9 @@ pub fn metadata_u32(content: &Content, key: &str) -> Result<u32, EngineError> {
 pub struct GgufTokenizer {
     pub inner: Tokenizer,
     pub eos_id: u32,
+    /// The longest text any one token stands for, in bytes (byte-level BPE: one vocabulary
+    /// character per byte).
+    pub max_token_bytes: usize,
 }
 
 impl GgufTokenizer {
@@ -48,6 +51,7 @@ impl GgufTokenizer {
                 .collect(),
             _ => vec![1; tokens.len()],
         };
+        let max_token_bytes = tokens.iter().map(|t| t.chars().count()).max().unwrap_or(1);
         let mut vocab = Vocab::default();
         for (i, t) in tokens.iter().enumerate() {
             vocab.insert(t.clone(), i as u32);
@@ -78,7 +82,11 @@ impl GgufTokenizer {
         tk.add_special_tokens(specials)
             .map_err(|e| EngineError::Internal(format!("special tokens: {e}")))?;
         let eos_id = metadata_u32(content, "tokenizer.ggml.eos_token_id")?;
-        Ok(Self { inner: tk, eos_id })
+        Ok(Self {
+            inner: tk,
+            eos_id,
+            max_token_bytes,
+        })
     }
 
     /// Token ids of `text`; special-token strings in it become their ids.

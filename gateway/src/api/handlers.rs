@@ -222,7 +222,12 @@ pub(crate) async fn prepare_messages(
         tenant: principal.tenant,
         workspace: principal.workspace,
     };
-    let prompt = render::to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
+    let prompt = render::to_prompt(
+        req.tools.as_deref(),
+        req.system.as_ref(),
+        &req.messages,
+        scope,
+    );
     let prepared = if large {
         let e2 = engine.clone();
         tokio::task::spawn_blocking(move || render::prepare(e2.as_ref(), &prompt, &bps, scope))
@@ -319,14 +324,23 @@ pub async fn count_tokens(
     let r: Result<Response, ApiError> = async {
         let body = body_bytes(body)?;
         check_version(&headers)?;
-        state.auth.authenticate(&headers).await?;
+        let principal = state.auth.authenticate(&headers).await?;
+        let scope = Scope {
+            tenant: principal.tenant,
+            workspace: principal.workspace,
+        };
         let (req, _) = validate::count_tokens_request(&body, |m| state.engines.get(m).is_some())?;
         let engine = state
             .engines
             .get(&req.model)
             .cloned()
             .ok_or_else(|| ApiError::invalid("model: unknown model"))?;
-        let prompt = render::to_prompt(req.tools.as_deref(), req.system.as_ref(), &req.messages);
+        let prompt = render::to_prompt(
+            req.tools.as_deref(),
+            req.system.as_ref(),
+            &req.messages,
+            scope,
+        );
         let rendered = tokio::task::spawn_blocking(move || engine.render(&prompt))
             .await
             .map_err(|e| ApiError::internal("render task failed", e))?
