@@ -168,6 +168,15 @@ pub struct GatewaySection {
     pub max_body_bytes: usize,
     pub auth_cache_ttl_secs: u64,
     pub redis_timeout_ms: u64,
+    /// The whole request head must arrive within this; also the keep-alive idle limit.
+    pub header_read_timeout_secs: u64,
+    /// The longest wait between two pieces of a request body.
+    pub body_read_timeout_secs: u64,
+    /// Close a connection whose client takes no response bytes for this long.
+    pub write_stall_timeout_secs: u64,
+    pub max_connections: usize,
+    /// Per client IP address; 0 for none (behind a proxy every client shares its address).
+    pub max_connections_per_client: usize,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -268,6 +277,11 @@ impl Default for GatewaySection {
             max_body_bytes: 32 * 1024 * 1024,
             auth_cache_ttl_secs: 30,
             redis_timeout_ms: 250,
+            header_read_timeout_secs: 10,
+            body_read_timeout_secs: 30,
+            write_stall_timeout_secs: 60,
+            max_connections: 16_384,
+            max_connections_per_client: 1024,
         }
     }
 }
@@ -433,7 +447,21 @@ impl Config {
             max_body_bytes,
             auth_cache_ttl_secs: _,
             redis_timeout_ms,
+            header_read_timeout_secs,
+            body_read_timeout_secs,
+            write_stall_timeout_secs,
+            max_connections,
+            max_connections_per_client: _,
         } = gateway;
+        if *header_read_timeout_secs == 0
+            || *body_read_timeout_secs == 0
+            || *write_stall_timeout_secs == 0
+        {
+            bail!("gateway.*_timeout_secs must be positive");
+        }
+        if *max_connections == 0 {
+            bail!("gateway.max_connections must be positive");
+        }
         if *max_body_bytes < 1024 {
             bail!("gateway.max_body_bytes must be at least 1024");
         }
@@ -516,6 +544,19 @@ impl Config {
 
     pub fn spool_path(&self) -> PathBuf {
         self.data_dir.join(&self.meter.spool_file)
+    }
+
+    /// The HTTP server's timeouts and connection limits.
+    pub fn serve_limits(&self) -> gateway::server::ServeLimits {
+        let g = &self.gateway;
+        gateway::server::ServeLimits {
+            header_read_timeout: Duration::from_secs(g.header_read_timeout_secs),
+            body_read_timeout: Duration::from_secs(g.body_read_timeout_secs),
+            write_stall_timeout: Duration::from_secs(g.write_stall_timeout_secs),
+            max_connections: g.max_connections,
+            max_connections_per_client: g.max_connections_per_client,
+            max_body_bytes: g.max_body_bytes,
+        }
     }
 
     pub fn gateway(&self) -> gateway::GatewayConfig {

@@ -99,6 +99,8 @@ async fn main() -> anyhow::Result<()> {
     }
     let config = Config::load(cli.config.as_deref())?;
     init_tracing(config.log.format == "json");
+    // Every client connection is a descriptor; the soft limit is often far below the hard one.
+    gateway::server::raise_fd_limit();
     match cli.command {
         Command::Node {
             listen,

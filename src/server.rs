@@ -221,9 +221,10 @@ pub async fn start_api(
     )?;
     follow_changes(&config, pool.clone(), state.sync_targets(), &shutdown);
     let app = gateway::router(state);
+    let limits = config.serve_limits();
     let meter_handle = meter.clone();
     let task = tokio::spawn(async move {
-        let served = gateway::serve(listener, app, shutdown).await;
+        let served = gateway::serve(listener, app, shutdown, limits).await;
         // Requests still finishing in their own tasks get a moment to hand over usage.
         let _ = meter_handle.settled(Duration::from_secs(5)).await;
         meter_stop.cancel();
@@ -292,8 +293,9 @@ pub async fn start_gateway(
         },
     )?;
     let app = gateway::routing::router(state, Some(admin));
+    let limits = config.serve_limits();
     let task = tokio::spawn(async move {
-        gateway::serve(listener, app, shutdown)
+        gateway::serve(listener, app, shutdown, limits)
             .await
             .context("http server failed")
     });

@@ -105,10 +105,11 @@ impl Intents {
             return;
         }
         metrics::OPEN_STREAMS.set(g.open.len() as i64);
-        if g.lines >= COMPACT_AT_LINES && g.lines >= 4 * g.open.len() {
-            if let Err(e) = self.compact(&mut g) {
-                tracing::error!(error = %e, path = %self.path.display(), "compacting the open-stream journal failed");
-            }
+        if g.lines >= COMPACT_AT_LINES
+            && g.lines >= 4 * g.open.len()
+            && let Err(e) = self.compact(&mut g)
+        {
+            tracing::error!(error = %e, path = %self.path.display(), "compacting the open-stream journal failed");
         }
     }
 

@@ -17,6 +17,8 @@ pub enum ErrorKind {
     RateLimit,
     /// A change that conflicts with the object's state (409, typed as an invalid request).
     Conflict,
+    /// The client stopped sending its request (408, typed as an invalid request).
+    RequestTimeout,
     Api,
     /// A part of the service that is switched off (503).
     Unavailable,
@@ -33,6 +35,7 @@ impl ErrorKind {
             ErrorKind::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::RateLimit => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Conflict => StatusCode::CONFLICT,
+            ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::Api => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Overloaded => StatusCode::from_u16(529).expect("529 is a valid status"),
@@ -40,7 +43,9 @@ impl ErrorKind {
     }
     pub fn as_str(self) -> &'static str {
         match self {
-            ErrorKind::InvalidRequest | ErrorKind::Conflict => "invalid_request_error",
+            ErrorKind::InvalidRequest | ErrorKind::Conflict | ErrorKind::RequestTimeout => {
+                "invalid_request_error"
+            }
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::Permission => "permission_error",
             ErrorKind::NotFound => "not_found_error",

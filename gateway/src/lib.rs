@@ -1,6 +1,7 @@
 //! The Cachet gateway: the Anthropic-compatible HTTP API.
 //!
-//! What it exposes: [`run`] (serve a router on a listener until a shutdown token fires),
+//! What it exposes: [`serve`] (serve a router on a listener until a shutdown token fires,
+//! under the timeouts and connection limits of [`server`]),
 //! [`routing`] (the routing gateway of a cluster, `cachet gateway`, with the
 //! [`conductor`]'s choice of node),
 //! [`router`], [`AppState`] (built from the fabric client, the engine pool, the meter handle,
@@ -26,6 +27,7 @@ pub mod openapi;
 pub mod pipeline;
 pub mod render;
 pub mod routing;
+pub mod server;
 pub mod tenants;
 pub mod usage;
 
@@ -250,22 +252,13 @@ pub fn router(state: AppState) -> Router {
         .layer(middleware::from_fn_with_state(state, request_context))
 }
 
-/// Serve until `shutdown` is cancelled, then finish in-flight requests.
-pub async fn run(
-    listener: tokio::net::TcpListener,
-    state: AppState,
-    shutdown: CancellationToken,
-) -> std::io::Result<()> {
-    serve(listener, router(state), shutdown).await
-}
-
-/// Serve `app` (the gateway's router, possibly merged with others) until `shutdown`.
+/// Serve `app` (the gateway's router, possibly merged with others) under `limits` until
+/// `shutdown`, then finish in-flight requests.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: Router,
     shutdown: CancellationToken,
+    limits: server::ServeLimits,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
+    server::serve(listener, app, shutdown, limits).await
 }

@@ -149,3 +149,30 @@ pub static ADMIN_CHANGE_LAG: LazyLock<prometheus::Histogram> = LazyLock::new(|| 
     )
     .expect("metric"))
 });
+
+pub static CONNECTIONS_OPEN: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(
+        IntGauge::new("cachet_gateway_connections_open", "Open client connections")
+            .expect("metric"),
+    )
+});
+pub static CONNECTIONS_REFUSED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_connections_refused_total",
+            "Connections closed at accept (server_full, client_limit, accept_error)",
+        ),
+        &["reason"],
+    )
+    .expect("metric"))
+});
+pub static CONNECTION_TIMEOUTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_connection_timeouts_total",
+            "Connections or requests ended by a server timeout (write_stall, body_read)",
+        ),
+        &["kind"],
+    )
+    .expect("metric"))
+});

@@ -54,8 +54,14 @@ pub enum Event {
 }
 
 /// Start a job; its events arrive on the returned channel.
-pub fn spawn(state: AppState, job: Job) -> mpsc::Receiver<Event> {
-    let (tx, rx) = mpsc::channel(64);
+///
+/// The channel is unbounded on purpose: generation never waits for the client. A slow
+/// reader (or one that stops reading) would otherwise hold an engine worker for as long as
+/// it liked; instead its events queue here, bounded by `max_tokens` deltas, and the worker
+/// goes back to the pool as soon as decoding ends. The server's write-stall timeout closes
+/// a connection that stops taking bytes altogether.
+pub fn spawn(state: AppState, job: Job) -> mpsc::UnboundedReceiver<Event> {
+    let (tx, rx) = mpsc::unbounded_channel();
     let span = tracing::info_span!("request", request_id = %job.request_id, tenant_id = %job.principal.tenant);
     tokio::spawn(tracing::Instrument::instrument(drive(state, job, tx), span));
     rx
@@ -147,7 +153,7 @@ fn put_blocks(exported: &[KvBlock], links: &[ChainLink]) -> Vec<PutBlock> {
         .collect()
 }
 
-async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
+async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     let p = &job.principal;
     let scope = Scope {
         tenant: p.tenant,
@@ -204,7 +210,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
             for (k, v) in &headers.0 {
                 e = e.with_header(k, v);
             }
-            let _ = tx.send(Event::Error(e)).await;
+            let _ = tx.send(Event::Error(e));
             return;
         }
     };
@@ -233,7 +239,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
                 .admission
                 .refund_output(ticket, job.max_tokens as u64)
                 .await;
-            let _ = tx.send(Event::Error(e)).await;
+            let _ = tx.send(Event::Error(e));
             return;
         }
     };
@@ -287,7 +293,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::Sender<Event>) {
     // read the whole response can rely on its ledger row being on its way.
     record(&state, meter(done.usage, done.output, done.status)).await;
     if let Some(last) = done.last {
-        let _ = tx.send(last).await;
+        let _ = tx.send(last);
     }
     state
         .admission
@@ -320,7 +326,7 @@ struct Work {
     stops: Vec<String>,
     streaming: bool,
     rate: RateHeaders,
-    tx: mpsc::Sender<Event>,
+    tx: mpsc::UnboundedSender<Event>,
     /// A streamed request's usage event, journaled with its prompt usage before the 200.
     intent: Option<UsageEvent>,
     block_size: usize,
@@ -369,7 +375,7 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
         ..
     } = w;
     if tx
-        .blocking_send(Event::Start {
+        .send(Event::Start {
             usage: api_usage,
             report,
             rate,
@@ -384,7 +390,7 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
         match stream.next_delta() {
             Ok(Some(d)) if !streaming => whole.push_str(&d.text),
             Ok(Some(d)) => {
-                if !d.text.is_empty() && tx.blocking_send(Event::Delta(d.text)).is_err() {
+                if !d.text.is_empty() && tx.send(Event::Delta(d.text)).is_err() {
                     return finished(
                         u,
                         stream.output_tokens() as u64,
@@ -406,7 +412,7 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
         }
     }
     let output = stream.output_tokens() as u64;
-    if !whole.is_empty() && tx.blocking_send(Event::Delta(whole)).is_err() {
+    if !whole.is_empty() && tx.send(Event::Delta(whole)).is_err() {
         return finished(u, output, UsageStatus::ClientDisconnected, None);
     }
     let stop_reason = stream.stop_reason().cloned().unwrap_or(StopReason::EndTurn);

@@ -162,6 +162,7 @@ pub async fn dashboard(
         listener,
         gateway::admin::routes(admin),
         stop.clone(),
+        gateway::server::ServeLimits::default(),
     ));
     let http = reqwest::Client::new();
 

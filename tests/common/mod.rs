@@ -59,6 +59,8 @@ pub struct Options {
     pub db_name: Option<String>,
     /// `sim` (fast, the default for these tests) or `reference` (the real model).
     pub engine: &'static str,
+    /// Last changes to the config before the service starts.
+    pub tweak: fn(&mut Config),
 }
 
 impl Default for Options {
@@ -69,6 +71,7 @@ impl Default for Options {
             db_url_override: None,
             db_name: None,
             engine: "sim",
+            tweak: |_| {},
         }
     }
 }
@@ -107,6 +110,7 @@ impl TestApp {
         config.admin.change_poll_ms = 200;
         config.admin.rollup_interval_secs = 1;
         config.admin.spend_refresh_secs = 1;
+        (opts.tweak)(&mut config);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let shutdown = CancellationToken::new();
         let running = server::start(config, listener, shutdown.clone())

@@ -14,7 +14,7 @@ use cachet_common::{RequestId, Scope};
 use engine::Sampling;
 use futures::StreamExt;
 use serde_json::json;
-use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::AppState;
 use crate::admission::RateHeaders;
@@ -44,12 +44,32 @@ pub(crate) fn check_version(headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
+/// Whether reading the body failed on the server's body read timeout.
+fn is_body_timeout(r: &BytesRejection) -> bool {
+    let mut e: Option<&(dyn std::error::Error + 'static)> = Some(r);
+    while let Some(x) = e {
+        if x.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        e = x.source();
+    }
+    false
+}
+
 pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::new(
                 ErrorKind::RequestTooLarge,
                 "Request exceeds the maximum allowed number of bytes (32 MB).",
+            )
+        } else if is_body_timeout(&r) {
+            crate::metrics::CONNECTION_TIMEOUTS
+                .with_label_values(&["body_read"])
+                .inc();
+            ApiError::new(
+                ErrorKind::RequestTimeout,
+                "the request body stopped arriving: the server waits at most its body read timeout between pieces",
             )
         } else {
             ApiError::invalid(format!("could not read the request body: {r}"))
@@ -251,7 +271,7 @@ fn stream_response(
     model: String,
     usage: Usage,
     report: CacheReport,
-    rx: tokio::sync::mpsc::Receiver<Event>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) -> Response {
     let start = json!({
         "type": "message_start",
@@ -268,7 +288,7 @@ fn stream_response(
         ),
         sse("ping", json!({"type": "ping"})),
     ]);
-    let body = ReceiverStream::new(rx).flat_map(move |ev| {
+    let body = UnboundedReceiverStream::new(rx).flat_map(move |ev| {
         let items: Vec<Result<SseEvent, Infallible>> = match ev {
             Event::Delta(text) => vec![sse(
                 "content_block_delta",
