@@ -4,8 +4,14 @@
 //! an unknown key is cached as unknown for a few seconds so a flood of bad keys does not reach
 //! Postgres. Administrative changes (a revoked or rotated key, a suspended tenant, new limits)
 //! do not wait for the cache: the change feed ([`crate::admin::sync`]) drops the entries they
-//! touch within about a second. If Postgres cannot be reached, a cached (even expired)
-//! principal keeps working: an outage should not log customers out.
+//! touch within about a second.
+//!
+//! A cached principal past its `ttl` is served at once and refreshed in the background
+//! (one refresh per key at a time), so no request waits on Postgres for a key it has seen:
+//! when Postgres is away, the last known state of every cached key keeps working (an outage
+//! should not log customers out) and the refresh simply fails. A key never seen (or known
+//! unknown and expired) needs Postgres: after a lookup fails, such keys are answered 503 at
+//! once for [`DOWN_BACKOFF`] instead of each waiting for the pool.
 //!
 //! A key past its expiry (its own, or the end of a rotation's grace period) is refused with
 //! 401 at once, cached or not; a suspended tenant's keys get 403.
@@ -24,6 +30,10 @@ use crate::tenants::{self, Principal};
 
 const NEGATIVE_TTL: Duration = Duration::from_secs(5);
 const MAX_ENTRIES: usize = 100_000;
+/// After a failed lookup, keys that need Postgres are refused at once for this long.
+pub const DOWN_BACKOFF: Duration = Duration::from_secs(1);
+
+type Cache = Arc<Mutex<HashMap<[u8; 32], Entry>>>;
 
 struct Entry {
     principal: Option<Arc<Principal>>,
@@ -33,13 +43,24 @@ struct Entry {
 pub struct Authenticator {
     pool: PgPool,
     ttl: Duration,
-    cache: Mutex<HashMap<[u8; 32], Entry>>,
+    cache: Cache,
+    /// Keys being refreshed in the background now.
+    refreshing: Arc<Mutex<std::collections::HashSet<[u8; 32]>>>,
+    /// Until when lookups of uncached keys are refused without trying Postgres.
+    down_until: Arc<Mutex<Option<Instant>>>,
     /// When each key was last used, since the last [`Authenticator::take_used`].
     used: Mutex<HashMap<ApiKeyId, DateTime<Utc>>>,
 }
 
 /// The key a request presents, if any.
 pub fn presented_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    for name in ["x-api-key", "authorization"] {
+        if headers.get_all(name).iter().nth(1).is_some() {
+            return Err(ApiError::invalid(format!(
+                "the {name} header was sent more than once; send one API key"
+            )));
+        }
+    }
     let x = headers
         .get("x-api-key")
         .map(|v| v.to_str().unwrap_or_default().trim().to_string());
@@ -85,7 +106,9 @@ impl Authenticator {
         Self {
             pool,
             ttl,
-            cache: Mutex::new(HashMap::new()),
+            cache: Arc::default(),
+            refreshing: Arc::default(),
+            down_until: Arc::default(),
             used: Mutex::new(HashMap::new()),
         }
     }
@@ -108,47 +131,66 @@ impl Authenticator {
     }
 
     async fn resolve(&self, hash: &[u8; 32]) -> Result<Arc<Principal>, ApiError> {
-        let stale = {
+        {
             let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
             match cache.get(hash) {
-                Some(e) => {
-                    let fresh_for = if e.principal.is_some() {
-                        self.ttl
+                Some(e) if e.principal.is_some() => {
+                    if e.fetched.elapsed() >= self.ttl {
+                        self.refresh_in_background(*hash);
+                        auth_metric("stale");
                     } else {
-                        NEGATIVE_TTL
-                    };
-                    if e.fetched.elapsed() < fresh_for {
-                        return e.principal.clone().ok_or_else(invalid_key);
+                        auth_metric("cached");
                     }
-                    e.principal.clone()
+                    return e.principal.clone().ok_or_else(invalid_key);
                 }
-                None => None,
+                Some(e) if e.fetched.elapsed() < NEGATIVE_TTL => {
+                    auth_metric("cached");
+                    return Err(invalid_key());
+                }
+                _ => {}
             }
-        };
-        match tenants::lookup_key(&self.pool, hash).await {
-            Ok(found) => {
-                let principal = found.map(Arc::new);
-                let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-                if cache.len() >= MAX_ENTRIES {
-                    cache.clear();
-                }
-                cache.insert(
-                    *hash,
-                    Entry {
-                        principal: principal.clone(),
-                        fetched: Instant::now(),
-                    },
-                );
-                principal.ok_or_else(invalid_key)
-            }
-            Err(e) => match stale {
-                Some(p) => {
-                    tracing::warn!(error = %e, "postgres unavailable; using cached api key");
-                    Ok(p)
-                }
-                None => Err(ApiError::internal("api key lookup failed", e)),
-            },
         }
+        if is_down(&self.down_until) {
+            auth_metric("refused_db_down");
+            return Err(db_down());
+        }
+        auth_metric("lookup");
+        match lookup(&self.pool, &self.cache, &self.down_until, *hash).await {
+            Ok(principal) => principal.ok_or_else(invalid_key),
+            Err(e) => {
+                tracing::warn!(error = %e, "api key lookup failed: postgres unavailable");
+                Err(db_down())
+            }
+        }
+    }
+
+    /// Refresh a stale entry without making anyone wait for it.
+    fn refresh_in_background(&self, hash: [u8; 32]) {
+        if !self
+            .refreshing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(hash)
+        {
+            return;
+        }
+        let (pool, cache, down, refreshing) = (
+            self.pool.clone(),
+            self.cache.clone(),
+            self.down_until.clone(),
+            self.refreshing.clone(),
+        );
+        tokio::spawn(async move {
+            if !is_down(&down)
+                && let Err(e) = lookup(&pool, &cache, &down, hash).await
+            {
+                tracing::warn!(error = %e, "postgres unavailable; serving the last known api key state");
+            }
+            refreshing
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&hash);
+        });
     }
 
     /// Forget every cached key of `tenant` (its keys or policy changed).
@@ -181,6 +223,83 @@ impl Authenticator {
     }
 }
 
+/// Look `hash` up in Postgres and cache the answer; a failure marks Postgres down for a while.
+async fn lookup(
+    pool: &PgPool,
+    cache: &Cache,
+    down_until: &Mutex<Option<Instant>>,
+    hash: [u8; 32],
+) -> Result<Option<Arc<Principal>>, sqlx::Error> {
+    match tenants::lookup_key(pool, &hash).await {
+        Ok(found) => {
+            *down_until.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            let principal = found.map(Arc::new);
+            let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
+            if cache.len() >= MAX_ENTRIES {
+                cache.clear();
+            }
+            cache.insert(
+                hash,
+                Entry {
+                    principal: principal.clone(),
+                    fetched: Instant::now(),
+                },
+            );
+            Ok(principal)
+        }
+        Err(e) => {
+            *down_until.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(Instant::now() + DOWN_BACKOFF);
+            Err(e)
+        }
+    }
+}
+
+fn is_down(down_until: &Mutex<Option<Instant>>) -> bool {
+    down_until
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .is_some_and(|t| Instant::now() < t)
+}
+
+fn auth_metric(result: &str) {
+    crate::metrics::AUTH_LOOKUPS
+        .with_label_values(&[result])
+        .inc();
+}
+
+fn db_down() -> ApiError {
+    ApiError::new(
+        ErrorKind::Unavailable,
+        "API keys cannot be checked right now (the key store is unreachable); retry shortly",
+    )
+    .with_header("retry-after", "1")
+}
+
 fn invalid_key() -> ApiError {
     ApiError::new(ErrorKind::Authentication, "invalid x-api-key")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    #[test]
+    fn one_key_per_request_in_one_header() {
+        let mut h = HeaderMap::new();
+        h.append("x-api-key", HeaderValue::from_static("sk-a"));
+        assert_eq!(presented_key(&h).unwrap().as_deref(), Some("sk-a"));
+        h.append("x-api-key", HeaderValue::from_static("sk-b"));
+        let e = presented_key(&h).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidRequest);
+        let mut h = HeaderMap::new();
+        h.append("authorization", HeaderValue::from_static("Bearer sk-a"));
+        h.append("authorization", HeaderValue::from_static("Bearer sk-a"));
+        assert!(presented_key(&h).is_err(), "twice, even the same key");
+        let mut h = HeaderMap::new();
+        h.append("x-api-key", HeaderValue::from_static("sk-a"));
+        h.append("authorization", HeaderValue::from_static("Bearer sk-b"));
+        assert!(presented_key(&h).is_err(), "two different keys");
+    }
 }

@@ -176,3 +176,13 @@ pub static CONNECTION_TIMEOUTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static AUTH_LOOKUPS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_auth_total",
+            "API key resolutions: cached, stale (served, refreshed in the background), lookup (Postgres asked), refused_db_down",
+        ),
+        &["result"],
+    )
+    .expect("metric"))
+});
