@@ -491,3 +491,43 @@ async fn a_prompt_too_large_for_any_tokenization_is_refused_before_tokenizing() 
     assert_eq!(app.ledger_count().await, 0);
     app.stop().await;
 }
+
+/// A known path with the wrong method, a duplicated key header: the API's own error shape.
+#[tokio::test]
+async fn wrong_method_and_duplicate_key_headers_get_api_errors() {
+    let app = TestApp::start().await;
+    let r = app
+        .client
+        .get(format!("{}/v1/messages", app.url))
+        .header("x-api-key", &app.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+    assert!(r.headers().contains_key("request-id"));
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(v["error"]["message"], "GET is not allowed for /v1/messages");
+
+    let r = app
+        .client
+        .post(format!("{}/v1/messages", app.url))
+        .header("x-api-key", &app.key)
+        .header("x-api-key", "sk-someone-else")
+        .header("anthropic-version", "2023-06-01")
+        .json(&cached_body(10, "hi", 4))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("more than once"),
+        "{v}"
+    );
+    app.stop().await;
+}

@@ -19,6 +19,8 @@ pub enum ErrorKind {
     Conflict,
     /// The client stopped sending its request (408, typed as an invalid request).
     RequestTimeout,
+    /// The path exists, the method does not (405, typed as an invalid request).
+    MethodNotAllowed,
     Api,
     /// A part of the service that is switched off (503).
     Unavailable,
@@ -36,6 +38,7 @@ impl ErrorKind {
             ErrorKind::RateLimit => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Conflict => StatusCode::CONFLICT,
             ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
+            ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::Api => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Overloaded => StatusCode::from_u16(529).expect("529 is a valid status"),
@@ -43,9 +46,10 @@ impl ErrorKind {
     }
     pub fn as_str(self) -> &'static str {
         match self {
-            ErrorKind::InvalidRequest | ErrorKind::Conflict | ErrorKind::RequestTimeout => {
-                "invalid_request_error"
-            }
+            ErrorKind::InvalidRequest
+            | ErrorKind::Conflict
+            | ErrorKind::RequestTimeout
+            | ErrorKind::MethodNotAllowed => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::Permission => "permission_error",
             ErrorKind::NotFound => "not_found_error",

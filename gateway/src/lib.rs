@@ -215,6 +215,21 @@ pub(crate) async fn openapi_json() -> Response {
     ([("content-type", "application/json")], openapi::document()).into_response()
 }
 
+/// A known path asked with a method it does not take: 405 in the API's error shape.
+pub(crate) async fn method_not_allowed(req: Request) -> Response {
+    let rid = req
+        .extensions()
+        .get::<RequestId>()
+        .copied()
+        .unwrap_or_default();
+    error::ApiError::new(
+        error::ErrorKind::MethodNotAllowed,
+        format!("{} is not allowed for {}", req.method(), req.uri().path()),
+    )
+    .with_request_id(rid)
+    .into_response()
+}
+
 async fn not_found(req: Request) -> Response {
     let rid = req
         .extensions()
@@ -247,7 +262,8 @@ pub fn router(state: AppState) -> Router {
     if let Some(a) = &state.admin {
         app = app.merge(admin::routes(a.clone()));
     }
-    app.fallback(not_found)
+    app.method_not_allowed_fallback(method_not_allowed)
+        .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(state, request_context))
 }

@@ -693,7 +693,9 @@ pub fn router(state: RouterState, admin: Option<crate::admin::AdminState>) -> Ro
     if let Some(a) = admin {
         app = app.merge(crate::admin::routes(a));
     }
-    app.fallback(not_found).layer(DefaultBodyLimit::max(limit))
+    app.method_not_allowed_fallback(crate::method_not_allowed)
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
 }
 
 /// Serve until `shutdown`, then finish in-flight requests.

@@ -608,6 +608,105 @@ fn typed<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, ApiError> {
     serde_json::from_value(v).map_err(|e| ApiError::invalid(format!("invalid request: {e}")))
 }
 
+/// `tool_choice` and `thinking` as Anthropic checks them, and tool blocks that need `tools`.
+/// `max_tokens` is the request's (none for `count_tokens`).
+fn tools_and_thinking(
+    top: &Map<String, Value>,
+    w: &Walk,
+    max_tokens: Option<u32>,
+) -> Result<(), ApiError> {
+    let tool_names: Vec<&str> = opt(top, "tools")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(|t| t.get("name")?.as_str()).collect())
+        .unwrap_or_default();
+    if tool_names.is_empty()
+        && let Some(b) = w
+            .blocks
+            .iter()
+            .find(|b| matches!(b.kind, "tool_use" | "tool_result"))
+    {
+        return Err(err(
+            &b.path,
+            "Requests which include `tool_use` or `tool_result` blocks must define tools.",
+        ));
+    }
+    if let Some(tc) = opt(top, "tool_choice") {
+        let m = as_obj(tc, "tool_choice")?;
+        let kind = as_str(required(m, "type", "tool_choice")?, "tool_choice.type")?;
+        let allowed: &[&str] = match kind {
+            "auto" | "any" => &["type", "disable_parallel_tool_use"],
+            "tool" => &["type", "name", "disable_parallel_tool_use"],
+            "none" => &["type"],
+            other => {
+                return Err(err(
+                    "tool_choice.type",
+                    &format!(
+                        "Input tag '{other}' found using 'type' does not match any of the expected tags: 'auto', 'any', 'tool', 'none'"
+                    ),
+                ));
+            }
+        };
+        no_extra(m, allowed, "tool_choice")?;
+        if let Some(d) = opt(m, "disable_parallel_tool_use")
+            && !d.is_boolean()
+        {
+            return Err(err(
+                "tool_choice.disable_parallel_tool_use",
+                "Input should be a valid boolean",
+            ));
+        }
+        if matches!(kind, "any" | "tool") && tool_names.is_empty() {
+            return Err(err(
+                "tool_choice",
+                "tool_choice may only be specified while providing tools",
+            ));
+        }
+        if kind == "tool" {
+            let name = as_str(required(m, "name", "tool_choice")?, "tool_choice.name")?;
+            if !tool_names.contains(&name) {
+                return Err(err(
+                    "tool_choice.name",
+                    &format!("no tool named '{name}' is among the request's tools"),
+                ));
+            }
+        }
+    }
+    if let Some(t) = opt(top, "thinking") {
+        let m = as_obj(t, "thinking")?;
+        match as_str(required(m, "type", "thinking")?, "thinking.type")? {
+            "disabled" | "adaptive" => no_extra(m, &["type"], "thinking")?,
+            "enabled" => {
+                no_extra(m, &["type", "budget_tokens"], "thinking")?;
+                let path = "thinking.enabled.budget_tokens";
+                let b = required(m, "budget_tokens", "thinking.enabled")?;
+                let Some(n) = b.as_i64().filter(|_| b.is_i64() || b.is_u64()) else {
+                    return Err(err(path, "Input should be a valid integer"));
+                };
+                if n < 1024 {
+                    return Err(err(path, "Input should be greater than or equal to 1024"));
+                }
+                if let Some(mt) = max_tokens
+                    && n >= i64::from(mt)
+                {
+                    return Err(err(
+                        "max_tokens",
+                        "`max_tokens` must be greater than `thinking.budget_tokens`",
+                    ));
+                }
+            }
+            other => {
+                return Err(err(
+                    "thinking.type",
+                    &format!(
+                        "Input tag '{other}' found using 'type' does not match any of the expected tags: 'enabled', 'disabled', 'adaptive'"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Validate a `POST /v1/messages` body. `limits` looks up a model by id.
 pub fn messages_request(
     body: &[u8],
@@ -638,11 +737,10 @@ pub fn messages_request(
     if let Some(t) = opt(top, "top_k") {
         check_u32(t, "top_k")?;
     }
-    for key in ["metadata", "tool_choice", "thinking"] {
-        if let Some(x) = opt(top, key) {
-            as_obj(x, key)?;
-        }
+    if let Some(x) = opt(top, "metadata") {
+        as_obj(x, "metadata")?;
     }
+    tools_and_thinking(top, &w, Some(max_tokens))?;
     let bps = breakpoints(&w, top)?;
     let model = top["model"].as_str().unwrap_or_default();
     let Some(lim) = limits(model) else {
@@ -679,6 +777,7 @@ pub fn count_tokens_request(
     let top = as_obj(&v, "")?;
     no_extra(top, COUNT_FIELDS, "")?;
     let w = walk_common(top)?;
+    tools_and_thinking(top, &w, None)?;
     let bps = breakpoints(&w, top)?;
     let model = top["model"].as_str().unwrap_or_default();
     if !known(model) {
@@ -712,6 +811,71 @@ mod tests {
 
     fn cc(ttl: &str) -> Value {
         json!({"type": "ephemeral", "ttl": ttl})
+    }
+
+    #[test]
+    fn tool_choice_thinking_and_tool_blocks_are_checked_like_anthropic() {
+        let tools = json!([{"name": "lookup", "input_schema": {"type": "object"}}]);
+        let refused = |patch: Value, want: &str| {
+            let mut b = base();
+            for (k, v) in patch.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            let e = check(b).expect_err(want);
+            assert!(e.contains(want), "{e} lacks {want}");
+        };
+        refused(
+            json!({"tool_choice": {"type": "weird"}}),
+            "does not match any of the expected tags",
+        );
+        refused(
+            json!({"tool_choice": {"type": "tool", "name": "nope"}, "tools": tools}),
+            "no tool named 'nope'",
+        );
+        refused(
+            json!({"tool_choice": {"type": "any"}}),
+            "only be specified while providing tools",
+        );
+        refused(
+            json!({"tool_choice": {"type": "auto", "x": 1}}),
+            "tool_choice.x: Extra inputs",
+        );
+        refused(
+            json!({"thinking": {"type": "enabled", "budget_tokens": -5}}),
+            "greater than or equal to 1024",
+        );
+        refused(
+            json!({"thinking": {"type": "enabled", "budget_tokens": "x"}}),
+            "valid integer",
+        );
+        refused(
+            json!({"thinking": {"type": "enabled", "budget_tokens": 2048}}),
+            "`max_tokens` must be greater",
+        );
+        refused(
+            json!({"thinking": {"type": "sometimes"}}),
+            "does not match any of the expected tags",
+        );
+        refused(
+            json!({"messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"}]}
+            ]}),
+            "must define tools",
+        );
+        // And what Anthropic accepts still passes.
+        let mut ok = base();
+        ok["tools"] = tools.clone();
+        ok["tool_choice"] =
+            json!({"type": "tool", "name": "lookup", "disable_parallel_tool_use": true});
+        ok["max_tokens"] = json!(4000);
+        ok["thinking"] = json!({"type": "enabled", "budget_tokens": 1024});
+        check(ok).unwrap();
+        let mut ok = base();
+        ok["tool_choice"] = json!({"type": "auto"});
+        ok["thinking"] = json!({"type": "disabled"});
+        check(ok).unwrap();
     }
 
     #[test]
