@@ -28,6 +28,10 @@ pub struct Config {
     /// only (`CACHET_ADMIN_JWT_SECRET`), never the file. Empty: both APIs are off.
     #[serde(skip)]
     pub admin_jwt_secret: String,
+    /// Bearer token `GET /metrics` requires (`CACHET_METRICS_TOKEN`, environment only).
+    /// Empty: `/metrics` answers loopback clients only (its series name tenants).
+    #[serde(skip)]
+    pub metrics_token: String,
 }
 
 /// Cluster roles (`cachet node`, `cachet gateway`): placement, reads, routing.
@@ -245,6 +249,7 @@ impl Default for Config {
             log: LogSection::default(),
             admin: AdminSection::default(),
             admin_jwt_secret: String::new(),
+            metrics_token: String::new(),
         }
     }
 }
@@ -360,6 +365,7 @@ impl Config {
         env_parse("CACHET_ENGINE_QUEUE", &mut self.engine.queue)?;
         env_parse("CACHET_LOG_FORMAT", &mut self.log.format)?;
         env_parse("CACHET_ADMIN_JWT_SECRET", &mut self.admin_jwt_secret)?;
+        env_parse("CACHET_METRICS_TOKEN", &mut self.metrics_token)?;
         env_parse("CACHET_ADMIN_UI_DIR", &mut self.admin.ui_dir)?;
         env_parse(
             "CACHET_ROLLUP_INTERVAL_SECS",
@@ -383,6 +389,7 @@ impl Config {
             log,
             admin,
             admin_jwt_secret,
+            metrics_token: _,
         } = self;
         if !admin_jwt_secret.is_empty() && admin_jwt_secret.len() < 32 {
             bail!("CACHET_ADMIN_JWT_SECRET must be at least 32 bytes");
@@ -556,6 +563,8 @@ impl Config {
             max_connections: g.max_connections,
             max_connections_per_client: g.max_connections_per_client,
             max_body_bytes: g.max_body_bytes,
+            metrics_token: (!self.metrics_token.is_empty())
+                .then(|| std::sync::Arc::from(self.metrics_token.as_str())),
         }
     }
 

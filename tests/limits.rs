@@ -169,3 +169,37 @@ async fn one_client_cannot_take_every_connection() {
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn metrics_are_for_operators_only() {
+    let app = TestApp::start_with(Options {
+        tweak: |c| c.metrics_token = "an-operator-metrics-token".into(),
+        ..Default::default()
+    })
+    .await;
+    let get = |auth: Option<&str>| {
+        let mut r = app.client.get(format!("{}/metrics", app.url));
+        if let Some(a) = auth {
+            r = r.bearer_auth(a);
+        }
+        r.send()
+    };
+    let r = get(None).await.unwrap();
+    assert_eq!(r.status(), 403);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "permission_error");
+    assert_eq!(
+        get(Some(&app.key)).await.unwrap().status(),
+        403,
+        "an API key is not enough"
+    );
+    let r = get(Some("an-operator-metrics-token")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.text()
+            .await
+            .unwrap()
+            .contains("cachet_gateway_connections_open")
+    );
+    app.stop().await;
+}

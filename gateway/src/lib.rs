@@ -203,7 +203,18 @@ async fn readyz(State(state): State<AppState>) -> Response {
     (StatusCode::OK, Json(body)).into_response()
 }
 
-pub(crate) async fn metrics_text() -> Response {
+/// Prometheus text, for operators only: its series name tenants. Behind [`server::serve`]
+/// that means the metrics token or a loopback client.
+pub(crate) async fn metrics_text(req: Request) -> Response {
+    if let Some(c) = req.extensions().get::<server::Caller>()
+        && !c.may_read_metrics(req.headers())
+    {
+        return error::ApiError::new(
+            error::ErrorKind::Permission,
+            "/metrics is for operators: send the metrics token (CACHET_METRICS_TOKEN) as a bearer token",
+        )
+        .into_response();
+    }
     let families = prometheus::gather();
     match prometheus::TextEncoder::new().encode_to_string(&families) {
         Ok(s) => ([("content-type", "text/plain; version=0.0.4")], s).into_response(),

@@ -44,6 +44,29 @@ pub struct ServeLimits {
     pub max_connections_per_client: usize,
     /// A request declaring a longer body gets 413 before any of it is read.
     pub max_body_bytes: usize,
+    /// What `GET /metrics` requires: this bearer token, or (none set) a loopback client.
+    pub metrics_token: Option<Arc<str>>,
+}
+
+/// Who asks, for the endpoints that only operators may read ([`crate::metrics_text`]).
+#[derive(Clone, Debug)]
+pub struct Caller {
+    pub peer: std::net::SocketAddr,
+    pub metrics_token: Option<Arc<str>>,
+}
+
+impl Caller {
+    /// Whether this request may read `/metrics`.
+    pub fn may_read_metrics(&self, headers: &hyper::HeaderMap) -> bool {
+        match &self.metrics_token {
+            Some(t) => headers
+                .get(hyper::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .is_some_and(|v| crate::same_secret(v.trim().as_bytes(), t.as_bytes())),
+            None => self.peer.ip().is_loopback(),
+        }
+    }
 }
 
 impl Default for ServeLimits {
@@ -55,6 +78,7 @@ impl Default for ServeLimits {
             max_connections: 16_384,
             max_connections_per_client: 1024,
             max_body_bytes: 32 * 1024 * 1024,
+            metrics_token: None,
         }
     }
 }
@@ -101,9 +125,14 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let io = TokioIo::new(StallGuard::new(stream, limits.write_stall_timeout));
         let (body_timeout, max_body) = (limits.body_read_timeout, limits.max_body_bytes);
+        let caller = Caller {
+            peer,
+            metrics_token: limits.metrics_token.clone(),
+        };
         let app = app.clone();
-        let svc = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        let svc = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
             let mut app = app.clone();
+            req.extensions_mut().insert(caller.clone());
             async move {
                 if declared_length(&req).is_some_and(|n| n > max_body as u64) {
                     return Ok(body_too_large(max_body));
@@ -317,6 +346,30 @@ mod tests {
         let err = w.write_all(&[7u8; 64]).await.unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
         assert_eq!(started.elapsed(), Duration::from_secs(60));
+    }
+
+    #[test]
+    fn metrics_need_the_token_or_a_loopback_client() {
+        let caller = |peer: &str, token: Option<&str>| Caller {
+            peer: peer.parse().unwrap(),
+            metrics_token: token.map(Arc::from),
+        };
+        let none = hyper::HeaderMap::new();
+        let mut bearer = hyper::HeaderMap::new();
+        bearer.insert("authorization", "Bearer m-secret".parse().unwrap());
+        assert!(caller("127.0.0.1:5000", None).may_read_metrics(&none));
+        assert!(caller("[::1]:5000", None).may_read_metrics(&none));
+        assert!(!caller("203.0.113.9:5000", None).may_read_metrics(&none));
+        assert!(!caller("203.0.113.9:5000", None).may_read_metrics(&bearer));
+        let t = Some("m-secret");
+        assert!(caller("203.0.113.9:5000", t).may_read_metrics(&bearer));
+        assert!(
+            !caller("127.0.0.1:5000", t).may_read_metrics(&none),
+            "a token binds loopback too"
+        );
+        let mut wrong = hyper::HeaderMap::new();
+        wrong.insert("authorization", "Bearer m-secreT".parse().unwrap());
+        assert!(!caller("203.0.113.9:5000", t).may_read_metrics(&wrong));
     }
 
     #[test]
