@@ -18,7 +18,10 @@
 //! forces them out. When nothing best-effort is left to take, DRAM pressure *demotes* paid
 //! leaves to a lower tier that keeps paid blocks until they expire (the disk tier,
 //! [`TierStore::keeps_paid`]), least recently used first; a write that still cannot find room
-//! is refused (and not billed).
+//! is refused (and not billed). A node with no such tier applies a default quota instead:
+//! a tenant with no quota of its own holding more than its *fair share* (the capacity split
+//! evenly between the tenants resident on the node) gives way, its leaves paid or not, to a
+//! tenant writing within its share — so one tenant cannot lock the others out for an hour.
 //!
 //! Time is `tokio::time::Instant`, passed in by the caller (the request's start time), so
 //! TTL behaviour is testable with paused time.
@@ -328,6 +331,33 @@ impl Store {
                 self.tenant_reserved.remove(&tenant);
             }
         }
+    }
+
+    /// The tenant that must give way for `writer`'s `incoming` bytes on a full node: the one
+    /// holding the most among the *other* tenants over their fair share (the node's capacity
+    /// split evenly between the tenants resident on it, the writer included), skipping
+    /// tenants whose plan sets a quota, or a reservation that covers what they hold. Only a
+    /// writer that stays within its own share after the write may make others give way (a
+    /// tenant never loses its paid blocks to its own writes). `None` on a node with one tenant.
+    fn over_fair_share(&self, writer: TenantId, incoming: u64) -> Option<TenantId> {
+        let mut tenants = self.tenant_bytes.iter().filter(|(_, b)| **b > 0).count();
+        if self.tenant_bytes(writer) == 0 {
+            tenants += 1;
+        }
+        let share = self.limits.capacity_bytes / tenants.max(1) as u64;
+        if self.tenant_bytes(writer) + incoming > share {
+            return None;
+        }
+        self.tenant_bytes
+            .iter()
+            .filter(|(t, b)| {
+                **t != writer
+                    && **b > share
+                    && !self.tenant_quota.contains_key(t)
+                    && self.tenant_reserved.get(t).is_none_or(|r| *b > r)
+            })
+            .max_by_key(|(_, b)| **b)
+            .map(|(t, _)| *t)
     }
 
     /// The best-effort leaf capacity eviction takes next: the lowest-ranked one that is not
@@ -858,7 +888,19 @@ impl Store {
             }
         }
         while self.used_bytes + incoming > self.limits.capacity_bytes {
-            if !self.evict_one(None, &pinned, RemovalReason::Capacity) {
+            if self.evict_one(None, &pinned, RemovalReason::Capacity) {
+                continue;
+            }
+            // Nothing best-effort left and no tier below that keeps paid blocks: another
+            // tenant holding more than its fair share gives way (its default quota), so one
+            // tenant's paid writes cannot lock everyone else out of the node for their TTL.
+            // (With such a tier, paid blocks move there instead and keep their TTL.)
+            let over = if self.lower.as_ref().is_some_and(|t| t.keeps_paid()) {
+                None
+            } else {
+                self.over_fair_share(tenant, incoming)
+            };
+            if !over.is_some_and(|t| self.evict_one(Some(t), &pinned, RemovalReason::Quota)) {
                 return Err(refused(WriteRefused::Capacity));
             }
         }

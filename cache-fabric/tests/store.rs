@@ -420,17 +420,17 @@ async fn tail_hits_are_exact_at_boundaries() {
 async fn paid_entries_are_never_evicted_for_capacity() {
     // Room for 4 blocks; a paid entry fills it.
     let (c, node) = client(4 * (B * BYTES_PER_TOKEN) as u64);
-    let (s, other) = (scope(), scope());
+    let s = scope();
     let now = Instant::now();
     let k = keys(s, &toks(30, 16), &[16]);
     write_whole(&c, s, &k, 16, 300, now, PAID).await.unwrap();
-    for (who, kind) in [(s, AUTO), (s, PAID), (other, AUTO), (other, PAID)] {
-        let kx = keys(who, &toks(31, 4), &[4]);
+    // Alone on the node, the tenant's fair share is the whole node: nothing of it goes.
+    for kind in [AUTO, PAID] {
+        let kx = keys(s, &toks(31, 4), &[4]);
         assert_eq!(
-            write_whole(&c, who, &kx, 4, 300, now, kind).await,
+            write_whole(&c, s, &kx, 4, 300, now, kind).await,
             Err(WriteRefused::Capacity),
-            "{kind:?} write of {:?} must not displace a paid entry",
-            who.tenant
+            "{kind:?} write must not displace a paid entry"
         );
     }
     assert_eq!(c.read_prefix(s, &k, 16, now).await.tokens, 16);
@@ -439,6 +439,54 @@ async fn paid_entries_are_never_evicted_for_capacity() {
         .await;
     assert_eq!(c.read_prefix(s, &k, 16, now).await.tokens, 8);
     node.with_store(|st| st.check_invariants());
+}
+
+/// With no quota set (the default), one tenant's paid entries cannot lock another out of a
+/// full node for their TTL: a tenant over its fair share (the node split evenly between the
+/// tenants on it) gives way, its own leaves first, counted as quota evictions; a tenant
+/// within its share keeps everything, and a plan's quota takes the place of the fair share.
+#[tokio::test]
+async fn a_tenant_over_its_fair_share_gives_way_to_another_tenants_writes() {
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    let (c, node) = client(4 * block);
+    let (a, b) = (scope(), scope());
+    let now = Instant::now();
+    let ka = keys(a, &toks(40, 16), &[16]);
+    write_whole(&c, a, &ka, 16, 3600, now, PAID).await.unwrap();
+    // b's first block: a (4 blocks) is over its share of 2 and loses its tail.
+    let kb1 = keys(b, &toks(41, 4), &[4]);
+    write_whole(&c, b, &kb1, 4, 300, now, PAID).await.unwrap();
+    assert_eq!(c.read_prefix(a, &ka, 16, now).await.tokens, 12);
+    // b's second: a (3) still over, loses another; both now hold their share.
+    let kb2 = keys(b, &toks(42, 4), &[4]);
+    write_whole(&c, b, &kb2, 4, 300, now, PAID).await.unwrap();
+    assert_eq!(c.read_prefix(a, &ka, 16, now).await.tokens, 8);
+    // b's third would put b over its share: refused, and a keeps its share.
+    let kb3 = keys(b, &toks(43, 4), &[4]);
+    assert_eq!(
+        write_whole(&c, b, &kb3, 4, 300, now, PAID).await,
+        Err(WriteRefused::Capacity)
+    );
+    assert_eq!(c.read_prefix(a, &ka, 16, now).await.tokens, 8);
+    node.with_store(|st| {
+        st.check_invariants();
+        assert_eq!(st.tenant_bytes(a.tenant), 2 * block);
+        assert_eq!(st.tenant_bytes(b.tenant), 2 * block);
+    });
+    assert_eq!(node.tenant_stats(a.tenant, 5).evictions.evicted_quota, 2);
+    // A plan's quota replaces the fair share: a tenant with one is not made to give way.
+    let c_node = client(4 * block);
+    let (c2, _) = c_node;
+    let ka2 = keys(a, &toks(45, 16), &[16]);
+    write_whole(&c2, a, &ka2, 16, 3600, now, PAID)
+        .await
+        .unwrap();
+    c2.set_tenant_quota(a.tenant, Some(4 * block)).await;
+    assert_eq!(
+        write_whole(&c2, b, &kb1, 4, 300, now, PAID).await,
+        Err(WriteRefused::Capacity)
+    );
+    assert_eq!(c2.read_prefix(a, &ka2, 16, now).await.tokens, 16);
 }
 
 #[tokio::test]

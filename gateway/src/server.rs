@@ -48,7 +48,7 @@ pub struct ServeLimits {
     pub metrics_token: Option<Arc<str>>,
 }
 
-/// Who asks, for the endpoints that only operators may read ([`crate::metrics_text`]).
+/// Who asks, for the endpoints that only operators may read (`GET /metrics`).
 #[derive(Clone, Debug)]
 pub struct Caller {
     pub peer: std::net::SocketAddr,
