@@ -258,8 +258,7 @@ impl Default for FabricSection {
         Self {
             dram_capacity_bytes: 1 << 30,
             eviction: "frequency".into(),
-            // Paid entries spill to disk under DRAM pressure instead of filling the node.
-            disk_capacity_bytes: 8 << 30,
+            disk_capacity_bytes: 0,
             gpu_capacity_bytes: 0,
             rdma_device: "auto".into(),
             rdma_pool_bytes: 256 << 20,
