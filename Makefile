@@ -8,7 +8,8 @@ VENV := .venv
 TARGET := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 PY := $(VENV)/bin/python
 
-.PHONY: run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
+# (api-fuzz, fuzz-api: schemathesis against a real server)
+.PHONY: api-fuzz fuzz-api run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
 
 UI := admin-ui
 
@@ -25,7 +26,7 @@ run: services model build-release admin-ui
 
 ## The full suite: formatting, lints, Rust tests, docs, the anthropic SDK tests, the admin
 ## UI's unit tests and its end-to-end suite in Chromium.
-test: services model lint rust-test rdma-test doc sdk-test ui-test e2e
+test: services model lint rust-test rdma-test doc sdk-test api-fuzz ui-test e2e
 
 services:
 	@scripts/services.sh
@@ -77,6 +78,14 @@ $(VENV)/.installed: tests/sdk/requirements.txt
 
 sdk-test: build venv
 	CACHET_BIN=$(TARGET)/debug/cachet $(VENV)/bin/pytest -q tests/sdk
+
+## Schemathesis over every operation of openapi/openapi.json against a real `cachet serve`:
+## no 5xx, no panic. A short slice here; `make fuzz-api` generates ten times as many.
+api-fuzz: build venv
+	scripts/api-fuzz.sh $(TARGET)/debug/cachet $(VENV)/bin/st 20
+
+fuzz-api: build venv
+	scripts/api-fuzz.sh $(TARGET)/debug/cachet $(VENV)/bin/st 200
 
 ## The admin UI's packages (package-lock.json pins them), installed once per lock change.
 ui-deps: $(UI)/node_modules/.installed

@@ -31,15 +31,18 @@ pub fn parse_duration(s: &str) -> Result<chrono::Duration, String> {
     let n: i64 = n
         .parse()
         .map_err(|_| format!("{s:?} is not a duration: use a number and s, m, h or d (24h)"))?;
-    match unit {
-        "s" => Ok(chrono::Duration::seconds(n)),
-        "m" => Ok(chrono::Duration::minutes(n)),
-        "h" => Ok(chrono::Duration::hours(n)),
-        "d" => Ok(chrono::Duration::days(n)),
-        _ => Err(format!(
-            "{s:?} is not a duration: use a number and s, m, h or d (24h)"
-        )),
-    }
+    let d = match unit {
+        "s" => chrono::Duration::try_seconds(n),
+        "m" => chrono::Duration::try_minutes(n),
+        "h" => chrono::Duration::try_hours(n),
+        "d" => chrono::Duration::try_days(n),
+        _ => {
+            return Err(format!(
+                "{s:?} is not a duration: use a number and s, m, h or d (24h)"
+            ));
+        }
+    };
+    d.ok_or_else(|| format!("{s:?} is too long a duration"))
 }
 
 /// A time that must fall on midnight UTC (for commands over whole days).
@@ -77,5 +80,8 @@ mod tests {
         assert_eq!(parse_duration("7d").unwrap().num_days(), 7);
         assert!(parse_duration("7").is_err());
         assert!(parse_duration("x7d").is_err());
+        // Beyond what a duration can hold: an error, not a panic.
+        assert!(parse_duration("9223372036854775807d").is_err());
+        assert!(parse_duration("9223372036854775807s").is_err());
     }
 }

@@ -695,6 +695,30 @@ async fn logins_back_off_lock_refresh_and_log_out() {
     );
     assert_eq!(a.call("GET", "/v1/admin/me", Some(&tok), None).await.0, 401);
     assert_eq!(a.login("ana", &pw).await.0, 401);
+    // The last active platform admin cannot be disabled (the console would have no one left).
+    sqlx::query("UPDATE admin_users SET disabled_at = now() WHERE role = 'platform_admin' AND username <> 'root'")
+        .execute(&a.pool)
+        .await
+        .unwrap();
+    let root_id: Uuid = sqlx::query_scalar("SELECT id FROM admin_users WHERE username = 'root'")
+        .fetch_one(&a.pool)
+        .await
+        .unwrap();
+    let (s, v) = a
+        .call(
+            "DELETE",
+            &format!("/v1/admin/users/{root_id}"),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!(s, 409, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("last active platform_admin")
+    );
     // Every login, failure, lockout and logout is in the audit log; no password is.
     let actions: Vec<String> = sqlx::query_scalar("SELECT action FROM admin_audit ORDER BY id")
         .fetch_all(&a.pool)
@@ -839,6 +863,17 @@ async fn rotation_is_idempotent_and_the_old_secret_works_until_its_grace_ends() 
             .await
         }
     };
+    // A grace beyond any duration is a 400 (schemathesis found it panicking), as is a negative one.
+    for bad in [i64::MAX, -1] {
+        let (s, v) = rotate("rot-bad", bad).await;
+        assert_eq!(s, 400, "{bad}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("grace_seconds")
+        );
+    }
     let (s, first) = rotate("rot-1", 3).await;
     assert_eq!(s, 200, "{first}");
     assert_eq!(first["replayed"], false);

@@ -312,13 +312,16 @@ pub async fn rotate_key(
                 .map_err(|_| ApiError::invalid("Idempotency-Key: must be visible ASCII"))
         })
         .transpose()?;
+    // Out of chrono's range is out of ours too; the range itself is checked with the rest.
+    let grace = chrono::Duration::try_seconds(req.grace_seconds)
+        .ok_or_else(|| ApiError::invalid("grace_seconds: between 0 and 2592000 (30 days)"))?;
     let r = keys::rotate_key(
         &state.pool,
         &admin.actor,
         &RotateRequest {
             tenant: Some(id),
             key,
-            grace: chrono::Duration::seconds(req.grace_seconds),
+            grace,
             idempotency_key: idem,
             expires_at: req.expires_at,
         },

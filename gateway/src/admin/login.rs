@@ -227,6 +227,18 @@ pub async fn users(pool: &PgPool, tenant: Option<Uuid>) -> Result<Vec<User>, Adm
 pub async fn disable(pool: &PgPool, actor: &Actor, id: Uuid) -> Result<User, AdminError> {
     let before = get_user(pool, id).await?;
     let mut tx = pool.begin().await?;
+    // The console must keep someone who can administer it: the last active platform admin
+    // stays (rows locked so two concurrent disables cannot both pass).
+    let active: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT id FROM admin_users WHERE role = 'platform_admin' AND disabled_at IS NULL FOR UPDATE",
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    if active == [id] {
+        return Err(AdminError::Conflict(
+            "the last active platform_admin cannot be disabled: create another one first".into(),
+        ));
+    }
     sqlx::query("UPDATE admin_users SET disabled_at = COALESCE(disabled_at, now()) WHERE id = $1")
         .bind(id)
         .execute(&mut *tx)
