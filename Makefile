@@ -8,8 +8,8 @@ VENV := .venv
 TARGET := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 PY := $(VENV)/bin/python
 
-# (api-fuzz, fuzz-api: schemathesis against a real server)
-.PHONY: api-fuzz fuzz-api run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
+# (api-fuzz, fuzz-api: schemathesis against a real server; chaos: faults under load)
+.PHONY: chaos api-fuzz fuzz-api run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
 
 UI := admin-ui
 
@@ -86,6 +86,11 @@ api-fuzz: build venv
 
 fuzz-api: build venv
 	scripts/api-fuzz.sh $(TARGET)/debug/cachet $(VENV)/bin/st 200
+
+## Faults under load against a real `cachet serve` with a ledger checker: kill -9 mid-stream,
+## Postgres and Redis cut away for 20 s each (`make test` runs the same with 2 s outages).
+chaos: services
+	CACHET_CHAOS_OUTAGE_SECS=20 $(CARGO) test --locked --test chaos -- --nocapture
 
 ## The admin UI's packages (package-lock.json pins them), installed once per lock change.
 ui-deps: $(UI)/node_modules/.installed

@@ -1129,3 +1129,52 @@ async fn usage_and_cache_views_agree_with_the_ledger_and_the_fabric() {
     );
     a.stop().await;
 }
+
+/// The change feed applies changes made after it starts, once: the changes before it (the
+/// full state covers them) do not drop cached keys on its first poll, which during a
+/// Postgres outage would refuse every key of the tenants changed last.
+#[tokio::test]
+async fn the_change_feed_starts_at_its_end_and_drops_cached_keys_only_for_new_changes() {
+    use gateway::admin::sync::{Follower, Targets};
+    let name = fresh_db_name();
+    let pool = cachet::server::connect_and_migrate(&format!("{PG}/{name}"), 2)
+        .await
+        .unwrap();
+    let key = tenant_with_key(&pool, "feed").await;
+    let auth = std::sync::Arc::new(gateway::auth::Authenticator::new(
+        pool.clone(),
+        Duration::from_secs(30),
+    ));
+    let mut headers = axum::http::HeaderMap::new();
+    headers.insert("x-api-key", key.parse().unwrap());
+    let p = auth.authenticate(&headers).await.unwrap();
+    let targets = Targets {
+        auth: Some(auth.clone()),
+        ..Default::default()
+    };
+    let mut feed = Follower::default();
+    feed.step(&pool, &targets).await.unwrap(); // start
+    assert_eq!(
+        feed.step(&pool, &targets).await.unwrap(),
+        0,
+        "no new change"
+    );
+    assert_eq!(
+        auth.cached_tenants(),
+        vec![p.tenant],
+        "the key stays cached"
+    );
+    // A change made now is applied, and drops the tenant's cached keys.
+    gateway::tenants::set_suspended(
+        &pool,
+        &gateway::tenants::Actor::cli("test"),
+        p.tenant.as_uuid(),
+        true,
+    )
+    .await
+    .unwrap();
+    assert_eq!(feed.step(&pool, &targets).await.unwrap(), 1);
+    assert!(auth.cached_tenants().is_empty());
+    pool.close().await;
+    drop_db(&name).await;
+}

@@ -91,6 +91,12 @@ async fn one_request(
         .ok()?;
     let rid = RequestId::from_str(resp.headers().get("request-id")?.to_str().ok()?).ok()?;
     if resp.status() != 200 {
+        static SHOWN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let status = resp.status();
+        if SHOWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 3 {
+            let body = resp.text().await.unwrap_or_default();
+            eprintln!("{rid}: {status} {}", &body[..body.len().min(300)]);
+        }
         return Some((rid, Seen::NotAnswered));
     }
     if !stream {
@@ -214,6 +220,131 @@ async fn kill_9_of_serve_mid_load_loses_no_ledger_row() {
         "ledger: {} rows; {unknown} for requests whose headers never reached a client",
         rows.len()
     );
+    pool.close().await;
+    common::drop_db(&db_name).await;
+}
+
+/// Seconds each outage lasts: a short slice in `make test`, 20 s in `make chaos`.
+fn outage() -> Duration {
+    Duration::from_secs(
+        std::env::var("CACHET_CHAOS_OUTAGE_SECS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2),
+    )
+}
+
+/// Postgres, then Redis, cut away from a loaded `cachet serve` and restored: no request a
+/// known key sends fails, and every answered request has exactly one ledger row once the
+/// spool has replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_and_redis_outages_under_load_fail_nothing_and_lose_no_row() {
+    let db_name = common::fresh_db_name();
+    let db_url = format!("{}/{db_name}", common::PG);
+    let pool = cachet::server::connect_and_migrate(&db_url, 2)
+        .await
+        .unwrap();
+    let key = common::tenant_with_key(&pool, "chaos").await;
+    let pg = common::CutProxy::start("127.0.0.1:5432").await;
+    let redis = common::CutProxy::start("127.0.0.1:6379").await;
+    let dir = common::tempdir::Dir::new();
+    let proxied_db = format!("postgres://postgres@{}/{db_name}", pg.addr);
+    let proxied_redis = format!("redis://{}", redis.addr);
+    let env = [
+        ("CACHET_SIM_TIME_SCALE", "0.2"),
+        ("REDIS_URL", proxied_redis.as_str()),
+    ];
+    let serve = start_serve(&proxied_db, &dir.0, &env);
+
+    let seen: Arc<Mutex<Vec<(RequestId, Seen)>>> = Arc::default();
+    let errors: Arc<Mutex<Vec<String>>> = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for c in 0..8 {
+        let (url, key, seen, errors, stop) = (
+            serve.url.clone(),
+            key.clone(),
+            seen.clone(),
+            errors.clone(),
+            stop.clone(),
+        );
+        clients.push(tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                n += 1;
+                match one_request(&http, &url, &key, c >= 2, c * 100_000 + n).await {
+                    Some((id, Seen::NotAnswered)) => errors.lock().unwrap().push(id.to_string()),
+                    Some(s) => seen.lock().unwrap().push(s),
+                    None => errors.lock().unwrap().push("no response".into()),
+                }
+            }
+        }));
+    }
+    let phase = |name: &'static str| {
+        let seen = seen.clone();
+        async move {
+            let n = seen.lock().unwrap().len();
+            eprintln!("{name}: {n} answered so far");
+            n
+        }
+    };
+    // Past the change feed's first poll (1 s): it once replayed the tenant's own creation as
+    // a change and dropped its cached key, so the outage then refused the key.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let before = phase("before").await;
+    pg.cut();
+    tokio::time::sleep(outage()).await;
+    pg.restore();
+    let during_pg = phase("after the Postgres outage").await;
+    redis.cut();
+    tokio::time::sleep(outage()).await;
+    redis.restore();
+    let during_redis = phase("after the Redis outage").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for c in clients {
+        c.await.unwrap();
+    }
+    let seen = seen.lock().unwrap().clone();
+    let errors = errors.lock().unwrap().clone();
+    eprintln!(
+        "answered {} ({} before, {} during Postgres, {} during Redis), failed {}",
+        seen.len(),
+        before,
+        during_pg - before,
+        during_redis - during_pg,
+        errors.len()
+    );
+    assert!(
+        errors.is_empty(),
+        "{} requests failed, the first: {:?}",
+        errors.len(),
+        errors.iter().take(3).collect::<Vec<_>>()
+    );
+    assert!(
+        during_pg > before && during_redis > during_pg,
+        "served through both outages"
+    );
+
+    // Every answered request has exactly one row (the ledger's key), once the spool replays.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let rows = loop {
+        let rows = ledger(&pool).await;
+        if seen.iter().all(|(id, _)| rows.contains_key(id)) || Instant::now() > deadline {
+            break rows;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    for (id, s) in &seen {
+        assert!(rows.contains_key(id), "{id} ({s:?}) has no ledger row");
+    }
+    assert_eq!(
+        rows.len(),
+        seen.len(),
+        "a row for a request no client saw answered"
+    );
+    drop(serve);
     pool.close().await;
     common::drop_db(&db_name).await;
 }

@@ -180,6 +180,19 @@ impl Follower {
             self.high = sqlx::query_scalar("SELECT COALESCE(max(id), 0) FROM admin_audit")
                 .fetch_one(pool)
                 .await?;
+            // Rows already in the overlap window are the past the full state below covers:
+            // seen, so the first poll does not re-apply them (it used to drop every cached key
+            // of the tenants changed last, which during a Postgres outage refused them).
+            // Rows that commit later with lower ids are not among these and still apply.
+            self.seen = sqlx::query_scalar::<_, i64>(
+                "SELECT id FROM admin_audit WHERE id > $1 AND id <= $2",
+            )
+            .bind(self.high - OVERLAP)
+            .bind(self.high)
+            .fetch_all(pool)
+            .await?
+            .into_iter()
+            .collect();
             if let Some(f) = &targets.fabric {
                 for (id, s) in load_states(pool, None).await? {
                     apply_fabric(f, id, &s).await;
