@@ -88,7 +88,7 @@ fuzz-api: build venv
 	scripts/api-fuzz.sh $(TARGET)/debug/cachet $(VENV)/bin/st 200
 
 ## Faults under load against a real `cachet serve` with a ledger checker: kill -9 mid-stream,
-## Postgres and Redis cut away for 20 s each (`make test` runs the same with 2 s outages).
+## SIGSTOP for 20 s, Postgres and Redis cut away for 20 s each (`make test`: 2 s outages).
 chaos: services
 	CACHET_CHAOS_OUTAGE_SECS=20 $(CARGO) test --locked --test chaos -- --nocapture
 

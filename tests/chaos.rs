@@ -348,3 +348,104 @@ async fn postgres_and_redis_outages_under_load_fail_nothing_and_lose_no_row() {
     pool.close().await;
     common::drop_db(&db_name).await;
 }
+
+/// `SIGSTOP` of a loaded `cachet serve` for the outage length, then `SIGCONT`: requests wait,
+/// none fails, and every answered one has exactly one row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigstop_of_serve_delays_requests_and_fails_none() {
+    let db_name = common::fresh_db_name();
+    let db_url = format!("{}/{db_name}", common::PG);
+    let pool = cachet::server::connect_and_migrate(&db_url, 2)
+        .await
+        .unwrap();
+    let key = common::tenant_with_key(&pool, "chaos").await;
+    let dir = common::tempdir::Dir::new();
+    let serve = start_serve(&db_url, &dir.0, &[("CACHET_SIM_TIME_SCALE", "0.2")]);
+    let seen: Arc<Mutex<Vec<(RequestId, Seen)>>> = Arc::default();
+    let errors: Arc<Mutex<Vec<String>>> = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for c in 0..6 {
+        let (url, key, seen, errors, stop) = (
+            serve.url.clone(),
+            key.clone(),
+            seen.clone(),
+            errors.clone(),
+            stop.clone(),
+        );
+        clients.push(tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                n += 1;
+                match one_request(&http, &url, &key, c >= 2, c * 100_000 + n).await {
+                    Some((id, Seen::NotAnswered)) | Some((id, Seen::Cut)) => {
+                        errors.lock().unwrap().push(id.to_string())
+                    }
+                    Some(s) => seen.lock().unwrap().push(s),
+                    None => errors.lock().unwrap().push("no response".into()),
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let pid = serve.child.id().to_string();
+    let signal = |s: &str| {
+        assert!(
+            Command::new("kill")
+                .args([s, &pid])
+                .status()
+                .unwrap()
+                .success()
+        )
+    };
+    let before = seen.lock().unwrap().len();
+    signal("-STOP");
+    tokio::time::sleep(outage()).await;
+    let during = seen.lock().unwrap().len() - before;
+    signal("-CONT");
+    let resumed = Instant::now();
+    let at_cont = before + during;
+    while seen.lock().unwrap().len() == at_cont && resumed.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let recovery = resumed.elapsed();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for c in clients {
+        c.await.unwrap();
+    }
+    let seen = seen.lock().unwrap().clone();
+    let errors = errors.lock().unwrap().clone();
+    eprintln!(
+        "SIGSTOP for {:?}: {before} answered before, {during} while stopped, {} in all; {} failed; first answer {:?} after SIGCONT",
+        outage(),
+        seen.len(),
+        errors.len(),
+        recovery
+    );
+    // Only what was already on the wire when it stopped (at most one per client).
+    assert!(during <= 6, "a stopped server answered {during}");
+    assert!(
+        errors.is_empty(),
+        "{} requests failed, the first: {:?}",
+        errors.len(),
+        errors.iter().take(3).collect::<Vec<_>>()
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let rows = loop {
+        let rows = ledger(&pool).await;
+        if seen.iter().all(|(id, _)| rows.contains_key(id)) || Instant::now() > deadline {
+            break rows;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        seen.iter().all(|(id, _)| rows.contains_key(id)),
+        "answered without a row"
+    );
+    assert_eq!(rows.len(), seen.len());
+    drop(serve);
+    pool.close().await;
+    common::drop_db(&db_name).await;
+}

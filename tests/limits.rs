@@ -186,8 +186,11 @@ async fn metrics_are_for_operators_only() {
     };
     let r = get(None).await.unwrap();
     assert_eq!(r.status(), 403);
+    let header = r.headers()["request-id"].to_str().unwrap().to_string();
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["error"]["type"], "permission_error");
+    // An error made away from the request id still carries it, as the header does.
+    assert_eq!(v["request_id"], header.as_str());
     assert_eq!(
         get(Some(&app.key)).await.unwrap().status(),
         403,

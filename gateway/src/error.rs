@@ -72,6 +72,10 @@ pub struct ApiError {
     pub headers: Vec<(HeaderName, HeaderValue)>,
 }
 
+/// An error body rendered without its request id, for the middleware that knows it.
+#[derive(Clone, Debug)]
+pub struct RequestIdPending(pub ErrorBody);
+
 impl ApiError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
         Self {
@@ -122,8 +126,16 @@ impl IntoResponse for ApiError {
         crate::metrics::ERRORS
             .with_label_values(&[self.kind.as_str()])
             .inc();
-        let body = axum::Json(self.body());
-        let mut resp = (self.kind.status(), body).into_response();
+        let body = self.body();
+        let pending = self
+            .request_id
+            .is_none()
+            .then(|| RequestIdPending(body.clone()));
+        let mut resp = (self.kind.status(), axum::Json(body)).into_response();
+        if let Some(p) = pending {
+            // Made where the request id is not at hand: the request middleware fills it in.
+            resp.extensions_mut().insert(p);
+        }
         for (n, v) in self.headers {
             resp.headers_mut().insert(n, v);
         }

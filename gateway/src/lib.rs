@@ -175,6 +175,15 @@ async fn request_context(State(state): State<AppState>, mut req: Request, next: 
     metrics::HTTP_REQUESTS
         .with_label_values(&[&route, resp.status().as_str()])
         .inc();
+    if let Some(error::RequestIdPending(mut body)) = resp.extensions_mut().remove() {
+        body.request_id = rid.to_string();
+        let (mut parts, _) = resp.into_parts();
+        parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+        resp = Response::from_parts(
+            parts,
+            axum::body::Body::from(serde_json::to_vec(&body).unwrap_or_default()),
+        );
+    }
     if let Ok(v) = HeaderValue::from_str(&rid.to_string()) {
         resp.headers_mut().insert("request-id", v);
     }
