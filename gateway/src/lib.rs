@@ -235,33 +235,29 @@ pub(crate) async fn openapi_json() -> Response {
     ([("content-type", "application/json")], openapi::document()).into_response()
 }
 
-/// A known path asked with a method it does not take: 405 in the API's error shape.
-pub(crate) async fn method_not_allowed(req: Request) -> Response {
+/// An error about the route itself, with the request's id (a fresh one where no middleware
+/// gave it one).
+fn route_error(req: &Request, kind: error::ErrorKind, message: String) -> Response {
     let rid = req
         .extensions()
         .get::<RequestId>()
         .copied()
         .unwrap_or_default();
-    error::ApiError::new(
-        error::ErrorKind::MethodNotAllowed,
-        format!("{} is not allowed for {}", req.method(), req.uri().path()),
-    )
-    .with_request_id(rid)
-    .into_response()
+    error::ApiError::new(kind, message)
+        .with_request_id(rid)
+        .into_response()
 }
 
-async fn not_found(req: Request) -> Response {
-    let rid = req
-        .extensions()
-        .get::<RequestId>()
-        .copied()
-        .unwrap_or_default();
-    error::ApiError::new(
-        error::ErrorKind::NotFound,
-        format!("no route for {} {}", req.method(), req.uri().path()),
-    )
-    .with_request_id(rid)
-    .into_response()
+/// A known path asked with a method it does not take: 405 in the API's error shape.
+pub(crate) async fn method_not_allowed(req: Request) -> Response {
+    let msg = format!("{} is not allowed for {}", req.method(), req.uri().path());
+    route_error(&req, error::ErrorKind::MethodNotAllowed, msg)
+}
+
+/// No such path: 404 in the API's error shape.
+pub(crate) async fn not_found(req: Request) -> Response {
+    let msg = format!("no route for {} {}", req.method(), req.uri().path());
+    route_error(&req, error::ErrorKind::NotFound, msg)
 }
 
 pub fn router(state: AppState) -> Router {

@@ -667,15 +667,6 @@ async fn readyz(State(state): State<RouterState>) -> Response {
         .into_response()
 }
 
-async fn not_found(req: Request) -> Response {
-    ApiError::new(
-        ErrorKind::NotFound,
-        format!("no route for {} {}", req.method(), req.uri().path()),
-    )
-    .with_request_id(RequestId::new())
-    .into_response()
-}
-
 /// The routing gateway's routes, with the admin and finance APIs and the admin UI when
 /// `admin` is given.
 pub fn router(state: RouterState, admin: Option<crate::admin::AdminState>) -> Router {
@@ -694,7 +685,7 @@ pub fn router(state: RouterState, admin: Option<crate::admin::AdminState>) -> Ro
         app = app.merge(crate::admin::routes(a));
     }
     app.method_not_allowed_fallback(crate::method_not_allowed)
-        .fallback(not_found)
+        .fallback(crate::not_found)
         .layer(DefaultBodyLimit::max(limit))
 }
 
