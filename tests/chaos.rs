@@ -186,18 +186,7 @@ async fn kill_9_of_serve_mid_load_loses_no_ledger_row() {
 
     // Back on the same data directory: the spool and the open-stream journal replay.
     let again = start_serve(&db_url, &dir.0, &env);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let rows = loop {
-        let rows = ledger(&pool).await;
-        let missing = seen
-            .iter()
-            .filter(|(id, s)| *s != Seen::NotAnswered && !rows.contains_key(id))
-            .count();
-        if missing == 0 || Instant::now() > deadline {
-            break rows;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let rows = ledger_settled(&pool, &seen).await;
     drop(again);
     for (id, s) in &seen {
         match s {
@@ -234,6 +223,93 @@ fn outage() -> Duration {
     )
 }
 
+/// Clients sending requests to a server until stopped (`streaming` of them stream), each
+/// request recorded as the client saw it.
+struct Load {
+    seen: Arc<Mutex<Vec<(RequestId, Seen)>>>,
+    /// Requests refused or without any response.
+    errors: Arc<Mutex<Vec<String>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    clients: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(url: &str, key: &str, clients: usize, streaming: usize) -> Self {
+        let load = Load {
+            seen: Arc::default(),
+            errors: Arc::default(),
+            stop: Arc::default(),
+            clients: Vec::new(),
+        };
+        let clients = (0..clients)
+            .map(|c| {
+                let (url, key) = (url.to_string(), key.to_string());
+                let (seen, errors, stop) =
+                    (load.seen.clone(), load.errors.clone(), load.stop.clone());
+                tokio::spawn(async move {
+                    let http = reqwest::Client::new();
+                    let mut n = 0;
+                    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        n += 1;
+                        match one_request(&http, &url, &key, c < streaming, c * 100_000 + n).await {
+                            Some((id, Seen::NotAnswered)) => {
+                                errors.lock().unwrap().push(id.to_string())
+                            }
+                            Some(s) => seen.lock().unwrap().push(s),
+                            None => errors.lock().unwrap().push("no response".into()),
+                        }
+                    }
+                })
+            })
+            .collect();
+        Load { clients, ..load }
+    }
+
+    /// Requests answered so far.
+    fn answered(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+
+    /// Stop the clients: what they saw, and what failed.
+    async fn finish(self) -> (Vec<(RequestId, Seen)>, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        for c in self.clients {
+            c.await.unwrap();
+        }
+        let seen = self.seen.lock().unwrap().clone();
+        let errors = self.errors.lock().unwrap().clone();
+        (seen, errors)
+    }
+}
+
+fn assert_none_failed(errors: &[String]) {
+    assert!(
+        errors.is_empty(),
+        "{} requests failed, the first: {:?}",
+        errors.len(),
+        errors.iter().take(3).collect::<Vec<_>>()
+    );
+}
+
+/// The ledger once it holds a row for every request of `answered` (or after 20 s).
+async fn ledger_settled(
+    pool: &sqlx::PgPool,
+    answered: &[(RequestId, Seen)],
+) -> HashMap<RequestId, String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let rows = ledger(pool).await;
+        let missing = answered
+            .iter()
+            .filter(|(id, s)| *s != Seen::NotAnswered && !rows.contains_key(id))
+            .count();
+        if missing == 0 || Instant::now() > deadline {
+            return rows;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Postgres, then Redis, cut away from a loaded `cachet serve` and restored: no request a
 /// known key sends fails, and every answered request has exactly one ledger row once the
 /// spool has replayed.
@@ -256,58 +332,26 @@ async fn postgres_and_redis_outages_under_load_fail_nothing_and_lose_no_row() {
     ];
     let serve = start_serve(&proxied_db, &dir.0, &env);
 
-    let seen: Arc<Mutex<Vec<(RequestId, Seen)>>> = Arc::default();
-    let errors: Arc<Mutex<Vec<String>>> = Arc::default();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut clients = Vec::new();
-    for c in 0..8 {
-        let (url, key, seen, errors, stop) = (
-            serve.url.clone(),
-            key.clone(),
-            seen.clone(),
-            errors.clone(),
-            stop.clone(),
-        );
-        clients.push(tokio::spawn(async move {
-            let http = reqwest::Client::new();
-            let mut n = 0;
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                n += 1;
-                match one_request(&http, &url, &key, c >= 2, c * 100_000 + n).await {
-                    Some((id, Seen::NotAnswered)) => errors.lock().unwrap().push(id.to_string()),
-                    Some(s) => seen.lock().unwrap().push(s),
-                    None => errors.lock().unwrap().push("no response".into()),
-                }
-            }
-        }));
-    }
-    let phase = |name: &'static str| {
-        let seen = seen.clone();
-        async move {
-            let n = seen.lock().unwrap().len();
-            eprintln!("{name}: {n} answered so far");
-            n
-        }
+    let load = Load::start(&serve.url, &key, 8, 6);
+    let phase = |name: &str| {
+        let n = load.answered();
+        eprintln!("{name}: {n} answered so far");
+        n
     };
     // Past the change feed's first poll (1 s): it once replayed the tenant's own creation as
     // a change and dropped its cached key, so the outage then refused the key.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let before = phase("before").await;
+    let before = phase("before");
     pg.cut();
     tokio::time::sleep(outage()).await;
     pg.restore();
-    let during_pg = phase("after the Postgres outage").await;
+    let during_pg = phase("after the Postgres outage");
     redis.cut();
     tokio::time::sleep(outage()).await;
     redis.restore();
-    let during_redis = phase("after the Redis outage").await;
+    let during_redis = phase("after the Redis outage");
     tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    for c in clients {
-        c.await.unwrap();
-    }
-    let seen = seen.lock().unwrap().clone();
-    let errors = errors.lock().unwrap().clone();
+    let (seen, errors) = load.finish().await;
     eprintln!(
         "answered {} ({} before, {} during Postgres, {} during Redis), failed {}",
         seen.len(),
@@ -316,26 +360,14 @@ async fn postgres_and_redis_outages_under_load_fail_nothing_and_lose_no_row() {
         during_redis - during_pg,
         errors.len()
     );
-    assert!(
-        errors.is_empty(),
-        "{} requests failed, the first: {:?}",
-        errors.len(),
-        errors.iter().take(3).collect::<Vec<_>>()
-    );
+    assert_none_failed(&errors);
     assert!(
         during_pg > before && during_redis > during_pg,
         "served through both outages"
     );
 
     // Every answered request has exactly one row (the ledger's key), once the spool replays.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let rows = loop {
-        let rows = ledger(&pool).await;
-        if seen.iter().all(|(id, _)| rows.contains_key(id)) || Instant::now() > deadline {
-            break rows;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let rows = ledger_settled(&pool, &seen).await;
     for (id, s) in &seen {
         assert!(rows.contains_key(id), "{id} ({s:?}) has no ledger row");
     }
@@ -361,33 +393,7 @@ async fn sigstop_of_serve_delays_requests_and_fails_none() {
     let key = common::tenant_with_key(&pool, "chaos").await;
     let dir = common::tempdir::Dir::new();
     let serve = start_serve(&db_url, &dir.0, &[("CACHET_SIM_TIME_SCALE", "0.2")]);
-    let seen: Arc<Mutex<Vec<(RequestId, Seen)>>> = Arc::default();
-    let errors: Arc<Mutex<Vec<String>>> = Arc::default();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut clients = Vec::new();
-    for c in 0..6 {
-        let (url, key, seen, errors, stop) = (
-            serve.url.clone(),
-            key.clone(),
-            seen.clone(),
-            errors.clone(),
-            stop.clone(),
-        );
-        clients.push(tokio::spawn(async move {
-            let http = reqwest::Client::new();
-            let mut n = 0;
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                n += 1;
-                match one_request(&http, &url, &key, c >= 2, c * 100_000 + n).await {
-                    Some((id, Seen::NotAnswered)) | Some((id, Seen::Cut)) => {
-                        errors.lock().unwrap().push(id.to_string())
-                    }
-                    Some(s) => seen.lock().unwrap().push(s),
-                    None => errors.lock().unwrap().push("no response".into()),
-                }
-            }
-        }));
-    }
+    let load = Load::start(&serve.url, &key, 6, 4);
     tokio::time::sleep(Duration::from_secs(1)).await;
     let pid = serve.child.id().to_string();
     let signal = |s: &str| {
@@ -399,24 +405,22 @@ async fn sigstop_of_serve_delays_requests_and_fails_none() {
                 .success()
         )
     };
-    let before = seen.lock().unwrap().len();
+    let before = load.answered();
     signal("-STOP");
     tokio::time::sleep(outage()).await;
-    let during = seen.lock().unwrap().len() - before;
+    let during = load.answered() - before;
     signal("-CONT");
     let resumed = Instant::now();
     let at_cont = before + during;
-    while seen.lock().unwrap().len() == at_cont && resumed.elapsed() < Duration::from_secs(30) {
+    while load.answered() == at_cont && resumed.elapsed() < Duration::from_secs(30) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let recovery = resumed.elapsed();
     tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    for c in clients {
-        c.await.unwrap();
-    }
-    let seen = seen.lock().unwrap().clone();
-    let errors = errors.lock().unwrap().clone();
+    let (all, mut errors) = load.finish().await;
+    // A stream the stop cut is a failure here too.
+    let (seen, cut): (Vec<_>, Vec<_>) = all.into_iter().partition(|(_, s)| *s != Seen::Cut);
+    errors.extend(cut.iter().map(|(id, _)| id.to_string()));
     eprintln!(
         "SIGSTOP for {:?}: {before} answered before, {during} while stopped, {} in all; {} failed; first answer {:?} after SIGCONT",
         outage(),
@@ -426,20 +430,8 @@ async fn sigstop_of_serve_delays_requests_and_fails_none() {
     );
     // Only what was already on the wire when it stopped (at most one per client).
     assert!(during <= 6, "a stopped server answered {during}");
-    assert!(
-        errors.is_empty(),
-        "{} requests failed, the first: {:?}",
-        errors.len(),
-        errors.iter().take(3).collect::<Vec<_>>()
-    );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let rows = loop {
-        let rows = ledger(&pool).await;
-        if seen.iter().all(|(id, _)| rows.contains_key(id)) || Instant::now() > deadline {
-            break rows;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    assert_none_failed(&errors);
+    let rows = ledger_settled(&pool, &seen).await;
     assert!(
         seen.iter().all(|(id, _)| rows.contains_key(id)),
         "answered without a row"
