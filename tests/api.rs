@@ -394,15 +394,7 @@ async fn count_tokens_models_and_health() {
             .unwrap();
         assert_eq!(r.status(), 200);
     }
-    let metrics = app
-        .client
-        .get(format!("{}/metrics", app.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = app.metrics().await;
     for name in [
         "cachet_fabric_block_reads_total",
         "cachet_fabric_tenant_resident_bytes",

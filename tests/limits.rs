@@ -154,15 +154,7 @@ async fn one_client_cannot_take_every_connection() {
     while !healthy(&app).await {
         assert!(Instant::now() < deadline, "service answers again");
     }
-    let text = app
-        .client
-        .get(format!("{}/metrics", app.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics().await;
     assert!(
         text.contains("cachet_gateway_connections_refused_total{reason=\"client_limit\"}"),
         "refusals are counted"

@@ -10,15 +10,7 @@ use std::time::Duration;
 use common::{CutProxy, Options, TestApp, cached_body};
 
 async fn auth_count(app: &TestApp, result: &str) -> u64 {
-    let text = app
-        .client
-        .get(format!("{}/metrics", app.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics().await;
     let series = format!("cachet_gateway_auth_total{{result=\"{result}\"}} ");
     text.lines()
         .find_map(|l| l.strip_prefix(&series))

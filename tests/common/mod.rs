@@ -129,6 +129,18 @@ impl TestApp {
         }
     }
 
+    /// The service's `/metrics` text (read from loopback, so no token is needed).
+    pub async fn metrics(&self) -> String {
+        self.client
+            .get(format!("{}/metrics", self.url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     pub fn running(&self) -> &Running {
         self.running.as_ref().unwrap()
     }
