@@ -8,8 +8,9 @@ VENV := .venv
 TARGET := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 PY := $(VENV)/bin/python
 
-# (api-fuzz, fuzz-api: schemathesis against a real server; chaos: faults under load)
-.PHONY: chaos api-fuzz fuzz-api run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
+# (api-fuzz, fuzz-api: schemathesis against a real server; fuzz-slice, fuzz: cargo fuzz;
+# chaos: faults under load)
+.PHONY: chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
 
 UI := admin-ui
 
@@ -26,7 +27,7 @@ run: services model build-release admin-ui
 
 ## The full suite: formatting, lints, Rust tests, docs, the anthropic SDK tests, the admin
 ## UI's unit tests and its end-to-end suite in Chromium.
-test: services model lint rust-test rdma-test doc sdk-test api-fuzz ui-test e2e
+test: services model lint rust-test rdma-test doc sdk-test api-fuzz fuzz-slice ui-test e2e
 
 services:
 	@scripts/services.sh
@@ -87,8 +88,19 @@ api-fuzz: build venv
 fuzz-api: build venv
 	scripts/api-fuzz.sh $(TARGET)/debug/cachet $(VENV)/bin/st 200
 
-## Faults under load against a real `cachet serve` with a ledger checker: kill -9 mid-stream,
-## SIGSTOP for 20 s, Postgres and Redis cut away for 20 s each (`make test`: 2 s outages).
+## cargo fuzz (libFuzzer) over request validation and rendering, the fabric transport's
+## frames, the disk tier's segments and the meter's spool: 20 s a target from the committed
+## corpora here; `make fuzz` runs 10 minutes a target and adds what it finds to fuzz/corpus.
+fuzz-slice:
+	scripts/fuzz.sh 20
+
+fuzz:
+	scripts/fuzz.sh $${FUZZ_SECS:-600} grow
+
+## Faults under load with a ledger checker, against a real `cachet serve` (kill -9
+## mid-stream, SIGSTOP, Postgres and Redis cut away) and a 3-node cluster with its gateway
+## (kill -9 and SIGSTOP of a node and of the gateway, a node cut off from its peers): 20 s
+## outages (`make test`: 2 s).
 chaos: services
 	CACHET_CHAOS_OUTAGE_SECS=20 $(CARGO) test --locked --test chaos -- --nocapture
 

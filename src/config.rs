@@ -50,6 +50,9 @@ pub struct ClusterSection {
     /// The gateway answers 529 at once when no node is expected to start answering within
     /// this time-to-first-token.
     pub ttft_slo_ms: u64,
+    /// How long a node waits before recording a stream its gateway lost: the gateway may be
+    /// resuming it on another node, whose complete row must be the request's one.
+    pub resume_grace_secs: u64,
 }
 
 impl Default for ClusterSection {
@@ -60,6 +63,7 @@ impl Default for ClusterSection {
             prefill_tokens_per_sec: 400,
             transfer_bytes_per_sec: 1_000_000_000,
             ttft_slo_ms: 30_000,
+            resume_grace_secs: 120,
         }
     }
 }
@@ -362,6 +366,10 @@ impl Config {
         env_parse("CACHET_MODEL_PATH", &mut self.engine.model_path)?;
         env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
         env_parse("CACHET_ENGINE_WORKERS", &mut self.engine.workers)?;
+        env_parse(
+            "CACHET_RESUME_GRACE_SECS",
+            &mut self.cluster.resume_grace_secs,
+        )?;
         env_parse("CACHET_ENGINE_QUEUE", &mut self.engine.queue)?;
         env_parse("CACHET_LOG_FORMAT", &mut self.log.format)?;
         env_parse("CACHET_ADMIN_JWT_SECRET", &mut self.admin_jwt_secret)?;
@@ -499,6 +507,7 @@ impl Config {
             prefill_tokens_per_sec,
             transfer_bytes_per_sec,
             ttft_slo_ms,
+            resume_grace_secs: _,
         } = cluster;
         if *group_size == 0 || *replicas == 0 || replicas > group_size {
             bail!("cluster.replicas must be between 1 and cluster.group_size");
@@ -574,6 +583,7 @@ impl Config {
             auth_cache_ttl: Duration::from_secs(self.gateway.auth_cache_ttl_secs),
             redis_timeout: Duration::from_millis(self.gateway.redis_timeout_ms),
             internal_token: None,
+            resume_grace: Duration::from_secs(self.cluster.resume_grace_secs),
         }
     }
 

@@ -37,6 +37,13 @@ enum Command {
         /// Internal API address for gateways (omit for a storage-only node).
         #[arg(long)]
         api_listen: Option<String>,
+        /// Fabric address announced to peers and gateways when it differs from `listen`
+        /// (behind NAT, a proxy or a container port mapping).
+        #[arg(long, env = "CACHET_ADVERTISE")]
+        advertise: Option<String>,
+        /// API address announced to gateways when it differs from `api_listen`.
+        #[arg(long, env = "CACHET_API_ADVERTISE")]
+        api_advertise: Option<String>,
         /// Node id (unique in the cluster); default: node-<port>.
         #[arg(long)]
         id: Option<String>,
@@ -105,6 +112,8 @@ async fn main() -> anyhow::Result<()> {
         Command::Node {
             listen,
             api_listen,
+            advertise,
+            api_advertise,
             id,
             rack,
             redis_prefix,
@@ -123,6 +132,8 @@ async fn main() -> anyhow::Result<()> {
                 cachet::node::NodeArgs {
                     listen,
                     api_listen,
+                    advertise,
+                    api_advertise,
                     id,
                     rack,
                     redis_prefix,

@@ -33,6 +33,10 @@ pub struct NodeArgs {
     pub listen: String,
     /// Internal API address for gateways; `None`: a storage-only node.
     pub api_listen: Option<String>,
+    /// The fabric address announced in the membership; `None`: the bound address.
+    pub advertise: Option<String>,
+    /// The API address announced in the membership; `None`: the bound address.
+    pub api_advertise: Option<String>,
     pub id: String,
     pub rack: Option<String>,
     /// Prefix of the cluster's Redis keys (membership, block events).
@@ -118,13 +122,13 @@ pub async fn run(
     ));
     let record = NodeRecord {
         id: args.id.clone(),
-        addr: addr.clone(),
+        addr: args.advertise.clone().unwrap_or_else(|| addr.clone()),
         rack: args.rack.clone(),
         dram_capacity_bytes: config.fabric.dram_capacity_bytes,
         disk_capacity_bytes: config.fabric.disk_capacity_bytes,
         epoch,
         dram_used_bytes: 0,
-        api_addr: api_addr.clone(),
+        api_addr: args.api_advertise.clone().or_else(|| api_addr.clone()),
     };
     // Announced and with a first view before it serves anything: its first writes already
     // go to their owners.

@@ -72,15 +72,42 @@ enum Seen {
     NotAnswered,
 }
 
+/// Token counts a client was told: (uncached input, cache writes, cache reads, output).
+type Usage = [i64; 4];
+
+/// One request as its client saw it.
+#[derive(Clone, Debug)]
+struct Answer {
+    id: RequestId,
+    seen: Seen,
+    /// The HTTP status (200 for every answered request).
+    status: u16,
+    usage: Option<Usage>,
+    /// When the client had the whole answer (or gave up on it).
+    at: Instant,
+    /// From sending the request to `at`.
+    took: Duration,
+}
+
+fn usage_of(u: &serde_json::Value, output: &serde_json::Value) -> Option<Usage> {
+    Some([
+        u["input_tokens"].as_i64()?,
+        u["cache_creation_input_tokens"].as_i64()?,
+        u["cache_read_input_tokens"].as_i64()?,
+        output.as_i64()?,
+    ])
+}
+
 async fn one_request(
     http: &reqwest::Client,
     url: &str,
     key: &str,
     stream: bool,
     n: usize,
-) -> Option<(RequestId, Seen)> {
+) -> Option<Answer> {
     let mut body = common::cached_body(300, &format!("question {n}"), 300);
     body["stream"] = stream.into();
+    let sent = Instant::now();
     let resp = http
         .post(format!("{url}/v1/messages"))
         .header("x-api-key", key)
@@ -89,23 +116,37 @@ async fn one_request(
         .send()
         .await
         .ok()?;
-    let rid = RequestId::from_str(resp.headers().get("request-id")?.to_str().ok()?).ok()?;
-    if resp.status() != 200 {
+    let id = RequestId::from_str(resp.headers().get("request-id")?.to_str().ok()?).ok()?;
+    let status = resp.status().as_u16();
+    let answer = |seen, usage| {
+        Some(Answer {
+            id,
+            seen,
+            status,
+            usage,
+            at: Instant::now(),
+            took: sent.elapsed(),
+        })
+    };
+    if status != 200 {
         static SHOWN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let status = resp.status();
         if SHOWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 3 {
             let body = resp.text().await.unwrap_or_default();
-            eprintln!("{rid}: {status} {}", &body[..body.len().min(300)]);
+            eprintln!("{id}: {status} {}", &body[..body.len().min(300)]);
         }
-        return Some((rid, Seen::NotAnswered));
+        return answer(Seen::NotAnswered, None);
     }
     if !stream {
-        return Some(match resp.bytes().await {
-            Ok(b) if serde_json::from_slice::<serde_json::Value>(&b).is_ok() => {
-                (rid, Seen::Complete)
-            }
-            _ => (rid, Seen::NotAnswered),
-        });
+        return match resp.bytes().await {
+            Ok(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
+                Ok(v) => answer(
+                    Seen::Complete,
+                    usage_of(&v["usage"], &v["usage"]["output_tokens"]),
+                ),
+                Err(_) => answer(Seen::NotAnswered, None),
+            },
+            Err(_) => answer(Seen::NotAnswered, None),
+        };
     }
     let mut text = String::new();
     let mut chunks = resp.bytes_stream();
@@ -115,14 +156,21 @@ async fn one_request(
             Err(_) => break,
         }
     }
-    Some((
-        rid,
-        if text.contains("event: message_stop") {
-            Seen::Complete
-        } else {
-            Seen::Cut
-        },
-    ))
+    if !text.contains("event: message_stop") {
+        return answer(Seen::Cut, None);
+    }
+    // Input counts come in `message_start`, the output count in `message_delta`.
+    let events: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let start = events.iter().find(|e| e["type"] == "message_start");
+    let delta = events.iter().find(|e| e["type"] == "message_delta");
+    let usage = start
+        .zip(delta)
+        .and_then(|(s, d)| usage_of(&s["message"]["usage"], &d["usage"]["output_tokens"]));
+    answer(Seen::Complete, usage)
 }
 
 /// The ledger's rows by request id, with their status.
@@ -161,7 +209,7 @@ async fn kill_9_of_serve_mid_load_loses_no_ledger_row() {
                 n += 1;
                 // Two clients in ten ask for a whole body, the rest stream.
                 match one_request(&http, &url, &key, c >= 2, c * 1000 + n).await {
-                    Some(s) => seen.lock().unwrap().push(s),
+                    Some(a) => seen.lock().unwrap().push((a.id, a.seen)),
                     None => break, // the server is gone
                 }
             }
@@ -226,9 +274,9 @@ fn outage() -> Duration {
 /// Clients sending requests to a server until stopped (`streaming` of them stream), each
 /// request recorded as the client saw it.
 struct Load {
-    seen: Arc<Mutex<Vec<(RequestId, Seen)>>>,
-    /// Requests refused or without any response.
-    errors: Arc<Mutex<Vec<String>>>,
+    answers: Arc<Mutex<Vec<Answer>>>,
+    /// Requests without any response (connection refused or reset before the headers).
+    unanswered: Arc<Mutex<Vec<Instant>>>,
     stop: Arc<std::sync::atomic::AtomicBool>,
     clients: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -236,27 +284,31 @@ struct Load {
 impl Load {
     fn start(url: &str, key: &str, clients: usize, streaming: usize) -> Self {
         let load = Load {
-            seen: Arc::default(),
-            errors: Arc::default(),
+            answers: Arc::default(),
+            unanswered: Arc::default(),
             stop: Arc::default(),
             clients: Vec::new(),
         };
         let clients = (0..clients)
             .map(|c| {
                 let (url, key) = (url.to_string(), key.to_string());
-                let (seen, errors, stop) =
-                    (load.seen.clone(), load.errors.clone(), load.stop.clone());
+                let (answers, unanswered, stop) = (
+                    load.answers.clone(),
+                    load.unanswered.clone(),
+                    load.stop.clone(),
+                );
                 tokio::spawn(async move {
                     let http = reqwest::Client::new();
                     let mut n = 0;
                     while !stop.load(std::sync::atomic::Ordering::SeqCst) {
                         n += 1;
                         match one_request(&http, &url, &key, c < streaming, c * 100_000 + n).await {
-                            Some((id, Seen::NotAnswered)) => {
-                                errors.lock().unwrap().push(id.to_string())
+                            Some(a) => answers.lock().unwrap().push(a),
+                            None => {
+                                unanswered.lock().unwrap().push(Instant::now());
+                                // Nothing listening: don't spin.
+                                tokio::time::sleep(Duration::from_millis(50)).await;
                             }
-                            Some(s) => seen.lock().unwrap().push(s),
-                            None => errors.lock().unwrap().push("no response".into()),
                         }
                     }
                 })
@@ -267,17 +319,36 @@ impl Load {
 
     /// Requests answered so far.
     fn answered(&self) -> usize {
-        self.seen.lock().unwrap().len()
+        self.answers
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|a| a.seen != Seen::NotAnswered)
+            .count()
     }
 
-    /// Stop the clients: what they saw, and what failed.
-    async fn finish(self) -> (Vec<(RequestId, Seen)>, Vec<String>) {
+    /// Stop the clients: every answer they had, and when a request got no response at all.
+    async fn finish_detailed(self) -> (Vec<Answer>, Vec<Instant>) {
         self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
         for c in self.clients {
             c.await.unwrap();
         }
-        let seen = self.seen.lock().unwrap().clone();
-        let errors = self.errors.lock().unwrap().clone();
+        let answers = self.answers.lock().unwrap().clone();
+        let unanswered = self.unanswered.lock().unwrap().clone();
+        (answers, unanswered)
+    }
+
+    /// Stop the clients: the requests answered (200), and those that failed.
+    async fn finish(self) -> (Vec<(RequestId, Seen)>, Vec<String>) {
+        let (answers, unanswered) = self.finish_detailed().await;
+        let mut errors: Vec<String> = unanswered.iter().map(|_| "no response".into()).collect();
+        let mut seen = Vec::new();
+        for a in answers {
+            match a.seen {
+                Seen::NotAnswered => errors.push(format!("{} {}", a.status, a.id)),
+                s => seen.push((a.id, s)),
+            }
+        }
         (seen, errors)
     }
 }
@@ -438,6 +509,365 @@ async fn sigstop_of_serve_delays_requests_and_fails_none() {
     );
     assert_eq!(rows.len(), seen.len());
     drop(serve);
+    pool.close().await;
+    common::drop_db(&db_name).await;
+}
+
+/// A ledger row's status and token counts, by request id.
+async fn ledger_usage(pool: &sqlx::PgPool) -> HashMap<RequestId, (String, Usage)> {
+    sqlx::query_as::<_, (uuid::Uuid, String, i64, i64, i64, i64)>(
+        "SELECT request_id, status, input_tokens, cache_write_5m_tokens + cache_write_1h_tokens, \
+         cache_read_tokens, output_tokens FROM usage_events",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(id, s, i, w, r, o)| (RequestId(id), (s, [i, w, r, o])))
+    .collect()
+}
+
+/// Cache reads over all prompt tokens of the complete answers in `[from, to)`.
+fn hit_ratio(answers: &[Answer], from: Instant, to: Instant) -> Option<f64> {
+    let (mut read, mut all) = (0i64, 0i64);
+    for a in answers.iter().filter(|a| a.at >= from && a.at < to) {
+        if let Some([i, w, r, _]) = a.usage {
+            read += r;
+            all += i + w + r;
+        }
+    }
+    (all > 0).then(|| read as f64 / all as f64)
+}
+
+/// One fault of the cluster run: when it began, ended (healed), and the cluster was whole
+/// again (every node routable and a request answered through the gateway).
+struct Fault {
+    name: &'static str,
+    start: Instant,
+    healed: Instant,
+    recovered: Instant,
+}
+
+/// A free port on the loopback interface (for a process restarted on the same address).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn signal(child: &Child, s: &str) {
+    assert!(
+        Command::new("kill")
+            .args([s, &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+}
+
+/// The cluster half of the suite: three `cachet node`s and a `cachet gateway` on Postgres
+/// and Redis under 16 clients, while each of these faults is injected in turn: `kill -9` of
+/// a node (restarted on its data directory), `SIGSTOP`/`SIGCONT` of a node, a node cut off
+/// from its peers and the gateway (its fabric and API ports behind proxies the test cuts),
+/// `kill -9` of the gateway (restarted on the same port), `SIGSTOP`/`SIGCONT` of the gateway.
+///
+/// The checker: no request fails while a node is faulty (recomputing serves it); every
+/// complete answer has exactly one ledger row, `completed`, with the usage its client saw;
+/// every stream cut by a fault has its row; no refused request has one; the rollups
+/// reconcile with the ledger; every block of the shared prefix is back on its R = 2 owners.
+/// It prints, per fault, failed requests by status, the time to recovery and the hit ratio
+/// before, during and after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn faults_in_a_cluster_under_load_fail_nothing_recomputing_serves_and_lose_no_row() {
+    use common::procs::{Node, start_gateway, start_node_with, wait_for_nodes};
+    let db_name = common::fresh_db_name();
+    let db_url = format!("{}/{db_name}", common::PG);
+    let pool = cachet::server::connect_and_migrate(&db_url, 2)
+        .await
+        .unwrap();
+    let key = common::tenant_with_key(&pool, "chaos").await;
+    let (tenant, workspace): (uuid::Uuid, uuid::Uuid) =
+        sqlx::query_as("SELECT tenant_id, id FROM workspaces")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let scope = cachet_common::Scope {
+        tenant: cachet_common::TenantId(tenant),
+        workspace: cachet_common::WorkspaceId(workspace),
+    };
+    let prefix = format!("cachet-chaos-{}", uuid::Uuid::new_v4().simple());
+    let dir = common::tempdir::Dir::new();
+    let env = |extra: &[(&'static str, String)]| {
+        let mut v: Vec<(&'static str, String)> = vec![
+            ("DATABASE_URL", db_url.clone()),
+            ("CACHET_ENGINE", "sim".into()),
+            ("CACHET_SIM_TIME_SCALE", "0.2".into()),
+            // A resumed stream finishes in well under this; the rows of streams the
+            // gateway's own death cut land this long after it.
+            ("CACHET_RESUME_GRACE_SECS", "5".into()),
+        ];
+        v.extend_from_slice(extra);
+        v
+    };
+    let start = |id: &str, extra: &[(&'static str, String)]| {
+        start_node_with(id, &prefix, &dir.0, &env(extra), true)
+    };
+    // n3 is reached, by peers and the gateway alike, only through two proxies the test cuts.
+    let n3_fabric = common::CutProxy::start("127.0.0.1:1").await;
+    let n3_api = common::CutProxy::start("127.0.0.1:1").await;
+    let mut nodes: Vec<Node> = vec![
+        start("n1", &[]),
+        start("n2", &[]),
+        start(
+            "n3",
+            &[
+                ("CACHET_ADVERTISE", n3_fabric.addr.to_string()),
+                ("CACHET_API_ADVERTISE", n3_api.addr.to_string()),
+            ],
+        ),
+    ];
+    n3_fabric.retarget(nodes[2].addr.clone());
+    n3_api.retarget(nodes[2].api.clone().unwrap());
+    let gw_env = env(&[("CACHET_LISTEN", format!("127.0.0.1:{}", free_port()))]);
+    let mut gw = start_gateway(&prefix, &gw_env);
+    let http = reqwest::Client::new();
+    wait_for_nodes(&http, &gw, 3).await;
+    // Whole again: every node routable and a request answered.
+    let whole = async |gw: &common::procs::Gateway| {
+        let t = Instant::now();
+        wait_for_nodes(&http, gw, 3).await;
+        while one_request(&http, &gw.url, &key, false, 0)
+            .await
+            .is_none_or(|a| a.seen != Seen::Complete)
+        {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "the cluster never recovered"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Instant::now()
+    };
+
+    let load = Load::start(&gw.url, &key, 16, 12);
+    let settle = Duration::from_millis(1500);
+    tokio::time::sleep(settle).await;
+    let mut faults = Vec::new();
+
+    // kill -9 of a node, restarted on the same data directory after the outage.
+    let t = Instant::now();
+    nodes[0].child.kill().unwrap();
+    nodes[0].child.wait().unwrap();
+    tokio::time::sleep(outage()).await;
+    nodes[0] = start("n1", &[]);
+    let healed = Instant::now();
+    faults.push(Fault {
+        name: "kill -9 of node n1, restarted",
+        start: t,
+        healed,
+        recovered: whole(&gw).await,
+    });
+    tokio::time::sleep(settle).await;
+
+    // SIGSTOP of a node for the outage, then SIGCONT.
+    let t = Instant::now();
+    signal(&nodes[1].child, "-STOP");
+    tokio::time::sleep(outage()).await;
+    signal(&nodes[1].child, "-CONT");
+    let healed = Instant::now();
+    faults.push(Fault {
+        name: "SIGSTOP of node n2, then SIGCONT",
+        start: t,
+        healed,
+        recovered: whole(&gw).await,
+    });
+    tokio::time::sleep(settle).await;
+
+    // n3 cut off from its peers and the gateway (it still reaches Redis and Postgres).
+    let t = Instant::now();
+    n3_fabric.cut();
+    n3_api.cut();
+    tokio::time::sleep(outage()).await;
+    n3_fabric.restore();
+    n3_api.restore();
+    let healed = Instant::now();
+    faults.push(Fault {
+        name: "node n3 cut off from peers and gateway, healed",
+        start: t,
+        healed,
+        recovered: whole(&gw).await,
+    });
+    tokio::time::sleep(settle).await;
+
+    // kill -9 of the gateway, restarted on the same port.
+    let t = Instant::now();
+    gw.child.kill().unwrap();
+    gw.child.wait().unwrap();
+    tokio::time::sleep(outage()).await;
+    gw = start_gateway(&prefix, &gw_env);
+    let healed = Instant::now();
+    faults.push(Fault {
+        name: "kill -9 of the gateway, restarted",
+        start: t,
+        healed,
+        recovered: whole(&gw).await,
+    });
+    tokio::time::sleep(settle).await;
+
+    // SIGSTOP of the gateway, then SIGCONT.
+    let t = Instant::now();
+    signal(&gw.child, "-STOP");
+    tokio::time::sleep(outage()).await;
+    signal(&gw.child, "-CONT");
+    let healed = Instant::now();
+    faults.push(Fault {
+        name: "SIGSTOP of the gateway, then SIGCONT",
+        start: t,
+        healed,
+        recovered: whole(&gw).await,
+    });
+    tokio::time::sleep(settle).await;
+    let (answers, unanswered) = load.finish_detailed().await;
+    let end = Instant::now();
+
+    // The report: per fault, what failed and how the hit ratio moved.
+    let pct = |r: Option<f64>| r.map_or("-".into(), |r| format!("{:.1}%", r * 100.0));
+    eprintln!(
+        "cluster chaos: 16 clients (12 streaming), outages of {:?}; {} requests",
+        outage(),
+        answers.len() + unanswered.len()
+    );
+    let mut node_fault_failures = Vec::new();
+    for (i, f) in faults.iter().enumerate() {
+        let until = faults.get(i + 1).map_or(end, |n| n.start);
+        let in_fault = |at: Instant| at >= f.start && at < f.recovered;
+        let mut failed: HashMap<String, usize> = HashMap::new();
+        for a in answers.iter().filter(|a| in_fault(a.at)) {
+            match a.seen {
+                Seen::Complete => {}
+                Seen::Cut => *failed.entry("200, stream cut".into()).or_default() += 1,
+                Seen::NotAnswered => *failed.entry(a.status.to_string()).or_default() += 1,
+            }
+        }
+        let mut took: Vec<Duration> = answers
+            .iter()
+            .filter(|a| in_fault(a.at) && a.seen == Seen::Complete)
+            .map(|a| a.took)
+            .collect();
+        took.sort();
+        let slowest = took.last().copied().unwrap_or_default();
+        let p99 = took.get(took.len() * 99 / 100).copied().unwrap_or(slowest);
+        let none = unanswered.iter().filter(|at| in_fault(**at)).count();
+        if none > 0 {
+            failed.insert("no response (attempts)".into(), none);
+        }
+        let before_from = if i == 0 {
+            f.start - settle
+        } else {
+            faults[i - 1].recovered
+        };
+        eprintln!(
+            "  {}: failed {:?}; latency p99 {p99:?}, max {slowest:?}; recovered {:?} after healing; hit ratio {} before, {} during, {} after",
+            f.name,
+            failed,
+            f.recovered - f.healed,
+            pct(hit_ratio(&answers, before_from, f.start)),
+            pct(hit_ratio(&answers, f.start, f.healed)),
+            pct(hit_ratio(&answers, f.recovered, until)),
+        );
+        if f.name.contains("node") {
+            node_fault_failures.extend(failed.into_iter().map(|(k, v)| format!("{k}: {v}")));
+        }
+    }
+    assert!(
+        node_fault_failures.is_empty(),
+        "requests failed while a node was faulty: {node_fault_failures:?}"
+    );
+    let complete = answers.iter().filter(|a| a.seen == Seen::Complete).count();
+    assert!(complete > 100, "the load ran ({complete} complete answers)");
+
+    // The ledger: once the nodes' spools and journals have replayed.
+    let seen: Vec<(RequestId, Seen)> = answers.iter().map(|a| (a.id, a.seen)).collect();
+    ledger_settled(&pool, &seen).await;
+    let rows = ledger_usage(&pool).await;
+    let mut mismatched = Vec::new();
+    for a in &answers {
+        let row = rows.get(&a.id);
+        match a.seen {
+            Seen::Complete => {
+                let (status, usage) = row.unwrap_or_else(|| panic!("{}: answered, no row", a.id));
+                assert_eq!(status, "completed", "{}", a.id);
+                if a.usage.as_ref() != Some(usage) {
+                    mismatched.push(format!("{}: client {:?}, ledger {usage:?}", a.id, a.usage));
+                }
+            }
+            Seen::Cut => assert!(
+                row.is_some(),
+                "{}: a stream cut after its 200 has no row",
+                a.id
+            ),
+            Seen::NotAnswered => assert!(
+                row.is_none(),
+                "{}: refused ({}), yet billed",
+                a.id,
+                a.status
+            ),
+        }
+    }
+    assert!(
+        mismatched.is_empty(),
+        "usage seen by clients differs from the ledger: {mismatched:?}"
+    );
+    let given: std::collections::HashSet<_> = answers.iter().map(|a| a.id).collect();
+    let unknown = rows.keys().filter(|id| !given.contains(id)).count();
+    eprintln!(
+        "  ledger: {} rows, one per request; {unknown} for requests whose answer never reached a client (cut before the headers)",
+        rows.len()
+    );
+
+    // What billing derives from the ledger agrees with it.
+    let today = chrono::Utc::now().date_naive();
+    let day = |d: chrono::NaiveDate| d.and_hms_opt(0, 0, 0).unwrap().and_utc();
+    let (from, to) = (
+        day(today.pred_opt().unwrap()),
+        day(today.succ_opt().unwrap()),
+    );
+    billing::rollup::rollup(&pool, from, to).await.unwrap();
+    let r = billing::rollup::reconcile(&pool, from, to).await.unwrap();
+    assert!(r.mismatches.is_empty(), "{:?}", r.mismatches);
+
+    // R = 2 restored: every block of the shared prefix on its two owners.
+    let mut conn = redis::Client::open(common::REDIS)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let records = cache_fabric::membership::live_nodes(&mut conn, &prefix)
+        .await
+        .unwrap();
+    let view = cache_fabric::cluster::View::from_records(&records);
+    let hashes = common::procs::block_hashes(&common::cached_body(300, "question 1", 300), scope);
+    assert!(!hashes.is_empty());
+    let t = Instant::now();
+    common::procs::wait_until("R = 2 restored", Duration::from_secs(30), async || {
+        for h in &hashes {
+            for o in view.membership.owners(scope.tenant, h, 4, 2) {
+                let addr = view.addr(&o.id).unwrap();
+                if common::procs::copies(&[addr], scope, *h).await < 1 {
+                    return false;
+                }
+            }
+        }
+        true
+    })
+    .await;
+    eprintln!(
+        "  R = 2 held for every block of the shared prefix ({:?} after the last fault)",
+        t.elapsed()
+    );
+    drop((nodes, gw));
     pool.close().await;
     common::drop_db(&db_name).await;
 }

@@ -2,8 +2,7 @@
 //! fabric transport only to holders of the cluster token, publishes its block events, and
 //! leaves the membership when killed (after the heartbeat expiry) or stopped (at once).
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -15,86 +14,16 @@ use cache_fabric::transport::{RemoteEntry, TcpTransport, Transport, TransportErr
 use cache_fabric::{EntryKind, PutBlock};
 use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
 
-const TOKEN: &str = "a-cluster-token-for-tests";
-const REDIS: &str = "redis://127.0.0.1:6379";
+mod common;
 
-struct Node {
-    child: Child,
-    addr: String,
-    /// The internal API address, when the node runs one.
-    api: Option<String>,
-    /// Kept open: a node whose stdout is closed would fail writing to it.
-    _stdout: BufReader<std::process::ChildStdout>,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::procs::{
+    Gateway, Node, TOKEN, block_hashes, copies, start_gateway, start_node_with, wait_for_nodes,
+    wait_until,
+};
+const REDIS: &str = common::REDIS;
 
 fn start_node(id: &str, prefix: &str, data_dir: &std::path::Path) -> Node {
     start_node_with(id, prefix, data_dir, &[], false)
-}
-
-/// A `cachet node` process; `env` adds to (or overrides) the environment, `api` runs its
-/// engines and internal API too.
-fn start_node_with(
-    id: &str,
-    prefix: &str,
-    data_dir: &std::path::Path,
-    env: &[(&str, String)],
-    api: bool,
-) -> Node {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachet"));
-    cmd.args([
-        "node",
-        "--listen",
-        "127.0.0.1:0",
-        "--id",
-        id,
-        "--redis-prefix",
-        prefix,
-    ])
-    .env("CACHET_CLUSTER_TOKEN", TOKEN)
-    .env("REDIS_URL", REDIS)
-    .env("CACHET_DATA_DIR", data_dir)
-    .env("CACHET_DISK_CAPACITY_BYTES", "1048576")
-    .stdout(Stdio::piped())
-    .stderr(
-        std::env::var("CACHET_TEST_NODE_LOGS")
-            .ok()
-            .map(|d| Stdio::from(std::fs::File::create(format!("{d}/{id}.log")).unwrap()))
-            .unwrap_or_else(Stdio::null),
-    );
-    if api {
-        cmd.args(["--api-listen", "127.0.0.1:0"]);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().expect("start cachet node");
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert!(
-        line.starts_with(&format!("node {id} listening on ")),
-        "{line:?}"
-    );
-    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
-    let api = api.then(|| {
-        let mut line = String::new();
-        out.read_line(&mut line).unwrap();
-        assert!(line.starts_with(&format!("node {id} api on ")), "{line:?}");
-        line.trim().rsplit(' ').next().unwrap().to_string()
-    });
-    Node {
-        child,
-        addr,
-        api,
-        _stdout: out,
-    }
 }
 
 async fn live_ids(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Vec<String> {
@@ -104,17 +33,6 @@ async fn live_ids(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) ->
         .into_iter()
         .map(|r| r.id)
         .collect()
-}
-
-/// Poll until `f` holds; `limit` only bounds a hang (it is not a performance target).
-async fn wait_until(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
-    let start = Instant::now();
-    while !f().await {
-        if start.elapsed() > limit {
-            panic!("gave up waiting for: {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 #[tokio::test]
@@ -229,42 +147,6 @@ async fn a_node_process_serves_announces_publishes_and_leaves() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-struct Gateway {
-    child: Child,
-    url: String,
-    _stdout: BufReader<std::process::ChildStdout>,
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_gateway(prefix: &str, env: &[(&str, String)]) -> Gateway {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachet"));
-    cmd.args(["gateway", "--redis-prefix", prefix])
-        .env("CACHET_CLUSTER_TOKEN", TOKEN)
-        .env("REDIS_URL", REDIS)
-        .env("CACHET_LISTEN", "127.0.0.1:0")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().expect("start cachet gateway");
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert!(line.starts_with("gateway listening on "), "{line:?}");
-    Gateway {
-        child,
-        url: format!("http://{}", line.trim().rsplit(' ').next().unwrap()),
-        _stdout: out,
-    }
-}
-
 /// POST a Messages request; `internal` sends it straight to a node's API with the token.
 async fn post(
     http: &reqwest::Client,
@@ -305,43 +187,6 @@ fn prompt(words: usize, tag: &str, user: &str) -> serde_json::Value {
     })
 }
 
-/// The full-block hashes of a request's cached prefix, computed as every node does.
-fn block_hashes(body: &serde_json::Value, scope: Scope) -> Vec<BlockHash> {
-    use engine::Engine;
-    let engine = engine::sim::SimEngine::new(engine::sim::SimProfile::tiny(), 0.0);
-    let bytes = serde_json::to_vec(body).unwrap();
-    let (req, bps) = gateway::api::validate::messages_request(&bytes, |_| {
-        Some(gateway::api::validate::ModelLimits {
-            max_output_tokens: engine.info().max_output_tokens,
-        })
-    })
-    .unwrap();
-    let p = gateway::render::to_prompt(
-        req.tools.as_deref(),
-        req.system.as_ref(),
-        &req.messages,
-        scope,
-    );
-    let prepared = gateway::render::prepare(&engine, &p, &bps, scope).unwrap();
-    prepared.keys.unwrap().blocks
-}
-
-/// How many of the nodes at `addrs` hold `hash`.
-async fn copies(addrs: &[&str], scope: Scope, hash: BlockHash) -> usize {
-    let t = TcpTransport::new(TOKEN);
-    let mut n = 0;
-    for a in addrs {
-        if t.has(a, scope, &[hash])
-            .await
-            .map(|h| h[0])
-            .unwrap_or(false)
-        {
-            n += 1;
-        }
-    }
-    n
-}
-
 /// A fresh database with one tenant and its API key: (pool, URL, tenant, key secret).
 async fn tenant_db(name: &str) -> (sqlx::PgPool, String, gateway::tenants::Tenant, String) {
     let db_url = format!(
@@ -377,22 +222,6 @@ async fn gateway_metrics(http: &reqwest::Client, gw: &Gateway) -> String {
         .text()
         .await
         .unwrap()
-}
-
-/// Wait until the gateway routes to `n` nodes.
-async fn wait_for_nodes(http: &reqwest::Client, gw: &Gateway, n: usize) {
-    wait_until(
-        &format!("the gateway sees {n} nodes"),
-        Duration::from_secs(30),
-        async || {
-            let r: serde_json::Value = match http.get(format!("{}/readyz", gw.url)).send().await {
-                Ok(r) => r.json().await.unwrap_or_default(),
-                Err(_) => return false,
-            };
-            r["nodes"].as_array().is_some_and(|nodes| nodes.len() == n)
-        },
-    )
-    .await;
 }
 
 /// Issue 4's acceptance, on real processes, Postgres and Redis: three `cachet node`s and a

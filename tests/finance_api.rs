@@ -175,6 +175,58 @@ async fn a_tenant_admin_sees_its_own_tenant_only_and_bad_input_is_a_400() {
     .await;
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("group_by"));
+    // Every parse failure (query, path, JSON body) is a 4xx in the API's error shape, with
+    // the request id; a body that is not JSON at all is a 415.
+    let admin = token(Role::PlatformAdmin, None);
+    for (method, path, body, want) in [
+        (
+            "GET",
+            "/v1/billing/usage?from=yesterday&to=1".to_string(),
+            None,
+            400,
+        ),
+        (
+            "GET",
+            "/v1/billing/invoices?tenant=not-a-uuid".into(),
+            None,
+            400,
+        ),
+        ("GET", "/v1/billing/invoices/not-a-uuid".into(), None, 400),
+        (
+            "GET",
+            "/v1/billing/exports/usage?format=csv".into(),
+            None,
+            400,
+        ),
+        (
+            "POST",
+            "/v1/billing/invoices".into(),
+            Some(json!({"tenant": 5})),
+            400,
+        ),
+        (
+            "POST",
+            "/v1/billing/prices".into(),
+            Some(json!([1, 2])),
+            400,
+        ),
+        ("POST", "/v1/billing/invoices".into(), None, 415),
+    ] {
+        let (status, text) = call(&f, method, &path, Some(&admin), body).await;
+        assert_eq!(status, want, "{method} {path}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{path}: {text}"));
+        assert_eq!(v["type"], "error", "{path}: {text}");
+        assert!(
+            v["error"]["type"].is_string() && v["error"]["message"].is_string(),
+            "{text}"
+        );
+        assert!(
+            v["request_id"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("req_")),
+            "{text}"
+        );
+    }
     f.app.stop().await;
 }
 

@@ -198,3 +198,137 @@ async fn metrics_are_for_operators_only() {
     );
     app.stop().await;
 }
+
+/// An oversized request head (target, header count, header bytes) is refused with 414 or
+/// 431 in the API's error shape, with a request id, before any route runs.
+#[tokio::test]
+async fn an_oversized_request_head_gets_414_or_431_in_the_error_shape() {
+    let app = app().await;
+    let check = |resp: reqwest::Response, status: u16| async move {
+        assert_eq!(resp.status(), status);
+        assert!(resp.headers().contains_key("request-id"));
+        let body: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(body["type"], "error", "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        assert!(
+            body["request_id"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("req_")),
+            "{body}"
+        );
+    };
+    let long = "a".repeat(gateway::server::MAX_URI_BYTES + 1);
+    let r = app
+        .client
+        .get(format!("{}/v1/models?x={long}", app.url))
+        .send()
+        .await
+        .unwrap();
+    check(r, 414).await;
+    let mut req = app.client.get(format!("{}/v1/models", app.url));
+    for i in 0..150 {
+        req = req.header(format!("x-h{i}"), "v");
+    }
+    check(req.send().await.unwrap(), 431).await;
+    let r = app
+        .client
+        .get(format!("{}/v1/models", app.url))
+        .header("x-big", "b".repeat(70 * 1024))
+        .send()
+        .await
+        .unwrap();
+    check(r, 431).await;
+    assert!(healthy(&app).await);
+    app.stop().await;
+}
+
+/// A gauge's value in the service's metrics text.
+fn gauge(metrics: &str, name: &str) -> i64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no gauge {name} in the metrics")) as i64
+}
+
+/// Many streams cancelled mid-way by their clients: every engine slot and journal entry
+/// they held is released, each has its ledger row (`client_disconnected`), and the service
+/// answers the next request as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streams_cancelled_mid_way_release_everything_they_held() {
+    let app = TestApp::start_with(Options {
+        // Real decode speed (2 ms a token): the streams are mid-answer when dropped.
+        sim_time_scale: 1.0,
+        ..Default::default()
+    })
+    .await;
+    let n = 48;
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let (client, url, key) = (app.client.clone(), app.url.clone(), app.key.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut body = common::cached_body(200, &format!("cancel me {i}"), 400);
+            body["stream"] = true.into();
+            let mut resp = client
+                .post(format!("{url}/v1/messages"))
+                .header("x-api-key", key)
+                .header("anthropic-version", "2023-06-01")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            // Read until the first text arrives, then hang up.
+            let mut seen = String::new();
+            while !seen.contains("content_block_delta") {
+                match resp.chunk().await.unwrap() {
+                    Some(c) => seen.push_str(&String::from_utf8_lossy(&c)),
+                    None => panic!("the stream ended before any text: {seen}"),
+                }
+            }
+            assert!(!seen.contains("message_stop"), "cancelled after the end");
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let t = Instant::now();
+    loop {
+        let m = app.metrics().await;
+        let (inflight, open) = (
+            gauge(&m, "cachet_gateway_engine_inflight"),
+            gauge(&m, "cachet_billing_meter_open_streams"),
+        );
+        if inflight == 0 && open == 0 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "still held after the clients left: {inflight} engine slots, {open} open streams"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("{n} cancelled streams released in {:?}", t.elapsed());
+    app.settle().await;
+    let pool = sqlx::PgPool::connect(&app.db_url).await.unwrap();
+    let by_status: Vec<(String, i64)> =
+        sqlx::query_as("SELECT status, count(*) FROM usage_events GROUP BY status")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    pool.close().await;
+    assert_eq!(
+        by_status,
+        vec![("client_disconnected".to_string(), n)],
+        "one row per cancelled stream"
+    );
+    let (s, _, r) = app
+        .post(
+            "/v1/messages",
+            &app.key,
+            &common::cached_body(200, "after", 8),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
+    app.stop().await;
+}

@@ -187,6 +187,9 @@ pub struct ErrorBody {
     #[serde(rename = "type")]
     pub kind: String,
     pub error: ErrorDetail,
+    /// The request's id (`req_…`), as in the `request-id` header.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -218,6 +221,33 @@ impl ApiError {
     }
 }
 
+/// A query string, path or JSON body that does not parse: 400 (415 for a body that is not
+/// JSON) in the API's shape, saying what was wrong.
+impl From<axum::extract::rejection::QueryRejection> for ApiError {
+    fn from(r: axum::extract::rejection::QueryRejection) -> Self {
+        ApiError::invalid(r.body_text())
+    }
+}
+
+impl From<axum::extract::rejection::PathRejection> for ApiError {
+    fn from(r: axum::extract::rejection::PathRejection) -> Self {
+        ApiError::invalid(r.body_text())
+    }
+}
+
+impl From<axum::extract::rejection::JsonRejection> for ApiError {
+    fn from(r: axum::extract::rejection::JsonRejection) -> Self {
+        let status = r.status();
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            return ApiError::new(status, "request_too_large", r.body_text());
+        }
+        if status == StatusCode::UNSUPPORTED_MEDIA_TYPE {
+            return ApiError::new(status, "invalid_request_error", r.body_text());
+        }
+        ApiError::invalid(r.body_text())
+    }
+}
+
 impl From<BillingError> for ApiError {
     fn from(e: BillingError) -> Self {
         match e {
@@ -245,8 +275,13 @@ impl IntoResponse for ApiError {
                 kind: self.kind.into(),
                 message: self.message,
             },
+            request_id: None,
         };
-        (self.status, Json(body)).into_response()
+        let mut resp = (self.status, Json(body)).into_response();
+        // The server's request middleware knows the id and adds it to the body.
+        resp.extensions_mut()
+            .insert(cachet_common::RequestIdPending);
+        resp
     }
 }
 
@@ -377,8 +412,9 @@ pub struct UsageResponse {
 pub async fn usage(
     State(s): State<FinanceState>,
     caller: Caller,
-    Query(q): Query<UsageQuery>,
+    q: Result<Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<UsageResponse>, ApiError> {
+    let Query(q) = q?;
     if q.to <= q.from {
         return Err(ApiError::invalid("`to` must be after `from`"));
     }
@@ -474,8 +510,9 @@ pub struct InvoiceList {
 pub async fn list_invoices(
     State(s): State<FinanceState>,
     caller: Caller,
-    Query(q): Query<InvoiceQuery>,
+    q: Result<Query<InvoiceQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<InvoiceList>, ApiError> {
+    let Query(q) = q?;
     let tenant = caller.tenant_filter(q.tenant)?;
     let rows = sqlx::query(
         r#"SELECT id, tenant_id, period_start, currency, status, total_minor FROM invoices
@@ -508,8 +545,9 @@ pub async fn list_invoices(
 pub async fn get_invoice(
     State(s): State<FinanceState>,
     caller: Caller,
-    Path(id): Path<Uuid>,
+    id: Result<Path<Uuid>, axum::extract::rejection::PathRejection>,
 ) -> Result<Json<Invoice>, ApiError> {
+    let Path(id) = id?;
     match invoice::load(&s.pool, id).await? {
         Some(inv) if caller.scope().is_none_or(|t| t == inv.tenant_id) => Ok(Json(inv)),
         _ => Err(ApiError::not_found("no such invoice")),
@@ -534,8 +572,9 @@ pub struct RateRequest {
 pub async fn rate_invoice(
     State(s): State<FinanceState>,
     caller: Caller,
-    Json(r): Json<RateRequest>,
+    r: Result<Json<RateRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<Invoice>, ApiError> {
+    let Json(r) = r?;
     caller.require(&[Role::PlatformAdmin, Role::Finance])?;
     let month = invoice::parse_month(&r.month)?;
     let actor = format!("jwt:{}", caller.0.sub);
@@ -609,8 +648,9 @@ fn rd() -> i32 {
 pub async fn add_price(
     State(s): State<FinanceState>,
     caller: Caller,
-    Json(p): Json<NewPrice>,
+    p: Result<Json<NewPrice>, axum::extract::rejection::JsonRejection>,
 ) -> Result<StatusCode, ApiError> {
+    let Json(p) = p?;
     caller.require(&[Role::PlatformAdmin])?;
     let v = PriceVersion {
         model: p.model,
@@ -792,8 +832,9 @@ pub fn export_stream(
 pub async fn export_usage(
     State(s): State<FinanceState>,
     caller: Caller,
-    Query(q): Query<ExportQuery>,
+    q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
+    let Query(q) = q?;
     caller.require(&[Role::PlatformAdmin, Role::Finance])?;
     if q.to <= q.from {
         return Err(ApiError::invalid("`to` must be after `from`"));

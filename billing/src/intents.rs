@@ -13,7 +13,7 @@
 //! file, fsync, rename) once it holds many more lines than open streams.
 
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -127,36 +127,33 @@ impl Intents {
 }
 
 fn read(path: &Path) -> std::io::Result<Vec<UsageEvent>> {
-    let f = match std::fs::File::open(path) {
-        Ok(f) => f,
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e),
     };
-    let mut out = Vec::new();
-    for (i, l) in std::io::BufReader::new(f).lines().enumerate() {
-        match serde_json::from_str(&l?) {
-            Ok(e) => out.push(e),
-            // Only the last line can be torn (a crash mid-append): its stream never answered.
-            Err(err) => tracing::warn!(line = i + 1, %err, "skipping unreadable open-stream line"),
-        }
+    let read = crate::meter::parse_event_lines(&bytes);
+    // Only the last line can be torn (a crash mid-append): its stream never answered.
+    for (line, err) in &read.unreadable {
+        tracing::warn!(line, %err, "skipping unreadable open-stream line");
     }
-    Ok(out)
+    Ok(read.events)
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use cachet_common::{ApiKeyId, TenantId, WorkspaceId};
 
     /// A fresh directory under the system's temp dir (removed when the test passes).
-    struct Dir(PathBuf);
+    pub(crate) struct Dir(PathBuf);
     impl Dir {
-        fn new() -> Self {
+        pub(crate) fn new() -> Self {
             let d = std::env::temp_dir().join(format!("cachet-intents-{}", RequestId::new()));
             std::fs::create_dir_all(&d).unwrap();
             Self(d)
         }
-        fn path(&self) -> &Path {
+        pub(crate) fn path(&self) -> &Path {
             &self.0
         }
     }
@@ -166,7 +163,7 @@ mod tests {
         }
     }
 
-    fn event() -> UsageEvent {
+    pub(crate) fn event() -> UsageEvent {
         let now = chrono::Utc::now();
         UsageEvent {
             request_id: RequestId::new(),

@@ -12,7 +12,7 @@
 //!   to look at, never silently dropped.
 //! - If the writer task is gone, [`MeterHandle::record`] appends to the spool itself.
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -107,8 +107,18 @@ impl Spool {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)?;
         }
-        let events = match std::fs::File::open(&path) {
-            Ok(f) => std::io::BufReader::new(f).lines().count() as u64,
+        let events = match std::fs::read(&path) {
+            Ok(bytes) => {
+                // A crash mid-append leaves a torn last line without its newline: end it, so
+                // the next event appended starts a line of its own instead of joining it.
+                if bytes.last().is_some_and(|b| *b != b'\n') {
+                    std::fs::OpenOptions::new()
+                        .append(true)
+                        .open(&path)?
+                        .write_all(b"\n")?;
+                }
+                parse_event_lines(&bytes).lines as u64
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
             Err(e) => return Err(e),
         };
@@ -145,36 +155,35 @@ impl Spool {
         Ok(())
     }
 
-    fn read_all(&self) -> std::io::Result<Vec<UsageEvent>> {
+    /// Every readable event of the spool, and how many lines were read.
+    fn read_all(&self) -> std::io::Result<EventLines> {
         let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let f = match std::fs::File::open(&self.path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        let bytes = match std::fs::read(&self.path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(EventLines::default()),
             Err(e) => return Err(e),
         };
-        let mut out = Vec::new();
-        for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
-            let line = line?;
-            match serde_json::from_str(&line) {
-                Ok(e) => out.push(e),
-                Err(err) => {
-                    tracing::error!(line = i + 1, %err, "skipping unreadable spool line (torn write?)")
-                }
-            }
+        let read = parse_event_lines(&bytes);
+        for (line, err) in &read.unreadable {
+            tracing::error!(line, %err, "skipping unreadable spool line (torn write?)");
         }
-        Ok(out)
+        Ok(read)
     }
 
-    /// Drop the first `n` events (the ones just replayed), keeping anything appended since.
+    /// Drop the first `n` lines (the ones just replayed), keeping anything appended since.
     fn consume(&self, n: usize) -> std::io::Result<()> {
         let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let text = std::fs::read_to_string(&self.path).unwrap_or_default();
-        let rest: Vec<&str> = text.lines().skip(n).collect();
+        let bytes = match std::fs::read(&self.path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e),
+        };
+        let rest: Vec<&[u8]> = split_lines(&bytes).skip(n).collect();
         let tmp = self.path.with_extension("tmp");
         {
             let mut f = std::fs::File::create(&tmp)?;
             for l in &rest {
-                f.write_all(l.as_bytes())?;
+                f.write_all(l)?;
                 f.write_all(b"\n")?;
             }
             f.sync_data()?;
@@ -186,6 +195,40 @@ impl Spool {
     }
 }
 
+/// The events of a spool or open-stream journal (one JSON [`UsageEvent`] per line), as read
+/// back after a crash.
+#[derive(Debug, Default)]
+pub struct EventLines {
+    pub events: Vec<UsageEvent>,
+    /// Lines read, unreadable ones included.
+    pub lines: usize,
+    /// Lines that are not an event (1-based), with why: a torn write, or damage.
+    pub unreadable: Vec<(usize, String)>,
+}
+
+fn split_lines(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
+    bytes
+        .strip_suffix(b"\n")
+        .unwrap_or(bytes)
+        .split(|b| *b == b'\n')
+        .filter(move |_| !bytes.is_empty())
+}
+
+/// Read a spool or journal's bytes: every line that is an event, whatever the others hold
+/// (a torn last line, bytes that are not UTF-8, damage anywhere) — one bad line never costs
+/// the others.
+pub fn parse_event_lines(bytes: &[u8]) -> EventLines {
+    let mut read = EventLines::default();
+    for (i, line) in split_lines(bytes).enumerate() {
+        read.lines += 1;
+        match serde_json::from_slice(line) {
+            Ok(e) => read.events.push(e),
+            Err(err) => read.unreadable.push((i + 1, err.to_string())),
+        }
+    }
+    read
+}
+
 /// Where usage events go. Cheap to clone.
 #[derive(Clone)]
 pub struct MeterHandle {
@@ -193,6 +236,10 @@ pub struct MeterHandle {
     spool: Arc<Spool>,
     intents: Arc<Intents>,
     pending: Arc<AtomicU64>,
+    /// Events waiting out [`MeterHandle::record_durable_after`]'s delay.
+    deferred: Arc<AtomicU64>,
+    /// The meter's shutdown: deferred events are handed over at once when it fires.
+    shutdown: CancellationToken,
 }
 
 impl MeterHandle {
@@ -214,6 +261,37 @@ impl MeterHandle {
         let _ = done.await;
         self.intents.close(id);
         Ok(())
+    }
+
+    /// Record `event` durably after `delay`, unless the meter stops first (then at once).
+    /// Meanwhile its stream stays in the open-stream journal, so a crash still leaves a row.
+    /// For a stream another node may finish under the same request id: the ledger keeps a
+    /// request's first row, so the other node's complete row, if it comes, is the one kept.
+    pub fn record_durable_after(&self, event: UsageEvent, delay: Duration) {
+        let h = self.clone();
+        h.deferred.fetch_add(1, Ordering::SeqCst);
+        metrics::DEFERRED.inc();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = h.shutdown.cancelled() => {}
+            }
+            let id = event.request_id;
+            let (ack, done) = tokio::sync::oneshot::channel();
+            let sent = h.send(event, Some(ack)).await;
+            // Handed over (or spooled): the meter's drain no longer waits for it.
+            h.deferred.fetch_sub(1, Ordering::SeqCst);
+            metrics::DEFERRED.dec();
+            match sent {
+                Ok(()) => {
+                    let _ = done.await;
+                    h.intents.close(id);
+                }
+                Err(e) => {
+                    tracing::error!(request_id = %id, error = %e, "deferred usage event could not be kept; the journal replays it")
+                }
+            }
+        });
     }
 
     /// A streamed response is about to answer 200: journal `event` (its prompt usage, no
@@ -275,6 +353,7 @@ pub struct Meter {
     rx: mpsc::Receiver<Queued>,
     spool: Arc<Spool>,
     pending: Arc<AtomicU64>,
+    deferred: Arc<AtomicU64>,
     degraded_until: Option<Instant>,
     next_replay: Instant,
 }
@@ -301,11 +380,14 @@ impl Meter {
         intents.clear()?;
         let (tx, rx) = mpsc::channel(config.queue_capacity);
         let pending = Arc::new(AtomicU64::new(0));
+        let deferred = Arc::new(AtomicU64::new(0));
         let handle = MeterHandle {
             tx,
             spool: spool.clone(),
             intents: Arc::new(intents),
             pending: pending.clone(),
+            deferred: deferred.clone(),
+            shutdown: shutdown.clone(),
         };
         let meter = Meter {
             pool,
@@ -313,6 +395,7 @@ impl Meter {
             rx,
             spool,
             pending,
+            deferred,
             degraded_until: None,
             next_replay: Instant::now(),
         };
@@ -350,7 +433,12 @@ impl Meter {
                 }
             }
         }
-        // Drain: everything already handed over is committed or spooled before we return.
+        // Deferred events are handed over as the shutdown fires: wait for them (briefly),
+        // then drain: everything handed over is committed or spooled before we return.
+        let wait = Instant::now() + Duration::from_secs(5);
+        while self.deferred.load(Ordering::SeqCst) > 0 && Instant::now() < wait {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         self.rx.close();
         let mut rest = Vec::new();
         while let Some(e) = self.rx.recv().await {
@@ -453,14 +541,14 @@ impl Meter {
 
     async fn replay(&mut self) {
         let spool = self.spool.clone();
-        let events = match tokio::task::spawn_blocking(move || spool.read_all()).await {
-            Ok(Ok(e)) => e,
-            other => {
-                tracing::error!(?other, "cannot read the usage spool");
-                return;
-            }
-        };
-        let total_lines = self.spool.events.load(Ordering::SeqCst) as usize;
+        let (events, total_lines) =
+            match tokio::task::spawn_blocking(move || spool.read_all()).await {
+                Ok(Ok(read)) => (read.events, read.lines),
+                other => {
+                    tracing::error!(?other, "cannot read the usage spool");
+                    return;
+                }
+            };
         for chunk in events.chunks(self.config.batch_max.max(1)) {
             match insert(&self.pool, chunk).await {
                 Ok(inserted) => {
@@ -560,4 +648,51 @@ async fn insert(pool: &PgPool, batch: &[UsageEvent]) -> Result<u64, sqlx::Error>
 
 fn to_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::intents::tests::{Dir, event};
+
+    /// A crash mid-append tears the last line; the events appended after the restart are
+    /// still read, and so is every event around a line that is not even UTF-8.
+    #[test]
+    fn a_torn_or_damaged_spool_line_costs_only_itself() {
+        let dir = Dir::new();
+        let path = dir.path().join("spool.jsonl");
+        let (a, b, c) = (event(), event(), event());
+        Spool::append_to(&path, std::slice::from_ref(&a)).unwrap();
+        // The crash: half of b's line, no newline.
+        let line = serde_json::to_vec(&b).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        f.write_all(&line[..line.len() / 2]).unwrap();
+        f.write_all(&[0xff, 0xfe]).unwrap();
+        drop(f);
+        let spool = Spool::open(path.clone()).unwrap();
+        spool.append(std::slice::from_ref(&c)).unwrap();
+        let read = spool.read_all().unwrap();
+        let ids: Vec<_> = read.events.iter().map(|e| e.request_id).collect();
+        assert_eq!(ids, vec![a.request_id, c.request_id]);
+        assert_eq!(read.lines, 3);
+        assert_eq!(read.unreadable.len(), 1);
+        // Consuming what was read keeps what came after it.
+        let d = event();
+        spool.append(std::slice::from_ref(&d)).unwrap();
+        spool.consume(read.lines).unwrap();
+        let rest = spool.read_all().unwrap();
+        assert_eq!(rest.events.len(), 1);
+        assert_eq!(rest.events[0].request_id, d.request_id);
+    }
+
+    #[test]
+    fn event_lines_parse_whatever_bytes_they_are_given() {
+        assert_eq!(parse_event_lines(b"").lines, 0);
+        assert_eq!(parse_event_lines(b"\n").lines, 1);
+        let r = parse_event_lines(b"{\n\xff\n\n");
+        assert_eq!((r.lines, r.events.len(), r.unreadable.len()), (3, 0, 3));
+    }
 }

@@ -38,6 +38,13 @@ pub static SPOOL_EVENTS: LazyLock<IntGauge> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static DEFERRED: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_billing_meter_deferred_events",
+        "Usage events of streams a gateway lost, waiting out the resume grace before recording",
+    )
+    .expect("metric"))
+});
 pub static OPEN_STREAMS: LazyLock<IntGauge> = LazyLock::new(|| {
     reg(IntGauge::new(
         "cachet_billing_meter_open_streams",

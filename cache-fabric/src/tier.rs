@@ -306,6 +306,51 @@ fn decode_header(mut h: &[u8]) -> (TierBlock, u32, u64) {
     )
 }
 
+/// One record [`scan_segment`] found: its block (without data), where it starts, its data
+/// length, and whether the data matches its checksum.
+#[derive(Debug)]
+pub struct ScannedRecord {
+    pub block: TierBlock,
+    pub offset: usize,
+    pub len: u64,
+    pub data_ok: bool,
+}
+
+/// Read a segment's bytes as recovery does: every record whose header is intact, up to the
+/// first torn or corrupt header (or one whose length runs past the end); the second value is
+/// where that valid part ends. Whatever the bytes, this neither panics nor reads past them.
+pub fn scan_segment(bytes: &[u8]) -> (Vec<ScannedRecord>, usize) {
+    let mut records = Vec::new();
+    let mut off = 0usize;
+    while off + PREFIX + HEADER <= bytes.len() {
+        if &bytes[off..off + 4] != MAGIC {
+            break;
+        }
+        let hcrc = u32::from_le_bytes(bytes[off + 4..off + 8].try_into().expect("4"));
+        let header = &bytes[off + PREFIX..off + PREFIX + HEADER];
+        if checksum(header) != hcrc {
+            break;
+        }
+        let (block, dcrc, len) = decode_header(header);
+        let start = off + PREFIX + HEADER;
+        let Some(end) = usize::try_from(len)
+            .ok()
+            .and_then(|l| start.checked_add(l))
+            .filter(|e| *e <= bytes.len())
+        else {
+            break;
+        };
+        records.push(ScannedRecord {
+            block,
+            offset: off,
+            len,
+            data_ok: checksum(&bytes[start..end]) == dcrc,
+        });
+        off = end;
+    }
+    (records, off)
+}
+
 impl DiskTier {
     /// Open (creating if needed) the tier in `dir`, recovering every intact record.
     pub fn open(dir: impl Into<PathBuf>, capacity: u64) -> Result<Self, TierError> {
@@ -363,27 +408,18 @@ impl DiskTier {
         let size = file.metadata()?.len();
         let mut bytes = Vec::with_capacity(size as usize);
         file.read_to_end(&mut bytes)?;
-        let mut off = 0usize;
+        let (records, valid) = scan_segment(&bytes);
         let mut live = 0u64;
-        while off + PREFIX + HEADER <= bytes.len() {
-            if &bytes[off..off + 4] != MAGIC {
-                break;
-            }
-            let hcrc = u32::from_le_bytes(bytes[off + 4..off + 8].try_into().expect("4"));
-            let header = &bytes[off + PREFIX..off + PREFIX + HEADER];
-            if checksum(header) != hcrc {
-                break;
-            }
-            let (block, dcrc, len) = decode_header(header);
-            let start = off + PREFIX + HEADER;
-            let end = start + len as usize;
-            if end > bytes.len() {
-                break;
-            }
-            if checksum(&bytes[start..end]) != dcrc {
+        for ScannedRecord {
+            block,
+            offset: off,
+            len,
+            data_ok,
+        } in records
+        {
+            if !data_ok {
                 // The header vouches for the length: skip just this record.
                 tracing::error!(segment = %path.display(), offset = off, block = %block.hash, "block data failed its checksum; not recovered");
-                off = end;
                 continue;
             }
             // A later record of the same hash replaces an earlier one.
@@ -412,8 +448,8 @@ impl DiskTier {
                 self.paid_bytes += len;
             }
             live += len;
-            off = end;
         }
+        let off = valid;
         if (off as u64) < size {
             tracing::warn!(segment = %path.display(), kept = off, size, "torn or corrupt record; truncating the segment there");
             file.set_len(off as u64)?;

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use cachet_common::{BlockHash, Scope, TenantId};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::client::FabricNode;
@@ -202,7 +202,7 @@ pub async fn serve_tcp(listener: TcpListener, node: Arc<FabricNode>, token: Arc<
         let _ = stream.set_nodelay(true);
         let (node, token) = (node.clone(), token.clone());
         tokio::spawn(async move {
-            if let Err(e) = serve_conn(stream, &node, &token).await
+            if let Err(e) = serve_stream(stream, &node, &token).await
                 && e.kind() != std::io::ErrorKind::UnexpectedEof
             {
                 tracing::debug!(%peer, error = %e, "fabric connection closed");
@@ -211,7 +211,7 @@ pub async fn serve_tcp(listener: TcpListener, node: Arc<FabricNode>, token: Arc<
     }
 }
 
-async fn read_frame(s: &mut TcpStream) -> std::io::Result<Bytes> {
+async fn read_frame<R: AsyncRead + Unpin>(s: &mut R) -> std::io::Result<Bytes> {
     let len = s.read_u32_le().await? as usize;
     if len > MAX_FRAME {
         return Err(std::io::Error::new(
@@ -226,7 +226,14 @@ fn bad(what: &str) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
 }
 
-async fn serve_conn(mut s: TcpStream, node: &FabricNode, token: &str) -> std::io::Result<()> {
+/// Serve one peer's connection (any byte stream: a TCP connection in [`serve_tcp`]) until it
+/// closes or sends something malformed, which ends the connection with an error and never
+/// takes the node down.
+pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    node: &FabricNode,
+    token: &str,
+) -> std::io::Result<()> {
     let mut hello = read_frame(&mut s).await?;
     if hello.remaining() < 3 || hello.get_u8() != OP_HELLO {
         return Err(bad("first frame is not HELLO"));

@@ -222,3 +222,8 @@ mod tests {
         assert_eq!(Ttl::OneHour.as_str(), "1h");
     }
 }
+
+/// Marks an error response whose JSON body was made where the request id was not at hand:
+/// the server's request middleware adds the id to the body (`request_id`) on its way out.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestIdPending;

@@ -21,6 +21,10 @@ pub enum ErrorKind {
     RequestTimeout,
     /// The path exists, the method does not (405, typed as an invalid request).
     MethodNotAllowed,
+    /// The request target is longer than the server reads (414, typed as an invalid request).
+    UriTooLong,
+    /// Too many header fields, or too many header bytes (431, typed as an invalid request).
+    HeadersTooLarge,
     Api,
     /// A part of the service that is switched off (503).
     Unavailable,
@@ -39,6 +43,8 @@ impl ErrorKind {
             ErrorKind::Conflict => StatusCode::CONFLICT,
             ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorKind::UriTooLong => StatusCode::URI_TOO_LONG,
+            ErrorKind::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ErrorKind::Api => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Overloaded => StatusCode::from_u16(529).expect("529 is a valid status"),
@@ -49,7 +55,9 @@ impl ErrorKind {
             ErrorKind::InvalidRequest
             | ErrorKind::Conflict
             | ErrorKind::RequestTimeout
-            | ErrorKind::MethodNotAllowed => "invalid_request_error",
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::UriTooLong
+            | ErrorKind::HeadersTooLarge => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::Permission => "permission_error",
             ErrorKind::NotFound => "not_found_error",
@@ -71,10 +79,6 @@ pub struct ApiError {
     /// Extra response headers (`retry-after`, rate-limit state).
     pub headers: Vec<(HeaderName, HeaderValue)>,
 }
-
-/// An error body rendered without its request id, for the middleware that knows it.
-#[derive(Clone, Debug)]
-pub struct RequestIdPending(pub ErrorBody);
 
 impl ApiError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
@@ -130,11 +134,17 @@ impl IntoResponse for ApiError {
         let pending = self
             .request_id
             .is_none()
-            .then(|| RequestIdPending(body.clone()));
+            .then_some(cachet_common::RequestIdPending);
         let mut resp = (self.kind.status(), axum::Json(body)).into_response();
         if let Some(p) = pending {
             // Made where the request id is not at hand: the request middleware fills it in.
             resp.extensions_mut().insert(p);
+        }
+        if let Some(id) = self.request_id
+            && let Ok(v) = HeaderValue::from_str(&id.to_string())
+        {
+            // Also when no middleware runs (a request refused by the HTTP server itself).
+            resp.headers_mut().insert("request-id", v);
         }
         for (n, v) in self.headers {
             resp.headers_mut().insert(n, v);

@@ -62,6 +62,10 @@ pub struct GatewayConfig {
     /// [`REQUEST_ID_HEADER`] (a retry on another node keeps the id, so the ledger counts it
     /// once).
     pub internal_token: Option<Arc<str>>,
+    /// Behind a gateway, how long a stream cut on the gateway's side waits before its row is
+    /// recorded: the gateway may resume it on another node, whose complete row then wins
+    /// (the ledger keeps a request's first row).
+    pub resume_grace: Duration,
 }
 
 /// Header carrying the cluster token on internal requests.
@@ -76,6 +80,7 @@ impl Default for GatewayConfig {
             auth_cache_ttl: Duration::from_secs(30),
             redis_timeout: Duration::from_millis(250),
             internal_token: None,
+            resume_grace: Duration::from_secs(120),
         }
     }
 }
@@ -175,19 +180,35 @@ async fn request_context(State(state): State<AppState>, mut req: Request, next: 
     metrics::HTTP_REQUESTS
         .with_label_values(&[&route, resp.status().as_str()])
         .inc();
-    if let Some(error::RequestIdPending(mut body)) = resp.extensions_mut().remove() {
-        body.request_id = rid.to_string();
-        let (mut parts, _) = resp.into_parts();
-        parts.headers.remove(axum::http::header::CONTENT_LENGTH);
-        resp = Response::from_parts(
-            parts,
-            axum::body::Body::from(serde_json::to_vec(&body).unwrap_or_default()),
-        );
+    if resp
+        .extensions_mut()
+        .remove::<cachet_common::RequestIdPending>()
+        .is_some()
+    {
+        resp = with_request_id(resp, rid).await;
     }
     if let Ok(v) = HeaderValue::from_str(&rid.to_string()) {
         resp.headers_mut().insert("request-id", v);
     }
     resp
+}
+
+/// An error response's JSON body with `request_id` set (any crate's error body: the gateway's,
+/// the finance API's); a body that is not a JSON object passes unchanged.
+async fn with_request_id(resp: Response, rid: RequestId) -> Response {
+    let (mut parts, body) = resp.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, 1 << 20).await else {
+        return Response::from_parts(parts, axum::body::Body::empty());
+    };
+    let body = match serde_json::from_slice::<serde_json::Value>(&bytes) {
+        Ok(serde_json::Value::Object(mut o)) => {
+            o.insert("request_id".into(), rid.to_string().into());
+            parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+            serde_json::to_vec(&o).unwrap_or_default().into()
+        }
+        _ => bytes,
+    };
+    Response::from_parts(parts, axum::body::Body::from(body))
 }
 
 async fn healthz() -> Json<serde_json::Value> {

@@ -291,7 +291,16 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     });
     // The usage event is handed to the meter before the response ends, so a client that has
     // read the whole response can rely on its ledger row being on its way.
-    record(&state, meter(done.usage, done.output, done.status)).await;
+    let ev = meter(done.usage, done.output, done.status);
+    if done.status == UsageStatus::ClientDisconnected && state.config.internal_token.is_some() {
+        // Our client is a gateway, which may be resuming this stream on another node: that
+        // node's complete row must be the request's row, so ours waits (durably journaled).
+        state
+            .meter
+            .record_durable_after(ev, state.config.resume_grace);
+    } else {
+        record(&state, ev).await;
+    }
     if let Some(last) = done.last {
         let _ = tx.send(last);
     }

@@ -137,12 +137,19 @@ pub async fn serve(
                 if declared_length(&req).is_some_and(|n| n > max_body as u64) {
                     return Ok(body_too_large(max_body));
                 }
+                if let Some(refused) = head_too_large(&req) {
+                    return Ok(refused);
+                }
                 let req = req.map(|b| tower_http::timeout::TimeoutBody::new(body_timeout, b));
                 app.call(req).await
             }
         });
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
+            // Above what `head_too_large` allows, so that it (in the API's error shape) and
+            // not hyper (a bare 431) refuses most oversized heads; hyper's buffer limit
+            // (about 400 KB) still bounds what one connection can make the server hold.
+            .max_headers(4 * MAX_HEADERS)
             .header_read_timeout(limits.header_read_timeout)
             .serve_connection(io, svc);
         let conn = graceful.watch(conn);
@@ -168,6 +175,52 @@ fn declared_length<B>(req: &hyper::Request<B>) -> Option<u64> {
 }
 
 /// 413 from the declared length alone: nobody waits for a body that will be refused.
+/// The longest request target (path and query) read.
+pub const MAX_URI_BYTES: usize = 16 * 1024;
+/// The most header fields a request may have.
+pub const MAX_HEADERS: usize = 100;
+/// The most bytes of header names and values a request may have.
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+
+/// 414 or 431, in the API's error shape, for a request head past the limits above.
+fn head_too_large<B>(req: &hyper::Request<B>) -> Option<axum::response::Response> {
+    use crate::error::{ApiError, ErrorKind};
+    use axum::response::IntoResponse;
+    let uri = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
+    let refusal = if uri > MAX_URI_BYTES {
+        ApiError::new(
+            ErrorKind::UriTooLong,
+            format!("The request target is {uri} bytes; the limit is {MAX_URI_BYTES}."),
+        )
+    } else if req.headers().len() > MAX_HEADERS {
+        ApiError::new(
+            ErrorKind::HeadersTooLarge,
+            format!(
+                "The request has {} header fields; the limit is {MAX_HEADERS}.",
+                req.headers().len()
+            ),
+        )
+    } else {
+        let bytes: usize = req
+            .headers()
+            .iter()
+            .map(|(n, v)| n.as_str().len() + v.len())
+            .sum();
+        if bytes <= MAX_HEADER_BYTES {
+            return None;
+        }
+        ApiError::new(
+            ErrorKind::HeadersTooLarge,
+            format!("The request's headers are {bytes} bytes; the limit is {MAX_HEADER_BYTES}."),
+        )
+    };
+    Some(
+        refusal
+            .with_request_id(cachet_common::RequestId::new())
+            .into_response(),
+    )
+}
+
 fn body_too_large(max: usize) -> axum::response::Response {
     use axum::response::IntoResponse;
     crate::error::ApiError::new(

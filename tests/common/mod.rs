@@ -29,6 +29,8 @@ pub struct TestApp {
     pub data_dir: tempdir::Dir,
 }
 
+pub mod procs;
+
 pub mod tempdir {
     /// A directory removed on drop.
     pub struct Dir(pub std::path::PathBuf);
@@ -261,16 +263,18 @@ pub struct CutProxy {
     pub addr: std::net::SocketAddr,
     cut: Arc<AtomicBool>,
     generation: Arc<tokio::sync::watch::Sender<u64>>,
+    target: Arc<std::sync::Mutex<String>>,
 }
 
 impl CutProxy {
-    pub async fn start(target: &'static str) -> Self {
+    pub async fn start(target: impl Into<String>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let cut = Arc::new(AtomicBool::new(false));
         let (gen_tx, _) = tokio::sync::watch::channel(0u64);
         let generation = Arc::new(gen_tx);
-        let (c2, g2) = (cut.clone(), generation.clone());
+        let target = Arc::new(std::sync::Mutex::new(target.into()));
+        let (c2, g2, t2) = (cut.clone(), generation.clone(), target.clone());
         tokio::spawn(async move {
             loop {
                 let Ok((mut inbound, _)) = listener.accept().await else {
@@ -281,6 +285,7 @@ impl CutProxy {
                     continue;
                 }
                 let mut rx = g2.subscribe();
+                let target = t2.lock().unwrap().clone();
                 tokio::spawn(async move {
                     let Ok(mut outbound) = TcpStream::connect(target).await else {
                         return;
@@ -296,7 +301,13 @@ impl CutProxy {
             addr,
             cut,
             generation,
+            target,
         }
+    }
+
+    /// Send new connections to `target` from now on.
+    pub fn retarget(&self, target: impl Into<String>) {
+        *self.target.lock().unwrap() = target.into();
     }
 
     /// Close every proxied connection and refuse new ones.
