@@ -89,10 +89,10 @@ fuzz-api: build venv
 	scripts/api-fuzz.sh $(TARGET)/debug/cachet $(VENV)/bin/st 200
 
 ## cargo fuzz (libFuzzer) over request validation and rendering, the fabric transport's
-## frames, the disk tier's segments and the meter's spool: 20 s a target from the committed
+## frames, the disk tier's segments and the meter's spool: 15 s a target from the committed
 ## corpora here; `make fuzz` runs 10 minutes a target and adds what it finds to fuzz/corpus.
 fuzz-slice:
-	scripts/fuzz.sh 20
+	scripts/fuzz.sh 15
 
 fuzz:
 	scripts/fuzz.sh $${FUZZ_SECS:-600} grow

@@ -499,6 +499,27 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
         .unwrap()
         .issue("x", Role::PlatformAdmin, None, Duration::ZERO)
         .unwrap();
+    // Tokens a forger would try: no signature at all (`alg: none`), the right secret under
+    // another algorithm, and a valid signature on a token not valid for an hour yet.
+    let claims = |nbf: i64| {
+        let now = chrono::Utc::now().timestamp();
+        json!({"sub": "x", "role": "platform_admin", "exp": now + 3600, "nbf": now + nbf})
+    };
+    let b64 = |v: &serde_json::Value| base64url(v.to_string().as_bytes());
+    let alg_none = format!(
+        "{}.{}.",
+        b64(&json!({"alg": "none", "typ": "JWT"})),
+        b64(&claims(0))
+    );
+    let key = jsonwebtoken::EncodingKey::from_secret(ADMIN_SECRET.as_bytes());
+    let other_alg = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS512),
+        &claims(0),
+        &key,
+    )
+    .unwrap();
+    let not_yet =
+        jsonwebtoken::encode(&jsonwebtoken::Header::default(), &claims(3600), &key).unwrap();
     tokio::time::sleep(Duration::from_secs(6)).await; // past the 5 s leeway
     let fill = |s: &str, role: usize| {
         s.replace("KEY{role+3}", &k(role + 3).to_string())
@@ -528,6 +549,9 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
             ("no token", None),
             ("forged", Some(forged.as_str())),
             ("expired", Some(expired.as_str())),
+            ("alg none", Some(alg_none.as_str())),
+            ("HS512", Some(other_alg.as_str())),
+            ("not yet valid", Some(not_yet.as_str())),
         ] {
             let path = fill(path, 0);
             let (status, v) = a.call(method, &path, tok, body.clone()).await;
@@ -1177,4 +1201,17 @@ async fn the_change_feed_starts_at_its_end_and_drops_cached_keys_only_for_new_ch
     assert!(auth.cached_tenants().is_empty());
     pool.close().await;
     drop_db(&name).await;
+}
+
+/// Unpadded base64url (RFC 4648 §5), as JWTs use it.
+fn base64url(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().fold(0u32, |n, b| (n << 8) | *b as u32) << (8 * (3 - chunk.len()));
+        for i in 0..=chunk.len() {
+            out.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
+        }
+    }
+    out
 }

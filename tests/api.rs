@@ -5,6 +5,7 @@ mod common;
 use common::*;
 use futures::StreamExt;
 use serde_json::{Value, json};
+use std::time::Duration;
 
 #[tokio::test]
 async fn second_identical_request_reads_what_the_first_wrote_and_tenants_are_isolated() {
@@ -520,6 +521,88 @@ async fn wrong_method_and_duplicate_key_headers_get_api_errors() {
             .unwrap()
             .contains("more than once"),
         "{v}"
+    );
+    app.stop().await;
+}
+
+/// Time to `message_start` (the prompt is prefilled, or read from the cache, before it).
+async fn ttft(app: &TestApp, key: &str, body: &serde_json::Value) -> Duration {
+    let mut body = body.clone();
+    body["stream"] = true.into();
+    let t = std::time::Instant::now();
+    let mut resp = app.post_raw("/v1/messages", key, body.to_string()).await;
+    assert_eq!(resp.status(), 200);
+    let mut seen = String::new();
+    while !seen.contains("message_start") {
+        let c = resp.chunk().await.unwrap().expect("a message_start");
+        seen.push_str(&String::from_utf8_lossy(&c));
+    }
+    let took = t.elapsed();
+    while resp.chunk().await.unwrap().is_some() {}
+    took
+}
+
+/// Isolation, measured as an attacker would: tenant B times its first token on a prompt
+/// tenant A has just cached against a never-seen prompt of the same size, over 200 pairs in
+/// alternating order. B's read of A's prefix is a miss like any other (no signal: about
+/// half the pairs each way), while A's own repeat (the control) is visibly faster, so the
+/// test does see a cache hit when there is one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_tenants_cached_prefix_gives_no_time_to_first_token_signal() {
+    let app = TestApp::start_with(Options {
+        // The sim at real speed: a miss prefills 20 µs a token, a hit loads 0.5 µs a token.
+        sim_time_scale: 1.0,
+        ..Default::default()
+    })
+    .await;
+    let (a, b) = (app.key.clone(), app.new_tenant_key().await);
+    let pairs = 200;
+    let (mut cross, mut control) = (0, 0);
+    for i in 0..pairs {
+        let body = |tag: &str| {
+            let system: String = (0..400).map(|w| format!("{tag}{i}w{w} ")).collect();
+            json!({
+                "model": "sim-tiny",
+                "max_tokens": 1,
+                "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+                "messages": [{"role": "user", "content": "q"}],
+            })
+        };
+        // Tags of one length: the three prompts tokenize to the same count.
+        let (cached, fresh, fresh_a) = (body("s"), body("f"), body("o"));
+        let (s, _, r) = app.post("/v1/messages", &a, &cached).await;
+        assert_eq!(s, 200, "{r}");
+        let (t_cached, t_fresh) = if i % 2 == 0 {
+            let c = ttft(&app, &b, &cached).await;
+            (c, ttft(&app, &b, &fresh).await)
+        } else {
+            let f = ttft(&app, &b, &fresh).await;
+            (ttft(&app, &b, &cached).await, f)
+        };
+        cross += usize::from(t_cached < t_fresh);
+        let (t_own, t_new) = if i % 2 == 0 {
+            let c = ttft(&app, &a, &cached).await;
+            (c, ttft(&app, &a, &fresh_a).await)
+        } else {
+            let f = ttft(&app, &a, &fresh_a).await;
+            (ttft(&app, &a, &cached).await, f)
+        };
+        control += usize::from(t_own < t_new);
+    }
+    let pct = |n: usize| 100.0 * n as f64 / pairs as f64;
+    eprintln!(
+        "B's first token on A's cached prompt came sooner than on a fresh one in {:.1}% of {pairs} pairs; A's own repeat in {:.1}%",
+        pct(cross),
+        pct(control)
+    );
+    assert!(
+        pct(control) >= 90.0,
+        "the control sees no hit: the test measures nothing"
+    );
+    assert!(
+        (30.0..=70.0).contains(&pct(cross)),
+        "another tenant's cached prefix is measurable: {:.1}%",
+        pct(cross)
     );
     app.stop().await;
 }
