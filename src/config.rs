@@ -164,6 +164,8 @@ pub struct EngineSection {
     pub model_path: PathBuf,
     /// Multiplies the sim engines' modelled compute time; 0 = free.
     pub sim_time_scale: f64,
+    /// Every sim answer this many tokens long (0: 12 to 31, by prompt); for load tests.
+    pub sim_answer_tokens: usize,
     /// Generations running at once.
     pub workers: usize,
     /// Generations allowed to wait for a worker before 529.
@@ -275,6 +277,7 @@ impl Default for EngineSection {
             kind: "reference".into(),
             model_path: engine::reference::default_model_path(),
             sim_time_scale: 1.0,
+            sim_answer_tokens: 0,
             workers: 8,
             queue: 256,
         }
@@ -365,6 +368,10 @@ impl Config {
         env_parse("CACHET_ENGINE", &mut self.engine.kind)?;
         env_parse("CACHET_MODEL_PATH", &mut self.engine.model_path)?;
         env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
+        env_parse(
+            "CACHET_SIM_ANSWER_TOKENS",
+            &mut self.engine.sim_answer_tokens,
+        )?;
         env_parse("CACHET_ENGINE_WORKERS", &mut self.engine.workers)?;
         env_parse(
             "CACHET_RESUME_GRACE_SECS",
@@ -443,6 +450,7 @@ impl Config {
             kind,
             model_path,
             sim_time_scale,
+            sim_answer_tokens: _,
             workers,
             queue: _,
         } = engine;

@@ -138,6 +138,11 @@ pub async fn engines(config: &Config) -> anyhow::Result<EnginePool> {
     list.extend(
         SimProfile::all()
             .into_iter()
+            .map(|p| SimProfile {
+                answer_tokens: (config.engine.sim_answer_tokens > 0)
+                    .then_some(config.engine.sim_answer_tokens),
+                ..p
+            })
             .map(|p| Arc::new(SimEngine::new(p, config.engine.sim_time_scale)) as Arc<dyn Engine>),
     );
     Ok(EnginePool::new(

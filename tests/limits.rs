@@ -242,13 +242,17 @@ async fn an_oversized_request_head_gets_414_or_431_in_the_error_shape() {
     app.stop().await;
 }
 
-/// A gauge's value in the service's metrics text.
-fn gauge(metrics: &str, name: &str) -> i64 {
+/// A gauge's value in the service's metrics text (`None` until it is first set).
+fn try_gauge(metrics: &str, name: &str) -> Option<i64> {
     metrics
         .lines()
         .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
         .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("no gauge {name} in the metrics")) as i64
+        .map(|v| v as i64)
+}
+
+fn gauge(metrics: &str, name: &str) -> i64 {
+    try_gauge(metrics, name).unwrap_or_else(|| panic!("no gauge {name} in the metrics"))
 }
 
 /// Many streams cancelled mid-way by their clients: every engine slot and journal entry
@@ -330,5 +334,71 @@ async fn streams_cancelled_mid_way_release_everything_they_held() {
         )
         .await;
     assert_eq!(s, 200, "{r}");
+    app.stop().await;
+}
+
+/// Clients that open long streams and then read nothing (a 4 KB receive buffer, never
+/// drained): generation finishes and frees its engine worker regardless, another tenant is
+/// served meanwhile, and each stream has its row (its answer was generated in full).
+/// Loopback's send buffers absorb a whole 4096-token answer here, so the server's
+/// write-stall timeout is not reached: that timeout is tested on a 64-byte pipe
+/// (`gateway/src/server.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn clients_that_stop_reading_hold_no_engine_worker() {
+    let app = TestApp::start_with(Options {
+        tweak: |c| {
+            c.engine.sim_answer_tokens = 4096;
+        },
+        ..Default::default()
+    })
+    .await;
+    let body = {
+        let mut b = common::cached_body(50, "tell me everything", 4096);
+        b["stream"] = true.into();
+        b.to_string()
+    };
+    let head = format!(
+        "POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-api-key: {}\r\nanthropic-version: 2023-06-01\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        app.key,
+        body.len()
+    );
+    let slow = 12;
+    let mut held = Vec::new();
+    for _ in 0..slow {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.set_recv_buffer_size(4096).unwrap();
+        let mut s = sock.connect(addr(&app).parse().unwrap()).await.unwrap();
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(body.as_bytes()).await.unwrap();
+        held.push(s); // never read
+    }
+    // Every generation ends, though no client has read its answer.
+    let t = Instant::now();
+    loop {
+        let inflight = try_gauge(&app.metrics().await, "cachet_gateway_engine_inflight");
+        if inflight == Some(0) && t.elapsed() > Duration::from_millis(300) {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{inflight:?} engine workers held by clients that do not read"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "{slow} unread 4096-token streams: workers free after {:?}",
+        t.elapsed()
+    );
+    // Another tenant is served while the unread streams are still open.
+    let other = app.new_tenant_key().await;
+    let mut quick = common::cached_body(50, "hi", 8);
+    quick["model"] = "sim-tiny".into();
+    let (s, _, r) = app.post("/v1/messages", &other, &quick).await;
+    assert_eq!(s, 200, "{r}");
+    // Each stream has its row: its answer was generated (and billed) in full.
+    app.settle().await;
+    assert_eq!(app.ledger_count().await, slow as i64 + 1);
+    drop(held);
     app.stop().await;
 }

@@ -42,6 +42,9 @@ pub struct SimProfile {
     pub prefill_us_per_token: f64,
     pub load_us_per_token: f64,
     pub decode_us_per_token: f64,
+    /// Every answer this many tokens long (before `max_tokens`), for load and slow-reader
+    /// tests; `None`: 12 to 31 tokens, chosen by the prompt.
+    pub answer_tokens: Option<usize>,
 }
 
 impl SimProfile {
@@ -65,6 +68,7 @@ impl SimProfile {
             prefill_us_per_token: 20.0,
             load_us_per_token: 0.5,
             decode_us_per_token: 2_000.0,
+            answer_tokens: None,
         }
     }
     /// Llama-3-8B-shaped KV (32 layers, 8 KV heads, head dim 128, bf16), H100-like costs.
@@ -87,6 +91,7 @@ impl SimProfile {
             prefill_us_per_token: 60.0,
             load_us_per_token: 2.0,
             decode_us_per_token: 12_000.0,
+            answer_tokens: None,
         }
     }
     /// Llama-3-70B-shaped KV (80 layers, 8 KV heads, head dim 128, bf16).
@@ -109,6 +114,7 @@ impl SimProfile {
             prefill_us_per_token: 400.0,
             load_us_per_token: 5.0,
             decode_us_per_token: 30_000.0,
+            answer_tokens: None,
         }
     }
     pub fn all() -> Vec<SimProfile> {
@@ -384,7 +390,10 @@ impl crate::Engine for SimEngine {
             x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
             chunk.copy_from_slice(&kv_word(x, k as u64, k as u64).to_le_bytes());
         }
-        let n_words = 12 + (digest[0] as usize % 20);
+        let n_words = self
+            .profile
+            .answer_tokens
+            .unwrap_or(12 + (digest[0] as usize % 20));
         let words: Vec<u32> = (0..n_words)
             .map(|i| digest[(i + 1) % 32] as u32 ^ (i as u32 * 7))
             .collect();
