@@ -779,11 +779,20 @@ async fn faults_in_a_cluster_under_load_fail_nothing_recomputing_serves_and_lose
         );
         if f.name.contains("node") {
             node_fault_failures.extend(failed.into_iter().map(|(k, v)| format!("{k}: {v}")));
+        } else if f.name.starts_with("SIGSTOP") {
+            // A stopped gateway delays requests; once it runs again it refuses none (it
+            // once took its own pause for slow nodes and answered 529).
+            node_fault_failures.extend(
+                failed
+                    .into_iter()
+                    .filter(|(k, _)| k.parse::<u16>().is_ok())
+                    .map(|(k, v)| format!("{k} after the gateway's SIGSTOP: {v}")),
+            );
         }
     }
     assert!(
         node_fault_failures.is_empty(),
-        "requests failed while a node was faulty: {node_fault_failures:?}"
+        "requests failed that the cluster could serve: {node_fault_failures:?}"
     );
     let complete = answers.iter().filter(|a| a.seen == Seen::Complete).count();
     assert!(complete > 100, "the load ran ({complete} complete answers)");

@@ -19,8 +19,8 @@
 //! and count tokens exactly as the nodes do.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -96,7 +96,10 @@ pub fn state(
     engines: EnginePool,
 ) -> anyhow::Result<RouterState> {
     let http = reqwest::Client::builder()
-        .pool_idle_timeout(Duration::from_secs(30))
+        // Below the nodes' idle close (`gateway.header_read_timeout_secs`, 10 s by default):
+        // a pooled connection a node has already closed would fail the request sent on it.
+        // A gateway stopped for longer (SIGSTOP) finds them expired on its next checkout.
+        .pool_idle_timeout(Duration::from_secs(5))
         .connect_timeout(Duration::from_secs(1))
         .build()?;
     Ok(Arc::new(RouterInner {
@@ -201,6 +204,7 @@ pub async fn follow_cluster(
     every: Duration,
     stop: CancellationToken,
 ) {
+    tokio::spawn(watch_pauses(stop.clone()));
     let mut follower = Follower::new(format!("{prefix}:blocks"), "0-0", state.index.clone());
     let mut refreshed: Option<Instant> = None;
     while !stop.is_cancelled() {
@@ -494,8 +498,60 @@ async fn forward_with(
         .into_response()
 }
 
+/// The gateway's own clock, for [`watch_pauses`]: microseconds since the first use.
+static CLOCK: LazyLock<Instant> = LazyLock::new(Instant::now);
+/// When [`watch_pauses`] last ticked, and when it last found this process had been paused.
+static LAST_TICK_US: AtomicU64 = AtomicU64::new(0);
+static LAST_PAUSE_US: AtomicU64 = AtomicU64::new(0);
+const PAUSE_TICK: Duration = Duration::from_millis(100);
+/// A tick this much later than due means the process did not run (SIGSTOP, a frozen VM, a
+/// starved runtime).
+const PAUSE_SLACK: Duration = Duration::from_millis(500);
+
+fn clock_us() -> u64 {
+    CLOCK.elapsed().as_micros() as u64
+}
+
+/// Notice when this gateway was not running: a request that spanned such a pause says
+/// nothing about its node, and counting it made every node look 20 s slow after a 20 s
+/// SIGSTOP, so the conductor refused traffic (529) the nodes could serve.
+async fn watch_pauses(stop: CancellationToken) {
+    LAST_TICK_US.store(clock_us(), Ordering::Relaxed);
+    while !stop.is_cancelled() {
+        let t = Instant::now();
+        tokio::time::sleep(PAUSE_TICK).await;
+        let now = clock_us();
+        if t.elapsed() > PAUSE_TICK + PAUSE_SLACK {
+            LAST_PAUSE_US.store(now, Ordering::Relaxed);
+            tracing::warn!(
+                paused_ms = t.elapsed().as_millis() as u64,
+                "this gateway did not run for a while; requests that spanned it are left out of node service times"
+            );
+        }
+        LAST_TICK_US.store(now, Ordering::Relaxed);
+    }
+}
+
+/// Whether a request started at `started` may have spanned a pause of this process: one
+/// detected since it started, or one in progress (the watcher has not ticked for too long,
+/// as when the process has just been continued and the watcher has not run yet).
+fn spanned_a_pause(started: Instant) -> bool {
+    let now = clock_us();
+    let started_us = now.saturating_sub(started.elapsed().as_micros() as u64);
+    let (last_tick, last_pause) = (
+        LAST_TICK_US.load(Ordering::Relaxed),
+        LAST_PAUSE_US.load(Ordering::Relaxed),
+    );
+    (last_pause > 0 && last_pause >= started_us)
+        || (last_tick > 0
+            && now.saturating_sub(last_tick) > (PAUSE_TICK + PAUSE_SLACK).as_micros() as u64)
+}
+
 fn finish(load: &Load, started: Instant) {
     load.in_flight.fetch_sub(1, Ordering::Relaxed);
+    if spanned_a_pause(started) {
+        return;
+    }
     let took = started.elapsed().as_micros() as usize;
     let old = load.service_us.load(Ordering::Relaxed);
     // An exponential moving average with weight 1/8 for the newest sample.
