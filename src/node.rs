@@ -101,11 +101,7 @@ pub async fn run(
         .duration_since(std::time::UNIX_EPOCH)?
         .as_millis() as u64;
 
-    let redis = redis::Client::open(config.redis_url.as_str())?;
-    let conn = redis
-        .get_multiplexed_async_connection()
-        .await
-        .with_context(|| format!("connecting to Redis at {}", config.redis_url))?;
+    let conn = crate::server::cluster_redis(&config.redis_url).await?;
     // Stopped in order at shutdown: the API, then the membership, then the rest.
     let leave = CancellationToken::new();
     let background = CancellationToken::new();

@@ -54,6 +54,21 @@ pub async fn ensure_database(url: &str) -> anyhow::Result<()> {
 }
 
 /// Connect (creating the database if needed) and apply migrations.
+/// The Redis connection of a cluster role (membership, heartbeats, block events). It
+/// reconnects by itself, retrying every 0.1 to 0.5 s, so a node is back in the membership
+/// within about a second of Redis returning: a plain connection stayed broken after a Redis
+/// restart, and the node's record expired for good.
+pub async fn cluster_redis(url: &str) -> anyhow::Result<redis::aio::ConnectionManager> {
+    let client = redis::Client::open(url)?;
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_min_delay(Duration::from_millis(100))
+        .set_max_delay(Duration::from_millis(500))
+        .set_connection_timeout(Some(Duration::from_secs(2)));
+    redis::aio::ConnectionManager::new_with_config(client, config)
+        .await
+        .with_context(|| format!("connecting to Redis at {url}"))
+}
+
 pub async fn connect_and_migrate(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
     ensure_database(url).await?;
     let pool = PgPoolOptions::new()
@@ -261,11 +276,7 @@ pub async fn start_gateway(
     let addr = listener.local_addr()?;
     let engine_pool = engines(&config).await?;
     let pool = connect_and_migrate(&config.database_url, 8).await?;
-    let redis = redis::Client::open(config.redis_url.as_str())?;
-    let conn = redis
-        .get_multiplexed_async_connection()
-        .await
-        .with_context(|| format!("connecting to Redis at {}", config.redis_url))?;
+    let conn = cluster_redis(&config.redis_url).await?;
     let c = &config.cluster;
     let routing = gateway::routing::RoutingConfig {
         max_body_bytes: config.gateway.max_body_bytes,

@@ -880,3 +880,100 @@ async fn faults_in_a_cluster_under_load_fail_nothing_recomputing_serves_and_lose
     pool.close().await;
     common::drop_db(&db_name).await;
 }
+
+/// The cluster half of the Postgres and Redis outages: three nodes and a gateway reach both
+/// through proxies the test cuts, under 8 clients. Postgres away: usage is spooled on each
+/// node, keys are served from their last known state. Redis away: membership heartbeats and
+/// block events fail, and every process must find Redis again when it returns (the nodes
+/// must stay routable). The checker: no request fails, one ledger row per answer, and the
+/// gateway routes to all three nodes afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_and_redis_outages_in_a_cluster_fail_nothing_and_lose_no_row() {
+    use common::procs::{start_gateway, start_node_with, wait_for_nodes};
+    let db_name = common::fresh_db_name();
+    let db_url = format!("{}/{db_name}", common::PG);
+    let pool = cachet::server::connect_and_migrate(&db_url, 2)
+        .await
+        .unwrap();
+    let key = common::tenant_with_key(&pool, "chaos").await;
+    let pg = common::CutProxy::start("127.0.0.1:5432").await;
+    let redis = common::CutProxy::start("127.0.0.1:6379").await;
+    let prefix = format!("cachet-chaos-{}", uuid::Uuid::new_v4().simple());
+    let dir = common::tempdir::Dir::new();
+    let env: Vec<(&'static str, String)> = vec![
+        (
+            "DATABASE_URL",
+            format!("postgres://postgres@{}/{db_name}", pg.addr),
+        ),
+        ("REDIS_URL", format!("redis://{}", redis.addr)),
+        ("CACHET_ENGINE", "sim".into()),
+        ("CACHET_SIM_TIME_SCALE", "0.2".into()),
+    ];
+    let nodes: Vec<_> = ["n1", "n2", "n3"]
+        .iter()
+        .map(|id| start_node_with(id, &prefix, &dir.0, &env, true))
+        .collect();
+    let gw = start_gateway(&prefix, &env);
+    let http = reqwest::Client::new();
+    wait_for_nodes(&http, &gw, 3).await;
+    let load = Load::start(&gw.url, &key, 8, 6);
+    // Past the change feed's first poll, as in the single-server test.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let before = load.answered();
+    pg.cut();
+    tokio::time::sleep(outage()).await;
+    pg.restore();
+    let during_pg = load.answered();
+    redis.cut();
+    tokio::time::sleep(outage()).await;
+    redis.restore();
+    let during_redis = load.answered();
+    // Whole again: every node heartbeats into Redis again (past the outage, their records
+    // had expired) and the gateway routes to all three.
+    let healed = Instant::now();
+    let mut conn = ::redis::Client::open(common::REDIS)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    common::procs::wait_until(
+        "every node back in the membership",
+        Duration::from_secs(20),
+        async || {
+            cache_fabric::membership::live_nodes(&mut conn, &prefix)
+                .await
+                .is_ok_and(|n| n.len() == 3)
+        },
+    )
+    .await;
+    wait_for_nodes(&http, &gw, 3).await;
+    let rejoined = healed.elapsed();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (seen, errors) = load.finish().await;
+    eprintln!(
+        "cluster, outages of {:?}: {} answered ({} before, {} during Postgres, {} during Redis), {} failed; all nodes routable {rejoined:?} after Redis returned",
+        outage(),
+        seen.len(),
+        before,
+        during_pg - before,
+        during_redis - during_pg,
+        errors.len()
+    );
+    assert_none_failed(&errors);
+    assert!(
+        during_pg > before && during_redis > during_pg,
+        "served through both outages"
+    );
+    let rows = ledger_settled(&pool, &seen).await;
+    for (id, s) in &seen {
+        assert!(rows.contains_key(id), "{id} ({s:?}) has no ledger row");
+    }
+    assert_eq!(
+        rows.len(),
+        seen.len(),
+        "a row for a request no client saw answered"
+    );
+    drop((nodes, gw));
+    pool.close().await;
+    common::drop_db(&db_name).await;
+}

@@ -80,6 +80,8 @@ pub struct RouterInner {
     auth: Arc<Authenticator>,
     /// Every member's fabric address (the admin console's cache view asks them).
     fabric_addrs: RwLock<Vec<String>>,
+    /// The membership as last read (kept across a Redis outage, see `follow_cluster`).
+    known_records: RwLock<Vec<membership::NodeRecord>>,
     engines: EnginePool,
     http: reqwest::Client,
     nodes: RwLock<Vec<NodeEntry>>,
@@ -105,6 +107,7 @@ pub fn state(
     Ok(Arc::new(RouterInner {
         auth: Arc::new(Authenticator::new(pool, config.auth_cache_ttl)),
         fabric_addrs: RwLock::new(Vec::new()),
+        known_records: RwLock::new(Vec::new()),
         config,
         engines,
         http,
@@ -207,11 +210,34 @@ pub async fn follow_cluster(
     tokio::spawn(watch_pauses(stop.clone()));
     let mut follower = Follower::new(format!("{prefix}:blocks"), "0-0", state.index.clone());
     let mut refreshed: Option<Instant> = None;
+    // When membership reads last failed: for a while after Redis is back, nodes' records
+    // may have expired during the outage before their heartbeats renew them, so nodes
+    // missing from a read then are kept rather than dropped (no 529 for want of nodes).
+    let mut unreadable_until: Option<Instant> = None;
     while !stop.is_cancelled() {
         if refreshed.is_none_or(|t| t.elapsed() >= every) {
             refreshed = Some(Instant::now());
             match membership::live_nodes(&mut conn, &prefix).await {
-                Ok(records) => {
+                Ok(mut records) => {
+                    if let Some(t) = unreadable_until
+                        && t.elapsed() < membership::DOWN_AFTER + membership::HEARTBEAT
+                    {
+                        let known = state
+                            .known_records
+                            .read()
+                            .unwrap_or_else(|p| p.into_inner());
+                        for r in known.iter() {
+                            if !records.iter().any(|f| f.id == r.id) {
+                                records.push(r.clone());
+                            }
+                        }
+                    } else {
+                        unreadable_until = None;
+                    }
+                    *state
+                        .known_records
+                        .write()
+                        .unwrap_or_else(|p| p.into_inner()) = records.clone();
                     *state
                         .fabric_addrs
                         .write()
@@ -241,7 +267,10 @@ pub async fn follow_cluster(
                     *nodes = fresh;
                     metrics::ROUTABLE_NODES.set(nodes.len() as i64);
                 }
-                Err(e) => tracing::warn!(error = %e, "reading cluster membership failed"),
+                Err(e) => {
+                    unreadable_until = Some(Instant::now());
+                    tracing::warn!(error = %e, "reading cluster membership failed")
+                }
             }
         }
         if let Err(e) = follower.poll(&mut conn, Duration::from_millis(200)).await {
