@@ -99,7 +99,8 @@ fuzz:
 
 ## Faults under load with a ledger checker, against a real `cachet serve` (kill -9
 ## mid-stream, SIGSTOP, Postgres and Redis cut away) and a 3-node cluster with its gateway
-## (kill -9 and SIGSTOP of a node and of the gateway, a node cut off from its peers): 20 s
+## (kill -9 and SIGSTOP of a node and of the gateway, a node cut off from its peers, Postgres
+## and Redis cut away): 20 s
 ## outages (`make test`: 2 s).
 chaos: services
 	CACHET_CHAOS_OUTAGE_SECS=20 $(CARGO) test --locked --test chaos -- --nocapture

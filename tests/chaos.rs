@@ -184,14 +184,20 @@ async fn ledger(pool: &sqlx::PgPool) -> HashMap<RequestId, String> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn kill_9_of_serve_mid_load_loses_no_ledger_row() {
+/// A fresh database with one tenant and its key: (name, URL, pool, key secret).
+async fn chaos_db() -> (String, String, sqlx::PgPool, String) {
     let db_name = common::fresh_db_name();
     let db_url = format!("{}/{db_name}", common::PG);
     let pool = cachet::server::connect_and_migrate(&db_url, 2)
         .await
         .unwrap();
     let key = common::tenant_with_key(&pool, "chaos").await;
+    (db_name, db_url, pool, key)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_9_of_serve_mid_load_loses_no_ledger_row() {
+    let (db_name, db_url, pool, key) = chaos_db().await;
     let dir = common::tempdir::Dir::new();
     // Real decode time (2 ms a token), so streams are in flight when the kill lands.
     let env = [("CACHET_SIM_TIME_SCALE", "1")];
@@ -386,12 +392,7 @@ async fn ledger_settled(
 /// spool has replayed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_and_redis_outages_under_load_fail_nothing_and_lose_no_row() {
-    let db_name = common::fresh_db_name();
-    let db_url = format!("{}/{db_name}", common::PG);
-    let pool = cachet::server::connect_and_migrate(&db_url, 2)
-        .await
-        .unwrap();
-    let key = common::tenant_with_key(&pool, "chaos").await;
+    let (db_name, db_url, pool, key) = chaos_db().await;
     let pg = common::CutProxy::start("127.0.0.1:5432").await;
     let redis = common::CutProxy::start("127.0.0.1:6379").await;
     let dir = common::tempdir::Dir::new();
@@ -456,31 +457,16 @@ async fn postgres_and_redis_outages_under_load_fail_nothing_and_lose_no_row() {
 /// none fails, and every answered one has exactly one row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigstop_of_serve_delays_requests_and_fails_none() {
-    let db_name = common::fresh_db_name();
-    let db_url = format!("{}/{db_name}", common::PG);
-    let pool = cachet::server::connect_and_migrate(&db_url, 2)
-        .await
-        .unwrap();
-    let key = common::tenant_with_key(&pool, "chaos").await;
+    let (db_name, db_url, pool, key) = chaos_db().await;
     let dir = common::tempdir::Dir::new();
     let serve = start_serve(&db_url, &dir.0, &[("CACHET_SIM_TIME_SCALE", "0.2")]);
     let load = Load::start(&serve.url, &key, 6, 4);
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let pid = serve.child.id().to_string();
-    let signal = |s: &str| {
-        assert!(
-            Command::new("kill")
-                .args([s, &pid])
-                .status()
-                .unwrap()
-                .success()
-        )
-    };
     let before = load.answered();
-    signal("-STOP");
+    signal(&serve.child, "-STOP");
     tokio::time::sleep(outage()).await;
     let during = load.answered() - before;
-    signal("-CONT");
+    signal(&serve.child, "-CONT");
     let resumed = Instant::now();
     let at_cont = before + during;
     while load.answered() == at_cont && resumed.elapsed() < Duration::from_secs(30) {
@@ -582,12 +568,7 @@ fn signal(child: &Child, s: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn faults_in_a_cluster_under_load_fail_nothing_recomputing_serves_and_lose_no_row() {
     use common::procs::{Node, start_gateway, start_node_with, wait_for_nodes};
-    let db_name = common::fresh_db_name();
-    let db_url = format!("{}/{db_name}", common::PG);
-    let pool = cachet::server::connect_and_migrate(&db_url, 2)
-        .await
-        .unwrap();
-    let key = common::tenant_with_key(&pool, "chaos").await;
+    let (db_name, db_url, pool, key) = chaos_db().await;
     let (tenant, workspace): (uuid::Uuid, uuid::Uuid) =
         sqlx::query_as("SELECT tenant_id, id FROM workspaces")
             .fetch_one(&pool)
@@ -890,12 +871,7 @@ async fn faults_in_a_cluster_under_load_fail_nothing_recomputing_serves_and_lose
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_and_redis_outages_in_a_cluster_fail_nothing_and_lose_no_row() {
     use common::procs::{start_gateway, start_node_with, wait_for_nodes};
-    let db_name = common::fresh_db_name();
-    let db_url = format!("{}/{db_name}", common::PG);
-    let pool = cachet::server::connect_and_migrate(&db_url, 2)
-        .await
-        .unwrap();
-    let key = common::tenant_with_key(&pool, "chaos").await;
+    let (db_name, db_url, pool, key) = chaos_db().await;
     let pg = common::CutProxy::start("127.0.0.1:5432").await;
     let redis = common::CutProxy::start("127.0.0.1:6379").await;
     let prefix = format!("cachet-chaos-{}", uuid::Uuid::new_v4().simple());

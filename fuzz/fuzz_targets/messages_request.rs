@@ -8,8 +8,10 @@ use std::sync::OnceLock;
 
 use cachet_common::{Scope, TenantId, WorkspaceId};
 use engine::Engine;
+use engine::Prompt;
 use engine::sim::{SimEngine, SimProfile};
-use gateway::api::validate::{self, ModelLimits};
+use gateway::api::validate::{self, Breakpoint, ModelLimits};
+use gateway::error::ApiError;
 use libfuzzer_sys::fuzz_target;
 
 fn engine() -> &'static SimEngine {
@@ -28,32 +30,30 @@ fuzz_target!(|data: &[u8]| {
         tenant: TenantId(uuid::Uuid::from_u128(1)),
         workspace: WorkspaceId(uuid::Uuid::from_u128(2)),
     };
-    match validate::messages_request(data, limits) {
-        Ok((req, bps)) => {
-            let p = gateway::render::to_prompt(
-                req.tools.as_deref(),
-                req.system.as_ref(),
-                &req.messages,
-                scope,
-            );
+    // Accepted: the request renders, or is refused with a 4xx. Refused: with a 4xx.
+    let check = |parts: Result<(Prompt, Vec<Breakpoint>), ApiError>| match parts {
+        Ok((p, bps)) => {
             if let Err(e) = gateway::render::prepare(engine, &p, &bps, scope) {
                 assert!(e.kind.status().is_client_error(), "{e:?}");
             }
         }
         Err(e) => assert!(e.kind.status().is_client_error(), "{e:?}"),
-    }
-    match validate::count_tokens_request(data, |m| m == "sim-tiny") {
-        Ok((req, bps)) => {
-            let p = gateway::render::to_prompt(
-                req.tools.as_deref(),
-                req.system.as_ref(),
-                &req.messages,
-                scope,
-            );
-            if let Err(e) = gateway::render::prepare(engine, &p, &bps, scope) {
-                assert!(e.kind.status().is_client_error(), "{e:?}");
-            }
-        }
-        Err(e) => assert!(e.kind.status().is_client_error(), "{e:?}"),
-    }
+    };
+    let prompt = |tools: Option<&[_]>, system: Option<&_>, messages: &[_]| {
+        gateway::render::to_prompt(tools, system, messages, scope)
+    };
+    check(validate::messages_request(data, limits).map(|(r, bps)| {
+        (
+            prompt(r.tools.as_deref(), r.system.as_ref(), &r.messages),
+            bps,
+        )
+    }));
+    check(
+        validate::count_tokens_request(data, |m| m == "sim-tiny").map(|(r, bps)| {
+            (
+                prompt(r.tools.as_deref(), r.system.as_ref(), &r.messages),
+                bps,
+            )
+        }),
+    );
 });
