@@ -392,7 +392,7 @@ async fn ledger_settled(
 /// spool has replayed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_and_redis_outages_under_load_fail_nothing_and_lose_no_row() {
-    let (db_name, db_url, pool, key) = chaos_db().await;
+    let (db_name, _, pool, key) = chaos_db().await;
     let pg = common::CutProxy::start("127.0.0.1:5432").await;
     let redis = common::CutProxy::start("127.0.0.1:6379").await;
     let dir = common::tempdir::Dir::new();
@@ -871,7 +871,7 @@ async fn faults_in_a_cluster_under_load_fail_nothing_recomputing_serves_and_lose
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_and_redis_outages_in_a_cluster_fail_nothing_and_lose_no_row() {
     use common::procs::{start_gateway, start_node_with, wait_for_nodes};
-    let (db_name, db_url, pool, key) = chaos_db().await;
+    let (db_name, _, pool, key) = chaos_db().await;
     let pg = common::CutProxy::start("127.0.0.1:5432").await;
     let redis = common::CutProxy::start("127.0.0.1:6379").await;
     let prefix = format!("cachet-chaos-{}", uuid::Uuid::new_v4().simple());
