@@ -87,6 +87,8 @@ pub struct RouterInner {
     nodes: RwLock<Vec<NodeEntry>>,
     index: Arc<RwLock<PrefixIndex>>,
     load: Mutex<HashMap<String, Arc<Load>>>,
+    /// Per node, cancelled when it leaves the membership: requests waiting on it move on.
+    departures: Mutex<HashMap<String, CancellationToken>>,
     turn: AtomicUsize,
 }
 
@@ -114,6 +116,7 @@ pub fn state(
         nodes: RwLock::new(Vec::new()),
         index: Arc::new(RwLock::new(PrefixIndex::with_capacity(1 << 16))),
         load: Mutex::new(HashMap::new()),
+        departures: Mutex::new(HashMap::new()),
         turn: AtomicUsize::new(0),
     }))
 }
@@ -121,6 +124,17 @@ pub fn state(
 impl RouterInner {
     fn load(&self, id: &str) -> Arc<Load> {
         self.load
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(id.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Cancelled when node `id` leaves the membership (a node that stopped or is cut off
+    /// holds its requests until then; they then move to the next node, like a failure).
+    fn departure(&self, id: &str) -> CancellationToken {
+        self.departures
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .entry(id.to_string())
@@ -255,7 +269,15 @@ pub async fn follow_cluster(
                         .collect();
                     let mut nodes = state.nodes.write().unwrap_or_else(|p| p.into_inner());
                     for gone in nodes.iter().filter(|n| !fresh.iter().any(|f| f.id == n.id)) {
-                        tracing::warn!(node = %gone.id, "node left the cluster; its blocks leave the index");
+                        tracing::warn!(node = %gone.id, "node left the cluster; its blocks leave the index and its requests move on");
+                        if let Some(t) = state
+                            .departures
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .remove(&gone.id)
+                        {
+                            t.cancel();
+                        }
                         if let Some(slot) = gone.slot {
                             state
                                 .index
@@ -449,7 +471,11 @@ async fn forward_with(
         load.in_flight.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
         let req = state.node_request(&base, method.clone(), path, headers, rid, body.clone());
-        let result = req.send().await;
+        let left = state.departure(id);
+        let result = tokio::select! {
+            r = req.send() => r.map_err(|e| e.to_string()),
+            _ = left.cancelled() => Err("the node left the membership".to_string()),
+        };
         let outcome = match result {
             Ok(resp) if resp.status().as_u16() == 529 && attempt + 1 < ids.len() => {
                 // That node's engines are saturated; it did no work and billed nothing, so
@@ -487,6 +513,7 @@ async fn forward_with(
                             InFlight {
                                 load: load.clone(),
                                 started,
+                                left,
                             },
                         )),
                         buf: Vec::new(),
@@ -504,7 +531,11 @@ async fn forward_with(
                         ApiError::internal("building the response", e).into_response()
                     });
                 }
-                match resp.bytes().await {
+                let bytes = tokio::select! {
+                    b = resp.bytes() => b.map_err(|e| e.to_string()),
+                    _ = left.cancelled() => Err("the node left the membership".to_string()),
+                };
+                match bytes {
                     Ok(bytes) => {
                         finish(&load, started);
                         metrics::ROUTED.with_label_values(&["forwarded"]).inc();
@@ -641,14 +672,17 @@ impl Relay {
                 }
             }
             let next = match self.upstream.as_mut() {
-                Some((s, _)) => s.next().await,
+                Some((s, inflight)) => tokio::select! {
+                    n = s.next() => n.map(|r| r.map_err(|e| e.to_string())),
+                    _ = inflight.left.cancelled() => Some(Err("the node left the membership".into())),
+                },
                 None => None,
             };
             match next {
                 Some(Ok(chunk)) => self.buf.extend_from_slice(&chunk),
                 other => {
                     let why = match other {
-                        Some(Err(e)) => e.to_string(),
+                        Some(Err(e)) => e,
                         _ => "the stream ended before message_stop".into(),
                     };
                     if self.splice.complete() {
@@ -689,7 +723,12 @@ impl Relay {
                 self.rid,
                 self.body.clone(),
             );
-            match req.send().await {
+            let left = self.state.departure(&id);
+            let sent = tokio::select! {
+                r = req.send() => r.map_err(|e| e.to_string()),
+                _ = left.cancelled() => Err("the node left the membership".to_string()),
+            };
+            match sent {
                 Ok(resp)
                     if resp.status().is_success()
                         && resp
@@ -699,8 +738,14 @@ impl Relay {
                 {
                     metrics::ROUTED.with_label_values(&["resumed"]).inc();
                     tracing::info!(node = %id, request_id = %self.rid, "stream resumed");
-                    self.upstream =
-                        Some((Box::pin(resp.bytes_stream()), InFlight { load, started }));
+                    self.upstream = Some((
+                        Box::pin(resp.bytes_stream()),
+                        InFlight {
+                            load,
+                            started,
+                            left,
+                        },
+                    ));
                     return true;
                 }
                 Ok(resp) => {
@@ -721,6 +766,8 @@ impl Relay {
 struct InFlight {
     load: Arc<Load>,
     started: Instant,
+    /// Cancelled when the node leaves the membership.
+    left: CancellationToken,
 }
 
 impl Drop for InFlight {
