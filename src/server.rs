@@ -53,7 +53,6 @@ pub async fn ensure_database(url: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Connect (creating the database if needed) and apply migrations.
 /// The Redis connection of a cluster role (membership, heartbeats, block events). It
 /// reconnects by itself, retrying every 0.1 to 0.5 s, so a node is back in the membership
 /// within about a second of Redis returning: a plain connection stayed broken after a Redis
@@ -69,6 +68,7 @@ pub async fn cluster_redis(url: &str) -> anyhow::Result<redis::aio::ConnectionMa
         .with_context(|| format!("connecting to Redis at {url}"))
 }
 
+/// Connect (creating the database if needed) and apply migrations.
 pub async fn connect_and_migrate(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
     ensure_database(url).await?;
     let pool = PgPoolOptions::new()

@@ -174,7 +174,6 @@ fn declared_length<B>(req: &hyper::Request<B>) -> Option<u64> {
         .ok()
 }
 
-/// 413 from the declared length alone: nobody waits for a body that will be refused.
 /// The longest request target (path and query) read.
 pub const MAX_URI_BYTES: usize = 16 * 1024;
 /// The most header fields a request may have.
@@ -221,6 +220,7 @@ fn head_too_large<B>(req: &hyper::Request<B>) -> Option<axum::response::Response
     )
 }
 
+/// 413 from the declared length alone: nobody waits for a body that will be refused.
 fn body_too_large(max: usize) -> axum::response::Response {
     use axum::response::IntoResponse;
     crate::error::ApiError::new(
