@@ -117,7 +117,7 @@ impl Spool {
                         .open(&path)?
                         .write_all(b"\n")?;
                 }
-                parse_event_lines(&bytes).lines as u64
+                split_lines(&bytes).count() as u64
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
             Err(e) => return Err(e),
@@ -253,14 +253,27 @@ impl MeterHandle {
     /// Postgres or fsynced to the spool: a process killed after this returns loses nothing.
     /// Costs the group commit's latency (`linger` plus one insert).
     pub async fn record_durable(&self, event: UsageEvent) -> Result<(), MeterError> {
+        let committed = self.hand_over(event).await?;
+        committed.await;
+        Ok(())
+    }
+
+    /// Hand `event` to the writer (or the spool); the future it returns ends once the event
+    /// is committed or spooled, and closes its stream in the open-stream journal.
+    async fn hand_over(
+        &self,
+        event: UsageEvent,
+    ) -> Result<impl std::future::Future<Output = ()> + use<>, MeterError> {
         let id = event.request_id;
         let (ack, done) = tokio::sync::oneshot::channel();
         self.send(event, Some(ack)).await?;
-        // A dropped ack means the writer stopped with the event in hand; its drain commits
-        // or spools everything it holds before it exits.
-        let _ = done.await;
-        self.intents.close(id);
-        Ok(())
+        let intents = self.intents.clone();
+        Ok(async move {
+            // A dropped ack means the writer stopped with the event in hand; its drain
+            // commits or spools everything it holds before it exits.
+            let _ = done.await;
+            intents.close(id);
+        })
     }
 
     /// Record `event` durably after `delay`, unless the meter stops first (then at once).
@@ -277,16 +290,12 @@ impl MeterHandle {
                 _ = h.shutdown.cancelled() => {}
             }
             let id = event.request_id;
-            let (ack, done) = tokio::sync::oneshot::channel();
-            let sent = h.send(event, Some(ack)).await;
+            let sent = h.hand_over(event).await;
             // Handed over (or spooled): the meter's drain no longer waits for it.
             h.deferred.fetch_sub(1, Ordering::SeqCst);
             metrics::DEFERRED.dec();
             match sent {
-                Ok(()) => {
-                    let _ = done.await;
-                    h.intents.close(id);
-                }
+                Ok(committed) => committed.await,
                 Err(e) => {
                     tracing::error!(request_id = %id, error = %e, "deferred usage event could not be kept; the journal replays it")
                 }
