@@ -78,10 +78,8 @@ struct Load {
 pub struct RouterInner {
     config: RoutingConfig,
     auth: Arc<Authenticator>,
-    /// Every member's fabric address (the admin console's cache view asks them).
-    fabric_addrs: RwLock<Vec<String>>,
     /// The membership as last read (kept across a Redis outage, see `follow_cluster`).
-    known_records: RwLock<Vec<membership::NodeRecord>>,
+    members: RwLock<Vec<membership::NodeRecord>>,
     engines: EnginePool,
     http: reqwest::Client,
     nodes: RwLock<Vec<NodeEntry>>,
@@ -108,8 +106,7 @@ pub fn state(
         .build()?;
     Ok(Arc::new(RouterInner {
         auth: Arc::new(Authenticator::new(pool, config.auth_cache_ttl)),
-        fabric_addrs: RwLock::new(Vec::new()),
-        known_records: RwLock::new(Vec::new()),
+        members: RwLock::new(Vec::new()),
         config,
         engines,
         http,
@@ -194,10 +191,12 @@ impl RouterInner {
 
     /// The fabric addresses of the cluster's live members.
     pub fn fabric_addrs(&self) -> Vec<String> {
-        self.fabric_addrs
+        self.members
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .clone()
+            .iter()
+            .map(|r| r.addr.clone())
+            .collect()
     }
 
     /// Nodes currently routable.
@@ -224,39 +223,29 @@ pub async fn follow_cluster(
     tokio::spawn(watch_pauses(stop.clone()));
     let mut follower = Follower::new(format!("{prefix}:blocks"), "0-0", state.index.clone());
     let mut refreshed: Option<Instant> = None;
-    // When membership reads last failed: for a while after Redis is back, nodes' records
+    // When a membership read last failed: for a while after Redis is back, nodes' records
     // may have expired during the outage before their heartbeats renew them, so nodes
     // missing from a read then are kept rather than dropped (no 529 for want of nodes).
-    let mut unreadable_until: Option<Instant> = None;
+    let mut last_unreadable: Option<Instant> = None;
     while !stop.is_cancelled() {
         if refreshed.is_none_or(|t| t.elapsed() >= every) {
             refreshed = Some(Instant::now());
             match membership::live_nodes(&mut conn, &prefix).await {
                 Ok(mut records) => {
-                    if let Some(t) = unreadable_until
-                        && t.elapsed() < membership::DOWN_AFTER + membership::HEARTBEAT
-                    {
-                        let known = state
-                            .known_records
-                            .read()
-                            .unwrap_or_else(|p| p.into_inner());
-                        for r in known.iter() {
+                    let mut members = state.members.write().unwrap_or_else(|p| p.into_inner());
+                    if last_unreadable.is_some_and(|t| {
+                        t.elapsed() < membership::DOWN_AFTER + membership::HEARTBEAT
+                    }) {
+                        for r in members.iter() {
                             if !records.iter().any(|f| f.id == r.id) {
                                 records.push(r.clone());
                             }
                         }
                     } else {
-                        unreadable_until = None;
+                        last_unreadable = None;
                     }
-                    *state
-                        .known_records
-                        .write()
-                        .unwrap_or_else(|p| p.into_inner()) = records.clone();
-                    *state
-                        .fabric_addrs
-                        .write()
-                        .unwrap_or_else(|p| p.into_inner()) =
-                        records.iter().map(|r| r.addr.clone()).collect();
+                    *members = records.clone();
+                    drop(members);
                     let fresh: Vec<NodeEntry> = records
                         .iter()
                         .filter_map(|r| {
@@ -290,7 +279,7 @@ pub async fn follow_cluster(
                     metrics::ROUTABLE_NODES.set(nodes.len() as i64);
                 }
                 Err(e) => {
-                    unreadable_until = Some(Instant::now());
+                    last_unreadable = Some(Instant::now());
                     tracing::warn!(error = %e, "reading cluster membership failed")
                 }
             }
@@ -472,10 +461,7 @@ async fn forward_with(
         let started = Instant::now();
         let req = state.node_request(&base, method.clone(), path, headers, rid, body.clone());
         let left = state.departure(id);
-        let result = tokio::select! {
-            r = req.send() => r.map_err(|e| e.to_string()),
-            _ = left.cancelled() => Err("the node left the membership".to_string()),
-        };
+        let result = unless_left(&left, req.send()).await;
         let outcome = match result {
             Ok(resp) if resp.status().as_u16() == 529 && attempt + 1 < ids.len() => {
                 // That node's engines are saturated; it did no work and billed nothing, so
@@ -531,11 +517,7 @@ async fn forward_with(
                         ApiError::internal("building the response", e).into_response()
                     });
                 }
-                let bytes = tokio::select! {
-                    b = resp.bytes() => b.map_err(|e| e.to_string()),
-                    _ = left.cancelled() => Err("the node left the membership".to_string()),
-                };
-                match bytes {
+                match unless_left(&left, resp.bytes()).await {
                     Ok(bytes) => {
                         finish(&load, started);
                         metrics::ROUTED.with_label_values(&["forwarded"]).inc();
@@ -556,6 +538,17 @@ async fn forward_with(
     ApiError::overloaded("no node could serve this request; retry shortly")
         .with_request_id(rid)
         .into_response()
+}
+
+/// `work`'s outcome, or an error as soon as the node it waits on leaves the membership.
+async fn unless_left<T>(
+    left: &CancellationToken,
+    work: impl std::future::Future<Output = Result<T, reqwest::Error>>,
+) -> Result<T, String> {
+    tokio::select! {
+        r = work => r.map_err(|e| e.to_string()),
+        _ = left.cancelled() => Err("the node left the membership".to_string()),
+    }
 }
 
 /// The gateway's own clock, for [`watch_pauses`]: microseconds since the first use.
@@ -672,10 +665,12 @@ impl Relay {
                 }
             }
             let next = match self.upstream.as_mut() {
-                Some((s, inflight)) => tokio::select! {
-                    n = s.next() => n.map(|r| r.map_err(|e| e.to_string())),
-                    _ = inflight.left.cancelled() => Some(Err("the node left the membership".into())),
-                },
+                Some((s, inflight)) => {
+                    match unless_left(&inflight.left, async { s.next().await.transpose() }).await {
+                        Ok(chunk) => chunk.map(Ok),
+                        Err(e) => Some(Err(e)),
+                    }
+                }
                 None => None,
             };
             match next {
@@ -724,11 +719,7 @@ impl Relay {
                 self.body.clone(),
             );
             let left = self.state.departure(&id);
-            let sent = tokio::select! {
-                r = req.send() => r.map_err(|e| e.to_string()),
-                _ = left.cancelled() => Err("the node left the membership".to_string()),
-            };
-            match sent {
+            match unless_left(&left, req.send()).await {
                 Ok(resp)
                     if resp.status().is_success()
                         && resp
