@@ -38,6 +38,15 @@ async fn setup() -> Admin {
 }
 
 impl Admin {
+    /// An admin user's id, by username.
+    async fn user_id(&self, name: &str) -> Uuid {
+        sqlx::query_scalar("SELECT id FROM admin_users WHERE username = $1")
+            .bind(name)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
     async fn user(&self, name: &str, role: Role, tenant: Option<Uuid>) -> String {
         let password = format!("{name}-password-long-enough");
         gateway::admin::login::create_user(
@@ -640,10 +649,7 @@ async fn logins_back_off_lock_refresh_and_log_out() {
     // A platform admin unlocks it.
     let root_pw = a.user("root", Role::PlatformAdmin, None).await;
     let root = a.token("root", &root_pw).await;
-    let ana: Uuid = sqlx::query_scalar("SELECT id FROM admin_users WHERE username = 'ana'")
-        .fetch_one(&a.pool)
-        .await
-        .unwrap();
+    let ana = a.user_id("ana").await;
     let (s, _) = a
         .call(
             "POST",
@@ -724,10 +730,7 @@ async fn logins_back_off_lock_refresh_and_log_out() {
         .execute(&a.pool)
         .await
         .unwrap();
-    let root_id: Uuid = sqlx::query_scalar("SELECT id FROM admin_users WHERE username = 'root'")
-        .fetch_one(&a.pool)
-        .await
-        .unwrap();
+    let root_id = a.user_id("root").await;
     let (s, v) = a
         .call(
             "DELETE",

@@ -387,6 +387,47 @@ async fn ledger_settled(
     }
 }
 
+/// Past the change feed's first poll (1 s), Postgres then Redis cut away for the outage
+/// each and restored: the answers counted before, after Postgres and after Redis. (The feed's
+/// first poll once replayed the tenant's own creation as a change and dropped its cached
+/// key, so an outage just after it refused the key.)
+async fn cut_postgres_then_redis(
+    load: &Load,
+    pg: &common::CutProxy,
+    redis: &common::CutProxy,
+) -> (usize, usize, usize) {
+    let phase = |name: &str| {
+        let n = load.answered();
+        eprintln!("{name}: {n} answered so far");
+        n
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let before = phase("before");
+    pg.cut();
+    tokio::time::sleep(outage()).await;
+    pg.restore();
+    let after_pg = phase("after the Postgres outage");
+    redis.cut();
+    tokio::time::sleep(outage()).await;
+    redis.restore();
+    let after_redis = phase("after the Redis outage");
+    (before, after_pg, after_redis)
+}
+
+/// Every answered request has exactly one ledger row (the ledger's key), and the ledger has
+/// no other, once every spool has replayed.
+async fn assert_one_row_per_answer(pool: &sqlx::PgPool, seen: &[(RequestId, Seen)]) {
+    let rows = ledger_settled(pool, seen).await;
+    for (id, s) in seen {
+        assert!(rows.contains_key(id), "{id} ({s:?}) has no ledger row");
+    }
+    assert_eq!(
+        rows.len(),
+        seen.len(),
+        "a row for a request no client saw answered"
+    );
+}
+
 /// Postgres, then Redis, cut away from a loaded `cachet serve` and restored: no request a
 /// known key sends fails, and every answered request has exactly one ledger row once the
 /// spool has replayed.
@@ -405,23 +446,7 @@ async fn postgres_and_redis_outages_under_load_fail_nothing_and_lose_no_row() {
     let serve = start_serve(&proxied_db, &dir.0, &env);
 
     let load = Load::start(&serve.url, &key, 8, 6);
-    let phase = |name: &str| {
-        let n = load.answered();
-        eprintln!("{name}: {n} answered so far");
-        n
-    };
-    // Past the change feed's first poll (1 s): it once replayed the tenant's own creation as
-    // a change and dropped its cached key, so the outage then refused the key.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let before = phase("before");
-    pg.cut();
-    tokio::time::sleep(outage()).await;
-    pg.restore();
-    let during_pg = phase("after the Postgres outage");
-    redis.cut();
-    tokio::time::sleep(outage()).await;
-    redis.restore();
-    let during_redis = phase("after the Redis outage");
+    let (before, during_pg, during_redis) = cut_postgres_then_redis(&load, &pg, &redis).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let (seen, errors) = load.finish().await;
     eprintln!(
@@ -437,17 +462,7 @@ async fn postgres_and_redis_outages_under_load_fail_nothing_and_lose_no_row() {
         during_pg > before && during_redis > during_pg,
         "served through both outages"
     );
-
-    // Every answered request has exactly one row (the ledger's key), once the spool replays.
-    let rows = ledger_settled(&pool, &seen).await;
-    for (id, s) in &seen {
-        assert!(rows.contains_key(id), "{id} ({s:?}) has no ledger row");
-    }
-    assert_eq!(
-        rows.len(),
-        seen.len(),
-        "a row for a request no client saw answered"
-    );
+    assert_one_row_per_answer(&pool, &seen).await;
     drop(serve);
     pool.close().await;
     common::drop_db(&db_name).await;
@@ -488,12 +503,7 @@ async fn sigstop_of_serve_delays_requests_and_fails_none() {
     // Only what was already on the wire when it stopped (at most one per client).
     assert!(during <= 6, "a stopped server answered {during}");
     assert_none_failed(&errors);
-    let rows = ledger_settled(&pool, &seen).await;
-    assert!(
-        seen.iter().all(|(id, _)| rows.contains_key(id)),
-        "answered without a row"
-    );
-    assert_eq!(rows.len(), seen.len());
+    assert_one_row_per_answer(&pool, &seen).await;
     drop(serve);
     pool.close().await;
     common::drop_db(&db_name).await;
@@ -893,17 +903,7 @@ async fn postgres_and_redis_outages_in_a_cluster_fail_nothing_and_lose_no_row() 
     let http = reqwest::Client::new();
     wait_for_nodes(&http, &gw, 3).await;
     let load = Load::start(&gw.url, &key, 8, 6);
-    // Past the change feed's first poll, as in the single-server test.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let before = load.answered();
-    pg.cut();
-    tokio::time::sleep(outage()).await;
-    pg.restore();
-    let during_pg = load.answered();
-    redis.cut();
-    tokio::time::sleep(outage()).await;
-    redis.restore();
-    let during_redis = load.answered();
+    let (before, during_pg, during_redis) = cut_postgres_then_redis(&load, &pg, &redis).await;
     // Whole again: every node heartbeats into Redis again (past the outage, their records
     // had expired) and the gateway routes to all three.
     let healed = Instant::now();
@@ -940,15 +940,7 @@ async fn postgres_and_redis_outages_in_a_cluster_fail_nothing_and_lose_no_row() 
         during_pg > before && during_redis > during_pg,
         "served through both outages"
     );
-    let rows = ledger_settled(&pool, &seen).await;
-    for (id, s) in &seen {
-        assert!(rows.contains_key(id), "{id} ({s:?}) has no ledger row");
-    }
-    assert_eq!(
-        rows.len(),
-        seen.len(),
-        "a row for a request no client saw answered"
-    );
+    assert_one_row_per_answer(&pool, &seen).await;
     drop((nodes, gw));
     pool.close().await;
     common::drop_db(&db_name).await;
