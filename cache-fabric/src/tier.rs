@@ -227,10 +227,13 @@ impl TierStore for DramTier {
     }
 }
 
-const MAGIC: &[u8; 4] = b"CKV1";
+/// A segment record: the magic, the header's crc32c, the header (its last 8 bytes: the data
+/// length), then the data.
+pub const MAGIC: &[u8; 4] = b"CKV1";
 /// Header bytes after the magic and the header crc.
-const HEADER: usize = 32 + 16 + 16 + 1 + 32 + 4 + 8 + 8 + 1 + 4 + 8;
-const PREFIX: usize = 4 + 4;
+pub const HEADER: usize = 32 + 16 + 16 + 1 + 32 + 4 + 8 + 8 + 1 + 4 + 8;
+/// The magic and the header crc.
+pub const PREFIX: usize = 4 + 4;
 
 /// Where one record is.
 #[derive(Clone, Copy, Debug)]

@@ -5,12 +5,8 @@
 #![no_main]
 
 use cache_fabric::checksum;
-use cache_fabric::tier::scan_segment;
+use cache_fabric::tier::{HEADER, MAGIC, PREFIX, scan_segment};
 use libfuzzer_sys::fuzz_target;
-
-/// Magic, header crc, then the header: the layout `tier.rs` writes.
-const PREFIX: usize = 8;
-const HEADER: usize = 32 + 16 + 16 + 1 + 32 + 4 + 8 + 8 + 1 + 4 + 8;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else {
@@ -24,7 +20,7 @@ fuzz_target!(|data: &[u8]| {
             .checked_add(PREFIX + HEADER)
             .is_some_and(|end| end <= bytes.len())
         {
-            bytes[off..off + 4].copy_from_slice(b"CKV1");
+            bytes[off..off + 4].copy_from_slice(MAGIC);
             let crc = checksum(&bytes[off + PREFIX..off + PREFIX + HEADER]);
             bytes[off + 4..off + 8].copy_from_slice(&crc.to_le_bytes());
             let len = u64::from_le_bytes(
