@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use cachet::config::Config;
-use cachet::{loadtest, server};
+use cachet::server;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
@@ -84,7 +84,7 @@ enum Command {
     /// Load tests and benchmarks.
     Loadtest {
         #[command(subcommand)]
-        command: loadtest::Command,
+        command: loadtests::Command,
     },
 }
 
@@ -102,7 +102,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if let Command::Loadtest { command } = cli.command {
         init_tracing(false);
-        return loadtest::run(command).await;
+        return loadtests::run(command).await;
     }
     let config = Config::load(cli.config.as_deref())?;
     init_tracing(config.log.format == "json");

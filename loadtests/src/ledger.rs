@@ -15,7 +15,19 @@ pub(super) async fn scratch(url: &str) -> anyhow::Result<(PgPool, String, String
     let opts: PgConnectOptions = url.parse().context("parsing the database URL")?;
     let name = format!("cachet_bench_{}", uuid::Uuid::new_v4().simple());
     let scratch_url = opts.clone().database(&name).to_url_lossy().to_string();
-    let pool = crate::server::connect_and_migrate(&scratch_url, 8).await?;
+    let mut admin = opts.clone().database("postgres").connect().await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
+        .execute(&mut admin)
+        .await
+        .context("creating the scratch database")?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&scratch_url)
+        .await
+        .with_context(|| format!("connecting to {scratch_url}"))?;
+    billing::migrate(&pool)
+        .await
+        .context("applying migrations")?;
     Ok((pool, name, url.to_string()))
 }
 
@@ -215,13 +227,13 @@ pub async fn export(url: &str, rows: usize) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
-    let before = super::rss_bytes()?;
+    let before = crate::rss_bytes()?;
     let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(before));
     let sampler = {
         let peak = peak.clone();
         tokio::spawn(async move {
             loop {
-                if let Ok(r) = super::rss_bytes() {
+                if let Ok(r) = crate::rss_bytes() {
                     peak.fetch_max(r, std::sync::atomic::Ordering::Relaxed);
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;

@@ -1,0 +1,296 @@
+//! `cachet loadtest …`: load generators and baselines. Targets must be on this machine
+//! (loopback); every run is bounded in time and stops by itself.
+
+mod dashboard;
+mod fabric;
+mod http;
+mod ledger;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Subcommand;
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Cache-hit requests against `/v1/messages`: one fixed prompt with a breakpoint, so every
+    /// request after the first reads it from the cache. Prints requests/s and p50/p99.
+    Http {
+        /// Base URL (loopback only).
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        url: String,
+        #[arg(long, env = "CACHET_API_KEY", default_value = "")]
+        api_key: String,
+        #[arg(long, default_value = "sim-tiny")]
+        model: String,
+        /// Concurrent connections; repeat for several runs (e.g. --concurrency 1 --concurrency 32).
+        #[arg(long, default_values_t = vec![1usize, 32])]
+        concurrency: Vec<usize>,
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        /// Approximate prompt length in tokens.
+        #[arg(long, default_value_t = 4096)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 8)]
+        max_tokens: u32,
+        /// A name for the target in the output.
+        #[arg(long, default_value = "cachet")]
+        label: String,
+    },
+    /// Replay a Mooncake-format trace (`{"hash_ids": [...]}` per line) through the fabric's
+    /// own eviction and admission code, without an engine, and print the prefix hit ratio of
+    /// each policy and capacity (plain LRU always printed beside).
+    SimulateCache {
+        #[arg(long)]
+        trace: std::path::PathBuf,
+        /// Capacity in blocks; repeat for several.
+        #[arg(long = "capacity-blocks", required = true)]
+        capacity_blocks: Vec<u64>,
+        /// `frequency` (default), `frequency:<horizon factor>` or `lru`; repeat for several.
+        #[arg(long, default_values_t = vec!["frequency".to_string()])]
+        policy: Vec<String>,
+    },
+    /// Node→node transfer of one large block over loopback: the fabric's TCP transport vs a
+    /// plain tokio socket copy of the same bytes (the limit) vs Redis SET/GET.
+    Transfer {
+        #[arg(long, default_value_t = 32)]
+        size_mib: usize,
+        #[arg(long, default_value_t = 20)]
+        iterations: usize,
+        /// Parallel connections per block pull; repeat for several rows.
+        #[arg(long, default_values_t = vec![1usize, 2, 4])]
+        stripes: Vec<usize>,
+        /// Redis for the SET/GET rows; empty to skip them.
+        #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+        redis_url: String,
+        /// Also pull the block over RDMA READ with this device (a build with the rdma
+        /// feature, on a host with RDMA).
+        #[arg(long)]
+        rdma_device: Option<String>,
+    },
+    /// The gateway's prefix index at scale: lookup time of a long prompt's prefix among
+    /// millions of indexed blocks, and memory per indexed block.
+    Index {
+        #[arg(long, default_value_t = 10_000_000)]
+        blocks: usize,
+        #[arg(long, default_value_t = 131_072)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 16)]
+        block_tokens: usize,
+        #[arg(long, default_value_t = 2000)]
+        lookups: usize,
+    },
+    /// Block events from a node's store through a Redis Stream into a follower's prefix
+    /// index: events/s and index staleness (event time → applied).
+    Events {
+        /// Blocks written (each is one stored event).
+        #[arg(long, default_value_t = 200_000)]
+        blocks: usize,
+        /// Offered load: blocks stored per second.
+        #[arg(long, default_value_t = 20_000)]
+        rate: usize,
+        #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+        redis_url: String,
+    },
+    /// Ledger ingest through the meter (group commit, idempotent) vs `COPY` of the same rows
+    /// into an index-free table on the same Postgres (a scratch database, dropped after).
+    Ingest {
+        #[arg(long, default_value_t = 300_000)]
+        events: usize,
+        /// Tasks handing events to the meter at once.
+        #[arg(long, default_value_t = 16)]
+        producers: usize,
+        /// Share of events delivered twice (retries, spool replays), in percent.
+        #[arg(long, default_value_t = 10)]
+        duplicates: usize,
+        #[arg(
+            long,
+            env = "DATABASE_URL",
+            default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+        )]
+        database_url: String,
+    },
+    /// A streamed CSV export of a large ledger through the finance API, with the process's
+    /// peak RSS (a scratch database, dropped after).
+    Export {
+        #[arg(long, default_value_t = 1_000_000)]
+        rows: usize,
+        #[arg(
+            long,
+            env = "DATABASE_URL",
+            default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+        )]
+        database_url: String,
+    },
+    /// The admin dashboard's usage API over a large ledger (generated in a scratch database,
+    /// rolled up): latency per query shape over HTTP, beside the same totals read from the
+    /// raw ledger.
+    Dashboard {
+        #[arg(long, default_value_t = 10_000_000)]
+        rows: usize,
+        #[arg(long, default_value_t = 100)]
+        tenants: usize,
+        #[arg(long, default_value_t = 30)]
+        days: i64,
+        /// Timed requests per query shape.
+        #[arg(long, default_value_t = 400)]
+        requests: usize,
+        #[arg(long, default_value_t = 4)]
+        concurrency: usize,
+        #[arg(
+            long,
+            env = "DATABASE_URL",
+            default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+        )]
+        database_url: String,
+    },
+    /// A bare axum server answering every POST with a fixed Messages-shaped body: the limit
+    /// of HTTP on this machine, for side-by-side comparison.
+    BareServer {
+        #[arg(long, default_value = "127.0.0.1:8090")]
+        listen: SocketAddr,
+        /// Stop after this many seconds.
+        #[arg(long, default_value_t = 600)]
+        seconds: u64,
+    },
+}
+
+pub async fn run(cmd: Command) -> anyhow::Result<()> {
+    match cmd {
+        Command::Http {
+            url,
+            api_key,
+            model,
+            concurrency,
+            seconds,
+            prompt_tokens,
+            max_tokens,
+            label,
+        } => {
+            http::check_loopback(&url)?;
+            let body = http::hit_body(&model, prompt_tokens, max_tokens);
+            let client = reqwest::Client::builder()
+                .pool_max_idle_per_host(256)
+                .build()?;
+            http::warm_up(&client, &url, &api_key, &body).await?;
+            for c in concurrency {
+                let r = http::measure(
+                    &client,
+                    &url,
+                    &api_key,
+                    &body,
+                    c,
+                    Duration::from_secs(seconds),
+                )
+                .await?;
+                println!(
+                    "{label}\tconcurrency={c}\trequests={}\terrors={}\trps={:.0}\tp50_ms={:.3}\tp99_ms={:.3}",
+                    r.ok, r.errors, r.rps, r.p50_ms, r.p99_ms
+                );
+            }
+            Ok(())
+        }
+        Command::BareServer { listen, seconds } => {
+            http::bare_server(listen, Duration::from_secs(seconds)).await
+        }
+        Command::Transfer {
+            size_mib,
+            iterations,
+            stripes,
+            redis_url,
+            rdma_device,
+        } => {
+            fabric::transfer_bench(
+                size_mib,
+                iterations,
+                &stripes,
+                &redis_url,
+                rdma_device.as_deref(),
+            )
+            .await
+        }
+        Command::Index {
+            blocks,
+            prompt_tokens,
+            block_tokens,
+            lookups,
+        } => fabric::index_bench(blocks, prompt_tokens, block_tokens, lookups),
+        Command::Events {
+            blocks,
+            rate,
+            redis_url,
+        } => fabric::events_bench(blocks, rate, &redis_url).await,
+        Command::SimulateCache {
+            trace,
+            capacity_blocks,
+            policy,
+        } => simulate_cache(&trace, &capacity_blocks, &policy),
+        Command::Ingest {
+            events,
+            producers,
+            duplicates,
+            database_url,
+        } => ledger::ingest(&database_url, events, producers, duplicates).await,
+        Command::Export { rows, database_url } => ledger::export(&database_url, rows).await,
+        Command::Dashboard {
+            rows,
+            tenants,
+            days,
+            requests,
+            concurrency,
+            database_url,
+        } => dashboard::dashboard(&database_url, rows, tenants, days, requests, concurrency).await,
+    }
+}
+
+fn simulate_cache(
+    trace: &std::path::Path,
+    capacities: &[u64],
+    policies: &[String],
+) -> anyhow::Result<()> {
+    use cache_fabric::EvictionPolicy;
+    use cache_fabric::simulate::{read_trace, replay};
+    let mut parsed = vec![EvictionPolicy::Lru];
+    for p in policies {
+        let p = EvictionPolicy::parse(p).map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
+        if !parsed.contains(&p) {
+            parsed.push(p);
+        }
+    }
+    if let Some(c) = capacities.iter().find(|c| **c == 0) {
+        bail!("--capacity-blocks must be positive, got {c}");
+    }
+    let file = std::fs::File::open(trace)
+        .with_context(|| format!("opening the trace {}", trace.display()))?;
+    let requests = read_trace(std::io::BufReader::new(file))
+        .map_err(|e| anyhow::anyhow!("{}: {e}", trace.display()))?;
+    for &cap in capacities {
+        for &p in &parsed {
+            let started = Instant::now();
+            let r = replay(&requests, cap, p);
+            println!(
+                "policy={}\tcapacity_blocks={cap}\trequests={}\tblocks={}\thit_blocks={}\thit_ratio={:.4}\tnot_admitted={}\tseconds={:.1}",
+                r.policy,
+                r.requests,
+                r.blocks,
+                r.hit_blocks,
+                r.hit_ratio(),
+                r.not_admitted,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Resident set size of this process, from `/proc/self/statm` (Linux).
+pub fn rss_bytes() -> anyhow::Result<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").context("reading /proc/self/statm")?;
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .context("statm has no RSS field")?
+        .parse()?;
+    Ok(pages * 4096)
+}
