@@ -433,6 +433,37 @@ async fn pre_warm_with_max_tokens_zero_writes_the_cache_and_returns_no_content()
     app.stop().await;
 }
 
+/// `ignore_eos` (the load tester's "don't stop early"): exactly `max_tokens` tokens, in the
+/// body and in the stream, and billed as such; without it the sim answers in under 32.
+#[tokio::test]
+async fn ignore_eos_generates_exactly_max_tokens() {
+    let app = TestApp::start().await;
+    let mut body = cached_body(150, "eos", 120);
+    let (_, _, plain) = app.post("/v1/messages", &app.key, &body).await;
+    assert!(
+        plain["usage"]["output_tokens"].as_u64().unwrap() < 32,
+        "{plain}"
+    );
+    assert_eq!(plain["stop_reason"], "end_turn");
+    body["ignore_eos"] = json!(true);
+    let (s, _, r) = app.post("/v1/messages", &app.key, &body).await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["usage"]["output_tokens"], 120);
+    assert_eq!(r["stop_reason"], "max_tokens");
+    body["stream"] = json!(true);
+    let resp = app
+        .post_raw("/v1/messages", &app.key, body.to_string())
+        .await;
+    let text = resp.text().await.unwrap();
+    assert_eq!(text.matches("event: content_block_delta").count(), 120);
+    assert!(text.contains("\"output_tokens\":120"), "{text}");
+    body["ignore_eos"] = json!("yes");
+    let (s, _, r) = app.post("/v1/messages", &app.key, &body).await;
+    assert_eq!(s, 400, "{r}");
+    assert_eq!(r["error"]["type"], "invalid_request_error");
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn generation_stops_at_the_context_window_as_max_tokens() {
     let app = TestApp::start().await;

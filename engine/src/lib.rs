@@ -113,6 +113,10 @@ pub struct Sampling {
     pub top_p: Option<f32>,
     pub top_k: Option<u32>,
     pub seed: Option<u64>,
+    /// Generate exactly `max_new_tokens` tokens: the end-of-sequence token does not stop
+    /// decoding (stop sequences still do). For load tests that replay a trace's output
+    /// lengths (`cachet loadtest replay`).
+    pub ignore_eos: bool,
 }
 
 /// One generation: the full prompt, the cached prefix's KV, the blocks to export.

@@ -390,10 +390,13 @@ impl crate::Engine for SimEngine {
             x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
             chunk.copy_from_slice(&kv_word(x, k as u64, k as u64).to_le_bytes());
         }
-        let n_words = self
-            .profile
-            .answer_tokens
-            .unwrap_or(12 + (digest[0] as usize % 20));
+        let n_words = if req.sampling.ignore_eos {
+            req.max_new_tokens as usize
+        } else {
+            self.profile
+                .answer_tokens
+                .unwrap_or(12 + (digest[0] as usize % 20))
+        };
         let words: Vec<u32> = (0..n_words)
             .map(|i| digest[(i + 1) % 32] as u32 ^ (i as u32 * 7))
             .collect();

@@ -151,6 +151,7 @@ fn seeded_sampling_is_reproducible_and_seeds_differ() {
             top_p: Some(0.95),
             top_k: Some(40),
             seed: Some(seed),
+            ..Default::default()
         };
         generate(e, &r.tokens, vec![], sampling, 16).0
     };

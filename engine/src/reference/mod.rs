@@ -286,6 +286,7 @@ impl crate::Engine for ReferenceEngine {
             pending: None,
             decoder: IncrementalDecoder::default(),
             sampler: Sampler::new(&req.sampling),
+            ignore_eos: req.sampling.ignore_eos,
             exports,
         }))
     }
@@ -301,6 +302,8 @@ struct ReferenceGeneration {
     pending: Option<u32>,
     decoder: IncrementalDecoder,
     sampler: Sampler,
+    /// The end-of-sequence token is generated like any other (`Sampling::ignore_eos`).
+    ignore_eos: bool,
     exports: Vec<KvBlock>,
 }
 
@@ -316,7 +319,7 @@ impl Generation for ReferenceGeneration {
             self.logits = rayon::scope(|_| weights.forward(&[t], cache))?;
         }
         let id = self.sampler.sample(&self.logits)?;
-        if id == self.tokenizer.eos_id {
+        if id == self.tokenizer.eos_id && !self.ignore_eos {
             return Ok(None);
         }
         self.pending = Some(id);

@@ -149,6 +149,7 @@ async fn create_message_inner(
             // Sampling is reproducible per request: a request resumed on another node (or
             // retried under its id) generates the same text.
             seed: Some(rid.0.as_u64_pair().1),
+            ignore_eos: req.ignore_eos,
         },
     };
     let mut rx = pipeline::spawn(state.clone(), job);

@@ -147,6 +147,11 @@ pub struct MessagesRequest {
     pub thinking: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_tier: Option<String>,
+    /// Cachet extension (vLLM's name): generate exactly `max_tokens` tokens, not stopping at
+    /// the model's end of sequence (stop sequences still stop). Load tests use it to replay a
+    /// trace's output lengths; billed like any output.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ignore_eos: bool,
 }
 
 /// `POST /v1/messages/count_tokens` body.

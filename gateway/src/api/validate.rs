@@ -58,6 +58,8 @@ const MESSAGES_FIELDS: &[&str] = &[
     "output_config",
     "speed",
     "user_profile_id",
+    // Cachet extension: generate exactly `max_tokens` (load tests).
+    "ignore_eos",
     "workspace_id",
     "mcp_servers",
     "context_management",
