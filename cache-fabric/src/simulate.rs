@@ -43,6 +43,32 @@ pub fn read_trace(reader: impl BufRead) -> Result<Vec<Request>, String> {
     Ok(out)
 }
 
+/// One request with what the service would make of it: whose cache it uses, its blocks'
+/// token counts, and whether it is long enough to be cached at all.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimRequest {
+    pub blocks: Vec<u64>,
+    /// Tokens of each block (the prompt's last block is usually partial).
+    pub block_tokens: Vec<u32>,
+    /// The tenant (cache scope) index: scopes never share blocks.
+    pub scope: u32,
+    /// Below the model's minimum cacheable length a prompt neither reads nor writes.
+    pub cacheable: bool,
+}
+
+impl SimRequest {
+    /// A request of whole, one-token blocks in scope 0 (the plain trace view).
+    pub fn blocks(blocks: Vec<u64>) -> Self {
+        let n = blocks.len();
+        Self {
+            blocks,
+            block_tokens: vec![1; n],
+            scope: 0,
+            cacheable: true,
+        }
+    }
+}
+
 /// What one replay measured.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimResult {
@@ -51,6 +77,9 @@ pub struct SimResult {
     pub requests: u64,
     pub blocks: u64,
     pub hit_blocks: u64,
+    /// Prompt tokens, and those read from the cache.
+    pub tokens: u64,
+    pub hit_tokens: u64,
     /// Entries the policy declined to store.
     pub not_admitted: u64,
 }
@@ -63,24 +92,49 @@ impl SimResult {
             self.hit_blocks as f64 / self.blocks as f64
         }
     }
+
+    /// Hits weighted by tokens: what a replay against the service reports as its hit ratio.
+    pub fn token_hit_ratio(&self) -> f64 {
+        if self.tokens == 0 {
+            0.0
+        } else {
+            self.hit_tokens as f64 / self.tokens as f64
+        }
+    }
 }
 
-/// A uniformly distributed block hash for a trace id (the store and the frequency sketch
-/// expect SHA-256 output).
-fn block_hash(id: u64) -> BlockHash {
-    BlockHash(Sha256::digest(id.to_le_bytes()).into())
+/// A uniformly distributed block hash for a trace id in a scope (the store and the frequency
+/// sketch expect SHA-256 output; the service puts the scope in every block's hash too).
+fn block_hash(scope: u32, id: u64) -> BlockHash {
+    let mut h = Sha256::new();
+    h.update(id.to_le_bytes());
+    if scope > 0 {
+        h.update(scope.to_le_bytes());
+    }
+    BlockHash(h.finalize().into())
 }
 
 /// Replay `trace` through a store holding `capacity_blocks` blocks under `policy`.
 pub fn replay(trace: &[Request], capacity_blocks: u64, policy: EvictionPolicy) -> SimResult {
+    let reqs: Vec<SimRequest> = trace
+        .iter()
+        .map(|r| SimRequest::blocks(r.clone()))
+        .collect();
+    replay_requests(&reqs, capacity_blocks, policy)
+}
+
+/// Replay requests with scopes, token counts and the minimum length through a store holding
+/// `capacity_blocks` blocks under `policy`.
+pub fn replay_requests(
+    trace: &[SimRequest],
+    capacity_blocks: u64,
+    policy: EvictionPolicy,
+) -> SimResult {
     let mut store = Store::new(StoreLimits {
         capacity_bytes: capacity_blocks,
         policy,
     });
-    let scope = Scope {
-        tenant: TenantId::new(),
-        workspace: WorkspaceId::new(),
-    };
+    let mut scopes: Vec<Scope> = Vec::new();
     let ttl = Duration::from_secs(365 * 24 * 3600);
     let now = Instant::now();
     let data = Bytes::from_static(&[0]);
@@ -90,13 +144,34 @@ pub fn replay(trace: &[Request], capacity_blocks: u64, policy: EvictionPolicy) -
         requests: trace.len() as u64,
         blocks: 0,
         hit_blocks: 0,
+        tokens: 0,
+        hit_tokens: 0,
         not_admitted: 0,
     };
     for req in trace {
-        let chain: Vec<BlockHash> = req.iter().map(|&id| block_hash(id)).collect();
-        r.blocks += chain.len() as u64;
+        while scopes.len() <= req.scope as usize {
+            scopes.push(Scope {
+                tenant: TenantId::new(),
+                workspace: WorkspaceId::new(),
+            });
+        }
+        let scope = scopes[req.scope as usize];
+        r.blocks += req.blocks.len() as u64;
+        r.tokens += req.block_tokens.iter().map(|&t| t as u64).sum::<u64>();
+        if !req.cacheable {
+            continue;
+        }
+        let chain: Vec<BlockHash> = req
+            .blocks
+            .iter()
+            .map(|&id| block_hash(req.scope, id))
+            .collect();
         let hits = store.get_chain(&scope, &chain, now).len();
         r.hit_blocks += hits as u64;
+        r.hit_tokens += req.block_tokens[..hits]
+            .iter()
+            .map(|&t| t as u64)
+            .sum::<u64>();
         if hits == chain.len() {
             continue;
         }
@@ -140,6 +215,27 @@ mod tests {
             let r = replay(&trace, 100, policy);
             assert_eq!((r.blocks, r.hit_blocks), (9, 3), "{policy:?}");
         }
+    }
+
+    #[test]
+    fn scopes_share_nothing_and_short_prompts_neither_read_nor_write() {
+        let req = |blocks: Vec<u64>, scope, cacheable| SimRequest {
+            block_tokens: vec![10; blocks.len()],
+            blocks,
+            scope,
+            cacheable,
+        };
+        let trace = vec![
+            req(vec![0, 1], 0, true),
+            req(vec![0, 1, 2], 1, true), // another tenant: no hit
+            req(vec![0, 1, 3], 0, true), // hits [0, 1]
+            req(vec![0], 0, false),      // too short to use the cache
+            req(vec![0, 1, 2], 1, true), // hits all three
+        ];
+        let r = replay_requests(&trace, 100, EvictionPolicy::Lru);
+        assert_eq!((r.blocks, r.hit_blocks), (12, 5));
+        assert_eq!((r.tokens, r.hit_tokens), (120, 50));
+        assert!((r.token_hit_ratio() - 50.0 / 120.0).abs() < 1e-12);
     }
 
     #[test]

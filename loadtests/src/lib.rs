@@ -1,10 +1,29 @@
-//! `cachet loadtest …`: load generators and baselines. Targets must be on this machine
-//! (loopback); every run is bounded in time and stops by itself.
+//! Cachet's load-testing tool, behind `cachet loadtest …`: the trace replayer (`replay`,
+//! `sweep`, `generate`) that load testers point at a running service, and the benchmarks
+//! whose figures are in docs/benchmarks.md. Targets must be on this machine (loopback);
+//! every run is bounded and stops by itself.
+//!
+//! - [`trace`]: Mooncake-format traces, streamed; how records map onto sessions and tenants.
+//! - [`text`]: the deterministic text of a trace's blocks.
+//! - [`workload`]: synthetic workloads (chat, agent, RAG, scan) written as traces.
+//! - [`client`]: one request on the wire (Anthropic or OpenAI), timed token by token.
+//! - [`replay`], [`sweep`]: the runs; [`stats`]: what they measure in bounded memory;
+//!   [`report`]: the HTML reports; [`reconcile`]: the run against the price book and ledger.
+//! - `http`, `fabric`, `ledger`, `dashboard`: the benchmarks.
 
+pub mod client;
 mod dashboard;
 mod fabric;
 mod http;
 mod ledger;
+pub mod reconcile;
+pub mod replay;
+pub mod report;
+pub mod stats;
+pub mod sweep;
+pub mod text;
+pub mod trace;
+pub mod workload;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -14,6 +33,25 @@ use clap::Subcommand;
 
 #[derive(Subcommand)]
 pub enum Command {
+    /// Replay a Mooncake-format trace (or a synthetic workload) against a running Cachet
+    /// (`cachet serve` or a cluster's gateway): open loop on the trace's timestamps, a
+    /// Poisson rate or a concurrency; per-request records, summary.json and report.html in
+    /// --out; with a finance token, the usage every client saw checked against the ledger
+    /// (exit status 1 on any difference).
+    Replay(Box<replay::ReplayArgs>),
+    /// The replay at increasing rates: the highest rate whose TTFT p90 and TBT p90 meet the
+    /// SLOs (sweep.json, sweep.html, one replay report per rate).
+    Sweep(Box<sweep::SweepArgs>),
+    /// Write a synthetic workload as a Mooncake-format trace.
+    Generate {
+        #[arg(long, value_enum)]
+        workload: workload::Kind,
+        #[command(flatten)]
+        args: workload::WorkloadArgs,
+        /// The trace file to write.
+        #[arg(long)]
+        out: std::path::PathBuf,
+    },
     /// Cache-hit requests against `/v1/messages`: one fixed prompt with a breakpoint, so every
     /// request after the first reads it from the cache. Prints requests/s and p50/p99.
     Http {
@@ -50,6 +88,25 @@ pub enum Command {
         /// `frequency` (default), `frequency:<horizon factor>` or `lru`; repeat for several.
         #[arg(long, default_values_t = vec!["frequency".to_string()])]
         policy: Vec<String>,
+        /// The replay's view of the trace, to compare with a replay's hit ratio: sessions
+        /// spread over this many tenants (separate caches), as `replay --api-key` × N does.
+        #[arg(long, default_value_t = 1)]
+        tenants: usize,
+        /// Tokens per hash id (as `replay --block-tokens`); weights the token hit ratio.
+        #[arg(long, default_value_t = trace::MOONCAKE_BLOCK_TOKENS)]
+        block_tokens: u64,
+        /// Leading blocks sent as the system prompt (as `replay --system-blocks`).
+        #[arg(long, default_value_t = 1)]
+        system_blocks: usize,
+        /// Prompts shorter than this many tokens neither read nor write the cache (the
+        /// model's minimum cacheable length; 0: none).
+        #[arg(long, default_value_t = 0)]
+        min_cacheable_tokens: u64,
+        /// Skip this many records, then take at most --max-requests (as replay does).
+        #[arg(long, default_value_t = 0)]
+        skip: u64,
+        #[arg(long)]
+        max_requests: Option<u64>,
     },
     /// Node→node transfer of one large block over loopback: the fabric's TCP transport vs a
     /// plain tokio socket copy of the same bytes (the limit) vs Redis SET/GET.
@@ -222,10 +279,58 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             redis_url,
         } => fabric::events_bench(blocks, rate, &redis_url).await,
         Command::SimulateCache {
-            trace,
+            trace: path,
             capacity_blocks,
             policy,
-        } => simulate_cache(&trace, &capacity_blocks, &policy),
+            tenants,
+            block_tokens,
+            system_blocks,
+            min_cacheable_tokens,
+            skip,
+            max_requests,
+        } => {
+            let shape = trace::Shape {
+                block_tokens,
+                trace_block_tokens: trace::MOONCAKE_BLOCK_TOKENS,
+                system_blocks,
+                tenants: tenants.max(1),
+            };
+            simulate_cache(
+                &path,
+                &capacity_blocks,
+                &policy,
+                shape,
+                min_cacheable_tokens,
+                skip,
+                max_requests,
+            )
+        }
+        Command::Replay(a) => {
+            let r = replay::run(*a).await?;
+            if !r.ok {
+                bail!("the ledger does not match what the clients saw (see above)");
+            }
+            Ok(())
+        }
+        Command::Sweep(a) => {
+            if !sweep::run(*a).await? {
+                bail!("the ledger does not match what the clients saw (see above)");
+            }
+            Ok(())
+        }
+        Command::Generate {
+            workload: kind,
+            args,
+            out,
+        } => {
+            let f = std::fs::File::create(&out)
+                .with_context(|| format!("creating {}", out.display()))?;
+            let mut w = std::io::BufWriter::new(f);
+            let n = workload::generate(kind, &args, &mut w)?;
+            std::io::Write::flush(&mut w)?;
+            println!("{n} requests written to {}", out.display());
+            Ok(())
+        }
         Command::Ingest {
             events,
             producers,
@@ -245,12 +350,16 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
 }
 
 fn simulate_cache(
-    trace: &std::path::Path,
+    path: &std::path::Path,
     capacities: &[u64],
     policies: &[String],
+    shape: trace::Shape,
+    min_cacheable_tokens: u64,
+    skip: u64,
+    max_requests: Option<u64>,
 ) -> anyhow::Result<()> {
     use cache_fabric::EvictionPolicy;
-    use cache_fabric::simulate::{read_trace, replay};
+    use cache_fabric::simulate::{SimRequest, replay_requests};
     let mut parsed = vec![EvictionPolicy::Lru];
     for p in policies {
         let p = EvictionPolicy::parse(p).map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
@@ -261,21 +370,32 @@ fn simulate_cache(
     if let Some(c) = capacities.iter().find(|c| **c == 0) {
         bail!("--capacity-blocks must be positive, got {c}");
     }
-    let file = std::fs::File::open(trace)
-        .with_context(|| format!("opening the trace {}", trace.display()))?;
-    let requests = read_trace(std::io::BufReader::new(file))
-        .map_err(|e| anyhow::anyhow!("{}: {e}", trace.display()))?;
+    let mut requests = Vec::new();
+    for rec in trace::open(path)?
+        .skip(skip as usize)
+        .take(max_requests.map_or(usize::MAX, |m| m as usize))
+    {
+        let rec = rec.with_context(|| path.display().to_string())?;
+        let lens = shape.block_lengths(&rec);
+        requests.push(SimRequest {
+            cacheable: lens.iter().sum::<u64>() >= min_cacheable_tokens,
+            block_tokens: lens.iter().map(|&n| n as u32).collect(),
+            scope: shape.tenant(&rec) as u32,
+            blocks: rec.hash_ids,
+        });
+    }
     for &cap in capacities {
         for &p in &parsed {
             let started = Instant::now();
-            let r = replay(&requests, cap, p);
+            let r = replay_requests(&requests, cap, p);
             println!(
-                "policy={}\tcapacity_blocks={cap}\trequests={}\tblocks={}\thit_blocks={}\thit_ratio={:.4}\tnot_admitted={}\tseconds={:.1}",
+                "policy={}\tcapacity_blocks={cap}\trequests={}\tblocks={}\thit_blocks={}\thit_ratio={:.4}\ttoken_hit_ratio={:.4}\tnot_admitted={}\tseconds={:.1}",
                 r.policy,
                 r.requests,
                 r.blocks,
                 r.hit_blocks,
                 r.hit_ratio(),
+                r.token_hit_ratio(),
                 r.not_admitted,
                 started.elapsed().as_secs_f64()
             );

@@ -1,0 +1,734 @@
+//! `cachet loadtest replay`: a trace (or a synthetic workload) against a running Cachet, open
+//! loop, with live progress; per-request records, a summary and an HTML report in `--out`;
+//! and, given a finance token, the client-seen usage reconciled with the ledger.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use serde_json::{Value, json};
+use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+
+use crate::client::{Api, BodyOptions, Breakpoints, Outcome, send};
+use crate::stats::{GapSummary, RequestRecord, Stats, latency, ratio};
+use crate::trace::{self, MOONCAKE_BLOCK_TOKENS, Rng, Shape, TraceRecord};
+use crate::workload::{self, Kind, WorkloadArgs};
+use crate::{reconcile, report};
+
+#[derive(Args, Clone, Debug)]
+pub struct ReplayArgs {
+    /// A Mooncake-format trace (JSON Lines: timestamp, input_length, output_length, hash_ids).
+    #[arg(
+        long,
+        conflicts_with = "workload",
+        required_unless_present = "workload"
+    )]
+    pub trace: Option<PathBuf>,
+    /// Generate a synthetic workload instead (written to OUT/trace.jsonl, then replayed).
+    #[arg(long, value_enum)]
+    pub workload: Option<Kind>,
+    #[command(flatten)]
+    pub workload_args: WorkloadArgs,
+    /// Base URL of `cachet serve` or a cluster's `cachet gateway` (this machine only).
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// API keys; repeat for several tenants (sessions are spread over them).
+    #[arg(
+        long = "api-key",
+        env = "CACHET_API_KEY",
+        required = true,
+        value_delimiter = ','
+    )]
+    pub api_keys: Vec<String>,
+    /// Directory for requests.jsonl, summary.json and report.html (created).
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value = "sim-llama-8b")]
+    pub model: String,
+    #[arg(long, value_enum, default_value = "anthropic")]
+    pub api: Api,
+    /// `auto` (top-level cache_control), `explicit` (end of the system prompt and of the
+    /// last turn) or `none`.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub breakpoints: Breakpoints,
+    /// Send at the trace's timestamps divided by this (2 = twice as fast).
+    #[arg(long, default_value_t = 1.0)]
+    pub speed: f64,
+    /// Ignore the timestamps: Poisson arrivals at this many requests per second.
+    #[arg(long, conflicts_with = "concurrency")]
+    pub rate: Option<f64>,
+    /// Ignore the timestamps: keep this many requests in flight (closed loop).
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// Stop sending after this many requests.
+    #[arg(long)]
+    pub max_requests: Option<u64>,
+    /// Stop sending after this many seconds.
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Skip this many records at the trace's start.
+    #[arg(long, default_value_t = 0)]
+    pub skip: u64,
+    /// Tokens of text per hash id (the trace's own block size by default; smaller scales
+    /// every prompt down by the same factor).
+    #[arg(long, default_value_t = MOONCAKE_BLOCK_TOKENS)]
+    pub block_tokens: u64,
+    /// The trace's block size.
+    #[arg(long, default_value_t = MOONCAKE_BLOCK_TOKENS)]
+    pub trace_block_tokens: u64,
+    /// Leading blocks of each prompt sent as the system prompt.
+    #[arg(long, default_value_t = 1)]
+    pub system_blocks: usize,
+    /// Cap on max_tokens (the trace's output_length otherwise).
+    #[arg(long)]
+    pub max_output_tokens: Option<u64>,
+    /// Let the engine stop before max_tokens (by default every answer is asked to be exactly
+    /// the trace's length: the `ignore_eos` request option).
+    #[arg(long)]
+    pub allow_early_stop: bool,
+    /// Trace records whose token counts are checked with count_tokens before the run
+    /// (0 skips the check, e.g. against a server without that endpoint).
+    #[arg(long, default_value_t = 4)]
+    pub check_tokens: usize,
+    /// At most this many requests in flight; the sender waits beyond it (and says so).
+    #[arg(long, default_value_t = 10_000)]
+    pub max_in_flight: usize,
+    /// Per-request timeout, seconds.
+    #[arg(long, default_value_t = 600)]
+    pub timeout_secs: u64,
+    /// After the last send, wait this long for answers before cutting them off.
+    #[arg(long, default_value_t = 120)]
+    pub drain_secs: u64,
+    /// A finance (or platform admin) token: reconcile with the ledger and price the run
+    /// from the price book.
+    #[arg(long, env = "CACHET_FINANCE_TOKEN")]
+    pub finance_token: Option<String>,
+    /// Where the finance API is (default: --url).
+    #[arg(long)]
+    pub finance_url: Option<String>,
+    /// How long to wait for the ledger to hold every answered request.
+    #[arg(long, default_value_t = 120)]
+    pub reconcile_wait_secs: u64,
+    /// Seed of the Poisson arrivals.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// No progress bar (a line every 10 s instead).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl ReplayArgs {
+    fn shape(&self) -> Shape {
+        Shape {
+            block_tokens: self.block_tokens,
+            trace_block_tokens: self.trace_block_tokens,
+            system_blocks: self.system_blocks,
+            tenants: self.api_keys.len(),
+        }
+    }
+
+    fn body_options(&self) -> BodyOptions {
+        BodyOptions {
+            model: self.model.clone(),
+            api: self.api,
+            breakpoints: self.breakpoints,
+            max_output_tokens: self.max_output_tokens,
+            ignore_eos: !self.allow_early_stop,
+            shape: self.shape(),
+        }
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        crate::http::check_loopback(&self.url)?;
+        if let Some(f) = &self.finance_url {
+            crate::http::check_loopback(f)?;
+        }
+        if self.api_keys.iter().any(|k| k.trim().is_empty()) {
+            bail!("--api-key must not be empty");
+        }
+        if !(self.speed.is_finite() && self.speed > 0.0) {
+            bail!("--speed must be a positive number");
+        }
+        if self.rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
+            bail!("--rate must be a positive number");
+        }
+        if self.concurrency == Some(0) || self.max_in_flight == 0 {
+            bail!("--concurrency and --max-in-flight must be positive");
+        }
+        if self.block_tokens == 0 || self.trace_block_tokens == 0 {
+            bail!("--block-tokens and --trace-block-tokens must be positive");
+        }
+        if self.duration.is_some_and(|d| !(d.is_finite() && d > 0.0)) {
+            bail!("--duration must be a positive number of seconds");
+        }
+        Ok(())
+    }
+}
+
+/// What `run` found, for callers (the sweep) and the exit status.
+pub struct RunResult {
+    pub summary: Value,
+    pub ok: bool,
+}
+
+/// The run's trace: the file given, or the workload generated into `out`.
+fn trace_path(a: &ReplayArgs) -> anyhow::Result<PathBuf> {
+    match (&a.trace, a.workload) {
+        (Some(t), _) => Ok(t.clone()),
+        (None, Some(kind)) => {
+            let p = a.out.join("trace.jsonl");
+            let f =
+                std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))?;
+            let mut w = std::io::BufWriter::new(f);
+            workload::generate(kind, &a.workload_args, &mut w)?;
+            w.flush()?;
+            Ok(p)
+        }
+        (None, None) => bail!("give --trace FILE or --workload KIND"),
+    }
+}
+
+pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
+    a.validate()?;
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let trace = trace_path(&a)?;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(a.max_in_flight.min(1024))
+        .tcp_nodelay(true)
+        .timeout(Duration::from_secs(a.timeout_secs))
+        .build()?;
+    let opts = Arc::new(a.body_options());
+    if a.check_tokens > 0 {
+        check_token_counts(&client, &a, &opts, &trace).await?;
+    }
+    let prices = match &a.finance_token {
+        Some(tok) => {
+            let url = a.finance_url.as_deref().unwrap_or(&a.url);
+            reconcile::price_book(&client, url, tok, &a.model).await?
+        }
+        None => None,
+    };
+
+    let started_wall = chrono::Utc::now();
+    let start = Instant::now();
+    let (tx, rx) = mpsc::channel::<(RequestRecord, Vec<f64>)>(4096);
+    let cut = CancellationToken::new();
+    let permits = Arc::new(Semaphore::new(a.max_in_flight.min(Semaphore::MAX_PERMITS)));
+    let collector = tokio::spawn(collect(
+        rx,
+        a.out.join("requests.jsonl"),
+        a.api_keys.len(),
+        a.max_requests,
+        a.quiet,
+    ));
+    let sender = send_all(
+        &a,
+        &trace,
+        &client,
+        opts.clone(),
+        tx,
+        permits.clone(),
+        &cut,
+        start,
+    );
+    let (sent, cap_waits) = sender.await?;
+    // Drain: answers still coming get `drain_secs`, then are cut.
+    let all = a.max_in_flight.min(Semaphore::MAX_PERMITS) as u32;
+    let drained =
+        tokio::time::timeout(Duration::from_secs(a.drain_secs), permits.acquire_many(all))
+            .await
+            .is_ok();
+    if !drained {
+        cut.cancel();
+    }
+    let stats = collector.await.context("the collector stopped")??;
+    let elapsed = start.elapsed().as_secs_f64();
+    let ended_wall = chrono::Utc::now();
+
+    let reconciliation = match &a.finance_token {
+        Some(tok) => {
+            let url = a.finance_url.as_deref().unwrap_or(&a.url);
+            Some(
+                reconcile::reconcile(
+                    &client,
+                    url,
+                    tok,
+                    &a.out.join("requests.jsonl"),
+                    started_wall,
+                    ended_wall,
+                    Duration::from_secs(a.reconcile_wait_secs),
+                )
+                .await?,
+            )
+        }
+        None => None,
+    };
+    let summary = summarize(
+        &a,
+        &trace,
+        &stats,
+        sent,
+        cap_waits,
+        elapsed,
+        prices.as_ref(),
+        reconciliation.as_ref(),
+        started_wall,
+    );
+    std::fs::write(
+        a.out.join("summary.json"),
+        serde_json::to_vec_pretty(&summary)?,
+    )?;
+    std::fs::write(a.out.join("report.html"), report::replay_html(&summary))?;
+    print_summary(&summary, &a.out);
+    let ok = reconciliation.as_ref().is_none_or(|r| r.exact());
+    if let Some(r) = &reconciliation {
+        r.print();
+    }
+    Ok(RunResult { summary, ok })
+}
+
+/// The send times of a run: the trace's, scaled; Poisson; or none (closed loop).
+enum Schedule {
+    Trace { speed: f64, first: Option<f64> },
+    Poisson { rng: Rng, mean_gap: f64, at: f64 },
+    Closed,
+}
+
+impl Schedule {
+    /// Seconds from the run's start at which `r` goes.
+    fn at(&mut self, r: &TraceRecord) -> Option<f64> {
+        match self {
+            Schedule::Trace { speed, first } => {
+                let t0 = *first.get_or_insert(r.timestamp);
+                Some((r.timestamp - t0).max(0.0) / 1000.0 / *speed)
+            }
+            Schedule::Poisson { rng, mean_gap, at } => {
+                let t = *at;
+                *at += rng.exp(*mean_gap);
+                Some(t)
+            }
+            Schedule::Closed => None,
+        }
+    }
+}
+
+/// Send every request of the trace on schedule, each in its own task; returns how many were
+/// sent and how often the in-flight cap held the sender back.
+#[allow(clippy::too_many_arguments)]
+async fn send_all(
+    a: &ReplayArgs,
+    trace_path: &Path,
+    client: &reqwest::Client,
+    opts: Arc<BodyOptions>,
+    tx: mpsc::Sender<(RequestRecord, Vec<f64>)>,
+    permits: Arc<Semaphore>,
+    cut: &CancellationToken,
+    start: Instant,
+) -> anyhow::Result<(u64, u64)> {
+    let mut schedule = match (a.rate, a.concurrency) {
+        (Some(rate), _) => Schedule::Poisson {
+            rng: Rng::new(a.seed),
+            mean_gap: 1.0 / rate,
+            at: 0.0,
+        },
+        (None, Some(_)) => Schedule::Closed,
+        (None, None) => Schedule::Trace {
+            speed: a.speed,
+            first: None,
+        },
+    };
+    let closed = a.concurrency.map(|n| Arc::new(Semaphore::new(n)));
+    let shape = a.shape();
+    let url: Arc<str> = a.url.trim_end_matches('/').into();
+    let keys: Arc<Vec<String>> = Arc::new(a.api_keys.clone());
+    let (mut sent, mut cap_waits) = (0u64, 0u64);
+    let reader = trace::open(trace_path)?;
+    for (index, rec) in reader.enumerate().skip(a.skip as usize) {
+        let rec = rec.with_context(|| trace_path.display().to_string())?;
+        if a.max_requests.is_some_and(|m| sent >= m) {
+            break;
+        }
+        let scheduled = schedule.at(&rec);
+        if let Some(at) = scheduled {
+            if a.duration.is_some_and(|d| at >= d) {
+                break;
+            }
+            tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
+        } else if a
+            .duration
+            .is_some_and(|d| start.elapsed().as_secs_f64() >= d)
+        {
+            break;
+        }
+        let closed_permit = match &closed {
+            Some(s) => Some(s.clone().acquire_owned().await?),
+            None => None,
+        };
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                cap_waits += 1;
+                permits.clone().acquire_owned().await?
+            }
+        };
+        let sent_ms = start.elapsed().as_secs_f64() * 1000.0;
+        let scheduled_ms = scheduled.map_or(sent_ms, |s| s * 1000.0);
+        let tenant = shape.tenant(&rec);
+        let (client, opts, url, keys, tx, cut) = (
+            client.clone(),
+            opts.clone(),
+            url.clone(),
+            keys.clone(),
+            tx.clone(),
+            cut.clone(),
+        );
+        sent += 1;
+        tokio::spawn(async move {
+            let body = opts.body(&rec);
+            let outcome = tokio::select! {
+                o = send(&client, &url, &keys[tenant], &opts, body) => o,
+                _ = cut.cancelled() => Outcome {
+                    error: Some("cut: the run ended before the answer".into()),
+                    e2e_ms: start.elapsed().as_secs_f64() * 1000.0 - sent_ms,
+                    ..Default::default()
+                },
+            };
+            let mut gaps = outcome.gaps_ms;
+            let record = RequestRecord {
+                index: index as u64,
+                tenant,
+                session: opts.shape.session(&rec),
+                scheduled_ms,
+                sent_ms,
+                status: outcome.status,
+                error: outcome.error,
+                ttft_ms: outcome.ttft_ms,
+                e2e_ms: outcome.e2e_ms,
+                tbt: GapSummary::of(&mut gaps),
+                node: outcome.node,
+                request_id: outcome.request_id,
+                stop_reason: outcome.stop_reason,
+                trace_input_tokens: opts.shape.input_tokens(&rec),
+                max_tokens: opts.max_tokens(&rec),
+                usage: outcome.usage,
+            };
+            let _ = tx.send((record, gaps)).await;
+            drop(permit);
+            drop(closed_permit);
+        });
+    }
+    Ok((sent, cap_waits))
+}
+
+/// Write each finished request to `path` and add it up; show progress as it goes.
+async fn collect(
+    mut rx: mpsc::Receiver<(RequestRecord, Vec<f64>)>,
+    path: PathBuf,
+    tenants: usize,
+    expected: Option<u64>,
+    quiet: bool,
+) -> anyhow::Result<Stats> {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    let f = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+    let mut stats = Stats::new(tenants);
+    let bar = match expected {
+        Some(n) => ProgressBar::new(n),
+        None => ProgressBar::no_length(),
+    };
+    let live = !quiet && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    bar.set_draw_target(if live {
+        ProgressDrawTarget::stderr_with_hz(4)
+    } else {
+        ProgressDrawTarget::hidden()
+    });
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} done  {msg}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    let started = Instant::now();
+    let mut last_msg = Instant::now();
+    let mut last_line = Instant::now();
+    while let Some((r, gaps)) = rx.recv().await {
+        serde_json::to_writer(&mut w, &r)?;
+        w.write_all(b"\n")?;
+        stats.add(&r, &gaps);
+        bar.inc(1);
+        if last_msg.elapsed() >= Duration::from_millis(250) {
+            last_msg = Instant::now();
+            let line = progress_line(&stats);
+            bar.set_message(line.clone());
+            if !live && last_line.elapsed() >= Duration::from_secs(10) {
+                last_line = Instant::now();
+                eprintln!("[{:>6.1}s] {line}", started.elapsed().as_secs_f64());
+            }
+        }
+    }
+    bar.finish_and_clear();
+    w.flush()?;
+    Ok(stats)
+}
+
+fn progress_line(s: &Stats) -> String {
+    let p50 = if s.ttft_us.is_empty() {
+        0.0
+    } else {
+        s.ttft_us.value_at_quantile(0.5) as f64 / 1000.0
+    };
+    format!(
+        "errors {}  hit {:.1}%  TTFT p50 {:.0} ms",
+        s.error_count(),
+        s.hit_ratio() * 100.0,
+        p50
+    )
+}
+
+/// Check that the text the replay makes has the token counts the trace says, on the
+/// server's own tokenizer: the template's overhead is measured on two probes (and must not
+/// depend on the text's length), then each of the first `check_tokens` records must count
+/// exactly its trace tokens plus that overhead.
+async fn check_token_counts(
+    client: &reqwest::Client,
+    a: &ReplayArgs,
+    opts: &BodyOptions,
+    trace_path: &Path,
+) -> anyhow::Result<()> {
+    let url = format!("{}/v1/messages/count_tokens", a.url.trim_end_matches('/'));
+    let count = |body: Vec<u8>| {
+        let url = url.clone();
+        async move {
+            let mut v: Value = serde_json::from_slice(&body)?;
+            let o = v.as_object_mut().expect("a body is an object");
+            for k in ["max_tokens", "stream", "ignore_eos", "cache_control"] {
+                o.remove(k);
+            }
+            let resp = client
+                .post(&url)
+                .header("x-api-key", &a.api_keys[0])
+                .header("anthropic-version", "2023-06-01")
+                .json(&v)
+                .send()
+                .await
+                .context("count_tokens")?;
+            let status = resp.status();
+            let text = resp.text().await?;
+            if !status.is_success() {
+                bail!("count_tokens answered {status}: {text} (--check-tokens 0 skips the check)");
+            }
+            let v: Value = serde_json::from_str(&text)?;
+            v["input_tokens"]
+                .as_u64()
+                .with_context(|| format!("count_tokens gave no input_tokens: {text}"))
+        }
+    };
+    let mut anthropic = opts.clone();
+    anthropic.api = Api::Anthropic;
+    let probe = |blocks: u64, last: u64| TraceRecord {
+        timestamp: 0.0,
+        input_length: ((blocks - 1) * a.block_tokens + last) * a.trace_block_tokens
+            / a.block_tokens,
+        output_length: 1,
+        hash_ids: (0..blocks).map(|i| u64::MAX - 7 - i).collect(),
+    };
+    let mut overhead = [0i64; 2];
+    for (with_system, blocks) in [(false, 1u64), (true, 2)] {
+        let mut seen = Vec::new();
+        for last in [a.block_tokens.min(3), a.block_tokens] {
+            let r = probe(blocks, last);
+            let want = opts.shape.input_tokens(&r) as i64;
+            let got = count(anthropic.body(&r)).await? as i64;
+            seen.push((want, got));
+        }
+        let ((w0, g0), (w1, g1)) = (seen[0], seen[1]);
+        if g1 - g0 != w1 - w0 {
+            bail!(
+                "the model {} does not tokenize the replay's text one token per word: a \
+                 prompt {} words longer counted {} tokens more, so token counts would not \
+                 match the trace's",
+                a.model,
+                w1 - w0,
+                g1 - g0
+            );
+        }
+        overhead[usize::from(with_system)] = g0 - w0;
+    }
+    for rec in trace::open(trace_path)?
+        .skip(a.skip as usize)
+        .take(a.check_tokens)
+    {
+        let rec = rec?;
+        if rec.hash_ids.is_empty() {
+            continue;
+        }
+        let sys = opts.shape.system_len(&rec) > 0;
+        let want = opts.shape.input_tokens(&rec) as i64 + overhead[usize::from(sys)];
+        let got = count(anthropic.body(&rec)).await? as i64;
+        if got != want {
+            bail!(
+                "count_tokens says {got} tokens for a trace record of {} (+{} template): the \
+                 replay's text does not tokenize as the trace says on {}",
+                opts.shape.input_tokens(&rec),
+                overhead[usize::from(sys)],
+                a.model
+            );
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn summarize(
+    a: &ReplayArgs,
+    trace: &Path,
+    s: &Stats,
+    sent: u64,
+    cap_waits: u64,
+    elapsed: f64,
+    prices: Option<&reconcile::Prices>,
+    rec: Option<&reconcile::Reconciliation>,
+    started: chrono::DateTime<chrono::Utc>,
+) -> Value {
+    let rates = prices.map_or_else(reconcile::Prices::list_default, Clone::clone);
+    let (with, without) = crate::stats::cost(&s.totals, &rates.rates);
+    let tenants: Vec<Value> = s
+        .tenants
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let (w, wo) = crate::stats::cost(&t.usage, &rates.rates);
+            json!({
+                "tenant": i,
+                "key": redact(&a.api_keys[i]),
+                "requests": t.requests,
+                "errors": t.errors,
+                "hit_ratio": t.hit_ratio(),
+                "usage": t.usage,
+                "cost_nanos": w,
+                "cost_without_cache_nanos": wo,
+            })
+        })
+        .collect();
+    let done_secs = elapsed.max(1e-9);
+    json!({
+        "kind": "replay",
+        "started_at": started.to_rfc3339(),
+        "trace": trace.display().to_string(),
+        "config": {
+            "url": a.url,
+            "model": a.model,
+            "api": a.api,
+            "breakpoints": a.breakpoints,
+            "tenants": a.api_keys.len(),
+            "arrivals": match (a.rate, a.concurrency) {
+                (Some(r), _) => format!("poisson {r}/s"),
+                (None, Some(c)) => format!("concurrency {c}"),
+                (None, None) => format!("trace timestamps x{}", a.speed),
+            },
+            "block_tokens": a.block_tokens,
+            "system_blocks": a.system_blocks,
+            "max_output_tokens": a.max_output_tokens,
+            "ignore_eos": !a.allow_early_stop,
+            "max_requests": a.max_requests,
+            "duration_secs": a.duration,
+        },
+        "sent": sent,
+        "done": s.done,
+        "ok": s.ok,
+        "errors": s.error_count(),
+        "error_kinds": s.errors,
+        "statuses": s.statuses,
+        "elapsed_secs": elapsed,
+        "throughput": {
+            "requests_per_sec": s.ok as f64 / done_secs,
+            "output_tokens_per_sec": s.totals.output_tokens as f64 / done_secs,
+            "prompt_tokens_per_sec": s.totals.prompt() as f64 / done_secs,
+        },
+        "sender": {
+            "max_lag_ms": s.max_lag_ms,
+            "in_flight_cap": a.max_in_flight,
+            "waits_at_cap": cap_waits,
+        },
+        "ttft": latency(&s.ttft_us),
+        "tbt": latency(&s.tbt_us),
+        "e2e": latency(&s.e2e_us),
+        "hit_ratio": s.hit_ratio(),
+        "tokens": s.totals,
+        "tenants": tenants,
+        "cost": {
+            "currency": rates.currency,
+            "source": rates.source,
+            "with_cache_nanos": with,
+            "without_cache_nanos": without,
+            "saved_ratio": if without > 0 { 1.0 - with as f64 / without as f64 } else { 0.0 },
+        },
+        "series": {
+            "seconds": (0..s.buckets.len()).collect::<Vec<_>>(),
+            "sent": s.buckets.iter().map(|b| b.sent).collect::<Vec<_>>(),
+            "done": s.buckets.iter().map(|b| b.done).collect::<Vec<_>>(),
+            "errors": s.buckets.iter().map(|b| b.errors).collect::<Vec<_>>(),
+            "output_tokens": s.buckets.iter().map(|b| b.output_tokens).collect::<Vec<_>>(),
+            "hit_ratio": s.buckets.iter().map(|b| ratio(b.read_tokens, b.prompt_tokens)).collect::<Vec<_>>(),
+            "errors_by_kind": s.error_series,
+        },
+        "reconciliation": rec.map(reconcile::Reconciliation::to_json),
+    })
+}
+
+/// A key as the report shows it: its last four characters only.
+fn redact(k: &str) -> String {
+    let n = k.chars().count();
+    let tail: String = k.chars().skip(n.saturating_sub(4)).collect();
+    format!("…{tail}")
+}
+
+fn print_summary(s: &Value, out: &Path) {
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    println!(
+        "requests sent={} ok={} errors={}  elapsed {:.1}s  {:.1} req/s  {:.0} output tok/s",
+        s["sent"],
+        s["ok"],
+        s["errors"],
+        f(&s["elapsed_secs"]),
+        f(&s["throughput"]["requests_per_sec"]),
+        f(&s["throughput"]["output_tokens_per_sec"]),
+    );
+    println!(
+        "TTFT ms p50={:.1} p90={:.1} p99={:.1}   TBT ms p50={:.2} p90={:.2} p99={:.2}",
+        f(&s["ttft"]["p50_ms"]),
+        f(&s["ttft"]["p90_ms"]),
+        f(&s["ttft"]["p99_ms"]),
+        f(&s["tbt"]["p50_ms"]),
+        f(&s["tbt"]["p90_ms"]),
+        f(&s["tbt"]["p99_ms"]),
+    );
+    println!(
+        "hit ratio {:.4}  cost {} {:.6} with caching vs {:.6} without ({:.1}% saved; {})",
+        f(&s["hit_ratio"]),
+        s["cost"]["currency"].as_str().unwrap_or(""),
+        f(&s["cost"]["with_cache_nanos"]) / 1e9,
+        f(&s["cost"]["without_cache_nanos"]) / 1e9,
+        f(&s["cost"]["saved_ratio"]) * 100.0,
+        s["cost"]["source"].as_str().unwrap_or(""),
+    );
+    for t in s["tenants"].as_array().into_iter().flatten() {
+        println!(
+            "  tenant {} ({}): {} requests, {} errors, hit ratio {:.4}",
+            t["tenant"],
+            t["key"].as_str().unwrap_or(""),
+            t["requests"],
+            t["errors"],
+            f(&t["hit_ratio"])
+        );
+    }
+    if let Some(kinds) = s["error_kinds"].as_object() {
+        for (k, n) in kinds {
+            println!("  error {k}: {n}");
+        }
+    }
+    println!("report: {}", out.join("report.html").display());
+}
