@@ -414,3 +414,18 @@ pub fn rss_bytes() -> anyhow::Result<u64> {
         .parse()?;
     Ok(pages * 4096)
 }
+
+#[cfg(test)]
+mod tests {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: super::Command,
+    }
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

@@ -208,7 +208,17 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
     let prices = match &a.finance_token {
         Some(tok) => {
             let url = a.finance_url.as_deref().unwrap_or(&a.url);
-            reconcile::price_book(&client, url, tok, &a.model).await?
+            Some(
+                reconcile::price_book(&client, url, tok, &a.model)
+                    .await?
+                    .unwrap_or_else(|| reconcile::Prices {
+                        source: format!(
+                            "default list rates (the price book has no price for {})",
+                            a.model
+                        ),
+                        ..reconcile::Prices::list_default()
+                    }),
+            )
         }
         None => None,
     };

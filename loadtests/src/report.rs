@@ -64,7 +64,7 @@ function plot(name, opts, data) {{
 function bars(name, labels, values, label, fmt) {{
   const xs = labels.map((_, i) => i);
   plot(name, {{
-    scales: {{ x: {{ time: false, range: [-0.6, labels.length - 0.4] }} }},
+    scales: {{ x: {{ time: false, range: [-0.6, labels.length - 0.4] }}, y: {{ range: (u, lo, hi) => [0, hi > 0 ? hi * 1.1 : 1] }} }},
     axes: [{{ values: (u, v) => v.map(i => labels[i] ?? '') , splits: () => xs }}, {{ values: (u, v) => v.map(fmt) }}],
     series: [{{}}, {{ label, fill: '#4f7cd999', stroke: '#2f5cb9', paths: uPlot.paths.bars({{ size: [0.6, 90] }}), points: {{ show: false }} }}],
     legend: {{ show: false }},
@@ -141,13 +141,13 @@ plot('throughput', {
 plot('hit-ratio', {
   scales: { x: { time: false }, y: { range: [0, 1] } },
   series: [{ label: 's' }, { label: 'hit ratio', stroke: '#1b7a3d', width: 2 }],
-  axes: [{ label: 'seconds' }, { values: (u, v) => v.map(pct) }],
+  axes: [{ label: 'seconds' }, { values: (u, v) => v.map(x => (x * 100).toFixed(0) + '%') }],
 }, [secs, s.hit_ratio]);
 const t = D.tokens;
 bars('tokens', ['input', 'write 5m', 'write 1h', 'read', 'output'],
   [t.input_tokens, t.cache_write_5m_tokens, t.cache_write_1h_tokens, t.cache_read_tokens, t.output_tokens],
   'tokens', v => v >= 1e6 ? (v / 1e6).toFixed(1) + 'M' : v >= 1e3 ? (v / 1e3).toFixed(0) + 'k' : v);
-bars('tenants', D.tenants.map(x => 'tenant ' + x.tenant), D.tenants.map(x => x.hit_ratio), 'hit ratio', pct);
+bars('tenants', D.tenants.map(x => 'tenant ' + x.tenant), D.tenants.map(x => x.hit_ratio), 'hit ratio', x => (x * 100).toFixed(1) + '%');
 bars('cost', ['with caching', 'without caching'], [D.cost.with_cache_nanos / 1e9, D.cost.without_cache_nanos / 1e9],
   D.cost.currency, v => v.toFixed(3));
 const kinds = Object.keys(s.errors_by_kind || {});

@@ -38,12 +38,16 @@ pub enum Kind {
 #[derive(Args, Clone, Debug)]
 pub struct WorkloadArgs {
     /// Requests to generate.
-    #[arg(long = "workload-requests", default_value_t = 2_000)]
+    #[arg(
+        long = "workload-requests",
+        id = "workload_requests",
+        default_value_t = 2_000
+    )]
     pub requests: u64,
     /// Mean arrival rate of requests per second (sessions start as a Poisson process).
-    #[arg(long = "workload-rate", default_value_t = 4.0)]
+    #[arg(long = "workload-rate", id = "workload_rate", default_value_t = 4.0)]
     pub rate: f64,
-    #[arg(long = "workload-seed", default_value_t = 1)]
+    #[arg(long = "workload-seed", id = "workload_seed", default_value_t = 1)]
     pub seed: u64,
     /// Blocks (512 tokens) of the shared prefix: system prompt, or tools + instructions.
     #[arg(long)]
