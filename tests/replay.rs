@@ -11,7 +11,9 @@ use std::process::{Child, Command, Stdio};
 
 use serde_json::Value;
 
-const TRACE: &str = "../shared/traces/mooncake/conversation_trace.jsonl";
+/// The first 200 records of the Mooncake conversation trace (`../shared/traces/mooncake/
+/// conversation_trace.jsonl`), kept in the repository so a clean clone runs this test.
+const TRACE: &str = "tests/data/conversation_trace_head200.jsonl";
 /// Tokens per hash id: an eighth of Mooncake's 512, so a slice fits this machine's memory
 /// (llama-8B KV is 128 KiB a token: 8 MiB a trace block here).
 const BLOCK_TOKENS: u64 = 64;

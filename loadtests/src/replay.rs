@@ -80,9 +80,10 @@ pub struct ReplayArgs {
     /// The trace's block size.
     #[arg(long, default_value_t = MOONCAKE_BLOCK_TOKENS)]
     pub trace_block_tokens: u64,
-    /// Leading blocks of each prompt sent as the system prompt.
-    #[arg(long, default_value_t = 1)]
-    pub system_blocks: usize,
+    /// Leading blocks of each prompt sent as the system prompt; the block after them names
+    /// the session (default 1, or the workload's --prefix-blocks with --workload).
+    #[arg(long)]
+    pub system_blocks: Option<usize>,
     /// Cap on max_tokens (the trace's output_length otherwise).
     #[arg(long)]
     pub max_output_tokens: Option<u64>,
@@ -126,7 +127,10 @@ impl ReplayArgs {
         Shape {
             block_tokens: self.block_tokens,
             trace_block_tokens: self.trace_block_tokens,
-            system_blocks: self.system_blocks,
+            system_blocks: self.system_blocks.unwrap_or_else(|| match self.workload {
+                Some(kind) => workload::prefix_blocks(kind, &self.workload_args) as usize,
+                None => 1,
+            }),
             tenants: self.api_keys.len(),
         }
     }
@@ -640,7 +644,7 @@ fn summarize(
                 (None, None) => format!("trace timestamps x{}", a.speed),
             },
             "block_tokens": a.block_tokens,
-            "system_blocks": a.system_blocks,
+            "system_blocks": a.shape().system_blocks,
             "max_output_tokens": a.max_output_tokens,
             "ignore_eos": !a.allow_early_stop,
             "max_requests": a.max_requests,

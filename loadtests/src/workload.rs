@@ -117,6 +117,11 @@ fn knobs(kind: Kind, a: &WorkloadArgs) -> Knobs {
     }
 }
 
+/// The shared prefix's length in blocks for `kind` under `args` (the replay's system prompt).
+pub fn prefix_blocks(kind: Kind, args: &WorkloadArgs) -> u64 {
+    knobs(kind, args).prefix_blocks
+}
+
 /// A block's id: its parent's id mixed with its content (63 bits, so any JSON reader keeps it).
 fn child(parent: u64, content: u64) -> u64 {
     mix64(parent ^ mix64(content).rotate_left(17)) >> 1
