@@ -42,6 +42,10 @@ fn trace_path() -> PathBuf {
 }
 
 fn start_serve(db_url: &str, data_dir: &Path) -> (Serve, String) {
+    start_serve_with(db_url, data_dir, "0.05")
+}
+
+fn start_serve_with(db_url: &str, data_dir: &Path, time_scale: &str) -> (Serve, String) {
     let mut child = cachet()
         .arg("serve")
         .env("DATABASE_URL", db_url)
@@ -49,7 +53,7 @@ fn start_serve(db_url: &str, data_dir: &Path) -> (Serve, String) {
         .env("CACHET_DATA_DIR", data_dir)
         .env("CACHET_LISTEN", "127.0.0.1:0")
         .env("CACHET_ENGINE", "sim")
-        .env("CACHET_SIM_TIME_SCALE", "0.05")
+        .env("CACHET_SIM_TIME_SCALE", time_scale)
         .env(
             "CACHET_DRAM_CAPACITY_BYTES",
             (CAPACITY_BLOCKS * BLOCK_TOKENS * 131_072).to_string(),
@@ -216,14 +220,109 @@ async fn a_trace_slice_replays_without_errors_reconciles_exactly_and_matches_the
     assert!(s["cost"]["without_cache_nanos"].as_i64().unwrap() > 0);
     drop(serve);
 
-    report_renders_every_plot(&out.join("report.html"));
+    renders_every_plot(&out.join("report.html"), &loadtests::report::REPLAY_PLOTS);
+    pool.close().await;
+    common::drop_db(&db_name).await;
+}
+
+/// A sweep of a generated chat workload: one replay per rate, the capacity under the SLOs, and
+/// its report drawn; then a replay interrupted with Ctrl-C still writes its summary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_finds_a_capacity_and_an_interrupted_replay_still_reports() {
+    let db_name = common::fresh_db_name();
+    let db_url = format!("{}/{db_name}", common::PG);
+    let pool = cachet::server::connect_and_migrate(&db_url, 2)
+        .await
+        .unwrap();
+    let key = common::tenant_with_key(&pool, "sweep").await;
+    let data = common::tempdir::Dir::new();
+    let (serve, url) = start_serve_with(&db_url, &data.0, "0.01");
+    let dir = common::tempdir::Dir::new();
+    let out = dir.0.join("sweep");
+    let loadtest = |sub: &str, out: &Path| {
+        let mut c = cachet();
+        c.args(["loadtest", sub])
+            .args(["--url", &url, "--api-key", &key, "--model", "sim-tiny"])
+            .args(["--workload", "chat", "--workload-requests", "400"])
+            .args([
+                "--block-tokens",
+                "32",
+                "--max-output-tokens",
+                "8",
+                "--quiet",
+            ])
+            .arg("--out")
+            .arg(out);
+        c
+    };
+    let run = loadtest("sweep", &out)
+        .args([
+            "--rates",
+            "2,4",
+            "--step-secs",
+            "3",
+            "--ttft-p90-ms",
+            "5000",
+            "--tbt-p90-ms",
+            "1000",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let s: Value = serde_json::from_slice(&std::fs::read(out.join("sweep.json")).unwrap()).unwrap();
+    let steps = s["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 2, "{s}");
+    assert!(
+        steps
+            .iter()
+            .all(|st| st["errors"] == 0 && st["meets"] == true),
+        "{s}"
+    );
+    assert_eq!(s["capacity_rps"], 4.0);
+    for st in steps {
+        let dir = out.join(st["dir"].as_str().unwrap());
+        assert!(dir.join("report.html").exists() && dir.join("trace.jsonl").exists());
+    }
+    assert!(stdout.contains("capacity: 4 requests/s"), "{stdout}");
+    renders_every_plot(&out.join("sweep.html"), &loadtests::report::SWEEP_PLOTS);
+
+    // Ctrl-C (SIGINT) a long replay: it stops sending, waits for answers, writes the summary.
+    let out2 = dir.0.join("interrupted");
+    let mut child = loadtest("replay", &out2)
+        .args(["--rate", "20", "--duration", "120"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let k = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(k.success());
+    let started = std::time::Instant::now();
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(60));
+    let s: Value =
+        serde_json::from_slice(&std::fs::read(out2.join("summary.json")).unwrap()).unwrap();
+    let sent = s["sent"].as_u64().unwrap();
+    assert!(sent > 10 && sent < 400, "{s}");
+    assert_eq!(s["done"], sent);
+    drop(serve);
     pool.close().await;
     common::drop_db(&db_name).await;
 }
 
 /// The report in headless Chromium: every plot drawn (a canvas in each), and a screenshot
 /// (kept where CACHET_REPORT_SCREENSHOT says, for the docs).
-fn report_renders_every_plot(report: &Path) {
+fn renders_every_plot(report: &Path, plots: &[&str]) {
     let Some(chromium) = ["chromium", "chromium-browser", "google-chrome"]
         .into_iter()
         .find(|b| Command::new(b).arg("--version").output().is_ok())
@@ -252,7 +351,7 @@ fn report_renders_every_plot(report: &Path) {
         .output()
         .unwrap();
     let dom = String::from_utf8_lossy(&dom.stdout);
-    for name in loadtests::report::REPLAY_PLOTS {
+    for name in plots {
         let tag = format!("data-plot=\"{name}\" data-rendered=\"1\"");
         let at = dom.find(&tag).unwrap_or_else(|| {
             panic!(

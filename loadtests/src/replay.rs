@@ -231,6 +231,22 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
     let start = Instant::now();
     let (tx, rx) = mpsc::channel::<(RequestRecord, Vec<f64>)>(4096);
     let cut = CancellationToken::new();
+    // Ctrl-C: stop sending, wait for answers, write the report; a second Ctrl-C cuts them.
+    let stop = CancellationToken::new();
+    let interrupts = tokio::spawn({
+        let (stop, cut) = (stop.clone(), cut.clone());
+        async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                eprintln!(
+                    "interrupted: sending stopped; waiting for answers (Ctrl-C again to cut them)"
+                );
+                stop.cancel();
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    cut.cancel();
+                }
+            }
+        }
+    });
     let permits = Arc::new(Semaphore::new(a.max_in_flight.min(Semaphore::MAX_PERMITS)));
     let collector = tokio::spawn(collect(
         rx,
@@ -246,19 +262,21 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
         opts.clone(),
         tx,
         permits.clone(),
-        &cut,
+        (&stop, &cut),
         start,
     );
     let (sent, cap_waits) = sender.await?;
-    // Drain: answers still coming get `drain_secs`, then are cut.
+    // Drain: answers still coming get `drain_secs` (or until a second Ctrl-C), then are cut.
     let all = a.max_in_flight.min(Semaphore::MAX_PERMITS) as u32;
-    let drained =
-        tokio::time::timeout(Duration::from_secs(a.drain_secs), permits.acquire_many(all))
-            .await
-            .is_ok();
-    if !drained {
-        cut.cancel();
+    tokio::select! {
+        r = tokio::time::timeout(Duration::from_secs(a.drain_secs), permits.acquire_many(all)) => {
+            if r.is_err() {
+                cut.cancel();
+            }
+        }
+        _ = cut.cancelled() => {}
     }
+    interrupts.abort();
     let stats = collector.await.context("the collector stopped")??;
     let elapsed = start.elapsed().as_secs_f64();
     let ended_wall = chrono::Utc::now();
@@ -340,7 +358,7 @@ async fn send_all(
     opts: Arc<BodyOptions>,
     tx: mpsc::Sender<(RequestRecord, Vec<f64>)>,
     permits: Arc<Semaphore>,
-    cut: &CancellationToken,
+    (stop, cut): (&CancellationToken, &CancellationToken),
     start: Instant,
 ) -> anyhow::Result<(u64, u64)> {
     let mut schedule = match (a.rate, a.concurrency) {
@@ -371,22 +389,35 @@ async fn send_all(
             if a.duration.is_some_and(|d| at >= d) {
                 break;
             }
-            tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
+            let due = tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into());
+            tokio::select! {
+                _ = due => {}
+                _ = stop.cancelled() => break,
+            }
         } else if a
             .duration
             .is_some_and(|d| start.elapsed().as_secs_f64() >= d)
         {
             break;
         }
+        if stop.is_cancelled() {
+            break;
+        }
         let closed_permit = match &closed {
-            Some(s) => Some(s.clone().acquire_owned().await?),
+            Some(s) => tokio::select! {
+                p = s.clone().acquire_owned() => Some(p?),
+                _ = stop.cancelled() => break,
+            },
             None => None,
         };
         let permit = match permits.clone().try_acquire_owned() {
             Ok(p) => p,
             Err(_) => {
                 cap_waits += 1;
-                permits.clone().acquire_owned().await?
+                tokio::select! {
+                    p = permits.clone().acquire_owned() => p?,
+                    _ = stop.cancelled() => break,
+                }
             }
         };
         let sent_ms = start.elapsed().as_secs_f64() * 1000.0;
