@@ -286,6 +286,10 @@ pub fn router(state: AppState) -> Router {
     let mut app = Router::new()
         .route("/v1/messages", post(api::handlers::create_message))
         .route(
+            "/v1/chat/completions",
+            post(api::handlers::create_chat_completion),
+        )
+        .route(
             "/v1/messages/count_tokens",
             post(api::handlers::count_tokens),
         )

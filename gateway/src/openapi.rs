@@ -39,7 +39,7 @@ impl Modify for Security {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Cachet API", description = "Anthropic-compatible Messages API with managed prompt caching."),
-    paths(handlers::create_message, handlers::count_tokens, handlers::list_models, handlers::get_model,
+    paths(handlers::create_message, handlers::create_chat_completion, handlers::count_tokens, handlers::list_models, handlers::get_model,
           billing::api::usage, billing::api::list_invoices, billing::api::get_invoice,
           billing::api::rate_invoice, billing::api::list_prices, billing::api::add_price,
           billing::api::export_usage,
@@ -51,7 +51,7 @@ impl Modify for Security {
           admin::list_audit, admin::export_audit, views::usage, views::budget, views::cache),
     components(schemas(billing::api::Format)),
     modifiers(&Security),
-    tags((name = "messages", description = "Messages and token counting"), (name = "models", description = "Served models"),
+    tags((name = "messages", description = "Messages and token counting"), (name = "chat", description = "OpenAI Chat Completions over the same cache"), (name = "models", description = "Served models"),
          (name = "billing", description = "Finance API: usage, invoices, prices, exports (admin JWT)"),
          (name = "admin", description = "Admin API: login, users, tenants, keys, policy, usage, budget, cache, audit log (admin JWT)"))
 )]

@@ -18,6 +18,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::AppState;
 use crate::admission::RateHeaders;
+use crate::api::openai;
 use crate::api::types::*;
 use crate::api::validate::{self, ModelLimits};
 use crate::error::{ApiError, ErrorKind};
@@ -114,17 +115,27 @@ pub async fn create_message(
     }
 }
 
-async fn create_message_inner(
-    state: AppState,
+/// A generation under way: the validated request, its usage and cache report (known before
+/// the first token), the rate-limit headers, and the pipeline's events.
+struct Started {
+    req: MessagesRequest,
+    usage: Usage,
+    report: CacheReport,
+    rate: RateHeaders,
+    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+}
+
+/// Validate, render and start generating a Messages body for `principal`: the one path both
+/// wires take. `seed`: the client's sampling seed (default: one derived from the request id,
+/// so a request resumed on another node, or retried under its id, generates the same text).
+async fn start_generation(
+    state: &AppState,
     rid: RequestId,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let start = tokio::time::Instant::now();
-    let started_at = chrono::Utc::now();
-    let body = body_bytes(body)?;
-    check_version(&headers)?;
-    let principal = state.auth.authenticate(&headers).await?;
+    principal: Arc<crate::tenants::Principal>,
+    body: Bytes,
+    seed: Option<u64>,
+    (start, started_at): (tokio::time::Instant, chrono::DateTime<chrono::Utc>),
+) -> Result<Started, ApiError> {
     let (req, engine, prepared) = prepare_messages(&state.engines, &principal, body).await?;
     // Generation never runs past the context window: it ends as `max_tokens` there.
     let room = engine
@@ -146,22 +157,65 @@ async fn create_message_inner(
             temperature: req.temperature,
             top_p: req.top_p,
             top_k: req.top_k,
-            // Sampling is reproducible per request: a request resumed on another node (or
-            // retried under its id) generates the same text.
-            seed: Some(rid.0.as_u64_pair().1),
+            seed: Some(seed.unwrap_or(rid.0.as_u64_pair().1)),
             ignore_eos: req.ignore_eos,
         },
     };
     let mut rx = pipeline::spawn(state.clone(), job);
-    let (usage, report, rate) = match rx.recv().await {
+    match rx.recv().await {
         Some(Event::Start {
             usage,
             report,
             rate,
-        }) => (usage, report, rate),
-        Some(Event::Error(e)) => return Err(e),
-        _ => return Err(ApiError::internal("pipeline ended early", "no start event")),
-    };
+        }) => Ok(Started {
+            req,
+            usage,
+            report,
+            rate,
+            rx,
+        }),
+        Some(Event::Error(e)) => Err(e),
+        _ => Err(ApiError::internal("pipeline ended early", "no start event")),
+    }
+}
+
+/// The answer's text, stop reason and output tokens, from the events after the start.
+async fn collect_answer(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> Result<(String, engine::StopReason, u64), ApiError> {
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Delta(t) => text.push_str(&t),
+            Event::Done {
+                stop_reason,
+                output_tokens,
+            } => return Ok((text, stop_reason, output_tokens)),
+            Event::Error(e) => return Err(e),
+            Event::Start { .. } => {}
+        }
+    }
+    Err(ApiError::internal("pipeline ended early", "no done event"))
+}
+
+async fn create_message_inner(
+    state: AppState,
+    rid: RequestId,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let start = tokio::time::Instant::now();
+    let started_at = chrono::Utc::now();
+    let body = body_bytes(body)?;
+    check_version(&headers)?;
+    let principal = state.auth.authenticate(&headers).await?;
+    let Started {
+        req,
+        usage,
+        report,
+        rate,
+        mut rx,
+    } = start_generation(&state, rid, principal, body, None, (start, started_at)).await?;
     let model = req.model.clone();
     if req.stream {
         Ok(with_rate_headers(
@@ -169,21 +223,7 @@ async fn create_message_inner(
             &rate,
         ))
     } else {
-        let mut text = String::new();
-        let mut done = None;
-        while let Some(ev) = rx.recv().await {
-            match ev {
-                Event::Delta(t) => text.push_str(&t),
-                Event::Done {
-                    stop_reason,
-                    output_tokens,
-                } => done = Some((stop_reason, output_tokens)),
-                Event::Error(e) => return Err(e),
-                Event::Start { .. } => {}
-            }
-        }
-        let (stop, output) =
-            done.ok_or_else(|| ApiError::internal("pipeline ended early", "no done event"))?;
+        let (text, stop, output) = collect_answer(&mut rx).await?;
         let mut usage = usage;
         usage.output_tokens = output;
         let content = if req.max_tokens == 0 {
@@ -324,6 +364,129 @@ fn stream_response(
         futures::stream::iter(items)
     });
     Sse::new(head.chain(body)).into_response()
+}
+
+#[utoipa::path(
+    post, path = "/v1/chat/completions", tag = "chat",
+    request_body(content = Object, description = "OpenAI Chat Completions request (text content; see docs/operations.md for what is supported)"),
+    responses(
+        (status = 200, description = "A chat.completion (or, with `stream: true`, SSE chat.completion.chunk events ending in [DONE])"),
+        (status = 400, description = "Invalid or unsupported request (OpenAI error shape, `param` names the field)"),
+        (status = 401, description = "Missing or invalid API key"),
+        (status = 429, description = "Rate limited"),
+        (status = 503, description = "Overloaded"),
+    ),
+    security(("bearer" = []), ("api_key" = []))
+)]
+pub async fn create_chat_completion(
+    State(state): State<AppState>,
+    Extension(rid): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match chat_inner(state, rid, headers, body).await {
+        Ok(r) => r,
+        Err(e) => openai_error(e, rid),
+    }
+}
+
+/// A Cachet error in OpenAI's shape (the `request-id` header set as on every answer).
+fn openai_error(e: ApiError, rid: RequestId) -> Response {
+    crate::metrics::ERRORS
+        .with_label_values(&[e.kind.as_str()])
+        .inc();
+    let (status, body) = openai::error_body(&e);
+    let mut resp = (status, axum::Json(body)).into_response();
+    for (n, v) in e.headers {
+        resp.headers_mut().insert(n, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&rid.to_string()) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+async fn chat_inner(
+    state: AppState,
+    rid: RequestId,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let start = tokio::time::Instant::now();
+    let started_at = chrono::Utc::now();
+    let body = body_bytes(body)?;
+    let principal = state.auth.authenticate(&headers).await?;
+    let (messages, opts) = openai::to_messages(
+        &body,
+        |m| state.engines.get(m).map(|e| e.info().max_output_tokens),
+        principal.policy.allow_1h_ttl,
+    )?;
+    drop(body);
+    let body = Bytes::from(serde_json::to_vec(&messages).expect("a JSON value serializes"));
+    let Started {
+        req,
+        usage,
+        report,
+        rate,
+        mut rx,
+    } = start_generation(&state, rid, principal, body, opts.seed, (start, started_at)).await?;
+    let id = format!("chatcmpl-{}", rid.0.simple());
+    let created = started_at.timestamp();
+    let model = req.model.clone();
+    if !opts.stream {
+        let (text, stop, output) = collect_answer(&mut rx).await?;
+        let resp = json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": null},
+                         "finish_reason": openai::finish_reason(&stop), "logprobs": null}],
+            "usage": openai::usage(&usage, output),
+            "system_fingerprint": null,
+            "cachet": report,
+        });
+        return Ok(with_rate_headers(axum::Json(resp).into_response(), &rate));
+    }
+    let chunk = move |delta: serde_json::Value, finish: Option<&str>| {
+        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}]})
+    };
+    let data = |v: serde_json::Value| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()));
+    let mut first = chunk(json!({"role": "assistant", "content": ""}), None);
+    first["cachet"] = serde_json::to_value(&report).expect("a report serializes");
+    let head = futures::stream::iter(vec![data(first)]);
+    let include_usage = opts.include_usage;
+    let chunk2 = chunk.clone();
+    let body = UnboundedReceiverStream::new(rx).flat_map(move |ev| {
+        let items = match ev {
+            Event::Delta(text) => vec![data(chunk2(json!({"content": text}), None))],
+            Event::Done {
+                stop_reason,
+                output_tokens,
+            } => {
+                let mut v = vec![data(chunk2(
+                    json!({}),
+                    Some(openai::finish_reason(&stop_reason)),
+                ))];
+                if include_usage {
+                    let mut last = chunk2(json!({}), None);
+                    last["choices"] = json!([]);
+                    last["usage"] = openai::usage(&usage, output_tokens);
+                    v.push(data(last));
+                }
+                v.push(Ok(SseEvent::default().data("[DONE]")));
+                v
+            }
+            Event::Error(e) => {
+                let (_, b) = openai::error_body(&e.with_request_id(rid));
+                vec![data(b)]
+            }
+            Event::Start { .. } => Vec::new(),
+        };
+        futures::stream::iter(items)
+    });
+    Ok(with_rate_headers(
+        Sse::new(head.chain(body)).into_response(),
+        &rate,
+    ))
 }
 
 #[utoipa::path(
