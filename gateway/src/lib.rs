@@ -19,6 +19,7 @@ pub mod admin;
 pub mod admission;
 pub mod api;
 pub mod auth;
+pub mod coalesce;
 pub mod conductor;
 pub mod engines;
 pub mod error;
@@ -93,6 +94,8 @@ pub struct Inner {
     pub meter: MeterHandle,
     pub auth: Arc<Authenticator>,
     pub admission: Arc<Admission>,
+    /// Prefills in progress, for in-flight coalescing.
+    pub inflight: coalesce::Inflight,
     /// The admin and finance APIs and the admin UI (on the public side only).
     pub admin: Option<admin::AdminState>,
 }
@@ -120,6 +123,7 @@ pub fn state(
         meter,
         auth,
         admission,
+        inflight: coalesce::Inflight::default(),
         admin,
     }))
 }

@@ -52,6 +52,17 @@ pub static PROMPT_TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static COALESCED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_coalesced_waits_total",
+            "Requests that waited for another request's prefill of their prefix, by how the wait ended (landed, leader_aborted, timed_out)",
+        ),
+        &["outcome"],
+    )
+    .expect("valid metric"))
+});
+
 pub static BREAKPOINTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     reg(IntCounterVec::new(
         Opts::new(

@@ -1,5 +1,6 @@
-//! One request after validation: fabric lookup → admission → engine prefill (importing the
-//! cached prefix, exporting new blocks) → fabric writes → usage → decode → meter.
+//! One request after validation: fabric lookup (waiting for another request's prefill of the
+//! same blocks, `coalesce`) → admission → engine prefill (importing the cached prefix,
+//! exporting new blocks) → fabric writes → usage → decode → meter.
 //!
 //! It runs in its own task, so a client that disconnects still gets its usage metered (with
 //! `client_disconnected` and the tokens produced so far); the HTTP handler only turns
@@ -19,6 +20,7 @@ use tokio::sync::mpsc;
 use crate::AppState;
 use crate::admission::{Ask, Decision, RateHeaders};
 use crate::api::types::{BreakpointReport, CacheCreation, CacheReport, Usage};
+use crate::coalesce::{Claim, Leader, Waited};
 use crate::error::{ApiError, ErrorKind};
 use crate::metrics;
 use crate::render::Prepared;
@@ -164,8 +166,15 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     let total = prep.rendered.tokens.len();
     let keys = prep.keys.map(Arc::new);
 
+    let targets: Vec<usize> = prep
+        .placed
+        .iter()
+        .filter(|p| p.cacheable)
+        .map(|p| p.offset)
+        .collect();
+
     // 1. The longest cached prefix, and why each later breakpoint had no entry.
-    let read = match &keys {
+    let mut read = match &keys {
         Some(k) => {
             state
                 .fabric
@@ -174,6 +183,34 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         }
         None => PrefixRead::default(),
     };
+    // 1b. In-flight coalescing: if another request of this scope is computing our next
+    // blocks, wait for its write and read them (bounded); else claim them ourselves.
+    let mut flight = None;
+    let mut coalesced_from = None;
+    if let Some(k) = &keys {
+        for _ in 0..3 {
+            let links = usage::export_links(k, read.tokens, &targets);
+            match state.inflight.claim(&info.id, &links, total - read.tokens) {
+                Claim::Lead(l) => {
+                    flight = Some(l);
+                    break;
+                }
+                Claim::None => break,
+                Claim::Follow(f) => {
+                    if f.wait().await == Waited::Landed {
+                        let again = state
+                            .fabric
+                            .read_prefix(scope, k, prep.upto, job.start)
+                            .await;
+                        if again.tokens > read.tokens {
+                            coalesced_from.get_or_insert(read.tokens);
+                            read = again;
+                        }
+                    }
+                }
+            }
+        }
+    }
     let mut miss_reason: Vec<Option<String>> = vec![None; prep.placed.len()];
     if let Some(k) = &keys {
         for (i, pl) in prep.placed.iter().enumerate() {
@@ -247,12 +284,6 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
 
     // 4–7 run on one blocking thread: prefill, the fabric writes (async calls driven with
     // `block_on`), usage and `message_start`, then decoding. One hand-off, not three.
-    let targets: Vec<usize> = prep
-        .placed
-        .iter()
-        .filter(|p| p.cacheable)
-        .map(|p| p.offset)
-        .collect();
     let work = Work {
         state: state.clone(),
         engine: job.engine.clone(),
@@ -275,6 +306,8 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
             .then(|| meter(TokenUsage::default(), 0, UsageStatus::Failed)),
         block_size: info.block_size,
         model: info.id.clone(),
+        flight,
+        coalesced_from,
     };
     let rt = tokio::runtime::Handle::current();
     let outcome = tokio::task::spawn_blocking(move || generate(work, &rt)).await;
@@ -340,6 +373,12 @@ struct Work {
     intent: Option<UsageEvent>,
     block_size: usize,
     model: String,
+    /// This request's claim on the blocks it computes: landed once they are written, so
+    /// requests waiting on them read them.
+    flight: Option<Leader>,
+    /// The cached prefix before waiting on another request's prefill, if that wait added
+    /// to it (those breakpoints are reported `coalesced`).
+    coalesced_from: Option<usize>,
 }
 
 /// Prefill, write, report, decode. Returns the prompt usage, output tokens and how it ended.
@@ -350,6 +389,7 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
         status,
         last,
     };
+    let prefill_started = std::time::Instant::now();
     let pre = match prefill(
         w.engine.as_ref(),
         &w.tokens,
@@ -365,7 +405,15 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
             return finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err));
         }
     };
+    w.state.inflight.observe(
+        &w.model,
+        w.tokens.len() - pre.cached,
+        prefill_started.elapsed(),
+    );
     let (u, api_usage, report) = rt.block_on(write_entries(&w, &pre));
+    if let Some(f) = w.flight.take() {
+        f.land();
+    }
     if let Some(mut ev) = w.intent.take() {
         (ev.input_tokens, ev.cache_write_5m_tokens) = (u.input, u.write_5m);
         (ev.cache_write_1h_tokens, ev.cache_read_tokens) = (u.write_1h, u.read);
@@ -446,7 +494,10 @@ async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRe
         let (status, reason) = if !pl.cacheable {
             ("below_minimum", None)
         } else if pl.offset <= cached {
-            ("read", None)
+            match w.coalesced_from {
+                Some(from) if pl.offset > from => ("coalesced", None),
+                _ => ("read", None),
+            }
         } else {
             let k = w.keys.as_ref().expect("cacheable breakpoint implies keys");
             match w

@@ -216,8 +216,10 @@ pub struct BreakpointReport {
     pub ttl: String,
     /// Prompt tokens up to and including the marked block.
     pub token_offset: u64,
-    /// `read`: served from the cache; `written`: written now; `below_minimum`: too short to
-    /// cache; `not_written`: the cache could not hold it (see `reason`).
+    /// `read`: served from the cache; `coalesced`: served from the cache after waiting for
+    /// another request that was computing it (billed as a read); `written`: written now;
+    /// `below_minimum`: too short to cache; `not_written`: the cache could not hold it (see
+    /// `reason`).
     pub status: String,
     /// For a breakpoint that was not read: why there was no entry (`not_cached`,
     /// `expired`, `evicted`, `evicted_quota`, `corrupt`), or why a write failed (`quota`,

@@ -1,0 +1,151 @@
+//! In-flight coalescing through the API: identical cold requests sent at once cost one
+//! prefill and one cache write; the others wait for it and are billed reads.
+
+mod common;
+
+use common::{TestApp, cached_body};
+use futures::future::join_all;
+use serde_json::{Value, json};
+
+/// A prompt of about 4,000 sim tokens with automatic caching, unique to `tag`.
+fn cold_body(tag: &str) -> Value {
+    let mut b = cached_body(4000, &format!("question about {tag}"), 12);
+    b["system"][0]["text"] = json!(format!(
+        "{tag} {}",
+        b["system"][0]["text"].as_str().unwrap()
+    ));
+    b
+}
+
+/// The engine metrics are process-wide: these tests run one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn prefilled_tokens(app: &TestApp) -> f64 {
+    app.metrics()
+        .await
+        .lines()
+        .filter(|l| {
+            l.starts_with("cachet_engine_tokens_total")
+                && l.contains("sim-tiny")
+                && l.contains("prefilled")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixteen_identical_cold_requests_cost_one_prefill_and_one_write() {
+    let _serial = SERIAL.lock().await;
+    // Real prefill time (sim-tiny: 20 µs a token, ~80 ms for this prompt), so the 16 overlap.
+    let app = TestApp::start_with(common::Options {
+        sim_time_scale: 1.0,
+        ..Default::default()
+    })
+    .await;
+    let body = cold_body("sixteen");
+    let before = prefilled_tokens(&app).await;
+    let answers: Vec<Value> = join_all((0..16).map(|_| async {
+        let (s, _, r) = app.post("/v1/messages", &app.key, &body).await;
+        assert_eq!(s, 200, "{r}");
+        r
+    }))
+    .await;
+    let writers: Vec<&Value> = answers
+        .iter()
+        .filter(|r| r["usage"]["cache_creation_input_tokens"].as_u64().unwrap() > 0)
+        .collect();
+    assert_eq!(writers.len(), 1, "exactly one request writes");
+    let written = writers[0]["usage"]["cache_creation_input_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt = common::usage_total(&writers[0]["usage"]);
+    let text = &writers[0]["content"][0]["text"];
+    let mut coalesced = 0;
+    for r in &answers {
+        if std::ptr::eq(r, writers[0]) {
+            continue;
+        }
+        assert_eq!(r["usage"]["cache_read_input_tokens"], written, "{r}");
+        assert_eq!(r["usage"]["cache_creation_input_tokens"], 0);
+        assert_eq!(common::usage_total(&r["usage"]), prompt);
+        // Greedy decoding: the same answer as the first.
+        assert_eq!(&r["content"][0]["text"], text);
+        let status = &r["cachet"]["breakpoints"][0]["status"];
+        assert!(status == "coalesced" || status == "read", "{r}");
+        coalesced += usize::from(status == "coalesced");
+    }
+    assert!(
+        coalesced > 0,
+        "no request waited for the first one's prefill"
+    );
+    // One prefill: the engine computed the prompt once, plus each reader's uncached tail.
+    let tail = prompt - written;
+    let computed = prefilled_tokens(&app).await - before;
+    assert!(
+        computed <= (prompt + 15 * tail) as f64,
+        "{computed} tokens prefilled for a {prompt}-token prompt"
+    );
+    // The ledger: one write, fifteen reads.
+    app.settle().await;
+    let pool = sqlx::PgPool::connect(&app.db_url).await.unwrap();
+    let (writes, reads): (i64, i64) = sqlx::query_as(
+        "SELECT COALESCE(sum(cache_write_5m_tokens), 0)::BIGINT, count(*) FILTER (WHERE cache_read_tokens > 0) FROM usage_events",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((writes, reads), (written as i64, 15));
+    pool.close().await;
+    assert!(
+        app.metrics()
+            .await
+            .contains("cachet_gateway_coalesced_waits_total{outcome=\"landed\"}")
+    );
+    app.stop().await;
+}
+
+/// The first request's client goes away while it prefills: its prefill and write go on, so
+/// the requests waiting on it still read it; nobody waits past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancelled_first_request_leaves_nobody_waiting() {
+    let _serial = SERIAL.lock().await;
+    let app = TestApp::start_with(common::Options {
+        sim_time_scale: 5.0, // ~400 ms of prefill
+        ..Default::default()
+    })
+    .await;
+    let mut body = cold_body("cancelled");
+    body["stream"] = json!(true);
+    let first = {
+        let (url, key, b) = (app.url.clone(), app.key.clone(), body.to_string());
+        let client = app.client.clone();
+        tokio::spawn(async move {
+            // Sends, then is dropped (aborted) before any answer: the client is gone.
+            let _ = client
+                .post(format!("{url}/v1/messages"))
+                .header("x-api-key", key)
+                .header("anthropic-version", "2023-06-01")
+                .header("content-type", "application/json")
+                .body(b)
+                .send()
+                .await;
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    first.abort();
+    body["stream"] = json!(false);
+    let started = std::time::Instant::now();
+    let answers: Vec<Value> = join_all((0..4).map(|_| async {
+        let (s, _, r) = app.post("/v1/messages", &app.key, &body).await;
+        assert_eq!(s, 200, "{r}");
+        r
+    }))
+    .await;
+    // Bounded by the first's prefill (or the waiters' deadline), not forever.
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    for r in &answers {
+        assert_eq!(r["usage"]["cache_creation_input_tokens"], 0, "{r}");
+        assert!(r["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0);
+    }
+    app.stop().await;
+}
