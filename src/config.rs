@@ -187,6 +187,9 @@ pub struct GatewaySection {
     pub max_connections: usize,
     /// Per client IP address; 0 for none (behind a proxy every client shares its address).
     pub max_connections_per_client: usize,
+    /// In-flight coalescing: a request whose prefix another request of its scope is
+    /// prefilling waits for that write and reads it (off: every request computes its own).
+    pub coalesce: bool,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -294,6 +297,7 @@ impl Default for GatewaySection {
             write_stall_timeout_secs: 60,
             max_connections: 16_384,
             max_connections_per_client: 1024,
+            coalesce: true,
         }
     }
 }
@@ -378,6 +382,7 @@ impl Config {
             &mut self.cluster.resume_grace_secs,
         )?;
         env_parse("CACHET_ENGINE_QUEUE", &mut self.engine.queue)?;
+        env_parse("CACHET_COALESCE", &mut self.gateway.coalesce)?;
         env_parse("CACHET_LOG_FORMAT", &mut self.log.format)?;
         env_parse("CACHET_ADMIN_JWT_SECRET", &mut self.admin_jwt_secret)?;
         env_parse("CACHET_METRICS_TOKEN", &mut self.metrics_token)?;
@@ -475,6 +480,7 @@ impl Config {
             write_stall_timeout_secs,
             max_connections,
             max_connections_per_client: _,
+            coalesce: _,
         } = gateway;
         if *header_read_timeout_secs == 0
             || *body_read_timeout_secs == 0
@@ -592,6 +598,7 @@ impl Config {
             redis_timeout: Duration::from_millis(self.gateway.redis_timeout_ms),
             internal_token: None,
             resume_grace: Duration::from_secs(self.cluster.resume_grace_secs),
+            coalesce: self.gateway.coalesce,
         }
     }
 

@@ -149,3 +149,148 @@ async fn a_cancelled_first_request_leaves_nobody_waiting() {
     }
     app.stop().await;
 }
+
+/// Sends Messages bodies through a gateway: (status, serving node, body).
+fn sender(
+    http: &reqwest::Client,
+    url: &str,
+    key: &str,
+) -> impl Fn(Value) -> futures::future::BoxFuture<'static, (u16, Option<String>, Value)> + use<> {
+    let (http, url, key) = (http.clone(), url.to_string(), key.to_string());
+    move |body: Value| {
+        let (http, url, key) = (http.clone(), url.clone(), key.clone());
+        Box::pin(async move {
+            let r = http
+                .post(format!("{url}/v1/messages"))
+                .header("x-api-key", key)
+                .header("anthropic-version", "2023-06-01")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            let node = r
+                .headers()
+                .get("x-cachet-node")
+                .map(|v| v.to_str().unwrap().to_string());
+            (status, node, r.json().await.unwrap_or(Value::Null))
+        })
+    }
+}
+
+struct Cluster {
+    prefix: String,
+    dir: std::path::PathBuf,
+    db_name: String,
+    db_url: String,
+    pool: sqlx::PgPool,
+    key: String,
+}
+
+impl Cluster {
+    async fn new(name: &str) -> Self {
+        let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
+        let dir = std::env::temp_dir().join(&prefix);
+        let db_name = common::fresh_db_name();
+        let db_url = format!("{}/{db_name}", common::PG);
+        let pool = cachet::server::connect_and_migrate(&db_url, 2)
+            .await
+            .unwrap();
+        let key = common::tenant_with_key(&pool, name).await;
+        Self {
+            prefix,
+            dir,
+            db_name,
+            db_url,
+            pool,
+            key,
+        }
+    }
+
+    fn env(&self, time_scale: &str) -> Vec<(&'static str, String)> {
+        vec![
+            ("DATABASE_URL", self.db_url.clone()),
+            ("CACHET_ENGINE", "sim".into()),
+            ("CACHET_SIM_TIME_SCALE", time_scale.into()),
+        ]
+    }
+
+    async fn stop(self) {
+        self.pool.close().await;
+        common::drop_db(&self.db_name).await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Three nodes behind a gateway: identical cold requests sent at once all go to the node
+/// computing their prefix, which writes it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_a_cluster_identical_requests_go_to_the_node_computing_them() {
+    use common::procs::{start_gateway, start_node_with, wait_for_nodes};
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new("cluster-coalesce").await;
+    let env = c.env("5"); // ~0.4 s of prefill for this prompt
+    let nodes: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|id| start_node_with(id, &c.prefix, &c.dir, &env, true))
+        .collect();
+    let gw = start_gateway(&c.prefix, &env);
+    let http = reqwest::Client::new();
+    wait_for_nodes(&http, &gw, 3).await;
+    let send = sender(&http, &gw.url, &c.key);
+    let answers = join_all((0..8).map(|_| send(cold_body("cluster")))).await;
+    assert!(answers.iter().all(|(s, _, _)| *s == 200), "{answers:?}");
+    let writers = answers
+        .iter()
+        .filter(|(_, _, v)| v["usage"]["cache_creation_input_tokens"].as_u64().unwrap() > 0)
+        .count();
+    assert_eq!(writers, 1, "{answers:?}");
+    let served: std::collections::HashSet<_> = answers.iter().map(|(_, n, _)| n.clone()).collect();
+    assert_eq!(served.len(), 1, "all went to one node: {served:?}");
+    drop(gw);
+    drop(nodes);
+    c.stop().await;
+}
+
+/// The node computing a prefix is killed while requests wait on it: the gateway moves each
+/// of them to another node, which serves them; nobody waits past the death.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_a_cluster_the_death_of_the_computing_node_strands_nobody() {
+    use common::procs::{start_gateway, start_node_with, wait_for_nodes};
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new("cluster-kill").await;
+    let env = c.env("100"); // ~8 s of prefill: time to add a node and kill the first
+    let mut a = Some(start_node_with("a", &c.prefix, &c.dir, &env, true));
+    let gw = start_gateway(&c.prefix, &env);
+    let http = reqwest::Client::new();
+    wait_for_nodes(&http, &gw, 1).await;
+    let send = sender(&http, &gw.url, &c.key);
+    let body = cold_body("killed");
+    // The first request can only go to a, which starts computing the prefix.
+    let first = tokio::spawn(send(body.clone()));
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let b = start_node_with("b", &c.prefix, &c.dir, &env, true);
+    wait_for_nodes(&http, &gw, 2).await;
+    // These follow the first onto a, and wait there.
+    let rest = tokio::spawn(join_all((0..4).map(|_| send(body.clone()))));
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let killed = std::time::Instant::now();
+    drop(a.take());
+    let mut all = vec![first.await.unwrap()];
+    all.extend(rest.await.unwrap());
+    let took = killed.elapsed();
+    for (s, node, v) in &all {
+        assert_eq!(*s, 200, "{v}");
+        assert_eq!(node.as_deref(), Some("b"), "served by the survivor");
+    }
+    // b computed the prefix once for all of them.
+    let writers = all
+        .iter()
+        .filter(|(_, _, v)| v["usage"]["cache_creation_input_tokens"].as_u64().unwrap() > 0)
+        .count();
+    assert!(writers >= 1);
+    assert!(took < std::time::Duration::from_secs(60), "{took:?}");
+    drop(gw);
+    drop(b);
+    c.stop().await;
+}

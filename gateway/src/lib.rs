@@ -67,6 +67,8 @@ pub struct GatewayConfig {
     /// recorded: the gateway may resume it on another node, whose complete row then wins
     /// (the ledger keeps a request's first row).
     pub resume_grace: Duration,
+    /// In-flight coalescing on (`coalesce`).
+    pub coalesce: bool,
 }
 
 /// Header carrying the cluster token on internal requests.
@@ -82,6 +84,7 @@ impl Default for GatewayConfig {
             redis_timeout: Duration::from_millis(250),
             internal_token: None,
             resume_grace: Duration::from_secs(120),
+            coalesce: true,
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use std::sync::LazyLock;
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts};
+use prometheus::{CounterVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts};
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
     let _ = prometheus::default_registry().register(Box::new(c.clone()));
@@ -52,6 +52,17 @@ pub static PROMPT_TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static PREFILL_SECONDS: LazyLock<CounterVec> = LazyLock::new(|| {
+    reg(CounterVec::new(
+        Opts::new(
+            "cachet_gateway_prefill_seconds_total",
+            "Engine time spent prefilling prompts (importing the cached prefix, computing the rest)",
+        ),
+        &["model"],
+    )
+    .expect("valid metric"))
+});
+
 pub static COALESCED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     reg(IntCounterVec::new(
         Opts::new(

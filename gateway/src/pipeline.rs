@@ -187,7 +187,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     // blocks, wait for its write and read them (bounded); else claim them ourselves.
     let mut flight = None;
     let mut coalesced_from = None;
-    if let Some(k) = &keys {
+    if let Some(k) = keys.as_ref().filter(|_| state.config.coalesce) {
         for _ in 0..3 {
             let links = usage::export_links(k, read.tokens, &targets);
             match state.inflight.claim(&info.id, &links, total - read.tokens) {
@@ -405,11 +405,13 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
             return finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err));
         }
     };
-    w.state.inflight.observe(
-        &w.model,
-        w.tokens.len() - pre.cached,
-        prefill_started.elapsed(),
-    );
+    let took = prefill_started.elapsed();
+    metrics::PREFILL_SECONDS
+        .with_label_values(&[w.model.as_str()])
+        .inc_by(took.as_secs_f64());
+    w.state
+        .inflight
+        .observe(&w.model, w.tokens.len() - pre.cached, took);
     let (u, api_usage, report) = rt.block_on(write_entries(&w, &pre));
     if let Some(f) = w.flight.take() {
         f.land();

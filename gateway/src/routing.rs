@@ -87,6 +87,10 @@ pub struct RouterInner {
     load: Mutex<HashMap<String, Arc<Load>>>,
     /// Per node, cancelled when it leaves the membership: requests waiting on it move on.
     departures: Mutex<HashMap<String, CancellationToken>>,
+    /// The first uncached block of each request being prefilled, and its node: a request
+    /// that needs the same block next goes to that node, where it waits for the write
+    /// (in-flight coalescing) instead of computing it again elsewhere.
+    computing: Mutex<HashMap<cachet_common::BlockHash, String>>,
     turn: AtomicUsize,
 }
 
@@ -114,6 +118,7 @@ pub fn state(
         index: Arc::new(RwLock::new(PrefixIndex::with_capacity(1 << 16))),
         load: Mutex::new(HashMap::new()),
         departures: Mutex::new(HashMap::new()),
+        computing: Mutex::new(HashMap::new()),
         turn: AtomicUsize::new(0),
     }))
 }
@@ -291,12 +296,20 @@ pub async fn follow_cluster(
     }
 }
 
+/// Where a request stands: its demand on the cluster, where its prefix is cached (tokens
+/// per node), and the first block it would compute (none when all of it is cached).
+struct Standing {
+    demand: Demand,
+    local: Vec<(String, usize)>,
+    next: Option<cachet_common::BlockHash>,
+}
+
 /// The demand a messages request puts on the cluster and where its prefix is cached.
 async fn demand(
     state: &RouterState,
     headers: &HeaderMap,
     body: &Bytes,
-) -> Result<(Demand, Vec<(String, usize)>), ApiError> {
+) -> Result<Standing, ApiError> {
     crate::api::handlers::check_version(headers)?;
     let principal = state.auth.authenticate(headers).await?;
     let (_, engine, prepared) =
@@ -308,6 +321,10 @@ async fn demand(
         .read()
         .unwrap_or_else(|p| p.into_inner())
         .clone();
+    let next = prepared.keys.as_ref().and_then(|k| {
+        let index = state.index.read().unwrap_or_else(|p| p.into_inner());
+        k.blocks.get(index.longest_prefix(&k.blocks)).copied()
+    });
     let (cached_blocks, local) = match &prepared.keys {
         Some(k) => {
             let index = state.index.read().unwrap_or_else(|p| p.into_inner());
@@ -328,14 +345,32 @@ async fn demand(
         }
         None => (0, nodes.iter().map(|n| (n.id.clone(), 0)).collect()),
     };
-    Ok((
-        Demand {
+    Ok(Standing {
+        demand: Demand {
             prompt_tokens: prepared.rendered.tokens.len(),
             cached_tokens: cached_blocks * b,
             bytes_per_token: info.kv.bytes_per_token(),
         },
         local,
-    ))
+        next,
+    })
+}
+
+/// While a request is being prefilled on a node, requests needing the same next block go
+/// there; dropped when its answer starts (the node has written the blocks by then).
+struct Computing<'a> {
+    state: &'a RouterInner,
+    block: cachet_common::BlockHash,
+}
+
+impl Drop for Computing<'_> {
+    fn drop(&mut self) {
+        self.state
+            .computing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.block);
+    }
 }
 
 async fn messages(
@@ -348,7 +383,11 @@ async fn messages(
         Ok(b) => b,
         Err(e) => return e.with_request_id(rid).into_response(),
     };
-    let (demand, local) = match demand(&state, &headers, &body).await {
+    let Standing {
+        demand,
+        local,
+        next,
+    } = match demand(&state, &headers, &body).await {
         Ok(d) => d,
         Err(e) => return e.with_request_id(rid).into_response(),
     };
@@ -384,10 +423,35 @@ async fn messages(
             .into_response();
         }
     };
-    let ids: Vec<String> = order
+    let mut ids: Vec<String> = order
         .iter()
         .map(|(i, _)| candidates[*i].id.clone())
         .collect();
+    // In-flight coalescing across the cluster: the node already computing our next block
+    // goes first (when it is among those that can meet the SLO); else we are the one
+    // computing it, on the first node, until our answer starts.
+    let mut _computing = None;
+    if let Some(block) = next {
+        let mut computing = state.computing.lock().unwrap_or_else(|p| p.into_inner());
+        match computing.get(&block) {
+            Some(node) => {
+                if let Some(pos) = ids.iter().position(|i| i == node) {
+                    let n = ids.remove(pos);
+                    ids.insert(0, n);
+                    metrics::ROUTED.with_label_values(&["coalesced"]).inc();
+                }
+            }
+            None => {
+                if let Some(first) = ids.first() {
+                    computing.insert(block, first.clone());
+                    _computing = Some(Computing {
+                        state: &state,
+                        block,
+                    });
+                }
+            }
+        }
+    }
     forward(&state, rid, "/v1/messages", &headers, body, &ids).await
 }
 
@@ -452,7 +516,30 @@ async fn forward_with(
     body: Bytes,
     ids: &[String],
 ) -> Response {
-    for (attempt, id) in ids.iter().enumerate() {
+    let mut ids = ids.to_vec();
+    let mut joined_checked = false;
+    for attempt in 0.. {
+        if attempt == ids.len() {
+            // Every node ranked for this request failed: nodes that joined since (a
+            // replacement for the one that died) get their turn before we give up.
+            if joined_checked {
+                break;
+            }
+            joined_checked = true;
+            let newcomers: Vec<String> = state
+                .nodes
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .map(|n| n.id.clone())
+                .filter(|n| !ids.contains(n))
+                .collect();
+            if newcomers.is_empty() {
+                break;
+            }
+            ids.extend(newcomers);
+        }
+        let id = &ids[attempt];
         let Some(base) = state.base_of(id) else {
             continue;
         };

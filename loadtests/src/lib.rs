@@ -11,6 +11,7 @@
 //!   [`report`]: the HTML reports; [`reconcile`]: the run against the price book and ledger.
 //! - `http`, `fabric`, `ledger`, `dashboard`: the benchmarks.
 
+mod burst;
 pub mod client;
 mod dashboard;
 mod fabric;
@@ -202,6 +203,30 @@ pub enum Command {
         )]
         database_url: String,
     },
+    /// N identical cold requests at once: writers, readers, the engine's prefill time for the
+    /// burst and TTFT (in-flight coalescing on vs off: run against a server started with
+    /// CACHET_COALESCE=false for the baseline).
+    Burst {
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        url: String,
+        #[arg(long, env = "CACHET_API_KEY")]
+        api_key: String,
+        #[arg(long, default_value = "smollm2-135m-instruct")]
+        model: String,
+        #[arg(long, default_value_t = 16)]
+        requests: usize,
+        /// Approximate prompt length in tokens.
+        #[arg(long, default_value_t = 4096)]
+        prompt_tokens: u64,
+        #[arg(long, default_value_t = 8)]
+        max_tokens: u64,
+        /// Bursts, each with a new prompt.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Bearer token for /metrics (CACHET_METRICS_TOKEN), when the server has one.
+        #[arg(long, env = "CACHET_METRICS_TOKEN")]
+        metrics_token: Option<String>,
+    },
     /// A bare axum server answering every POST with a fixed Messages-shaped body: the limit
     /// of HTTP on this machine, for side-by-side comparison.
     BareServer {
@@ -247,6 +272,28 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
                 );
             }
             Ok(())
+        }
+        Command::Burst {
+            url,
+            api_key,
+            model,
+            requests,
+            prompt_tokens,
+            max_tokens,
+            rounds,
+            metrics_token,
+        } => {
+            burst::run(burst::BurstArgs {
+                url,
+                api_key,
+                model,
+                requests,
+                prompt_tokens,
+                max_tokens,
+                rounds,
+                metrics_token,
+            })
+            .await
         }
         Command::BareServer { listen, seconds } => {
             http::bare_server(listen, Duration::from_secs(seconds)).await
