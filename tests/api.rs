@@ -637,3 +637,72 @@ async fn another_tenants_cached_prefix_gives_no_time_to_first_token_signal() {
     );
     app.stop().await;
 }
+
+/// Cache diagnostics in the shape of Anthropic's beta: why a request missed what an earlier
+/// one (named by its message id) left in the cache.
+#[tokio::test]
+async fn cache_miss_reasons_compare_with_the_previous_message() {
+    let app = TestApp::start().await;
+    let post = async |body: &serde_json::Value, beta: bool| -> (u16, serde_json::Value) {
+        let mut req = app
+            .client
+            .post(format!("{}/v1/messages", app.url))
+            .header("x-api-key", &app.key)
+            .header("anthropic-version", "2023-06-01")
+            .json(body);
+        if beta {
+            req = req.header(
+                "anthropic-beta",
+                "some-other-beta, cache-diagnosis-2026-04-07",
+            );
+        }
+        let r = req.send().await.unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    };
+    let first = cached_body(300, "diag", 4);
+    let (s, a) = post(&first, true).await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(
+        a["diagnostics"]["cache_miss_reason"],
+        serde_json::Value::Null
+    );
+    let prev = a["id"].as_str().unwrap().to_string();
+    let written = a["usage"]["cache_creation_input_tokens"].as_u64().unwrap();
+    assert!(written > 0);
+    let with_prev = |mut b: serde_json::Value, id: &str| {
+        b["diagnostics"] = json!({"previous_message_id": id});
+        b
+    };
+    // The same prompt reads everything: nothing missed.
+    let (_, b) = post(&with_prev(first.clone(), &prev), true).await;
+    assert_eq!(
+        b["diagnostics"]["cache_miss_reason"],
+        serde_json::Value::Null,
+        "{b}"
+    );
+    // A changed system prompt misses what the first one wrote.
+    let mut changed = first.clone();
+    changed["system"][0]["text"] = json!(format!(
+        "changed {}",
+        first["system"][0]["text"].as_str().unwrap()
+    ));
+    let (_, c) = post(&with_prev(changed, &prev), true).await;
+    let r = &c["diagnostics"]["cache_miss_reason"];
+    assert_eq!(r["type"], "system_changed", "{c}");
+    assert_eq!(r["cache_missed_input_tokens"], written);
+    // Unknown ids, and ids of another tenant, are not found.
+    let (_, d) = post(&with_prev(first.clone(), "msg_nope"), true).await;
+    assert_eq!(
+        d["diagnostics"]["cache_miss_reason"]["type"],
+        "previous_message_not_found"
+    );
+    // Without the beta header: no diagnostics at all.
+    let (_, e) = post(&with_prev(first.clone(), &prev), false).await;
+    assert!(e.get("diagnostics").is_none(), "{e}");
+    // A malformed request is a 400.
+    let mut bad = first.clone();
+    bad["diagnostics"] = json!({"previous_message_id": 5});
+    let (s, f) = post(&bad, true).await;
+    assert_eq!(s, 400, "{f}");
+    app.stop().await;
+}

@@ -21,6 +21,7 @@ pub mod api;
 pub mod auth;
 pub mod coalesce;
 pub mod conductor;
+pub mod diagnostics;
 pub mod engines;
 pub mod error;
 pub mod metrics;
@@ -99,6 +100,8 @@ pub struct Inner {
     pub admission: Arc<Admission>,
     /// Prefills in progress, for in-flight coalescing.
     pub inflight: coalesce::Inflight,
+    /// Prompts of requests that asked for cache diagnostics, for later comparison.
+    pub fingerprints: diagnostics::Fingerprints,
     /// The admin and finance APIs and the admin UI (on the public side only).
     pub admin: Option<admin::AdminState>,
 }
@@ -127,6 +130,7 @@ pub fn state(
         auth,
         admission,
         inflight: coalesce::Inflight::default(),
+        fingerprints: diagnostics::Fingerprints::default(),
         admin,
     }))
 }

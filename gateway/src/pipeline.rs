@@ -21,6 +21,7 @@ use crate::AppState;
 use crate::admission::{Ask, Decision, RateHeaders};
 use crate::api::types::{BreakpointReport, CacheCreation, CacheReport, Usage};
 use crate::coalesce::{Claim, Leader, Waited};
+use crate::diagnostics;
 use crate::error::{ApiError, ErrorKind};
 use crate::metrics;
 use crate::render::Prepared;
@@ -39,6 +40,14 @@ pub struct Job {
     pub stream: bool,
     pub stop_sequences: Vec<String>,
     pub sampling: Sampling,
+    /// Cache diagnostics asked for (the beta header): this request's message id, and the
+    /// message to compare with.
+    pub diagnose: Option<Diagnose>,
+}
+
+pub struct Diagnose {
+    pub message_id: String,
+    pub previous: Option<String>,
 }
 
 pub enum Event {
@@ -46,6 +55,8 @@ pub enum Event {
         usage: Usage,
         report: CacheReport,
         rate: RateHeaders,
+        /// `{"cache_miss_reason": …}` when diagnostics were asked for.
+        diagnostics: Option<serde_json::Value>,
     },
     Delta(String),
     Done {
@@ -227,6 +238,28 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         }
     }
 
+    // Cache diagnostics (the beta): compared with the named earlier message's fingerprint.
+    let diagnosis = job.diagnose.as_ref().map(|d| {
+        let r = &prep.rendered;
+        let fp = diagnostics::Fingerprint {
+            scope,
+            model: info.id.clone(),
+            tokens: r.tokens.as_slice().into(),
+            tools_end: r.tool_ends.last().copied().unwrap_or(0),
+            system_end: r.system_ends.last().copied().unwrap_or(0),
+            cached_end: 0,
+        };
+        let reason = match &d.previous {
+            Some(id) => {
+                let prev = state.fingerprints.get(id);
+                let gone = miss_reason.iter().flatten().next().cloned();
+                diagnostics::cache_miss_reason(prev.as_ref(), &fp, read.tokens, gone.as_deref())
+            }
+            None => serde_json::Value::Null,
+        };
+        (d.message_id.clone(), fp, reason)
+    });
+
     // 2. Admission on uncached input (reads never count) and reserved output.
     let ask = Ask {
         principal: p,
@@ -308,6 +341,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         model: info.id.clone(),
         flight,
         coalesced_from,
+        diagnosis,
     };
     let rt = tokio::runtime::Handle::current();
     let outcome = tokio::task::spawn_blocking(move || generate(work, &rt)).await;
@@ -379,6 +413,9 @@ struct Work {
     /// The cached prefix before waiting on another request's prefill, if that wait added
     /// to it (those breakpoints are reported `coalesced`).
     coalesced_from: Option<usize>,
+    /// With cache diagnostics: this request's message id, its fingerprint (kept once its
+    /// entries are written) and the miss reason to report.
+    diagnosis: Option<(String, diagnostics::Fingerprint, serde_json::Value)>,
 }
 
 /// Prefill, write, report, decode. Returns the prompt usage, output tokens and how it ended.
@@ -416,6 +453,18 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
     if let Some(f) = w.flight.take() {
         f.land();
     }
+    let diagnostics = w.diagnosis.take().map(|(id, mut fp, reason)| {
+        fp.cached_end = report
+            .breakpoints
+            .iter()
+            .filter(|b| matches!(b.status.as_str(), "read" | "coalesced" | "written"))
+            .map(|b| b.token_offset as usize)
+            .max()
+            .unwrap_or(0)
+            .max(pre.cached);
+        w.state.fingerprints.put(id, fp);
+        serde_json::json!({ "cache_miss_reason": reason })
+    });
     if let Some(mut ev) = w.intent.take() {
         (ev.input_tokens, ev.cache_write_5m_tokens) = (u.input, u.write_5m);
         (ev.cache_write_1h_tokens, ev.cache_read_tokens) = (u.write_1h, u.read);
@@ -438,6 +487,7 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
             usage: api_usage,
             report,
             rate,
+            diagnostics,
         })
         .is_err()
     {

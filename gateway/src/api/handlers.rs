@@ -122,6 +122,7 @@ struct Started {
     usage: Usage,
     report: CacheReport,
     rate: RateHeaders,
+    diagnostics: Option<serde_json::Value>,
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
 }
 
@@ -134,9 +135,19 @@ async fn start_generation(
     principal: Arc<crate::tenants::Principal>,
     body: Bytes,
     seed: Option<u64>,
+    diagnose: bool,
     (start, started_at): (tokio::time::Instant, chrono::DateTime<chrono::Utc>),
 ) -> Result<Started, ApiError> {
     let (req, engine, prepared) = prepare_messages(&state.engines, &principal, body).await?;
+    let diagnose = diagnose.then(|| pipeline::Diagnose {
+        message_id: rid.message_id(),
+        previous: req
+            .diagnostics
+            .as_ref()
+            .and_then(|d| d.get("previous_message_id"))
+            .and_then(|p| p.as_str())
+            .map(str::to_string),
+    });
     // Generation never runs past the context window: it ends as `max_tokens` there.
     let room = engine
         .info()
@@ -160,6 +171,7 @@ async fn start_generation(
             seed: Some(seed.unwrap_or(rid.0.as_u64_pair().1)),
             ignore_eos: req.ignore_eos,
         },
+        diagnose,
     };
     let mut rx = pipeline::spawn(state.clone(), job);
     match rx.recv().await {
@@ -167,11 +179,13 @@ async fn start_generation(
             usage,
             report,
             rate,
+            diagnostics,
         }) => Ok(Started {
             req,
             usage,
             report,
             rate,
+            diagnostics,
             rx,
         }),
         Some(Event::Error(e)) => Err(e),
@@ -214,12 +228,22 @@ async fn create_message_inner(
         usage,
         report,
         rate,
+        diagnostics,
         mut rx,
-    } = start_generation(&state, rid, principal, body, None, (start, started_at)).await?;
+    } = start_generation(
+        &state,
+        rid,
+        principal,
+        body,
+        None,
+        crate::diagnostics::requested(&headers),
+        (start, started_at),
+    )
+    .await?;
     let model = req.model.clone();
     if req.stream {
         Ok(with_rate_headers(
-            stream_response(rid, model, usage, report, rx),
+            stream_response(rid, model, usage, report, diagnostics, rx),
             &rate,
         ))
     } else {
@@ -244,6 +268,7 @@ async fn create_message_inner(
             },
             usage,
             cachet: report,
+            diagnostics,
         };
         Ok(with_rate_headers(axum::Json(resp).into_response(), &rate))
     }
@@ -312,15 +337,19 @@ fn stream_response(
     model: String,
     usage: Usage,
     report: CacheReport,
+    diagnostics: Option<serde_json::Value>,
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) -> Response {
-    let start = json!({
+    let mut start = json!({
         "type": "message_start",
         "message": {
             "id": rid.message_id(), "type": "message", "role": "assistant", "content": [], "model": model,
             "stop_reason": null, "stop_sequence": null, "usage": usage, "cachet": report,
         }
     });
+    if let Some(d) = diagnostics {
+        start["message"]["diagnostics"] = d;
+    }
     let head = futures::stream::iter(vec![
         sse("message_start", start),
         sse(
@@ -429,7 +458,17 @@ async fn chat_inner(
         report,
         rate,
         mut rx,
-    } = start_generation(&state, rid, principal, body, opts.seed, (start, started_at)).await?;
+        ..
+    } = start_generation(
+        &state,
+        rid,
+        principal,
+        body,
+        opts.seed,
+        false,
+        (start, started_at),
+    )
+    .await?;
     let id = format!("chatcmpl-{}", rid.0.simple());
     let created = started_at.timestamp();
     let model = req.model.clone();

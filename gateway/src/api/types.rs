@@ -152,6 +152,11 @@ pub struct MessagesRequest {
     /// trace's output lengths; billed like any output.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub ignore_eos: bool,
+    /// With `anthropic-beta: cache-diagnosis-2026-04-07`: `{"previous_message_id": "msg_…"}`
+    /// asks why this request did not read what that one left in the cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub diagnostics: Option<Value>,
 }
 
 /// `POST /v1/messages/count_tokens` body.
@@ -258,6 +263,10 @@ pub struct MessageResponse {
     pub stop_sequence: Option<String>,
     pub usage: Usage,
     pub cachet: CacheReport,
+    /// With the cache-diagnosis beta: `{"cache_miss_reason": …}` (null: nothing missed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub diagnostics: Option<Value>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, ToSchema)]

@@ -742,6 +742,17 @@ pub fn messages_request(
     if let Some(x) = opt(top, "metadata") {
         as_obj(x, "metadata")?;
     }
+    if let Some(x) = opt(top, "diagnostics") {
+        let d = as_obj(x, "diagnostics")?;
+        if let Some(p) = d.get("previous_message_id").filter(|p| !p.is_null())
+            && !p.is_string()
+        {
+            return Err(err(
+                "diagnostics.previous_message_id",
+                "Input should be a valid string",
+            ));
+        }
+    }
     tools_and_thinking(top, &w, Some(max_tokens))?;
     let bps = breakpoints(&w, top)?;
     let model = top["model"].as_str().unwrap_or_default();
