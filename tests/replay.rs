@@ -291,6 +291,25 @@ async fn a_sweep_finds_a_capacity_and_an_interrupted_replay_still_reports() {
     assert!(stdout.contains("capacity: 4 requests/s"), "{stdout}");
     renders_every_plot(&out.join("sweep.html"), &loadtests::report::SWEEP_PLOTS);
 
+    // The same workload over OpenAI's wire, reconciled with the ledger.
+    let out3 = dir.0.join("openai");
+    let run = loadtest("replay", &out3)
+        .args(["--api", "openai", "--rate", "40", "--max-requests", "60"])
+        .env("CACHET_FINANCE_TOKEN", finance_token())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}");
+    let s: Value =
+        serde_json::from_slice(&std::fs::read(out3.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(
+        (s["ok"].as_u64(), s["errors"].as_u64()),
+        (Some(60), Some(0)),
+        "{stdout}"
+    );
+    assert_eq!(s["reconciliation"]["exact"], true);
+    assert!(s["hit_ratio"].as_f64().unwrap() > 0.0);
+
     // Ctrl-C (SIGINT) a long replay: it stops sending, waits for answers, writes the summary.
     let out2 = dir.0.join("interrupted");
     let mut child = loadtest("replay", &out2)

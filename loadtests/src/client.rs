@@ -185,8 +185,10 @@ impl Usage {
 pub struct Outcome {
     /// HTTP status; 0 when no response came (connection refused, timed out).
     pub status: u16,
-    /// Why it failed (`None`: a complete answer).
+    /// Why it failed (`None`: a complete answer): status and error type.
     pub error: Option<String>,
+    /// The server's error message, when it sent one.
+    pub error_message: Option<String>,
     pub ttft_ms: Option<f64>,
     pub e2e_ms: f64,
     /// Gaps between consecutive output tokens, ms.
@@ -237,11 +239,15 @@ pub async fn send(
     let sse = header("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
     if !resp.status().is_success() {
         let text = resp.text().await.unwrap_or_default();
-        let kind = serde_json::from_str::<Value>(&text)
-            .ok()
-            .and_then(|v| v["error"]["type"].as_str().map(str::to_string))
-            .unwrap_or_else(|| "http".into());
+        let v = serde_json::from_str::<Value>(&text).ok();
+        let field = |k: &str| {
+            v.as_ref()
+                .and_then(|v| v["error"][k].as_str())
+                .map(str::to_string)
+        };
+        let kind = field("type").unwrap_or_else(|| "http".into());
         out.error = Some(format!("{} {kind}", out.status));
+        out.error_message = field("message").map(|m| m.chars().take(300).collect());
         out.e2e_ms = ms(start);
         return out;
     }

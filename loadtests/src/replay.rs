@@ -451,6 +451,7 @@ async fn send_all(
                 sent_ms,
                 status: outcome.status,
                 error: outcome.error,
+                error_message: outcome.error_message,
                 ttft_ms: outcome.ttft_ms,
                 e2e_ms: outcome.e2e_ms,
                 tbt: GapSummary::of(&mut gaps),

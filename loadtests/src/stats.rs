@@ -22,6 +22,8 @@ pub struct RequestRecord {
     pub sent_ms: f64,
     pub status: u16,
     pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_message: Option<String>,
     pub ttft_ms: Option<f64>,
     pub e2e_ms: f64,
     pub tbt: Option<GapSummary>,
@@ -240,6 +242,7 @@ mod tests {
             sent_ms: sent,
             status: if err.is_some() { 529 } else { 200 },
             error: err.map(str::to_string),
+            error_message: None,
             ttft_ms: Some(40.0),
             e2e_ms: 500.0,
             tbt: None,

@@ -120,6 +120,8 @@ pub fn to_messages(
             "prompt_cache_key",
             "prompt_cache_retention",
             "prompt_cache_options",
+            // Cachet extension, as on /v1/messages: exactly max tokens (load tests).
+            "ignore_eos",
         ];
         if !known.contains(&k.as_str())
             && !IGNORED.contains(&k.as_str())
@@ -183,6 +185,12 @@ pub fn to_messages(
                 .map(|i| i as u64)
                 .ok_or_else(|| bad("seed", "must be an integer"))?,
         );
+    }
+    if let Some(x) = get("ignore_eos") {
+        let b = x
+            .as_bool()
+            .ok_or_else(|| bad("ignore_eos", "must be a boolean"))?;
+        out.insert("ignore_eos".into(), json!(b));
     }
     if let Some(s) = get("stream") {
         opts.stream = s
@@ -648,6 +656,8 @@ mod tests {
         assert_eq!(m["stop_sequences"], json!(["END"]));
         assert!(o.stream && o.include_usage);
         assert_eq!(o.seed, Some(7));
+        let (m, _) = conv(json!({"model": "x", "ignore_eos": true, "messages": [{"role": "user", "content": "Hi"}]})).unwrap();
+        assert_eq!(m["ignore_eos"], true);
         // No max tokens: the model's limit.
         let (m, _) =
             conv(json!({"model": "x", "messages": [{"role": "user", "content": "Hi"}]})).unwrap();
