@@ -21,8 +21,11 @@ use tokio::time::Instant;
 
 use crate::metrics;
 
-/// Prefill time per token assumed before any prefill of the model was measured.
-const DEFAULT_PREFILL_PER_TOKEN: Duration = Duration::from_micros(200);
+/// Prefill time per token assumed before any prefill of the model was measured: generous (a
+/// CPU model on a busy 2-core machine measures ~6 ms), because a deadline that is too short
+/// turns a burst into as many prefills as requests, all competing for the same cores; a leader
+/// that fails releases its followers at once anyway, so only a hung one costs the full wait.
+const DEFAULT_PREFILL_PER_TOKEN: Duration = Duration::from_millis(10);
 /// Added to every deadline: scheduling, the fabric write, the follower's own read.
 const DEADLINE_SLACK: Duration = Duration::from_millis(500);
 
