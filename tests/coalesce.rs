@@ -247,6 +247,81 @@ async fn in_a_cluster_identical_requests_go_to_the_node_computing_them() {
     assert_eq!(writers, 1, "{answers:?}");
     let served: std::collections::HashSet<_> = answers.iter().map(|(_, n, _)| n.clone()).collect();
     assert_eq!(served.len(), 1, "all went to one node: {served:?}");
+
+    // OpenAI's wire through the gateway: the same prompt, routed to the same prefix, read.
+    let b = cold_body("cluster");
+    let chat = json!({
+        "model": "sim-tiny", "max_completion_tokens": 12,
+        "messages": [{"role": "system", "content": b["system"][0]["text"]},
+                     {"role": "user", "content": b["messages"][0]["content"]}],
+    });
+    let written = answers
+        .iter()
+        .find_map(|(_, _, v)| {
+            v["usage"]["cache_creation_input_tokens"]
+                .as_u64()
+                .filter(|n| *n > 0)
+        })
+        .unwrap();
+    let oai = |stream: bool| {
+        let mut body = chat.clone();
+        if stream {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        http.post(format!("{}/v1/chat/completions", gw.url))
+            .bearer_auth(&c.key)
+            .json(&body)
+            .send()
+    };
+    let r = oai(false).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], written,
+        "{v}"
+    );
+    let text = oai(true).await.unwrap().text().await.unwrap();
+    assert!(
+        text.contains("chat.completion.chunk") && text.trim_end().ends_with("data: [DONE]"),
+        "{text}"
+    );
+    // Everything the first chat request left (its prompt to the end) is read now.
+    assert!(text.contains("\"cache_write_tokens\":0"), "{text}");
+    // prompt_cache_key: new prefixes with one key land on one node (a hint within the tenant).
+    let mut nodes_for_key = std::collections::HashSet::new();
+    for i in 0..4 {
+        let mut body = chat.clone();
+        body["messages"][0]["content"] = json!(format!(
+            "fresh {i} {}",
+            b["system"][0]["text"].as_str().unwrap()
+        ));
+        body["prompt_cache_key"] = json!("team-a");
+        let r = http
+            .post(format!("{}/v1/chat/completions", gw.url))
+            .bearer_auth(&c.key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        nodes_for_key.insert(r.headers()["x-cachet-node"].to_str().unwrap().to_string());
+    }
+    assert_eq!(nodes_for_key.len(), 1, "{nodes_for_key:?}");
+    // Its errors keep OpenAI's shape on the gateway too.
+    let mut bad = chat.clone();
+    bad["n"] = json!(3);
+    let r = http
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .bearer_auth(&c.key)
+        .json(&bad)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["param"], "n", "{v}");
     drop(gw);
     drop(nodes);
     c.stop().await;

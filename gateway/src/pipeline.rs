@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 
 use crate::AppState;
 use crate::admission::{Ask, Decision, RateHeaders};
-use crate::api::types::{BreakpointReport, CacheCreation, CacheReport, Usage};
+use crate::api::types::{BreakpointReport, CacheReport, Usage};
 use crate::coalesce::{Claim, Leader, Waited};
 use crate::diagnostics;
 use crate::error::{ApiError, ErrorKind};
@@ -599,17 +599,7 @@ async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRe
             .with_label_values(&[w.model.as_str(), class])
             .inc_by(n);
     }
-    let api_usage = Usage {
-        input_tokens: u.input,
-        cache_creation_input_tokens: u.writes(),
-        cache_read_input_tokens: u.read,
-        cache_creation: CacheCreation {
-            ephemeral_5m_input_tokens: u.write_5m,
-            ephemeral_1h_input_tokens: u.write_1h,
-        },
-        output_tokens: 0,
-        service_tier: "standard".into(),
-    };
+    let api_usage = usage::anthropic(&u);
     let report = CacheReport {
         block_size: w.block_size as u64,
         prompt_tokens: total as u64,

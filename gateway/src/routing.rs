@@ -310,7 +310,6 @@ async fn demand(
     headers: &HeaderMap,
     body: &Bytes,
 ) -> Result<Standing, ApiError> {
-    crate::api::handlers::check_version(headers)?;
     let principal = state.auth.authenticate(headers).await?;
     let (_, engine, prepared) =
         crate::api::handlers::prepare_messages(&state.engines, &principal, body.clone()).await?;
@@ -383,14 +382,83 @@ async fn messages(
         Ok(b) => b,
         Err(e) => return e.with_request_id(rid).into_response(),
     };
+    let standing = match crate::api::handlers::check_version(&headers) {
+        Ok(()) => demand(&state, &headers, &body).await,
+        Err(e) => Err(e),
+    };
+    let (ids, _computing) = match standing.and_then(|s| rank(&state, s, None)) {
+        Ok(r) => r,
+        Err(e) => return e.with_request_id(rid).into_response(),
+    };
+    forward(
+        &state,
+        rid,
+        "/v1/messages",
+        &headers,
+        body,
+        &ids,
+        Wire::Anthropic,
+    )
+    .await
+}
+
+/// `POST /v1/chat/completions` on a cluster: routed by the Messages request it translates to
+/// (the same prefix, the same nodes), forwarded as sent to the node's own endpoint.
+async fn chat(
+    State(state): State<RouterState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let rid = RequestId::new();
+    let routed = async {
+        let body = crate::api::handlers::body_bytes(body)?;
+        let principal = state.auth.authenticate(&headers).await?;
+        let (messages, opts) = crate::api::openai::to_messages(
+            &body,
+            |m| state.engines.get(m).map(|e| e.info().max_output_tokens),
+            principal.policy.allow_1h_ttl,
+        )?;
+        let translated =
+            Bytes::from(serde_json::to_vec(&messages).expect("a JSON value serializes"));
+        let standing = demand(&state, &headers, &translated).await?;
+        let hint = opts
+            .prompt_cache_key
+            .map(|k| (principal.tenant, principal.workspace, k));
+        let (ids, computing) = rank(&state, standing, hint)?;
+        Ok::<_, ApiError>((body, ids, computing))
+    }
+    .await;
+    match routed {
+        Ok((body, ids, _computing)) => {
+            forward(
+                &state,
+                rid,
+                "/v1/chat/completions",
+                &headers,
+                body,
+                &ids,
+                Wire::OpenAi,
+            )
+            .await
+        }
+        Err(e) => crate::api::handlers::openai_error(e, rid),
+    }
+}
+
+/// The nodes to try for a request, best first, and (when it is the first to compute its next
+/// block) its claim on that block. `hint`: a client's `prompt_cache_key` in its scope, which
+/// picks the node for a prefix cached nowhere yet (a routing hint only: it never enters a key).
+#[allow(clippy::type_complexity)]
+fn rank<'a>(
+    state: &'a RouterState,
+    standing: Standing,
+    hint: Option<(cachet_common::TenantId, cachet_common::WorkspaceId, String)>,
+) -> Result<(Vec<String>, Option<Computing<'a>>), ApiError> {
     let Standing {
         demand,
         local,
         next,
-    } = match demand(&state, &headers, &body).await {
-        Ok(d) => d,
-        Err(e) => return e.with_request_id(rid).into_response(),
-    };
+    } = standing;
     let candidates: Vec<Candidate> = local
         .into_iter()
         .map(|(id, local_tokens)| {
@@ -408,19 +476,17 @@ async fn messages(
         Ok(o) => o,
         Err(Refusal::NoNodes) => {
             metrics::ROUTED.with_label_values(&["no_nodes"]).inc();
-            return ApiError::overloaded("no node is available to serve this request")
-                .with_request_id(rid)
-                .into_response();
+            return Err(ApiError::overloaded(
+                "no node is available to serve this request",
+            ));
         }
         Err(Refusal::OverSlo { best }) => {
             metrics::ROUTED.with_label_values(&["over_slo"]).inc();
-            return ApiError::overloaded(format!(
+            return Err(ApiError::overloaded(format!(
                 "Overloaded: the earliest estimated first token is {} ms away, over the {} ms target",
                 best.as_millis(),
                 state.config.cost.ttft_slo.as_millis()
-            ))
-            .with_request_id(rid)
-            .into_response();
+            )));
         }
     };
     let mut ids: Vec<String> = order
@@ -430,7 +496,7 @@ async fn messages(
     // In-flight coalescing across the cluster: the node already computing our next block
     // goes first (when it is among those that can meet the SLO); else we are the one
     // computing it, on the first node, until our answer starts.
-    let mut _computing = None;
+    let mut claim = None;
     if let Some(block) = next {
         let mut computing = state.computing.lock().unwrap_or_else(|p| p.into_inner());
         match computing.get(&block) {
@@ -442,17 +508,34 @@ async fn messages(
                 }
             }
             None => {
+                if let Some((tenant, workspace, key)) = hint.filter(|_| demand.cached_tokens == 0) {
+                    // Nothing cached anywhere: the key's node, the same one every time.
+                    let score = |id: &String| {
+                        use sha2::Digest;
+                        let mut h = sha2::Sha256::new();
+                        h.update(tenant.0.as_bytes());
+                        h.update(workspace.0.as_bytes());
+                        h.update((key.len() as u64).to_le_bytes());
+                        h.update(key.as_bytes());
+                        h.update(id.as_bytes());
+                        h.finalize()
+                    };
+                    if let Some(best) = ids.iter().max_by_key(|id| score(id)).cloned() {
+                        ids.retain(|i| *i != best);
+                        ids.insert(0, best);
+                    }
+                }
                 if let Some(first) = ids.first() {
                     computing.insert(block, first.clone());
-                    _computing = Some(Computing {
-                        state: &state,
+                    claim = Some(Computing {
+                        state: state.as_ref(),
                         block,
                     });
                 }
             }
         }
     }
-    forward(&state, rid, "/v1/messages", &headers, body, &ids).await
+    Ok((ids, claim))
 }
 
 /// Requests that need no routing decision (token counting, model listing) go to the least
@@ -476,7 +559,27 @@ async fn passthrough(State(state): State<RouterState>, req: Request) -> Response
     let mut ids = state.node_ids();
     ids.sort_by_key(|id| state.load(id).in_flight.load(Ordering::Relaxed));
     let method = parts.method.clone();
-    forward_with(&state, rid, method, &path, &parts.headers, body, &ids).await
+    forward_with(
+        &state,
+        rid,
+        method,
+        &path,
+        &parts.headers,
+        body,
+        &ids,
+        Wire::Anthropic,
+    )
+    .await
+}
+
+/// The API a forwarded request speaks: its stream can be resumed on another node
+/// (Anthropic's events are spliced), and a failure is answered in its error shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wire {
+    Anthropic,
+    /// Chat Completions: streams are not resumed (a node lost mid-stream ends it with an
+    /// error); errors in OpenAI's shape.
+    OpenAi,
 }
 
 async fn forward(
@@ -486,6 +589,7 @@ async fn forward(
     headers: &HeaderMap,
     body: Bytes,
     ids: &[String],
+    wire: Wire,
 ) -> Response {
     forward_with(
         state,
@@ -495,6 +599,7 @@ async fn forward(
         headers,
         body,
         ids,
+        wire,
     )
     .await
 }
@@ -507,6 +612,7 @@ fn keep_response_header(name: &str) -> bool {
         || name.starts_with("anthropic-ratelimit-")
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn forward_with(
     state: &RouterState,
     rid: RequestId,
@@ -515,6 +621,7 @@ async fn forward_with(
     headers: &HeaderMap,
     body: Bytes,
     ids: &[String],
+    wire: Wire,
 ) -> Response {
     let mut ids = ids.to_vec();
     let mut joined_checked = false;
@@ -580,7 +687,10 @@ async fn forward_with(
                         path: path.to_string(),
                         headers: headers.clone(),
                         body: body.clone(),
-                        rest: ids[attempt + 1..].iter().cloned().collect(),
+                        rest: match wire {
+                            Wire::Anthropic => ids[attempt + 1..].iter().cloned().collect(),
+                            Wire::OpenAi => Default::default(),
+                        },
                         upstream: Some((
                             Box::pin(resp.bytes_stream()),
                             InFlight {
@@ -622,9 +732,11 @@ async fn forward_with(
         tracing::warn!(node = %id, request_id = %rid, error = %outcome, "node failed; trying the next one");
     }
     metrics::ROUTED.with_label_values(&["failed"]).inc();
-    ApiError::overloaded("no node could serve this request; retry shortly")
-        .with_request_id(rid)
-        .into_response()
+    let e = ApiError::overloaded("no node could serve this request; retry shortly");
+    match wire {
+        Wire::Anthropic => e.with_request_id(rid).into_response(),
+        Wire::OpenAi => crate::api::handlers::openai_error(e, rid),
+    }
 }
 
 /// `work`'s outcome, or an error as soon as the node it waits on leaves the membership.
@@ -883,6 +995,7 @@ pub fn router(state: RouterState, admin: Option<crate::admin::AdminState>) -> Ro
     let limit = state.config.max_body_bytes;
     let mut app = Router::new()
         .route("/v1/messages", axum::routing::post(messages))
+        .route("/v1/chat/completions", axum::routing::post(chat))
         .route("/v1/messages/count_tokens", any(passthrough))
         .route("/v1/models", any(passthrough))
         .route("/v1/models/{model_id}", any(passthrough))

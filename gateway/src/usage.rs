@@ -13,7 +13,9 @@
 use cache_fabric::{ChainLink, PrefixKeys};
 use cachet_common::Ttl;
 use engine::Rendered;
+use serde_json::{Value, json};
 
+use crate::api::types::{CacheCreation, Usage};
 use crate::api::validate::{BlockRef, Breakpoint};
 
 /// A breakpoint at its token offset.
@@ -92,6 +94,44 @@ impl TokenUsage {
     }
 }
 
+/// The one mapping from the ledger's token classes to the wires' usage fields.
+///
+/// Anthropic: `input_tokens` is the uncached remainder; writes in
+/// `cache_creation_input_tokens` (split by TTL in `cache_creation`), reads in
+/// `cache_read_input_tokens`. Output tokens are filled in as they are generated.
+pub fn anthropic(u: &TokenUsage) -> Usage {
+    Usage {
+        input_tokens: u.input,
+        cache_creation_input_tokens: u.writes(),
+        cache_read_input_tokens: u.read,
+        cache_creation: CacheCreation {
+            ephemeral_5m_input_tokens: u.write_5m,
+            ephemeral_1h_input_tokens: u.write_1h,
+        },
+        output_tokens: 0,
+        service_tier: "standard".into(),
+    }
+}
+
+/// OpenAI (from the Anthropic usage above): `prompt_tokens` counts every prompt token (read
+/// and written ones included), each in exactly one of uncached, `cached_tokens`,
+/// `cache_write_tokens`, as the ledger's classes are.
+pub fn openai(u: &Usage, output_tokens: u64) -> Value {
+    let prompt = u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens;
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": output_tokens,
+        "total_tokens": prompt + output_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": u.cache_read_input_tokens,
+            "cache_write_tokens": u.cache_creation_input_tokens,
+            "audio_tokens": 0,
+        },
+        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+            "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
+    })
+}
+
 /// `written`: the breakpoints actually written, as (offset, ttl), in any order.
 pub fn compute(total: usize, read: usize, written: &[(usize, Ttl)]) -> TokenUsage {
     let mut w: Vec<(usize, Ttl)> = written
@@ -123,6 +163,28 @@ mod tests {
     use cache_fabric::KeySpace;
     use cachet_common::{Scope, TenantId, WorkspaceId};
     use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever the classes, both wires account for every prompt token exactly once and
+        /// agree with the ledger's classes.
+        #[test]
+        fn both_wires_carry_the_ledgers_classes(input in 0u64..1_000_000, w5 in 0u64..1_000_000,
+                                                w1 in 0u64..1_000_000, read in 0u64..1_000_000,
+                                                out in 0u64..100_000) {
+            let u = TokenUsage { input, write_5m: w5, write_1h: w1, read };
+            let a = anthropic(&u);
+            prop_assert_eq!(a.input_tokens + a.cache_creation_input_tokens + a.cache_read_input_tokens, u.prompt_total());
+            prop_assert_eq!(a.cache_creation.ephemeral_5m_input_tokens, w5);
+            prop_assert_eq!(a.cache_creation.ephemeral_1h_input_tokens, w1);
+            let o = openai(&a, out);
+            let d = &o["prompt_tokens_details"];
+            prop_assert_eq!(o["prompt_tokens"].as_u64(), Some(u.prompt_total()));
+            prop_assert_eq!(d["cached_tokens"].as_u64(), Some(read));
+            prop_assert_eq!(d["cache_write_tokens"].as_u64(), Some(w5 + w1));
+            prop_assert_eq!(o["prompt_tokens"].as_u64().unwrap() - read - (w5 + w1), input);
+            prop_assert_eq!(o["total_tokens"].as_u64(), Some(u.prompt_total() + out));
+        }
+    }
 
     #[test]
     fn segments_are_charged_at_the_closing_breakpoints_rate() {

@@ -420,7 +420,7 @@ pub async fn create_chat_completion(
 }
 
 /// A Cachet error in OpenAI's shape (the `request-id` header set as on every answer).
-fn openai_error(e: ApiError, rid: RequestId) -> Response {
+pub(crate) fn openai_error(e: ApiError, rid: RequestId) -> Response {
     crate::metrics::ERRORS
         .with_label_values(&[e.kind.as_str()])
         .inc();
@@ -478,7 +478,7 @@ async fn chat_inner(
             "id": id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": null},
                          "finish_reason": openai::finish_reason(&stop), "logprobs": null}],
-            "usage": openai::usage(&usage, output),
+            "usage": crate::usage::openai(&usage, output),
             "system_fingerprint": null,
             "cachet": report,
         });
@@ -508,7 +508,7 @@ async fn chat_inner(
                 if include_usage {
                     let mut last = chunk2(json!({}), None);
                     last["choices"] = json!([]);
-                    last["usage"] = openai::usage(&usage, output_tokens);
+                    last["usage"] = crate::usage::openai(&usage, output_tokens);
                     v.push(data(last));
                 }
                 v.push(Ok(SseEvent::default().data("[DONE]")));

@@ -21,7 +21,6 @@
 
 use serde_json::{Map, Value, json};
 
-use crate::api::types::Usage;
 use crate::error::{ApiError, ErrorKind};
 
 /// What the translation keeps besides the Messages body.
@@ -555,25 +554,6 @@ fn messages(
     Ok((system, out))
 }
 
-/// OpenAI's usage from the Messages usage: `prompt_tokens` counts every prompt token (read
-/// and written ones included), each in exactly one of uncached, `cached_tokens`,
-/// `cache_write_tokens`, as the ledger's classes are (`crate::usage` has the other side).
-pub fn usage(u: &Usage, output_tokens: u64) -> Value {
-    let prompt = u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens;
-    json!({
-        "prompt_tokens": prompt,
-        "completion_tokens": output_tokens,
-        "total_tokens": prompt + output_tokens,
-        "prompt_tokens_details": {
-            "cached_tokens": u.cache_read_input_tokens,
-            "cache_write_tokens": u.cache_creation_input_tokens,
-            "audio_tokens": 0,
-        },
-        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
-            "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
-    })
-}
-
 pub fn finish_reason(stop: &engine::StopReason) -> &'static str {
     match stop {
         engine::StopReason::MaxTokens => "length",
@@ -771,22 +751,5 @@ mod tests {
         );
         let late = conv(json!({"model": "x", "messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]})).unwrap_err();
         assert!(late.message.starts_with("messages[1].role:"));
-    }
-
-    #[test]
-    fn usage_counts_every_prompt_token_once() {
-        let u = Usage {
-            input_tokens: 10,
-            cache_creation_input_tokens: 200,
-            cache_read_input_tokens: 3000,
-            cache_creation: Default::default(),
-            output_tokens: 0,
-            service_tier: "standard".into(),
-        };
-        let o = usage(&u, 7);
-        assert_eq!(o["prompt_tokens"], 3210);
-        assert_eq!(o["prompt_tokens_details"]["cached_tokens"], 3000);
-        assert_eq!(o["prompt_tokens_details"]["cache_write_tokens"], 200);
-        assert_eq!(o["total_tokens"], 3217);
     }
 }

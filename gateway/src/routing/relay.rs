@@ -94,6 +94,11 @@ impl Splice {
             .map(str::trim_start)
             .collect::<Vec<_>>()
             .join("\n");
+        if data == "[DONE]" {
+            // The end of a Chat Completions stream (relayed, never resumed).
+            self.message_stop = true;
+            return Step::End(raw);
+        }
         let Ok(v) = serde_json::from_str::<serde_json::Value>(&data) else {
             // Comments and keep-alives carry no JSON; they change nothing.
             return Step::Emit(raw);
@@ -229,6 +234,20 @@ mod tests {
             ),
             ev("message_stop", serde_json::json!({"type": "message_stop"})),
         ]
+    }
+
+    #[test]
+    fn a_chat_completions_stream_ends_at_done() {
+        let mut s = Splice::default();
+        let chunk =
+            Bytes::from_static(b"data: {\"object\":\"chat.completion.chunk\",\"choices\":[]}\n\n");
+        assert!(matches!(s.event(chunk), Step::Emit(_)));
+        assert!(!s.complete());
+        assert!(matches!(
+            s.event(Bytes::from_static(b"data: [DONE]\n\n")),
+            Step::End(_)
+        ));
+        assert!(s.complete());
     }
 
     /// The text the client ends up with.
