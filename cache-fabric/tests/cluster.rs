@@ -220,11 +220,26 @@ async fn a_dead_owner_costs_nothing_and_repair_restores_r() {
     let (a, b, c) = (member("a").await, member("b").await, member("c").await);
     let all = [&a, &b, &c];
     let (ca, _) = client(&a, &all);
-    let s = scope();
     let offset = 16 * B;
-    let k = keys(s, offset);
-    let new = blocks(&k, offset);
-    write(&ca, s, &k, offset, &new, EntryKind::BestEffort).await;
+    // A scope whose blocks include one owned by A and C (so B lacks it and repair has work):
+    // each block's owner pair is one of three, so 16 blocks miss that pair once in ~650
+    // scopes; try another then.
+    let mut tries = 0;
+    let (s, k, new, lacking) = loop {
+        let s = scope();
+        let k = keys(s, offset);
+        let new = blocks(&k, offset);
+        write(&ca, s, &k, offset, &new, EntryKind::BestEffort).await;
+        let mut lacking = 0;
+        for blk in &new {
+            lacking += usize::from(copies(&[&b], s, blk.hash).await == 0);
+        }
+        if lacking > 0 {
+            break (s, k, new, lacking);
+        }
+        tries += 1;
+        assert!(tries < 10, "no scope placed a block on A and C");
+    };
     // C dies; readers' views still list it (membership lags by the heartbeat expiry).
     c.serving.abort();
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -240,6 +255,7 @@ async fn a_dead_owner_costs_nothing_and_repair_restores_r() {
     let (_, cluster_a) = client(&a, &[&a, &b]);
     let report = cluster_a.repair().await;
     assert!(report.pushed > 0 && report.failed == 0, "{report:?}");
+    assert_eq!(report.missing as usize, lacking, "{report:?}");
     for blk in &new {
         assert_eq!(copies(&[&a, &b], s, blk.hash).await, 2);
     }
