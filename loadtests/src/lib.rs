@@ -7,6 +7,7 @@
 //! - [`text`]: the deterministic text of a trace's blocks.
 //! - [`workload`]: synthetic workloads (chat, agent, RAG, scan) written as traces.
 //! - [`client`]: one request on the wire (Anthropic or OpenAI), timed token by token.
+//! - [`simulate`]: `simulate-cache`, traces and workloads through the fabric's eviction code.
 //! - [`replay`], [`sweep`]: the runs; [`stats`]: what they measure in bounded memory;
 //!   [`report`]: the HTML reports; [`reconcile`]: the run against the price book and ledger.
 //! - `http`, `fabric`, `ledger`, `dashboard`: the benchmarks.
@@ -20,6 +21,7 @@ mod ledger;
 pub mod reconcile;
 pub mod replay;
 pub mod report;
+pub mod simulate;
 pub mod stats;
 pub mod sweep;
 pub mod text;
@@ -27,7 +29,7 @@ pub mod trace;
 pub mod workload;
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Subcommand;
@@ -80,35 +82,7 @@ pub enum Command {
     /// Replay a Mooncake-format trace (`{"hash_ids": [...]}` per line) through the fabric's
     /// own eviction and admission code, without an engine, and print the prefix hit ratio of
     /// each policy and capacity (plain LRU always printed beside).
-    SimulateCache {
-        #[arg(long)]
-        trace: std::path::PathBuf,
-        /// Capacity in blocks; repeat for several.
-        #[arg(long = "capacity-blocks", required = true)]
-        capacity_blocks: Vec<u64>,
-        /// `frequency` (default), `frequency:<horizon factor>` or `lru`; repeat for several.
-        #[arg(long, default_values_t = vec!["frequency".to_string()])]
-        policy: Vec<String>,
-        /// The replay's view of the trace, to compare with a replay's hit ratio: sessions
-        /// spread over this many tenants (separate caches), as `replay --api-key` × N does.
-        #[arg(long, default_value_t = 1)]
-        tenants: usize,
-        /// Tokens per hash id (as `replay --block-tokens`); weights the token hit ratio.
-        #[arg(long, default_value_t = trace::MOONCAKE_BLOCK_TOKENS)]
-        block_tokens: u64,
-        /// Leading blocks sent as the system prompt (as `replay --system-blocks`).
-        #[arg(long, default_value_t = 1)]
-        system_blocks: usize,
-        /// Prompts shorter than this many tokens neither read nor write the cache (the
-        /// model's minimum cacheable length; 0: none).
-        #[arg(long, default_value_t = 0)]
-        min_cacheable_tokens: u64,
-        /// Skip this many records, then take at most --max-requests (as replay does).
-        #[arg(long, default_value_t = 0)]
-        skip: u64,
-        #[arg(long)]
-        max_requests: Option<u64>,
-    },
+    SimulateCache(Box<simulate::SimulateArgs>),
     /// Node→node transfer of one large block over loopback: the fabric's TCP transport vs a
     /// plain tokio socket copy of the same bytes (the limit) vs Redis SET/GET.
     Transfer {
@@ -325,33 +299,7 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             rate,
             redis_url,
         } => fabric::events_bench(blocks, rate, &redis_url).await,
-        Command::SimulateCache {
-            trace: path,
-            capacity_blocks,
-            policy,
-            tenants,
-            block_tokens,
-            system_blocks,
-            min_cacheable_tokens,
-            skip,
-            max_requests,
-        } => {
-            let shape = trace::Shape {
-                block_tokens,
-                trace_block_tokens: trace::MOONCAKE_BLOCK_TOKENS,
-                system_blocks,
-                tenants: tenants.max(1),
-            };
-            simulate_cache(
-                &path,
-                &capacity_blocks,
-                &policy,
-                shape,
-                min_cacheable_tokens,
-                skip,
-                max_requests,
-            )
-        }
+        Command::SimulateCache(a) => simulate::run(&a),
         Command::Replay(a) => {
             let r = replay::run(*a).await?;
             if !r.ok {
@@ -394,61 +342,6 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             database_url,
         } => dashboard::dashboard(&database_url, rows, tenants, days, requests, concurrency).await,
     }
-}
-
-fn simulate_cache(
-    path: &std::path::Path,
-    capacities: &[u64],
-    policies: &[String],
-    shape: trace::Shape,
-    min_cacheable_tokens: u64,
-    skip: u64,
-    max_requests: Option<u64>,
-) -> anyhow::Result<()> {
-    use cache_fabric::EvictionPolicy;
-    use cache_fabric::simulate::{SimRequest, replay_requests};
-    let mut parsed = vec![EvictionPolicy::Lru];
-    for p in policies {
-        let p = EvictionPolicy::parse(p).map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
-        if !parsed.contains(&p) {
-            parsed.push(p);
-        }
-    }
-    if let Some(c) = capacities.iter().find(|c| **c == 0) {
-        bail!("--capacity-blocks must be positive, got {c}");
-    }
-    let mut requests = Vec::new();
-    for rec in trace::open(path)?
-        .skip(skip as usize)
-        .take(max_requests.map_or(usize::MAX, |m| m as usize))
-    {
-        let rec = rec.with_context(|| path.display().to_string())?;
-        let lens = shape.block_lengths(&rec);
-        requests.push(SimRequest {
-            cacheable: lens.iter().sum::<u64>() >= min_cacheable_tokens,
-            block_tokens: lens.iter().map(|&n| n as u32).collect(),
-            scope: shape.tenant(&rec) as u32,
-            blocks: rec.hash_ids,
-        });
-    }
-    for &cap in capacities {
-        for &p in &parsed {
-            let started = Instant::now();
-            let r = replay_requests(&requests, cap, p);
-            println!(
-                "policy={}\tcapacity_blocks={cap}\trequests={}\tblocks={}\thit_blocks={}\thit_ratio={:.4}\ttoken_hit_ratio={:.4}\tnot_admitted={}\tseconds={:.1}",
-                r.policy,
-                r.requests,
-                r.blocks,
-                r.hit_blocks,
-                r.hit_ratio(),
-                r.token_hit_ratio(),
-                r.not_admitted,
-                started.elapsed().as_secs_f64()
-            );
-        }
-    }
-    Ok(())
 }
 
 /// Resident set size of this process, from `/proc/self/statm` (Linux).
