@@ -20,6 +20,16 @@ fn cold_body(tag: &str) -> Value {
 /// The engine metrics are process-wide: these tests run one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Coalescing waits that ended with `outcome`, so far in this process.
+async fn waits(app: &TestApp, outcome: &str) -> f64 {
+    let series = format!("cachet_gateway_coalesced_waits_total{{outcome=\"{outcome}\"}}");
+    app.metrics()
+        .await
+        .lines()
+        .find_map(|l| l.strip_prefix(&series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 async fn prefilled_tokens(app: &TestApp) -> f64 {
     app.metrics()
         .await
@@ -134,15 +144,15 @@ async fn a_cancelled_first_request_leaves_nobody_waiting() {
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     first.abort();
     body["stream"] = json!(false);
-    let started = std::time::Instant::now();
+    let timed_out = waits(&app, "timed_out").await;
     let answers: Vec<Value> = join_all((0..4).map(|_| async {
         let (s, _, r) = app.post("/v1/messages", &app.key, &body).await;
         assert_eq!(s, 200, "{r}");
         r
     }))
     .await;
-    // Bounded by the first's prefill (or the waiters' deadline), not forever.
-    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    // Every wait ended with the first's write, none at the deadline.
+    assert_eq!(waits(&app, "timed_out").await, timed_out);
     for r in &answers {
         assert_eq!(r["usage"]["cache_creation_input_tokens"], 0, "{r}");
         assert!(r["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0);
@@ -349,11 +359,9 @@ async fn in_a_cluster_the_death_of_the_computing_node_strands_nobody() {
     // These follow the first onto a, and wait there.
     let rest = tokio::spawn(join_all((0..4).map(|_| send(body.clone()))));
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    let killed = std::time::Instant::now();
     drop(a.take());
     let mut all = vec![first.await.unwrap()];
     all.extend(rest.await.unwrap());
-    let took = killed.elapsed();
     for (s, node, v) in &all {
         assert_eq!(*s, 200, "{v}");
         assert_eq!(node.as_deref(), Some("b"), "served by the survivor");
@@ -364,7 +372,6 @@ async fn in_a_cluster_the_death_of_the_computing_node_strands_nobody() {
         .filter(|(_, _, v)| v["usage"]["cache_creation_input_tokens"].as_u64().unwrap() > 0)
         .count();
     assert!(writers >= 1);
-    assert!(took < std::time::Duration::from_secs(60), "{took:?}");
     drop(gw);
     drop(b);
     c.stop().await;
