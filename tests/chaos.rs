@@ -186,11 +186,7 @@ async fn ledger(pool: &sqlx::PgPool) -> HashMap<RequestId, String> {
 
 /// A fresh database with one tenant and its key: (name, URL, pool, key secret).
 async fn chaos_db() -> (String, String, sqlx::PgPool, String) {
-    let db_name = common::fresh_db_name();
-    let db_url = format!("{}/{db_name}", common::PG);
-    let pool = cachet::server::connect_and_migrate(&db_url, 2)
-        .await
-        .unwrap();
+    let (db_name, db_url, pool) = common::fresh_db().await;
     let key = common::tenant_with_key(&pool, "chaos").await;
     (db_name, db_url, pool, key)
 }

@@ -201,11 +201,7 @@ impl Cluster {
     async fn new(name: &str) -> Self {
         let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
         let dir = std::env::temp_dir().join(&prefix);
-        let db_name = common::fresh_db_name();
-        let db_url = format!("{}/{db_name}", common::PG);
-        let pool = cachet::server::connect_and_migrate(&db_url, 2)
-            .await
-            .unwrap();
+        let (db_name, db_url, pool) = common::fresh_db().await;
         let key = common::tenant_with_key(&pool, name).await;
         Self {
             prefix,

@@ -132,11 +132,7 @@ fn simulated_hit_ratio() -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trace_slice_replays_without_errors_reconciles_exactly_and_matches_the_simulation() {
-    let db_name = common::fresh_db_name();
-    let db_url = format!("{}/{db_name}", common::PG);
-    let pool = cachet::server::connect_and_migrate(&db_url, 2)
-        .await
-        .unwrap();
+    let (db_name, db_url, pool) = common::fresh_db().await;
     let keys = [
         common::tenant_with_key(&pool, "replay-a").await,
         common::tenant_with_key(&pool, "replay-b").await,
@@ -229,11 +225,7 @@ async fn a_trace_slice_replays_without_errors_reconciles_exactly_and_matches_the
 /// its report drawn; then a replay interrupted with Ctrl-C still writes its summary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sweep_finds_a_capacity_and_an_interrupted_replay_still_reports() {
-    let db_name = common::fresh_db_name();
-    let db_url = format!("{}/{db_name}", common::PG);
-    let pool = cachet::server::connect_and_migrate(&db_url, 2)
-        .await
-        .unwrap();
+    let (db_name, db_url, pool) = common::fresh_db().await;
     let key = common::tenant_with_key(&pool, "sweep").await;
     let data = common::tempdir::Dir::new();
     let (serve, url) = start_serve_with(&db_url, &data.0, "0.01");

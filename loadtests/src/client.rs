@@ -60,10 +60,14 @@ impl BodyOptions {
         let system = blocks_text(&r.hash_ids[..split], &lens[..split]);
         let user = blocks_text(&r.hash_ids[split..], &lens[split..]);
         let explicit = self.breakpoints == Breakpoints::Explicit;
+        // Each wire marks a breakpoint its own way.
         let text_block = |text: String| {
             let mut b = json!({"type": "text", "text": text});
             if explicit {
-                b["cache_control"] = json!({"type": "ephemeral"});
+                match self.api {
+                    Api::Anthropic => b["cache_control"] = json!({"type": "ephemeral"}),
+                    Api::Openai => b["prompt_cache_breakpoint"] = json!({"mode": "explicit"}),
+                }
             }
             b
         };
@@ -95,8 +99,16 @@ impl BodyOptions {
                 })
             }
         };
-        if self.breakpoints == Breakpoints::Auto && self.api == Api::Anthropic {
-            v["cache_control"] = json!({"type": "ephemeral"});
+        match (self.api, self.breakpoints) {
+            (Api::Anthropic, Breakpoints::Auto) => {
+                v["cache_control"] = json!({"type": "ephemeral"})
+            }
+            // OpenAI caches automatically unless told to write marked parts only (none marked:
+            // nothing cached).
+            (Api::Openai, Breakpoints::Explicit | Breakpoints::None) => {
+                v["prompt_cache_options"] = json!({"mode": "explicit"})
+            }
+            _ => {}
         }
         if self.ignore_eos {
             v["ignore_eos"] = json!(true);
@@ -487,6 +499,28 @@ mod tests {
         assert_eq!(o["messages"][0]["role"], "system");
         assert_eq!(o["max_completion_tokens"], 16);
         assert_eq!(o["stream_options"]["include_usage"], true);
+        assert!(o.get("prompt_cache_options").is_none() && o.get("cache_control").is_none());
+        // OpenAI's own markers: explicit mode and prompt_cache_breakpoint parts.
+        let oe: Value =
+            serde_json::from_slice(&opts(Api::Openai, Breakpoints::Explicit).body(&rec())).unwrap();
+        assert_eq!(oe["prompt_cache_options"]["mode"], "explicit");
+        assert_eq!(
+            oe["messages"][0]["content"][0]["prompt_cache_breakpoint"]["mode"],
+            "explicit"
+        );
+        assert!(
+            oe["messages"][1]["content"][0]
+                .get("cache_control")
+                .is_none()
+        );
+        let on: Value =
+            serde_json::from_slice(&opts(Api::Openai, Breakpoints::None).body(&rec())).unwrap();
+        assert_eq!(on["prompt_cache_options"]["mode"], "explicit");
+        assert!(
+            on["messages"][1]["content"][0]
+                .get("prompt_cache_breakpoint")
+                .is_none()
+        );
     }
 
     #[test]

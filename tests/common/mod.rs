@@ -53,6 +53,15 @@ pub fn fresh_db_name() -> String {
     format!("cachet_test_{}", uuid::Uuid::new_v4().simple())
 }
 
+/// A new, migrated database for a test that runs the service as processes: (name, URL, pool).
+/// Drop it with [`drop_db`].
+pub async fn fresh_db() -> (String, String, sqlx::PgPool) {
+    let db_name = fresh_db_name();
+    let db_url = format!("{PG}/{db_name}");
+    let pool = server::connect_and_migrate(&db_url, 2).await.unwrap();
+    (db_name, db_url, pool)
+}
+
 pub struct Options {
     pub sim_time_scale: f64,
     pub redis_url: String,
