@@ -166,10 +166,25 @@ pub struct EngineSection {
     pub sim_time_scale: f64,
     /// Every sim answer this many tokens long (0: 12 to 31, by prompt); for load tests.
     pub sim_answer_tokens: usize,
+    /// The element type every served model stores its KV in (`f32`, `f16`, `bf16`, `int8`,
+    /// `fp8`); empty: each model's default (decision 0019).
+    pub kv_dtype: String,
     /// Generations running at once.
     pub workers: usize,
     /// Generations allowed to wait for a worker before 529.
     pub queue: usize,
+}
+
+impl EngineSection {
+    /// The configured KV dtype (`None`: each model's default).
+    pub fn kv_dtype(&self) -> anyhow::Result<Option<engine::KvDtype>> {
+        if self.kv_dtype.is_empty() {
+            return Ok(None);
+        }
+        engine::KvDtype::parse(&self.kv_dtype)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("engine.kv_dtype: {e}"))
+    }
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -281,6 +296,7 @@ impl Default for EngineSection {
             model_path: engine::reference::default_model_path(),
             sim_time_scale: 1.0,
             sim_answer_tokens: 0,
+            kv_dtype: String::new(),
             workers: 8,
             queue: 256,
         }
@@ -376,6 +392,7 @@ impl Config {
             "CACHET_SIM_ANSWER_TOKENS",
             &mut self.engine.sim_answer_tokens,
         )?;
+        env_parse("CACHET_KV_DTYPE", &mut self.engine.kv_dtype)?;
         env_parse("CACHET_ENGINE_WORKERS", &mut self.engine.workers)?;
         env_parse(
             "CACHET_RESUME_GRACE_SECS",
@@ -456,9 +473,11 @@ impl Config {
             model_path,
             sim_time_scale,
             sim_answer_tokens: _,
+            kv_dtype: _,
             workers,
             queue: _,
         } = engine;
+        engine.kv_dtype()?;
         if kind != "sim" && kind != "reference" {
             bail!("engine.kind: {kind:?} is not an engine; available: reference, sim");
         }

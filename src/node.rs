@@ -239,7 +239,7 @@ fn rdma(
     node: &std::sync::Arc<cache_fabric::FabricNode>,
     cluster: &Cluster,
 ) -> anyhow::Result<()> {
-    use cache_fabric::rdma::{Availability, probe, pull::Export, verbs::Device};
+    use cache_fabric::rdma::{Availability, Export, probe, verbs::Device};
     let wanted = match fabric.rdma_device.as_str() {
         "off" => {
             tracing::info!("RDMA off (fabric.rdma_device); the fabric transport is TCP");

@@ -143,10 +143,15 @@ pub fn admin_jwt(config: &Config) -> anyhow::Result<Option<billing::api::Jwt>> {
 /// The engines a config serves: SmolLM2 first when the reference engine is on, then the sims.
 pub async fn engines(config: &Config) -> anyhow::Result<EnginePool> {
     let mut list: Vec<Arc<dyn Engine>> = Vec::new();
+    let kv_dtype = config.engine.kv_dtype()?;
     if config.engine.kind == "reference" {
         let path = config.engine.model_path.clone();
         let started = std::time::Instant::now();
         let e = tokio::task::spawn_blocking(move || ReferenceEngine::load(&path)).await??;
+        let e = match kv_dtype {
+            Some(d) => e.with_kv_dtype(d),
+            None => e,
+        };
         tracing::info!(model = %e.info().id, seconds = started.elapsed().as_secs_f32(), "reference engine loaded");
         list.push(Arc::new(e));
     }
@@ -157,6 +162,10 @@ pub async fn engines(config: &Config) -> anyhow::Result<EnginePool> {
                 answer_tokens: (config.engine.sim_answer_tokens > 0)
                     .then_some(config.engine.sim_answer_tokens),
                 ..p
+            })
+            .map(|p| match kv_dtype {
+                Some(d) => p.with_kv_dtype(d),
+                None => p,
             })
             .map(|p| Arc::new(SimEngine::new(p, config.engine.sim_time_scale)) as Arc<dyn Engine>),
     );

@@ -4,160 +4,16 @@
 //! member's (`cachet node`): the same calls then read blocks from and write them to their
 //! owners through [`crate::cluster::Cluster`]. Callers do not change.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cachet_common::{BlockHash, Scope, TenantId};
 use tokio::time::Instant;
 
 use crate::cluster::Cluster;
-use crate::keys::{ChainLink, PrefixKeys};
-use crate::metrics;
-use crate::policy::EvictionPolicy;
-use crate::store::{
-    EntryKind, FetchedBlock, PutBlock, RemovalReason, Store, StoreLimits, WriteRefused,
-};
-
-/// Node configuration.
-#[derive(Clone, Copy, Debug)]
-pub struct NodeConfig {
-    pub dram_capacity_bytes: u64,
-    pub eviction: EvictionPolicy,
-}
-
-/// One fabric node: the tiers it holds. Cheap to share.
-pub struct FabricNode {
-    store: Mutex<Store>,
-    /// The registered pool peers READ this node's blocks from (feature `rdma`).
-    #[cfg(feature = "rdma")]
-    rdma: std::sync::OnceLock<Arc<crate::rdma::pull::Export>>,
-}
-
-impl FabricNode {
-    pub fn new(config: NodeConfig) -> Arc<Self> {
-        Self::wrap(Self::dram(config))
-    }
-
-    /// A node whose DRAM tier demotes capacity evictions to a local-disk tier in `dir`
-    /// (recovered if it exists) and promotes from it on reads.
-    pub fn with_disk(
-        config: NodeConfig,
-        dir: impl Into<std::path::PathBuf>,
-        disk_capacity_bytes: u64,
-    ) -> Result<Arc<Self>, crate::tier::TierError> {
-        let disk = crate::tier::DiskTier::open(dir, disk_capacity_bytes)?;
-        Ok(Self::wrap(
-            Self::dram(config).with_lower_tier(Box::new(disk)),
-        ))
-    }
-
-    /// A node whose DRAM tier demotes to `lower` (any [`crate::tier::TierStore`]: the disk
-    /// tier, or GPU memory with the `cuda` feature).
-    pub fn with_lower_tier(
-        config: NodeConfig,
-        lower: Box<dyn crate::tier::TierStore>,
-    ) -> Arc<Self> {
-        Self::wrap(Self::dram(config).with_lower_tier(lower))
-    }
-
-    fn wrap(store: Store) -> Arc<Self> {
-        Arc::new(Self {
-            store: Mutex::new(store),
-            #[cfg(feature = "rdma")]
-            rdma: std::sync::OnceLock::new(),
-        })
-    }
-
-    /// Serve RDMA reads of this node's blocks from `export` (once; later calls are
-    /// ignored). Peers' `RCONNECT` is refused until then, and they read over TCP.
-    #[cfg(feature = "rdma")]
-    pub fn export_rdma(&self, export: Arc<crate::rdma::pull::Export>) {
-        let _ = self.rdma.set(export);
-    }
-
-    #[cfg(feature = "rdma")]
-    pub(crate) fn rdma_export(&self) -> Option<Arc<crate::rdma::pull::Export>> {
-        self.rdma.get().cloned()
-    }
-
-    fn dram(config: NodeConfig) -> Store {
-        Store::new(StoreLimits {
-            capacity_bytes: config.dram_capacity_bytes,
-            policy: config.eviction,
-        })
-    }
-
-    /// Report the blocks this node stores and drops to `sink` (see [`crate::events`]).
-    pub fn set_event_sink(&self, sink: crate::events::EventSink) {
-        self.store().set_event_sink(sink);
-    }
-
-    pub(crate) fn store(&self) -> MutexGuard<'_, Store> {
-        // A panic while holding the lock leaves indexes possibly inconsistent but memory-safe;
-        // serving from them is better than failing every later request.
-        self.store.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// What `tenant` holds on this node, with its `top` most-read prefixes.
-    pub fn tenant_stats(&self, tenant: TenantId, top: usize) -> crate::stats::TenantCacheStats {
-        self.store().tenant_stats(tenant, Instant::now(), top)
-    }
-
-    /// Drop every block of `tenant` from every tier of this node (its tenant was deleted);
-    /// how many blocks went.
-    pub fn purge_tenant(&self, tenant: TenantId) -> usize {
-        self.store().purge_tenant(tenant)
-    }
-
-    /// Direct access for tests and fault injection.
-    #[doc(hidden)]
-    pub fn with_store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {
-        f(&mut self.store())
-    }
-}
-
-/// The result of a prefix read.
-#[derive(Clone, Debug, Default)]
-pub struct PrefixRead {
-    /// Tokens covered by `blocks`, from the start of the prompt.
-    pub tokens: usize,
-    /// The chain read, in order, with the token range each block covers.
-    pub links: Vec<ChainLink>,
-    pub blocks: Vec<FetchedBlock>,
-}
-
-impl PrefixRead {
-    /// The read of `blocks` along `links` (links past the last block are dropped), counted in
-    /// the lookup metric.
-    pub(crate) fn new(mut links: Vec<ChainLink>, blocks: Vec<FetchedBlock>) -> Self {
-        links.truncate(blocks.len());
-        let tokens = links.last().map(|l| l.end).unwrap_or(0);
-        metrics::PREFIX_LOOKUPS
-            .with_label_values(&[if tokens > 0 { "hit" } else { "miss" }])
-            .inc();
-        Self {
-            tokens,
-            links,
-            blocks,
-        }
-    }
-}
-
-/// Why there was no entry at an offset.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MissReason {
-    NeverWritten,
-    Removed(RemovalReason),
-}
-
-impl MissReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            MissReason::NeverWritten => "not_cached",
-            MissReason::Removed(r) => r.as_str(),
-        }
-    }
-}
+use crate::keys::PrefixKeys;
+use crate::node::{FabricNode, MissReason, PrefixRead};
+use crate::store::{EntryKind, PutBlock, WriteRefused};
 
 /// A handle to the fabric. Cloning is cheap.
 #[derive(Clone)]

@@ -30,10 +30,10 @@ use futures::StreamExt;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::client::{FabricNode, PrefixRead};
 use crate::keys::{ChainLink, PrefixKeys};
 use crate::membership::{self, NodeRecord};
 use crate::metrics;
+use crate::node::{FabricNode, PrefixRead};
 use crate::placement::{Member, Membership};
 use crate::store::{EntryKind, FetchedBlock, Handoff, PutBlock, WriteRefused};
 use crate::transport::{RemoteEntry, Transport};

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use cachet_common::{BlockHash, TenantId};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
-use crate::store::checksum;
+use crate::integrity::checksum;
 use crate::tier::{TierBlock, TierError, TierStore};
 
 struct OnDevice {

@@ -4,8 +4,9 @@
 //! - [`keys`]: the block key scheme (chained, scoped SHA-256 over token blocks, tail keys).
 //! - [`FabricClient`]: the client API the gateway and engines use (read the longest cached
 //!   prefix, write an entry with a TTL, explain a miss, apply tenant quotas).
-//! - [`FabricNode`]: one node's tiers: the DRAM tier ([`store`]) over an optional local-disk
-//!   tier ([`tier`]), with eviction and admission decided by [`policy`].
+//! - [`FabricNode`] ([`node`]): one node's tiers: the DRAM tier ([`store`]) over an optional
+//!   local-disk tier ([`tier`]), with eviction and admission decided by [`policy`]; every
+//!   block's checksum from [`integrity`]. Layering: node ← transport ← cluster ← client.
 //! - [`cluster`]: a node's part in a cluster: reads from and writes to blocks' owners,
 //!   re-replication after membership changes, draining.
 //! - [`events`]: block stored/removed events from nodes over a Redis Stream into gateways'
@@ -32,9 +33,11 @@ pub mod events;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod index;
+pub mod integrity;
 pub mod keys;
 pub mod membership;
 pub mod metrics;
+pub mod node;
 pub mod placement;
 pub mod policy;
 #[cfg(feature = "rdma")]
@@ -46,10 +49,13 @@ pub mod tier;
 pub mod transport;
 pub mod wire;
 
-pub use client::{FabricClient, FabricNode, MissReason, NodeConfig, PrefixRead};
+pub use client::FabricClient;
+pub use integrity::checksum;
 pub use keys::{ChainLink, KeySpace, PrefixKeys, TailKey};
+pub use node::{FabricNode, MissReason, NodeConfig, PrefixRead};
 pub use policy::EvictionPolicy;
-pub use store::{EntryKind, FetchedBlock, PutBlock, RemovalReason, WriteRefused, checksum};
+pub use stats::RemovalReason;
+pub use store::{EntryKind, FetchedBlock, PutBlock, WriteRefused};
 
 /// Wall-clock milliseconds since the Unix epoch: expiries that outlive the process (disk
 /// tier) and event times compared across processes (block events).

@@ -33,6 +33,20 @@ pub static BLOCK_READS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static EVICTION_STEP: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_fabric_eviction_step",
+        "The adaptive eviction policy's current setting: its step on the ladder of horizon factors (0 = LRU; policy::LADDER)",
+    )
+    .expect("metric"))
+});
+pub static EVICTION_MOVES: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new(
+        "cachet_fabric_eviction_moves_total",
+        "Moves of the adaptive eviction policy between horizon factors",
+    )
+    .expect("metric"))
+});
 pub static BLOCKS_WRITTEN: LazyLock<IntCounter> = LazyLock::new(|| {
     reg(IntCounter::new("cachet_fabric_blocks_written_total", "New blocks stored").expect("metric"))
 });

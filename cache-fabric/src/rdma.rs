@@ -9,7 +9,7 @@
 //!   `IBV_WR_RDMA_READ` and polling their completions (over `ibverbs-sys`: the `ibverbs`
 //!   crate's safe API posts only SENDs and hides the handles a READ needs).
 //! - [`pull`]: the data path: a serving node stages blocks in its registered pool
-//!   ([`pull::Export`]), the reader pulls them with coalesced READs and verifies each checksum;
+//!   ([`Export`], answered by [`serve`]), the reader pulls them with coalesced READs and verifies each checksum;
 //!   [`pull::RdmaTransport`] is the [`Transport`](crate::transport::Transport) that reads this
 //!   way and uses TCP for everything else and whenever RDMA fails.
 //! - [`PoolAllocator`]: placement of blocks in a node's registered memory pool (first fit over
@@ -23,11 +23,15 @@
 //! inside a virtual machine, because the build machines' kernel has no RDMA support.
 
 pub mod pull;
+pub mod serve;
 pub mod verbs;
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use cachet_common::BlockHash;
+
+use verbs::{Device, Region};
 
 /// Whether this host can do RDMA.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -167,6 +171,37 @@ pub fn coalesce(wanted: &[Wanted], max_read: u64) -> Vec<Read> {
         });
     }
     reads
+}
+
+/// A node's registered pool that peers READ staged blocks from.
+pub struct Export {
+    pub(crate) device: Arc<Device>,
+    pub(crate) pool: Region,
+    pub(crate) alloc: Mutex<PoolAllocator>,
+}
+
+impl Export {
+    /// Register a pool of `bytes` with `device`.
+    pub fn new(device: Arc<Device>, bytes: usize) -> std::io::Result<Arc<Export>> {
+        let pool = Region::new(&device, bytes)?;
+        Ok(Arc::new(Export {
+            alloc: Mutex::new(PoolAllocator::new(pool.len() as u64)),
+            device,
+            pool,
+        }))
+    }
+
+    /// Bytes staged right now (leases not yet released).
+    pub fn staged_bytes(&self) -> u64 {
+        self.alloc.lock().unwrap_or_else(|p| p.into_inner()).used()
+    }
+
+    pub(crate) fn free(&self, extents: &[(u64, u64)]) {
+        let mut a = self.alloc.lock().unwrap_or_else(|p| p.into_inner());
+        for &(off, len) in extents {
+            a.free(off, len);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -5,8 +5,11 @@
 //! `hash_ids`, the prompt's blocks in order, where equal ids mean equal prefixes. Each
 //! request reads the longest stored prefix of its chain (those blocks are hits), then writes
 //! the whole chain as one best-effort entry (automatic caching), with the policy deciding
-//! what is admitted and what is evicted. Capacity is counted in blocks; TTLs are long enough
-//! never to expire within a trace, so capacity is the only pressure.
+//! what is admitted and what is evicted. Capacity is counted in blocks, or in tokens (a
+//! block takes its token count: a byte budget divided by a KV dtype's bytes per token, see
+//! [`SimCapacity`]); a lower tier (the local disk) can sit under DRAM, taking what DRAM
+//! evicts and serving it back. TTLs are long enough never to expire within a trace, so
+//! capacity is the only pressure.
 //!
 //! The prefix hit ratio is hits over all blocks of all requests.
 
@@ -20,6 +23,29 @@ use tokio::time::Instant;
 
 use crate::policy::EvictionPolicy;
 use crate::store::{EntryKind, PutBlock, Store, StoreLimits, WriteRefused};
+use crate::tier::DramTier;
+
+/// The simulated node's size.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SimCapacity {
+    /// DRAM, in units.
+    pub dram: u64,
+    /// The tier under DRAM (the local disk), in units; 0: none.
+    pub lower: u64,
+    /// A unit is a token (each block takes its token count) instead of a block.
+    pub per_token: bool,
+}
+
+impl SimCapacity {
+    /// DRAM only, counted in blocks.
+    pub fn blocks(n: u64) -> Self {
+        Self {
+            dram: n,
+            lower: 0,
+            per_token: false,
+        }
+    }
+}
 
 /// One request: its blocks' ids, in prompt order.
 pub type Request = Vec<u64>;
@@ -82,6 +108,10 @@ pub struct SimResult {
     pub hit_tokens: u64,
     /// Entries the policy declined to store.
     pub not_admitted: u64,
+    /// Hit blocks the lower tier served.
+    pub lower_hit_blocks: u64,
+    /// The adaptive policy's step on its ladder at the end, and its moves.
+    pub adaptive: Option<(usize, u64)>,
 }
 
 impl SimResult {
@@ -130,14 +160,28 @@ pub fn replay_requests(
     capacity_blocks: u64,
     policy: EvictionPolicy,
 ) -> SimResult {
+    replay_sized(trace, SimCapacity::blocks(capacity_blocks), policy)
+}
+
+/// Replay requests through a node of `capacity` under `policy`.
+pub fn replay_sized(
+    trace: &[SimRequest],
+    capacity: SimCapacity,
+    policy: EvictionPolicy,
+) -> SimResult {
+    let capacity_blocks = capacity.dram;
     let mut store = Store::new(StoreLimits {
-        capacity_bytes: capacity_blocks,
+        capacity_bytes: capacity.dram,
         policy,
     });
+    if capacity.lower > 0 {
+        store = store.with_lower_tier(Box::new(DramTier::new(capacity.lower)));
+    }
+    // Block contents by length (a block's bytes are its size in units).
+    let mut contents: std::collections::HashMap<u32, Bytes> = std::collections::HashMap::new();
     let mut scopes: Vec<Scope> = Vec::new();
     let ttl = Duration::from_secs(365 * 24 * 3600);
     let now = Instant::now();
-    let data = Bytes::from_static(&[0]);
     let mut r = SimResult {
         policy: policy.to_string(),
         capacity_blocks,
@@ -147,6 +191,8 @@ pub fn replay_requests(
         tokens: 0,
         hit_tokens: 0,
         not_admitted: 0,
+        lower_hit_blocks: 0,
+        adaptive: None,
     };
     for req in trace {
         while scopes.len() <= req.scope as usize {
@@ -166,8 +212,10 @@ pub fn replay_requests(
             .iter()
             .map(|&id| block_hash(req.scope, id))
             .collect();
+        let lower_before = store.lower_tier_reads();
         let hits = store.get_chain(&scope, &chain, now).len();
         r.hit_blocks += hits as u64;
+        r.lower_hit_blocks += store.lower_tier_reads() - lower_before;
         r.hit_tokens += req.block_tokens[..hits]
             .iter()
             .map(|&t| t as u64)
@@ -178,7 +226,16 @@ pub fn replay_requests(
         let new: Vec<PutBlock> = (hits..chain.len())
             .map(|i| {
                 let parent = i.checked_sub(1).map(|p| chain[p]);
-                PutBlock::new(chain[i], parent, 1, data.clone())
+                let units = if capacity.per_token {
+                    req.block_tokens.get(i).copied().unwrap_or(1).max(1)
+                } else {
+                    1
+                };
+                let data = contents
+                    .entry(units)
+                    .or_insert_with(|| Bytes::from(vec![0u8; units as usize]))
+                    .clone();
+                PutBlock::new(chain[i], parent, units, data)
             })
             .collect();
         match store.put_entry(&scope, &chain[..hits], new, ttl, now, EntryKind::BestEffort) {
@@ -188,6 +245,7 @@ pub fn replay_requests(
             Err(_) => {}
         }
     }
+    r.adaptive = store.adaptive_state();
     r
 }
 
@@ -243,14 +301,81 @@ mod tests {
         // Three hot prompts, then five prompts seen once, over and over, with room for
         // four blocks: under LRU every scan flushes the hot blocks; the frequency policy
         // keeps them, and the one-off blocks only ever displace each other.
+        let trace = scans(50);
+        let lru = replay(&trace, 4, EvictionPolicy::Lru);
+        let freq = replay(&trace, 4, EvictionPolicy::FREQUENCY);
+        assert_eq!(lru.hit_blocks, 0, "{lru:?}");
+        assert!(freq.hit_blocks >= 3 * 45, "{freq:?}");
+    }
+
+    fn scans(rounds: u64) -> Vec<Request> {
         let mut trace: Vec<Request> = Vec::new();
-        for round in 0..50u64 {
+        for round in 0..rounds {
             trace.extend((0..3).map(|h| vec![h]));
             trace.extend((0..5).map(|i| vec![1000 + round * 5 + i]));
         }
+        trace
+    }
+
+    /// Conversations: each turn reads the whole conversation so far and adds a block; eight
+    /// sessions at a time, their turns interleaved, a new one starting when one ends. A
+    /// finished session is never read again, so what counts is recency.
+    fn sessions(n: u64, turns: u64) -> Vec<Request> {
+        let mut rng = 7u64;
+        let mut active: Vec<(u64, u64)> = (0..8).map(|s| (s, 0)).collect();
+        let mut next = 8;
+        let mut trace = Vec::new();
+        while !active.is_empty() {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let i = ((rng >> 33) % active.len() as u64) as usize;
+            let (s, t) = &mut active[i];
+            *t += 1;
+            let s = *s;
+            trace.push(
+                std::iter::once(0)
+                    .chain((1..=*t).map(|k| 1_000_000 + s * 1000 + k))
+                    .collect(),
+            );
+            if *t == turns {
+                if next < n {
+                    active[i] = (next, 0);
+                    next += 1;
+                } else {
+                    active.swap_remove(i);
+                }
+            }
+        }
+        trace
+    }
+
+    #[test]
+    fn the_adaptive_policy_learns_frequency_under_scans_and_recency_in_conversations() {
+        // Scans: it climbs to where the hot blocks stay.
+        let trace = scans(4000);
+        let freq = replay(&trace, 4, EvictionPolicy::FREQUENCY);
         let lru = replay(&trace, 4, EvictionPolicy::Lru);
-        let freq = replay(&trace, 4, EvictionPolicy::DEFAULT);
-        assert_eq!(lru.hit_blocks, 0, "{lru:?}");
-        assert!(freq.hit_blocks >= 3 * 45, "{freq:?}");
+        let adaptive = replay(&trace, 4, EvictionPolicy::Adaptive);
+        assert!(lru.hit_blocks < freq.hit_blocks / 10, "{lru:?} {freq:?}");
+        assert!(
+            adaptive.hit_blocks * 100 >= freq.hit_blocks * 90,
+            "{adaptive:?} vs {freq:?}"
+        );
+        assert!(adaptive.adaptive.is_some_and(|(step, _)| step > 0));
+        // Conversations: it stays with recency, where frequency loses.
+        let trace = sessions(120, 30);
+        let cap = 200;
+        let freq = replay(&trace, cap, EvictionPolicy::FREQUENCY);
+        let lru = replay(&trace, cap, EvictionPolicy::Lru);
+        let adaptive = replay(&trace, cap, EvictionPolicy::Adaptive);
+        assert!(
+            freq.hit_ratio() < lru.hit_ratio() - 0.05,
+            "the workload tells them apart: {freq:?} {lru:?}"
+        );
+        assert!(
+            adaptive.hit_ratio() >= lru.hit_ratio() - 0.005,
+            "{adaptive:?} vs {lru:?}"
+        );
     }
 }

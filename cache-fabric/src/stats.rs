@@ -9,7 +9,28 @@ use std::time::Duration;
 use cachet_common::BlockHash;
 use serde::{Deserialize, Serialize};
 
-use crate::store::RemovalReason;
+/// Why a block that once was stored is gone (kept for a while to explain misses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RemovalReason {
+    Expired,
+    Capacity,
+    Quota,
+    Corrupt,
+    /// Its tenant was deleted.
+    Purged,
+}
+
+impl RemovalReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RemovalReason::Expired => "expired",
+            RemovalReason::Capacity => "evicted",
+            RemovalReason::Quota => "evicted_quota",
+            RemovalReason::Corrupt => "corrupt",
+            RemovalReason::Purged => "purged",
+        }
+    }
+}
 
 /// Bytes and blocks of a tenant in one tier.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

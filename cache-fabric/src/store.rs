@@ -34,14 +34,11 @@ use cachet_common::{BlockHash, BlockMap, BlockSet, Scope, TenantId};
 use tokio::time::Instant;
 
 use crate::events::{EventSink, StoreEvent};
+use crate::integrity::checksum;
 use crate::policy::{EvictionPolicy, Ranking};
+pub use crate::stats::RemovalReason;
 use crate::tier::{TierBlock, TierStore};
 use crate::{metrics, unix_ms};
-
-/// crc32c of a block's bytes; computed by the writer, verified on every put and get.
-pub fn checksum(data: &[u8]) -> u32 {
-    crc32c::crc32c(data)
-}
 
 /// A block offered for storage.
 #[derive(Clone, Debug)]
@@ -73,29 +70,6 @@ pub struct FetchedBlock {
     pub hash: BlockHash,
     pub n_tokens: u32,
     pub data: Bytes,
-}
-
-/// Why a block that once was stored is gone (kept for a while to explain misses).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RemovalReason {
-    Expired,
-    Capacity,
-    Quota,
-    Corrupt,
-    /// Its tenant was deleted.
-    Purged,
-}
-
-impl RemovalReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RemovalReason::Expired => "expired",
-            RemovalReason::Capacity => "evicted",
-            RemovalReason::Quota => "evicted_quota",
-            RemovalReason::Corrupt => "corrupt",
-            RemovalReason::Purged => "purged",
-        }
-    }
 }
 
 /// What an entry write is: it decides what the entry's blocks may be evicted for.
@@ -150,6 +124,9 @@ struct Block {
     expires_at: Instant,
     /// Eviction key (smallest goes first), from the policy at the last use.
     key: u64,
+    /// The sequence number of the last use (to rank it again when the policy's setting
+    /// moves).
+    last_use: u64,
     /// Written or extended by a paid entry: never evicted for capacity.
     paid: bool,
     /// Stored blocks whose parent is this one.
@@ -210,11 +187,15 @@ pub const EXPIRY_SLACK: Duration = Duration::from_secs(1);
 /// replica there too (`ClusterConfig::hot_reads` pulls, plus the write).
 pub const STICKY_USES: u8 = 4;
 
-/// Whether a block is popular enough that its owner copy is kept last.
+/// Whether a block is popular enough that its owner copy is kept last. Only a policy that
+/// weighs frequency at all makes blocks popular: at horizon 0 (LRU, or the adaptive policy
+/// where recency serves best) stickiness would keep the parents of trimmed chains, read on
+/// every turn of a conversation, ahead of everything newer (docs/benchmarks.md, issue 15).
 fn popular(ranking: &Ranking, hash: &BlockHash) -> bool {
-    ranking
-        .estimate(hash)
-        .is_some_and(|uses| uses >= STICKY_USES)
+    ranking.horizon_factor() > 0.0
+        && ranking
+            .estimate(hash)
+            .is_some_and(|uses| uses >= STICKY_USES)
 }
 
 /// The DRAM block store. Not `Sync` by itself: the node wraps it in a mutex.
@@ -253,7 +234,15 @@ pub struct Store {
     damaged: VecDeque<Damaged>,
     /// Blocks each tenant lost, by reason (its administrators' cache view).
     removals: HashMap<TenantId, crate::stats::Evictions>,
+    /// Reads the lower tier served (promoted, or read through).
+    lower_reads: u64,
+    /// Blocks still ranked under the adaptive policy's previous setting, re-ranked a batch
+    /// at a time ([`REKEY_BATCH`]) so a move never holds the store for long.
+    stale_keys: Vec<BlockHash>,
 }
+
+/// Blocks re-ranked per store operation after the adaptive policy moves.
+const REKEY_BATCH: usize = 1024;
 
 impl Store {
     pub fn new(limits: StoreLimits) -> Self {
@@ -279,6 +268,8 @@ impl Store {
             orphans: BlockMap::default(),
             damaged: VecDeque::new(),
             removals: HashMap::new(),
+            lower_reads: 0,
+            stale_keys: Vec::new(),
         }
     }
 
@@ -302,6 +293,11 @@ impl Store {
     /// Blocks and bytes held by the lower tier, if there is one.
     pub fn lower_tier_usage(&self) -> Option<(usize, u64)> {
         self.lower.as_ref().map(|t| (t.len(), t.used_bytes()))
+    }
+
+    /// Block reads the lower tier has served since the store started.
+    pub fn lower_tier_reads(&self) -> u64 {
+        self.lower_reads
     }
 
     pub fn used_bytes(&self) -> u64 {
@@ -421,6 +417,47 @@ impl Store {
         }
     }
 
+    /// Rank up to `budget` blocks again under the policy's current setting (after the
+    /// adaptive policy moved): each as if its last use happened under it, so blocks ranked
+    /// under the old setting neither outstay nor undercut the new one.
+    fn rekey_some(&mut self, budget: usize) {
+        let stored = self.blocks.len();
+        for _ in 0..budget {
+            let Some(hash) = self.stale_keys.pop() else {
+                return;
+            };
+            let Some(b) = self.blocks.get(&hash) else {
+                continue;
+            };
+            let (old, tenant, leaf, paid, extra) =
+                (b.key, b.scope.tenant, b.children == 0, b.paid, b.extra);
+            let key = self.ranking.rekey(&hash, b.last_use, stored);
+            if key == old {
+                continue;
+            }
+            if leaf {
+                self.unset_leaf(tenant, old, hash);
+            }
+            if let Some(b) = self.blocks.get_mut(&hash) {
+                b.key = key;
+            }
+            if leaf {
+                self.set_leaf(tenant, key, hash, paid, extra);
+            }
+        }
+    }
+
+    /// The node's capacity in blocks of the mean size it holds (its capacity in bytes while
+    /// it holds none): what the adaptive policy's shadow caches hold.
+    fn capacity_blocks(&self) -> usize {
+        let cap = self.limits.capacity_bytes;
+        let per_block = self
+            .used_bytes
+            .checked_div(self.blocks.len() as u64)
+            .unwrap_or(1);
+        usize::try_from(cap / per_block.max(1)).unwrap_or(usize::MAX)
+    }
+
     fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
@@ -463,6 +500,11 @@ impl Store {
         now: Instant,
     ) -> Vec<FetchedBlock> {
         self.purge_expired(now);
+        let capacity = self.capacity_blocks();
+        if self.ranking.observe_chain(chain, capacity) {
+            self.stale_keys = self.blocks.keys().copied().collect();
+        }
+        self.rekey_some(REKEY_BATCH);
         let mut out = Vec::with_capacity(chain.len());
         for (i, hash) in chain.iter().enumerate() {
             if self.lower.is_some() && self.live(scope, hash, now).is_none() {
@@ -559,6 +601,7 @@ impl Store {
                 metrics::TIER_MOVES
                     .with_label_values(&["read_through"])
                     .inc();
+                self.lower_reads += 1;
                 return Some(FetchedBlock {
                     hash: *hash,
                     n_tokens: tb.n_tokens,
@@ -574,6 +617,7 @@ impl Store {
         let replica = parent.is_none();
         self.insert(scope, put, tb.ttl, now + remaining, tb.paid, replica, false);
         metrics::TIER_MOVES.with_label_values(&["promoted"]).inc();
+        self.lower_reads += 1;
         None
     }
 
@@ -833,6 +877,7 @@ impl Store {
         extra: bool,
     ) -> Result<(), WriteRefused> {
         self.purge_expired(now);
+        self.rekey_some(REKEY_BATCH);
         let present: Vec<BlockHash>;
         let existing = if replica {
             present = existing
@@ -990,6 +1035,7 @@ impl Store {
                 ttl,
                 expires_at,
                 key,
+                last_use: tick,
                 paid,
                 children,
                 replica,
@@ -1015,6 +1061,7 @@ impl Store {
         let key = self.ranking.use_key(hash, self.clock, stored);
         let old_key = b.key;
         b.key = key;
+        b.last_use = self.clock;
         b.paid |= paid;
         if b.children == 0 {
             // The leaf sets, updated in place (fields, not methods: `b` is still borrowed).
@@ -1364,6 +1411,18 @@ impl Store {
         if let Some(set) = self.tenant_leaves.get_mut(&tenant) {
             set.remove(&(key, hash));
         }
+    }
+
+    /// The adaptive policy's step on [`crate::policy::LADDER`] and its moves so far
+    /// (`None` under a fixed policy).
+    pub fn adaptive_state(&self) -> Option<(usize, u64)> {
+        self.ranking.adaptive_state()
+    }
+
+    /// Test hook: put the adaptive policy at `step`.
+    #[doc(hidden)]
+    pub fn set_adaptive_step_for_test(&mut self, step: usize) {
+        self.ranking.set_adaptive_step_for_test(step);
     }
 
     /// The eviction policy in force.

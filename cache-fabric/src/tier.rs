@@ -36,7 +36,7 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use cachet_common::{BlockHash, Scope, TenantId};
 
-use crate::store::checksum;
+use crate::integrity::checksum;
 use crate::wire::{get_hash, get_parent, get_scope, put_parent, put_scope};
 
 /// A block as a tier keeps it.

@@ -33,9 +33,12 @@ use cachet_common::{BlockHash, Scope, TenantId};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::client::FabricNode;
+use crate::integrity::checksum;
+use crate::node::FabricNode;
 use crate::stats::TenantCacheStats;
-use crate::store::{EntryKind, FetchedBlock, PutBlock, Store, WriteRefused, checksum};
+use crate::store::{EntryKind, FetchedBlock, PutBlock, Store, WriteRefused};
+#[cfg(feature = "rdma")]
+use crate::wire::{OP_RDMA_CONNECT, OP_RDMA_DONE, OP_RDMA_GET};
 use crate::wire::{get_hash, get_parent, get_scope, put_parent, put_scope};
 
 /// Why a transfer failed (the caller recomputes; it never fails a request).
@@ -106,14 +109,6 @@ const OP_GET: u8 = 2;
 const OP_PUT: u8 = 3;
 const OP_STRIPE: u8 = 4;
 const OP_HAS: u8 = 5;
-/// RDMA control ops (feature `rdma`, see [`crate::rdma`]): answered only by a node that
-/// exports a registered pool; any other node closes the connection, and the reader uses TCP.
-#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-pub(crate) const OP_RDMA_CONNECT: u8 = 6;
-#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-pub(crate) const OP_RDMA_GET: u8 = 7;
-#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-pub(crate) const OP_RDMA_DONE: u8 = 8;
 /// A tenant's cache on this node (the admin console's cache view), as JSON.
 const OP_STATS: u8 = 9;
 /// Most prefixes a STATS answer lists.
@@ -245,7 +240,7 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
     }
     s.write_all(&[OK]).await?;
     #[cfg(feature = "rdma")]
-    let mut rdma = node.rdma_export().map(crate::rdma::pull::ServerConn::new);
+    let mut rdma = node.rdma_export().map(crate::rdma::serve::ServerConn::new);
     loop {
         let mut f = read_frame(&mut s).await?;
         if !f.has_remaining() {

@@ -4,6 +4,17 @@
 use bytes::{Buf, BufMut};
 use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
 
+/// RDMA control ops on a node's TCP connection (feature `rdma`, see [`crate::rdma`]):
+/// answered only by a node that exports a registered pool; any other node closes the
+/// connection, and the reader uses TCP. Here, beside the encodings, because both sides use
+/// them: the transport's server dispatches them, `rdma::serve` answers, `rdma::pull` asks.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) const OP_RDMA_CONNECT: u8 = 6;
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) const OP_RDMA_GET: u8 = 7;
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) const OP_RDMA_DONE: u8 = 8;
+
 /// Bytes of an encoded [`Scope`].
 pub const SCOPE_LEN: usize = 32;
 /// Bytes of an encoded optional parent (flag + hash).

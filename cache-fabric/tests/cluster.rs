@@ -51,7 +51,7 @@ async fn member(id: &str) -> Member {
     });
     #[cfg(feature = "rdma")]
     if let Some(device) = rdma_device() {
-        node.export_rdma(cache_fabric::rdma::pull::Export::new(device, 16 << 20).unwrap());
+        node.export_rdma(cache_fabric::rdma::Export::new(device, 16 << 20).unwrap());
     }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();

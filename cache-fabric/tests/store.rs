@@ -300,11 +300,12 @@ async fn extra_copies_go_before_any_owned_block_and_an_owner_write_keeps_them() 
 #[tokio::test]
 async fn a_popular_blocks_owner_copy_goes_last_until_its_uses_fade() {
     let block = (B * BYTES_PER_TOKEN) as u64;
-    // Horizon 0: eviction keys are pure recency, so only stickiness can keep an old block.
+    // A negligible horizon: eviction keys are recency (frequency moves a key by under one
+    // use), so only stickiness can keep an old block.
     let (c, node) = client_with(
         4 * block,
         EvictionPolicy::Frequency {
-            horizon_factor: 0.0,
+            horizon_factor: 1e-6,
         },
     );
     let s = scope();
@@ -535,7 +536,7 @@ async fn a_paid_write_over_an_automatic_prefix_makes_the_whole_chain_paid() {
 #[tokio::test]
 async fn frequency_policy_declines_a_one_off_entry_that_would_displace_hot_blocks() {
     // Room for 4 blocks, held by two best-effort entries read many times.
-    let (c, node) = client_with(4 * (B * BYTES_PER_TOKEN) as u64, EvictionPolicy::DEFAULT);
+    let (c, node) = client_with(4 * (B * BYTES_PER_TOKEN) as u64, EvictionPolicy::FREQUENCY);
     let s = scope();
     let now = Instant::now();
     let hot: Vec<PrefixKeys> = (0..2).map(|i| keys(s, &toks(50 + i, 8), &[8])).collect();
@@ -801,14 +802,17 @@ proptest! {
     #[test]
     fn random_workloads_keep_invariants_and_bounds(
         ops in proptest::collection::vec((0usize..3, 0u32..12, 1usize..20, any::<bool>(), any::<bool>()), 1..60),
-        frequency in any::<bool>(),
+        policy in 0usize..3,
+        step in 0usize..cache_fabric::policy::LADDER.len(),
     ) {
         let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
         rt.block_on(async {
             let cap = 24 * (B * BYTES_PER_TOKEN) as u64;
             let quota = 10 * (B * BYTES_PER_TOKEN) as u64;
-            let policy = if frequency { EvictionPolicy::DEFAULT } else { EvictionPolicy::Lru };
+            let policy = [EvictionPolicy::Lru, EvictionPolicy::FREQUENCY, EvictionPolicy::Adaptive][policy];
             let (c, node) = client_with(cap, policy);
+            // The adaptive policy at any setting it can learn keeps every rule.
+            node.with_store(|st| st.set_adaptive_step_for_test(step));
             let scopes: Vec<Scope> = (0..3).map(|_| scope()).collect();
             c.set_tenant_quota(scopes[0].tenant, Some(quota)).await;
             for (who, seed, len, long_ttl, paid) in ops {

@@ -276,8 +276,8 @@ async fn rdma_transport_without_a_device_is_tcp() {
 #[cfg(feature = "rdma")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rdma_transport_keeps_the_contract_over_a_device() {
-    use cache_fabric::rdma::pull::{Export, RdmaTransport};
     use cache_fabric::rdma::verbs::Device;
+    use cache_fabric::rdma::{Export, pull::RdmaTransport};
     let Some(name) = std::env::var("CACHET_RDMA_DEVICE")
         .ok()
         .filter(|n| !n.is_empty())

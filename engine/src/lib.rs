@@ -15,6 +15,7 @@
 //! Engine calls are blocking CPU work: callers run them off the async runtime.
 
 pub mod gpu;
+pub mod kv;
 pub mod memo;
 pub mod metrics;
 pub mod prompt;
@@ -25,32 +26,9 @@ pub mod stream;
 use bytes::Bytes;
 use cachet_common::BlockHash;
 
+pub use kv::KvDtype;
 pub use prompt::{Prompt, PromptMessage, Rendered, Role};
 pub use stream::{Delta, TextStream};
-
-/// The element type of stored K/V.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvDtype {
-    F32,
-    F16,
-    Bf16,
-}
-
-impl KvDtype {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            KvDtype::F32 => "f32",
-            KvDtype::F16 => "f16",
-            KvDtype::Bf16 => "bf16",
-        }
-    }
-    pub fn bytes(self) -> usize {
-        match self {
-            KvDtype::F32 => 4,
-            KvDtype::F16 | KvDtype::Bf16 => 2,
-        }
-    }
-}
 
 /// The shape of a model's KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,8 +42,20 @@ pub struct KvGeometry {
 impl KvGeometry {
     /// K and V for every layer and KV head of one token.
     pub fn bytes_per_token(&self) -> usize {
-        2 * self.layers * self.kv_heads * self.head_dim * self.dtype.bytes()
+        2 * self.layers * self.kv_heads * self.dtype.vector_bytes(self.head_dim)
     }
+}
+
+/// Every model Cachet serves and its KV shape at its default dtype, without loading any
+/// (for tools that size a cache: `cachet loadtest simulate-cache --capacity-bytes`).
+pub fn kv_geometries() -> Vec<(String, KvGeometry)> {
+    std::iter::once((reference::MODEL_ID.to_string(), reference::KV_SHAPE))
+        .chain(
+            sim::SimProfile::all()
+                .into_iter()
+                .map(|p| (p.info.id, p.info.kv)),
+        )
+        .collect()
 }
 
 /// What the gateway needs to know about a served model.

@@ -117,6 +117,14 @@ impl SimProfile {
             answer_tokens: None,
         }
     }
+    /// The same model storing its KV as `dtype`: blocks take that dtype's bytes, and
+    /// loading a cached token costs in proportion (it is a copy of those bytes).
+    pub fn with_kv_dtype(mut self, dtype: KvDtype) -> Self {
+        let before = self.info.kv.bytes_per_token() as f64;
+        self.info.kv.dtype = dtype;
+        self.load_us_per_token *= self.info.kv.bytes_per_token() as f64 / before;
+        self
+    }
     pub fn all() -> Vec<SimProfile> {
         vec![Self::tiny(), Self::llama_8b(), Self::llama_70b()]
     }

@@ -83,6 +83,17 @@ fn greedy(e: &ReferenceEngine, tokens: &[u32], imported: Vec<KvBlock>, n: u32) -
 }
 
 #[test]
+fn the_published_kv_shape_is_the_model_files() {
+    let Some(e) = engine() else { return };
+    assert_eq!(e.info().kv, engine::reference::KV_SHAPE);
+    assert_eq!(
+        e.info().kv.bytes_per_token(),
+        46_080,
+        "46 KB a token in f32"
+    );
+}
+
+#[test]
 fn greedy_output_says_paris() {
     let Some(e) = engine() else { return };
     let p = Prompt {

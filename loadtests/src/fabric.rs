@@ -120,7 +120,7 @@ pub async fn transfer_bench(
     // The same pull by RDMA READ from the node's registered pool.
     #[cfg(feature = "rdma")]
     if let Some(name) = rdma_device {
-        use cache_fabric::rdma::{pull::Export, pull::RdmaTransport, verbs::Device};
+        use cache_fabric::rdma::{Export, pull::RdmaTransport, verbs::Device};
         let device = Device::open(Some(name)).with_context(|| format!("opening {name}"))?;
         node.export_rdma(Export::new(device.clone(), 2 * size)?);
         let mut t = RdmaTransport::new(token.clone());

@@ -11,7 +11,7 @@
 //! RDONE    8 = lease:u64                    (no answer: the connection's next request follows it)
 //! ```
 //!
-//! A serving node with an [`Export`] answers `RGET` by reading the blocks from its store
+//! A serving node with an [`Export`](super::Export) answers ([`super::serve`]) `RGET` by reading the blocks from its store
 //! (mode 0: the longest prefix of a chain; mode 1: one block by hash), checksums verified,
 //! and staging them in its registered pool ([`PoolAllocator`]); the reader posts one READ
 //! per run of adjacent blocks ([`coalesce`]), split at the port's message limit, into its
@@ -37,209 +37,18 @@ use cachet_common::{BlockHash, Scope};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
+use super::serve::{MODE_BLOCK, MODE_CHAIN, OK, STAGED_LEN, UNSUPPORTED};
 use super::verbs::{Device, Endpoint, QueuePair, ReadOp, Region};
-use super::{PoolAllocator, Wanted, coalesce};
-use crate::client::FabricNode;
+use super::{Wanted, coalesce};
+use crate::integrity::checksum;
 use crate::metrics;
-use crate::store::{FetchedBlock, WriteRefused, checksum};
-use crate::transport::{
-    OP_RDMA_CONNECT, OP_RDMA_DONE, OP_RDMA_GET, RemoteEntry, TcpTransport, Transport,
-    TransportError,
-};
+use crate::store::{FetchedBlock, WriteRefused};
+use crate::transport::{RemoteEntry, TcpTransport, Transport, TransportError};
+use crate::wire::{OP_RDMA_CONNECT, OP_RDMA_DONE, OP_RDMA_GET};
 use crate::wire::{get_hash, get_scope, put_scope};
 
-const OK: u8 = 0;
-const UNSUPPORTED: u8 = 3;
-const MODE_CHAIN: u8 = 0;
-const MODE_BLOCK: u8 = 1;
-/// One staged block in an `RGET` answer.
-const STAGED_LEN: usize = 32 + 4 + 4 + 8 + 8;
 /// A connection's first receive region; it doubles (re-registered) when a block needs more.
 const FIRST_REGION: usize = 4 << 20;
-
-/// A node's registered pool that peers READ staged blocks from.
-pub struct Export {
-    device: Arc<Device>,
-    pool: Region,
-    alloc: Mutex<PoolAllocator>,
-}
-
-impl Export {
-    /// Register a pool of `bytes` with `device`.
-    pub fn new(device: Arc<Device>, bytes: usize) -> std::io::Result<Arc<Export>> {
-        let pool = Region::new(&device, bytes)?;
-        Ok(Arc::new(Export {
-            alloc: Mutex::new(PoolAllocator::new(pool.len() as u64)),
-            device,
-            pool,
-        }))
-    }
-
-    /// Bytes staged right now (leases not yet released).
-    pub fn staged_bytes(&self) -> u64 {
-        self.alloc.lock().unwrap_or_else(|p| p.into_inner()).used()
-    }
-
-    fn free(&self, extents: &[(u64, u64)]) {
-        let mut a = self.alloc.lock().unwrap_or_else(|p| p.into_inner());
-        for &(off, len) in extents {
-            a.free(off, len);
-        }
-    }
-}
-
-/// One TCP connection's RDMA state on the serving side.
-pub(crate) struct ServerConn {
-    export: Arc<Export>,
-    qp: Option<QueuePair>,
-    leases: HashMap<u64, Vec<(u64, u64)>>,
-    next_lease: u64,
-}
-
-impl ServerConn {
-    pub(crate) fn new(export: Arc<Export>) -> Self {
-        Self {
-            export,
-            qp: None,
-            leases: HashMap::new(),
-            next_lease: 1,
-        }
-    }
-
-    /// Answer one RDMA control op (`op` read off `f` already; `RDONE` has no answer); `Err`
-    /// closes the connection.
-    pub(crate) async fn handle(
-        &mut self,
-        op: u8,
-        mut f: Bytes,
-        node: &FabricNode,
-    ) -> std::io::Result<BytesMut> {
-        let bad =
-            |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
-        let mut out = BytesMut::new();
-        match op {
-            OP_RDMA_CONNECT => {
-                let remote = Endpoint::decode(&f).ok_or_else(|| bad("RCONNECT endpoint"))?;
-                // Verbs setup blocks: off the async workers.
-                let device = self.export.device.clone();
-                let connected = tokio::task::spawn_blocking(move || {
-                    let mut qp = QueuePair::new(&device)?;
-                    qp.connect(&remote)?;
-                    Ok::<_, std::io::Error>(qp)
-                })
-                .await
-                .map_err(|e| std::io::Error::other(e.to_string()))?;
-                match connected {
-                    Ok(qp) => {
-                        out.put_u8(OK);
-                        out.put_slice(&qp.endpoint().encode());
-                        out.put_u64_le(self.export.pool.addr());
-                        out.put_u64_le(self.export.pool.len() as u64);
-                        out.put_u32_le(self.export.pool.rkey());
-                        // A new queue pair replaces the old one, and with it its leases.
-                        self.release_all();
-                        self.qp = Some(qp);
-                    }
-                    Err(e) => {
-                        let reason = format!("queue pair: {e}");
-                        out.put_u8(UNSUPPORTED);
-                        out.put_u16_le(reason.len() as u16);
-                        out.put_slice(reason.as_bytes());
-                    }
-                }
-            }
-            OP_RDMA_GET => {
-                if self.qp.is_none() {
-                    return Err(bad("RGET before RCONNECT"));
-                }
-                if f.remaining() < 37 {
-                    return Err(bad("short RGET"));
-                }
-                let scope = get_scope(&mut f);
-                let mode = f.get_u8();
-                let n = f.get_u32_le() as usize;
-                if f.remaining() != n * 32
-                    || !(mode == MODE_CHAIN || (mode == MODE_BLOCK && n == 1))
-                {
-                    return Err(bad("RGET body"));
-                }
-                let hashes: Vec<BlockHash> = (0..n).map(|_| get_hash(&mut f)).collect();
-                let now = tokio::time::Instant::now();
-                let blocks = node.with_store(|st| match mode {
-                    MODE_CHAIN => st.get_chain(&scope, &hashes, now),
-                    _ => st.get_block(&scope, &hashes[0], now).into_iter().collect(),
-                });
-                let mut staged = Vec::with_capacity(blocks.len());
-                let mut extents = Vec::with_capacity(blocks.len());
-                {
-                    let mut alloc = self.export.alloc.lock().unwrap_or_else(|p| p.into_inner());
-                    for b in &blocks {
-                        let len = b.data.len() as u64;
-                        // An empty block needs no room; anything else stops where the pool is full.
-                        let off = if len == 0 {
-                            0
-                        } else {
-                            match alloc.alloc(len) {
-                                Some(off) => off,
-                                None => break,
-                            }
-                        };
-                        if len > 0 {
-                            extents.push((off, len));
-                        }
-                        staged.push((b, off));
-                    }
-                }
-                for (b, off) in &staged {
-                    // SAFETY: the extent was just allocated to this lease; no peer knows
-                    // it before the answer below.
-                    unsafe { self.export.pool.write(*off as usize, &b.data) };
-                }
-                let lease = self.next_lease;
-                self.next_lease += 1;
-                self.leases.insert(lease, extents);
-                out.reserve(13 + staged.len() * STAGED_LEN);
-                out.put_u8(OK);
-                out.put_u64_le(lease);
-                out.put_u32_le(staged.len() as u32);
-                for (b, off) in &staged {
-                    out.put_slice(&b.hash.0);
-                    out.put_u32_le(b.n_tokens);
-                    out.put_u32_le(checksum(&b.data));
-                    out.put_u64_le(b.data.len() as u64);
-                    out.put_u64_le(*off);
-                }
-                if staged.len() < blocks.len() {
-                    metrics::RDMA.with_label_values(&["pool_full"]).inc();
-                }
-            }
-            OP_RDMA_DONE => {
-                if f.remaining() != 8 {
-                    return Err(bad("RDONE length"));
-                }
-                if let Some(extents) = self.leases.remove(&f.get_u64_le()) {
-                    self.export.free(&extents);
-                }
-            }
-            _ => return Err(bad("unknown RDMA op")),
-        }
-        Ok(out)
-    }
-
-    fn release_all(&mut self) {
-        // The queue pair goes first: once it is destroyed no READ can reach the extents.
-        self.qp = None;
-        for (_, extents) in self.leases.drain() {
-            self.export.free(&extents);
-        }
-    }
-}
-
-impl Drop for ServerConn {
-    fn drop(&mut self) {
-        self.release_all();
-    }
-}
 
 /// A reader's RDMA connection to one peer: the control stream, a connected queue pair and
 /// a registered region READs land in.

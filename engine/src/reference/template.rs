@@ -22,6 +22,7 @@ pub enum Piece {
     Block(usize),
 }
 
+#[derive(Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
 }

@@ -1,0 +1,251 @@
+//! Compressed KV on the real SmolLM2 model: quality against f32 KV on a fixed set of 50
+//! prompts, and identical answers with and without a cached prefix for every dtype.
+//! Skipped with a message when the model file is absent (`make test` fetches it first).
+//!
+//! The figures (agreement and log-prob difference per dtype) print with `--nocapture`;
+//! docs/benchmarks.md quotes them.
+
+use std::sync::OnceLock;
+
+use cachet_common::BlockHash;
+use engine::reference::{ReferenceEngine, default_model_path};
+use engine::{
+    Engine, ExportSpec, GenerateRequest, KvBlock, KvDtype, Prompt, PromptMessage, Role, Sampling,
+};
+
+fn engine() -> Option<&'static ReferenceEngine> {
+    static E: OnceLock<Option<ReferenceEngine>> = OnceLock::new();
+    E.get_or_init(|| {
+        let path = std::env::var("CACHET_MODEL_PATH")
+            .map(Into::into)
+            .unwrap_or_else(|_| {
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("..")
+                    .join(default_model_path())
+            });
+        if !path.exists() {
+            eprintln!("skipping: {} not found (run `make model`)", path.display());
+            return None;
+        }
+        Some(ReferenceEngine::load(&path).expect("model loads"))
+    })
+    .as_ref()
+}
+
+/// Fifty short, varied questions (facts, how-to, code, arithmetic, writing).
+const QUESTIONS: [&str; 50] = [
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Name three rivers in Europe.",
+    "How do plants make their food?",
+    "What is the boiling point of water at sea level?",
+    "Write a haiku about autumn leaves.",
+    "Explain what a prime number is.",
+    "What is 17 times 3?",
+    "Give me a tip for sleeping better.",
+    "Who wrote Romeo and Juliet?",
+    "What does a compiler do?",
+    "Write a Python function that adds two numbers.",
+    "How many continents are there?",
+    "What causes the seasons on Earth?",
+    "Suggest a name for a pet goldfish.",
+    "What is the largest planet in our solar system?",
+    "Describe a cat in one sentence.",
+    "How do I boil an egg?",
+    "What is photosynthesis?",
+    "Translate 'good morning' into Spanish.",
+    "What is the speed of light?",
+    "List three primary colors.",
+    "Why do we need sleep?",
+    "What is a noun?",
+    "Explain gravity to a child.",
+    "What is the square root of 81?",
+    "Write a short greeting for a birthday card.",
+    "What language is spoken in Brazil?",
+    "How does a rainbow form?",
+    "What is the main ingredient of bread?",
+    "Give an example of a mammal that lives in the sea.",
+    "What is the difference between weather and climate?",
+    "How many days are in a leap year?",
+    "What is a verb? Give an example.",
+    "Write a SQL query that counts the rows of a table named users.",
+    "What do bees make?",
+    "Explain what an atom is.",
+    "Which ocean is the largest?",
+    "How can I save water at home?",
+    "What is the freezing point of water in Fahrenheit?",
+    "Tell me a fun fact about octopuses.",
+    "What is the tallest mountain in the world?",
+    "What does HTML stand for?",
+    "Describe the color green without naming it.",
+    "Why do leaves change color in the fall?",
+    "What is 100 divided by 4?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "What is the chemical symbol for gold?",
+    "How do airplanes stay in the air?",
+    "Write one sentence about the moon.",
+];
+
+/// Tokens each prompt is continued for.
+const CONTINUATION: usize = 16;
+
+fn render(e: &ReferenceEngine, q: &str, system: &str) -> engine::Rendered {
+    e.render(&Prompt {
+        tools: vec![],
+        system: vec![system.into()],
+        messages: vec![PromptMessage {
+            role: Role::User,
+            blocks: vec![q.into()],
+        }],
+        memo_scope: 0,
+    })
+    .unwrap()
+}
+
+/// Greedy top-1 agreement with f32 KV, teacher-forced on f32's greedy continuation of each
+/// prompt, and the mean absolute difference of the continuation's per-token log-probability.
+#[test]
+fn compressed_kv_agrees_with_f32_on_fifty_prompts() {
+    let Some(e) = engine() else { return };
+    let prompts: Vec<Vec<u32>> = QUESTIONS
+        .iter()
+        .map(|q| render(e, q, "You are a helpful assistant.").tokens)
+        .collect();
+    let reference: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            e.score(p, &[], CONTINUATION)
+                .unwrap()
+                .iter()
+                .map(|s| s.greedy)
+                .collect()
+        })
+        .collect();
+    let f32_logprobs: Vec<Vec<f32>> = prompts
+        .iter()
+        .zip(&reference)
+        .map(|(p, c)| {
+            let s = e.score(p, c, 0).unwrap();
+            // Teacher-forcing f32 on its own greedy continuation agrees everywhere.
+            assert!(s.iter().zip(c).all(|(s, t)| s.greedy == *t));
+            s.iter().map(|s| s.logprob).collect()
+        })
+        .collect();
+    println!("dtype\tbytes/token\ttop-1 agreement\tmean |Δ log p|\tmax |Δ log p|");
+    for d in [KvDtype::F16, KvDtype::Bf16, KvDtype::Int8, KvDtype::Fp8] {
+        let ed = e.with_kv_dtype(d);
+        let (mut agree, mut total, mut sum, mut max) = (0usize, 0usize, 0f64, 0f64);
+        for ((p, c), lp) in prompts.iter().zip(&reference).zip(&f32_logprobs) {
+            for ((s, t), l) in ed.score(p, c, 0).unwrap().iter().zip(c).zip(lp) {
+                total += 1;
+                agree += usize::from(s.greedy == *t);
+                let diff = (s.logprob - l).abs() as f64;
+                sum += diff;
+                max = max.max(diff);
+            }
+        }
+        let agreement = agree as f64 / total as f64;
+        let mean = sum / total as f64;
+        println!(
+            "{d}\t{}\t{agreement:.4} ({agree}/{total})\t{mean:.4}\t{max:.4}",
+            ed.info().kv.bytes_per_token()
+        );
+        let floor = match d {
+            KvDtype::F16 | KvDtype::Bf16 => 0.99,
+            _ => 0.97,
+        };
+        assert!(
+            agreement >= floor,
+            "{d}: top-1 agreement {agreement:.4} below {floor}"
+        );
+        assert!(mean < 0.1, "{d}: mean log-prob difference {mean:.4}");
+    }
+}
+
+fn greedy(e: &ReferenceEngine, tokens: &[u32], imported: Vec<KvBlock>) -> Vec<u32> {
+    let mut g = e
+        .start(GenerateRequest {
+            tokens: tokens.to_vec(),
+            imported,
+            exports: vec![],
+            sampling: Sampling {
+                ignore_eos: true,
+                ..Sampling::default()
+            },
+            max_new_tokens: CONTINUATION as u32,
+        })
+        .unwrap();
+    (0..CONTINUATION)
+        .map_while(|_| g.next_token().unwrap().map(|t| t.id))
+        .collect()
+}
+
+/// For every dtype: a prefix exported as a whole block plus a breakpoint's partial tail, and
+/// imported into a fresh generation, gives the answer computed without it, token for token;
+/// blocks take the dtype's bytes; another dtype's blocks are refused, never misread.
+#[test]
+fn cached_prefix_gives_identical_answers_for_every_dtype() {
+    let Some(base) = engine() else { return };
+    let system = "You are a concise assistant who answers questions about geography, \
+                  history and the natural world in one or two sentences.";
+    for d in KvDtype::ALL {
+        let e = base.with_kv_dtype(d);
+        for q in ["Name three rivers in Europe.", "Why is the sky blue?"] {
+            let r = render(&e, q, system);
+            let cut = r.system_ends[0];
+            let block = e.info().block_size;
+            assert!(cut > block, "the system prompt spans a whole block");
+            let whole = cut / block * block;
+            let mut g = e
+                .start(GenerateRequest {
+                    tokens: r.tokens.clone(),
+                    imported: vec![],
+                    exports: vec![
+                        ExportSpec {
+                            hash: BlockHash([1; 32]),
+                            start: 0,
+                            end: whole,
+                        },
+                        ExportSpec {
+                            hash: BlockHash([2; 32]),
+                            start: whole,
+                            end: cut,
+                        },
+                    ],
+                    sampling: Sampling::default(),
+                    max_new_tokens: 1,
+                })
+                .unwrap();
+            let blocks = g.take_exports();
+            assert_eq!(blocks[0].data.len(), whole * e.info().kv.bytes_per_token());
+            assert_eq!(
+                blocks[1].data.len(),
+                (cut - whole) * e.info().kv.bytes_per_token()
+            );
+            let cold = greedy(&e, &r.tokens, vec![]);
+            let warm = greedy(&e, &r.tokens, blocks.clone());
+            assert_eq!(cold.len(), CONTINUATION, "{d}");
+            assert_eq!(cold, warm, "{d}: {q}");
+            let other = if d == KvDtype::F32 {
+                KvDtype::Int8
+            } else {
+                KvDtype::F32
+            };
+            let err = base
+                .with_kv_dtype(other)
+                .start(GenerateRequest {
+                    tokens: r.tokens.clone(),
+                    imported: blocks,
+                    exports: vec![],
+                    sampling: Sampling::default(),
+                    max_new_tokens: 1,
+                })
+                .err()
+                .expect("another dtype's blocks are refused");
+            assert!(
+                matches!(err, engine::EngineError::InvalidImport(_)),
+                "{d} read as {other}: {err}"
+            );
+        }
+    }
+}
