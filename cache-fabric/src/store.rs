@@ -187,6 +187,10 @@ pub const EXPIRY_SLACK: Duration = Duration::from_secs(1);
 /// replica there too (`ClusterConfig::hot_reads` pulls, plus the write).
 pub const STICKY_USES: u8 = 4;
 
+/// Store turnovers (uses, in stored blocks; at least 1,024) after which a popular block
+/// that has not been used since is an ordinary leaf again.
+pub const STICKY_GRACE_TURNS: u64 = 2;
+
 /// Whether a block is popular enough that its owner copy is kept last. Only a policy that
 /// weighs frequency at all makes blocks popular: at horizon 0 (LRU, or the adaptive policy
 /// where recency serves best) stickiness would keep the parents of trimmed chains, read on
@@ -392,7 +396,7 @@ impl Store {
             .sticky_leaves
             .iter()
             .take(4)
-            .filter(|(_, h)| !popular(&self.ranking, h))
+            .filter(|(_, h)| !self.is_sticky(h))
             .copied()
             .collect();
         for l in faded {
@@ -1381,7 +1385,7 @@ impl Store {
             self.leaves.insert((key, hash));
             if extra {
                 self.extra_leaves.insert((key, hash));
-            } else if popular(&self.ranking, &hash) {
+            } else if self.is_sticky(&hash) {
                 self.sticky_leaves.insert((key, hash));
             }
         }
@@ -1397,10 +1401,24 @@ impl Store {
             && b.extra
         {
             b.extra = false;
-            if self.extra_leaves.remove(&(b.key, *hash)) && popular(&self.ranking, hash) {
-                self.sticky_leaves.insert((b.key, *hash));
+            let key = b.key;
+            if self.extra_leaves.remove(&(key, *hash)) && self.is_sticky(hash) {
+                self.sticky_leaves.insert((key, *hash));
             }
         }
+    }
+
+    /// Whether a stored block is kept last among leaves: popular, and used within the last
+    /// two turnovers of the store ([`STICKY_GRACE_TURNS`]). The estimate alone fades too
+    /// slowly (its counters halve every ten turnovers): the parent of a finished
+    /// conversation, read on every turn, would outstay everything newer.
+    fn is_sticky(&self, hash: &BlockHash) -> bool {
+        let grace = STICKY_GRACE_TURNS * self.blocks.len().max(1024) as u64;
+        popular(&self.ranking, hash)
+            && self
+                .blocks
+                .get(hash)
+                .is_some_and(|b| self.clock.saturating_sub(b.last_use) <= grace)
     }
 
     fn unset_leaf(&mut self, tenant: TenantId, key: u64, hash: BlockHash) {

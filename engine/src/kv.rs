@@ -7,13 +7,16 @@
 //!
 //! - `f32`: 4 bytes an element, little endian (exact).
 //! - `f16`, `bf16`: 2 bytes an element, IEEE half / bfloat16, rounded to nearest even.
-//! - `int8`: one signed byte an element, symmetric, with a per-vector scale `2^e` stored as
-//!   one byte `e` ahead of the elements (the absolute maximum maps into 64..=127).
+//! - `int8`: one signed byte an element, symmetric, with a per-vector scale stored as an
+//!   IEEE half ahead of the elements: the smallest half at least `max|x| / 127` (at least
+//!   half's smallest normal), so the absolute maximum maps to ±127.
 //! - `fp8`: one FP8 E4M3 byte an element (as vLLM's `kv_cache_dtype=fp8`), with a per-vector
 //!   scale `2^e` ahead (the absolute maximum maps into 224..=448, E4M3's top binade).
 //!
-//! Scales are powers of two, so scaling is exact and the codec is *idempotent*: a vector
-//! rounded once ([`KvDtype::round_trip`]) is stored and loaded again bit for bit. The
+//! Scales are chosen so that the codec is *idempotent*: a vector rounded once
+//! ([`KvDtype::round_trip`]) is stored and loaded again bit for bit (an int8 element times a
+//! half scale is exact in f32, and a rounded vector's maximum gives back the same scale; a
+//! power of two scales fp8 exactly). The
 //! engine rounds every token's K and V as it computes them and attends over the rounded
 //! values, so an answer computed with a cached prefix equals the answer computed without it,
 //! for every dtype (engine/tests/kv_dtypes.rs).
@@ -69,7 +72,8 @@ impl KvDtype {
         match self {
             KvDtype::F32 => 4 * head_dim,
             KvDtype::F16 | KvDtype::Bf16 => 2 * head_dim,
-            KvDtype::Int8 | KvDtype::Fp8 => head_dim + 1,
+            KvDtype::Int8 => head_dim + 2,
+            KvDtype::Fp8 => head_dim + 1,
         }
     }
 
@@ -84,7 +88,7 @@ impl KvDtype {
                 .iter_mut()
                 .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
             KvDtype::Int8 => {
-                let s = pow2(scale_exp(v, INT8_MAX));
+                let s = int8_scale(v).to_f32();
                 v.iter_mut().for_each(|x| *x = int8(*x / s) as f32 * s);
             }
             KvDtype::Fp8 => {
@@ -108,9 +112,9 @@ impl KvDtype {
                 out.extend_from_slice(&half::bf16::from_f32(*x).to_le_bytes());
             }),
             KvDtype::Int8 => {
-                let e = scale_exp(v, INT8_MAX);
-                let s = pow2(e);
-                out.push(e as u8);
+                let scale = int8_scale(v);
+                let s = scale.to_f32();
+                out.extend_from_slice(&scale.to_le_bytes());
                 out.extend(v.iter().map(|x| int8(*x / s) as u8));
             }
             KvDtype::Fp8 => {
@@ -138,10 +142,11 @@ impl KvDtype {
                     .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
             ),
             KvDtype::Int8 => {
-                let Some((&e, q)) = src.split_first() else {
+                if src.len() < 2 {
                     return;
-                };
-                let s = pow2(e as i8 as i32);
+                }
+                let (scale, q) = src.split_at(2);
+                let s = half::f16::from_le_bytes([scale[0], scale[1]]).to_f32();
                 out.extend(q.iter().map(|&b| b as i8 as f32 * s));
             }
             KvDtype::Fp8 => {
@@ -164,6 +169,26 @@ impl std::fmt::Display for KvDtype {
 const INT8_MAX: f32 = 127.0;
 /// E4M3's largest finite value.
 const FP8_MAX: f32 = 448.0;
+
+/// int8's scale for `v`: the smallest half at least `max|v| / 127`, clamped to half's
+/// normal range (so a rounded vector's maximum, 127 × scale exactly, gives it back).
+fn int8_scale(v: &[f32]) -> half::f16 {
+    let amax = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let want = amax / INT8_MAX;
+    if !(want > half::f16::MIN_POSITIVE.to_f32()) {
+        // Zero, tiny, or NaN: the smallest normal scale.
+        return half::f16::MIN_POSITIVE;
+    }
+    if !(want < half::f16::MAX.to_f32()) {
+        return half::f16::MAX;
+    }
+    let s = half::f16::from_f32(want);
+    if s.to_f32() >= want {
+        s
+    } else {
+        half::f16::from_bits(s.to_bits() + 1)
+    }
+}
 
 /// The smallest `e` with `max|v| / 2^e <= limit`, within the exponents a normal f32 scale
 /// can have (a vector of zeros, or one too small to matter, gets the smallest).
@@ -256,7 +281,7 @@ mod tests {
                     KvDtype::F32 => 0.0,
                     KvDtype::F16 => 1e-3 * amax + 1e-4,
                     KvDtype::Bf16 => 4e-3 * amax,
-                    KvDtype::Int8 => amax / 64.0,
+                    KvDtype::Int8 => amax / 200.0 + 4e-5,
                     KvDtype::Fp8 => amax / 14.0,
                 };
                 for (a, b) in v.iter().zip(&r) {
@@ -274,7 +299,7 @@ mod tests {
         assert_eq!(KvDtype::parse("fp8_e4m3"), Ok(KvDtype::Fp8));
         assert!(KvDtype::parse("int4").is_err());
         let sizes: Vec<usize> = KvDtype::ALL.iter().map(|d| d.vector_bytes(64)).collect();
-        assert_eq!(sizes, vec![256, 128, 128, 65, 65]);
+        assert_eq!(sizes, vec![256, 128, 128, 66, 65]);
     }
 
     #[test]

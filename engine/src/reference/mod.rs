@@ -194,10 +194,11 @@ impl ReferenceEngine {
         }
     }
 
-    /// Teacher-forced scoring: after `prompt` and each prefix of `continuation`, the greedy
-    /// choice and the log-probability of the continuation's next token. With `continuation`
-    /// empty, generates `n` tokens greedily instead (each one the greedy choice). For the KV
-    /// dtype quality tests and benchmarks.
+    /// Scoring for the KV dtype quality tests and benchmarks. With `continuation` empty:
+    /// `n` tokens generated greedily after `prompt`, one decode step at a time as the engine
+    /// serves them (each position's greedy choice is the token that follows). Otherwise
+    /// teacher-forced in one pass: after `prompt` and each prefix of `continuation`, the
+    /// greedy choice and the log-probability of the continuation's next token.
     pub fn score(
         &self,
         prompt: &[u32],
@@ -210,13 +211,38 @@ impl ReferenceEngine {
         } else {
             continuation.len()
         };
-        if prompt.is_empty() || prompt.len() + n > cfg.context {
+        if prompt.is_empty() || n == 0 || prompt.len() + n > cfg.context {
             return Err(EngineError::ContextTooLong {
                 tokens: prompt.len() + n,
                 limit: cfg.context,
             });
         }
         let mut cache = KvCache::new(&cfg, prompt.len() + n, self.info.kv.dtype)?;
+        let internal = |e: candle_core::Error| EngineError::Internal(e.to_string());
+        if !continuation.is_empty() {
+            let tokens: Vec<u32> = prompt
+                .iter()
+                .chain(&continuation[..n - 1])
+                .copied()
+                .collect();
+            let (head, tail) = tokens.split_at(tokens.len() - n);
+            for chunk in head.chunks(PREFILL_CHUNK) {
+                self.weights.forward(chunk, &mut cache)?;
+            }
+            let logits = self.weights.forward_all(tail, &mut cache)?;
+            return (0..n)
+                .map(|i| {
+                    let l = logits
+                        .get(i)
+                        .and_then(|r| r.to_vec1::<f32>())
+                        .map_err(internal)?;
+                    Ok(TokenScore {
+                        greedy: argmax_f32(&l),
+                        logprob: log_softmax_at(&l, continuation[i] as usize),
+                    })
+                })
+                .collect();
+        }
         let mut logits = None;
         for chunk in prompt.chunks(PREFILL_CHUNK) {
             logits = Some(self.weights.forward(chunk, &mut cache)?);
@@ -227,15 +253,14 @@ impl ReferenceEngine {
                 .take()
                 .expect("a forward pass ran")
                 .to_vec1::<f32>()
-                .map_err(|e| EngineError::Internal(e.to_string()))?;
+                .map_err(internal)?;
             let greedy = argmax_f32(&l);
-            let next = continuation.get(i).copied().unwrap_or(greedy);
             out.push(TokenScore {
                 greedy,
-                logprob: log_softmax_at(&l, next as usize),
+                logprob: log_softmax_at(&l, greedy as usize),
             });
             if i + 1 < n {
-                logits = Some(self.weights.forward(&[next], &mut cache)?);
+                logits = Some(self.weights.forward(&[greedy], &mut cache)?);
             }
         }
         Ok(out)

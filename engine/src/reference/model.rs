@@ -426,6 +426,22 @@ impl Weights {
     /// Run `tokens` at positions `cache.len..`, appending their KV to `cache`. Returns the
     /// logits of the last position, shape `(vocab,)`.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor, EngineError> {
+        let x = self.forward_hidden(tokens, cache)?;
+        let last = x.narrow(0, tokens.len() - 1, 1).map_err(ce)?;
+        let last = rms_norm(&last, &self.out_norm, self.cfg.eps)?;
+        self.lm_head.forward(&last)?.squeeze(0).map_err(ce)
+    }
+
+    /// Like [`Weights::forward`], with the logits of every position, shape `(n, vocab)`
+    /// (teacher-forced scoring).
+    pub fn forward_all(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor, EngineError> {
+        let x = self.forward_hidden(tokens, cache)?;
+        let x = rms_norm(&x, &self.out_norm, self.cfg.eps)?;
+        self.lm_head.forward(&x)
+    }
+
+    /// The final hidden states `(n, hidden)` of `tokens` at positions `cache.len..`.
+    fn forward_hidden(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor, EngineError> {
         let c = &self.cfg;
         let n = tokens.len();
         let past = cache.len;
@@ -514,9 +530,7 @@ impl Weights {
             x = (x + ff).map_err(ce)?;
         }
         cache.len = ctx;
-        let last = x.narrow(0, n - 1, 1).map_err(ce)?;
-        let last = rms_norm(&last, &self.out_norm, c.eps)?;
-        self.lm_head.forward(&last)?.squeeze(0).map_err(ce)
+        Ok(x)
     }
 }
 
