@@ -8,6 +8,9 @@
 //!
 //! Prints prefill tok/s at 512 and 2048 tokens, decode tok/s at a 512-token context, and the
 //! time to first token for a 2,048-token prompt fully cached (16 new tokens) vs uncached.
+//!
+//! With `CACHET_BENCH_KV_DTYPES=1`: only that TTFT, once per KV dtype (f32, f16, bf16, int8,
+//! fp8), with the bytes a token and the 2,048-token prefix take in each.
 
 use std::time::Instant;
 
@@ -96,6 +99,10 @@ fn decode(e: &ReferenceEngine) {
 }
 
 fn ttft(e: &ReferenceEngine) {
+    ttft_as(e, "cachet-reference");
+}
+
+fn ttft_as(e: &ReferenceEngine, label: &str) {
     // TTFT: 2,048 cached + 16 new vs all 2,064 computed.
     let t = tokens(e, 2064);
     let specs: Vec<ExportSpec> = (0..128)
@@ -138,11 +145,14 @@ fn ttft(e: &ReferenceEngine) {
         g.next_token().unwrap();
         warm = warm.min(start.elapsed().as_secs_f64());
     }
+    let prefix_bytes: usize = blocks.iter().map(|b| b.data.len()).sum();
     println!(
-        "cachet-reference\tttft-2048\tuncached {:.0} ms\tcached {:.1} ms\tratio {:.2}%",
+        "{label}\tttft-2048\tuncached {:.0} ms\tcached {:.1} ms\tratio {:.2}%\tkv {} B/token\tprefix {:.1} MiB",
         cold * 1e3,
         warm * 1e3,
-        100.0 * warm / cold
+        100.0 * warm / cold,
+        e.info().kv.bytes_per_token(),
+        prefix_bytes as f64 / (1 << 20) as f64
     );
 }
 
@@ -196,6 +206,12 @@ fn main() {
     let threads = candle_core::utils::get_num_threads();
     println!("# {} threads; SmolLM2-135M-Instruct Q4_1 GGUF", threads);
     let e = ReferenceEngine::load(&path).unwrap();
+    if std::env::var_os("CACHET_BENCH_KV_DTYPES").is_some() {
+        for d in engine::KvDtype::ALL {
+            ttft_as(&e.with_kv_dtype(d), &format!("kv-{d}"));
+        }
+        return;
+    }
     if std::env::var_os("CANDLE_DEQUANTIZE_ALL").is_some() {
         candle(&path, "candle-quantized_llama-f32", &[512, 2048], &e);
         return;

@@ -86,11 +86,17 @@ fn greedy(e: &ReferenceEngine, tokens: &[u32], imported: Vec<KvBlock>, n: u32) -
 fn the_published_kv_shape_is_the_model_files() {
     let Some(e) = engine() else { return };
     assert_eq!(e.info().kv, engine::reference::KV_SHAPE);
+    let f32 = engine::KvGeometry {
+        dtype: engine::KvDtype::F32,
+        ..e.info().kv
+    };
+    assert_eq!(f32.bytes_per_token(), 46_080, "46 KB a token in f32");
     assert_eq!(
-        e.info().kv.bytes_per_token(),
-        46_080,
-        "46 KB a token in f32"
+        e.info().kv.dtype,
+        engine::KvDtype::Int8,
+        "the default (decision 0019)"
     );
+    assert_eq!(e.info().kv.bytes_per_token(), 11_880);
 }
 
 #[test]

@@ -32,8 +32,8 @@ pub struct SimulateArgs {
     #[arg(long = "capacity-bytes", value_parser = parse_bytes)]
     pub capacity_bytes: Vec<u64>,
     /// The KV dtype(s) --capacity-bytes is counted in (f32, f16, bf16, int8, fp8); repeat
-    /// for several.
-    #[arg(long = "kv-dtype", default_values_t = vec!["f32".to_string()])]
+    /// for several. Default: the model's (int8 for the reference model).
+    #[arg(long = "kv-dtype")]
     pub kv_dtype: Vec<String>,
     /// The model whose KV shape sizes --capacity-bytes.
     #[arg(long, default_value = engine::reference::MODEL_ID)]
@@ -262,8 +262,15 @@ fn capacities(a: &SimulateArgs) -> anyhow::Result<Vec<(String, SimCapacity)>> {
                 ids.join(", ")
             )
         })?;
-    for d in &a.kv_dtype {
-        let dtype = KvDtype::parse(d).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
+    let dtypes: Vec<KvDtype> = if a.kv_dtype.is_empty() {
+        vec![geometry.dtype]
+    } else {
+        a.kv_dtype
+            .iter()
+            .map(|d| KvDtype::parse(d).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}")))
+            .collect::<anyhow::Result<_>>()?
+    };
+    for dtype in dtypes {
         let per_token = engine::KvGeometry { dtype, ..geometry }.bytes_per_token() as u64;
         for &bytes in &a.capacity_bytes {
             let tokens = bytes / per_token;
@@ -351,7 +358,7 @@ mod tests {
             },
             capacity_blocks: vec![50],
             capacity_bytes: vec![],
-            kv_dtype: vec!["f32".into()],
+            kv_dtype: vec![],
             model: engine::reference::MODEL_ID.into(),
             disk_blocks: 0,
             disk_bytes: 0,
@@ -396,8 +403,8 @@ mod tests {
         a.kv_dtype = vec!["f32".into(), "bf16".into(), "int8".into()];
         let caps = capacities(&a).unwrap();
         let blocks: Vec<u64> = caps.iter().map(|(_, c)| c.dram / 512).collect();
-        // int8 keeps 65 bytes a 64-element vector (one scale byte): 256/65 × as many.
-        assert_eq!(blocks, vec![10_000, 20_000, 39_384]);
+        // int8 keeps 66 bytes a 64-element vector (a half scale): 256/66 × as many.
+        assert_eq!(blocks, vec![10_000, 20_000, 38_787]);
         assert!(caps.iter().all(|(_, c)| c.per_token && c.lower == 0));
         assert!(caps[2].0.contains("int8"), "{}", caps[2].0);
         assert_eq!(parse_bytes("236G"), Ok(236_000_000_000));

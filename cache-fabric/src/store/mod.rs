@@ -1,0 +1,663 @@
+//! The DRAM tier of one fabric node: blocks with TTLs, per-tenant quotas, checksums and
+//! eviction that always takes a chain's tail before its ancestors.
+//!
+//! Only *leaves* (blocks no stored block points to as its parent) are candidates for
+//! eviction, so a child always goes before its parent: a child is useless without it.
+//! Every operation touches a whole prefix from the root, so a parent never expires before
+//! its children (to within [`EXPIRY_SLACK`]).
+//!
+//! Eviction order, when room is needed: expired blocks first; then, for a tenant over its
+//! quota, that tenant's own leaves (paid or not); then, for node capacity, the leaves of
+//! *best-effort* entries (automatic caching) by the [`policy`](crate::policy)'s key: extra
+//! copies of blocks other nodes own first, then ordinary leaves, and *popular* leaves last
+//! (an owner's copy of a block used at least [`STICKY_USES`] times recently, by the frequency
+//! policy's estimate: with the extra copies gone first, it is the block's last replica, and
+//! it stays while anything colder can go; it loses that standing once its uses fade). Blocks of
+//! *paid* entries (explicit breakpoints, billed as cache writes) are never dropped for another
+//! tenant's or entry's capacity: they stay for their TTL unless their own tenant's quota
+//! forces them out. When nothing best-effort is left to take, DRAM pressure *demotes* paid
+//! leaves to a lower tier that keeps paid blocks until they expire (the disk tier,
+//! [`TierStore::keeps_paid`]), least recently used first; a write that still cannot find room
+//! is refused (and not billed). A node with no such tier applies a default quota instead:
+//! a tenant with no quota of its own holding more than its *fair share* (the capacity split
+//! evenly between the tenants resident on the node) gives way, its leaves paid or not, to a
+//! tenant writing within its share — so one tenant cannot lock the others out for an hour.
+//!
+//! Time is `tokio::time::Instant`, passed in by the caller (the request's start time), so
+//! TTL behaviour is testable with paused time.
+
+//!
+//! The store splits along its seams: [`eviction`] (what leaves when room is needed, under
+//! the [`policy`](crate::policy)), [`entries`] (blocks in and out, the leaf sets, expiry,
+//! stats), [`tiers`] (demotion and promotion with the tier below, handoff); this file holds
+//! the types and the read and write API.
+
+mod entries;
+mod eviction;
+mod tiers;
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::time::Duration;
+
+use bytes::Bytes;
+use cachet_common::{BlockHash, BlockMap, BlockSet, Scope, TenantId};
+use tokio::time::Instant;
+
+use crate::events::{EventSink, StoreEvent};
+use crate::integrity::checksum;
+use crate::policy::{EvictionPolicy, Ranking};
+pub use crate::stats::RemovalReason;
+use crate::tier::{TierBlock, TierStore};
+use crate::{metrics, unix_ms};
+
+/// A block offered for storage.
+#[derive(Clone, Debug)]
+pub struct PutBlock {
+    pub hash: BlockHash,
+    /// `None` for the first block of a chain.
+    pub parent: Option<BlockHash>,
+    pub n_tokens: u32,
+    pub data: Bytes,
+    pub checksum: u32,
+}
+
+impl PutBlock {
+    pub fn new(hash: BlockHash, parent: Option<BlockHash>, n_tokens: u32, data: Bytes) -> Self {
+        let checksum = checksum(&data);
+        Self {
+            hash,
+            parent,
+            n_tokens,
+            data,
+            checksum,
+        }
+    }
+}
+
+/// A block read back, checksum verified.
+#[derive(Clone, Debug)]
+pub struct FetchedBlock {
+    pub hash: BlockHash,
+    pub n_tokens: u32,
+    pub data: Bytes,
+}
+
+/// What an entry write is: it decides what the entry's blocks may be evicted for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EntryKind {
+    /// Written at an explicit breakpoint: protected from capacity eviction for its TTL.
+    Paid,
+    /// Automatic caching: best effort, admitted and evicted by the eviction policy.
+    BestEffort,
+}
+
+/// Why an entry write was refused; such a write is not billed as one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WriteRefused {
+    #[error("tenant cache quota cannot hold the entry")]
+    Quota,
+    #[error("node capacity cannot hold the entry")]
+    Capacity,
+    #[error("block checksum mismatch on write")]
+    Corrupt,
+    #[error("a block's parent is not stored")]
+    MissingParent,
+    #[error("the entry ranks below every block it would displace")]
+    NotAdmitted,
+    #[error("a block with this hash is stored for another scope")]
+    Conflict,
+    #[error("no owner of a block could be reached")]
+    Unavailable,
+}
+
+impl WriteRefused {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WriteRefused::Quota => "quota",
+            WriteRefused::Capacity => "capacity",
+            WriteRefused::Corrupt => "corrupt",
+            WriteRefused::MissingParent => "missing_parent",
+            WriteRefused::NotAdmitted => "not_admitted",
+            WriteRefused::Conflict => "conflict",
+            WriteRefused::Unavailable => "unavailable",
+        }
+    }
+}
+
+struct Block {
+    scope: Scope,
+    parent: Option<BlockHash>,
+    n_tokens: u32,
+    data: Bytes,
+    checksum: u32,
+    ttl: Duration,
+    expires_at: Instant,
+    /// Eviction key (smallest goes first), from the policy at the last use.
+    key: u64,
+    /// The sequence number of the last use (to rank it again when the policy's setting
+    /// moves).
+    last_use: u64,
+    /// Written or extended by a paid entry: never evicted for capacity.
+    paid: bool,
+    /// Stored blocks whose parent is this one.
+    children: u32,
+    /// Written as a replica (see [`Store::put_replica`]): its parent may live on another
+    /// node, and its TTL is refreshed by the reads this node serves, not its parent's.
+    replica: bool,
+    /// An extra copy of a block this node does not own ([`Store::put_extra`]): capacity
+    /// eviction takes such leaves before any other.
+    extra: bool,
+    /// Prefix reads that ended at this block (the tenant's most-read prefixes).
+    reads: u32,
+}
+
+/// A stored block as [`Store::handoff`] lists it.
+#[derive(Clone, Debug)]
+pub struct Handoff {
+    pub scope: Scope,
+    pub block: PutBlock,
+    /// Its TTL class, and how much of it is left.
+    pub ttl: Duration,
+    pub remaining: Duration,
+    pub kind: EntryKind,
+}
+
+/// A block this node dropped as corrupt: what fetching it again from another owner needs
+/// ([`Store::take_damaged`]). Its TTL and kind are the dropped copy's; a block found corrupt
+/// in the lower tier, whose record cannot be trusted, is remembered as best effort with the
+/// shortest TTL.
+#[derive(Clone, Debug)]
+pub struct Damaged {
+    pub scope: Scope,
+    pub hash: BlockHash,
+    pub parent: Option<BlockHash>,
+    pub remaining: Duration,
+    pub kind: EntryKind,
+}
+
+/// Damaged blocks remembered at most (the oldest are forgotten past this).
+const DAMAGED: usize = 4096;
+
+/// Store limits.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreLimits {
+    pub capacity_bytes: u64,
+    pub policy: EvictionPolicy,
+}
+
+const TOMBSTONES: usize = 65_536;
+
+/// Expiry is tracked to this precision: a refresh that moves a block's expiry by less does
+/// not touch the expiry index (at thousands of reads a second of one prefix, almost every
+/// refresh is such a move). A block may so live up to this much past its TTL, never less.
+pub const EXPIRY_SLACK: Duration = Duration::from_secs(1);
+
+/// Recent uses (the frequency policy's estimate) that make a block popular: its owner copy
+/// is the last leaf capacity eviction takes. A block a peer pulls this often gets an extra
+/// replica there too (`ClusterConfig::hot_reads` pulls, plus the write).
+pub const STICKY_USES: u8 = 4;
+
+/// Store turnovers (uses, in stored blocks; at least 1,024) after which a popular block
+/// that has not been used since is an ordinary leaf again.
+pub const STICKY_GRACE_TURNS: u64 = 2;
+
+/// Whether a block is popular enough that its owner copy is kept last. Only a policy that
+/// weighs frequency at all makes blocks popular: at horizon 0 (LRU, or the adaptive policy
+/// where recency serves best) stickiness would keep the parents of trimmed chains, read on
+/// every turn of a conversation, ahead of everything newer (docs/benchmarks.md, issue 15).
+fn popular(ranking: &Ranking, hash: &BlockHash) -> bool {
+    ranking.horizon_factor() > 0.0
+        && ranking
+            .estimate(hash)
+            .is_some_and(|uses| uses >= STICKY_USES)
+}
+
+/// The DRAM block store. Not `Sync` by itself: the node wraps it in a mutex.
+pub struct Store {
+    limits: StoreLimits,
+    blocks: BlockMap<Block>,
+    used_bytes: u64,
+    tenant_bytes: HashMap<TenantId, u64>,
+    tenant_quota: HashMap<TenantId, u64>,
+    /// Bytes reserved for a tenant: capacity eviction never takes its blocks below this.
+    tenant_reserved: HashMap<TenantId, u64>,
+    /// Leaves that capacity eviction may take (not paid), by key.
+    leaves: BTreeSet<(u64, BlockHash)>,
+    /// The subset of `leaves` that are extra copies: taken first.
+    extra_leaves: BTreeSet<(u64, BlockHash)>,
+    /// The subset of `leaves` that are popular owner copies: taken last.
+    sticky_leaves: BTreeSet<(u64, BlockHash)>,
+    /// Leaves of paid entries: demoted (never dropped) when nothing else can make room.
+    paid_leaves: BTreeSet<(u64, BlockHash)>,
+    /// Every leaf of each tenant, by key (quota eviction).
+    tenant_leaves: HashMap<TenantId, BTreeSet<(u64, BlockHash)>>,
+    ranking: Ranking,
+    /// Where capacity evictions go instead of being dropped (the local-disk tier), and
+    /// where a miss looks before giving up.
+    lower: Option<Box<dyn TierStore>>,
+    /// Where block stored / removed events go (to the cluster's index), if anywhere.
+    events: Option<EventSink>,
+    expiry: BTreeSet<(Instant, BlockHash)>,
+    clock: u64,
+    tombstones: BlockMap<RemovalReason>,
+    tombstone_order: VecDeque<BlockHash>,
+    /// For each parent hash that is *not* stored: how many stored blocks name it as parent
+    /// (replicas arrive without their parents; a parent arriving later adopts them).
+    orphans: BlockMap<u32>,
+    /// Blocks dropped as corrupt, for the cluster to fetch again from another owner.
+    damaged: VecDeque<Damaged>,
+    /// Blocks each tenant lost, by reason (its administrators' cache view).
+    removals: HashMap<TenantId, crate::stats::Evictions>,
+    /// Reads the lower tier served (promoted, or read through).
+    lower_reads: u64,
+    /// Blocks still ranked under the adaptive policy's previous setting, re-ranked a batch
+    /// at a time ([`REKEY_BATCH`]) so a move never holds the store for long.
+    stale_keys: Vec<BlockHash>,
+}
+
+/// Blocks re-ranked per store operation after the adaptive policy moves.
+const REKEY_BATCH: usize = 1024;
+
+impl Store {
+    pub fn new(limits: StoreLimits) -> Self {
+        Self {
+            limits,
+            blocks: BlockMap::default(),
+            used_bytes: 0,
+            tenant_bytes: HashMap::new(),
+            tenant_quota: HashMap::new(),
+            tenant_reserved: HashMap::new(),
+            leaves: BTreeSet::new(),
+            extra_leaves: BTreeSet::new(),
+            sticky_leaves: BTreeSet::new(),
+            paid_leaves: BTreeSet::new(),
+            tenant_leaves: HashMap::new(),
+            ranking: Ranking::new(limits.policy),
+            lower: None,
+            events: None,
+            expiry: BTreeSet::new(),
+            clock: 0,
+            tombstones: BlockMap::default(),
+            tombstone_order: VecDeque::new(),
+            orphans: BlockMap::default(),
+            damaged: VecDeque::new(),
+            removals: HashMap::new(),
+            lower_reads: 0,
+            stale_keys: Vec::new(),
+        }
+    }
+
+    /// Demote capacity evictions to `tier` (local disk) and promote from it on a read.
+    pub fn with_lower_tier(mut self, tier: Box<dyn TierStore>) -> Self {
+        self.lower = Some(tier);
+        self
+    }
+
+    /// Report every block this node starts or stops holding (in any tier) to `sink`.
+    pub fn set_event_sink(&mut self, sink: EventSink) {
+        self.events = Some(sink);
+    }
+
+    fn emit(&self, e: StoreEvent) {
+        if let Some(s) = &self.events {
+            s.emit(e);
+        }
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.used_bytes
+    }
+
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    pub fn tenant_bytes(&self, tenant: TenantId) -> u64 {
+        self.tenant_bytes.get(&tenant).copied().unwrap_or(0)
+    }
+
+    /// Whether a live block of this scope is stored.
+    pub fn contains(&self, scope: &Scope, hash: &BlockHash, now: Instant) -> bool {
+        self.live(scope, hash, now).is_some()
+    }
+
+    /// How many leading hashes of `chain` are stored and live (in DRAM, or in the lower
+    /// tier, whose expiry and scope are checked when the block is promoted).
+    pub fn leading_present(&self, scope: &Scope, chain: &[BlockHash], now: Instant) -> usize {
+        chain
+            .iter()
+            .take_while(|h| {
+                self.contains(scope, h, now) || self.lower.as_ref().is_some_and(|t| t.contains(h))
+            })
+            .count()
+    }
+
+    /// Read blocks in chain order, verifying each checksum and refreshing each block's TTL
+    /// (from `now`, by its own TTL class). Stops at the first block that is missing or
+    /// corrupt: a corrupt block is removed and never served.
+    pub fn get_chain(
+        &mut self,
+        scope: &Scope,
+        chain: &[BlockHash],
+        now: Instant,
+    ) -> Vec<FetchedBlock> {
+        self.purge_expired(now);
+        let capacity = self.capacity_blocks();
+        if self.ranking.observe_chain(chain, capacity) {
+            self.stale_keys = self.blocks.keys().copied().collect();
+        }
+        self.rekey_some(REKEY_BATCH);
+        let mut out = Vec::with_capacity(chain.len());
+        for (i, hash) in chain.iter().enumerate() {
+            if self.lower.is_some() && self.live(scope, hash, now).is_none() {
+                let parent = i.checked_sub(1).map(|p| chain[p]);
+                if let Some(read_through) =
+                    self.promote(scope, hash, Some(parent), &chain[..i], now)
+                {
+                    out.push(read_through);
+                    continue;
+                }
+            }
+            let Some(block) = self.live(scope, hash, now) else {
+                metrics::BLOCK_READS.with_label_values(&["miss"]).inc();
+                break;
+            };
+            if checksum(&block.data) != block.checksum {
+                metrics::BLOCK_READS.with_label_values(&["corrupt"]).inc();
+                tracing::error!(block = %hash, "checksum mismatch on read; dropping block");
+                self.remove(hash, RemovalReason::Corrupt);
+                break;
+            }
+            let fetched = FetchedBlock {
+                hash: *hash,
+                n_tokens: block.n_tokens,
+                data: block.data.clone(),
+            };
+            let ttl = block.ttl;
+            self.touch(hash, now + ttl, ttl, false);
+            out.push(fetched);
+        }
+        metrics::BLOCK_READS
+            .with_label_values(&["hit"])
+            .inc_by(out.len() as u64);
+        if let Some(last) = out.last()
+            && let Some(b) = self.blocks.get_mut(&last.hash)
+        {
+            b.reads = b.reads.saturating_add(1);
+        }
+        out
+    }
+
+    /// One block by hash, whatever its parent (a replica, or a tail), checksum verified and
+    /// TTL refreshed; promoted from the lower tier if it is there. A corrupt block is
+    /// dropped and never served.
+    pub fn get_block(
+        &mut self,
+        scope: &Scope,
+        hash: &BlockHash,
+        now: Instant,
+    ) -> Option<FetchedBlock> {
+        let (block, crc) = self.get_for_transfer(scope, hash, now)?;
+        if checksum(&block.data) != crc {
+            metrics::BLOCK_READS.with_label_values(&["corrupt"]).inc();
+            tracing::error!(block = %hash, "checksum mismatch on read; dropping block");
+            self.remove(hash, RemovalReason::Corrupt);
+            return None;
+        }
+        Some(block)
+    }
+
+    /// Which of `hashes` are stored and live for `scope` (in DRAM or the lower tier).
+    pub fn has(&self, scope: &Scope, hashes: &[BlockHash], now: Instant) -> Vec<bool> {
+        hashes
+            .iter()
+            .map(|h| {
+                self.contains(scope, h, now) || self.lower.as_ref().is_some_and(|t| t.contains(h))
+            })
+            .collect()
+    }
+
+    /// One block with its stored checksum, TTL refreshed, *without* verifying the bytes: for
+    /// transfers whose receiver verifies the whole block end to end (a ranged pull cannot be
+    /// checked range by range). A receiver that finds a mismatch re-reads through
+    /// [`Store::get_chain`], which verifies and drops a block corrupt at rest.
+    pub fn get_for_transfer(
+        &mut self,
+        scope: &Scope,
+        hash: &BlockHash,
+        now: Instant,
+    ) -> Option<(FetchedBlock, u32)> {
+        self.purge_expired(now);
+        if self.lower.is_some()
+            && self.live(scope, hash, now).is_none()
+            && let Some(read_through) = self.promote(scope, hash, None, &[], now)
+        {
+            metrics::BLOCK_READS.with_label_values(&["hit"]).inc();
+            let crc = checksum(&read_through.data);
+            return Some((read_through, crc));
+        }
+        let block = self.live(scope, hash, now)?;
+        let out = (
+            FetchedBlock {
+                hash: *hash,
+                n_tokens: block.n_tokens,
+                data: block.data.clone(),
+            },
+            block.checksum,
+        );
+        let ttl = block.ttl;
+        self.touch(hash, now + ttl, ttl, false);
+        metrics::BLOCK_READS.with_label_values(&["hit"]).inc();
+        Some(out)
+    }
+
+    /// Store an entry: `existing` blocks (already stored, in chain order) get their TTL
+    /// extended, then `new` blocks (in chain order, each one's parent stored or earlier in
+    /// `new`) are inserted. Evicts expired blocks, then the tenant's own lowest-ranked leaves
+    /// past its quota, then best-effort leaves past the node capacity (see the module
+    /// documentation); never a block of this entry. A best-effort entry whose first new block
+    /// would rank below the leaf it displaces is not admitted. All or nothing: on refusal no
+    /// new block of the entry stays.
+    pub fn put_entry(
+        &mut self,
+        scope: &Scope,
+        existing: &[BlockHash],
+        new: Vec<PutBlock>,
+        ttl: Duration,
+        now: Instant,
+        kind: EntryKind,
+    ) -> Result<(), WriteRefused> {
+        self.put(scope, existing, new, ttl, now, kind, false, false)
+    }
+
+    /// Store blocks this node holds as one of their owners (cluster placement puts each
+    /// block of a chain on its own owners): like [`Store::put_entry`], except that a block's
+    /// parent need not be stored here, `existing` blocks that are not stored here are
+    /// skipped instead of refusing the write, and each new block is admitted on its own (a
+    /// refusal of one keeps the others and reports the first refusal). Eviction still takes
+    /// a locally stored chain's tail before its ancestors.
+    pub fn put_replica(
+        &mut self,
+        scope: &Scope,
+        existing: &[BlockHash],
+        new: Vec<PutBlock>,
+        ttl: Duration,
+        now: Instant,
+        kind: EntryKind,
+    ) -> Result<(), WriteRefused> {
+        // Blocks an owner holds are independent of each other (their chain may be spread
+        // over several nodes), so each is admitted on its own: a large entry is not refused
+        // whole because this node's DRAM holds only part of it at once (the rest demotes).
+        self.put_each(scope, existing, new, ttl, now, kind, false)
+    }
+
+    /// Store extra copies of blocks this node does not own (a writer's own copies, hot
+    /// blocks it reads often): replicas, best effort, and the first leaves capacity eviction
+    /// takes. An owner's write of the same block later makes it an ordinary one.
+    pub fn put_extra(
+        &mut self,
+        scope: &Scope,
+        new: Vec<PutBlock>,
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<(), WriteRefused> {
+        self.put_each(scope, &[], new, ttl, now, EntryKind::BestEffort, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put_each(
+        &mut self,
+        scope: &Scope,
+        existing: &[BlockHash],
+        new: Vec<PutBlock>,
+        ttl: Duration,
+        now: Instant,
+        kind: EntryKind,
+        extra: bool,
+    ) -> Result<(), WriteRefused> {
+        let mut result = self.put(scope, existing, Vec::new(), ttl, now, kind, true, extra);
+        for b in new {
+            if let Err(e) = self.put(scope, &[], vec![b], ttl, now, kind, true, extra) {
+                result = result.and(Err(e));
+            }
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put(
+        &mut self,
+        scope: &Scope,
+        existing: &[BlockHash],
+        new: Vec<PutBlock>,
+        ttl: Duration,
+        now: Instant,
+        kind: EntryKind,
+        replica: bool,
+        extra: bool,
+    ) -> Result<(), WriteRefused> {
+        self.purge_expired(now);
+        self.rekey_some(REKEY_BATCH);
+        let present: Vec<BlockHash>;
+        let existing = if replica {
+            present = existing
+                .iter()
+                .filter(|h| self.contains(scope, h, now))
+                .copied()
+                .collect();
+            &present[..]
+        } else {
+            existing
+        };
+        for b in &new {
+            if checksum(&b.data) != b.checksum {
+                return Err(refused(WriteRefused::Corrupt));
+            }
+        }
+        if existing.iter().any(|h| !self.contains(scope, h, now)) {
+            return Err(refused(WriteRefused::MissingParent));
+        }
+        let pinned: BlockSet = existing
+            .iter()
+            .chain(new.iter().map(|b| &b.hash))
+            .copied()
+            .collect();
+        let incoming: u64 = new
+            .iter()
+            .filter(|b| !self.blocks.contains_key(&b.hash))
+            .map(|b| b.data.len() as u64)
+            .sum();
+        let tenant = scope.tenant;
+        if let Some(&quota) = self.tenant_quota.get(&tenant) {
+            while self.tenant_bytes(tenant) + incoming > quota {
+                if !self.evict_one(Some(tenant), &pinned, RemovalReason::Quota) {
+                    return Err(refused(WriteRefused::Quota));
+                }
+            }
+        }
+        if kind == EntryKind::BestEffort
+            && self.ranking.admits_selectively()
+            && self.used_bytes + incoming > self.limits.capacity_bytes
+            && let Some(first) = new.iter().find(|b| !self.blocks.contains_key(&b.hash))
+        {
+            let candidate =
+                self.ranking
+                    .prospective_key(&first.hash, self.clock + 1, self.blocks.len());
+            let victim = self.capacity_victim(&pinned);
+            if victim.is_some_and(|(key, _)| key > candidate) {
+                // Seen, though not stored: the next use of these blocks ranks higher.
+                for b in &new {
+                    self.ranking.record(&b.hash, self.blocks.len());
+                }
+                return Err(refused(WriteRefused::NotAdmitted));
+            }
+        }
+        while self.used_bytes + incoming > self.limits.capacity_bytes {
+            if self.evict_one(None, &pinned, RemovalReason::Capacity) {
+                continue;
+            }
+            // Nothing best-effort left and no tier below that keeps paid blocks: another
+            // tenant holding more than its fair share gives way (its default quota), so one
+            // tenant's paid writes cannot lock everyone else out of the node for their TTL.
+            // (With such a tier, paid blocks move there instead and keep their TTL.)
+            let over = if self.lower.as_ref().is_some_and(|t| t.keeps_paid()) {
+                None
+            } else {
+                self.over_fair_share(tenant, incoming)
+            };
+            if !over.is_some_and(|t| self.evict_one(Some(t), &pinned, RemovalReason::Quota)) {
+                return Err(refused(WriteRefused::Capacity));
+            }
+        }
+        let expires = now + ttl;
+        let paid = kind == EntryKind::Paid;
+        for h in existing {
+            if !extra {
+                self.unmark_extra(h);
+            }
+            self.touch(h, expires, ttl, paid);
+        }
+        let mut inserted: Vec<BlockHash> = Vec::new();
+        for b in new {
+            if self.blocks.contains_key(&b.hash) {
+                if self.contains(scope, &b.hash, now) {
+                    if !extra {
+                        self.unmark_extra(&b.hash);
+                    }
+                    self.touch(&b.hash, expires, ttl, paid);
+                    continue;
+                }
+                // Expired blocks were purged above, so this one is live under another scope.
+                // Keys put the scope in the hash's preimage, so only a faulty or hostile
+                // peer sends this: refuse, and never touch the other scope's block.
+                for h in inserted {
+                    self.remove(&h, RemovalReason::Capacity);
+                }
+                return Err(refused(WriteRefused::Conflict));
+            }
+            if let Some(p) = &b.parent
+                && !replica
+                && !self.blocks.contains_key(p)
+            {
+                for h in inserted {
+                    self.remove(&h, RemovalReason::Capacity);
+                }
+                return Err(refused(WriteRefused::MissingParent));
+            }
+            inserted.push(b.hash);
+            self.insert(scope, b, ttl, expires, paid, replica, extra);
+        }
+        Ok(())
+    }
+}
+
+fn refused(r: WriteRefused) -> WriteRefused {
+    metrics::WRITES_REFUSED
+        .with_label_values(&[r.as_str()])
+        .inc();
+    r
+}

@@ -1,0 +1,246 @@
+//! The store and the tier under it: demotion on capacity eviction, promotion on a read,
+//! handoff of held blocks (draining, re-replication), damaged blocks to fetch again.
+
+use super::*;
+
+impl Store {
+    /// Blocks and bytes held by the lower tier, if there is one.
+    pub fn lower_tier_usage(&self) -> Option<(usize, u64)> {
+        self.lower.as_ref().map(|t| (t.len(), t.used_bytes()))
+    }
+
+    /// Block reads the lower tier has served since the store started.
+    pub fn lower_tier_reads(&self) -> u64 {
+        self.lower_reads
+    }
+
+    /// Bring `hash` back from the lower tier into DRAM if it is there, of this scope, not
+    /// expired, verified, and continues `parent` (`None`: any parent, a replica read by
+    /// hash); making room evicts (and so demotes) other blocks, never one of `pinned`.
+    /// When no room can be made (DRAM full of paid blocks, the lower tier too), the block
+    /// stays where it is and is returned to be served from there (`Some`, verified).
+    pub(super) fn promote(
+        &mut self,
+        scope: &Scope,
+        hash: &BlockHash,
+        parent: Option<Option<BlockHash>>,
+        pinned: &[BlockHash],
+        now: Instant,
+    ) -> Option<FetchedBlock> {
+        let tier = self.lower.as_mut()?;
+        if !tier.contains(hash) {
+            return None;
+        }
+        let tb = match tier.get(hash) {
+            Ok(Some(tb)) => tb,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::error!(block = %hash, error = %e, "lower tier read failed; block dropped");
+                metrics::TIER_MOVES
+                    .with_label_values(&["promote_failed"])
+                    .inc();
+                if matches!(e, crate::tier::TierError::Corrupt(_)) {
+                    self.note_damaged(Damaged {
+                        scope: *scope,
+                        hash: *hash,
+                        parent: parent.flatten(),
+                        remaining: Duration::from_secs(300),
+                        kind: EntryKind::BestEffort,
+                    });
+                }
+                return None;
+            }
+        };
+        let wall = unix_ms();
+        if tb.scope != *scope
+            || parent.is_some_and(|p| p != tb.parent)
+            || tb.expires_unix_ms <= wall
+        {
+            if tb.expires_unix_ms <= wall {
+                tier.remove(hash);
+            }
+            return None;
+        }
+        let len = tb.data.len() as u64;
+        let mut pinned: BlockSet = pinned.iter().copied().collect();
+        pinned.insert(*hash);
+        while self.used_bytes + len > self.limits.capacity_bytes {
+            if !self.evict_one(None, &pinned, RemovalReason::Capacity) {
+                metrics::TIER_MOVES
+                    .with_label_values(&["read_through"])
+                    .inc();
+                self.lower_reads += 1;
+                return Some(FetchedBlock {
+                    hash: *hash,
+                    n_tokens: tb.n_tokens,
+                    data: tb.data,
+                });
+            }
+        }
+        if let Some(tier) = self.lower.as_mut() {
+            tier.remove(hash);
+        }
+        let remaining = Duration::from_millis(tb.expires_unix_ms - wall);
+        let put = PutBlock::new(*hash, tb.parent, tb.n_tokens, tb.data);
+        let replica = parent.is_none();
+        self.insert(scope, put, tb.ttl, now + remaining, tb.paid, replica, false);
+        metrics::TIER_MOVES.with_label_values(&["promoted"]).inc();
+        self.lower_reads += 1;
+        None
+    }
+
+    /// Every live DRAM block with what a replica write of it needs: for re-replication after
+    /// a node failure and for handing blocks over when this node drains. The bytes are
+    /// shared, not copied; blocks whose bytes fail their checksum are left out (and dropped).
+    /// The lower tier's blocks come in batches from [`Store::lower_handoff`].
+    pub fn handoff(&mut self, now: Instant) -> Vec<Handoff> {
+        self.purge_expired(now);
+        let corrupt: Vec<BlockHash> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| checksum(&b.data) != b.checksum)
+            .map(|(h, _)| *h)
+            .collect();
+        for h in &corrupt {
+            tracing::error!(block = %h, "checksum mismatch found while handing off; dropping block");
+            self.remove(h, RemovalReason::Corrupt);
+        }
+        self.blocks
+            .iter()
+            .map(|(h, b)| Handoff {
+                scope: b.scope,
+                block: PutBlock {
+                    hash: *h,
+                    parent: b.parent,
+                    n_tokens: b.n_tokens,
+                    data: b.data.clone(),
+                    checksum: b.checksum,
+                },
+                ttl: b.ttl,
+                remaining: b.expires_at.saturating_duration_since(now),
+                kind: if b.paid {
+                    EntryKind::Paid
+                } else {
+                    EntryKind::BestEffort
+                },
+            })
+            .collect()
+    }
+
+    /// The hashes the lower tier holds that DRAM does not (what [`Store::lower_handoff`]
+    /// reads, a batch at a time).
+    pub fn lower_hashes(&self) -> Vec<BlockHash> {
+        self.lower
+            .as_ref()
+            .map(|t| {
+                t.hashes()
+                    .into_iter()
+                    .filter(|h| !self.blocks.contains_key(h))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Read lower-tier blocks from the front of `hashes` (verified; corrupt ones are dropped
+    /// there, expired or vanished ones skipped) until about `budget` bytes are read; returns
+    /// them and how many hashes were consumed. Repairs hold one batch in memory at a time,
+    /// not the whole tier.
+    pub fn lower_handoff(&mut self, hashes: &[BlockHash], budget: u64) -> (Vec<Handoff>, usize) {
+        let Some(tier) = self.lower.as_mut() else {
+            return (Vec::new(), hashes.len());
+        };
+        let wall = unix_ms();
+        let (mut out, mut bytes, mut used) = (Vec::new(), 0u64, 0usize);
+        for h in hashes {
+            if bytes >= budget && !out.is_empty() {
+                break;
+            }
+            used += 1;
+            match tier.get(h) {
+                Ok(Some(tb)) if tb.expires_unix_ms > wall => {
+                    bytes += tb.data.len() as u64;
+                    out.push(Handoff {
+                        scope: tb.scope,
+                        block: PutBlock::new(tb.hash, tb.parent, tb.n_tokens, tb.data),
+                        ttl: tb.ttl,
+                        remaining: Duration::from_millis(tb.expires_unix_ms - wall),
+                        kind: if tb.paid {
+                            EntryKind::Paid
+                        } else {
+                            EntryKind::BestEffort
+                        },
+                    });
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::error!(block = %h, error = %e, "lower tier read failed while handing off")
+                }
+            }
+        }
+        (out, used)
+    }
+
+    /// Report every block held (DRAM and lower tier) as stored: a node that restarts with
+    /// its disk tier re-announces what it still has (events are idempotent).
+    pub fn announce_held(&self) {
+        let Some(sink) = &self.events else {
+            return;
+        };
+        for h in self.blocks.keys() {
+            sink.emit(StoreEvent::Stored(*h));
+        }
+        if let Some(tier) = &self.lower {
+            for h in tier.hashes() {
+                sink.emit(StoreEvent::Stored(h));
+            }
+        }
+    }
+
+    /// Copy a stored block to the lower tier (with its remaining TTL and paid flag); whether
+    /// the tier took it.
+    pub(super) fn demote(&mut self, hash: &BlockHash) -> bool {
+        let (Some(b), Some(tier)) = (self.blocks.get(hash), self.lower.as_mut()) else {
+            return false;
+        };
+        let remaining = b.expires_at.saturating_duration_since(Instant::now());
+        let demoted = TierBlock {
+            hash: *hash,
+            scope: b.scope,
+            parent: b.parent,
+            n_tokens: b.n_tokens,
+            ttl: b.ttl,
+            expires_unix_ms: unix_ms() + remaining.as_millis() as u64,
+            paid: b.paid,
+            data: b.data.clone(),
+        };
+        match tier.put(demoted) {
+            Ok(()) => {
+                metrics::TIER_MOVES.with_label_values(&["demoted"]).inc();
+                true
+            }
+            Err(e) => {
+                if matches!(e, crate::tier::TierError::Full { .. }) {
+                    tracing::debug!(block = %hash, error = %e, "lower tier full of paid blocks");
+                } else {
+                    tracing::warn!(block = %hash, error = %e, "demotion to the lower tier failed");
+                }
+                metrics::TIER_MOVES
+                    .with_label_values(&["demote_failed"])
+                    .inc();
+                false
+            }
+        }
+    }
+
+    pub(super) fn note_damaged(&mut self, d: Damaged) {
+        if self.damaged.len() >= DAMAGED {
+            self.damaged.pop_front();
+        }
+        self.damaged.push_back(d);
+    }
+
+    /// The blocks dropped as corrupt since the last call (see [`Damaged`]).
+    pub fn take_damaged(&mut self) -> Vec<Damaged> {
+        self.damaged.drain(..).collect()
+    }
+}

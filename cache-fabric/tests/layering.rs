@@ -1,0 +1,81 @@
+//! The fabric's layering, checked on its sources: node ← transport ← cluster ← client, the
+//! tiers below the store, block integrity below both. A `use` that points up the stack (or
+//! makes a circle) fails here, before it tangles the crate again.
+
+use std::path::Path;
+
+/// Modules a file may not name (`crate::<module>`), outside comments.
+const FORBIDDEN: &[(&str, &[&str])] = &[
+    (
+        "integrity.rs",
+        &[
+            "store",
+            "tier",
+            "node",
+            "transport",
+            "cluster",
+            "client",
+            "rdma",
+        ],
+    ),
+    (
+        "tier.rs",
+        &["store", "node", "transport", "cluster", "client", "rdma"],
+    ),
+    (
+        "stats.rs",
+        &["store", "node", "transport", "cluster", "client"],
+    ),
+    (
+        "policy.rs",
+        &["store", "node", "transport", "cluster", "client"],
+    ),
+    (
+        "store/mod.rs",
+        &["node", "transport", "cluster", "client", "rdma"],
+    ),
+    (
+        "node.rs",
+        &[
+            "transport",
+            "cluster",
+            "client",
+            "rdma::pull",
+            "rdma::serve",
+        ],
+    ),
+    ("rdma.rs", &["node", "transport", "cluster", "client"]),
+    (
+        "rdma/serve.rs",
+        &["transport", "cluster", "client", "rdma::pull"],
+    ),
+    ("transport.rs", &["cluster", "client", "rdma::pull"]),
+    ("rdma/pull.rs", &["cluster", "client"]),
+    ("cluster.rs", &["client"]),
+];
+
+#[test]
+fn imports_point_down_the_stack() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut bad = Vec::new();
+    for (file, forbidden) in FORBIDDEN {
+        let text = std::fs::read_to_string(src.join(file)).expect("source file");
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            for m in *forbidden {
+                let name = format!("crate::{m}");
+                let hit = code.match_indices(&name).any(|(i, _)| {
+                    // `crate::rdma` must not match `crate::rdma_x`; `::` after is fine.
+                    code[i + name.len()..]
+                        .chars()
+                        .next()
+                        .is_none_or(|c| !(c.is_alphanumeric() || c == '_'))
+                });
+                if hit {
+                    bad.push(format!("{file}:{}: {}", n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "imports up the stack:\n{}", bad.join("\n"));
+}
