@@ -85,8 +85,8 @@ impl ClusterSection {
 #[serde(default, deny_unknown_fields)]
 pub struct FabricSection {
     pub dram_capacity_bytes: u64,
-    /// Capacity eviction and admission of automatic-caching entries: `frequency` (default),
-    /// `frequency:<horizon factor>` or `lru`. Explicit-breakpoint entries are never evicted
+    /// Capacity eviction and admission of automatic-caching entries: `adaptive` (default),
+    /// `frequency`, `frequency:<horizon factor>` or `lru`. Explicit-breakpoint entries are never evicted
     /// for capacity.
     pub eviction: String,
     /// Bytes of the local-disk tier under `data_dir/fabric-disk`; 0 turns it off. DRAM
@@ -281,7 +281,7 @@ impl Default for FabricSection {
     fn default() -> Self {
         Self {
             dram_capacity_bytes: 1 << 30,
-            eviction: "frequency".into(),
+            eviction: "adaptive".into(),
             disk_capacity_bytes: 0,
             gpu_capacity_bytes: 0,
             rdma_device: "auto".into(),
