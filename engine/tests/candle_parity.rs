@@ -18,7 +18,11 @@ fn logits_match_candles_f32_llama_within_1e_4() {
     }
     // SAFETY: the only test in this binary; set before any thread reads the environment.
     unsafe { std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1") };
-    let ours = ReferenceEngine::load(&path).unwrap();
+    // f32 KV: the comparison is of the forward pass (int8 KV, the default, is measured
+    // against f32 KV in tests/kv_dtypes.rs).
+    let ours = ReferenceEngine::load(&path)
+        .unwrap()
+        .with_kv_dtype(engine::KvDtype::F32);
     let tokens = ours
         .tokenizer()
         .encode("The capital of France is Paris, and the capital of Italy is");

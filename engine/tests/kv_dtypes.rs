@@ -108,7 +108,8 @@ fn render(e: &ReferenceEngine, q: &str, system: &str) -> engine::Rendered {
 /// each position its most likely next token is compared with f32's.
 #[test]
 fn compressed_kv_agrees_with_f32_on_fifty_prompts() {
-    let Some(e) = engine() else { return };
+    let Some(base) = engine() else { return };
+    let e = &base.with_kv_dtype(KvDtype::F32);
     // Each prompt with f32's greedy answer appended, and where scoring starts.
     let texts: Vec<(Vec<u32>, usize)> = QUESTIONS
         .iter()
