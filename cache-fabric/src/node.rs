@@ -1,7 +1,7 @@
 //! One fabric node: its tiers (the DRAM store over an optional disk or GPU tier) behind a
 //! lock, what a prefix read of them found, and (feature `rdma`) the registered pool peers
 //! READ its blocks from. The bottom of the fabric's layering: [`crate::transport`] and
-//! [`crate::rdma`] serve peers from a node, [`crate::cluster`] joins nodes over a transport,
+//! `rdma` (feature `rdma`) serve peers from a node, [`crate::cluster`] joins nodes over a transport,
 //! and [`crate::client`] is the API on top (node ← transport ← cluster ← client).
 
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -175,11 +175,11 @@ const FP8_MAX: f32 = 448.0;
 fn int8_scale(v: &[f32]) -> half::f16 {
     let amax = v.iter().fold(0f32, |m, x| m.max(x.abs()));
     let want = amax / INT8_MAX;
-    if !(want > half::f16::MIN_POSITIVE.to_f32()) {
+    if want.is_nan() || want <= half::f16::MIN_POSITIVE.to_f32() {
         // Zero, tiny, or NaN: the smallest normal scale.
         return half::f16::MIN_POSITIVE;
     }
-    if !(want < half::f16::MAX.to_f32()) {
+    if want >= half::f16::MAX.to_f32() {
         return half::f16::MAX;
     }
     let s = half::f16::from_f32(want);

@@ -45,7 +45,7 @@ use crate::metrics;
 use crate::store::{FetchedBlock, WriteRefused};
 use crate::transport::{RemoteEntry, TcpTransport, Transport, TransportError};
 use crate::wire::{OP_RDMA_CONNECT, OP_RDMA_DONE, OP_RDMA_GET};
-use crate::wire::{get_hash, get_scope, put_scope};
+use crate::wire::{get_hash, put_scope};
 
 /// A connection's first receive region; it doubles (re-registered) when a block needs more.
 const FIRST_REGION: usize = 4 << 20;

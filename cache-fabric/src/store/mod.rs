@@ -27,9 +27,9 @@
 //! TTL behaviour is testable with paused time.
 
 //!
-//! The store splits along its seams: [`eviction`] (what leaves when room is needed, under
-//! the [`policy`](crate::policy)), [`entries`] (blocks in and out, the leaf sets, expiry,
-//! stats), [`tiers`] (demotion and promotion with the tier below, handoff); this file holds
+//! The store splits along its seams: `eviction` (what leaves when room is needed, under
+//! the [`policy`](crate::policy)), `entries` (blocks in and out, the leaf sets, expiry,
+//! stats), `tiers` (demotion and promotion with the tier below, handoff); this file holds
 //! the types and the read and write API.
 
 mod entries;
