@@ -5,32 +5,14 @@
 //! The figures (agreement and log-prob difference per dtype) print with `--nocapture`;
 //! docs/benchmarks.md quotes them.
 
-use std::sync::OnceLock;
+mod common;
 
 use cachet_common::BlockHash;
-use engine::reference::{ReferenceEngine, default_model_path};
+use common::engine;
+use engine::reference::ReferenceEngine;
 use engine::{
     Engine, ExportSpec, GenerateRequest, KvBlock, KvDtype, Prompt, PromptMessage, Role, Sampling,
 };
-
-fn engine() -> Option<&'static ReferenceEngine> {
-    static E: OnceLock<Option<ReferenceEngine>> = OnceLock::new();
-    E.get_or_init(|| {
-        let path = std::env::var("CACHET_MODEL_PATH")
-            .map(Into::into)
-            .unwrap_or_else(|_| {
-                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("..")
-                    .join(default_model_path())
-            });
-        if !path.exists() {
-            eprintln!("skipping: {} not found (run `make model`)", path.display());
-            return None;
-        }
-        Some(ReferenceEngine::load(&path).expect("model loads"))
-    })
-    .as_ref()
-}
 
 /// Fifty short, varied questions (facts, how-to, code, arithmetic, writing).
 const QUESTIONS: [&str; 50] = [

@@ -1,32 +1,14 @@
 //! The reference engine on the real SmolLM2 model file. Skipped with a message when the file
 //! is absent (`make test` fetches it first, so CI always runs these).
 
-use std::sync::OnceLock;
+mod common;
 
 use cachet_common::BlockHash;
+use common::engine;
 use engine::reference::{ReferenceEngine, default_model_path};
 use engine::{
     Engine, ExportSpec, GenerateRequest, KvBlock, Prompt, PromptMessage, Role, Sampling, TextStream,
 };
-
-fn engine() -> Option<&'static ReferenceEngine> {
-    static E: OnceLock<Option<ReferenceEngine>> = OnceLock::new();
-    E.get_or_init(|| {
-        let path = std::env::var("CACHET_MODEL_PATH")
-            .map(Into::into)
-            .unwrap_or_else(|_| {
-                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("..")
-                    .join(default_model_path())
-            });
-        if !path.exists() {
-            eprintln!("skipping: {} not found (run `make model`)", path.display());
-            return None;
-        }
-        Some(ReferenceEngine::load(&path).expect("model loads"))
-    })
-    .as_ref()
-}
 
 #[test]
 fn tokenizer_matches_known_ids_and_round_trips() {
