@@ -121,8 +121,8 @@ fn simulated_hit_ratio() -> f64 {
     // The service's default policy (the line after plain LRU's).
     let line = text
         .lines()
-        .find(|l| l.starts_with("policy=frequency"))
-        .unwrap_or_else(|| panic!("no frequency line in {text}"));
+        .find(|l| l.starts_with("policy=adaptive"))
+        .unwrap_or_else(|| panic!("no adaptive line in {text}"));
     line.split('\t')
         .find_map(|f| f.strip_prefix("token_hit_ratio="))
         .unwrap()
