@@ -8,8 +8,3 @@
 pub fn checksum(data: &[u8]) -> u32 {
     crc32c::crc32c(data)
 }
-
-/// Whether `data` still has the checksum its writer computed.
-pub fn verify(data: &[u8], expected: u32) -> bool {
-    checksum(data) == expected
-}

@@ -5,7 +5,7 @@ mod common;
 
 use cachet_common::BlockHash;
 use common::engine;
-use engine::reference::{ReferenceEngine, default_model_path};
+use engine::reference::ReferenceEngine;
 use engine::{
     Engine, ExportSpec, GenerateRequest, KvBlock, Prompt, PromptMessage, Role, Sampling, TextStream,
 };
@@ -165,14 +165,7 @@ fn seeded_sampling_is_reproducible_and_seeds_differ() {
 #[test]
 fn decoding_from_q4_blocks_answers_like_the_f32_path() {
     let Some(e) = engine() else { return };
-    let path = std::env::var("CACHET_MODEL_PATH")
-        .map(Into::into)
-        .unwrap_or_else(|_| {
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("..")
-                .join(default_model_path())
-        });
-    let exact = ReferenceEngine::load_with(&path, false).unwrap();
+    let exact = ReferenceEngine::load_with(&common::model_path(), false).unwrap();
     for q in [
         "What is the capital of France?",
         "Write a haiku about the sea.",

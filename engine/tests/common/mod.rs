@@ -4,18 +4,23 @@ use std::sync::OnceLock;
 
 use engine::reference::{ReferenceEngine, default_model_path};
 
-/// The reference engine on the real SmolLM2 file (`CACHET_MODEL_PATH` or the default path),
-/// or `None`, with a message, when the file is absent (`make test` fetches it first).
+/// The SmolLM2 file: `CACHET_MODEL_PATH`, or where `make model` puts it.
+pub fn model_path() -> std::path::PathBuf {
+    std::env::var("CACHET_MODEL_PATH")
+        .map(Into::into)
+        .unwrap_or_else(|_| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join(default_model_path())
+        })
+}
+
+/// The reference engine on the real SmolLM2 file ([`model_path`]), or `None`, with a
+/// message, when the file is absent (`make test` fetches it first).
 pub fn engine() -> Option<&'static ReferenceEngine> {
     static E: OnceLock<Option<ReferenceEngine>> = OnceLock::new();
     E.get_or_init(|| {
-        let path = std::env::var("CACHET_MODEL_PATH")
-            .map(Into::into)
-            .unwrap_or_else(|_| {
-                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("..")
-                    .join(default_model_path())
-            });
+        let path = model_path();
         if !path.exists() {
             eprintln!("skipping: {} not found (run `make model`)", path.display());
             return None;
