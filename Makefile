@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 
 # (api-fuzz, fuzz-api: schemathesis against a real server; fuzz-slice, fuzz: cargo fuzz;
 # chaos: faults under load)
-.PHONY: chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
+.PHONY: bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
 
 UI := admin-ui
 
@@ -27,7 +27,7 @@ run: services model build-release admin-ui
 
 ## The full suite: formatting, lints, Rust tests, docs, the anthropic SDK tests, the admin
 ## UI's unit tests and its end-to-end suite in Chromium.
-test: services model lint rust-test rdma-test doc sdk-test api-fuzz fuzz-slice ui-test e2e
+test: services model lint rust-test rdma-test doc sdk-test api-fuzz fuzz-slice bench-slice ui-test e2e
 
 services:
 	@scripts/services.sh
@@ -132,6 +132,10 @@ openapi:
 ## Cache-hit throughput through the gateway vs a bare axum handler (docs/benchmarks.md).
 bench-gateway: services build-release
 	loadtests/gateway-hit.sh
+
+## A one-second slice of every benchmark (the debug build), so none can silently break.
+bench-slice: services build
+	scripts/bench-slice.sh $(TARGET)/debug/cachet
 
 ## The admin dashboard's usage API over a 10 M-row ledger (docs/benchmarks.md).
 bench-admin: services build-release

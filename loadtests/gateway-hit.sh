@@ -4,10 +4,11 @@
 # connections. Everything runs on 127.0.0.1 and stops by itself.
 #
 #   make bench-gateway            (or: loadtests/gateway-hit.sh [seconds])
+#   CACHET_BIN=path/to/cachet loadtests/gateway-hit.sh 1    (another build; `make bench-slice`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-10}
-BIN=${CARGO_TARGET_DIR:-target}/release/cachet
+BIN=${CACHET_BIN:-${CARGO_TARGET_DIR:-target}/release/cachet}
 [ -x "$BIN" ] || cargo build --release --locked --bin cachet
 DB=cachet_bench_$$
 export DATABASE_URL=${BENCH_PG:-postgres://postgres@127.0.0.1:5432}/$DB
@@ -20,8 +21,9 @@ cleanup() {
 }
 trap cleanup EXIT
 $BIN migrate >/dev/null
-$BIN tenant create bench >/dev/null
-KEY=$($BIN key create --tenant bench 2>/dev/null)
+$BIN admin tenant create bench >/dev/null
+KEY=$($BIN admin key create --tenant bench 2>/dev/null)
+[ -n "$KEY" ] || { echo "gateway-hit: could not create the bench key" >&2; exit 1; }
 $BIN serve & SERVE_PID=$!
 $BIN loadtest bare-server --listen 127.0.0.1:18090 --seconds $((SECS * 6 + 60)) & BARE_PID=$!
 for _ in $(seq 100); do curl -sf http://127.0.0.1:18081/readyz >/dev/null && break; sleep 0.1; done

@@ -200,6 +200,12 @@ pub struct PolicySet {
     /// Nodes holding each block (none = the cluster's default).
     #[arg(long, value_parser = limit)]
     pub replication: Option<Option<i64>>,
+    /// Weight in each model's fair queue for engine workers (1 to 100).
+    #[arg(long)]
+    pub engine_weight: Option<i32>,
+    /// Generations running at once per model, at most (none = no cap).
+    #[arg(long, value_parser = limit)]
+    pub max_concurrent: Option<Option<i64>>,
 }
 
 #[derive(Subcommand)]
@@ -451,6 +457,10 @@ pub async fn run(
                     allow_1h_ttl: s.allow_1h_ttl,
                     replication_factor: s
                         .replication
+                        .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
+                    engine_weight: s.engine_weight,
+                    max_concurrent: s
+                        .max_concurrent
                         .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
                 };
                 let p = policy::patch_policy(pool, &actor, id, &patch, true).await?;

@@ -32,6 +32,9 @@ pub struct Config {
     /// Empty: `/metrics` answers loopback clients only (its series name tenants).
     #[serde(skip)]
     pub metrics_token: String,
+    /// Start even if the configured memory bounds (fabric DRAM, KV budget, engine working
+    /// memory, …) add up to more than the machine has (`CACHET_MEMORY_OVERCOMMIT`).
+    pub memory_overcommit: bool,
 }
 
 /// Cluster roles (`cachet node`, `cachet gateway`): placement, reads, routing.
@@ -43,9 +46,12 @@ pub struct ClusterSection {
     /// Owners of each block (R).
     pub replicas: usize,
     /// Prompt tokens a node prefills per second: the cost of recomputing, which bounds how
-    /// long a read waits for remote blocks, and the gateway's routing estimate.
+    /// long a read waits for remote blocks. (The routing gateway does not use it: it learns
+    /// each node's prefill rate per model from what the node measures, seeded from the
+    /// model's profile.)
     pub prefill_tokens_per_sec: u64,
-    /// Node-to-node bandwidth the gateway assumes for blocks a node must pull.
+    /// Node-to-node bandwidth the gateway assumes for blocks a node must pull, until the
+    /// node has measured its own pulls.
     pub transfer_bytes_per_sec: u64,
     /// The gateway answers 529 at once when no node is expected to start answering within
     /// this time-to-first-token.
@@ -169,10 +175,16 @@ pub struct EngineSection {
     /// The element type every served model stores its KV in (`f32`, `f16`, `bf16`, `int8`,
     /// `fp8`); empty: each model's default (decision 0019).
     pub kv_dtype: String,
-    /// Generations running at once.
+    /// Generations running at once, per model (each model has its own workers).
     pub workers: usize,
-    /// Generations allowed to wait for a worker before 529.
+    /// Generations allowed to wait for a model's worker (per model) before 529; tenants
+    /// share the wait by weighted fair queuing (their policy's `engine_weight`).
     pub queue: usize,
+    /// Bytes of KV the requests in flight may hold at once on their way from engine to
+    /// fabric; 0: a quarter of the machine's memory (`CACHET_KV_BUDGET_BYTES`).
+    pub kv_budget_bytes: u64,
+    /// How long a request waits for its share of the KV budget before 529.
+    pub kv_budget_wait_ms: u64,
 }
 
 impl EngineSection {
@@ -274,6 +286,7 @@ impl Default for Config {
             admin: AdminSection::default(),
             admin_jwt_secret: String::new(),
             metrics_token: String::new(),
+            memory_overcommit: false,
         }
     }
 }
@@ -299,6 +312,8 @@ impl Default for EngineSection {
             kv_dtype: String::new(),
             workers: 8,
             queue: 256,
+            kv_budget_bytes: 0,
+            kv_budget_wait_ms: 30_000,
         }
     }
 }
@@ -399,6 +414,12 @@ impl Config {
             &mut self.cluster.resume_grace_secs,
         )?;
         env_parse("CACHET_ENGINE_QUEUE", &mut self.engine.queue)?;
+        env_parse("CACHET_KV_BUDGET_BYTES", &mut self.engine.kv_budget_bytes)?;
+        env_parse(
+            "CACHET_KV_BUDGET_WAIT_MS",
+            &mut self.engine.kv_budget_wait_ms,
+        )?;
+        env_parse("CACHET_MEMORY_OVERCOMMIT", &mut self.memory_overcommit)?;
         env_parse("CACHET_COALESCE", &mut self.gateway.coalesce)?;
         env_parse("CACHET_LOG_FORMAT", &mut self.log.format)?;
         env_parse("CACHET_ADMIN_JWT_SECRET", &mut self.admin_jwt_secret)?;
@@ -427,6 +448,7 @@ impl Config {
             admin,
             admin_jwt_secret,
             metrics_token: _,
+            memory_overcommit: _,
         } = self;
         if !admin_jwt_secret.is_empty() && admin_jwt_secret.len() < 32 {
             bail!("CACHET_ADMIN_JWT_SECRET must be at least 32 bytes");
@@ -476,6 +498,8 @@ impl Config {
             kv_dtype: _,
             workers,
             queue: _,
+            kv_budget_bytes: _,
+            kv_budget_wait_ms,
         } = engine;
         engine.kv_dtype()?;
         if kind != "sim" && kind != "reference" {
@@ -489,6 +513,9 @@ impl Config {
         }
         if *workers == 0 {
             bail!("engine.workers must be positive");
+        }
+        if *kv_budget_wait_ms == 0 {
+            bail!("engine.kv_budget_wait_ms must be positive");
         }
         let GatewaySection {
             max_body_bytes,
@@ -618,6 +645,8 @@ impl Config {
             internal_token: None,
             resume_grace: Duration::from_secs(self.cluster.resume_grace_secs),
             coalesce: self.gateway.coalesce,
+            kv_budget_bytes: crate::memory::kv_budget_bytes(self),
+            kv_budget_wait: Duration::from_millis(self.engine.kv_budget_wait_ms),
         }
     }
 

@@ -71,6 +71,10 @@ pub async fn run(
     if config.redis_url.is_empty() {
         bail!("a cluster node needs redis_url (membership and block events live in Redis)");
     }
+    if args.api_listen.is_none() {
+        // With the API, start_api checks the engines' bounds too.
+        crate::memory::check(&config, false)?;
+    }
     // Each node keeps its own disk tier and usage spool, even when nodes share a data_dir.
     config.data_dir = config.data_dir.join(format!("node-{}", args.id));
     let listener = tokio::net::TcpListener::bind(&args.listen)
@@ -125,6 +129,7 @@ pub async fn run(
         epoch,
         dram_used_bytes: 0,
         api_addr: args.api_advertise.clone().or_else(|| api_addr.clone()),
+        ..Default::default()
     };
     // Announced and with a first view before it serves anything: its first writes already
     // go to their owners.
@@ -137,11 +142,20 @@ pub async fn run(
         .await
         .context("reading the cluster membership")?;
     let n = node.clone();
+    // What the node measures goes out with every heartbeat: its engines' prefill rates (once
+    // its API runs) and its pull bandwidth, the routing gateway's learned estimates.
+    let measured: Arc<std::sync::OnceLock<gateway::coalesce::Inflight>> = Arc::default();
+    let (m, cl) = (measured.clone(), cluster.clone());
     let heartbeat = tokio::spawn(membership::heartbeat(
         conn.clone(),
         args.redis_prefix.clone(),
         move || NodeRecord {
             dram_used_bytes: n.with_store(|s| s.used_bytes()),
+            prefill_tokens_per_sec: m
+                .get()
+                .map(|i| i.prefill_tokens_per_sec())
+                .unwrap_or_default(),
+            pull_bytes_per_sec: cl.pull_bytes_per_sec(),
             ..record.clone()
         },
         leave.clone(),
@@ -182,6 +196,7 @@ pub async fn run(
             )
             .await?;
             println!("node {} api on {}", args.id, running.addr);
+            let _ = measured.set(running.inflight.clone());
             Some(running)
         }
         None => {

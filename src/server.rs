@@ -182,6 +182,8 @@ pub struct Running {
     pub pool: PgPool,
     pub node: Arc<FabricNode>,
     pub meter: MeterHandle,
+    /// Prefills in flight and the prefill rates measured here (a node announces them).
+    pub inflight: gateway::coalesce::Inflight,
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
@@ -216,6 +218,7 @@ pub async fn start_api(
     fabric: FabricClient,
 ) -> anyhow::Result<Running> {
     let addr = listener.local_addr()?;
+    crate::memory::check(&config, true)?;
     let gateway_config_internal = gateway_config.internal_token.is_some();
     // Load the engines first: a missing model file is reported before anything starts.
     let engine_pool = engines(&config).await?;
@@ -249,7 +252,9 @@ pub async fn start_api(
         admin,
     )?;
     follow_changes(&config, pool.clone(), state.sync_targets(), &shutdown);
+    let inflight = state.inflight.clone();
     let app = gateway::router(state);
+    tokio::spawn(crate::memory::return_idle_memory(shutdown.clone()));
     let limits = config.serve_limits();
     let meter_handle = meter.clone();
     let task = tokio::spawn(async move {
@@ -266,6 +271,7 @@ pub async fn start_api(
         pool,
         node,
         meter,
+        inflight,
         task,
     })
 }
@@ -292,10 +298,9 @@ pub async fn start_gateway(
         auth_cache_ttl: Duration::from_secs(config.gateway.auth_cache_ttl_secs),
         cluster_token: token.clone(),
         cost: gateway::conductor::CostModel {
-            prefill_per_token: Duration::from_secs_f64(1.0 / c.prefill_tokens_per_sec as f64),
-            transfer_bytes_per_sec: c.transfer_bytes_per_sec as f64,
             ttft_slo: Duration::from_millis(c.ttft_slo_ms),
         },
+        transfer_bytes_per_sec: c.transfer_bytes_per_sec as f64,
         node_timeout: Duration::from_secs(600),
     };
     let state = gateway::routing::state(routing, pool.clone(), engine_pool)?;

@@ -19,6 +19,8 @@ export interface Policy {
   reserved_cache_bytes: number | null;
   allow_1h_ttl: boolean;
   replication_factor: number | null;
+  engine_weight: number;
+  max_concurrent: number | null;
 }
 
 /** The rate limits, in form order: [field, label, unit]. */
@@ -36,6 +38,7 @@ export const PLATFORM_FIELDS: (keyof Policy)[] = [
   "cache_resident_bytes",
   "reserved_cache_bytes",
   "replication_factor",
+  "engine_weight",
 ];
 
 /** The form's text inputs, keyed by policy field (`monthly_budget` in major units). */
@@ -51,6 +54,8 @@ export function policyForm(p: Policy, currency: string): PolicyForm {
   f.reserved_cache_bytes = p.reserved_cache_bytes === null ? "" : String(p.reserved_cache_bytes);
   f.replication_factor = p.replication_factor === null ? "" : String(p.replication_factor);
   f.allow_1h_ttl = p.allow_1h_ttl;
+  f.engine_weight = String(p.engine_weight);
+  f.max_concurrent = p.max_concurrent === null ? "" : String(p.max_concurrent);
   return f;
 }
 
@@ -119,7 +124,13 @@ export function policyPatch(
     errors.budget_alert_percent = "a whole number from 1 to 100";
   } else next.budget_alert_percent = alert;
   next.allow_1h_ttl = Boolean(form.allow_1h_ttl);
+  const mc = parseLimit(text("max_concurrent"), 1);
+  if (typeof mc === "string") errors.max_concurrent = mc;
+  else next.max_concurrent = mc;
   if (platform) {
+    const w = parseLimit(text("engine_weight"), 1);
+    if (typeof w !== "number" || w > 100) errors.engine_weight = "a whole number from 1 to 100";
+    else next.engine_weight = w;
     for (const k of ["cache_resident_bytes", "reserved_cache_bytes"] as const) {
       const v = parseLimit(text(k), 0);
       if (typeof v === "string") errors[k] = v.replace("at least 0", "bytes (0 or more)");

@@ -26,6 +26,8 @@ const policy: Policy = {
   reserved_cache_bytes: null,
   allow_1h_ttl: true,
   replication_factor: null,
+  engine_weight: 1,
+  max_concurrent: null,
 };
 
 describe("the policy form", () => {
@@ -51,19 +53,38 @@ describe("the policy form", () => {
       budget_alert_percent: "101",
       replication_factor: "17",
       reserved_cache_bytes: "2147483648",
+      engine_weight: "0",
+      max_concurrent: "0",
     };
     const { errors } = policyPatch(policy, form, "USD", true);
     expect(Object.keys(errors).sort()).toEqual(
-      ["budget_alert_percent", "monthly_budget", "output_tokens_per_minute", "replication_factor", "requests_per_minute", "reserved_cache_bytes"].sort(),
+      [
+        "budget_alert_percent",
+        "engine_weight",
+        "max_concurrent",
+        "monthly_budget",
+        "output_tokens_per_minute",
+        "replication_factor",
+        "requests_per_minute",
+        "reserved_cache_bytes",
+      ].sort(),
     );
     expect(errors.requests_per_minute).toContain("at least 1");
     expect(errors.reserved_cache_bytes).toContain("resident");
   });
 
   it("leaves the platform's fields out for a tenant admin", () => {
-    const form = { ...policyForm(policy, "USD"), cache_resident_bytes: "5", replication_factor: "3" };
+    const form = { ...policyForm(policy, "USD"), cache_resident_bytes: "5", replication_factor: "3", engine_weight: "4" };
     expect(policyPatch(policy, form, "USD", false).patch).toEqual({});
-    expect(policyPatch(policy, form, "USD", true).patch).toEqual({ cache_resident_bytes: 5, replication_factor: 3 });
+    expect(policyPatch(policy, form, "USD", true).patch).toEqual({ cache_resident_bytes: 5, replication_factor: 3, engine_weight: 4 });
+  });
+
+  it("lets a tenant admin cap its own concurrency", () => {
+    const form = { ...policyForm(policy, "USD"), max_concurrent: "3" };
+    expect(policyPatch(policy, form, "USD", false).patch).toEqual({ max_concurrent: 3 });
+    expect(policyPatch({ ...policy, max_concurrent: 3 }, { ...form, max_concurrent: "" }, "USD", false).patch).toEqual({
+      max_concurrent: null,
+    });
   });
 });
 

@@ -25,6 +25,7 @@ pub mod api;
 pub mod dashboard;
 mod intents;
 pub mod invoice;
+pub mod journal;
 pub mod meter;
 pub mod metrics;
 pub mod money;

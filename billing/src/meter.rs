@@ -11,6 +11,10 @@
 //! - A row Postgres rejects as invalid (a constraint) goes to `<spool>.rejected` for a person
 //!   to look at, never silently dropped.
 //! - If the writer task is gone, [`MeterHandle::record`] appends to the spool itself.
+//! - Durability without the wait: [`MeterHandle::record_durable`] returns once the event is
+//!   fsynced to the local usage journal (`journal`, group fsync); the insert above follows
+//!   asynchronously, and the journal's events go to the spool when the meter next starts
+//!   after a crash (decision 0020).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -27,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::intents::Intents;
+use crate::journal::Journal;
 use crate::metrics;
 
 /// How a request ended.
@@ -235,6 +240,7 @@ pub struct MeterHandle {
     tx: mpsc::Sender<Queued>,
     spool: Arc<Spool>,
     intents: Arc<Intents>,
+    journal: Arc<Journal>,
     pending: Arc<AtomicU64>,
     /// Events waiting out [`MeterHandle::record_durable_after`]'s delay.
     deferred: Arc<AtomicU64>,
@@ -249,10 +255,29 @@ impl MeterHandle {
         self.send(event, None).await
     }
 
-    /// Like [`MeterHandle::record`], but returns only once the event is committed to
-    /// Postgres or fsynced to the spool: a process killed after this returns loses nothing.
-    /// Costs the group commit's latency (`linger` plus one insert).
+    /// Like [`MeterHandle::record`], but returns only once the event is durable: fsynced to
+    /// the local usage journal (grouped with other requests' events), so a process killed
+    /// after this returns loses nothing; the Postgres insert follows asynchronously and the
+    /// journal is replayed into the ledger after a crash. If the journal cannot be written,
+    /// waits for the commit instead ([`MeterHandle::record_committed`]).
     pub async fn record_durable(&self, event: UsageEvent) -> Result<(), MeterError> {
+        let at = match self.journal.append(&event).await {
+            Ok(at) => at,
+            Err(e) => {
+                metrics::EVENTS.with_label_values(&["journal_failed"]).inc();
+                tracing::error!(request_id = %event.request_id, error = %e, "usage journal unavailable; waiting for the ledger commit");
+                return self.record_committed(event).await;
+            }
+        };
+        self.intents.close(event.request_id);
+        let journal = self.journal.clone();
+        self.send(event, Some(Box::new(move || journal.committed(at))))
+            .await
+    }
+
+    /// Returns only once the event is committed to Postgres or fsynced to the spool. Costs
+    /// the group commit's latency (`linger` plus one insert).
+    pub async fn record_committed(&self, event: UsageEvent) -> Result<(), MeterError> {
         let committed = self.hand_over(event).await?;
         committed.await;
         Ok(())
@@ -265,8 +290,14 @@ impl MeterHandle {
         event: UsageEvent,
     ) -> Result<impl std::future::Future<Output = ()> + use<>, MeterError> {
         let id = event.request_id;
-        let (ack, done) = tokio::sync::oneshot::channel();
-        self.send(event, Some(ack)).await?;
+        let (ack, done) = tokio::sync::oneshot::channel::<()>();
+        self.send(
+            event,
+            Some(Box::new(move || {
+                let _ = ack.send(());
+            })),
+        )
+        .await?;
         let intents = self.intents.clone();
         Ok(async move {
             // A dropped ack means the writer stopped with the event in hand; its drain
@@ -312,19 +343,18 @@ impl MeterHandle {
         Ok(())
     }
 
-    async fn send(
-        &self,
-        event: UsageEvent,
-        ack: Option<tokio::sync::oneshot::Sender<()>>,
-    ) -> Result<(), MeterError> {
+    async fn send(&self, event: UsageEvent, ack: Option<Ack>) -> Result<(), MeterError> {
         self.pending.fetch_add(1, Ordering::SeqCst);
-        if let Err(mpsc::error::SendError((event, _))) = self.tx.send((event, ack)).await {
+        if let Err(mpsc::error::SendError((event, ack))) = self.tx.send((event, ack)).await {
             let spool = self.spool.clone();
             let res = tokio::task::spawn_blocking(move || spool.append(&[event]))
                 .await
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             self.pending.fetch_sub(1, Ordering::SeqCst);
             res?;
+            if let Some(ack) = ack {
+                ack();
+            }
         }
         Ok(())
     }
@@ -352,8 +382,12 @@ impl MeterHandle {
     }
 }
 
-/// An event on its way to the writer, with whom to tell once it is durable.
-type Queued = (UsageEvent, Option<tokio::sync::oneshot::Sender<()>>);
+/// What to do once an event is committed or spooled: wake a waiting sender, or tell the
+/// journal its copy is no longer needed.
+type Ack = Box<dyn FnOnce() + Send>;
+
+/// An event on its way to the writer, with whom to tell once it is in the ledger or spool.
+type Queued = (UsageEvent, Option<Ack>);
 
 /// The writer task.
 pub struct Meter {
@@ -387,6 +421,17 @@ impl Meter {
             spool.append(&cut)?;
         }
         intents.clear()?;
+        // Events journaled by the last run (answered, maybe not yet inserted): into the
+        // spool too, then their segments go.
+        let (journal, recovered) = Journal::open(&config.spool_path)?;
+        if !recovered.events.is_empty() {
+            tracing::warn!(
+                events = recovered.events.len(),
+                "usage events recovered from the journal; replaying them into the ledger"
+            );
+            spool.append(&recovered.events)?;
+        }
+        recovered.discard()?;
         let (tx, rx) = mpsc::channel(config.queue_capacity);
         let pending = Arc::new(AtomicU64::new(0));
         let deferred = Arc::new(AtomicU64::new(0));
@@ -394,6 +439,7 @@ impl Meter {
             tx,
             spool: spool.clone(),
             intents: Arc::new(intents),
+            journal: Arc::new(journal),
             pending: pending.clone(),
             deferred: deferred.clone(),
             shutdown: shutdown.clone(),
@@ -469,7 +515,7 @@ impl Meter {
         let (events, acks): (Vec<UsageEvent>, Vec<_>) = batch.into_iter().unzip();
         self.commit(events).await;
         for ack in acks.into_iter().flatten() {
-            let _ = ack.send(());
+            ack();
         }
     }
 

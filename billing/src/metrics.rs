@@ -69,3 +69,32 @@ pub static ROLLUP_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static JOURNAL_FSYNC_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    reg(Histogram::with_opts(
+        HistogramOpts::new(
+            "cachet_billing_journal_fsync_seconds",
+            "Time to write and fsync one group of usage events to the local journal",
+        )
+        .buckets(vec![
+            0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.5,
+        ]),
+    )
+    .expect("metric"))
+});
+pub static JOURNAL_GROUP_EVENTS: LazyLock<Histogram> = LazyLock::new(|| {
+    reg(Histogram::with_opts(
+        HistogramOpts::new(
+            "cachet_billing_journal_group_events",
+            "Usage events made durable by one journal fsync",
+        )
+        .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 256.0, 1024.0]),
+    )
+    .expect("metric"))
+});
+pub static JOURNAL_UNCOMMITTED: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_billing_journal_uncommitted_events",
+        "Usage events fsynced to the local journal and not yet in Postgres or the spool",
+    )
+    .expect("metric"))
+});

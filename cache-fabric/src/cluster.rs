@@ -21,7 +21,7 @@
 //!   left out, before a graceful stop.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -147,7 +147,13 @@ pub struct Cluster {
     popularity: Mutex<Popularity>,
     /// Tenants whose plan sets their own replication factor (others use `config.replicas`).
     tenant_replicas: RwLock<HashMap<TenantId, usize>>,
+    /// Bytes per second of peer pulls, a moving average over reads that pulled enough to say
+    /// (announced for the routing gateway's transfer estimate).
+    pull_rate: Mutex<Option<f64>>,
 }
+
+/// A read that pulled fewer remote bytes than this says nothing reliable about bandwidth.
+const PULL_SAMPLE_MIN_BYTES: u64 = 256 << 10;
 
 /// Sliding-window pull counts per block: two fixed windows, the previous one weighted by how
 /// much of it still overlaps the sliding window (the usual rate-limiter approximation).
@@ -204,7 +210,28 @@ impl Cluster {
             picks: AtomicUsize::new(0),
             popularity: Mutex::new(Popularity::default()),
             tenant_replicas: RwLock::new(HashMap::new()),
+            pull_rate: Mutex::new(None),
         })
+    }
+
+    /// Bytes per second this node has measured pulling blocks from peers (moving average
+    /// over reads of at least 256 KiB of remote blocks); `None` until it has.
+    pub fn pull_bytes_per_sec(&self) -> Option<f64> {
+        *self.pull_rate.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn observe_pull(&self, bytes: u64, took: Duration) {
+        if bytes < PULL_SAMPLE_MIN_BYTES || took.is_zero() {
+            return;
+        }
+        let sample = bytes as f64 / took.as_secs_f64();
+        let mut rate = self.pull_rate.lock().unwrap_or_else(|p| p.into_inner());
+        let next = match *rate {
+            Some(r) => r * 0.75 + sample * 0.25,
+            None => sample,
+        };
+        *rate = Some(next);
+        metrics::PULL_BYTES_PER_SEC.set(next);
     }
 
     /// Pull blocks from peers by RDMA READ over `device` (peers that export no pool are
@@ -384,6 +411,19 @@ impl Cluster {
     /// One block: from the local store, else from an owner. Never an error: a block that
     /// cannot be had is a miss (and is recomputed).
     async fn fetch(&self, view: &View, scope: Scope, hash: BlockHash, now: Instant) -> Fetched {
+        self.fetch_counted(view, scope, hash, now, &AtomicU64::new(0))
+            .await
+    }
+
+    /// [`Cluster::fetch`], adding the bytes of a block pulled from a peer to `remote`.
+    async fn fetch_counted(
+        &self,
+        view: &View,
+        scope: Scope,
+        hash: BlockHash,
+        now: Instant,
+        remote: &AtomicU64,
+    ) -> Fetched {
         if let Some(b) = self.local.store().get_block(&scope, &hash, now) {
             return Fetched::Hit(b);
         }
@@ -398,6 +438,7 @@ impl Cluster {
             match got {
                 Ok(Some(b)) => {
                     metrics::REMOTE_BLOCKS.with_label_values(&["hit"]).inc();
+                    remote.fetch_add(b.data.len() as u64, Ordering::Relaxed);
                     self.keep_if_hot(scope, &b, now);
                     return Fetched::Hit(b);
                 }
@@ -455,11 +496,14 @@ impl Cluster {
         let deadline = self.deadline(now, upto);
         let view = self.view();
         let mut blocks: Vec<FetchedBlock> = Vec::new();
+        let remote = AtomicU64::new(0);
+        let pull_started = Instant::now();
         {
             let view = &view;
+            let remote = &remote;
             let hashes: Vec<BlockHash> = full_links.iter().map(|l| l.hash).collect();
             let mut pulls = futures::stream::iter(hashes)
-                .map(move |h| self.fetch(view, scope, h, now))
+                .map(move |h| self.fetch_counted(view, scope, h, now, remote))
                 .buffered(self.config.fetch_window.max(1));
             loop {
                 match tokio::time::timeout_at(deadline, pulls.next()).await {
@@ -476,6 +520,7 @@ impl Cluster {
                 }
             }
         }
+        self.observe_pull(remote.into_inner(), pull_started.elapsed());
         let full = blocks.len();
         let mut links: Vec<ChainLink> = full_links.into_iter().take(full).collect();
         // A tail inside the next block extends the prefix past the last full block.

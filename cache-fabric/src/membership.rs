@@ -6,6 +6,7 @@
 //! of ids ever seen (pruned lazily by readers). A graceful stop deletes the record at once.
 //! The record's `epoch` (start time in ms) tells a restarted node from the one before it.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -17,7 +18,7 @@ pub const HEARTBEAT: Duration = Duration::from_secs(1);
 pub const DOWN_AFTER: Duration = Duration::from_secs(3);
 
 /// What a node announces.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct NodeRecord {
     pub id: String,
     /// Fabric transport address (host:port).
@@ -33,6 +34,14 @@ pub struct NodeRecord {
     /// for a storage-only node.
     #[serde(default)]
     pub api_addr: Option<String>,
+    /// Prompt tokens per second this node's engines measured prefilling, per model (a moving
+    /// average): the routing gateway's prefill estimate. Empty until it has prefilled.
+    #[serde(default)]
+    pub prefill_tokens_per_sec: BTreeMap<String, f64>,
+    /// Bytes per second this node measured pulling blocks from its peers (a moving
+    /// average): the routing gateway's transfer estimate. `None` until it has pulled.
+    #[serde(default)]
+    pub pull_bytes_per_sec: Option<f64>,
 }
 
 fn node_key(prefix: &str, id: &str) -> String {

@@ -4,7 +4,7 @@
 use std::sync::LazyLock;
 
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
@@ -177,6 +177,14 @@ pub static RDMA_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
     reg(IntCounter::new(
         "cachet_fabric_rdma_read_bytes_total",
         "Block bytes that arrived by RDMA READ",
+    )
+    .expect("metric"))
+});
+pub static PULL_BYTES_PER_SEC: LazyLock<Gauge> = LazyLock::new(|| {
+    reg(Gauge::new(
+        "cachet_fabric_pull_bytes_per_second",
+        "Measured bandwidth of this node's block pulls from peers (moving average over reads \
+         of at least 256 KiB of remote blocks), announced to routing gateways",
     )
     .expect("metric"))
 });

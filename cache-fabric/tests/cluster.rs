@@ -66,6 +66,7 @@ async fn member(id: &str) -> Member {
             epoch: 1,
             dram_used_bytes: 0,
             api_addr: None,
+            ..Default::default()
         },
         node,
         serving,

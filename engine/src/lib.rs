@@ -174,6 +174,9 @@ pub trait Engine: Send + Sync + 'static {
     fn render(&self, prompt: &Prompt) -> Result<Rendered, EngineError>;
     /// Prefill (from the imported prefix on) and get ready to decode.
     fn start(&self, req: GenerateRequest) -> Result<Box<dyn Generation>, EngineError>;
+    /// Prefill time per uncached token expected from the model's profile, before anything
+    /// has been measured: the seed of the routing gateway's learned estimate.
+    fn nominal_prefill_per_token(&self) -> std::time::Duration;
 }
 
 /// A generation in progress.

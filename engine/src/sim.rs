@@ -283,6 +283,11 @@ impl crate::Engine for SimEngine {
         &self.profile.info
     }
 
+    /// The profile's prefill cost at time scale 1: what the modelled GPU would take.
+    fn nominal_prefill_per_token(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.profile.prefill_us_per_token / 1e6)
+    }
+
     fn render(&self, prompt: &Prompt) -> Result<Rendered, EngineError> {
         prompt.check_fits(&self.profile.info)?;
         let mut r = Rendered::default();

@@ -54,6 +54,10 @@ struct Registry {
     per_token: HashMap<String, Duration>,
 }
 
+fn tokens_per_sec(per_token: Duration) -> f64 {
+    1.0 / per_token.as_secs_f64().max(1e-9)
+}
+
 /// The in-flight prefills of one serving process.
 #[derive(Clone, Default)]
 pub struct Inflight {
@@ -147,6 +151,22 @@ impl Inflight {
             .expect("the registry lock is never poisoned");
         let e = reg.per_token.entry(model.to_string()).or_insert(sample);
         *e = (*e * 3 + sample) / 4;
+        metrics::PREFILL_RATE
+            .with_label_values(&[model])
+            .set(tokens_per_sec(*e));
+    }
+
+    /// The measured prefill rate of every model that has prefilled here (tokens per second,
+    /// the moving average above): what a cluster node announces to routing gateways.
+    pub fn prefill_tokens_per_sec(&self) -> std::collections::BTreeMap<String, f64> {
+        let reg = self
+            .inner
+            .lock()
+            .expect("the registry lock is never poisoned");
+        reg.per_token
+            .iter()
+            .map(|(m, per)| (m.clone(), tokens_per_sec(*per)))
+            .collect()
     }
 
     /// Whether no claim is held (a landed or dropped flight leaves none).

@@ -11,14 +11,19 @@
 //! from the gateway's prefix index (which blocks are cached, and where) and its own count of
 //! requests in flight per node. Nodes are tried cheapest first; ties go to the node with
 //! fewer requests in flight, then round-robin, so an idle cluster spreads load.
+//!
+//! The rates are learned, not configured: each node announces the prefill rate its engines
+//! measured per model and the bandwidth its peer pulls measured ([`Candidate`] carries
+//! them); until a node has measured, the model's profile and the configured bandwidth stand
+//! in. Early rejection answers overload: a node with nothing in flight is never refused on
+//! its estimate (a long prompt on an idle node is slow, not an overload, and refusing it
+//! would relieve nothing).
 
 use std::time::Duration;
 
 /// What the estimate needs to know about the cluster.
 #[derive(Clone, Copy, Debug)]
 pub struct CostModel {
-    pub prefill_per_token: Duration,
-    pub transfer_bytes_per_sec: f64,
     pub ttft_slo: Duration,
 }
 
@@ -40,28 +45,40 @@ pub struct Candidate {
     pub in_flight: usize,
     /// Recent time to serve one request there (moving average).
     pub service_time: Duration,
+    /// Prefill time per uncached token of this request's model there.
+    pub prefill_per_token: Duration,
+    /// Bandwidth at which it pulls blocks it lacks from its peers.
+    pub transfer_bytes_per_sec: f64,
 }
 
 /// Why no node was chosen.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Refusal {
     NoNodes,
-    /// The best estimate, over the SLO.
+    /// The best estimate, over the SLO, on a node with requests in flight.
     OverSlo {
         best: Duration,
+        /// Of it, the wait behind the requests in flight there.
+        queue: Duration,
     },
 }
 
 impl CostModel {
     /// Estimated time to first token on `c`.
     pub fn estimate(&self, d: &Demand, c: &Candidate) -> Duration {
+        let (own, queue) = Self::parts(d, c);
+        own + queue
+    }
+
+    /// The estimate's two parts: the request's own work there (prefill and transfer), and
+    /// the wait behind what is in flight.
+    fn parts(d: &Demand, c: &Candidate) -> (Duration, Duration) {
         let uncached = d.prompt_tokens.saturating_sub(d.cached_tokens);
-        let prefill = self.prefill_per_token.mul_f64(uncached as f64);
+        let prefill = c.prefill_per_token.mul_f64(uncached as f64);
         let missing = d.cached_tokens.saturating_sub(c.local_tokens) * d.bytes_per_token;
-        let transfer =
-            Duration::from_secs_f64(missing as f64 / self.transfer_bytes_per_sec.max(1.0));
+        let transfer = Duration::from_secs_f64(missing as f64 / c.transfer_bytes_per_sec.max(1.0));
         let queue = c.service_time.mul_f64(c.in_flight as f64);
-        prefill + transfer + queue
+        (prefill + transfer, queue)
     }
 
     /// Candidates' indexes in the order to try them (best first), or why none qualifies.
@@ -82,9 +99,17 @@ impl CostModel {
             .map(|(i, c)| (i, self.estimate(d, c)))
             .collect();
         ranked.sort_by_key(|&(i, cost)| (cost, candidates[i].in_flight, (i + n - turn % n) % n));
-        let best = ranked[0].1;
+        let (best_i, best) = ranked[0];
         if best > self.ttft_slo {
-            return Err(Refusal::OverSlo { best });
+            // Only waiting can be refused: an idle node takes the request whatever it costs.
+            if let Some(&(i, _)) = ranked.iter().find(|(i, _)| candidates[*i].in_flight == 0) {
+                let pos = ranked.iter().position(|(j, _)| *j == i).unwrap_or(0);
+                let idle = ranked.remove(pos);
+                ranked.insert(0, idle);
+                return Ok(ranked);
+            }
+            let (_, queue) = Self::parts(d, &candidates[best_i]);
+            return Err(Refusal::OverSlo { best, queue });
         }
         Ok(ranked)
     }
@@ -96,8 +121,6 @@ mod tests {
 
     fn model(slo_ms: u64) -> CostModel {
         CostModel {
-            prefill_per_token: Duration::from_millis(2),
-            transfer_bytes_per_sec: 1e6,
             ttft_slo: Duration::from_millis(slo_ms),
         }
     }
@@ -108,6 +131,8 @@ mod tests {
             local_tokens: local,
             in_flight,
             service_time: Duration::from_millis(100),
+            prefill_per_token: Duration::from_millis(2),
+            transfer_bytes_per_sec: 1e6,
         }
     }
 
@@ -149,13 +174,47 @@ mod tests {
     #[test]
     fn nothing_within_the_slo_is_refused_up_front() {
         let m = model(300);
+        // 400 ms of its own prefill plus 1 s behind ten requests: over 300 ms.
         assert_eq!(
-            m.rank(&D, &[node("a", 800, 0)], 0),
+            m.rank(&D, &[node("a", 800, 10)], 0),
             Err(Refusal::OverSlo {
-                best: Duration::from_millis(400)
+                best: Duration::from_millis(1400),
+                queue: Duration::from_millis(1000),
             })
         );
         assert_eq!(m.rank(&D, &[], 0), Err(Refusal::NoNodes));
+    }
+
+    #[test]
+    fn an_idle_node_takes_a_request_over_the_slo_rather_than_refuse_it() {
+        let m = model(300);
+        // Its own 400 ms prefill is over the SLO, but nothing waits there: refusing would
+        // relieve nothing.
+        let ranked = m
+            .rank(&D, &[node("busy", 800, 3), node("idle", 0, 0)], 0)
+            .unwrap();
+        assert_eq!(
+            ranked[0].0, 1,
+            "the idle node first, though it lacks the prefix"
+        );
+        assert_eq!(m.rank(&D, &[node("a", 800, 0)], 0).unwrap()[0].0, 0);
+    }
+
+    #[test]
+    fn each_node_is_estimated_at_its_own_measured_rates() {
+        let m = model(10_000);
+        let slow = Candidate {
+            prefill_per_token: Duration::from_millis(20),
+            ..node("slow", 800, 0)
+        };
+        let fast_link = Candidate {
+            transfer_bytes_per_sec: 1e9,
+            ..node("fast", 0, 0)
+        };
+        // slow: 200 × 20 ms = 4 s; fast: 200 × 2 ms + 800 KB at 1 GB/s = 400.8 ms.
+        assert_eq!(m.estimate(&D, &slow), Duration::from_secs(4));
+        assert_eq!(m.estimate(&D, &fast_link), Duration::from_micros(400_800));
+        assert_eq!(m.rank(&D, &[slow, fast_link], 0).unwrap()[0].0, 1);
     }
 
     #[test]

@@ -1,39 +1,144 @@
-//! The served models and a bounded pool of engine workers.
+//! The served models and their engine workers, shared fairly.
 //!
-//! Generations run on blocking threads. At most `workers` run at once; at most `queue`
-//! more may wait. Past that a request is answered 529 `overloaded_error` at once instead of
-//! queueing without bound.
+//! - **A lane per model.** Each model has `workers` generation slots of its own, so a
+//!   model's requests never wait behind another model's (a flood of long SmolLM2 streams
+//!   leaves `sim-tiny` untouched).
+//! - **Weighted fair queuing within a model.** A request that finds every slot of its model
+//!   busy waits in its tenant's queue. When a slot frees, the waiting request with the
+//!   smallest *start tag* goes next (start-time fair queuing: a request's tag is the later of
+//!   the lane's virtual time and its tenant's previous finish tag, which then grows by
+//!   `1 / weight`). While several tenants wait, each gets turns in proportion to its weight
+//!   (the tenant policy's `engine_weight`), however many requests it queued; a tenant that
+//!   comes back after idling starts at the current virtual time, neither ahead nor behind.
+//! - **A cap per tenant.** `max_concurrent` in the tenant policy bounds a tenant's
+//!   generations running at once on a model; its further requests wait even with slots free.
+//! - **A bounded queue.** At most `queue` requests wait per model. When it is full, the
+//!   tenant holding the most places gives up its newest one (answered 529) to a newcomer of a
+//!   tenant holding fewer; otherwise the newcomer is answered 529 at once. One tenant's flood
+//!   fills the queue only with places no one else asks for.
+//!
+//! A permit is handed to a waiter through its channel, so a waiter that gives up (its task
+//! cancelled) returns the slot when the channel drops the permit.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
+use cachet_common::TenantId;
 use engine::Engine;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::oneshot;
 
 use crate::error::ApiError;
+use crate::metrics;
+
+/// How a tenant shares a model's workers (from its policy).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Share {
+    pub tenant: TenantId,
+    /// Turns while waiting, relative to other tenants' weights (at least 1).
+    pub weight: u32,
+    /// Generations running at once on one model, at most.
+    pub max_concurrent: Option<u32>,
+}
+
+impl Share {
+    /// A tenant's share from its policy.
+    pub fn of(tenant: TenantId, policy: &crate::tenants::policy::Policy) -> Self {
+        Self {
+            tenant,
+            weight: policy.engine_weight.clamp(1, 100) as u32,
+            max_concurrent: policy.max_concurrent.map(|m| m.max(1) as u32),
+        }
+    }
+}
 
 pub struct EnginePool {
     engines: Vec<Arc<dyn Engine>>,
     by_id: HashMap<String, usize>,
-    permits: Arc<Semaphore>,
-    waiting: AtomicUsize,
+    /// One lane per engine, in the same order.
+    lanes: Vec<Arc<Lane>>,
+}
+
+/// One model's workers and its waiting requests.
+struct Lane {
+    model: String,
+    workers: usize,
     queue: usize,
+    state: Mutex<LaneState>,
+}
+
+#[derive(Default)]
+struct LaneState {
+    busy: usize,
+    waiting: usize,
+    /// The start tag of the request dispatched last.
+    vtime: f64,
+    /// Arrival order, the tie-break between equal start tags.
+    seq: u64,
+    tenants: HashMap<TenantId, TenantLane>,
+}
+
+struct TenantLane {
+    running: usize,
+    /// The finish tag of this tenant's newest queued request.
+    last_finish: f64,
+    weight: f64,
+    max_concurrent: usize,
+    queue: VecDeque<Waiter>,
+}
+
+struct Waiter {
+    start: f64,
+    seq: u64,
+    enqueued: Instant,
+    tx: oneshot::Sender<Result<EnginePermit, ApiError>>,
+}
+
+/// A generation slot of one model, held by one tenant's request; released on drop.
+pub struct EnginePermit {
+    lane: Arc<Lane>,
+    tenant: TenantId,
+}
+
+impl Drop for EnginePermit {
+    fn drop(&mut self) {
+        self.lane.release(self.tenant);
+    }
+}
+
+impl std::fmt::Debug for EnginePermit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EnginePermit")
+            .field("model", &self.lane.model)
+            .field("tenant", &self.tenant)
+            .finish()
+    }
 }
 
 impl EnginePool {
+    /// `workers` generation slots per model; at most `queue` requests wait per model.
     pub fn new(engines: Vec<Arc<dyn Engine>>, workers: usize, queue: usize) -> Self {
         let by_id = engines
             .iter()
             .enumerate()
             .map(|(i, e)| (e.info().id.clone(), i))
             .collect();
+        let lanes = engines
+            .iter()
+            .map(|e| {
+                metrics::serving(&e.info().id);
+                Arc::new(Lane {
+                    model: e.info().id.clone(),
+                    workers: workers.max(1),
+                    queue,
+                    state: Mutex::new(LaneState::default()),
+                })
+            })
+            .collect();
         Self {
             engines,
             by_id,
-            permits: Arc::new(Semaphore::new(workers.max(1))),
-            waiting: AtomicUsize::new(0),
-            queue,
+            lanes,
         }
     }
 
@@ -45,17 +150,390 @@ impl EnginePool {
         &self.engines
     }
 
-    /// A worker slot, or 529 if too many requests already wait for one.
-    pub async fn acquire(&self) -> Result<OwnedSemaphorePermit, ApiError> {
-        if let Ok(p) = self.permits.clone().try_acquire_owned() {
-            return Ok(p);
+    /// A generation slot of `model` for `share`'s tenant: at once if one is free (and the
+    /// tenant is under its cap), else after waiting its fair turn; 529 if the model's queue
+    /// is full (or this request's place in it is given to another tenant).
+    pub async fn acquire(&self, model: &str, share: Share) -> Result<EnginePermit, ApiError> {
+        let Some(lane) = self.by_id.get(model).map(|&i| self.lanes[i].clone()) else {
+            return Err(ApiError::internal(
+                "no engine lane",
+                format!("model {model} is not served here"),
+            ));
+        };
+        let rx = match Lane::enter(&lane, share) {
+            Entered::Granted(p) => return Ok(p),
+            Entered::Refused(e) => return Err(e),
+            Entered::Queued(rx) => rx,
+        };
+        rx.await
+            .unwrap_or_else(|_| Err(ApiError::overloaded("Overloaded: the engine pool closed")))
+    }
+}
+
+enum Entered {
+    Granted(EnginePermit),
+    Queued(oneshot::Receiver<Result<EnginePermit, ApiError>>),
+    Refused(ApiError),
+}
+
+fn lock(m: &Mutex<LaneState>) -> std::sync::MutexGuard<'_, LaneState> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Lane {
+    fn enter(lane: &Arc<Lane>, share: Share) -> Entered {
+        let mut guard = lock(&lane.state);
+        let st = &mut *guard;
+        let vtime = st.vtime;
+        let t = st
+            .tenants
+            .entry(share.tenant)
+            .or_insert_with(|| TenantLane {
+                running: 0,
+                last_finish: vtime,
+                weight: 1.0,
+                max_concurrent: usize::MAX,
+                queue: VecDeque::new(),
+            });
+        t.weight = f64::from(share.weight.max(1));
+        t.max_concurrent = share
+            .max_concurrent
+            .map_or(usize::MAX, |m| m.max(1) as usize);
+        // Whenever a slot is free, every waiter is one its tenant's cap holds back: a
+        // request under its own cap takes the slot without passing anyone eligible.
+        if st.busy < lane.workers && t.running < t.max_concurrent && t.queue.is_empty() {
+            // Served at once, it still takes its turn's worth of virtual time.
+            let start = vtime.max(t.last_finish);
+            t.last_finish = start + 1.0 / t.weight;
+            st.vtime = start;
+            t.running += 1;
+            st.busy += 1;
+            metrics::ENGINE_WAITS
+                .with_label_values(&[lane.model.as_str(), "immediate"])
+                .inc();
+            return Entered::Granted(EnginePermit {
+                lane: lane.clone(),
+                tenant: share.tenant,
+            });
         }
-        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.queue {
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-            return Err(ApiError::overloaded("Overloaded"));
+        if st.waiting >= lane.queue {
+            Self::prune(st);
         }
-        let p = self.permits.clone().acquire_owned().await;
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
-        p.map_err(|e| ApiError::internal("engine pool closed", e))
+        if st.waiting >= lane.queue
+            && let Err(e) = Self::make_room(lane, st, share.tenant)
+        {
+            return Entered::Refused(e);
+        }
+        st.seq += 1;
+        let seq = st.seq;
+        let (tx, rx) = oneshot::channel();
+        let t = st
+            .tenants
+            .get_mut(&share.tenant)
+            .expect("the tenant's entry was made above");
+        let start = vtime.max(t.last_finish);
+        t.last_finish = start + 1.0 / t.weight;
+        t.queue.push_back(Waiter {
+            start,
+            seq,
+            enqueued: Instant::now(),
+            tx,
+        });
+        let depth = t.queue.len();
+        st.waiting += 1;
+        metrics::ENGINE_QUEUE
+            .with_label_values(&[lane.model.as_str(), &share.tenant.to_string()])
+            .set(depth as i64);
+        Entered::Queued(rx)
+    }
+
+    /// Forget waiters that gave up.
+    fn prune(st: &mut LaneState) {
+        let mut gone = 0;
+        for t in st.tenants.values_mut() {
+            let before = t.queue.len();
+            t.queue.retain(|w| !w.tx.is_closed());
+            gone += before - t.queue.len();
+        }
+        st.waiting -= gone;
+    }
+
+    /// The queue is full: take the newest place of the tenant holding the most, if it holds
+    /// more than `tenant` would after joining; else refuse `tenant`'s request.
+    fn make_room(lane: &Lane, st: &mut LaneState, tenant: TenantId) -> Result<(), ApiError> {
+        let mine = st.tenants.get(&tenant).map_or(0, |t| t.queue.len());
+        let heaviest = st
+            .tenants
+            .iter()
+            .filter(|(id, _)| **id != tenant)
+            .max_by_key(|(_, t)| t.queue.len())
+            .map(|(id, t)| (*id, t.queue.len()));
+        match heaviest {
+            Some((other, n)) if n > mine + 1 => {
+                let t = st.tenants.get_mut(&other).expect("found above");
+                if let Some(w) = t.queue.pop_back() {
+                    t.last_finish -= 1.0 / t.weight;
+                    st.waiting -= 1;
+                    metrics::ENGINE_WAITS
+                        .with_label_values(&[lane.model.as_str(), "displaced"])
+                        .inc();
+                    let _ = w.tx.send(Err(lane.full(
+                        "its place in the queue went to a tenant with fewer requests waiting",
+                    )));
+                }
+                Ok(())
+            }
+            _ => {
+                metrics::ENGINE_WAITS
+                    .with_label_values(&[lane.model.as_str(), "refused"])
+                    .inc();
+                Err(lane.full("this tenant already holds its share of the queue"))
+            }
+        }
+    }
+
+    fn full(&self, why: &str) -> ApiError {
+        ApiError::overloaded(format!(
+            "Overloaded: all {} workers of model {} are busy and {} requests already wait; {why}",
+            self.workers, self.model, self.queue
+        ))
+    }
+
+    /// A slot comes back: hand it to the next waiter in fair order.
+    fn release(self: &Arc<Self>, tenant: TenantId) {
+        let mut unclaimed = Vec::new();
+        {
+            let mut guard = lock(&self.state);
+            let st = &mut *guard;
+            st.busy = st.busy.saturating_sub(1);
+            if let Some(t) = st.tenants.get_mut(&tenant) {
+                t.running = t.running.saturating_sub(1);
+            }
+            while st.busy < self.workers {
+                let next = st
+                    .tenants
+                    .iter()
+                    .filter(|(_, t)| t.running < t.max_concurrent)
+                    .filter_map(|(id, t)| t.queue.front().map(|w| (w.start, w.seq, *id)))
+                    .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+                let Some((start, _, id)) = next else { break };
+                let t = st.tenants.get_mut(&id).expect("found above");
+                let w = t.queue.pop_front().expect("it has a front");
+                let depth = t.queue.len();
+                st.waiting -= 1;
+                metrics::ENGINE_QUEUE
+                    .with_label_values(&[self.model.as_str(), &id.to_string()])
+                    .set(depth as i64);
+                if w.tx.is_closed() {
+                    continue;
+                }
+                let t = st.tenants.get_mut(&id).expect("found above");
+                t.running += 1;
+                st.busy += 1;
+                st.vtime = st.vtime.max(start);
+                let waited = w.enqueued.elapsed().as_secs_f64();
+                metrics::ENGINE_WAIT_SECONDS
+                    .with_label_values(&[self.model.as_str(), &id.to_string()])
+                    .inc_by(waited);
+                metrics::ENGINE_WAITS
+                    .with_label_values(&[self.model.as_str(), "queued"])
+                    .inc();
+                let permit = EnginePermit {
+                    lane: self.clone(),
+                    tenant: id,
+                };
+                // A waiter gone since the check hands the permit back when it drops, after
+                // the lock is released.
+                if let Err(Ok(p)) = w.tx.send(Ok(permit)) {
+                    unclaimed.push(p);
+                }
+            }
+            // Tenants with nothing running or waiting leave the lane (they rejoin at the
+            // virtual time then current).
+            st.tenants
+                .retain(|_, t| t.running > 0 || !t.queue.is_empty());
+        }
+        drop(unclaimed);
+    }
+
+    #[cfg(test)]
+    fn counts(&self) -> (usize, usize) {
+        let st = lock(&self.state);
+        (st.busy, st.waiting)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lane(workers: usize, queue: usize) -> Arc<Lane> {
+        Arc::new(Lane {
+            model: "m".into(),
+            workers,
+            queue,
+            state: Mutex::new(LaneState::default()),
+        })
+    }
+
+    fn share(tenant: TenantId, weight: u32) -> Share {
+        Share {
+            tenant,
+            weight,
+            max_concurrent: None,
+        }
+    }
+
+    fn granted(e: Entered) -> EnginePermit {
+        match e {
+            Entered::Granted(p) => p,
+            _ => panic!("not granted at once"),
+        }
+    }
+
+    fn queued(e: Entered) -> oneshot::Receiver<Result<EnginePermit, ApiError>> {
+        match e {
+            Entered::Queued(rx) => rx,
+            Entered::Granted(_) => panic!("granted, not queued"),
+            Entered::Refused(e) => panic!("refused: {}", e.body().error.message),
+        }
+    }
+
+    /// Which queued requests have their permit, in the order given.
+    fn ready(rxs: &mut [(char, oneshot::Receiver<Result<EnginePermit, ApiError>>)]) -> Vec<char> {
+        rxs.iter_mut()
+            .filter_map(|(c, rx)| match rx.try_recv() {
+                Ok(Ok(p)) => {
+                    std::mem::forget(p); // keeps its slot
+                    Some(*c)
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_newcomer_goes_before_a_flooding_tenant_s_backlog() {
+        let l = lane(2, 64);
+        let (a, b) = (TenantId::new(), TenantId::new());
+        let held: Vec<_> = (0..2)
+            .map(|_| granted(Lane::enter(&l, share(a, 1))))
+            .collect();
+        let mut waiting: Vec<_> = (0..10)
+            .map(|_| ('a', queued(Lane::enter(&l, share(a, 1)))))
+            .collect();
+        waiting.push(('b', queued(Lane::enter(&l, share(b, 1)))));
+        // One of A's generations ends: B's one request goes before A's ten.
+        let mut it = held.into_iter();
+        drop(it.next());
+        assert_eq!(ready(&mut waiting), vec!['b']);
+    }
+
+    #[test]
+    fn turns_follow_the_weights_while_both_wait() {
+        let l = lane(1, 256);
+        let (a, b) = (TenantId::new(), TenantId::new());
+        let first = granted(Lane::enter(&l, share(a, 1)));
+        let mut rxs: Vec<(char, _)> = Vec::new();
+        for _ in 0..30 {
+            rxs.push(('a', queued(Lane::enter(&l, share(a, 1)))));
+            rxs.push(('b', queued(Lane::enter(&l, share(b, 2)))));
+        }
+        // Serve 30 turns one at a time: B (weight 2) gets two for each of A's.
+        let mut order = Vec::new();
+        let mut current = Some(first);
+        for _ in 0..30 {
+            drop(current.take());
+            let next = rxs
+                .iter_mut()
+                .find_map(|(c, rx)| rx.try_recv().ok().map(|p| (*c, p.unwrap())));
+            let (c, p) = next.expect("a slot was handed on");
+            order.push(c);
+            current = Some(p);
+        }
+        let bs = order.iter().filter(|c| **c == 'b').count();
+        assert_eq!(bs, 20, "{order:?}");
+    }
+
+    #[test]
+    fn a_tenant_s_cap_holds_its_requests_back_while_others_run() {
+        let l = lane(4, 64);
+        let (a, b) = (TenantId::new(), TenantId::new());
+        let capped = Share {
+            max_concurrent: Some(1),
+            ..share(a, 1)
+        };
+        let _running = granted(Lane::enter(&l, capped));
+        let mut rx = queued(Lane::enter(&l, capped));
+        // Slots are free, but A is at its cap; B still gets one at once.
+        let _b = granted(Lane::enter(&l, share(b, 1)));
+        assert!(rx.try_recv().is_err());
+        drop(_running);
+        assert!(
+            rx.try_recv().unwrap().is_ok(),
+            "A's next runs once its first ends"
+        );
+    }
+
+    #[test]
+    fn a_full_queue_gives_the_flooder_s_newest_place_to_another_tenant() {
+        let l = lane(1, 4);
+        let (a, b) = (TenantId::new(), TenantId::new());
+        let _held = granted(Lane::enter(&l, share(a, 1)));
+        let mut rxs: Vec<_> = (0..4)
+            .map(|_| queued(Lane::enter(&l, share(a, 1))))
+            .collect();
+        // A fifth of A's is refused: A holds the whole queue.
+        assert!(matches!(Lane::enter(&l, share(a, 1)), Entered::Refused(_)));
+        // B's first takes A's newest place; A's displaced request is answered 529.
+        let _b = queued(Lane::enter(&l, share(b, 1)));
+        let last = rxs.pop().unwrap();
+        let displaced = last.blocking_recv().unwrap().unwrap_err();
+        assert!(displaced.body().error.message.contains("Overloaded"));
+        assert_eq!(l.counts(), (1, 4));
+    }
+
+    #[test]
+    fn a_waiter_that_gives_up_returns_its_slot() {
+        let l = lane(1, 8);
+        let (a, b) = (TenantId::new(), TenantId::new());
+        let held = granted(Lane::enter(&l, share(a, 1)));
+        let gone = queued(Lane::enter(&l, share(b, 1)));
+        let mut next = queued(Lane::enter(&l, share(a, 1)));
+        drop(gone);
+        drop(held);
+        // B's abandoned place is skipped; A's next request runs.
+        let running = next.try_recv().unwrap().unwrap();
+        assert_eq!(l.counts(), (1, 0));
+        drop(running);
+        assert_eq!(l.counts(), (0, 0), "and its slot comes back when it ends");
+    }
+
+    #[tokio::test]
+    async fn models_never_wait_behind_each_other() {
+        let pool = EnginePool::new(
+            vec![
+                Arc::new(engine::sim::SimEngine::new(
+                    engine::sim::SimProfile::tiny(),
+                    0.0,
+                )),
+                Arc::new(engine::sim::SimEngine::new(
+                    engine::sim::SimProfile::llama_8b(),
+                    0.0,
+                )),
+            ],
+            1,
+            8,
+        );
+        let ids: Vec<String> = pool.all().iter().map(|e| e.info().id.clone()).collect();
+        let a = TenantId::new();
+        let _busy = pool.acquire(&ids[0], share(a, 1)).await.unwrap();
+        // The first model's only worker is taken; the second model's is free.
+        let other = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            pool.acquire(&ids[1], share(a, 1)),
+        )
+        .await;
+        assert!(matches!(other, Ok(Ok(_))));
     }
 }

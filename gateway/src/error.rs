@@ -92,8 +92,11 @@ impl ApiError {
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::InvalidRequest, message)
     }
+    /// 529: the service cannot take this request now. The message says why (it reaches
+    /// the client, the log and the load tester's records); `retry-after` says when to try
+    /// again (1 s unless the caller knows better).
     pub fn overloaded(message: impl Into<String>) -> Self {
-        Self::new(ErrorKind::Overloaded, message)
+        Self::new(ErrorKind::Overloaded, message).with_header("retry-after", "1")
     }
     /// A failure of ours: logged with its cause, shown to the client as a generic message.
     pub fn internal(context: &str, cause: impl std::fmt::Display) -> Self {
@@ -104,14 +107,32 @@ impl ApiError {
         self.request_id = Some(id);
         self
     }
+    /// Set a response header (replacing one of the same name set before).
     pub fn with_header(mut self, name: &str, value: &str) -> Self {
         if let (Ok(n), Ok(v)) = (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_str(value),
         ) {
+            self.headers.retain(|(old, _)| *old != n);
             self.headers.push((n, v));
         }
         self
+    }
+
+    /// Count the error and log what an operator must see: every 529 with its reason (a
+    /// refusal is the service's decision, not the client's mistake). Called once, where the
+    /// error becomes a response on either wire.
+    pub fn observe(&self) {
+        crate::metrics::ERRORS
+            .with_label_values(&[self.kind.as_str()])
+            .inc();
+        if self.kind == ErrorKind::Overloaded {
+            tracing::warn!(
+                request_id = self.request_id.map(|r| r.to_string()).unwrap_or_default(),
+                reason = %self.message,
+                "answered 529 overloaded"
+            );
+        }
     }
     pub fn body(&self) -> ErrorBody {
         ErrorBody {
@@ -127,9 +148,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        crate::metrics::ERRORS
-            .with_label_values(&[self.kind.as_str()])
-            .inc();
+        self.observe();
         let body = self.body();
         let pending = self
             .request_id

@@ -19,6 +19,7 @@ pub mod admin;
 pub mod admission;
 pub mod api;
 pub mod auth;
+pub mod budget;
 pub mod coalesce;
 pub mod conductor;
 pub mod diagnostics;
@@ -70,6 +71,10 @@ pub struct GatewayConfig {
     pub resume_grace: Duration,
     /// In-flight coalescing on (`coalesce`).
     pub coalesce: bool,
+    /// Bytes of KV requests may hold at once between engine and fabric ([`budget`]).
+    pub kv_budget_bytes: u64,
+    /// How long a request waits for its share of that budget before 529.
+    pub kv_budget_wait: Duration,
 }
 
 /// Header carrying the cluster token on internal requests.
@@ -86,6 +91,8 @@ impl Default for GatewayConfig {
             internal_token: None,
             resume_grace: Duration::from_secs(120),
             coalesce: true,
+            kv_budget_bytes: 2 << 30,
+            kv_budget_wait: Duration::from_secs(30),
         }
     }
 }
@@ -100,6 +107,8 @@ pub struct Inner {
     pub admission: Arc<Admission>,
     /// Prefills in progress, for in-flight coalescing.
     pub inflight: coalesce::Inflight,
+    /// The KV memory budget of this process.
+    pub kv_budget: budget::KvBudget,
     /// Prompts of requests that asked for cache diagnostics, for later comparison.
     pub fingerprints: diagnostics::Fingerprints,
     /// The admin and finance APIs and the admin UI (on the public side only).
@@ -121,6 +130,7 @@ pub fn state(
 ) -> anyhow::Result<AppState> {
     let auth = Arc::new(Authenticator::new(pool.clone(), config.auth_cache_ttl));
     let admission = Arc::new(Admission::new(redis_url, config.redis_timeout)?);
+    let kv_budget = budget::KvBudget::new(config.kv_budget_bytes, config.kv_budget_wait);
     Ok(Arc::new(Inner {
         config,
         pool,
@@ -130,6 +140,7 @@ pub fn state(
         auth,
         admission,
         inflight: coalesce::Inflight::default(),
+        kv_budget,
         fingerprints: diagnostics::Fingerprints::default(),
         admin,
     }))

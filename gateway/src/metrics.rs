@@ -2,7 +2,9 @@
 
 use std::sync::LazyLock;
 
-use prometheus::{CounterVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts};
+use prometheus::{
+    CounterVec, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+};
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
     let _ = prometheus::default_registry().register(Box::new(c.clone()));
@@ -207,4 +209,135 @@ pub static AUTH_LOOKUPS: LazyLock<IntCounterVec> = LazyLock::new(|| {
         &["result"],
     )
     .expect("metric"))
+});
+
+pub static PREFILL_RATE: LazyLock<GaugeVec> = LazyLock::new(|| {
+    reg(GaugeVec::new(
+        Opts::new(
+            "cachet_gateway_prefill_tokens_per_second",
+            "Measured prefill rate of this process's engines per model (a moving average over \
+             prefills of at least 64 uncached tokens)",
+        ),
+        &["model"],
+    )
+    .expect("valid metric"))
+});
+
+pub static CONDUCTOR_PREFILL_RATE: LazyLock<GaugeVec> = LazyLock::new(|| {
+    reg(GaugeVec::new(
+        Opts::new(
+            "cachet_gateway_conductor_prefill_tokens_per_second",
+            "The routing gateway's prefill estimate per node and model: the node's measured \
+             rate, else the model's profile",
+        ),
+        &["node", "model"],
+    )
+    .expect("valid metric"))
+});
+
+pub static CONDUCTOR_TRANSFER_RATE: LazyLock<GaugeVec> = LazyLock::new(|| {
+    reg(GaugeVec::new(
+        Opts::new(
+            "cachet_gateway_conductor_transfer_bytes_per_second",
+            "The routing gateway's transfer estimate per node: the node's measured pull \
+             bandwidth, else cluster.transfer_bytes_per_sec",
+        ),
+        &["node"],
+    )
+    .expect("valid metric"))
+});
+
+pub static ENGINE_WAITS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_engine_acquires_total",
+            "Requests for a model's engine worker, by outcome (immediate, queued: served after \
+             waiting its fair turn, refused: 529 with the queue full, displaced: its place \
+             given to a tenant with fewer waiting)",
+        ),
+        &["model", "outcome"],
+    )
+    .expect("valid metric"))
+});
+
+pub static ENGINE_QUEUE: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new(
+            "cachet_gateway_engine_queue_depth",
+            "Requests waiting for a model's engine worker, per tenant",
+        ),
+        &["model", "tenant"],
+    )
+    .expect("valid metric"))
+});
+
+pub static ENGINE_WAIT_SECONDS: LazyLock<CounterVec> = LazyLock::new(|| {
+    reg(CounterVec::new(
+        Opts::new(
+            "cachet_gateway_engine_wait_seconds_total",
+            "Time requests waited for a model's engine worker, per tenant (with \
+             cachet_gateway_engine_acquires_total: the mean wait)",
+        ),
+        &["model", "tenant"],
+    )
+    .expect("valid metric"))
+});
+
+/// Models served by this process (the model label of the per-tenant series).
+static MODELS: LazyLock<std::sync::Mutex<std::collections::BTreeSet<String>>> =
+    LazyLock::new(Default::default);
+
+/// Note a served model, so a deleted tenant's series of it can be dropped.
+pub fn serving(model: &str) {
+    MODELS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(model.to_string());
+}
+
+/// Drop a deleted tenant's per-tenant series.
+pub fn forget_tenant(tenant: cachet_common::TenantId) {
+    let t = tenant.to_string();
+    for model in MODELS.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let _ = ENGINE_QUEUE.remove_label_values(&[model.as_str(), t.as_str()]);
+        let _ = ENGINE_WAIT_SECONDS.remove_label_values(&[model.as_str(), t.as_str()]);
+    }
+}
+
+pub static KV_BUDGET_TOTAL: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_gateway_kv_budget_bytes",
+        "The KV memory budget: bytes of KV requests may hold at once between engine and fabric",
+    )
+    .expect("valid metric"))
+});
+
+pub static KV_BUDGET_USED: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_gateway_kv_budget_used_bytes",
+        "Bytes of the KV memory budget reserved by requests in flight",
+    )
+    .expect("valid metric"))
+});
+
+pub static KV_BUDGET_WAITS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_kv_budget_reservations_total",
+            "KV budget reservations by outcome (immediate, waited, refused: 529 after the wait)",
+        ),
+        &["outcome"],
+    )
+    .expect("valid metric"))
+});
+
+pub static KV_BUDGET_TRIMMED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_kv_budget_trimmed_breakpoints_total",
+            "Breakpoints not written because their blocks alone exceed the whole KV budget",
+        ),
+        &["model"],
+    )
+    .expect("valid metric"))
 });

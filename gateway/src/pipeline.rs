@@ -153,6 +153,42 @@ fn prefill(
     }
 }
 
+/// Bytes of KV a prefill from `cached` exports to write `targets`.
+fn export_bytes(keys: &PrefixKeys, cached: usize, targets: &[usize], bytes_per_token: u64) -> u64 {
+    usage::export_links(keys, cached, targets)
+        .iter()
+        .map(|l| (l.end - l.start) as u64 * bytes_per_token)
+        .sum()
+}
+
+/// The breakpoint targets whose exported blocks fit in `budget` bytes (the nearest first),
+/// and those left out.
+fn fit_budget(
+    keys: Option<&PrefixKeys>,
+    cached: usize,
+    mut targets: Vec<usize>,
+    bytes_per_token: u64,
+    budget: u64,
+) -> (Vec<usize>, Vec<usize>) {
+    let Some(k) = keys else {
+        return (targets, Vec::new());
+    };
+    if export_bytes(k, cached, &targets, bytes_per_token) <= budget {
+        return (targets, Vec::new());
+    }
+    targets.sort_unstable();
+    let mut kept = Vec::with_capacity(targets.len());
+    let mut left = Vec::new();
+    for t in targets {
+        kept.push(t);
+        if !left.is_empty() || export_bytes(k, cached, &kept, bytes_per_token) > budget {
+            kept.pop();
+            left.push(t);
+        }
+    }
+    (kept, left)
+}
+
 fn put_blocks(exported: &[KvBlock], links: &[ChainLink]) -> Vec<PutBlock> {
     exported
         .iter()
@@ -301,8 +337,38 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         finished_at: Utc::now(),
     };
 
-    // 3. An engine worker, or 529 at once.
-    let permit = match state.engines.acquire().await {
+    // 3. The KV this request exports must fit the KV memory budget: breakpoints whose blocks
+    // alone exceed all of it are not written; the rest is reserved (a bounded wait, or 529).
+    let (targets, trimmed) = fit_budget(
+        keys.as_deref(),
+        read.tokens,
+        targets,
+        info.kv.bytes_per_token() as u64,
+        state.kv_budget.total(),
+    );
+    if !trimmed.is_empty() {
+        metrics::KV_BUDGET_TRIMMED
+            .with_label_values(&[info.id.as_str()])
+            .inc_by(trimmed.len() as u64);
+    }
+    let need = keys.as_deref().map_or(0, |k| {
+        export_bytes(k, read.tokens, &targets, info.kv.bytes_per_token() as u64)
+    });
+    let kv = match state.kv_budget.reserve(need).await {
+        Ok(r) => r,
+        Err(e) => {
+            state
+                .admission
+                .refund_output(ticket, job.max_tokens as u64)
+                .await;
+            let _ = tx.send(Event::Error(e));
+            return;
+        }
+    };
+
+    // 4. An engine worker of this model, in the tenant's fair turn, or 529 at once.
+    let share = crate::engines::Share::of(p.tenant, &p.policy);
+    let permit = match state.engines.acquire(&info.id, share).await {
         Ok(p) => p,
         Err(e) => {
             state
@@ -315,7 +381,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     };
     metrics::ENGINE_INFLIGHT.inc();
 
-    // 4–7 run on one blocking thread: prefill, the fabric writes (async calls driven with
+    // 5–8 run on one blocking thread: prefill, the fabric writes (async calls driven with
     // `block_on`), usage and `message_start`, then decoding. One hand-off, not three.
     let work = Work {
         state: state.clone(),
@@ -326,6 +392,8 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         keys,
         read,
         targets,
+        trimmed,
+        kv: Some(kv),
         sampling: job.sampling,
         scope,
         start: job.start,
@@ -395,6 +463,10 @@ struct Work {
     keys: Option<Arc<PrefixKeys>>,
     read: PrefixRead,
     targets: Vec<usize>,
+    /// Breakpoints left unwritten because their blocks alone exceed the KV budget.
+    trimmed: Vec<usize>,
+    /// This request's share of the KV budget: held until its blocks are written.
+    kv: Option<crate::budget::KvReservation>,
     sampling: Sampling,
     scope: Scope,
     start: tokio::time::Instant,
@@ -442,6 +514,9 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
             return finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err));
         }
     };
+    // The imported blocks are in the engine now: let go of them (they may be all that still
+    // holds a block the fabric has since evicted).
+    w.read = PrefixRead::default();
     let took = prefill_started.elapsed();
     metrics::PREFILL_SECONDS
         .with_label_values(&[w.model.as_str()])
@@ -453,6 +528,9 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
     if let Some(f) = w.flight.take() {
         f.land();
     }
+    // Written (or refused): the exported KV and its budget go before decoding starts.
+    let Prefilled { generation, .. } = pre;
+    drop(w.kv.take());
     let diagnostics = w.diagnosis.take().map(|(id, mut fp, reason)| {
         fp.cached_end = report
             .breakpoints
@@ -493,7 +571,7 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
     {
         return finished(u, 0, UsageStatus::ClientDisconnected, None);
     }
-    let mut stream = TextStream::new(pre.generation, max_tokens, stops);
+    let mut stream = TextStream::new(generation, max_tokens, stops);
     let mut whole = String::new();
     loop {
         match stream.next_delta() {
@@ -545,6 +623,8 @@ async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRe
     for (i, pl) in w.placed.iter().enumerate() {
         let (status, reason) = if !pl.cacheable {
             ("below_minimum", None)
+        } else if pl.offset > cached && w.trimmed.contains(&pl.offset) {
+            ("not_written", Some("kv_budget".to_string()))
         } else if pl.offset <= cached {
             match w.coalesced_from {
                 Some(from) if pl.offset > from => ("coalesced", None),
@@ -608,8 +688,9 @@ async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRe
     (u, api_usage, report)
 }
 
-/// Every role answers only once the usage is committed or fsynced to the spool: a process
-/// killed after answering has lost no ledger row. Costs one group commit of latency.
+/// Every role answers only once the usage is durable: fsynced to the meter's local journal
+/// (one grouped fsync), so a process killed after answering has lost no ledger row; the
+/// Postgres insert follows asynchronously and is replayed from the journal after a crash.
 async fn record(state: &AppState, ev: UsageEvent) {
     let id = ev.request_id;
     if let Err(e) = state.meter.record_durable(ev).await {

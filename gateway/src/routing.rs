@@ -56,6 +56,8 @@ pub struct RoutingConfig {
     pub auth_cache_ttl: Duration,
     pub cluster_token: Arc<str>,
     pub cost: CostModel,
+    /// The bandwidth assumed for a node's pulls from its peers until it has measured its own.
+    pub transfer_bytes_per_sec: f64,
     /// How long one forwarded request may take before the node is given up on.
     pub node_timeout: Duration,
 }
@@ -66,6 +68,9 @@ struct NodeEntry {
     id: String,
     base: String,
     slot: Option<usize>,
+    /// What the node measured: prefill rate per model, pull bandwidth.
+    prefill_tokens_per_sec: std::collections::BTreeMap<String, f64>,
+    pull_bytes_per_sec: Option<f64>,
 }
 
 #[derive(Default)]
@@ -258,6 +263,8 @@ pub async fn follow_cluster(
                                 id: r.id.clone(),
                                 base: format!("http://{}", r.api_addr.as_ref()?),
                                 slot: follower.slot(&r.id),
+                                prefill_tokens_per_sec: r.prefill_tokens_per_sec.clone(),
+                                pull_bytes_per_sec: r.pull_bytes_per_sec,
                             })
                         })
                         .collect();
@@ -300,7 +307,9 @@ pub async fn follow_cluster(
 /// per node), and the first block it would compute (none when all of it is cached).
 struct Standing {
     demand: Demand,
-    local: Vec<(String, usize)>,
+    /// Every node, with what it holds of the prefix and its rates for this model (load is
+    /// filled in by `rank`).
+    candidates: Vec<Candidate>,
     next: Option<cachet_common::BlockHash>,
 }
 
@@ -328,7 +337,7 @@ async fn demand(
         Some(k) => {
             let index = state.index.read().unwrap_or_else(|p| p.into_inner());
             let n = index.longest_prefix(&k.blocks);
-            let local: Vec<(String, usize)> = nodes
+            let local: Vec<usize> = nodes
                 .iter()
                 .map(|node| {
                     let held = node.slot.map_or(0, |s| {
@@ -337,20 +346,50 @@ async fn demand(
                             .filter(|h| index.nodes(h).contains(s))
                             .count()
                     });
-                    (node.id.clone(), held * b)
+                    held * b
                 })
                 .collect();
             (n, local)
         }
-        None => (0, nodes.iter().map(|n| (n.id.clone(), 0)).collect()),
+        None => (0, vec![0; nodes.len()]),
     };
+    let seed = engine.nominal_prefill_per_token();
+    let candidates = nodes
+        .iter()
+        .zip(local)
+        .map(|(node, local_tokens)| {
+            let prefill = node
+                .prefill_tokens_per_sec
+                .get(&info.id)
+                .filter(|r| r.is_finite() && **r > 0.0)
+                .map_or(seed, |r| Duration::from_secs_f64(1.0 / r));
+            let transfer = node
+                .pull_bytes_per_sec
+                .filter(|r| r.is_finite() && *r > 0.0)
+                .unwrap_or(state.config.transfer_bytes_per_sec);
+            metrics::CONDUCTOR_PREFILL_RATE
+                .with_label_values(&[node.id.as_str(), info.id.as_str()])
+                .set(1.0 / prefill.as_secs_f64().max(1e-9));
+            metrics::CONDUCTOR_TRANSFER_RATE
+                .with_label_values(&[node.id.as_str()])
+                .set(transfer);
+            Candidate {
+                id: node.id.clone(),
+                local_tokens,
+                in_flight: 0,
+                service_time: Duration::ZERO,
+                prefill_per_token: prefill,
+                transfer_bytes_per_sec: transfer,
+            }
+        })
+        .collect();
     Ok(Standing {
         demand: Demand {
             prompt_tokens: prepared.rendered.tokens.len(),
             cached_tokens: cached_blocks * b,
             bytes_per_token: info.kv.bytes_per_token(),
         },
-        local,
+        candidates,
         next,
     })
 }
@@ -456,18 +495,17 @@ fn rank<'a>(
 ) -> Result<(Vec<String>, Option<Computing<'a>>), ApiError> {
     let Standing {
         demand,
-        local,
+        candidates,
         next,
     } = standing;
-    let candidates: Vec<Candidate> = local
+    let candidates: Vec<Candidate> = candidates
         .into_iter()
-        .map(|(id, local_tokens)| {
-            let l = state.load(&id);
+        .map(|c| {
+            let l = state.load(&c.id);
             Candidate {
-                local_tokens,
                 in_flight: l.in_flight.load(Ordering::Relaxed),
                 service_time: Duration::from_micros(l.service_us.load(Ordering::Relaxed) as u64),
-                id,
+                ..c
             }
         })
         .collect();
@@ -480,11 +518,13 @@ fn rank<'a>(
                 "no node is available to serve this request",
             ));
         }
-        Err(Refusal::OverSlo { best }) => {
+        Err(Refusal::OverSlo { best, queue }) => {
             metrics::ROUTED.with_label_values(&["over_slo"]).inc();
             return Err(ApiError::overloaded(format!(
-                "Overloaded: the earliest estimated first token is {} ms away, over the {} ms target",
+                "Overloaded: every node is busy; the earliest estimated first token is {} ms away \
+                 ({} ms of it waiting behind requests in flight), over the {} ms target",
                 best.as_millis(),
+                queue.as_millis(),
                 state.config.cost.ttft_slo.as_millis()
             )));
         }

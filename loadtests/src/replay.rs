@@ -120,6 +120,44 @@ pub struct ReplayArgs {
     /// No progress bar (a line every 10 s instead).
     #[arg(long)]
     pub quiet: bool,
+    /// Mark a moment on every plot over time, `SECONDS=LABEL` from the run's start (a fault
+    /// injected then, a change of configuration); repeat. SIGUSR1 to the replayer during
+    /// the run marks the moment it arrives.
+    #[arg(long = "mark", value_parser = parse_mark)]
+    pub marks: Vec<Mark>,
+    /// Replay the same records through the fabric's eviction code with this much cache
+    /// (bytes of the model's KV in its default dtype; on a cluster, the nodes' total) and
+    /// show the simulated hit ratio beside the measured one (`256M`, `4GiB`, …).
+    #[arg(long, value_parser = crate::simulate::parse_bytes)]
+    pub simulate_capacity_bytes: Option<u64>,
+}
+
+/// A moment of the run to show on its plots.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Mark {
+    /// Seconds from the run's start.
+    pub at_secs: f64,
+    pub label: String,
+}
+
+fn parse_mark(s: &str) -> Result<Mark, String> {
+    let (at, label) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: SECONDS=LABEL, like 30=node-1 killed"))?;
+    let at_secs: f64 = at
+        .trim()
+        .parse()
+        .ok()
+        .filter(|v: &f64| v.is_finite() && *v >= 0.0)
+        .ok_or_else(|| format!("{at:?}: a number of seconds from the run's start"))?;
+    let label = label.trim();
+    if label.is_empty() {
+        return Err("a mark needs a label".into());
+    }
+    Ok(Mark {
+        at_secs,
+        label: label.to_string(),
+    })
 }
 
 impl ReplayArgs {
@@ -247,6 +285,28 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
             }
         }
     });
+    // SIGUSR1: mark this moment on the report's plots (a fault injected by hand).
+    let marks = Arc::new(std::sync::Mutex::new(a.marks.clone()));
+    let marker = tokio::spawn({
+        let marks = marks.clone();
+        async move {
+            let Ok(mut usr1) =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
+            else {
+                return;
+            };
+            let mut n = 0;
+            while usr1.recv().await.is_some() {
+                n += 1;
+                let at_secs = start.elapsed().as_secs_f64();
+                eprintln!("marked {at_secs:.1}s (SIGUSR1 #{n})");
+                marks.lock().unwrap_or_else(|p| p.into_inner()).push(Mark {
+                    at_secs,
+                    label: format!("SIGUSR1 #{n}"),
+                });
+            }
+        }
+    });
     let permits = Arc::new(Semaphore::new(a.max_in_flight.min(Semaphore::MAX_PERMITS)));
     let collector = tokio::spawn(collect(
         rx,
@@ -277,7 +337,27 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
         _ = cut.cancelled() => {}
     }
     interrupts.abort();
+    marker.abort();
     let stats = collector.await.context("the collector stopped")??;
+    let mut marks = marks.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    marks.sort_by(|x, y| x.at_secs.total_cmp(&y.at_secs));
+    let simulated = match a.simulate_capacity_bytes {
+        Some(bytes) => {
+            let (trace, shape, model) = (trace.clone(), a.shape(), a.model.clone());
+            let (skip, max) = (a.skip, Some(sent));
+            let ratio = tokio::task::spawn_blocking(move || {
+                crate::simulate::hit_ratio_at(&trace, &shape, skip, max, &model, bytes)
+            })
+            .await
+            .context("the simulation stopped")??;
+            Some(json!({
+                "capacity_bytes": bytes,
+                "policy": cache_fabric::EvictionPolicy::DEFAULT.to_string(),
+                "token_hit_ratio": ratio,
+            }))
+        }
+        None => None,
+    };
     let elapsed = start.elapsed().as_secs_f64();
     let ended_wall = chrono::Utc::now();
 
@@ -299,7 +379,7 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
         }
         None => None,
     };
-    let summary = summarize(
+    let mut summary = summarize(
         &a,
         &trace,
         &stats,
@@ -310,6 +390,8 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
         reconciliation.as_ref(),
         started_wall,
     );
+    summary["marks"] = json!(marks);
+    summary["simulated"] = simulated.unwrap_or(Value::Null);
     std::fs::write(
         a.out.join("summary.json"),
         serde_json::to_vec_pretty(&summary)?,
@@ -660,6 +742,24 @@ fn summarize(
         })
         .collect();
     let done_secs = elapsed.max(1e-9);
+    let nodes: Vec<Value> = s
+        .nodes
+        .iter()
+        .map(|(id, n)| {
+            let ttft = latency(&n.ttft_us);
+            json!({
+                "node": id,
+                "requests": n.requests,
+                "errors": n.errors,
+                "hit_ratio": ratio(n.usage.cache_read_tokens, n.usage.prompt()),
+                "ttft_p50_ms": ttft["p50_ms"],
+                "ttft_p99_ms": ttft["p99_ms"],
+                "usage": n.usage,
+            })
+        })
+        .collect();
+    let per_second =
+        |q: f64| -> Vec<Option<f64>> { s.buckets.iter().map(|b| b.ttft.quantile(q)).collect() };
     json!({
         "kind": "replay",
         "started_at": started.to_rfc3339(),
@@ -687,6 +787,8 @@ fn summarize(
         "ok": s.ok,
         "errors": s.error_count(),
         "error_kinds": s.errors,
+        "error_messages": s.error_messages,
+        "nodes": nodes,
         "statuses": s.statuses,
         "elapsed_secs": elapsed,
         "throughput": {
@@ -719,6 +821,8 @@ fn summarize(
             "errors": s.buckets.iter().map(|b| b.errors).collect::<Vec<_>>(),
             "output_tokens": s.buckets.iter().map(|b| b.output_tokens).collect::<Vec<_>>(),
             "hit_ratio": s.buckets.iter().map(|b| ratio(b.read_tokens, b.prompt_tokens)).collect::<Vec<_>>(),
+            "ttft_p50_ms": per_second(0.5),
+            "ttft_p99_ms": per_second(0.99),
             "errors_by_kind": s.error_series,
         },
         "reconciliation": rec.map(reconcile::Reconciliation::to_json),
@@ -752,6 +856,26 @@ fn print_summary(s: &Value, out: &Path) {
         f(&s["tbt"]["p90_ms"]),
         f(&s["tbt"]["p99_ms"]),
     );
+    if let Some(sim) = s["simulated"].as_object() {
+        println!(
+            "hit ratio {:.4} measured vs {:.4} simulated ({} policy, {} bytes of cache)",
+            f(&s["hit_ratio"]),
+            sim["token_hit_ratio"].as_f64().unwrap_or(0.0),
+            sim["policy"].as_str().unwrap_or(""),
+            sim["capacity_bytes"],
+        );
+    }
+    for n in s["nodes"].as_array().into_iter().flatten() {
+        println!(
+            "  node {}: {} requests, {} errors, hit ratio {:.4}, TTFT p50 {:.1} ms p99 {:.1} ms",
+            n["node"].as_str().unwrap_or(""),
+            n["requests"],
+            n["errors"],
+            f(&n["hit_ratio"]),
+            f(&n["ttft_p50_ms"]),
+            f(&n["ttft_p99_ms"]),
+        );
+    }
     println!(
         "hit ratio {:.4}  cost {} {:.6} with caching vs {:.6} without ({:.1}% saved; {})",
         f(&s["hit_ratio"]),
@@ -774,6 +898,9 @@ fn print_summary(s: &Value, out: &Path) {
     if let Some(kinds) = s["error_kinds"].as_object() {
         for (k, n) in kinds {
             println!("  error {k}: {n}");
+            for (m, c) in s["error_messages"][k].as_object().into_iter().flatten() {
+                println!("    {c} × {m}");
+            }
         }
     }
     println!("report: {}", out.join("report.html").display());

@@ -10,11 +10,13 @@ const UPLOT_JS: &str = include_str!("../assets/uPlot.iife.min.js");
 const UPLOT_CSS: &str = include_str!("../assets/uPlot.min.css");
 
 /// Names of the replay report's plots, in page order.
-pub const REPLAY_PLOTS: [&str; 8] = [
+pub const REPLAY_PLOTS: [&str; 10] = [
     "ttft-cdf",
     "tbt-cdf",
+    "ttft-time",
     "throughput",
     "hit-ratio",
+    "nodes",
     "tokens",
     "tenants",
     "cost",
@@ -61,6 +63,25 @@ function plot(name, opts, data) {{
   new uPlot(opts, data, el);
   el.dataset.rendered = '1';
 }}
+// Marks (a fault's moment, …) as labelled vertical lines on a plot over time (x in seconds).
+function marked(opts) {{
+  const ms = D.marks || [];
+  if (!ms.length) return opts;
+  opts.hooks = {{ draw: [u => {{
+    const c = u.ctx;
+    c.save();
+    c.strokeStyle = '#b3261e'; c.fillStyle = '#b3261e'; c.setLineDash([5, 4]); c.lineWidth = 1.5;
+    c.font = (11 * devicePixelRatio) + 'px system-ui';
+    ms.forEach(m => {{
+      const x = u.valToPos(m.at_secs, 'x', true);
+      if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) return;
+      c.beginPath(); c.moveTo(x, u.bbox.top); c.lineTo(x, u.bbox.top + u.bbox.height); c.stroke();
+      c.fillText(m.label, x + 4, u.bbox.top + 12 * devicePixelRatio);
+    }});
+    c.restore();
+  }}] }};
+  return opts;
+}}
 function bars(name, labels, values, label, fmt) {{
   const xs = labels.map((_, i) => i);
   plot(name, {{
@@ -101,14 +122,18 @@ pub fn replay_html(summary: &Value) -> String {
 <div class="sub" id="sub"></div>
 <div class="cards" id="cards"></div>
 <div class="grid">{}</div>
-<h2 style="margin-top:20px">Tenants</h2><table id="tenants"></table>
+<h2 style="margin-top:20px">Marks</h2><table id="marks"></table>
+<h2>Tenants</h2><table id="tenants"></table>
+<h2>Nodes</h2><table id="nodes"></table>
 <h2>Errors</h2><table id="errkinds"></table>
 <h2>Reconciliation with the ledger</h2><div id="recon"></div>"#,
         plots(&[
             ("ttft-cdf", "Time to first token (CDF)"),
             ("tbt-cdf", "Time between tokens (CDF)"),
+            ("ttft-time", "Time to first token over time (p50, p99)"),
             ("throughput", "Throughput over time"),
             ("hit-ratio", "Cache hit ratio over time"),
+            ("nodes", "Requests per node"),
             ("tokens", "Tokens by class"),
             ("tenants", "Hit ratio per tenant"),
             ("cost", "Cost with vs without caching"),
@@ -122,7 +147,9 @@ document.getElementById('sub').textContent =
   `${D.trace} · ${c.model} · ${c.api} API · breakpoints ${c.breakpoints} · ${c.arrivals} · ${c.tenants} tenant(s) · started ${D.started_at}`;
 const cards = [
   ['requests', `${D.ok} ok / ${D.sent}`], ['errors', D.errors],
-  ['hit ratio', pct(D.hit_ratio)], ['TTFT p50 / p90', `${f1(D.ttft.p50_ms)} / ${f1(D.ttft.p90_ms)} ms`],
+  ['hit ratio', pct(D.hit_ratio)],
+  ...(D.simulated ? [['simulated hit ratio, same cache', pct(D.simulated.token_hit_ratio)]] : []),
+  ['TTFT p50 / p90 / p99', `${f1(D.ttft.p50_ms)} / ${f1(D.ttft.p90_ms)} / ${f1(D.ttft.p99_ms)} ms`],
   ['TBT p50 / p90', `${(D.tbt.p50_ms ?? 0).toFixed(2)} / ${(D.tbt.p90_ms ?? 0).toFixed(2)} ms`],
   ['throughput', `${f1(D.throughput.requests_per_sec)} req/s`],
   ['cost', `${money(D.cost.with_cache_nanos)} ${D.cost.currency}`],
@@ -132,17 +159,25 @@ document.getElementById('cards').innerHTML = cards.map(([k, v]) => `<div class="
 cdf('ttft-cdf', D.ttft, 'TTFT');
 cdf('tbt-cdf', D.tbt, 'TBT');
 const s = D.series, secs = s.seconds;
-plot('throughput', {
+plot('ttft-time', marked({
+  scales: { x: { time: false } },
+  series: [{ label: 's' }, { label: 'p50 ms', stroke: '#2f5cb9', width: 2, spanGaps: true },
+           { label: 'p99 ms', stroke: '#b3261e', width: 2, spanGaps: true }],
+  axes: [{ label: 'seconds' }, { label: 'ms' }],
+}), [secs, s.ttft_p50_ms || [], s.ttft_p99_ms || []]);
+plot('throughput', marked({
   scales: { x: { time: false }, tok: {} },
   series: [{ label: 's' }, { label: 'requests/s', stroke: '#2f5cb9', width: 2 },
            { label: 'output tokens/s', stroke: '#d9822b', width: 2, scale: 'tok' }],
   axes: [{ label: 'seconds' }, { label: 'requests/s' }, { side: 1, scale: 'tok', label: 'tokens/s', grid: { show: false } }],
-}, [secs, s.done, s.output_tokens]);
-plot('hit-ratio', {
+}), [secs, s.done, s.output_tokens]);
+plot('hit-ratio', marked({
   scales: { x: { time: false }, y: { range: [0, 1] } },
   series: [{ label: 's' }, { label: 'hit ratio', stroke: '#1b7a3d', width: 2 }],
   axes: [{ label: 'seconds' }, { values: (u, v) => v.map(x => (x * 100).toFixed(0) + '%') }],
-}, [secs, s.hit_ratio]);
+}), [secs, s.hit_ratio]);
+const nodes = D.nodes || [];
+bars('nodes', nodes.map(n => n.node), nodes.map(n => n.requests), 'requests', v => v);
 const t = D.tokens;
 bars('tokens', ['input', 'write 5m', 'write 1h', 'read', 'output'],
   [t.input_tokens, t.cache_write_5m_tokens, t.cache_write_1h_tokens, t.cache_read_tokens, t.output_tokens],
@@ -152,17 +187,28 @@ bars('cost', ['with caching', 'without caching'], [D.cost.with_cache_nanos / 1e9
   D.cost.currency, v => v.toFixed(3));
 const kinds = Object.keys(s.errors_by_kind || {});
 const colors = ['#b3261e', '#d9822b', '#7a4fd9', '#1b7a3d', '#2f5cb9'];
-plot('errors', {
+plot('errors', marked({
   scales: { x: { time: false } },
   series: [{ label: 's' }].concat(kinds.length ? kinds.map((k, i) => ({ label: k, stroke: colors[i % 5], width: 2 }))
                                                : [{ label: 'errors', stroke: '#b3261e', width: 2 }]),
   axes: [{ label: 'seconds' }, { label: 'errors/s' }],
-}, [secs].concat(kinds.length ? kinds.map(k => secs.map(i => s.errors_by_kind[k][i] || 0)) : [s.errors]));
+}), [secs].concat(kinds.length ? kinds.map(k => secs.map(i => s.errors_by_kind[k][i] || 0)) : [s.errors]));
 document.getElementById('tenants').innerHTML = '<tr><th>tenant</th><th>key</th><th>requests</th><th>errors</th><th>hit ratio</th><th>cost</th><th>without caching</th></tr>' +
   D.tenants.map(x => `<tr><td>${x.tenant}</td><td>${x.key}</td><td>${x.requests}</td><td>${x.errors}</td><td>${pct(x.hit_ratio)}</td><td>${money(x.cost_nanos)}</td><td>${money(x.cost_without_cache_nanos)}</td></tr>`).join('');
+const esc = t => String(t).replace(/[&<>"]/g, ch => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;' })[ch]);
+const mk = D.marks || [];
+document.getElementById('marks').innerHTML = mk.length
+  ? '<tr><th>at</th><th>mark</th></tr>' + mk.map(m => `<tr><td>${m.at_secs.toFixed(1)} s</td><td>${esc(m.label)}</td></tr>`).join('')
+  : '<tr><td>none (--mark SECONDS=LABEL, or SIGUSR1 during the run)</td></tr>';
+document.getElementById('nodes').innerHTML = nodes.length
+  ? '<tr><th>node</th><th>requests</th><th>errors</th><th>hit ratio</th><th>TTFT p50 ms</th><th>TTFT p99 ms</th></tr>' +
+    nodes.map(n => `<tr><td>${esc(n.node)}</td><td>${n.requests}</td><td>${n.errors}</td><td>${pct(n.hit_ratio)}</td><td>${f1(n.ttft_p50_ms)}</td><td>${f1(n.ttft_p99_ms)}</td></tr>`).join('')
+  : '<tr><td>no node named in the answers (a single server)</td></tr>';
 const ek = Object.entries(D.error_kinds || {});
+const em = D.error_messages || {};
 document.getElementById('errkinds').innerHTML = ek.length
-  ? '<tr><th>error</th><th>count</th></tr>' + ek.map(([k, n]) => `<tr><td>${k}</td><td>${n}</td></tr>`).join('')
+  ? '<tr><th>error</th><th>count</th><th>messages</th></tr>' + ek.map(([k, n]) =>
+      `<tr><td>${esc(k)}</td><td>${n}</td><td style="text-align:left">${Object.entries(em[k] || {}).map(([m, c]) => `${c} × ${esc(m)}`).join('<br>')}</td></tr>`).join('')
   : '<tr><td class="good">none</td></tr>';
 const r = D.reconciliation;
 document.getElementById('recon').innerHTML = !r ? 'not run (no finance token)'

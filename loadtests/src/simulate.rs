@@ -221,6 +221,45 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What the fabric's default policy would hit on `trace` (records `skip..skip + max`, seen
+/// through the replay's `shape`) with `capacity_bytes` of `model`'s KV in its default dtype:
+/// the token hit ratio a replay's measured one is compared with.
+pub fn hit_ratio_at(
+    trace: &std::path::Path,
+    shape: &Shape,
+    skip: u64,
+    max: Option<u64>,
+    model: &str,
+    capacity_bytes: u64,
+) -> anyhow::Result<f64> {
+    let geometry = engine::kv_geometries()
+        .into_iter()
+        .find(|(id, _)| id == model)
+        .map(|(_, g)| g)
+        .with_context(|| format!("no KV geometry for the model {model:?}"))?;
+    let per_token = geometry.bytes_per_token() as u64;
+    let mut reqs = Vec::new();
+    for rec in trace::open(trace)?
+        .skip(skip as usize)
+        .take(max.map_or(usize::MAX, |m| m as usize))
+    {
+        let rec = rec?;
+        let lens = shape.block_lengths(&rec);
+        reqs.push(SimRequest {
+            cacheable: true,
+            block_tokens: lens.iter().map(|&n| n as u32).collect(),
+            scope: shape.tenant(&rec) as u32,
+            blocks: rec.hash_ids,
+        });
+    }
+    let capacity = SimCapacity {
+        dram: capacity_bytes / per_token.max(1),
+        lower: 0,
+        per_token: true,
+    };
+    Ok(replay_sized(&reqs, capacity, EvictionPolicy::DEFAULT).token_hit_ratio())
+}
+
 /// The capacities to replay at, each with its label: every --capacity-blocks, then every
 /// --capacity-bytes in every --kv-dtype (counted in tokens of the model's KV).
 fn capacities(a: &SimulateArgs) -> anyhow::Result<Vec<(String, SimCapacity)>> {

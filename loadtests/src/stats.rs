@@ -1,5 +1,7 @@
 //! What a run measured, in bounded memory: latency histograms (HDR, 3 significant digits),
-//! one bucket per second, one row per tenant. Fed one finished request at a time.
+//! one bucket per second (with a coarse TTFT histogram, for TTFT over time), one row per
+//! tenant and per node, and the error messages by kind (a few distinct ones each). Fed one
+//! finished request at a time.
 
 use std::collections::BTreeMap;
 
@@ -63,7 +65,7 @@ impl GapSummary {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct Bucket {
     pub sent: u64,
     pub done: u64,
@@ -71,7 +73,69 @@ pub struct Bucket {
     pub prompt_tokens: u64,
     pub read_tokens: u64,
     pub output_tokens: u64,
+    /// TTFTs of the requests answered in this second.
+    #[serde(skip)]
+    pub ttft: LogHist,
 }
+
+/// A coarse latency histogram (buckets 25% apart from 0.05 ms up, 256 bytes): enough for a
+/// per-second p50 and p99 at any run length.
+#[derive(Clone, Debug, Default)]
+pub struct LogHist {
+    counts: Vec<u32>,
+    n: u64,
+}
+
+const LOG_BUCKETS: usize = 64;
+const LOG_BASE_MS: f64 = 0.05;
+const LOG_FACTOR: f64 = 1.25;
+
+impl LogHist {
+    pub fn record(&mut self, ms: f64) {
+        if self.counts.is_empty() {
+            self.counts = vec![0; LOG_BUCKETS];
+        }
+        let i = if ms <= LOG_BASE_MS {
+            0
+        } else {
+            ((ms / LOG_BASE_MS).ln() / LOG_FACTOR.ln()).ceil() as usize
+        };
+        self.counts[i.min(LOG_BUCKETS - 1)] += 1;
+        self.n += 1;
+    }
+
+    /// The upper bound of the bucket holding quantile `q`, or `None` when empty.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        if self.n == 0 {
+            return None;
+        }
+        let rank = ((self.n as f64 * q).ceil() as u64).max(1);
+        let mut seen = 0u64;
+        for (i, c) in self.counts.iter().enumerate() {
+            seen += u64::from(*c);
+            if seen >= rank {
+                return Some(LOG_BASE_MS * LOG_FACTOR.powi(i as i32));
+            }
+        }
+        None
+    }
+}
+
+/// One node's share of a cluster run (by the `x-cachet-node` that answered).
+#[derive(Clone, Debug)]
+pub struct NodeRow {
+    pub requests: u64,
+    pub errors: u64,
+    pub usage: Usage,
+    pub ttft_us: Histogram<u64>,
+}
+
+/// Distinct messages kept per error kind; the rest are counted together.
+const MESSAGES_PER_KIND: usize = 8;
+/// Characters kept of one error message.
+const MESSAGE_CHARS: usize = 240;
+/// The label the messages past the first few of a kind are counted under.
+pub const OTHER_MESSAGES: &str = "(other messages)";
 
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct TenantRow {
@@ -101,8 +165,12 @@ pub struct Stats {
     pub done: u64,
     pub ok: u64,
     pub errors: BTreeMap<String, u64>,
+    /// Per error kind, its messages (the first few distinct ones) and their counts.
+    pub error_messages: BTreeMap<String, BTreeMap<String, u64>>,
     /// Errors per second of the run, by kind (for the plot).
     pub error_series: BTreeMap<String, Vec<u64>>,
+    /// Per node that answered (requests without a node header are not counted here).
+    pub nodes: BTreeMap<String, NodeRow>,
     pub max_lag_ms: f64,
     pub statuses: BTreeMap<u16, u64>,
 }
@@ -123,7 +191,9 @@ impl Stats {
             done: 0,
             ok: 0,
             errors: BTreeMap::new(),
+            error_messages: BTreeMap::new(),
             error_series: BTreeMap::new(),
+            nodes: BTreeMap::new(),
             max_lag_ms: 0.0,
             statuses: BTreeMap::new(),
         }
@@ -144,11 +214,44 @@ impl Stats {
         *self.statuses.entry(r.status).or_default() += 1;
         self.bucket(r.sent_ms).sent += 1;
         let end = r.sent_ms + r.e2e_ms;
+        let node = r.node.as_ref().map(|n| {
+            self.nodes.entry(n.clone()).or_insert_with(|| NodeRow {
+                requests: 0,
+                errors: 0,
+                usage: Usage::default(),
+                ttft_us: hist(),
+            })
+        });
+        if let Some(n) = node {
+            n.requests += 1;
+            if r.error.is_some() {
+                n.errors += 1;
+            } else {
+                add_usage(&mut n.usage, &r.usage);
+                if let Some(t) = r.ttft_ms {
+                    let _ = n.ttft_us.record((t * 1000.0) as u64);
+                }
+            }
+        }
         let t = &mut self.tenants[r.tenant];
         t.requests += 1;
         if let Some(e) = &r.error {
             t.errors += 1;
             *self.errors.entry(e.clone()).or_default() += 1;
+            let messages = self.error_messages.entry(e.clone()).or_default();
+            let m: String = r
+                .error_message
+                .as_deref()
+                .unwrap_or("(no message)")
+                .chars()
+                .take(MESSAGE_CHARS)
+                .collect();
+            let key = if messages.contains_key(&m) || messages.len() < MESSAGES_PER_KIND {
+                m
+            } else {
+                OTHER_MESSAGES.to_string()
+            };
+            *messages.entry(key).or_default() += 1;
             let sec = (end / 1000.0) as usize;
             let series = self.error_series.entry(e.clone()).or_default();
             if series.len() <= sec {
@@ -167,6 +270,7 @@ impl Stats {
         b.read_tokens += r.usage.cache_read_tokens;
         b.output_tokens += r.usage.output_tokens;
         if let Some(t) = r.ttft_ms {
+            b.ttft.record(t);
             let _ = self.ttft_us.record((t * 1000.0) as u64);
         }
         let _ = self.e2e_us.record((r.e2e_ms * 1000.0) as u64);
@@ -242,7 +346,7 @@ mod tests {
             sent_ms: sent,
             status: if err.is_some() { 529 } else { 200 },
             error: err.map(str::to_string),
-            error_message: None,
+            error_message: err.map(|_| "Overloaded: why".to_string()),
             ttft_ms: Some(40.0),
             e2e_ms: 500.0,
             tbt: None,
@@ -273,11 +377,44 @@ mod tests {
         assert_eq!(s.buckets[0].done, 1);
         assert_eq!(s.buckets[1].sent, 2);
         assert_eq!(s.error_series["529 overloaded_error"], vec![0, 1]);
+        assert_eq!(
+            s.error_messages["529 overloaded_error"]["Overloaded: why"], 1,
+            "the message is kept with its kind"
+        );
+        assert_eq!(
+            s.buckets[0].ttft.quantile(0.99).map(|v| v.round()),
+            Some(40.0)
+        );
         assert_eq!(s.tbt_us.len(), 3);
         assert!((s.max_lag_ms - 2.0).abs() < 1e-9);
         let l = latency(&s.ttft_us);
         assert!((l["p50_ms"].as_f64().unwrap() - 40.0).abs() < 0.1, "{l}");
         assert_eq!(l["cdf"].as_array().unwrap().len(), 101);
+    }
+
+    #[test]
+    fn nodes_and_messages_stay_bounded_and_per_node() {
+        let mut s = Stats::new(1);
+        for i in 0..100 {
+            let mut r = rec(0, 10.0 * i as f64, Some("529 overloaded_error"), 0);
+            r.error_message = Some(format!("Overloaded: estimate {i} ms"));
+            r.node = Some(format!("n{}", i % 2));
+            s.add(&r, &[]);
+        }
+        let msgs = &s.error_messages["529 overloaded_error"];
+        assert_eq!(msgs.len(), MESSAGES_PER_KIND + 1);
+        assert_eq!(msgs[OTHER_MESSAGES], 100 - MESSAGES_PER_KIND as u64);
+        assert_eq!(s.nodes.len(), 2);
+        assert_eq!(s.nodes["n1"].errors, 50);
+        let mut h = LogHist::default();
+        for ms in [1.0, 2.0, 3.0, 1000.0] {
+            h.record(ms);
+        }
+        // Buckets are 25% wide: quantiles land within that of the value.
+        let p50 = h.quantile(0.5).unwrap();
+        assert!((2.0..2.5).contains(&p50), "{p50}");
+        let p99 = h.quantile(0.99).unwrap();
+        assert!((1000.0..1250.0).contains(&p99), "{p99}");
     }
 
     #[test]

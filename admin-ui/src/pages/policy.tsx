@@ -132,6 +132,29 @@ export function PolicyTab({ me, tenant }: { me: Me; tenant: Tenant }) {
         </div>
         {!platform && <small>Cache capacity and replication are set by the platform's administrators.</small>}
       </fieldset>
+      <fieldset disabled={!editable}>
+        <legend>Engine share</legend>
+        <div class="row">
+          <Field
+            id="max_concurrent"
+            label="Generations at once per model (empty = no limit)"
+            inputMode="numeric"
+            value={String(form.max_concurrent ?? "")}
+            error={errors.max_concurrent}
+            onInput={set("max_concurrent")}
+          />
+          <Field
+            id="engine_weight"
+            label="Weight in the fair queue (1–100)"
+            inputMode="numeric"
+            disabled={!platform}
+            value={String(form.engine_weight ?? "")}
+            error={errors.engine_weight}
+            hint="While tenants wait for a model's workers, each gets turns in proportion to its weight."
+            onInput={set("engine_weight")}
+          />
+        </div>
+      </fieldset>
       <ErrorBanner error={error} />
       <Notice text={notice} />
       {editable && (

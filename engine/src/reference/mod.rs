@@ -296,6 +296,12 @@ impl crate::Engine for ReferenceEngine {
         &self.info
     }
 
+    /// About 300 prompt tokens a second: this engine's release build on two cores at a
+    /// 2,048-token prompt (docs/benchmarks.md); measurements replace it.
+    fn nominal_prefill_per_token(&self) -> std::time::Duration {
+        std::time::Duration::from_micros(3_300)
+    }
+
     fn render(&self, prompt: &Prompt) -> Result<Rendered, EngineError> {
         prompt.check_fits(&self.info)?;
         let pieces = self.template.render(prompt)?;

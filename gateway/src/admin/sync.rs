@@ -106,6 +106,7 @@ async fn load_states(
 async fn apply_fabric(fabric: &FabricClient, tenant: Uuid, s: &TenantState) {
     let t = TenantId(tenant);
     if s.deleted {
+        crate::metrics::forget_tenant(t);
         let n = fabric.purge_tenant(t);
         if n > 0 {
             tracing::info!(tenant_id = %t, blocks = n, "purged the cache of a deleted tenant");

@@ -421,9 +421,7 @@ pub async fn create_chat_completion(
 
 /// A Cachet error in OpenAI's shape (the `request-id` header set as on every answer).
 pub(crate) fn openai_error(e: ApiError, rid: RequestId) -> Response {
-    crate::metrics::ERRORS
-        .with_label_values(&[e.kind.as_str()])
-        .inc();
+    e.observe();
     let (status, body) = openai::error_body(&e);
     let mut resp = (status, axum::Json(body)).into_response();
     for (n, v) in e.headers {

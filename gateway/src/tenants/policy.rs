@@ -1,5 +1,6 @@
 //! A tenant's policy: rate limits, monthly spend budget, cache quota and reservation, whether
-//! `1h` TTLs may be written, and its replication factor.
+//! `1h` TTLs may be written, its replication factor, and its share of the engines (weight and
+//! concurrency cap under weighted fair queuing).
 //!
 //! A tenant admin may tighten or loosen the limits that protect the tenant from itself (rate
 //! limits, budget, `1h` TTLs); what costs the platform capacity (resident and reserved cache
@@ -41,6 +42,12 @@ pub struct Policy {
     pub allow_1h_ttl: bool,
     /// Fabric nodes holding each block (the cluster's default when unset).
     pub replication_factor: Option<i32>,
+    /// The tenant's weight in each model's fair queue for engine workers (1 to 100): while
+    /// tenants wait, each gets turns in proportion to its weight.
+    pub engine_weight: i32,
+    /// Generations of this tenant running at once per model, at most (none: no cap beyond
+    /// the model's workers).
+    pub max_concurrent: Option<i32>,
 }
 
 impl Default for Policy {
@@ -58,6 +65,8 @@ impl Default for Policy {
             reserved_cache_bytes: None,
             allow_1h_ttl: true,
             replication_factor: None,
+            engine_weight: 1,
+            max_concurrent: None,
         }
     }
 }
@@ -66,7 +75,8 @@ impl Default for Policy {
 pub(crate) const COLUMNS: &str = "q.requests_per_minute, q.input_tokens_per_minute, \
     q.output_tokens_per_minute, q.key_requests_per_minute, q.key_input_tokens_per_minute, \
     q.key_output_tokens_per_minute, q.cache_resident_bytes, q.monthly_budget_minor, \
-    q.budget_alert_percent, q.allow_1h_ttl, q.replication_factor, \
+    q.budget_alert_percent, q.allow_1h_ttl, q.replication_factor, q.engine_weight, \
+    q.max_concurrent, \
     (SELECT p.reserved_cache_bytes FROM tenant_plans p WHERE p.tenant_id = q.tenant_id \
      AND p.effective_from <= now() ORDER BY p.effective_from DESC LIMIT 1) AS reserved_cache_bytes";
 
@@ -89,6 +99,10 @@ pub(crate) fn from_row(r: &sqlx::postgres::PgRow) -> Policy {
             .filter(|b| *b > 0),
         allow_1h_ttl: r.get::<Option<bool>, _>("allow_1h_ttl").unwrap_or(true),
         replication_factor: r.get::<Option<i16>, _>("replication_factor").map(i32::from),
+        engine_weight: r
+            .get::<Option<i16>, _>("engine_weight")
+            .map_or(1, i32::from),
+        max_concurrent: r.get("max_concurrent"),
     }
 }
 
@@ -137,6 +151,11 @@ pub struct PolicyPatch {
     #[serde(default, deserialize_with = "present")]
     #[schema(value_type = Option<i32>)]
     pub replication_factor: Option<Option<i32>>,
+    #[serde(default)]
+    pub engine_weight: Option<i32>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i32>)]
+    pub max_concurrent: Option<Option<i32>>,
 }
 
 impl PolicyPatch {
@@ -151,6 +170,9 @@ impl PolicyPatch {
         }
         if self.replication_factor.is_some() {
             out.push("replication_factor");
+        }
+        if self.engine_weight.is_some() {
+            out.push("engine_weight");
         }
         out
     }
@@ -183,6 +205,8 @@ impl PolicyPatch {
         set(&mut p.reserved_cache_bytes, self.reserved_cache_bytes);
         set(&mut p.allow_1h_ttl, self.allow_1h_ttl);
         set(&mut p.replication_factor, self.replication_factor);
+        set(&mut p.engine_weight, self.engine_weight);
+        set(&mut p.max_concurrent, self.max_concurrent);
         validate(&p)?;
         Ok(p)
     }
@@ -224,6 +248,16 @@ pub fn validate(p: &Policy) -> Result<(), AdminError> {
         return Err(AdminError::Invalid(
             "replication_factor: must be between 1 and 16, or null for the cluster's default"
                 .into(),
+        ));
+    }
+    if !(1..=100).contains(&p.engine_weight) {
+        return Err(AdminError::Invalid(
+            "engine_weight: must be between 1 and 100".into(),
+        ));
+    }
+    if p.max_concurrent.is_some_and(|m| m < 1) {
+        return Err(AdminError::Invalid(
+            "max_concurrent: must be a whole number of at least 1, or null for no limit".into(),
         ));
     }
     if let (Some(reserved), Some(cap)) = (p.reserved_cache_bytes, p.cache_resident_bytes)
@@ -274,7 +308,8 @@ pub async fn patch_policy(
         "UPDATE tenant_quotas SET requests_per_minute = $2, input_tokens_per_minute = $3, \
          output_tokens_per_minute = $4, key_requests_per_minute = $5, key_input_tokens_per_minute = $6, \
          key_output_tokens_per_minute = $7, cache_resident_bytes = $8, monthly_budget_minor = $9, \
-         budget_alert_percent = $10, allow_1h_ttl = $11, replication_factor = $12, updated_at = now() \
+         budget_alert_percent = $10, allow_1h_ttl = $11, replication_factor = $12, \
+         engine_weight = $13, max_concurrent = $14, updated_at = now() \
          WHERE tenant_id = $1",
     )
     .bind(tenant)
@@ -289,6 +324,8 @@ pub async fn patch_policy(
     .bind(after.budget_alert_percent as i16)
     .bind(after.allow_1h_ttl)
     .bind(after.replication_factor.map(|r| r as i16))
+    .bind(after.engine_weight as i16)
+    .bind(after.max_concurrent)
     .execute(&mut *tx)
     .await?;
     audit::record(
@@ -373,6 +410,9 @@ mod tests {
             (json!({"monthly_budget_minor": -1}), "monthly_budget_minor"),
             (json!({"budget_alert_percent": 101}), "budget_alert_percent"),
             (json!({"replication_factor": 0}), "replication_factor"),
+            (json!({"engine_weight": 0}), "engine_weight"),
+            (json!({"engine_weight": 101}), "engine_weight"),
+            (json!({"max_concurrent": 0}), "max_concurrent"),
             (
                 json!({"cache_resident_bytes": 10, "reserved_cache_bytes": 11}),
                 "reserved_cache_bytes",
@@ -390,12 +430,20 @@ mod tests {
 
     #[test]
     fn capacity_fields_are_the_platforms() {
-        let patch: PolicyPatch =
-            serde_json::from_value(json!({"cache_resident_bytes": 1, "replication_factor": 3}))
-                .unwrap();
+        let patch: PolicyPatch = serde_json::from_value(
+            json!({"cache_resident_bytes": 1, "replication_factor": 3, "engine_weight": 2}),
+        )
+        .unwrap();
         assert_eq!(
             patch.platform_fields(),
-            vec!["cache_resident_bytes", "replication_factor"]
+            vec![
+                "cache_resident_bytes",
+                "replication_factor",
+                "engine_weight"
+            ]
         );
+        // A tenant may cap its own concurrency.
+        let own: PolicyPatch = serde_json::from_value(json!({"max_concurrent": 2})).unwrap();
+        assert!(own.platform_fields().is_empty());
     }
 }

@@ -1,0 +1,196 @@
+//! Memory as a budget: every large consumer of a serving process has a configured bound, and
+//! start-up refuses a configuration whose bounds add up to more than the machine (or its
+//! cgroup) has, naming the settings — unless the operator says they know better
+//! (`memory_overcommit = true`, `CACHET_MEMORY_OVERCOMMIT=1`). Freed memory goes back to the
+//! operating system once the KV budget is idle ([`return_idle_memory`]).
+
+use std::time::Duration;
+
+use anyhow::bail;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+
+/// One bounded consumer: the setting(s) that bound it, and its bound in bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bound {
+    pub what: String,
+    pub bytes: u64,
+}
+
+/// SmolLM2-135M's context window (its GGUF's `llama.context_length`).
+const REFERENCE_CONTEXT: u64 = 8192;
+
+/// What a process may use of the machine's memory for its bounded consumers; the rest is
+/// for the code, stacks, sockets and the allocator's own overhead.
+const USABLE_SHARE: f64 = 0.9;
+
+/// The machine's memory: the lesser of physical memory and this process's cgroup limit.
+pub fn machine_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let total = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())?
+        * 1024;
+    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    Some(cgroup.map_or(total, |c| c.min(total)))
+}
+
+/// The KV budget a configuration asks for: `engine.kv_budget_bytes`, or a quarter of the
+/// machine's memory when it is 0 (1 GiB if the machine's memory cannot be read).
+pub fn kv_budget_bytes(config: &Config) -> u64 {
+    match config.engine.kv_budget_bytes {
+        0 => machine_bytes().map_or(1 << 30, |m| m / 4),
+        b => b,
+    }
+}
+
+/// The bounded consumers of a process with this configuration (`engines`: whether it runs
+/// engines and the API, as `serve` and a node with `--api-listen` do).
+pub fn bounds(config: &Config, engines: bool) -> Vec<Bound> {
+    let mut out = vec![Bound {
+        what: "fabric.dram_capacity_bytes (the fabric's DRAM tier)".into(),
+        bytes: config.fabric.dram_capacity_bytes,
+    }];
+    if !engines {
+        return out;
+    }
+    out.push(Bound {
+        what: "engine.kv_budget_bytes (KV between engine and fabric)".into(),
+        bytes: kv_budget_bytes(config),
+    });
+    if config.engine.kind == "reference" {
+        // Each reference generation keeps its whole context's KV in f32 while it runs
+        // (30 layers × 3 KV heads × 64 × K and V), one per worker, and the weights once.
+        let per_generation = 30 * 3 * 64 * 2 * 4 * REFERENCE_CONTEXT;
+        out.push(Bound {
+            what: format!(
+                "engine.workers × the reference model's working KV ({} × {} MiB)",
+                config.engine.workers,
+                per_generation >> 20
+            ),
+            bytes: config.engine.workers as u64 * per_generation,
+        });
+        out.push(Bound {
+            what: "the reference model's weights (f32)".into(),
+            bytes: 600 << 20,
+        });
+    }
+    out.push(Bound {
+        what: "meter.queue_capacity (usage events waiting for Postgres)".into(),
+        bytes: config.meter.queue_capacity as u64 * 512,
+    });
+    out
+}
+
+/// Refuse a configuration whose bounds exceed what the machine can give, unless overcommit
+/// is allowed.
+pub fn check(config: &Config, engines: bool) -> anyhow::Result<()> {
+    let Some(machine) = machine_bytes() else {
+        tracing::warn!("cannot read the machine's memory; memory bounds not checked");
+        return Ok(());
+    };
+    check_against(&bounds(config, engines), machine, config.memory_overcommit)
+}
+
+fn check_against(bounds: &[Bound], machine: u64, overcommit: bool) -> anyhow::Result<()> {
+    let sum: u64 = bounds.iter().map(|b| b.bytes).sum();
+    let usable = (machine as f64 * USABLE_SHARE) as u64;
+    if sum <= usable {
+        return Ok(());
+    }
+    let lines: Vec<String> = bounds
+        .iter()
+        .map(|b| format!("  {}: {}", b.what, gateway::budget::human(b.bytes)))
+        .collect();
+    if overcommit {
+        tracing::warn!(
+            bounds = %gateway::budget::human(sum),
+            machine = %gateway::budget::human(machine),
+            "memory bounds exceed the machine's memory; starting anyway (memory_overcommit)"
+        );
+        return Ok(());
+    }
+    bail!(
+        "the configured memory bounds add up to {} but this machine has {} ({} usable at {:.0}%):\n{}\n\
+         lower these settings, or set memory_overcommit = true (CACHET_MEMORY_OVERCOMMIT=1) to start anyway",
+        gateway::budget::human(sum),
+        gateway::budget::human(machine),
+        gateway::budget::human(usable),
+        USABLE_SHARE * 100.0,
+        lines.join("\n")
+    )
+}
+
+/// While the service runs: once the KV budget has been idle for a moment after being used,
+/// hand the allocator's free memory back to the operating system (glibc keeps freed chunks of
+/// large prompts' KV in its arenas otherwise, and an idle process would stay at its peak).
+pub async fn return_idle_memory(stop: CancellationToken) {
+    let mut was_busy = false;
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let busy = gateway::metrics::KV_BUDGET_USED.get() > 0;
+        if was_busy && !busy {
+            trim();
+        }
+        was_busy = busy;
+    }
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim() {
+    // SAFETY: malloc_trim only walks the allocator's own free lists under its locks; it
+    // takes no pointers from us and is safe to call from any thread at any time.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim() {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(bytes: u64) -> Bound {
+        Bound {
+            what: format!("setting.{bytes}"),
+            bytes,
+        }
+    }
+
+    #[test]
+    fn bounds_over_the_machine_are_refused_naming_every_setting() {
+        let gib = 1u64 << 30;
+        assert!(check_against(&[b(4 * gib), b(4 * gib)], 24 * gib, false).is_ok());
+        let e = check_against(&[b(16 * gib), b(8 * gib)], 24 * gib, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("setting.17179869184") && e.contains("setting.8589934592"),
+            "{e}"
+        );
+        assert!(e.contains("CACHET_MEMORY_OVERCOMMIT"), "{e}");
+        assert!(check_against(&[b(16 * gib), b(8 * gib)], 24 * gib, true).is_ok());
+    }
+
+    #[test]
+    fn the_default_configuration_fits_this_kind_of_machine() {
+        let c = Config::default();
+        let sum: u64 = bounds(&c, true).iter().map(|b| b.bytes).sum();
+        // A 24 GiB machine (this project's): the defaults leave room.
+        assert!(
+            check_against(&bounds(&c, true), 24 << 30, false).is_ok(),
+            "{sum}"
+        );
+        assert!(machine_bytes().is_some_and(|m| m > 0));
+    }
+}
