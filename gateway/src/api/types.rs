@@ -228,7 +228,7 @@ pub struct BreakpointReport {
     pub status: String,
     /// For a breakpoint that was not read: why there was no entry (`not_cached`,
     /// `expired`, `evicted`, `evicted_quota`, `corrupt`), or why a write failed (`quota`,
-    /// `capacity`).
+    /// `capacity`, `kv_budget`: its blocks alone exceed the server's KV memory budget).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
 }
