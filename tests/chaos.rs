@@ -8,58 +8,14 @@
 mod common;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cachet_common::RequestId;
+use common::procs::start_serve;
 use futures::StreamExt;
-
-/// `cachet serve` as a child process.
-struct Serve {
-    child: Child,
-    url: String,
-    _stdout: BufReader<std::process::ChildStdout>,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_serve(db_url: &str, data_dir: &std::path::Path, env: &[(&str, &str)]) -> Serve {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachet"));
-    cmd.arg("serve")
-        .env("DATABASE_URL", db_url)
-        .env("REDIS_URL", common::REDIS)
-        .env("CACHET_DATA_DIR", data_dir)
-        .env("CACHET_LISTEN", "127.0.0.1:0")
-        .env("CACHET_ENGINE", "sim")
-        .stdout(Stdio::piped())
-        .stderr(
-            std::env::var("CACHET_TEST_NODE_LOGS")
-                .ok()
-                .map(|d| Stdio::from(std::fs::File::create(format!("{d}/serve.log")).unwrap()))
-                .unwrap_or_else(Stdio::null),
-        );
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().expect("start cachet serve");
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert!(line.starts_with("serving on "), "{line:?}");
-    Serve {
-        child,
-        url: format!("http://{}", line.trim().rsplit(' ').next().unwrap()),
-        _stdout: out,
-    }
-}
 
 /// What one client saw of one request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -410,9 +410,26 @@ impl Meter {
         shutdown: CancellationToken,
     ) -> Result<(MeterHandle, tokio::task::JoinHandle<()>), MeterError> {
         let spool = Arc::new(Spool::open(config.spool_path.clone())?);
-        // Streams a crash cut: into the spool (replayed like any spooled event; a no-op where
-        // the final row made it), then the journal starts empty.
+        // What the last run left, into the spool (replayed idempotently like any spooled
+        // event): first the events it journaled (answered, maybe not yet inserted), then the
+        // streams a crash cut, as `failed`, unless the journal holds their final event (the
+        // open-stream file keeps closed streams' lines until it is compacted). Journal
+        // first: the ledger keeps a request's first row.
+        let (journal, recovered) = Journal::open(&config.spool_path)?;
         let (intents, cut) = Intents::recover(config.spool_path.with_extension("open"))?;
+        let journaled: std::collections::HashSet<RequestId> =
+            recovered.events.iter().map(|e| e.request_id).collect();
+        let cut: Vec<UsageEvent> = cut
+            .into_iter()
+            .filter(|e| !journaled.contains(&e.request_id))
+            .collect();
+        if !recovered.events.is_empty() {
+            tracing::warn!(
+                events = recovered.events.len(),
+                "usage events recovered from the journal; replaying them into the ledger"
+            );
+            spool.append(&recovered.events)?;
+        }
         if !cut.is_empty() {
             tracing::warn!(
                 events = cut.len(),
@@ -421,16 +438,6 @@ impl Meter {
             spool.append(&cut)?;
         }
         intents.clear()?;
-        // Events journaled by the last run (answered, maybe not yet inserted): into the
-        // spool too, then their segments go.
-        let (journal, recovered) = Journal::open(&config.spool_path)?;
-        if !recovered.events.is_empty() {
-            tracing::warn!(
-                events = recovered.events.len(),
-                "usage events recovered from the journal; replaying them into the ledger"
-            );
-            spool.append(&recovered.events)?;
-        }
         recovered.discard()?;
         let (tx, rx) = mpsc::channel(config.queue_capacity);
         let pending = Arc::new(AtomicU64::new(0));

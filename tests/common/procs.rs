@@ -30,6 +30,46 @@ pub fn log_to(name: &str) -> Stdio {
         .unwrap_or_else(Stdio::null)
 }
 
+/// `cachet serve` as a child process.
+pub struct Serve {
+    pub child: Child,
+    pub url: String,
+    _stdout: BufReader<std::process::ChildStdout>,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `cachet serve` (sim engines unless `env` says otherwise) on a free port, on `db_url`.
+pub fn start_serve(db_url: &str, data_dir: &std::path::Path, env: &[(&str, &str)]) -> Serve {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachet"));
+    cmd.arg("serve")
+        .env("DATABASE_URL", db_url)
+        .env("REDIS_URL", REDIS)
+        .env("CACHET_DATA_DIR", data_dir)
+        .env("CACHET_LISTEN", "127.0.0.1:0")
+        .env("CACHET_ENGINE", "sim")
+        .stdout(Stdio::piped())
+        .stderr(log_to("serve.log"));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("start cachet serve");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(line.starts_with("serving on "), "{line:?}");
+    Serve {
+        child,
+        url: format!("http://{}", line.trim().rsplit(' ').next().unwrap()),
+        _stdout: out,
+    }
+}
+
 pub struct Node {
     pub child: Child,
     pub addr: String,
