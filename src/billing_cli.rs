@@ -123,6 +123,15 @@ pub enum Command {
         #[arg(long, value_parser = parse_time, help = TIME_HELP)]
         to: DateTime<Utc>,
     },
+    /// Put into the ledger what a stopped process left in its data directory: its usage
+    /// journal (answered requests whose rows may not have reached Postgres), cut streams and
+    /// spool. For a node that will not be started again; never while a process runs on
+    /// that directory. Idempotent.
+    Recover {
+        /// The stopped process's data directory (a node's is `<data_dir>/node-<id>`).
+        #[arg(long)]
+        data_dir: std::path::PathBuf,
+    },
 }
 
 async fn tenant_id(pool: &PgPool, name_or_id: &str) -> anyhow::Result<uuid::Uuid> {
@@ -293,6 +302,24 @@ pub async fn run(
                     tenant,
                     std::time::Duration::from_secs(ttl_secs)
                 )?
+            );
+        }
+        Command::Recover { data_dir } => {
+            let mut meter = config.meter();
+            meter.spool_path = data_dir.join(&config.meter.spool_file);
+            let stop = tokio_util::sync::CancellationToken::new();
+            let (handle, task) = billing::Meter::start(pool.clone(), meter, stop.clone())?;
+            let settled = handle.settled(std::time::Duration::from_secs(60)).await;
+            stop.cancel();
+            task.await.context("the meter stopped")?;
+            if !settled {
+                bail!(
+                    "Postgres did not take every recovered event within 60 s; they stay in the spool (run again)"
+                );
+            }
+            println!(
+                "recovered {}: every event is in the ledger",
+                data_dir.display()
             );
         }
         Command::Reconcile { from, to } => {
