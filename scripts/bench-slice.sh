@@ -41,7 +41,7 @@ $BIN loadtest dashboard --rows 20000 --tenants 4 --days 2 --requests 10 --concur
 
 step "cache simulation"
 $BIN loadtest simulate-cache --trace tests/data/conversation_trace_head200.jsonl --capacity-blocks 500 --policy lru
-$BIN loadtest simulate-cache --workload chat --workload-requests 200 --capacity-bytes 64M --model sim-llama-8b
+$BIN loadtest simulate-cache --workload chat --workload-requests 200 --capacity-bytes 512M --model sim-llama-8b
 
 step "replayer against a bare server"
 $BIN loadtest bare-server --listen 127.0.0.1:18092 --seconds 30 & PIDS+=($!)
