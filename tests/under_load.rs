@@ -468,3 +468,121 @@ async fn one_tenant_s_long_streams_do_not_starve_another_tenant() {
     app.settle().await;
     app.stop().await;
 }
+
+/// The same on a 3-node cluster behind a gateway, each node with a 256 MiB KV budget and a
+/// 256 MiB DRAM tier, while one node is killed: every request is answered, or refused with a
+/// 529 that says why; the survivors' peak RSS stays within their bounds; the ledger holds
+/// exactly one row per answer (the killed node's journal recovered from its data directory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_prompts_on_a_cluster_stay_within_bounds_through_a_node_kill() {
+    let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
+    let dir = std::env::temp_dir().join(&prefix);
+    let (db_name, db_url, pool) = common::fresh_db().await;
+    let key = common::tenant_with_key(&pool, "cluster-long").await;
+    let (budget, dram) = (256 * MIB, 256 * MIB);
+    let env: Vec<(&'static str, String)> = vec![
+        ("DATABASE_URL", db_url.clone()),
+        ("CACHET_ENGINE", "sim".into()),
+        ("CACHET_SIM_TIME_SCALE", "0".into()),
+        ("CACHET_KV_BUDGET_BYTES", budget.to_string()),
+        ("CACHET_DRAM_CAPACITY_BYTES", dram.to_string()),
+    ];
+    let mut nodes: Vec<Option<common::procs::Node>> = ["n1", "n2", "n3"]
+        .iter()
+        .map(|id| Some(start_node_with(id, &prefix, &dir, &env, true)))
+        .collect();
+    let gw = start_gateway(&prefix, &env);
+    let http = reqwest::Client::new();
+    wait_for_nodes(&http, &gw, 3).await;
+    let base: Vec<u64> = nodes
+        .iter()
+        .map(|n| peak_rss(n.as_ref().unwrap().child.id()))
+        .collect();
+    // 1,500 tokens of shared system prompt (188 MiB of KV: it fits the budget), then turns
+    // of 2K to 32K tokens (250 MiB to 4 GiB: trimmed).
+    let system = words(1_500, "shared");
+    let send = |i: usize| {
+        let tokens = [2_000usize, 8_000, 16_000, 32_000][i % 4];
+        let b = body(
+            "sim-llama-8b",
+            &system,
+            &words(tokens, &format!("turn{i}")),
+            2,
+        );
+        let (http, url, key) = (http.clone(), gw.url.clone(), key.clone());
+        async move { post(&http, &url, &key, &b).await }
+    };
+    // A first wave, then n1 is killed with SIGKILL while a second wave is in flight.
+    let mut answers: Vec<Answer> = futures::future::join_all((0..4).map(send)).await;
+    let second = tokio::spawn(futures::future::join_all((4..12).map(send)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let n1_peak = peak_rss(nodes[0].as_ref().unwrap().child.id());
+    {
+        let n1 = nodes[0].as_mut().unwrap();
+        n1.child.kill().unwrap();
+        n1.child.wait().unwrap();
+    }
+    nodes[0] = None;
+    answers.extend(second.await.unwrap());
+    answers.extend(futures::future::join_all((12..16).map(send)).await);
+
+    for a in &answers {
+        match a.status {
+            200 => {}
+            529 => {
+                let msg = a.body["error"]["message"].as_str().unwrap_or("");
+                assert!(
+                    msg.starts_with("Overloaded") || msg.contains("no node"),
+                    "{msg}"
+                );
+            }
+            s => panic!("{s}: {}", a.body),
+        }
+    }
+    let served: Vec<&Answer> = answers.iter().filter(|a| a.status == 200).collect();
+    assert!(
+        served.len() >= answers.len() / 2,
+        "{} of {} served",
+        served.len(),
+        answers.len()
+    );
+    let limit = |b: u64| b + budget + dram + 256 * MIB;
+    assert!(
+        n1_peak <= limit(base[0]),
+        "n1 peak RSS {} MiB",
+        n1_peak / MIB
+    );
+    for (i, n) in nodes.iter().enumerate().skip(1) {
+        let peak = peak_rss(n.as_ref().unwrap().child.id());
+        eprintln!("n{} peak RSS {} MiB", i + 1, peak / MIB);
+        assert!(
+            peak <= limit(base[i]),
+            "n{} peak RSS {} MiB",
+            i + 1,
+            peak / MIB
+        );
+    }
+    eprintln!(
+        "n1 peak RSS {} MiB before its kill; {} of {} answered",
+        n1_peak / MIB,
+        served.len(),
+        answers.len()
+    );
+    // n1 will not come back: what it journaled goes to the ledger from its data directory.
+    let recovered = std::process::Command::new(env!("CARGO_BIN_EXE_cachet"))
+        .args(["billing", "recover", "--data-dir"])
+        .arg(dir.join("node-n1"))
+        .env("DATABASE_URL", &db_url)
+        .output()
+        .unwrap();
+    assert!(
+        recovered.status.success(),
+        "{}",
+        String::from_utf8_lossy(&recovered.stderr)
+    );
+    ledger_matches(&pool, &served).await;
+    drop((nodes, gw));
+    pool.close().await;
+    common::drop_db(&db_name).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -8,8 +8,11 @@
 //! the whole budget is still answered: only the breakpoints whose blocks fit are written
 //! (the others report `not_written`, reason `kv_budget`, and are billed as plain input).
 //!
-//! Imported blocks are not reserved: a local read shares the fabric tier's own buffers
-//! (bounded by the tier's capacity), and the engine lets go of them after the prefill.
+//! On a single node imported blocks are not reserved: a local read shares the fabric tier's
+//! own buffers (bounded by the tier's capacity), and the pipeline lets go of them after the
+//! prefill. A cluster node's reads pull blocks from peers into buffers of their own, so there
+//! a request reserves its whole prompt's KV (at most the budget) before it reads, reads no
+//! more than that, and shrinks the reservation to what it imported and will export.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +36,28 @@ pub struct KvBudget {
 pub struct KvReservation {
     _permit: Option<OwnedSemaphorePermit>,
     bytes: u64,
+}
+
+impl KvReservation {
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Give back all but `bytes` (rounded up to the budget's unit); never grows.
+    pub fn shrink_to(&mut self, bytes: u64) {
+        let keep = bytes.div_ceil(UNIT);
+        let held = self.bytes / UNIT;
+        if keep >= held {
+            return;
+        }
+        if let Some(p) = self._permit.as_mut() {
+            drop(p.split((held - keep) as usize));
+        }
+        let freed = (held - keep) * UNIT;
+        self.bytes -= freed;
+        metrics::KV_BUDGET_USED.sub(freed as i64);
+    }
 }
 
 impl Drop for KvReservation {
@@ -136,8 +161,14 @@ mod tests {
         let msg = e.body().error.message;
         assert!(msg.contains("KV memory budget"), "{msg}");
         drop(first);
-        let again = b.reserve(2 * UNIT).await.unwrap();
+        let mut again = b.reserve(2 * UNIT).await.unwrap();
         assert_eq!(again.bytes, 2 * UNIT);
+        // Shrinking gives the rest back at once.
+        again.shrink_to(UNIT / 2);
+        assert_eq!(again.bytes(), UNIT);
+        let other = b.reserve(3 * UNIT).await.unwrap();
+        assert_eq!(other.bytes(), 3 * UNIT);
+        drop(other);
         assert_eq!(b.reserve(0).await.unwrap().bytes, 0);
     }
 

@@ -220,14 +220,29 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         .map(|p| p.offset)
         .collect();
 
+    // 0. On a cluster node reads pull blocks from peers into buffers of their own: the
+    // prompt's KV (at most the whole budget) is reserved before reading, and no more is read.
+    let bpt = info.kv.bytes_per_token() as u64;
+    let mut kv = None;
+    let mut upto = prep.upto;
+    if state.fabric.is_clustered() && keys.is_some() {
+        match state
+            .kv_budget
+            .reserve((total as u64 * bpt).min(state.kv_budget.total()))
+            .await
+        {
+            Ok(r) => kv = Some(r),
+            Err(e) => {
+                let _ = tx.send(Event::Error(e));
+                return;
+            }
+        }
+        upto = upto.min((state.kv_budget.total() / bpt.max(1)) as usize);
+    }
+
     // 1. The longest cached prefix, and why each later breakpoint had no entry.
     let mut read = match &keys {
-        Some(k) => {
-            state
-                .fabric
-                .read_prefix(scope, k, prep.upto, job.start)
-                .await
-        }
+        Some(k) => state.fabric.read_prefix(scope, k, upto, job.start).await,
         None => PrefixRead::default(),
     };
     // 1b. In-flight coalescing: if another request of this scope is computing our next
@@ -245,10 +260,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
                 Claim::None => break,
                 Claim::Follow(f) => {
                     if f.wait().await == Waited::Landed {
-                        let again = state
-                            .fabric
-                            .read_prefix(scope, k, prep.upto, job.start)
-                            .await;
+                        let again = state.fabric.read_prefix(scope, k, upto, job.start).await;
                         if again.tokens > read.tokens {
                             coalesced_from.get_or_insert(read.tokens);
                             read = again;
@@ -339,22 +351,37 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
 
     // 3. The KV this request exports must fit the KV memory budget: breakpoints whose blocks
     // alone exceed all of it are not written; the rest is reserved (a bounded wait, or 529).
+    // (A cluster node's reservation already holds its imports.)
+    let imported = if kv.is_some() {
+        read.tokens as u64 * bpt
+    } else {
+        0
+    };
     let (targets, trimmed) = fit_budget(
         keys.as_deref(),
         read.tokens,
         targets,
-        info.kv.bytes_per_token() as u64,
-        state.kv_budget.total(),
+        bpt,
+        kv.as_ref()
+            .map_or(state.kv_budget.total(), |r| r.bytes())
+            .saturating_sub(imported),
     );
     if !trimmed.is_empty() {
         metrics::KV_BUDGET_TRIMMED
             .with_label_values(&[info.id.as_str()])
             .inc_by(trimmed.len() as u64);
     }
-    let need = keys.as_deref().map_or(0, |k| {
-        export_bytes(k, read.tokens, &targets, info.kv.bytes_per_token() as u64)
-    });
-    let kv = match state.kv_budget.reserve(need).await {
+    let need = keys
+        .as_deref()
+        .map_or(0, |k| export_bytes(k, read.tokens, &targets, bpt));
+    let kv = match kv {
+        Some(mut held) => {
+            held.shrink_to(imported + need);
+            Ok(held)
+        }
+        None => state.kv_budget.reserve(need).await,
+    };
+    let kv = match kv {
         Ok(r) => r,
         Err(e) => {
             state
