@@ -661,6 +661,11 @@ async fn a_stream_whose_node_dies_is_resumed_on_another() {
         text.starts_with(&before) && text.len() > before.len(),
         "{got}"
     );
+    let survivor_id = ["a", "b"][survivor];
+    assert!(
+        got.contains(&format!("\n: cachet-node {survivor_id}\n")),
+        "the stream names the node that finished it: {got}"
+    );
     let count = |k: &str| kinds.iter().filter(|x| *x == k).count();
     assert_eq!(
         (count("message_start"), count("content_block_start")),

@@ -46,6 +46,8 @@ use crate::{CLUSTER_TOKEN_HEADER, REQUEST_ID_HEADER, metrics};
 
 mod relay;
 
+pub use relay::RESUMED_NOTE;
+
 /// The response header naming the node that served a request.
 pub const NODE_HEADER: &str = "x-cachet-node";
 
@@ -742,6 +744,7 @@ async fn forward_with(
                         buf: Vec::new(),
                         splice: relay::Splice::default(),
                         done: false,
+                        note: None,
                     };
                     let stream = futures::stream::unfold(relay, |mut r| async move {
                         r.next_event()
@@ -871,6 +874,8 @@ struct Relay {
     buf: Vec<u8>,
     splice: relay::Splice,
     done: bool,
+    /// Bytes to send before reading on (the note naming the node a stream resumed on).
+    note: Option<Bytes>,
 }
 
 impl Relay {
@@ -880,6 +885,9 @@ impl Relay {
         loop {
             if self.done {
                 return None;
+            }
+            if let Some(note) = self.note.take() {
+                return Some(note);
             }
             if let Some(end) = relay::event_end(&self.buf) {
                 let raw = Bytes::from(self.buf.drain(..end).collect::<Vec<u8>>());
@@ -968,6 +976,9 @@ impl Relay {
                 {
                     metrics::ROUTED.with_label_values(&["resumed"]).inc();
                     tracing::info!(node = %id, request_id = %self.rid, "stream resumed");
+                    // An SSE comment (every client's parser skips it): the node serving the
+                    // rest, for the load tester's records.
+                    self.note = Some(relay::resumed_note(&id));
                     self.upstream = Some((
                         Box::pin(resp.bytes_stream()),
                         InFlight {

@@ -207,7 +207,11 @@ pub struct Outcome {
     pub gaps_ms: Vec<f64>,
     pub usage: Usage,
     pub request_id: Option<String>,
+    /// The node that answered (a cluster gateway's `x-cachet-node`); for a stream resumed
+    /// after its node failed, the node that finished it.
     pub node: Option<String>,
+    /// For a resumed stream, the node it started on.
+    pub resumed_from: Option<String>,
     pub stop_reason: Option<String>,
 }
 
@@ -372,6 +376,14 @@ fn on_event(event: &[u8], api: Api, out: &mut Outcome) -> Seen {
     for line in text.lines() {
         if let Some(d) = line.strip_prefix("data:") {
             data.push_str(d.trim_start());
+        } else if let Some(node) = line
+            .strip_prefix(':')
+            .map(str::trim_start)
+            .and_then(|c| c.strip_prefix(gateway::routing::RESUMED_NOTE))
+        {
+            // The gateway resumed the stream on another node after its first one failed.
+            out.resumed_from = out.node.take();
+            out.node = Some(node.trim().to_string());
         }
     }
     if data.is_empty() {
@@ -521,6 +533,22 @@ mod tests {
                 .get("prompt_cache_breakpoint")
                 .is_none()
         );
+    }
+
+    #[test]
+    fn a_resumed_stream_names_the_node_that_finished_it() {
+        let mut out = Outcome {
+            node: Some("n1".into()),
+            ..Default::default()
+        };
+        // What the gateway sends where another node took over (an SSE comment).
+        let note = format!(": {}n2", gateway::routing::RESUMED_NOTE);
+        assert!(matches!(
+            on_event(note.as_bytes(), Api::Anthropic, &mut out),
+            Seen::Other
+        ));
+        assert_eq!(out.node.as_deref(), Some("n2"));
+        assert_eq!(out.resumed_from.as_deref(), Some("n1"));
     }
 
     #[test]

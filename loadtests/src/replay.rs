@@ -538,6 +538,7 @@ async fn send_all(
                 e2e_ms: outcome.e2e_ms,
                 tbt: GapSummary::of(&mut gaps),
                 node: outcome.node,
+                resumed_from: outcome.resumed_from,
                 request_id: outcome.request_id,
                 stop_reason: outcome.stop_reason,
                 trace_input_tokens: opts.shape.input_tokens(&rec),

@@ -30,6 +30,9 @@ pub struct RequestRecord {
     pub e2e_ms: f64,
     pub tbt: Option<GapSummary>,
     pub node: Option<String>,
+    /// For a stream resumed on another node after its first one failed, that first node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from: Option<String>,
     pub request_id: Option<String>,
     pub stop_reason: Option<String>,
     /// The prompt's tokens by the trace (before the chat template).
@@ -351,6 +354,7 @@ mod tests {
             e2e_ms: 500.0,
             tbt: None,
             node: None,
+            resumed_from: None,
             request_id: None,
             stop_reason: None,
             trace_input_tokens: 1000,

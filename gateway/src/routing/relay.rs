@@ -61,6 +61,16 @@ pub(crate) fn error_event(kind: &str, message: &str) -> Bytes {
     Bytes::from(format!("event: error\ndata: {data}\n\n"))
 }
 
+/// The comment a resumed stream carries where another node took over: `: cachet-node <id>`.
+/// Comments are part of SSE (lines starting with `:`), so SDKs skip it.
+pub(crate) fn resumed_note(node: &str) -> Bytes {
+    let id: String = node.chars().filter(|c| !c.is_control()).collect();
+    Bytes::from(format!(": {RESUMED_NOTE}{id}\n\n"))
+}
+
+/// What a resumed stream's comment starts with (after `: `), before the node's id.
+pub const RESUMED_NOTE: &str = "cachet-node ";
+
 /// The end of the first complete event in `buf` (just past its blank line), if any.
 pub(crate) fn event_end(buf: &[u8]) -> Option<usize> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
