@@ -26,6 +26,12 @@ step() { printf '\n== bench-slice: %s\n' "$*"; }
 step "gateway cache hits (loadtests/gateway-hit.sh 1)"
 CACHET_BIN=$BIN loadtests/gateway-hit.sh 1
 
+step "tenant B beside a flooding tenant A (loadtests/fairness.sh 2)"
+CACHET_BIN=$BIN loadtests/fairness.sh 2
+
+step "long prompts within the memory bounds (loadtests/long-prompts.sh 2 1)"
+CACHET_BIN=$BIN BENCH_TIME_SCALE=0 BENCH_KV_BUDGET=536870912 BENCH_DRAM=536870912 loadtests/long-prompts.sh 2 1
+
 step "fabric transfer"
 $BIN loadtest transfer --size-mib 1 --iterations 2 --stripes 1 --stripes 2
 step "prefix index"

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Tenant B's time to first token alone, then beside a tenant A that floods the same model
+# (sim-llama-8b at time scale 1: 60 µs a prompt token, 12 ms an output token), against one
+# `cachet serve` with 8 engine workers. Both replay synthetic chat workloads with Poisson
+# arrivals; A offers about three times what the workers can serve. Prints B's TTFT p50/p99 in
+# both runs and A's throughput. Everything runs on 127.0.0.1 and stops by itself.
+#
+#   loadtests/fairness.sh [seconds]            (CACHET_BIN=path/to/cachet for another build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${1:-30}
+BIN=${CACHET_BIN:-${CARGO_TARGET_DIR:-target}/release/cachet}
+[ -x "$BIN" ] || cargo build --release --locked --bin cachet
+PG=${BENCH_PG:-postgres://postgres@127.0.0.1:5432}
+DB=cachet_bench_fair_$$
+OUT=$(mktemp -d)
+export DATABASE_URL=$PG/$DB
+export CACHET_ENGINE=sim CACHET_LISTEN=127.0.0.1:18095 CACHET_SIM_TIME_SCALE=1 CACHET_DATA_DIR=$OUT/data RUST_LOG=warn
+export CACHET_ENGINE_WORKERS=8
+cleanup() {
+  kill "${SERVE_PID:-}" "${A_PID:-}" 2>/dev/null || true
+  wait 2>/dev/null || true
+  psql "$PG/postgres" -qc "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1 || true
+  rm -rf "$OUT"
+}
+trap cleanup EXIT
+$BIN migrate >/dev/null
+$BIN admin tenant create tenant-a >/dev/null
+$BIN admin tenant create tenant-b >/dev/null
+KEY_A=$($BIN admin key create --tenant tenant-a 2>/dev/null)
+KEY_B=$($BIN admin key create --tenant tenant-b 2>/dev/null)
+$BIN serve >/dev/null 2>"$OUT/serve.log" & SERVE_PID=$!
+for _ in $(seq 100); do curl -sf http://127.0.0.1:18095/readyz >/dev/null && break; sleep 0.1; done
+URL=http://127.0.0.1:18095
+# 64 output tokens: 0.77 s of decode a request; 8 workers serve about 10 requests/s.
+common=(--url "$URL" --model sim-llama-8b --workload chat --block-tokens 64 --max-output-tokens 64 --quiet)
+b_run() {
+  $BIN loadtest replay "${common[@]}" --api-key "$KEY_B" --workload-seed 2 --rate 1 \
+    --duration "$SECS" --out "$OUT/$1" >/dev/null
+}
+pick() { python3 -c "import json,sys; s=json.load(open('$OUT/$1/summary.json')); print($2)"; }
+echo "# $(date -u +%FT%TZ) $(nproc) cores; ${SECS}s per run; build $($BIN --version 2>/dev/null || echo "$BIN")"
+b_run b-alone
+$BIN loadtest replay "${common[@]}" --api-key "$KEY_A" --workload-seed 1 --rate 30 \
+  --duration $((SECS + 10)) --drain-secs 5 --out "$OUT/a" >/dev/null 2>&1 & A_PID=$!
+sleep 5
+b_run b-beside-a
+wait "$A_PID" || true
+A_PID=
+printf 'run\tB ok\tB errors\tB TTFT p50 ms\tB TTFT p99 ms\n'
+for r in b-alone b-beside-a; do
+  printf '%s\t%s\t%s\t%s\t%s\n' "$r" "$(pick $r "s['ok']")" "$(pick $r "s['errors']")" \
+    "$(pick $r "round(s['ttft']['p50_ms'],1)")" "$(pick $r "round(s['ttft']['p99_ms'],1)")"
+done
+printf 'A (flooding): ok %s, errors %s, %s req/s\n' "$(pick a "s['ok']")" "$(pick a "s['errors']")" \
+  "$(pick a "round(s['throughput']['requests_per_sec'],2)")"

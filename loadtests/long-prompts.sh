@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Peak memory against the configured bounds while replaying long prompts at rising rates: a
+# RAG workload over long documents (up to 120 documents of 2 blocks a question, 256 tokens a
+# block: prompts of 1K to 62K tokens, 0.1 to 7.7 GiB of KV each) on sim-llama-8b (128 KiB of
+# KV a token) against one `cachet serve` with a 4 GiB KV budget and a 4 GiB DRAM tier. For
+# each rate: answers, 529s, TTFT, hit ratio and the server's peak RSS (sampled every 0.2 s).
+# Everything runs on 127.0.0.1 and stops by itself.
+#
+#   loadtests/long-prompts.sh [seconds per rate] [rates…]     (CACHET_BIN=… for another build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${1:-30}
+shift || true
+RATES=("$@")
+[ ${#RATES[@]} -gt 0 ] || RATES=(0.5 1 2)
+BIN=${CACHET_BIN:-${CARGO_TARGET_DIR:-target}/release/cachet}
+[ -x "$BIN" ] || cargo build --release --locked --bin cachet
+PG=${BENCH_PG:-postgres://postgres@127.0.0.1:5432}
+DB=cachet_bench_long_$$
+OUT=$(mktemp -d)
+BUDGET=${BENCH_KV_BUDGET:-4294967296}
+DRAM=${BENCH_DRAM:-4294967296}
+export DATABASE_URL=$PG/$DB
+export CACHET_ENGINE=sim CACHET_LISTEN=127.0.0.1:18096 CACHET_SIM_TIME_SCALE=${BENCH_TIME_SCALE:-1}
+export CACHET_DATA_DIR=$OUT/data RUST_LOG=warn CACHET_KV_BUDGET_BYTES=$BUDGET CACHET_DRAM_CAPACITY_BYTES=$DRAM
+cleanup() {
+  kill "${SERVE_PID:-}" "${SAMPLER:-}" 2>/dev/null || true
+  wait 2>/dev/null || true
+  psql "$PG/postgres" -qc "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1 || true
+  rm -rf "$OUT"
+}
+trap cleanup EXIT
+$BIN migrate >/dev/null
+$BIN admin tenant create long >/dev/null
+KEY=$($BIN admin key create --tenant long 2>/dev/null)
+$BIN serve >/dev/null 2>"$OUT/serve.log" & SERVE_PID=$!
+for _ in $(seq 100); do curl -sf http://127.0.0.1:18096/readyz >/dev/null && break; sleep 0.1; done
+rss() { awk '/VmRSS/ {print int($2/1024)}' "/proc/$SERVE_PID/status"; }
+echo "# $(date -u +%FT%TZ) $(nproc) cores; ${SECS}s per rate; KV budget $((BUDGET >> 20)) MiB, DRAM tier $((DRAM >> 20)) MiB; idle RSS $(rss) MiB"
+printf 'rate/s\tok\t529\tother errors\tTTFT p50 ms\tTTFT p99 ms\thit ratio\tpeak RSS MiB\n'
+for rate in "${RATES[@]}"; do
+  : >"$OUT/rss"
+  (while kill -0 "$SERVE_PID" 2>/dev/null; do rss >>"$OUT/rss"; sleep 0.2; done) & SAMPLER=$!
+  $BIN loadtest replay --url http://127.0.0.1:18096 --api-key "$KEY" --model sim-llama-8b \
+    --workload rag --turn-blocks 120 --block-tokens 256 --max-output-tokens 8 \
+    --rate "$rate" --duration "$SECS" --drain-secs 120 --out "$OUT/r$rate" --quiet >/dev/null
+  kill "$SAMPLER" 2>/dev/null || true
+  wait "$SAMPLER" 2>/dev/null || true
+  SAMPLER=
+  peak=$(sort -n "$OUT/rss" | tail -1)
+  python3 - "$OUT/r$rate/summary.json" "$rate" "$peak" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+st = s.get("statuses", {})
+r529 = int(st.get("529", 0))
+other = s["errors"] - r529
+print(f"{sys.argv[2]}\t{s['ok']}\t{r529}\t{other}\t{s['ttft'].get('p50_ms', 0):.0f}\t{s['ttft'].get('p99_ms', 0):.0f}\t{s['hit_ratio']:.3f}\t{sys.argv[3]}")
+PY
+done
+kill -0 "$SERVE_PID" && echo "server alive after the run; RSS now $(rss) MiB"
