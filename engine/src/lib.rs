@@ -58,6 +58,17 @@ pub fn kv_geometries() -> Vec<(String, KvGeometry)> {
         .collect()
 }
 
+/// The shortest prompt prefix each model caches (breakpoints before it are not written).
+pub fn min_cacheable_tokens(model: &str) -> Option<usize> {
+    if model == reference::MODEL_ID {
+        return Some(reference::MIN_CACHEABLE_TOKENS);
+    }
+    sim::SimProfile::all()
+        .into_iter()
+        .find(|p| p.info.id == model)
+        .map(|p| p.info.min_cacheable_tokens)
+}
+
 /// What the gateway needs to know about a served model.
 #[derive(Clone, Debug)]
 pub struct ModelInfo {

@@ -222,8 +222,9 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<()> {
 }
 
 /// What the fabric's default policy would hit on `trace` (records `skip..skip + max`, seen
-/// through the replay's `shape`) with `capacity_bytes` of `model`'s KV in its default dtype:
-/// the token hit ratio a replay's measured one is compared with.
+/// through the replay's `shape`) with `capacity_bytes` of `model`'s KV in its default dtype,
+/// prompts under the model's minimum cacheable length neither reading nor writing: the token
+/// hit ratio a replay's measured one is compared with.
 pub fn hit_ratio_at(
     trace: &std::path::Path,
     shape: &Shape,
@@ -238,6 +239,7 @@ pub fn hit_ratio_at(
         .map(|(_, g)| g)
         .with_context(|| format!("no KV geometry for the model {model:?}"))?;
     let per_token = geometry.bytes_per_token() as u64;
+    let min_cacheable = engine::min_cacheable_tokens(model).unwrap_or(0) as u64;
     let mut reqs = Vec::new();
     for rec in trace::open(trace)?
         .skip(skip as usize)
@@ -246,7 +248,7 @@ pub fn hit_ratio_at(
         let rec = rec?;
         let lens = shape.block_lengths(&rec);
         reqs.push(SimRequest {
-            cacheable: true,
+            cacheable: lens.iter().sum::<u64>() >= min_cacheable,
             block_tokens: lens.iter().map(|&n| n as u32).collect(),
             scope: shape.tenant(&rec) as u32,
             blocks: rec.hash_ids,

