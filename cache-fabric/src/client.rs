@@ -73,12 +73,6 @@ impl FabricClient {
         PrefixRead::new(links, blocks)
     }
 
-    /// Whether reads pull blocks from other nodes (into buffers of their own) rather than
-    /// share this node's tiers.
-    pub fn is_clustered(&self) -> bool {
-        self.cluster.is_some()
-    }
-
     /// Write the entry ending at `offset`: the blocks of `keys.chain_to(offset)` that are in
     /// `new` are stored, the others must already be stored and get their TTL extended.
     /// `kind` says whether it was paid for (explicit breakpoint) or is best effort.

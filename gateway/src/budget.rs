@@ -8,11 +8,12 @@
 //! the whole budget is still answered: only the breakpoints whose blocks fit are written
 //! (the others report `not_written`, reason `kv_budget`, and are billed as plain input).
 //!
-//! On a single node imported blocks are not reserved: a local read shares the fabric tier's
-//! own buffers (bounded by the tier's capacity), and the pipeline lets go of them after the
-//! prefill. A cluster node's reads pull blocks from peers into buffers of their own, so there
-//! a request reserves its whole prompt's KV (at most the budget) before it reads, reads no
-//! more than that, and shrinks the reservation to what it imported and will export.
+//! Imported blocks count too: a request reserves its whole prompt's KV (at most the budget)
+//! before it reads, reads no more than that, and then shrinks the reservation to what it
+//! imported and will export. A local read shares the fabric tier's buffers, but the tier may
+//! evict a block while the request still holds it (measured: without this, a replay of
+//! long prompts held 6.7 GiB over the bounds); a cluster node's pulls land in buffers of their
+//! own. The pipeline lets go of imports after the prefill.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -220,12 +220,13 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         .map(|p| p.offset)
         .collect();
 
-    // 0. On a cluster node reads pull blocks from peers into buffers of their own: the
-    // prompt's KV (at most the whole budget) is reserved before reading, and no more is read.
+    // 0. The prompt's KV (at most the whole budget) is reserved before reading, and no more
+    // is read: imported blocks live until the prefill ends (a cluster node's pulls in
+    // buffers of their own; a local read's blocks may be evicted from the tier meanwhile).
     let bpt = info.kv.bytes_per_token() as u64;
     let mut kv = None;
     let mut upto = prep.upto;
-    if state.fabric.is_clustered() && keys.is_some() {
+    if keys.is_some() {
         match state
             .kv_budget
             .reserve((total as u64 * bpt).min(state.kv_budget.total()))
@@ -351,7 +352,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
 
     // 3. The KV this request exports must fit the KV memory budget: breakpoints whose blocks
     // alone exceed all of it are not written; the rest is reserved (a bounded wait, or 529).
-    // (A cluster node's reservation already holds its imports.)
+    // (The reservation already holds the imports.)
     let imported = if kv.is_some() {
         read.tokens as u64 * bpt
     } else {
