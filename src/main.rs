@@ -99,6 +99,7 @@ fn init_tracing(json: bool) {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    cachet::memory::tune_allocator();
     let cli = Cli::parse();
     if let Command::Loadtest { command } = cli.command {
         init_tracing(false);
