@@ -227,9 +227,12 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     let mut kv = None;
     let mut upto = prep.upto;
     if keys.is_some() {
+        // Imports and exports cover the prompt once, plus a partial tail block per breakpoint
+        // that ends inside a block (written as an entry of its own).
+        let most = (total + prep.placed.len() * info.block_size) as u64 * bpt;
         match state
             .kv_budget
-            .reserve((total as u64 * bpt).min(state.kv_budget.total()))
+            .reserve(most.min(state.kv_budget.total()))
             .await
         {
             Ok(r) => kv = Some(r),
