@@ -428,17 +428,7 @@ async fn three_nodes_and_a_gateway_replicate_share_prefixes_and_survive_kill_9()
     // n1's last answers may be only in its usage journal (their rows are durable there before
     // the answer, decision 0020): a node that will not be started again has its data
     // directory recovered into the ledger.
-    let recovered = std::process::Command::new(env!("CARGO_BIN_EXE_cachet"))
-        .args(["billing", "recover", "--data-dir"])
-        .arg(dir.join("node-n1"))
-        .env("DATABASE_URL", &db_url)
-        .output()
-        .unwrap();
-    assert!(
-        recovered.status.success(),
-        "{}",
-        String::from_utf8_lossy(&recovered.stderr)
-    );
+    common::procs::recover_data_dir(&dir.join("node-n1"), &db_url);
     // Every answered request has exactly one ledger row, and nothing else was billed.
     let ids: Vec<uuid::Uuid> = sent
         .iter()

@@ -569,17 +569,7 @@ async fn long_prompts_on_a_cluster_stay_within_bounds_through_a_node_kill() {
         answers.len()
     );
     // n1 will not come back: what it journaled goes to the ledger from its data directory.
-    let recovered = std::process::Command::new(env!("CARGO_BIN_EXE_cachet"))
-        .args(["billing", "recover", "--data-dir"])
-        .arg(dir.join("node-n1"))
-        .env("DATABASE_URL", &db_url)
-        .output()
-        .unwrap();
-    assert!(
-        recovered.status.success(),
-        "{}",
-        String::from_utf8_lossy(&recovered.stderr)
-    );
+    common::procs::recover_data_dir(&dir.join("node-n1"), &db_url);
     ledger_matches(&pool, &served).await;
     drop((nodes, gw));
     pool.close().await;

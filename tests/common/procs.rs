@@ -176,6 +176,22 @@ pub fn start_gateway(prefix: &str, env: &[(&str, String)]) -> Gateway {
     }
 }
 
+/// `cachet billing recover` of a stopped process's data directory (a killed node that will
+/// not be started again): its usage journal, cut streams and spool into the ledger.
+pub fn recover_data_dir(data_dir: &std::path::Path, db_url: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_cachet"))
+        .args(["billing", "recover", "--data-dir"])
+        .arg(data_dir)
+        .env("DATABASE_URL", db_url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Poll until `f` holds; `limit` only bounds a hang (it is not a performance target).
 pub async fn wait_until(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
     let start = Instant::now();
