@@ -385,22 +385,19 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         }
         None => state.kv_budget.reserve(need).await,
     };
-    let kv = match kv {
-        Ok(r) => r,
-        Err(e) => {
-            state
-                .admission
-                .refund_output(ticket, job.max_tokens as u64)
-                .await;
-            let _ = tx.send(Event::Error(e));
-            return;
-        }
-    };
 
     // 4. An engine worker of this model, in the tenant's fair turn, or 529 at once.
     let share = crate::engines::Share::of(p.tenant, &p.policy);
-    let permit = match state.engines.acquire(&info.id, share).await {
-        Ok(p) => p,
+    let held = match kv {
+        Ok(kv) => state
+            .engines
+            .acquire(&info.id, share)
+            .await
+            .map(|permit| (kv, permit)),
+        Err(e) => Err(e),
+    };
+    let (kv, permit) = match held {
+        Ok(h) => h,
         Err(e) => {
             state
                 .admission
