@@ -64,15 +64,20 @@ pub fn bounds(config: &Config, engines: bool) -> Vec<Bound> {
     });
     if config.engine.kind == "reference" {
         // Each reference generation keeps its whole context's KV in f32 while it runs
-        // (30 layers × 3 KV heads × 64 × K and V), one per worker, and the weights once.
+        // (30 layers × 3 KV heads × 64 × K and V): one per worker, plus the generations
+        // waiting mid-way for their next turn (gateway::engines::parked_max), and the
+        // weights once.
         let per_generation = 30 * 3 * 64 * 2 * 4 * REFERENCE_CONTEXT;
+        let workers = config.engine.workers;
+        let generations = workers + gateway::engines::parked_max(workers);
         out.push(Bound {
             what: format!(
-                "engine.workers × the reference model's working KV ({} × {} MiB)",
-                config.engine.workers,
+                "engine.workers × the reference model's working KV (({workers} + {} waiting \
+                 for their turn) × {} MiB)",
+                generations - workers,
                 per_generation >> 20
             ),
-            bytes: config.engine.workers as u64 * per_generation,
+            bytes: generations as u64 * per_generation,
         });
         out.push(Bound {
             what: "the reference model's weights (f32)".into(),

@@ -459,10 +459,20 @@ async fn one_tenant_s_long_streams_do_not_starve_another_tenant() {
         a_before_tiny, 0,
         "B's sim-tiny waited behind A's generations"
     );
-    // The two running when B asked, and the one that took the other worker meanwhile: the
-    // ten that were waiting did not go first.
+    // At most the two running when B asked: B took a worker from one of them between two
+    // tokens (or when one ended), before any of the ten waiting started, and its 8 tokens end
+    // before a 48-token stream could.
+    eprintln!(
+        "turns given: {}",
+        app.metrics()
+            .await
+            .lines()
+            .filter(|l| l.starts_with("cachet_gateway_engine_turns_given_total"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     assert!(
-        a_before_ref <= 4,
+        a_before_ref <= 2,
         "{a_before_ref} of A's streams ended before B's reference request was answered"
     );
     app.settle().await;

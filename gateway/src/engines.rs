@@ -12,6 +12,13 @@
 //!   comes back after idling starts at the current virtual time, neither ahead nor behind.
 //! - **A cap per tenant.** `max_concurrent` in the tenant policy bounds a tenant's
 //!   generations running at once on a model; its further requests wait even with slots free.
+//! - **Turns between tokens.** A generation holds its slot only while it is owed it: between
+//!   two tokens it hands the slot to a waiting request of a tenant that holds fewer slots
+//!   (by weight) and waits for its own next turn ([`EnginePermit::yield_turn`]), as real
+//!   engines schedule per iteration. A tenant with many long generations therefore delays
+//!   another tenant's request by about one token, not one generation. At most
+//!   [`parked_max`] generations of a model wait mid-way at once (each keeps its working
+//!   state, which the memory bounds count).
 //! - **A bounded queue.** At most `queue` requests wait per model. When it is full, the
 //!   tenant holding the most places gives up its newest one (answered 529) to a newcomer of a
 //!   tenant holding fewer; otherwise the newcomer is answered 529 at once. One tenant's flood
@@ -21,6 +28,7 @@
 //! cancelled) returns the slot when the channel drops the permit.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -59,18 +67,32 @@ pub struct EnginePool {
     lanes: Vec<Arc<Lane>>,
 }
 
+/// How many of a model's generations may wait mid-way for their next turn at once, with
+/// `workers` slots: a quarter of them, at least one. Each keeps its working state (the
+/// reference engine: its context's KV) while it waits, so a process holds at most
+/// `workers + parked_max(workers)` generations.
+pub fn parked_max(workers: usize) -> usize {
+    workers.div_ceil(4).max(1)
+}
+
 /// One model's workers and its waiting requests.
 struct Lane {
     model: String,
     workers: usize,
     queue: usize,
     state: Mutex<LaneState>,
+    /// Requests waiting (new ones and parked generations), read without the lock between
+    /// tokens: a generation looks at the lock only when someone waits.
+    waiting_now: AtomicUsize,
 }
 
 #[derive(Default)]
 struct LaneState {
     busy: usize,
+    /// New requests waiting (bounded by the lane's `queue`).
     waiting: usize,
+    /// Generations waiting mid-way for their next turn (bounded by [`parked_max`]).
+    parked: usize,
     /// The start tag of the request dispatched last.
     vtime: f64,
     /// Arrival order, the tie-break between equal start tags.
@@ -91,6 +113,9 @@ struct Waiter {
     start: f64,
     seq: u64,
     enqueued: Instant,
+    /// A generation that gave its slot away mid-way (not a new request): never displaced,
+    /// and not counted against the queue.
+    resume: bool,
     tx: oneshot::Sender<Result<EnginePermit, ApiError>>,
 }
 
@@ -98,11 +123,46 @@ struct Waiter {
 pub struct EnginePermit {
     lane: Arc<Lane>,
     tenant: TenantId,
+    /// False once its slot was handed to another request ([`EnginePermit::yield_turn`]).
+    live: bool,
 }
 
 impl Drop for EnginePermit {
     fn drop(&mut self) {
-        self.lane.release(self.tenant);
+        if self.live {
+            self.lane.release(self.tenant);
+        }
+    }
+}
+
+impl EnginePermit {
+    fn new(lane: Arc<Lane>, tenant: TenantId) -> Self {
+        Self {
+            lane,
+            tenant,
+            live: true,
+        }
+    }
+
+    /// Between two tokens: if a waiting request of a tenant holding fewer of this model's
+    /// slots (by weight) is owed a turn, hand it this slot and block until this
+    /// generation's own next turn (a blocking thread's call: it waits on `rt`). Returns at
+    /// once when no one is owed a turn, which is nearly free (one atomic load). An error
+    /// means the pool closed while this generation waited.
+    pub fn yield_turn(&mut self, rt: &tokio::runtime::Handle) -> Result<(), ApiError> {
+        if self.lane.waiting_now.load(Ordering::Relaxed) == 0 {
+            return Ok(());
+        }
+        let Some(rx) = Lane::hand_over(&self.lane, self.tenant) else {
+            return Ok(());
+        };
+        // The slot is the other request's now: this permit no longer releases it.
+        self.live = false;
+        let next = rt
+            .block_on(rx)
+            .unwrap_or_else(|_| Err(ApiError::overloaded("Overloaded: the engine pool closed")))?;
+        *self = next;
+        Ok(())
     }
 }
 
@@ -132,6 +192,7 @@ impl EnginePool {
                     workers: workers.max(1),
                     queue,
                     state: Mutex::new(LaneState::default()),
+                    waiting_now: AtomicUsize::new(0),
                 })
             })
             .collect();
@@ -211,10 +272,7 @@ impl Lane {
             metrics::ENGINE_WAITS
                 .with_label_values(&[lane.model.as_str(), "immediate"])
                 .inc();
-            return Entered::Granted(EnginePermit {
-                lane: lane.clone(),
-                tenant: share.tenant,
-            });
+            return Entered::Granted(EnginePermit::new(lane.clone(), share.tenant));
         }
         if st.waiting >= lane.queue {
             Self::prune(st);
@@ -237,10 +295,12 @@ impl Lane {
             start,
             seq,
             enqueued: Instant::now(),
+            resume: false,
             tx,
         });
         let depth = t.queue.len();
         st.waiting += 1;
+        lane.publish(st);
         metrics::ENGINE_QUEUE
             .with_label_values(&[lane.model.as_str(), &share.tenant.to_string()])
             .set(depth as i64);
@@ -249,13 +309,119 @@ impl Lane {
 
     /// Forget waiters that gave up.
     fn prune(st: &mut LaneState) {
-        let mut gone = 0;
+        let (mut gone, mut parked_gone) = (0, 0);
         for t in st.tenants.values_mut() {
-            let before = t.queue.len();
-            t.queue.retain(|w| !w.tx.is_closed());
-            gone += before - t.queue.len();
+            t.queue.retain(|w| {
+                let closed = w.tx.is_closed();
+                if closed && w.resume {
+                    parked_gone += 1;
+                } else if closed {
+                    gone += 1;
+                }
+                !closed
+            });
         }
         st.waiting -= gone;
+        st.parked -= parked_gone;
+    }
+
+    /// Mirror the number waiting for the lock-free check between tokens.
+    fn publish(&self, st: &LaneState) {
+        self.waiting_now
+            .store(st.waiting + st.parked, Ordering::Relaxed);
+    }
+
+    /// `tenant`'s generation offers its slot between two tokens: the waiting request owed
+    /// it most (the smallest start tag among tenants holding fewer slots by weight, under
+    /// their caps) takes it, and the generation waits at the front of its tenant's queue
+    /// for its next turn. `None`: no one is owed a turn (or enough generations already
+    /// wait mid-way), keep going.
+    fn hand_over(
+        lane: &Arc<Lane>,
+        tenant: TenantId,
+    ) -> Option<oneshot::Receiver<Result<EnginePermit, ApiError>>> {
+        let mut guard = lock(&lane.state);
+        let st = &mut *guard;
+        if st.parked >= parked_max(lane.workers) {
+            return None;
+        }
+        let (mine, my_weight) = st
+            .tenants
+            .get(&tenant)
+            .map(|t| (t.running as f64, t.weight))?;
+        loop {
+            let owed = st
+                .tenants
+                .iter()
+                .filter(|(id, t)| {
+                    **id != tenant
+                        && t.running < t.max_concurrent
+                        && (t.running + 1) as f64 / t.weight < mine / my_weight
+                })
+                .filter_map(|(id, t)| t.queue.front().map(|w| (w.start, w.seq, *id)))
+                .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            let (start, _, id) = owed?;
+            let t = st.tenants.get_mut(&id).expect("found above");
+            let w = t.queue.pop_front().expect("it has a front");
+            if w.resume {
+                st.parked -= 1;
+            } else {
+                st.waiting -= 1;
+            }
+            if w.tx.is_closed() {
+                lane.publish(st);
+                continue;
+            }
+            let t = st.tenants.get_mut(&id).expect("found above");
+            t.running += 1;
+            let depth = t.queue.len();
+            st.vtime = st.vtime.max(start);
+            metrics::ENGINE_QUEUE
+                .with_label_values(&[lane.model.as_str(), &id.to_string()])
+                .set(depth as i64);
+            lane.note_dispatch(&id, &w);
+            if let Err(Ok(mut p)) = w.tx.send(Ok(EnginePermit::new(lane.clone(), id))) {
+                // It gave up in between: undo, and look for another.
+                p.live = false;
+                st.tenants.get_mut(&id).expect("found above").running -= 1;
+                lane.publish(st);
+                continue;
+            }
+            // The slot moved from `tenant` to `id`; `tenant`'s generation waits first in
+            // its tenant's line, at the current virtual time.
+            metrics::ENGINE_TURNS_GIVEN
+                .with_label_values(&[lane.model.as_str()])
+                .inc();
+            st.seq += 1;
+            let seq = st.seq;
+            let vtime = st.vtime;
+            let me = st.tenants.get_mut(&tenant).expect("it holds a slot");
+            me.running -= 1;
+            let (tx, rx) = oneshot::channel();
+            me.queue.push_front(Waiter {
+                start: vtime,
+                seq,
+                enqueued: Instant::now(),
+                resume: true,
+                tx,
+            });
+            st.parked += 1;
+            lane.publish(st);
+            return Some(rx);
+        }
+    }
+
+    /// A waiter gets its slot: how long it waited, by outcome.
+    fn note_dispatch(&self, id: &TenantId, w: &Waiter) {
+        metrics::ENGINE_WAIT_SECONDS
+            .with_label_values(&[self.model.as_str(), &id.to_string()])
+            .inc_by(w.enqueued.elapsed().as_secs_f64());
+        metrics::ENGINE_WAITS
+            .with_label_values(&[
+                self.model.as_str(),
+                if w.resume { "resumed" } else { "queued" },
+            ])
+            .inc();
     }
 
     /// The queue is full: take the newest place of the tenant holding the most, if it holds
@@ -268,8 +434,16 @@ impl Lane {
             .filter(|(id, _)| **id != tenant)
             .max_by_key(|(_, t)| t.queue.len())
             .map(|(id, t)| (*id, t.queue.len()));
+        // A generation waiting mid-way for its turn (at a queue's front) is not a place to
+        // give away.
+        let takeable = |id: &TenantId| {
+            st.tenants
+                .get(id)
+                .and_then(|t| t.queue.back())
+                .is_some_and(|w| !w.resume)
+        };
         match heaviest {
-            Some((other, n)) if n > mine + 1 => {
+            Some((other, n)) if n > mine + 1 && takeable(&other) => {
                 let t = st.tenants.get_mut(&other).expect("found above");
                 if let Some(w) = t.queue.pop_back() {
                     t.last_finish -= 1.0 / t.weight;
@@ -320,7 +494,11 @@ impl Lane {
                 let t = st.tenants.get_mut(&id).expect("found above");
                 let w = t.queue.pop_front().expect("it has a front");
                 let depth = t.queue.len();
-                st.waiting -= 1;
+                if w.resume {
+                    st.parked -= 1;
+                } else {
+                    st.waiting -= 1;
+                }
                 metrics::ENGINE_QUEUE
                     .with_label_values(&[self.model.as_str(), &id.to_string()])
                     .set(depth as i64);
@@ -331,23 +509,15 @@ impl Lane {
                 t.running += 1;
                 st.busy += 1;
                 st.vtime = st.vtime.max(start);
-                let waited = w.enqueued.elapsed().as_secs_f64();
-                metrics::ENGINE_WAIT_SECONDS
-                    .with_label_values(&[self.model.as_str(), &id.to_string()])
-                    .inc_by(waited);
-                metrics::ENGINE_WAITS
-                    .with_label_values(&[self.model.as_str(), "queued"])
-                    .inc();
-                let permit = EnginePermit {
-                    lane: self.clone(),
-                    tenant: id,
-                };
+                self.note_dispatch(&id, &w);
+                let permit = EnginePermit::new(self.clone(), id);
                 // A waiter gone since the check hands the permit back when it drops, after
                 // the lock is released.
                 if let Err(Ok(p)) = w.tx.send(Ok(permit)) {
                     unclaimed.push(p);
                 }
             }
+            self.publish(st);
             // Tenants with nothing running or waiting leave the lane (they rejoin at the
             // virtual time then current).
             st.tenants
@@ -373,6 +543,7 @@ mod tests {
             workers,
             queue,
             state: Mutex::new(LaneState::default()),
+            waiting_now: AtomicUsize::new(0),
         })
     }
 
@@ -507,6 +678,133 @@ mod tests {
         assert_eq!(l.counts(), (1, 0));
         drop(running);
         assert_eq!(l.counts(), (0, 0), "and its slot comes back when it ends");
+    }
+
+    #[test]
+    fn a_flooder_s_generation_hands_its_slot_to_a_newcomer_between_tokens() {
+        let l = lane(2, 64);
+        let (a, b) = (TenantId::new(), TenantId::new());
+        let _held: Vec<_> = (0..2)
+            .map(|_| granted(Lane::enter(&l, share(a, 1))))
+            .collect();
+        let mut backlog: Vec<_> = (0..3)
+            .map(|_| ('a', queued(Lane::enter(&l, share(a, 1)))))
+            .collect();
+        let mut newcomer = queued(Lane::enter(&l, share(b, 1)));
+        let mut parked = Lane::hand_over(&l, a).expect("B holds no slot: it is owed one");
+        let b_runs = newcomer.try_recv().unwrap().unwrap();
+        assert!(
+            parked.try_recv().is_err(),
+            "A's generation waits for its turn"
+        );
+        assert_eq!(
+            l.counts(),
+            (2, 3),
+            "no slot was added, A's backlog still waits"
+        );
+        // B's request ends: A's paused generation goes on before A's new requests.
+        drop(b_runs);
+        let _resumed = parked.try_recv().unwrap().unwrap();
+        assert!(ready(&mut backlog).is_empty());
+    }
+
+    #[test]
+    fn no_turn_is_owed_to_a_tenant_holding_as_many_slots_or_to_oneself() {
+        let l = lane(2, 64);
+        let (a, b) = (TenantId::new(), TenantId::new());
+        let _a = granted(Lane::enter(&l, share(a, 1)));
+        let _b = granted(Lane::enter(&l, share(b, 1)));
+        let _b_waits = queued(Lane::enter(&l, share(b, 1)));
+        let _a_waits = queued(Lane::enter(&l, share(a, 1)));
+        // B holds one slot as A does: taking A's would make B hold more.
+        assert!(Lane::hand_over(&l, a).is_none());
+        assert!(Lane::hand_over(&l, b).is_none());
+        // With weight 3, B is owed a second slot while A holds one.
+        let l = lane(2, 64);
+        let _a1 = granted(Lane::enter(&l, share(a, 1)));
+        let _a2 = granted(Lane::enter(&l, share(a, 1)));
+        let _b1 = queued(Lane::enter(&l, share(b, 3)));
+        let _b2 = queued(Lane::enter(&l, share(b, 3)));
+        assert!(Lane::hand_over(&l, a).is_some());
+        assert!(
+            Lane::hand_over(&l, a).is_none(),
+            "A holds one now, B's weight gives it 1/3"
+        );
+    }
+
+    #[test]
+    fn at_most_a_quarter_of_the_workers_wait_mid_way() {
+        let l = lane(4, 64);
+        assert_eq!(parked_max(4), 1);
+        let (a, b) = (TenantId::new(), TenantId::new());
+        let _held: Vec<_> = (0..4)
+            .map(|_| granted(Lane::enter(&l, share(a, 1))))
+            .collect();
+        let _b: Vec<_> = (0..2)
+            .map(|_| queued(Lane::enter(&l, share(b, 1))))
+            .collect();
+        let _parked = Lane::hand_over(&l, a).expect("a first hand-over");
+        assert!(
+            Lane::hand_over(&l, a).is_none(),
+            "one generation already waits mid-way"
+        );
+    }
+
+    #[test]
+    fn a_waiting_generation_is_never_displaced_from_a_full_queue() {
+        let l = lane(8, 1);
+        let (a, b, c, d) = (
+            TenantId::new(),
+            TenantId::new(),
+            TenantId::new(),
+            TenantId::new(),
+        );
+        let _held: Vec<_> = (0..8)
+            .map(|_| granted(Lane::enter(&l, share(a, 1))))
+            .collect();
+        let mut parked = Vec::new();
+        let mut b_running = Vec::new();
+        for _ in 0..2 {
+            let mut rx = queued(Lane::enter(&l, share(b, 1)));
+            parked.push(Lane::hand_over(&l, a).expect("B is owed a slot"));
+            b_running.push(rx.try_recv().unwrap().unwrap());
+        }
+        // A's two paused generations wait at the front of its line; C fills the one place.
+        let _c = queued(Lane::enter(&l, share(c, 1)));
+        // D finds the queue full: A holds the most places, but they are paused generations,
+        // not places to give away, so D is refused and A's stay.
+        assert!(matches!(Lane::enter(&l, share(d, 1)), Entered::Refused(_)));
+        assert!(parked.iter_mut().all(|rx| rx.try_recv().is_err()));
+        assert_eq!(l.counts(), (8, 1));
+    }
+
+    #[test]
+    fn yield_turn_blocks_until_the_generation_s_next_turn() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let l = lane(2, 8);
+        let (a, b) = (TenantId::new(), TenantId::new());
+        let _other = granted(Lane::enter(&l, share(a, 1)));
+        let mut long = granted(Lane::enter(&l, share(a, 1)));
+        // No one waits: the call returns at once and the slot stays.
+        long.yield_turn(rt.handle()).unwrap();
+        let mut short = queued(Lane::enter(&l, share(b, 1)));
+        let handle = rt.handle().clone();
+        let generation = std::thread::spawn(move || {
+            long.yield_turn(&handle).unwrap();
+            long
+        });
+        let b_permit = short
+            .blocking_recv()
+            .expect("the generation handed over its slot")
+            .unwrap();
+        assert!(!generation.is_finished(), "it waits while B holds the slot");
+        drop(b_permit);
+        let long = generation.join().unwrap();
+        assert_eq!(l.counts(), (2, 0), "the generation holds its slot again");
+        drop(long);
+        assert_eq!(l.counts(), (1, 0));
     }
 
     #[tokio::test]

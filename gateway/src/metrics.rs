@@ -252,10 +252,24 @@ pub static ENGINE_WAITS: LazyLock<IntCounterVec> = LazyLock::new(|| {
         Opts::new(
             "cachet_gateway_engine_acquires_total",
             "Requests for a model's engine worker, by outcome (immediate, queued: served after \
-             waiting its fair turn, refused: 529 with the queue full, displaced: its place \
+             waiting its fair turn, resumed: a generation that gave its worker away between \
+             tokens got it back, refused: 529 with the queue full, displaced: its place \
              given to a tenant with fewer waiting)",
         ),
         &["model", "outcome"],
+    )
+    .expect("valid metric"))
+});
+
+pub static ENGINE_TURNS_GIVEN: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_engine_turns_given_total",
+            "Generations that handed their engine worker, between two tokens, to a waiting \
+             request of a tenant holding fewer of the model's workers (they resume in their \
+             next turn: cachet_gateway_engine_acquires_total{outcome=\"resumed\"})",
+        ),
+        &["model"],
     )
     .expect("valid metric"))
 });

@@ -422,6 +422,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         targets,
         trimmed,
         kv: Some(kv),
+        permit,
         sampling: job.sampling,
         scope,
         start: job.start,
@@ -441,7 +442,6 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     };
     let rt = tokio::runtime::Handle::current();
     let outcome = tokio::task::spawn_blocking(move || generate(work, &rt)).await;
-    drop(permit);
     metrics::ENGINE_INFLIGHT.dec();
     let done = outcome.unwrap_or_else(|e| Finished {
         usage: TokenUsage::default(),
@@ -495,6 +495,8 @@ struct Work {
     trimmed: Vec<usize>,
     /// This request's share of the KV budget: held until its blocks are written.
     kv: Option<crate::budget::KvReservation>,
+    /// Its engine worker: offered to requests owed a turn between tokens, released at the end.
+    permit: crate::engines::EnginePermit,
     sampling: Sampling,
     scope: Scope,
     start: tokio::time::Instant,
@@ -586,6 +588,7 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
         max_tokens,
         stops,
         streaming,
+        mut permit,
         ..
     } = w;
     if tx
@@ -602,6 +605,12 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
     let mut stream = TextStream::new(generation, max_tokens, stops);
     let mut whole = String::new();
     loop {
+        // Between two tokens: a request owed a turn takes this worker, and this generation
+        // goes on in its own next turn.
+        if let Err(e) = permit.yield_turn(rt) {
+            let output = stream.output_tokens() as u64;
+            return finished(u, output, UsageStatus::Failed, Some(Event::Error(e)));
+        }
         match stream.next_delta() {
             Ok(Some(d)) if !streaming => whole.push_str(&d.text),
             Ok(Some(d)) => {
