@@ -108,6 +108,9 @@ pub struct FabricSection {
     pub rdma_device: String,
     /// Bytes of the registered pool a node stages blocks in for peers' RDMA READs.
     pub rdma_pool_bytes: u64,
+    /// Bytes of peers' writes (replicas, repairs, hand-overs) a cluster node receives at
+    /// once; a write waits for room before it is read (`CACHET_RECEIVE_BUDGET_BYTES`).
+    pub receive_budget_bytes: u64,
 }
 
 impl FabricSection {
@@ -126,14 +129,17 @@ impl FabricSection {
             dram_capacity_bytes: self.dram_capacity_bytes,
             eviction: self.eviction()?,
         };
-        if self.gpu_capacity_bytes > 0 {
-            return gpu_node(config, self.gpu_capacity_bytes);
-        }
-        Ok(match self.disk_capacity_bytes {
-            0 => cache_fabric::FabricNode::new(config),
-            cap => cache_fabric::FabricNode::with_disk(config, disk_dir, cap)
-                .with_context(|| format!("opening the disk tier in {}", disk_dir.display()))?,
-        })
+        let node = if self.gpu_capacity_bytes > 0 {
+            gpu_node(config, self.gpu_capacity_bytes)?
+        } else {
+            match self.disk_capacity_bytes {
+                0 => cache_fabric::FabricNode::new(config),
+                cap => cache_fabric::FabricNode::with_disk(config, disk_dir, cap)
+                    .with_context(|| format!("opening the disk tier in {}", disk_dir.display()))?,
+            }
+        };
+        node.set_receive_budget(self.receive_budget_bytes);
+        Ok(node)
     }
 }
 
@@ -299,6 +305,7 @@ impl Default for FabricSection {
             gpu_capacity_bytes: 0,
             rdma_device: "auto".into(),
             rdma_pool_bytes: 256 << 20,
+            receive_budget_bytes: cache_fabric::DEFAULT_RECEIVE_BYTES,
         }
     }
 }
@@ -400,6 +407,10 @@ impl Config {
         )?;
         env_parse("CACHET_RDMA_DEVICE", &mut self.fabric.rdma_device)?;
         env_parse("CACHET_RDMA_POOL_BYTES", &mut self.fabric.rdma_pool_bytes)?;
+        env_parse(
+            "CACHET_RECEIVE_BUDGET_BYTES",
+            &mut self.fabric.receive_budget_bytes,
+        )?;
         env_parse("CACHET_ENGINE", &mut self.engine.kind)?;
         env_parse("CACHET_MODEL_PATH", &mut self.engine.model_path)?;
         env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
@@ -472,7 +483,11 @@ impl Config {
             gpu_capacity_bytes,
             rdma_device,
             rdma_pool_bytes,
+            receive_budget_bytes,
         } = fabric;
+        if *receive_budget_bytes == 0 {
+            bail!("fabric.receive_budget_bytes must be positive");
+        }
         if rdma_device.is_empty() {
             bail!("fabric.rdma_device must be auto, off, or a device name");
         }

@@ -51,10 +51,16 @@ pub fn kv_budget_bytes(config: &Config) -> u64 {
 /// The bounded consumers of a process with this configuration (`engines`: whether it runs
 /// engines and the API, as `serve` and a node with `--api-listen` do).
 pub fn bounds(config: &Config, engines: bool) -> Vec<Bound> {
-    let mut out = vec![Bound {
-        what: "fabric.dram_capacity_bytes (the fabric's DRAM tier)".into(),
-        bytes: config.fabric.dram_capacity_bytes,
-    }];
+    let mut out = vec![
+        Bound {
+            what: "fabric.dram_capacity_bytes (the fabric's DRAM tier)".into(),
+            bytes: config.fabric.dram_capacity_bytes,
+        },
+        Bound {
+            what: "fabric.receive_budget_bytes (peers' writes being received)".into(),
+            bytes: config.fabric.receive_budget_bytes,
+        },
+    ];
     if !engines {
         return out;
     }

@@ -52,7 +52,7 @@ pub mod wire;
 pub use client::FabricClient;
 pub use integrity::checksum;
 pub use keys::{ChainLink, KeySpace, PrefixKeys, TailKey};
-pub use node::{FabricNode, MissReason, NodeConfig, PrefixRead};
+pub use node::{DEFAULT_RECEIVE_BYTES, FabricNode, MissReason, NodeConfig, PrefixRead};
 pub use policy::EvictionPolicy;
 pub use stats::RemovalReason;
 pub use store::{EntryKind, FetchedBlock, PutBlock, WriteRefused};

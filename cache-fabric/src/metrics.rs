@@ -77,6 +77,14 @@ pub static EVICTIONS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static RECEIVING_BYTES: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_fabric_receiving_bytes",
+        "Bytes of peers' writes being received and stored now (bounded by \
+         fabric.receive_budget_bytes)",
+    )
+    .expect("metric"))
+});
 pub static RESIDENT_BYTES: LazyLock<IntGauge> = LazyLock::new(|| {
     reg(IntGauge::new(
         "cachet_fabric_resident_bytes",

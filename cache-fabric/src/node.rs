@@ -15,6 +15,30 @@ use crate::policy::EvictionPolicy;
 use crate::stats::RemovalReason;
 use crate::store::{FetchedBlock, Store, StoreLimits};
 
+/// Peers' writes a node receives at once, by default (`fabric.receive_budget_bytes`).
+pub const DEFAULT_RECEIVE_BYTES: u64 = 256 << 20;
+
+/// The receive budget's unit.
+const RECEIVE_UNIT: u64 = 64 << 10;
+
+fn units(bytes: u64) -> usize {
+    usize::try_from(bytes.div_ceil(RECEIVE_UNIT))
+        .unwrap_or(usize::MAX >> 4)
+        .min(usize::MAX >> 4)
+}
+
+/// A peer's write being received: its share of the receive budget.
+pub(crate) struct Receiving<'a> {
+    _permit: tokio::sync::SemaphorePermit<'a>,
+    bytes: i64,
+}
+
+impl Drop for Receiving<'_> {
+    fn drop(&mut self) {
+        metrics::RECEIVING_BYTES.sub(self.bytes);
+    }
+}
+
 /// Node configuration.
 #[derive(Clone, Copy, Debug)]
 pub struct NodeConfig {
@@ -25,6 +49,9 @@ pub struct NodeConfig {
 /// One fabric node: the tiers it holds. Cheap to share.
 pub struct FabricNode {
     store: Mutex<Store>,
+    /// Bytes of peers' writes (PUTs) being received at once, in [`RECEIVE_UNIT`]s.
+    receive: tokio::sync::Semaphore,
+    receive_units: std::sync::atomic::AtomicUsize,
     /// The registered pool peers READ this node's blocks from (feature `rdma`).
     #[cfg(feature = "rdma")]
     rdma: std::sync::OnceLock<Arc<crate::rdma::Export>>,
@@ -58,8 +85,11 @@ impl FabricNode {
     }
 
     fn wrap(store: Store) -> Arc<Self> {
+        let units = units(DEFAULT_RECEIVE_BYTES);
         Arc::new(Self {
             store: Mutex::new(store),
+            receive: tokio::sync::Semaphore::new(units),
+            receive_units: std::sync::atomic::AtomicUsize::new(units),
             #[cfg(feature = "rdma")]
             rdma: std::sync::OnceLock::new(),
         })
@@ -82,6 +112,40 @@ impl FabricNode {
             capacity_bytes: config.dram_capacity_bytes,
             policy: config.eviction,
         })
+    }
+
+    /// Bound the bytes of peers' writes this node receives at once (default
+    /// [`DEFAULT_RECEIVE_BYTES`]; set it before the node serves): a PUT waits, reading
+    /// nothing more, until its frame fits, so a burst of replica writes cannot grow the
+    /// process past its bounds. A frame larger than the whole bound waits for all of it.
+    pub fn set_receive_budget(&self, bytes: u64) {
+        let new = units(bytes);
+        let old = self
+            .receive_units
+            .swap(new, std::sync::atomic::Ordering::SeqCst);
+        if new > old {
+            self.receive.add_permits(new - old);
+        } else {
+            self.receive.forget_permits(old - new);
+        }
+    }
+
+    /// Room for a peer's write of `bytes` (all of the budget if it is larger), held while
+    /// the write is received and stored.
+    pub(crate) async fn receiving(&self, bytes: usize) -> Receiving<'_> {
+        let total = self.receive_units.load(std::sync::atomic::Ordering::SeqCst);
+        let want = units(bytes as u64).clamp(1, total.max(1)) as u32;
+        let permit = self
+            .receive
+            .acquire_many(want)
+            .await
+            .expect("the node's receive semaphore is never closed");
+        let held = bytes as i64;
+        metrics::RECEIVING_BYTES.add(held);
+        Receiving {
+            _permit: permit,
+            bytes: held,
+        }
     }
 
     /// Report the blocks this node stores and drops to `sink` (see [`crate::events`]).
@@ -153,5 +217,51 @@ impl MissReason {
             MissReason::NeverWritten => "not_cached",
             MissReason::Removed(r) => r.as_str(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node() -> Arc<FabricNode> {
+        FabricNode::new(NodeConfig {
+            dram_capacity_bytes: 1 << 20,
+            eviction: EvictionPolicy::Lru,
+        })
+    }
+
+    #[tokio::test]
+    async fn peers_writes_wait_for_room_in_the_receive_budget() {
+        let n = node();
+        n.set_receive_budget(256 << 10);
+        let first = n.receiving(192 << 10).await;
+        // 64 KiB is left: a second 64 KiB write fits, a third waits until the first is stored.
+        let second = n.receiving(64 << 10).await;
+        let third = n.receiving(100 << 10);
+        tokio::pin!(third);
+        assert!(futures::poll!(&mut third).is_pending());
+        drop(second);
+        assert!(
+            futures::poll!(&mut third).is_pending(),
+            "100 KiB does not fit in the 64 KiB freed"
+        );
+        drop(first);
+        let _third = third.await;
+    }
+
+    #[tokio::test]
+    async fn a_write_larger_than_the_budget_takes_all_of_it_and_still_goes() {
+        let n = node();
+        n.set_receive_budget(128 << 10);
+        let big = n.receiving(10 << 20).await;
+        let small = n.receiving(1);
+        tokio::pin!(small);
+        assert!(futures::poll!(&mut small).is_pending());
+        drop(big);
+        let _small = small.await;
+        // Raising the budget adds room at once.
+        n.set_receive_budget(1 << 20);
+        let _more = n.receiving(512 << 10).await;
     }
 }

@@ -39,7 +39,7 @@ use crate::stats::TenantCacheStats;
 use crate::store::{EntryKind, FetchedBlock, PutBlock, Store, WriteRefused};
 #[cfg(feature = "rdma")]
 use crate::wire::{OP_RDMA_CONNECT, OP_RDMA_DONE, OP_RDMA_GET};
-use crate::wire::{get_hash, get_parent, get_scope, put_parent, put_scope};
+use crate::wire::{PARENT_LEN, SCOPE_LEN, get_hash, get_parent, get_scope, put_parent, put_scope};
 
 /// Why a transfer failed (the caller recomputes; it never fails a request).
 #[derive(Debug, thiserror::Error)]
@@ -207,6 +207,12 @@ pub async fn serve_tcp(listener: TcpListener, node: Arc<FabricNode>, token: Arc<
 }
 
 async fn read_frame<R: AsyncRead + Unpin>(s: &mut R) -> std::io::Result<Bytes> {
+    let len = read_len(s).await?;
+    read_bytes(s, len).await
+}
+
+/// A frame's length prefix, within [`MAX_FRAME`].
+async fn read_len<R: AsyncRead + Unpin>(s: &mut R) -> std::io::Result<usize> {
     let len = s.read_u32_le().await? as usize;
     if len > MAX_FRAME {
         return Err(std::io::Error::new(
@@ -214,7 +220,7 @@ async fn read_frame<R: AsyncRead + Unpin>(s: &mut R) -> std::io::Result<Bytes> {
             format!("frame of {len} bytes exceeds the limit"),
         ));
     }
-    read_bytes(s, len).await
+    Ok(len)
 }
 
 fn bad(what: &str) -> std::io::Error {
@@ -242,11 +248,25 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
     #[cfg(feature = "rdma")]
     let mut rdma = node.rdma_export().map(crate::rdma::serve::ServerConn::new);
     loop {
-        let mut f = read_frame(&mut s).await?;
-        if !f.has_remaining() {
+        let len = read_len(&mut s).await?;
+        if len == 0 {
             return Err(bad("empty frame"));
         }
-        match f.get_u8() {
+        let op = s.read_u8().await?;
+        // A PUT's blocks are read one by one into buffers of their own; other frames whole.
+        // A PUT waits for room in the node's receive budget before it reads its blocks, and
+        // holds it until they are stored.
+        let (mut f, put, _receiving) = if op == OP_PUT {
+            let room = node.receiving(len - 1).await;
+            (
+                Bytes::new(),
+                Some(read_put(&mut s, len - 1).await?),
+                Some(room),
+            )
+        } else {
+            (read_bytes(&mut s, len - 1).await?, None, None)
+        };
+        match op {
             #[cfg(feature = "rdma")]
             op @ (OP_RDMA_CONNECT | OP_RDMA_GET | OP_RDMA_DONE) => {
                 let Some(conn) = rdma.as_mut() else {
@@ -336,7 +356,7 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
                 s.write_all(&out).await?;
             }
             OP_PUT => {
-                let entry = decode_put(&mut f).ok_or_else(|| bad("malformed PUT"))?;
+                let entry = put.ok_or_else(|| bad("malformed PUT"))?;
                 let now = tokio::time::Instant::now();
                 let r = node.with_store(|st| {
                     let put = if entry.replica {
@@ -378,51 +398,51 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-fn decode_put(f: &mut Bytes) -> Option<RemoteEntry> {
-    if f.remaining() < 32 + 8 + 1 + 4 {
-        return None;
-    }
-    let scope = get_scope(f);
-    let ttl = Duration::from_millis(f.get_u64_le());
-    let kind = f.get_u8();
+/// A PUT's body (the `len` bytes after its op), read from the stream piece by piece so that
+/// each block's data is an allocation of its own. Sliced out of one frame-sized buffer, a
+/// stored block would keep its whole frame in memory for as long as it stays in the tier
+/// (measured: a node idle at 1.5 GiB over its DRAM tier's capacity).
+async fn read_put<R: AsyncRead + Unpin>(s: &mut R, len: usize) -> std::io::Result<RemoteEntry> {
+    let mut left = len;
+    let mut head = take(s, &mut left, SCOPE_LEN + 8 + 1 + 4).await?;
+    let scope = get_scope(&mut head);
+    let ttl = Duration::from_millis(head.get_u64_le());
+    let kind = head.get_u8();
     let replica = kind & REPLICA != 0;
     let kind = match kind & !REPLICA {
         0 => EntryKind::Paid,
         1 => EntryKind::BestEffort,
-        _ => return None,
+        _ => return Err(bad("PUT entry kind")),
     };
-    let n = f.get_u32_le() as usize;
-    if f.remaining() < n * 32 + 4 {
-        return None;
-    }
-    let existing = (0..n).map(|_| get_hash(f)).collect();
-    let m = f.get_u32_le() as usize;
+    let n = head.get_u32_le() as usize;
+    let hashes_len = n
+        .checked_mul(32)
+        .and_then(|b| b.checked_add(4))
+        .ok_or_else(|| bad("PUT hash count"))?;
+    let mut hashes = take(s, &mut left, hashes_len).await?;
+    let existing = (0..n).map(|_| get_hash(&mut hashes)).collect();
+    let m = hashes.get_u32_le() as usize;
     let mut new = Vec::with_capacity(m.min(4096));
     for _ in 0..m {
-        if f.remaining() < 32 + 33 + 16 {
-            return None;
-        }
-        let hash = get_hash(f);
-        let parent = get_parent(f);
-        let n_tokens = f.get_u32_le();
-        let crc = f.get_u32_le();
-        let len = f.get_u64_le() as usize;
-        if f.remaining() < len {
-            return None;
-        }
-        let data = f.split_to(len);
+        let mut h = take(s, &mut left, 32 + PARENT_LEN + 16).await?;
+        let hash = get_hash(&mut h);
+        let parent = get_parent(&mut h);
+        let n_tokens = h.get_u32_le();
+        let checksum = h.get_u32_le();
+        let data_len = usize::try_from(h.get_u64_le()).map_err(|_| bad("PUT block length"))?;
+        let data = take(s, &mut left, data_len).await?;
         new.push(PutBlock {
             hash,
             parent,
             n_tokens,
             data,
-            checksum: crc,
+            checksum,
         });
     }
-    if f.has_remaining() {
-        return None;
+    if left != 0 {
+        return Err(bad("PUT longer than its blocks"));
     }
-    Some(RemoteEntry {
+    Ok(RemoteEntry {
         scope,
         existing,
         new,
@@ -430,6 +450,19 @@ fn decode_put(f: &mut Bytes) -> Option<RemoteEntry> {
         kind,
         replica,
     })
+}
+
+/// The next `k` bytes of a frame with `left` bytes still unread (an error past its end).
+async fn take<R: AsyncRead + Unpin>(
+    s: &mut R,
+    left: &mut usize,
+    k: usize,
+) -> std::io::Result<Bytes> {
+    if k > *left {
+        return Err(bad("frame shorter than its contents"));
+    }
+    *left -= k;
+    read_bytes(s, k).await
 }
 
 /// Receive buffers for large blocks, reused once the block's last `Bytes` is dropped: a
