@@ -789,7 +789,7 @@ mod tests {
         let mut long = granted(Lane::enter(&l, share(a, 1)));
         // No one waits: the call returns at once and the slot stays.
         long.yield_turn(rt.handle()).unwrap();
-        let mut short = queued(Lane::enter(&l, share(b, 1)));
+        let short = queued(Lane::enter(&l, share(b, 1)));
         let handle = rt.handle().clone();
         let generation = std::thread::spawn(move || {
             long.yield_turn(&handle).unwrap();
