@@ -6,6 +6,7 @@
 # both runs and A's throughput. Everything runs on 127.0.0.1 and stops by itself.
 #
 #   loadtests/fairness.sh [seconds]            (CACHET_BIN=path/to/cachet for another build)
+#   BENCH_B_RATE=1 BENCH_B_WORKLOAD=chat       B's offered rate and workload shape
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-30}
@@ -33,15 +34,15 @@ $BIN serve >/dev/null 2>"$OUT/serve.log" & SERVE_PID=$!
 for _ in $(seq 100); do curl -sf http://127.0.0.1:18095/readyz >/dev/null && break; sleep 0.1; done
 URL=http://127.0.0.1:18095
 # 64 output tokens: 0.77 s of decode a request; 8 workers serve about 10 requests/s.
-common=(--url "$URL" --model sim-llama-8b --workload chat --block-tokens 64 --max-output-tokens 64 --quiet)
+common=(--url "$URL" --model sim-llama-8b --block-tokens 64 --max-output-tokens 64 --quiet)
 b_run() {
-  $BIN loadtest replay "${common[@]}" --api-key "$KEY_B" --workload-seed 2 --rate 1 \
-    --duration "$SECS" --out "$OUT/$1" >/dev/null
+  $BIN loadtest replay "${common[@]}" --api-key "$KEY_B" --workload-seed 2 --rate "${BENCH_B_RATE:-1}" \
+    --workload "${BENCH_B_WORKLOAD:-chat}" --duration "$SECS" --out "$OUT/$1" >/dev/null
 }
 pick() { python3 -c "import json,sys; s=json.load(open('$OUT/$1/summary.json')); print($2)"; }
 echo "# $(date -u +%FT%TZ) $(nproc) cores; ${SECS}s per run; build $($BIN --version 2>/dev/null || echo "$BIN")"
 b_run b-alone
-$BIN loadtest replay "${common[@]}" --api-key "$KEY_A" --workload-seed 1 --rate 30 \
+$BIN loadtest replay "${common[@]}" --api-key "$KEY_A" --workload chat --workload-seed 1 --rate 30 \
   --duration $((SECS + 10)) --drain-secs 5 --out "$OUT/a" >/dev/null 2>&1 & A_PID=$!
 sleep 5
 b_run b-beside-a
