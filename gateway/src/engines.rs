@@ -237,6 +237,20 @@ enum Entered {
     Refused(ApiError),
 }
 
+/// The waiter owed the next slot: the smallest start tag (then the earliest arrival) among the
+/// tenants under their cap that `also` admits; its start tag and tenant.
+fn next_waiter(
+    st: &LaneState,
+    also: impl Fn(&TenantId, &TenantLane) -> bool,
+) -> Option<(f64, TenantId)> {
+    st.tenants
+        .iter()
+        .filter(|(id, t)| t.running < t.max_concurrent && also(id, t))
+        .filter_map(|(id, t)| t.queue.front().map(|w| (w.start, w.seq, *id)))
+        .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+        .map(|(start, _, id)| (start, id))
+}
+
 fn lock(m: &Mutex<LaneState>) -> std::sync::MutexGuard<'_, LaneState> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -350,35 +364,16 @@ impl Lane {
             .get(&tenant)
             .map(|t| (t.running as f64, t.weight))?;
         loop {
-            let owed = st
-                .tenants
-                .iter()
-                .filter(|(id, t)| {
-                    **id != tenant
-                        && t.running < t.max_concurrent
-                        && (t.running + 1) as f64 / t.weight < mine / my_weight
-                })
-                .filter_map(|(id, t)| t.queue.front().map(|w| (w.start, w.seq, *id)))
-                .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-            let (start, _, id) = owed?;
-            let t = st.tenants.get_mut(&id).expect("found above");
-            let w = t.queue.pop_front().expect("it has a front");
-            if w.resume {
-                st.parked -= 1;
-            } else {
-                st.waiting -= 1;
-            }
+            let (start, id) = next_waiter(st, |id, t| {
+                *id != tenant && (t.running + 1) as f64 / t.weight < mine / my_weight
+            })?;
+            let w = lane.pop_front(st, id);
             if w.tx.is_closed() {
                 lane.publish(st);
                 continue;
             }
-            let t = st.tenants.get_mut(&id).expect("found above");
-            t.running += 1;
-            let depth = t.queue.len();
+            st.tenants.get_mut(&id).expect("found above").running += 1;
             st.vtime = st.vtime.max(start);
-            metrics::ENGINE_QUEUE
-                .with_label_values(&[lane.model.as_str(), &id.to_string()])
-                .set(depth as i64);
             lane.note_dispatch(&id, &w);
             if let Err(Ok(mut p)) = w.tx.send(Ok(EnginePermit::new(lane.clone(), id))) {
                 // It gave up in between: undo, and look for another.
@@ -409,6 +404,22 @@ impl Lane {
             lane.publish(st);
             return Some(rx);
         }
+    }
+
+    /// Take the first waiter of `id`'s queue, counted out of the lane's waiting (or paused)
+    /// requests.
+    fn pop_front(&self, st: &mut LaneState, id: TenantId) -> Waiter {
+        let t = st.tenants.get_mut(&id).expect("the tenant has a waiter");
+        let w = t.queue.pop_front().expect("the tenant has a waiter");
+        metrics::ENGINE_QUEUE
+            .with_label_values(&[self.model.as_str(), &id.to_string()])
+            .set(t.queue.len() as i64);
+        if w.resume {
+            st.parked -= 1;
+        } else {
+            st.waiting -= 1;
+        }
+        w
     }
 
     /// A waiter gets its slot: how long it waited, by outcome.
@@ -484,29 +495,14 @@ impl Lane {
                 t.running = t.running.saturating_sub(1);
             }
             while st.busy < self.workers {
-                let next = st
-                    .tenants
-                    .iter()
-                    .filter(|(_, t)| t.running < t.max_concurrent)
-                    .filter_map(|(id, t)| t.queue.front().map(|w| (w.start, w.seq, *id)))
-                    .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-                let Some((start, _, id)) = next else { break };
-                let t = st.tenants.get_mut(&id).expect("found above");
-                let w = t.queue.pop_front().expect("it has a front");
-                let depth = t.queue.len();
-                if w.resume {
-                    st.parked -= 1;
-                } else {
-                    st.waiting -= 1;
-                }
-                metrics::ENGINE_QUEUE
-                    .with_label_values(&[self.model.as_str(), &id.to_string()])
-                    .set(depth as i64);
+                let Some((start, id)) = next_waiter(st, |_, _| true) else {
+                    break;
+                };
+                let w = self.pop_front(st, id);
                 if w.tx.is_closed() {
                     continue;
                 }
-                let t = st.tenants.get_mut(&id).expect("found above");
-                t.running += 1;
+                st.tenants.get_mut(&id).expect("found above").running += 1;
                 st.busy += 1;
                 st.vtime = st.vtime.max(start);
                 self.note_dispatch(&id, &w);
