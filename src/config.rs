@@ -111,6 +111,11 @@ pub struct FabricSection {
     /// Bytes of peers' writes (replicas, repairs, hand-overs) a cluster node receives at
     /// once; a write waits for room before it is read (`CACHET_RECEIVE_BUDGET_BYTES`).
     pub receive_budget_bytes: u64,
+    /// Where `cachet serve` opens its fabric node to an engine's own KV connector beside it
+    /// (vLLM's, `connectors/vllm/`), on the fabric's wire with `CACHET_CLUSTER_TOKEN`; empty
+    /// (default): not opened (`CACHET_FABRIC_LISTEN`). A cluster node always serves its
+    /// fabric port (`cachet node --listen`).
+    pub listen: String,
 }
 
 impl FabricSection {
@@ -191,6 +196,54 @@ pub struct EngineSection {
     pub kv_budget_bytes: u64,
     /// How long a request waits for its share of the KV budget before 529.
     pub kv_budget_wait_ms: u64,
+    /// Models served by a vLLM server whose KV connector keeps its KV in this process's
+    /// fabric node (`[[engine.vllm]]`; `CACHET_VLLM_URL` adds one with the defaults).
+    pub vllm: Vec<VllmUpstream>,
+}
+
+/// A model served by a vLLM server with Cachet's KV connector (connectors/vllm/).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VllmUpstream {
+    /// The model id clients name.
+    pub model: String,
+    /// The vLLM server's base URL.
+    pub url: String,
+    /// The name vLLM serves the model under (`--served-model-name`).
+    pub served_model: String,
+    /// vLLM's KV block size (`--block-size`, a multiple of 32 on its CPU backend).
+    pub block_size: usize,
+    /// vLLM's `--max-model-len`.
+    pub max_model_len: usize,
+    /// Longest wait for vLLM's next bytes, a long prefill included.
+    pub read_timeout_secs: u64,
+}
+
+impl Default for VllmUpstream {
+    fn default() -> Self {
+        Self {
+            model: "smollm2-135m-instruct-vllm".into(),
+            url: String::new(),
+            served_model: "smollm2".into(),
+            block_size: 128,
+            max_model_len: 8192,
+            read_timeout_secs: 120,
+        }
+    }
+}
+
+impl VllmUpstream {
+    pub fn engine_config(&self, model_path: &Path) -> engine::vllm::VllmConfig {
+        engine::vllm::VllmConfig {
+            id: self.model.clone(),
+            url: self.url.clone(),
+            served_model: self.served_model.clone(),
+            block_size: self.block_size,
+            context_window: self.max_model_len,
+            model_path: model_path.to_path_buf(),
+            read_timeout: Duration::from_secs(self.read_timeout_secs),
+        }
+    }
 }
 
 impl EngineSection {
@@ -306,6 +359,7 @@ impl Default for FabricSection {
             rdma_device: "auto".into(),
             rdma_pool_bytes: 256 << 20,
             receive_budget_bytes: cache_fabric::DEFAULT_RECEIVE_BYTES,
+            listen: String::new(),
         }
     }
 }
@@ -321,6 +375,7 @@ impl Default for EngineSection {
             queue: 256,
             kv_budget_bytes: 0,
             kv_budget_wait_ms: 30_000,
+            vllm: Vec::new(),
         }
     }
 }
@@ -411,6 +466,19 @@ impl Config {
             "CACHET_RECEIVE_BUDGET_BYTES",
             &mut self.fabric.receive_budget_bytes,
         )?;
+        env_parse("CACHET_FABRIC_LISTEN", &mut self.fabric.listen)?;
+        if let Ok(url) = std::env::var("CACHET_VLLM_URL")
+            && !url.is_empty()
+        {
+            let up = VllmUpstream {
+                url,
+                ..VllmUpstream::default()
+            };
+            match self.engine.vllm.iter_mut().find(|v| v.model == up.model) {
+                Some(v) => v.url = up.url,
+                None => self.engine.vllm.push(up),
+            }
+        }
         env_parse("CACHET_ENGINE", &mut self.engine.kind)?;
         env_parse("CACHET_MODEL_PATH", &mut self.engine.model_path)?;
         env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
@@ -484,6 +552,7 @@ impl Config {
             rdma_device,
             rdma_pool_bytes,
             receive_budget_bytes,
+            listen: _,
         } = fabric;
         if *receive_budget_bytes == 0 {
             bail!("fabric.receive_budget_bytes must be positive");
@@ -515,7 +584,36 @@ impl Config {
             queue: _,
             kv_budget_bytes: _,
             kv_budget_wait_ms,
+            vllm,
         } = engine;
+        for (i, v) in vllm.iter().enumerate() {
+            let VllmUpstream {
+                model,
+                url,
+                served_model,
+                block_size,
+                max_model_len,
+                read_timeout_secs,
+            } = v;
+            if model.is_empty() || served_model.is_empty() {
+                bail!("engine.vllm[{i}]: model and served_model must be set");
+            }
+            if !url.starts_with("http://") {
+                bail!("engine.vllm[{i}].url must be an http:// URL (got {url:?})");
+            }
+            if *block_size == 0 || block_size % 32 != 0 {
+                bail!("engine.vllm[{i}].block_size must be a positive multiple of 32");
+            }
+            if *max_model_len == 0 || *read_timeout_secs == 0 {
+                bail!("engine.vllm[{i}]: max_model_len and read_timeout_secs must be positive");
+            }
+            if vllm[..i].iter().any(|o| o.model == *model) {
+                bail!("engine.vllm[{i}]: model {model:?} is listed twice");
+            }
+        }
+        if !vllm.is_empty() && model_path.as_os_str().is_empty() {
+            bail!("engine.model_path must be set: vLLM models render prompts with its tokenizer");
+        }
         engine.kv_dtype()?;
         if kind != "sim" && kind != "reference" {
             bail!("engine.kind: {kind:?} is not an engine; available: reference, sim");

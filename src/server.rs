@@ -144,6 +144,15 @@ pub fn admin_jwt(config: &Config) -> anyhow::Result<Option<billing::api::Jwt>> {
 pub async fn engines(config: &Config) -> anyhow::Result<EnginePool> {
     let mut list: Vec<Arc<dyn Engine>> = Vec::new();
     let kv_dtype = config.engine.kv_dtype()?;
+    for v in &config.engine.vllm {
+        let e = engine::vllm::VllmEngine::new(
+            v.engine_config(&config.engine.model_path),
+            tokio::runtime::Handle::current(),
+        )
+        .with_context(|| format!("engine.vllm model {}", v.model))?;
+        tracing::info!(model = %v.model, url = %v.url, "vLLM upstream");
+        list.push(Arc::new(e));
+    }
     if config.engine.kind == "reference" {
         let path = config.engine.model_path.clone();
         let started = std::time::Instant::now();
@@ -202,6 +211,15 @@ pub async fn start(
     shutdown: CancellationToken,
 ) -> anyhow::Result<Running> {
     let node = config.fabric.node(&config.data_dir.join("fabric-disk"))?;
+    if !config.fabric.listen.is_empty() {
+        // For an engine's own KV connector beside this process (vLLM's).
+        let token = crate::node::cluster_token()?;
+        let l = tokio::net::TcpListener::bind(&config.fabric.listen)
+            .await
+            .with_context(|| format!("binding fabric.listen {}", config.fabric.listen))?;
+        tracing::info!(addr = %l.local_addr()?, "fabric node open to engine connectors");
+        tokio::spawn(cache_fabric::transport::serve_tcp(l, node.clone(), token));
+    }
     let fabric = FabricClient::local(node.clone());
     let gateway_config = config.gateway();
     start_api(config, gateway_config, listener, shutdown, node, fabric).await

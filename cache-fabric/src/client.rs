@@ -73,6 +73,28 @@ impl FabricClient {
         PrefixRead::new(links, blocks)
     }
 
+    /// How many leading tokens of `keys` (full blocks, ending at or before `upto`) this node
+    /// holds, without reading them or refreshing their TTLs: what an engine's own connector
+    /// beside the node will find (it reads them itself, which refreshes them).
+    pub fn held_prefix(&self, scope: Scope, keys: &PrefixKeys, upto: usize, now: Instant) -> usize {
+        let b = keys.block_size;
+        let max_full = (upto / b).min(keys.blocks.len());
+        self.node
+            .store()
+            .leading_present(&scope, &keys.blocks[..max_full], now)
+            * b
+    }
+
+    /// What an engine's own connector reported about request `tag` (waiting up to `wait`
+    /// for it; see [`crate::reports`]).
+    pub async fn connector_report(
+        &self,
+        tag: u128,
+        wait: Duration,
+    ) -> Option<crate::reports::ConnectorReport> {
+        self.node.reports().take_within(tag, wait).await
+    }
+
     /// Write the entry ending at `offset`: the blocks of `keys.chain_to(offset)` that are in
     /// `new` are stored, the others must already be stored and get their TTL extended.
     /// `kind` says whether it was paid for (explicit breakpoint) or is best effort.

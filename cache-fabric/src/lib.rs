@@ -20,6 +20,8 @@
 //! - `rdma` (feature `rdma`): RDMA probing and the one-sided READ data path (`rdma::pull`):
 //!   a node stages blocks in a registered pool, peers READ them; TCP whenever RDMA fails.
 //! - `gpu` (feature `cuda`): the GPU-memory tier.
+//! - [`reports`]: what an engine's own KV connector (vLLM's) reports about a request's
+//!   prefill: tokens loaded from the node, from the engine's own cache, recomputed.
 //! - [`stats`]: what a tenant holds (bytes per tier, losses by reason, most-read
 //!   prefixes) for its administrators.
 //! - [`simulate`]: replays a Mooncake-format trace through the store's own eviction code.
@@ -42,6 +44,7 @@ pub mod placement;
 pub mod policy;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+pub mod reports;
 pub mod simulate;
 pub mod stats;
 pub mod store;
@@ -54,6 +57,7 @@ pub use integrity::checksum;
 pub use keys::{ChainLink, KeySpace, PrefixKeys, TailKey};
 pub use node::{DEFAULT_RECEIVE_BYTES, FabricNode, MissReason, NodeConfig, PrefixRead};
 pub use policy::EvictionPolicy;
+pub use reports::ConnectorReport;
 pub use stats::RemovalReason;
 pub use store::{EntryKind, FetchedBlock, PutBlock, WriteRefused};
 

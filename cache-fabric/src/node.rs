@@ -52,6 +52,8 @@ pub struct FabricNode {
     /// Bytes of peers' writes (PUTs) being received at once, in [`RECEIVE_UNIT`]s.
     receive: tokio::sync::Semaphore,
     receive_units: std::sync::atomic::AtomicUsize,
+    /// What engines with their own KV connector report about each request's prefill.
+    reports: crate::reports::Reports,
     /// The registered pool peers READ this node's blocks from (feature `rdma`).
     #[cfg(feature = "rdma")]
     rdma: std::sync::OnceLock<Arc<crate::rdma::Export>>,
@@ -90,6 +92,7 @@ impl FabricNode {
             store: Mutex::new(store),
             receive: tokio::sync::Semaphore::new(units),
             receive_units: std::sync::atomic::AtomicUsize::new(units),
+            reports: crate::reports::Reports::default(),
             #[cfg(feature = "rdma")]
             rdma: std::sync::OnceLock::new(),
         })
@@ -146,6 +149,12 @@ impl FabricNode {
             _permit: permit,
             bytes: held,
         }
+    }
+
+    /// Connector reports (see [`crate::reports`]): the transport puts them, the gateway
+    /// beside this node takes them.
+    pub fn reports(&self) -> &crate::reports::Reports {
+        &self.reports
     }
 
     /// Report the blocks this node stores and drops to `sink` (see [`crate::events`]).

@@ -14,7 +14,13 @@
 //! STRIPE 4 = scope:32 hash:32 index:u32      found:u8, n_tokens:u32 crc:u32 total:u64
 //!            count:u32                         offset:u64 len:u64 data
 //! HAS    5 = scope:32 n:u32 hash:32 × n      n × held:u8
+//! REPORT 10 = tag:16 local:u32 loaded:u32     ok
+//!            failed:u32
 //! ```
+//!
+//! HAS has no side effect (TTLs are refreshed by GET, when blocks are really read). REPORT is
+//! what an engine's own KV connector (`connectors/vllm/`) says about one request's prefill
+//! ([`crate::reports`]).
 //!
 //! Block bytes go from the store's `Bytes` straight to the socket and from the socket
 //! straight into the buffer the block will live in (no zero-fill, no reassembly copy). A block
@@ -111,6 +117,8 @@ const OP_STRIPE: u8 = 4;
 const OP_HAS: u8 = 5;
 /// A tenant's cache on this node (the admin console's cache view), as JSON.
 const OP_STATS: u8 = 9;
+/// An engine connector's report on one request (see [`crate::reports`]).
+const OP_REPORT: u8 = 10;
 /// Most prefixes a STATS answer lists.
 const MAX_TOP: usize = 1000;
 /// Flag in PUT's kind byte: store as a replica.
@@ -378,6 +386,19 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
                     Ok(()) => s.write_all(&[OK]).await?,
                     Err(e) => s.write_all(&[REFUSED, refused_code(e)]).await?,
                 }
+            }
+            OP_REPORT => {
+                if f.remaining() != 28 {
+                    return Err(bad("REPORT length"));
+                }
+                let tag = f.get_u128();
+                let report = crate::reports::ConnectorReport {
+                    local_tokens: f.get_u32_le(),
+                    loaded_tokens: f.get_u32_le(),
+                    failed_tokens: f.get_u32_le(),
+                };
+                node.reports().put(tag, report);
+                s.write_all(&[OK]).await?;
             }
             OP_STATS => {
                 if f.remaining() != 18 {

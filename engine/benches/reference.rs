@@ -50,6 +50,7 @@ fn ours(e: &ReferenceEngine) {
                 exports: vec![],
                 sampling: Sampling::default(),
                 max_new_tokens: 1,
+                connector: None,
             })
             .unwrap();
         let secs = start.elapsed().as_secs_f64();
@@ -77,6 +78,7 @@ fn decode(e: &ReferenceEngine) {
             exports: vec![],
             sampling: Sampling::default(),
             max_new_tokens: 64,
+            connector: None,
         })
         .unwrap();
     g.next_token().unwrap();
@@ -120,6 +122,7 @@ fn ttft_as(e: &ReferenceEngine, label: &str) {
             exports: specs,
             sampling: Sampling::default(),
             max_new_tokens: 1,
+            connector: None,
         })
         .unwrap();
     g.next_token().unwrap();
@@ -140,6 +143,7 @@ fn ttft_as(e: &ReferenceEngine, label: &str) {
                 exports: vec![],
                 sampling: Sampling::default(),
                 max_new_tokens: 1,
+                connector: None,
             })
             .unwrap();
         g.next_token().unwrap();

@@ -8,6 +8,9 @@
 //!   for every engine.
 //! - [`reference::ReferenceEngine`]: SmolLM2-135M-Instruct on our own forward pass.
 //! - [`sim::SimEngine`]: a cost-model engine with true KV geometry for tests and load tests.
+//! - [`vllm::VllmEngine`]: a vLLM server upstream, whose own KV connector
+//!   (`connectors/vllm/`) loads and saves its KV with the fabric node beside it
+//!   ([`KvPath::Connector`]): the gateway sends it token ids and block keys, never KV.
 //!
 //! What it is not: it knows nothing about HTTP, tenants or billing; KV blocks come in and go
 //! out as bytes keyed by hashes the caller computed.
@@ -22,6 +25,7 @@ pub mod prompt;
 pub mod reference;
 pub mod sim;
 pub mod stream;
+pub mod vllm;
 
 use bytes::Bytes;
 use cachet_common::BlockHash;
@@ -88,6 +92,63 @@ pub struct ModelInfo {
     pub kv: KvGeometry,
     /// LoRA adapter id; empty for the base model. Part of every block key.
     pub adapter_id: String,
+    /// How the model's KV moves between the fabric and the engine.
+    pub kv_path: KvPath,
+}
+
+impl ModelInfo {
+    /// The `kv_dtype` field of the model's block keys: its KV dtype, or for a connector
+    /// engine its whole key space (dtype, layout, block size).
+    pub fn key_dtype(&self) -> &str {
+        match &self.kv_path {
+            KvPath::Gateway => self.kv.dtype.as_str(),
+            KvPath::Connector { key_space } => key_space,
+        }
+    }
+}
+
+/// How a model's KV moves between the fabric and the engine.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum KvPath {
+    /// Through the gateway: it reads the cached prefix's blocks and hands them to the engine
+    /// ([`GenerateRequest::imported`]), and writes the blocks the engine exports.
+    #[default]
+    Gateway,
+    /// The engine's own connector loads and saves blocks with the fabric node beside it
+    /// (vLLM's `connectors/vllm/`); the gateway sends block keys ([`ConnectorParams`]) and
+    /// reads what was loaded from the node's connector report.
+    Connector {
+        /// What, besides the tokens, decides a block's bytes in that engine (dtype, layout,
+        /// block size): the `kv_dtype` field of every key, checked by the connector.
+        key_space: String,
+    },
+}
+
+/// What an engine's own KV connector needs to load and save a request's blocks.
+#[derive(Clone, Debug, Default)]
+pub struct ConnectorParams {
+    /// The tenant scope as the fabric wire carries it (tenant id, workspace id).
+    pub scope: [u8; 32],
+    /// One key per full block of the prompt, in order (as far as the prompt may be cached).
+    pub keys: Vec<BlockHash>,
+    /// Entries to write once their blocks are computed, in order.
+    pub writes: Vec<ConnectorWrite>,
+    /// Names the request in the connector's report to the node.
+    pub tag: u128,
+    /// The engine's own prefix-cache namespace (vLLM's `cache_salt`): the tenant's, so its
+    /// local cache is never shared across tenants either.
+    pub cache_salt: String,
+    /// Must equal the engine's [`KvPath::Connector`] key space.
+    pub key_space: String,
+}
+
+/// One entry the connector writes: the blocks before `end_block`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnectorWrite {
+    pub end_block: usize,
+    pub ttl: std::time::Duration,
+    /// Paid (an explicit breakpoint) or best effort (automatic caching).
+    pub paid: bool,
 }
 
 /// KV of the tokens `start..end`, as stored in the fabric.
@@ -130,6 +191,8 @@ pub struct GenerateRequest {
     pub sampling: Sampling,
     /// Upper bound on tokens to generate (sizes the KV cache).
     pub max_new_tokens: u32,
+    /// For a [`KvPath::Connector`] engine: the keys its connector loads and saves.
+    pub connector: Option<ConnectorParams>,
 }
 
 /// Why decoding stopped, as the Messages API reports it.
@@ -176,6 +239,10 @@ pub enum EngineError {
     InvalidImport(String),
     #[error("engine failure: {0}")]
     Internal(String),
+    /// The engine (a remote server) cannot be reached or stopped answering: the request
+    /// may succeed elsewhere or later.
+    #[error("engine unavailable: {0}")]
+    Unavailable(String),
 }
 
 /// A model runner. Implementations are shared across threads; every method blocks.

@@ -150,6 +150,7 @@ fn info(
         max_token_bytes: MAX_TOKEN_BYTES,
         kv,
         adapter_id: String::new(),
+        kv_path: crate::KvPath::Gateway,
     }
 }
 
@@ -601,6 +602,7 @@ mod tests {
                 }],
                 sampling: Sampling::default(),
                 max_new_tokens: 64,
+                connector: None,
             })?;
             assert_eq!(g.take_exports()[0].data, data);
             let mut out = Vec::new();

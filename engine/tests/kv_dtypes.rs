@@ -164,6 +164,7 @@ fn greedy(e: &ReferenceEngine, tokens: &[u32], imported: Vec<KvBlock>) -> Vec<u3
                 ..Sampling::default()
             },
             max_new_tokens: CONTINUATION as u32,
+            connector: None,
         })
         .unwrap();
     (0..CONTINUATION)
@@ -205,6 +206,7 @@ fn cached_prefix_gives_identical_answers_for_every_dtype() {
                     ],
                     sampling: Sampling::default(),
                     max_new_tokens: 1,
+                    connector: None,
                 })
                 .unwrap();
             let blocks = g.take_exports();
@@ -230,6 +232,7 @@ fn cached_prefix_gives_identical_answers_for_every_dtype() {
                     exports: vec![],
                     sampling: Sampling::default(),
                     max_new_tokens: 1,
+                    connector: None,
                 })
                 .err()
                 .expect("another dtype's blocks are refused");

@@ -46,6 +46,7 @@ fn generate(
             exports: vec![],
             sampling,
             max_new_tokens: n,
+            connector: None,
         })
         .unwrap();
     let mut s = TextStream::new(g, n, vec![]);
@@ -123,6 +124,7 @@ fn cached_prefix_from_exported_bytes_gives_identical_output() {
             }],
             sampling: Sampling::default(),
             max_new_tokens: 16,
+            connector: None,
         })
         .unwrap();
     let blocks = g.take_exports();

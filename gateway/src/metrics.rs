@@ -3,7 +3,8 @@
 use std::sync::LazyLock;
 
 use prometheus::{
-    CounterVec, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    CounterVec, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts,
 };
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
@@ -110,6 +111,25 @@ pub static KV_RECOMPUTES: LazyLock<IntCounterVec> = LazyLock::new(|| {
             "Cached prefixes recomputed instead of imported, by reason",
         ),
         &["reason"],
+    )
+    .expect("metric"))
+});
+pub static CONNECTOR_REPORTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_connector_reports_total",
+            "Requests to an engine with its own KV connector (vLLM), by whether its report of \
+             the tokens it loaded arrived (received) or not (missing: billed as uncached)",
+        ),
+        &["outcome"],
+    )
+    .expect("metric"))
+});
+pub static ENGINE_UNAVAILABLE: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new(
+        "cachet_gateway_engine_unavailable_total",
+        "Requests answered 529 (or ended with an error event) because a remote model server \
+         could not be reached or stopped answering",
     )
     .expect("metric"))
 });

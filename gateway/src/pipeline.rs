@@ -13,7 +13,8 @@ use cache_fabric::{ChainLink, EntryKind, PrefixKeys, PrefixRead, PutBlock};
 use cachet_common::{RequestId, Scope, Ttl};
 use chrono::{DateTime, Utc};
 use engine::{
-    Engine, EngineError, GenerateRequest, Generation, KvBlock, Sampling, StopReason, TextStream,
+    ConnectorParams, ConnectorWrite, Engine, EngineError, GenerateRequest, Generation, KvBlock,
+    KvPath, Sampling, StopReason, TextStream,
 };
 use tokio::sync::mpsc;
 
@@ -118,6 +119,7 @@ fn prefill(
             exports,
             sampling: sampling.clone(),
             max_new_tokens,
+            connector: None,
         })?;
         let exported = generation.take_exports();
         Ok(Prefilled {
@@ -209,6 +211,12 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         workspace: p.workspace,
     };
     let info = job.engine.info().clone();
+    // An engine with its own KV connector (vLLM) loads and saves its KV with the node beside
+    // it: no KV passes through here, so none is reserved, read or coalesced on.
+    let connector = match &info.kv_path {
+        KvPath::Connector { key_space } => Some(key_space.clone()),
+        KvPath::Gateway => None,
+    };
     let prep = job.prepared;
     let total = prep.rendered.tokens.len();
     let keys = prep.keys.map(Arc::new);
@@ -226,7 +234,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     let bpt = info.kv.bytes_per_token() as u64;
     let mut kv = None;
     let mut upto = prep.upto;
-    if keys.is_some() {
+    if keys.is_some() && connector.is_none() {
         // Imports and exports cover the prompt once, plus a partial tail block per breakpoint
         // that ends inside a block (written as an entry of its own).
         let most = (total + prep.placed.len() * info.block_size) as u64 * bpt;
@@ -246,6 +254,10 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
 
     // 1. The longest cached prefix, and why each later breakpoint had no entry.
     let mut read = match &keys {
+        Some(k) if connector.is_some() => PrefixRead {
+            tokens: state.fabric.held_prefix(scope, k, upto, job.start),
+            ..PrefixRead::default()
+        },
         Some(k) => state.fabric.read_prefix(scope, k, upto, job.start).await,
         None => PrefixRead::default(),
     };
@@ -253,7 +265,10 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     // blocks, wait for its write and read them (bounded); else claim them ourselves.
     let mut flight = None;
     let mut coalesced_from = None;
-    if let Some(k) = keys.as_ref().filter(|_| state.config.coalesce) {
+    if let Some(k) = keys
+        .as_ref()
+        .filter(|_| state.config.coalesce && connector.is_none())
+    {
         for _ in 0..3 {
             let links = usage::export_links(k, read.tokens, &targets);
             match state.inflight.claim(&info.id, &links, total - read.tokens) {
@@ -436,6 +451,8 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
             .then(|| meter(TokenUsage::default(), 0, UsageStatus::Failed)),
         block_size: info.block_size,
         model: info.id.clone(),
+        request_id: job.request_id,
+        connector,
         flight,
         coalesced_from,
         diagnosis,
@@ -509,6 +526,9 @@ struct Work {
     intent: Option<UsageEvent>,
     block_size: usize,
     model: String,
+    request_id: RequestId,
+    /// The key space of an engine with its own KV connector ([`KvPath::Connector`]).
+    connector: Option<String>,
     /// This request's claim on the blocks it computes: landed once they are written, so
     /// requests waiting on them read them.
     flight: Option<Leader>,
@@ -529,18 +549,22 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
         last,
     };
     let prefill_started = std::time::Instant::now();
-    let pre = match prefill(
-        w.engine.as_ref(),
-        &w.tokens,
-        &w.read,
-        w.keys.as_deref(),
-        &w.targets,
-        &w.sampling,
-        w.max_tokens,
-    ) {
+    let started = match &w.connector {
+        Some(space) => prefill_with_connector(&w, space, rt),
+        None => prefill(
+            w.engine.as_ref(),
+            &w.tokens,
+            &w.read,
+            w.keys.as_deref(),
+            &w.targets,
+            &w.sampling,
+            w.max_tokens,
+        ),
+    };
+    let pre = match started {
         Ok(p) => p,
         Err(e) => {
-            let err = Event::Error(ApiError::internal("prefill failed", e));
+            let err = Event::Error(engine_error("prefill failed", e));
             return finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err));
         }
     };
@@ -554,7 +578,11 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
     w.state
         .inflight
         .observe(&w.model, w.tokens.len() - pre.cached, took);
-    let (u, api_usage, report) = rt.block_on(write_entries(&w, &pre));
+    let (u, api_usage, report) = if w.connector.is_some() {
+        connector_entries(&w, &pre)
+    } else {
+        rt.block_on(write_entries(&w, &pre))
+    };
     if let Some(f) = w.flight.take() {
         f.land();
     }
@@ -625,7 +653,7 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
             }
             Ok(None) => break,
             Err(e) => {
-                let err = Event::Error(ApiError::internal("decode failed", e));
+                let err = Event::Error(engine_error("decode failed", e));
                 return finished(
                     u,
                     stream.output_tokens() as u64,
@@ -649,6 +677,159 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
             output_tokens: output,
         }),
     )
+}
+
+/// An engine that cannot be reached (a vLLM server down or restarting) is an overload the
+/// client may retry, said plainly; anything else is an internal error.
+fn engine_error(stage: &str, e: EngineError) -> ApiError {
+    match e {
+        EngineError::Unavailable(why) => {
+            metrics::ENGINE_UNAVAILABLE.inc();
+            ApiError::new(
+                ErrorKind::Overloaded,
+                format!("the model server is unavailable ({why}); retry shortly"),
+            )
+            .with_header("retry-after", "1")
+        }
+        e => ApiError::internal(stage, e),
+    }
+}
+
+/// The keys, writes and tag an engine's own connector needs for this request.
+fn connector_params(w: &Work, key_space: &str) -> ConnectorParams {
+    let mut scope = [0u8; 32];
+    scope[..16].copy_from_slice(w.scope.tenant.as_uuid().as_bytes());
+    scope[16..].copy_from_slice(w.scope.workspace.as_uuid().as_bytes());
+    let bs = w.block_size.max(1);
+    // One entry per breakpoint, ending at the last full block before it (the connector saves
+    // whole blocks); two breakpoints in one block make one entry, the longer TTL and paid if
+    // either was.
+    let mut writes: Vec<ConnectorWrite> = Vec::new();
+    for pl in w
+        .placed
+        .iter()
+        .filter(|p| p.cacheable && w.targets.contains(&p.offset))
+    {
+        let end_block = pl.offset / bs;
+        if end_block == 0 {
+            continue;
+        }
+        let (ttl, paid) = (pl.bp.ttl.duration(), !pl.bp.automatic);
+        match writes.iter_mut().find(|x| x.end_block == end_block) {
+            Some(x) => {
+                x.ttl = x.ttl.max(ttl);
+                x.paid |= paid;
+            }
+            None => writes.push(ConnectorWrite {
+                end_block,
+                ttl,
+                paid,
+            }),
+        }
+    }
+    writes.sort_by_key(|x| x.end_block);
+    ConnectorParams {
+        cache_salt: scope.iter().map(|b| format!("{b:02x}")).collect(),
+        scope,
+        keys: w
+            .keys
+            .as_ref()
+            .map(|k| k.blocks.clone())
+            .unwrap_or_default(),
+        writes,
+        tag: w.request_id.0.as_u128(),
+        key_space: key_space.to_string(),
+    }
+}
+
+/// How long the gateway waits for a connector's report once the first token is here (it is
+/// sent before the first forward pass, so it has normally arrived long before).
+const REPORT_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Start an engine with its own KV connector: it loads the cached prefix and saves the new
+/// blocks itself; the cached prefix is what its connector reports it did not prefill.
+fn prefill_with_connector(
+    w: &Work,
+    key_space: &str,
+    rt: &tokio::runtime::Handle,
+) -> Result<Prefilled, EngineError> {
+    let params = w.keys.as_ref().map(|_| connector_params(w, key_space));
+    let tag = params.as_ref().map(|p| p.tag);
+    let generation = w.engine.start(GenerateRequest {
+        tokens: w.tokens.clone(),
+        imported: Vec::new(),
+        exports: Vec::new(),
+        sampling: w.sampling.clone(),
+        max_new_tokens: w.max_tokens,
+        connector: params,
+    })?;
+    let report = match tag {
+        Some(tag) => rt.block_on(w.state.fabric.connector_report(tag, REPORT_WAIT)),
+        None => None,
+    };
+    if tag.is_some() && report.is_none() {
+        metrics::CONNECTOR_REPORTS
+            .with_label_values(&["missing"])
+            .inc();
+        tracing::warn!(
+            model = %w.model,
+            "the engine's KV connector sent no report: is vLLM running with CachetConnector?"
+        );
+    }
+    let cached = report.map_or(0, |r| {
+        metrics::CONNECTOR_REPORTS
+            .with_label_values(&["received"])
+            .inc();
+        if r.failed_tokens > 0 {
+            metrics::KV_RECOMPUTES
+                .with_label_values(&["connector_load"])
+                .inc();
+        }
+        r.cached_tokens()
+    });
+    Ok(Prefilled {
+        generation,
+        links: Vec::new(),
+        exported: Vec::new(),
+        cached: cached.min(w.tokens.len().saturating_sub(1)),
+    })
+}
+
+/// Breakpoint statuses and usage when an engine's connector wrote the entries: a breakpoint
+/// is written when the node now holds every full block before it (the connector saved them,
+/// or they were there); the tokens after its last full block are input.
+fn connector_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheReport) {
+    let cached = pre.cached;
+    let bs = w.block_size.max(1);
+    let mut written: Vec<(usize, Ttl)> = Vec::new();
+    let mut reports = Vec::with_capacity(w.placed.len());
+    for pl in &w.placed {
+        let aligned = pl.offset / bs * bs;
+        let (status, reason) = if !pl.cacheable || aligned == 0 {
+            ("below_minimum", None)
+        } else if aligned <= cached {
+            ("read", None)
+        } else {
+            let k = w.keys.as_ref().expect("cacheable breakpoint implies keys");
+            let held = w.state.fabric.held_prefix(w.scope, k, aligned, w.start);
+            if held >= aligned {
+                written.push((aligned, pl.bp.ttl));
+                ("written", None)
+            } else {
+                ("not_written", Some("not_saved".to_string()))
+            }
+        };
+        metrics::BREAKPOINTS.with_label_values(&[status]).inc();
+        reports.push(BreakpointReport {
+            location: pl.bp.location.clone(),
+            automatic: pl.bp.automatic,
+            ttl: pl.bp.ttl.as_str().into(),
+            token_offset: pl.offset as u64,
+            status: status.into(),
+            reason,
+        });
+    }
+    usage_and_report(w, cached, &written, reports)
 }
 
 /// Write each cacheable breakpoint past the cached prefix, in order; then the usage.
@@ -704,8 +885,18 @@ async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRe
             reason,
         });
     }
+    usage_and_report(w, cached, &written, reports)
+}
+
+/// The request's prompt usage (counted in the metrics) and its cache report.
+fn usage_and_report(
+    w: &Work,
+    cached: usize,
+    written: &[(usize, Ttl)],
+    reports: Vec<BreakpointReport>,
+) -> (TokenUsage, Usage, CacheReport) {
     let total = w.tokens.len();
-    let u = usage::compute(total, cached, &written);
+    let u = usage::compute(total, cached, written);
     for (class, n) in [
         ("input", u.input),
         ("write_5m", u.write_5m),

@@ -123,7 +123,7 @@ pub fn prepare(
             scope,
             &info.id,
             &info.adapter_id,
-            info.kv.dtype.as_str(),
+            info.key_dtype(),
             info.block_size,
         );
         ks.prefix_keys(&rendered.tokens, upto, &usage::boundaries(&rendered, upto))

