@@ -15,6 +15,9 @@ use crate::keys::PrefixKeys;
 use crate::node::{FabricNode, MissReason, PrefixRead};
 use crate::store::{EntryKind, PutBlock, WriteRefused};
 
+/// How long blocks pulled for an engine's own connector stay on the pulling node.
+pub const STAGED_TTL: Duration = Duration::from_secs(300);
+
 /// A handle to the fabric. Cloning is cheap.
 #[derive(Clone)]
 pub struct FabricClient {
@@ -83,6 +86,73 @@ impl FabricClient {
             .store()
             .leading_present(&scope, &keys.blocks[..max_full], now)
             * b
+    }
+
+    /// Before an engine's own connector beside this node reads `keys`: the leading full
+    /// blocks it will find here (ending at or before `upto`), after pulling, in a cluster,
+    /// those this node lacks from their owners into its own tiers (best-effort copies that
+    /// live [`STAGED_TTL`]). Nothing is refreshed that the connector does not then read.
+    pub async fn stage_prefix(
+        &self,
+        scope: Scope,
+        keys: &PrefixKeys,
+        upto: usize,
+        now: Instant,
+    ) -> usize {
+        let b = keys.block_size;
+        let full = upto / b * b;
+        let local = self.held_prefix(scope, keys, full, now);
+        let Some(c) = &self.cluster else {
+            return local;
+        };
+        if local >= full {
+            return local;
+        }
+        let read = c.read_prefix(scope, keys, full, now).await;
+        let pulled: Vec<PutBlock> = read
+            .links
+            .iter()
+            .zip(read.blocks)
+            .filter(|(l, _)| l.end > local && l.end - l.start == b)
+            .map(|(l, blk)| PutBlock::new(blk.hash, l.parent, blk.n_tokens, blk.data))
+            .collect();
+        if !pulled.is_empty() {
+            let n = pulled.len();
+            if let Err(e) = self.node.store().put_extra(&scope, pulled, STAGED_TTL, now) {
+                tracing::warn!(blocks = n, reason = e.as_str(), "could not stage pulled blocks");
+            }
+        }
+        self.held_prefix(scope, keys, full, now)
+    }
+
+    /// After an engine's own connector wrote the entry ending at `offset` into this node:
+    /// in a cluster, push its blocks to their owners too (as [`FabricClient::write_entry`]
+    /// does for blocks the gateway writes), so that any node can serve the prefix. A lone
+    /// node has nothing to do.
+    pub async fn replicate_written(
+        &self,
+        scope: Scope,
+        keys: &PrefixKeys,
+        offset: usize,
+        ttl: Duration,
+        now: Instant,
+        kind: EntryKind,
+    ) -> Result<(), WriteRefused> {
+        let Some(c) = &self.cluster else {
+            return Ok(());
+        };
+        let links = keys.chain_to(offset).ok_or(WriteRefused::MissingParent)?;
+        let hashes: Vec<BlockHash> = links.iter().map(|l| l.hash).collect();
+        let blocks = self.node.store().get_chain(&scope, &hashes, now);
+        if blocks.len() < links.len() {
+            return Err(WriteRefused::MissingParent);
+        }
+        let fresh = blocks
+            .into_iter()
+            .zip(&links)
+            .map(|(blk, l)| PutBlock::new(blk.hash, l.parent, blk.n_tokens, blk.data))
+            .collect();
+        c.write_entry(scope, &[], fresh, ttl, now, kind).await
     }
 
     /// What an engine's own connector reported about request `tag` (waiting up to `wait`

@@ -255,7 +255,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     // 1. The longest cached prefix, and why each later breakpoint had no entry.
     let mut read = match &keys {
         Some(k) if connector.is_some() => PrefixRead {
-            tokens: state.fabric.held_prefix(scope, k, upto, job.start),
+            tokens: state.fabric.stage_prefix(scope, k, upto, job.start).await,
             ..PrefixRead::default()
         },
         Some(k) => state.fabric.read_prefix(scope, k, upto, job.start).await,
@@ -579,7 +579,7 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
         .inflight
         .observe(&w.model, w.tokens.len() - pre.cached, took);
     let (u, api_usage, report) = if w.connector.is_some() {
-        connector_entries(&w, &pre)
+        connector_entries(&w, &pre, rt)
     } else {
         rt.block_on(write_entries(&w, &pre))
     };
@@ -798,7 +798,11 @@ fn prefill_with_connector(
 /// Breakpoint statuses and usage when an engine's connector wrote the entries: a breakpoint
 /// is written when the node now holds every full block before it (the connector saved them,
 /// or they were there); the tokens after its last full block are input.
-fn connector_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheReport) {
+fn connector_entries(
+    w: &Work,
+    pre: &Prefilled,
+    rt: &tokio::runtime::Handle,
+) -> (TokenUsage, Usage, CacheReport) {
     let cached = pre.cached;
     let bs = w.block_size.max(1);
     let mut written: Vec<(usize, Ttl)> = Vec::new();
@@ -814,6 +818,18 @@ fn connector_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRepo
             let held = w.state.fabric.held_prefix(w.scope, k, aligned, w.start);
             if held >= aligned {
                 written.push((aligned, pl.bp.ttl));
+                // In a cluster its owners get copies too, off the answer's path.
+                let (fabric, keys, scope, start) =
+                    (w.state.fabric.clone(), k.clone(), w.scope, w.start);
+                let (ttl, kind) = (pl.bp.ttl.duration(), entry_kind(pl.bp.automatic));
+                rt.spawn(async move {
+                    if let Err(r) = fabric
+                        .replicate_written(scope, &keys, aligned, ttl, start, kind)
+                        .await
+                    {
+                        tracing::warn!(reason = r.as_str(), "replicating a connector's entry");
+                    }
+                });
                 ("written", None)
             } else {
                 ("not_written", Some("not_saved".to_string()))
@@ -860,11 +876,7 @@ async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRe
                     &blocks,
                     pl.bp.ttl.duration(),
                     w.start,
-                    if pl.bp.automatic {
-                        EntryKind::BestEffort
-                    } else {
-                        EntryKind::Paid
-                    },
+                    entry_kind(pl.bp.automatic),
                 )
                 .await
             {
@@ -886,6 +898,15 @@ async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRe
         });
     }
     usage_and_report(w, cached, &written, reports)
+}
+
+/// Automatic caching's entries are best effort; explicit breakpoints are paid for.
+fn entry_kind(automatic: bool) -> EntryKind {
+    if automatic {
+        EntryKind::BestEffort
+    } else {
+        EntryKind::Paid
+    }
 }
 
 /// The request's prompt usage (counted in the metrics) and its cache report.

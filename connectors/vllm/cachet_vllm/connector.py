@@ -367,6 +367,13 @@ class CachetConnector(KVConnectorBase_V1):
                     ok += 1
                 failed = [b for _, b in work.blocks[ok:]]
                 if failed:
+                    logger.warning(
+                        "cachet: %d of %d blocks loaded (the rest missing, corrupt or unreachable); "
+                        "vLLM recomputes %d",
+                        ok,
+                        len(work.blocks),
+                        len(failed),
+                    )
                     self._load_errors.update(failed)
             try:
                 self._fabric.report(work.tag, work.local_tokens, ok * bs, (len(work.blocks) - ok) * bs)

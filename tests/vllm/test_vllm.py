@@ -1,0 +1,466 @@
+"""vLLM behind Cachet, end to end: a real vLLM CPU server with Cachet's KV connector.
+
+Run by `make vllm-test` (scripts/vllm-test.sh) with the pinned vLLM environment's Python:
+
+    CACHET_BIN=target/debug/cachet .cachet/vllm-venv/bin/python -m unittest -v tests/vllm/test_vllm.py
+
+What it proves, each against real processes (Postgres, Redis, `cachet`, vLLM):
+
+(a) a greedy answer through Cachet equals vLLM's own answer for the same messages, and once
+    vLLM's own prefix cache is emptied, the prefix Cachet holds is loaded by the connector:
+    vLLM's external-hit counter rises by exactly the cache read Cachet reports (a plain
+    proxy reports no read and moves no counter);
+(b) after vLLM restarts (its own cache empty), the prefix is loaded from the fabric and the
+    answer is unchanged; the OpenAI wire, streamed, reports the same read;
+(c) tenant B never reads tenant A's prefix, neither from the fabric nor from vLLM's cache;
+(f) a block corrupted on its way to vLLM is recomputed, never served: same answer, no read;
+(d) two instances, each with its own Cachet node: a prefix written by one is read by the
+    other;
+(e) vLLM killed mid-request: the client gets a clear error, the ledger one row, and the
+    next request is served by the other instance.
+
+Outside CI a missing prerequisite skips loudly; in CI it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+import urllib.error
+import urllib.request
+import uuid
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BIN = os.path.abspath(os.environ.get("CACHET_BIN", os.path.join(ROOT, "target", "debug", "cachet")))
+PG = os.environ.get("CACHET_TEST_PG", "postgres://postgres@127.0.0.1:5432")
+REDIS = os.environ.get("CACHET_TEST_REDIS", "redis://127.0.0.1:6379")
+TOKEN = "vllm-test-cluster-token-" + uuid.uuid4().hex[:12]
+MODEL = "smollm2-135m-instruct-vllm"
+LOGS = os.environ.get("CACHET_VLLM_TEST_LOGS") or tempfile.mkdtemp(prefix="cachet-vllm-test-")
+
+# A system prompt of a few hundred tokens: two full 128-token blocks and some.
+SYSTEM = (
+    "You are the support assistant of Northwind Freight, a company that ships parcels across "
+    "Europe. Answer briefly and politely. Parcels up to 30 kg ship by road; heavier ones by "
+    "rail. Customs forms are needed for Switzerland and Norway. Tracking numbers start with "
+    "NW and have ten digits. Refunds take five working days. "
+) * 3
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def need(cond: bool, why: str) -> None:
+    if cond:
+        return
+    if os.environ.get("CI"):
+        raise AssertionError(f"CI must have this: {why}")
+    raise unittest.SkipTest(why)
+
+
+def http(method: str, url: str, body=None, headers=None, timeout=180):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    if body is not None:
+        req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, dict(r.headers), (json.loads(raw) if raw and raw[:1] in b"{[" else raw)
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, dict(e.headers), json.loads(raw)
+        except ValueError:
+            return e.code, dict(e.headers), raw
+
+
+def wait_until(what: str, cond, timeout: float, proc=None, log=None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = open(log).read()[-4000:] if log else ""
+            raise AssertionError(f"{what}: the process exited ({proc.returncode})\n{tail}")
+        try:
+            if cond():
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    tail = open(log).read()[-4000:] if log else ""
+    raise AssertionError(f"{what}: not ready after {timeout} s\n{tail}")
+
+
+def metric(port: int, name: str, labels: str = "") -> float:
+    """One of vLLM's Prometheus counters (summed over the series that match `labels`)."""
+    _, _, text = http("GET", f"http://127.0.0.1:{port}/metrics")
+    total = 0.0
+    for line in text.decode().splitlines():
+        if line.startswith(name + "{") and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def external_hits(port: int) -> float:
+    return metric(port, "vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
+
+
+def local_hits(port: int) -> float:
+    return metric(port, "vllm:prefix_cache_hits_total")
+
+
+class Procs:
+    """Processes a test started, stopped (their whole process group) at the end."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, args: list[str], env: dict) -> tuple[subprocess.Popen, str]:
+        log = os.path.join(LOGS, f"{name}.log")
+        with open(log, "ab") as out:
+            p = subprocess.Popen(
+                args, cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.procs.append(p)
+        return p, log
+
+    @staticmethod
+    def kill(p: subprocess.Popen, sig=signal.SIGKILL) -> None:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            self.kill(p, signal.SIGTERM)
+
+
+def start_vllm(procs: Procs, name: str, port: int, fabric_port: int, cpus: str | None = None):
+    env = {
+        "CACHET_CLUSTER_TOKEN": TOKEN,
+        # Lets the test empty vLLM's own prefix cache (POST /reset_prefix_cache), loopback only.
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
+    if cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    p, log = procs.start(
+        name, [os.path.join(ROOT, "scripts", "vllm-serve.sh"), str(port), f"127.0.0.1:{fabric_port}"], env
+    )
+    return p, log
+
+
+def wait_vllm(p, log, port: int) -> None:
+    wait_until(
+        f"vLLM on {port}",
+        lambda: http("GET", f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200,
+        240,
+        p,
+        log,
+    )
+
+
+def cachet(args: list[str], env: dict) -> str:
+    r = subprocess.run([BIN, *args], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise AssertionError(f"cachet {' '.join(args)} failed: {r.stderr}")
+    return r.stdout.strip()
+
+
+def new_tenant(env: dict, name: str) -> tuple[str, str]:
+    """(tenant id, API key)"""
+    out = cachet(["admin", "tenant", "create", name], env)
+    tenant = out.rsplit("id ", 1)[1].strip()
+    key = cachet(["admin", "key", "create", "--tenant", name], env).splitlines()[-1].strip()
+    return tenant, key
+
+
+def psql(db_url: str, sql: str) -> str:
+    r = subprocess.run(["psql", db_url, "-tAc", sql], capture_output=True, text=True, check=True)
+    return r.stdout.strip()
+
+
+def messages(base: str, key: str, system: str = SYSTEM, question: str = QUESTION, max_tokens=24, stream=False):
+    body = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": question}],
+    }
+    headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    if not stream:
+        status, hdrs, r = http("POST", f"{base}/v1/messages", body, headers)
+        assert status == 200, f"{status}: {r}"
+        return r["content"][0]["text"], r["usage"], hdrs
+    body["stream"] = True
+    req = urllib.request.Request(
+        f"{base}/v1/messages", data=json.dumps(body).encode(), method="POST",
+        headers={**headers, "content-type": "application/json"},
+    )
+    return urllib.request.urlopen(req, timeout=180)
+
+
+def vllm_chat(port: int, system: str = SYSTEM, question: str = QUESTION, max_tokens=24) -> str:
+    status, _, r = http(
+        "POST",
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        {
+            "model": "smollm2",
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        },
+    )
+    assert status == 200, r
+    return r["choices"][0]["message"]["content"]
+
+
+def reset_vllm_cache(port: int) -> None:
+    status, _, r = http("POST", f"http://127.0.0.1:{port}/reset_prefix_cache")
+    assert status == 200, f"reset_prefix_cache: {status} {r}"
+
+
+class CorruptingProxy:
+    """Between a connector and its node: passes bytes both ways; when armed, flips one byte
+    in the block data of the next GET answer (a block corrupted on the wire)."""
+
+    def __init__(self, target_port: int):
+        self.target = target_port
+        self.armed = threading.Event()
+        self.corrupted = 0
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            s = socket.create_connection(("127.0.0.1", self.target))
+            get_pending = threading.Event()
+            threading.Thread(target=self._up, args=(c, s, get_pending), daemon=True).start()
+            threading.Thread(target=self._down, args=(s, c, get_pending), daemon=True).start()
+
+    @staticmethod
+    def _recv_exact(s, n):
+        buf = b""
+        while len(buf) < n:
+            k = s.recv(n - len(buf))
+            if not k:
+                raise OSError("closed")
+            buf += k
+        return buf
+
+    def _up(self, c, s, get_pending):
+        try:
+            while True:
+                head = self._recv_exact(c, 4)
+                n = int.from_bytes(head, "little")
+                body = self._recv_exact(c, n)
+                if body[0] == 2 and self.armed.is_set():
+                    self.armed.clear()
+                    get_pending.set()
+                s.sendall(head + body)
+        except OSError:
+            s.close()
+
+    def _down(self, s, c, get_pending):
+        # A GET answer: status(1) count(4), then per block a 48-byte header and its data.
+        flip_at = None
+        seen = 0
+        try:
+            while True:
+                chunk = bytearray(s.recv(1 << 16))
+                if not chunk:
+                    break
+                if get_pending.is_set() and flip_at is None:
+                    flip_at, seen = 5 + 48 + 4096, 0
+                    get_pending.clear()
+                if flip_at is not None and seen <= flip_at < seen + len(chunk):
+                    chunk[flip_at - seen] ^= 0xFF
+                    self.corrupted += 1
+                    flip_at = None
+                seen += len(chunk)
+                c.sendall(chunk)
+        except OSError:
+            pass
+        c.close()
+
+
+def have_prerequisites() -> None:
+    need(os.path.exists(BIN), f"the cachet binary at {BIN} (cargo build)")
+    need(shutil.which("psql") is not None, "psql (Postgres client)")
+    need(
+        os.path.exists(os.path.join(ROOT, ".cachet", "models", "smollm2-hf", "model.safetensors")),
+        "the converted model (scripts/vllm-model.sh)",
+    )
+
+
+class SingleInstance(unittest.TestCase):
+    """`cachet serve` with one vLLM server beside it."""
+
+    @classmethod
+    def setUpClass(cls):
+        have_prerequisites()
+        cls.procs = Procs()
+        cls.db = f"cachet_vllm_test_{os.getpid()}"
+        cls.db_url = f"{PG}/{cls.db}"
+        cls.api_port, cls.fabric_port, cls.vllm_port = free_port(), free_port(), free_port()
+        cls.proxy = CorruptingProxy(cls.fabric_port)
+        data = tempfile.mkdtemp(prefix="cachet-vllm-serve-")
+        cfg = os.path.join(data, "cachet.toml")
+        with open(cfg, "w") as f:
+            f.write(
+                f'listen = "127.0.0.1:{cls.api_port}"\n'
+                f'database_url = "{cls.db_url}"\n'
+                f'data_dir = "{data}"\n'
+                f'redis_url = ""\n'
+                f'[fabric]\nlisten = "127.0.0.1:{cls.fabric_port}"\n'
+                f'[engine]\nkind = "sim"\n'
+                f'[[engine.vllm]]\nurl = "http://127.0.0.1:{cls.vllm_port}"\n'
+            )
+        cls.env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
+        # vLLM first (it takes ~30 s); its connector reaches the node through the proxy.
+        cls.vllm, cls.vllm_log = start_vllm(cls.procs, "vllm-single", cls.vllm_port, cls.proxy.port)
+        cachet(["migrate"], cls.env)
+        cls.tenant_a, cls.key_a = new_tenant(cls.env, "tenant-a")
+        cls.tenant_b, cls.key_b = new_tenant(cls.env, "tenant-b")
+        cls.serve, cls.serve_log = cls.procs.start("serve", [BIN, "serve"], cls.env)
+        cls.base = f"http://127.0.0.1:{cls.api_port}"
+        wait_until("cachet serve", lambda: http("GET", f"{cls.base}/healthz", timeout=2)[0] == 200, 60,
+                   cls.serve, cls.serve_log)
+        wait_vllm(cls.vllm, cls.vllm_log, cls.vllm_port)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.procs.stop_all()
+        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {cls.db} WITH (FORCE)"],
+                       capture_output=True)
+
+    def ledger(self, tenant: str) -> list[tuple]:
+        """The tenant's usage rows, oldest first, once the meter has committed them."""
+        time.sleep(0.5)
+        rows = psql(
+            self.db_url,
+            "SELECT input_tokens, cache_write_5m_tokens, cache_read_tokens, status FROM usage_events "
+            f"WHERE tenant_id = '{tenant}' ORDER BY started_at",
+        )
+        return [tuple(r.split("|")) for r in rows.splitlines() if r]
+
+    def test_1_same_answer_and_external_hits(self):
+        """(a)"""
+        own = vllm_chat(self.vllm_port)
+        text, usage, _ = messages(self.base, self.key_a)
+        self.assertEqual(text, own, "Cachet's greedy answer differs from vLLM's own")
+        self.assertGreater(usage["cache_creation_input_tokens"], 0, usage)
+        self.assertEqual(usage["cache_read_input_tokens"], 0, usage)
+        written = usage["cache_creation_input_tokens"]
+        self.assertEqual(written % 128, 0, "writes are whole vLLM blocks")
+        # vLLM's own cache emptied: the prefix can only come from the fabric.
+        reset_vllm_cache(self.vllm_port)
+        before = external_hits(self.vllm_port)
+        text2, usage2, _ = messages(self.base, self.key_a)
+        self.assertEqual(text2, own)
+        self.assertEqual(usage2["cache_read_input_tokens"], written, usage2)
+        self.assertEqual(external_hits(self.vllm_port) - before, written,
+                         "vLLM's external-hit counter must rise by the read Cachet billed")
+        rows = self.ledger(self.tenant_a)
+        self.assertEqual(int(rows[-1][2]), written, f"the ledger bills the read: {rows}")
+
+    def test_2_restart_loads_from_the_fabric(self):
+        """(b), and the OpenAI wire streamed"""
+        text, usage, _ = messages(self.base, self.key_a)  # written (or read) before the restart
+        Procs.kill(self.vllm)
+        cls = type(self)
+        cls.vllm, cls.vllm_log = start_vllm(self.procs, "vllm-single-restarted", self.vllm_port, self.proxy.port)
+        wait_vllm(cls.vllm, cls.vllm_log, self.vllm_port)
+        self.assertEqual(external_hits(self.vllm_port), 0)
+        text2, usage2, _ = messages(self.base, self.key_a)
+        self.assertEqual(text2, text)
+        self.assertGreater(usage2["cache_read_input_tokens"], 0, usage2)
+        self.assertEqual(external_hits(self.vllm_port), usage2["cache_read_input_tokens"])
+        # The OpenAI wire, streamed, after vLLM's own cache is emptied again.
+        import openai
+
+        reset_vllm_cache(self.vllm_port)
+        client = openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.key_a)
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        parts, last = [], None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                last = chunk.usage
+        self.assertEqual("".join(parts), text)
+        self.assertIsNotNone(last)
+        self.assertGreater(last.prompt_tokens_details.cached_tokens, 0, last)
+
+    def test_3_tenants_never_share(self):
+        """(c)"""
+        messages(self.base, self.key_a)  # A's prefix is in the fabric and in vLLM's cache
+        local, ext = local_hits(self.vllm_port), external_hits(self.vllm_port)
+        text, usage, _ = messages(self.base, self.key_b)
+        self.assertEqual(usage["cache_read_input_tokens"], 0, f"B read A's prefix: {usage}")
+        self.assertEqual(local_hits(self.vllm_port), local, "B hit A's blocks in vLLM's own cache")
+        self.assertEqual(external_hits(self.vllm_port), ext, "B loaded A's blocks")
+        self.assertGreater(usage["cache_creation_input_tokens"], 0, "B writes its own entry")
+        # A client's own cache_salt (OpenAI wire) is refused or ignored, never forwarded.
+        status, _, r = http(
+            "POST", f"{self.base}/v1/chat/completions",
+            {"model": MODEL, "max_tokens": 4, "cache_salt": "x",
+             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]},
+            {"authorization": f"Bearer {self.key_b}"},
+        )
+        self.assertIn(status, (200, 400), r)
+        self.assertEqual(local_hits(self.vllm_port) - local >= 0, True)
+        if status == 200:
+            self.assertEqual(r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, True,
+                             "B's second request reads B's own prefix")
+
+    def test_4_corrupt_block_recomputed(self):
+        """(f)"""
+        text, _, _ = messages(self.base, self.key_a)
+        reset_vllm_cache(self.vllm_port)
+        before = self.proxy.corrupted
+        self.proxy.armed.set()
+        text2, usage2, _ = messages(self.base, self.key_a)
+        self.assertEqual(self.proxy.corrupted, before + 1, "the proxy corrupted a block")
+        self.assertEqual(text2, text, "a corrupted block changed the answer")
+        self.assertEqual(usage2["cache_read_input_tokens"], 0, f"a corrupted block was billed as read: {usage2}")
+        # The next request loads it intact.
+        reset_vllm_cache(self.vllm_port)
+        text3, usage3, _ = messages(self.base, self.key_a)
+        self.assertEqual(text3, text)
+        self.assertGreater(usage3["cache_read_input_tokens"], 0)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
