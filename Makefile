@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 
 # (api-fuzz, fuzz-api: schemathesis against a real server; fuzz-slice, fuzz: cargo fuzz;
 # chaos: faults under load)
-.PHONY: bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
+.PHONY: vllm-test run-vllm bench-vllm bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
 
 UI := admin-ui
 
@@ -25,9 +25,14 @@ run: services model build-release admin-ui
 	  scripts/print-examples.sh "$$KEY" "$$ADMIN" && \
 	  exec $(TARGET)/release/cachet serve
 
+## `make run` with a vLLM server (CPU build) beside it whose KV connector keeps its KV in
+## Cachet's fabric: clients name the model smollm2-135m-instruct-vllm (docs/operations.md).
+run-vllm: services model build-release admin-ui
+	@scripts/run-vllm.sh $(TARGET)/release/cachet
+
 ## The full suite: formatting, lints, Rust tests, docs, the anthropic SDK tests, the admin
 ## UI's unit tests and its end-to-end suite in Chromium.
-test: services model lint rust-test rdma-test doc sdk-test api-fuzz fuzz-slice bench-slice ui-test e2e
+test: services model lint rust-test rdma-test doc sdk-test vllm-test api-fuzz fuzz-slice bench-slice ui-test e2e
 
 services:
 	@scripts/services.sh
@@ -70,6 +75,11 @@ rust-test: build
 ## machine's kernel has no RDMA support.
 rdma-test:
 	scripts/rdma-vm.sh
+
+## vLLM behind Cachet, end to end, against real vLLM CPU servers with Cachet's KV connector
+## (the pinned environment and the converted model are made once and reused).
+vllm-test: services model build
+	CACHET_BIN=$(TARGET)/debug/cachet scripts/vllm-test.sh
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: tests/sdk/requirements.txt

@@ -127,6 +127,7 @@ fn generate(
             exports,
             sampling: Sampling::default(),
             max_new_tokens: 20,
+            connector: None,
         })
         .unwrap();
     let exported = g.take_exports();

@@ -119,7 +119,11 @@ impl FabricClient {
         if !pulled.is_empty() {
             let n = pulled.len();
             if let Err(e) = self.node.store().put_extra(&scope, pulled, STAGED_TTL, now) {
-                tracing::warn!(blocks = n, reason = e.as_str(), "could not stage pulled blocks");
+                tracing::warn!(
+                    blocks = n,
+                    reason = e.as_str(),
+                    "could not stage pulled blocks"
+                );
             }
         }
         self.held_prefix(scope, keys, full, now)

@@ -461,6 +461,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     let outcome = tokio::task::spawn_blocking(move || generate(work, &rt)).await;
     metrics::ENGINE_INFLIGHT.dec();
     let done = outcome.unwrap_or_else(|e| Finished {
+        unserved: false,
         usage: TokenUsage::default(),
         output: 0,
         status: UsageStatus::Failed,
@@ -472,7 +473,11 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     // The usage event is handed to the meter before the response ends, so a client that has
     // read the whole response can rely on its ledger row being on its way.
     let ev = meter(done.usage, done.output, done.status);
-    if done.status == UsageStatus::ClientDisconnected && state.config.internal_token.is_some() {
+    if done.unserved {
+        tracing::warn!("the engine was unreachable; answered 529 and recorded no usage");
+    } else if done.status == UsageStatus::ClientDisconnected
+        && state.config.internal_token.is_some()
+    {
         // Our client is a gateway, which may be resuming this stream on another node: that
         // node's complete row must be the request's row, so ours waits (durably journaled).
         state
@@ -492,6 +497,10 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
 
 /// How the blocking part ended, and the event that ends the response (sent after metering).
 struct Finished {
+    /// The engine could not be reached before it did any work (nothing to bill): no ledger
+    /// row, so that a routing gateway's retry of this request id on another node is the
+    /// request's one row (the ledger keeps the first row of a request id).
+    unserved: bool,
     usage: TokenUsage,
     output: u64,
     status: UsageStatus,
@@ -543,6 +552,7 @@ struct Work {
 /// Prefill, write, report, decode. Returns the prompt usage, output tokens and how it ended.
 fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
     let finished = |usage, output, status, last| Finished {
+        unserved: false,
         usage,
         output,
         status,
@@ -563,6 +573,16 @@ fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
     };
     let pre = match started {
         Ok(p) => p,
+        Err(EngineError::Unavailable(why)) => {
+            let err = Event::Error(engine_error(
+                "prefill failed",
+                EngineError::Unavailable(why),
+            ));
+            return Finished {
+                unserved: true,
+                ..finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err))
+            };
+        }
         Err(e) => {
             let err = Event::Error(engine_error("prefill failed", e));
             return finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err));

@@ -462,5 +462,187 @@ class SingleInstance(unittest.TestCase):
         self.assertGreater(usage3["cache_read_input_tokens"], 0)
 
 
+class TwoInstances(unittest.TestCase):
+    """A cluster: two `cachet node`s, each with its own vLLM server (one core each), behind
+    `cachet gateway`."""
+
+    @classmethod
+    def setUpClass(cls):
+        have_prerequisites()
+        need(shutil.which("redis-cli") is not None, "redis-cli (Redis)")
+        cls.procs = Procs()
+        cls.db = f"cachet_vllm_cluster_{os.getpid()}"
+        cls.db_url = f"{PG}/{cls.db}"
+        cls.prefix = f"vllmtest{os.getpid()}"
+        data = tempfile.mkdtemp(prefix="cachet-vllm-cluster-")
+        cfg = os.path.join(data, "cachet.toml")
+        with open(cfg, "w") as f:
+            f.write(
+                f'database_url = "{cls.db_url}"\n'
+                f'redis_url = "{REDIS}"\n'
+                f'data_dir = "{data}"\n'
+                '[engine]\nkind = "sim"\n'
+                '[cluster]\nreplicas = 2\ngroup_size = 2\n'
+            )
+        env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
+        cls.env = env
+        cls.nodes = {}
+        for i, n in enumerate(["n1", "n2"]):
+            fabric, api, vllm = free_port(), free_port(), free_port()
+            p, log = start_vllm(cls.procs, f"vllm-{n}", vllm, fabric, cpus=str(i % max(1, os.cpu_count() or 1)))
+            cls.nodes[n] = {"fabric": fabric, "api": api, "vllm": vllm, "vllm_proc": p, "vllm_log": log}
+        cachet(["migrate"], env)
+        cls.tenant, cls.key = new_tenant(env, "cluster-tenant")
+        cls.tenant_d, cls.key_d = new_tenant(env, "cluster-killed")
+        for n, c in cls.nodes.items():
+            c["proc"], c["log"] = cls.procs.start(
+                n,
+                [BIN, "node", "--id", n, "--redis-prefix", cls.prefix,
+                 "--listen", f"127.0.0.1:{c['fabric']}", "--api-listen", f"127.0.0.1:{c['api']}"],
+                {**env, "CACHET_VLLM_URL": f"http://127.0.0.1:{c['vllm']}",
+                 "CACHET_DATA_DIR": os.path.join(data, n)},
+            )
+        gw = free_port()
+        cls.gateway, cls.gateway_log = cls.procs.start(
+            "gateway", [BIN, "gateway", "--redis-prefix", cls.prefix],
+            {**env, "CACHET_LISTEN": f"127.0.0.1:{gw}",
+             # The gateway renders and counts tokens as the nodes do; it never calls vLLM.
+             "CACHET_VLLM_URL": f"http://127.0.0.1:{cls.nodes['n1']['vllm']}",
+             "CACHET_DATA_DIR": os.path.join(data, "gw")},
+        )
+        cls.base = f"http://127.0.0.1:{gw}"
+
+        def ready():
+            status, _, body = http("GET", f"{cls.base}/readyz", timeout=2)
+            text = json.dumps(body) if not isinstance(body, bytes) else body.decode()
+            return status == 200 and '"n1"' in text and '"n2"' in text
+
+        wait_until("cachet gateway with two nodes", ready, 90, cls.gateway, cls.gateway_log)
+        for c in cls.nodes.values():
+            wait_vllm(c["vllm_proc"], c["vllm_log"], c["vllm"])
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.procs.stop_all()
+        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {cls.db} WITH (FORCE)"],
+                       capture_output=True)
+        keys = subprocess.run(["redis-cli", "-u", REDIS, "--scan", "--pattern", f"{cls.prefix}:*"],
+                              capture_output=True, text=True).stdout.split()
+        if keys:
+            subprocess.run(["redis-cli", "-u", REDIS, "del", *keys], capture_output=True)
+
+    SYSTEM = "You answer questions about the solar system for a planetarium. " * 12
+
+    def node_direct(self, node: str, key: str):
+        """The same request sent straight to one node, as the routing gateway sends it."""
+        body = {
+            "model": MODEL,
+            "max_tokens": 24,
+            "system": [{"type": "text", "text": self.SYSTEM, "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": QUESTION}],
+        }
+        status, _, r = http(
+            "POST", f"http://127.0.0.1:{self.nodes[node]['api']}/v1/messages", body,
+            {"x-api-key": key, "anthropic-version": "2023-06-01",
+             "x-cachet-cluster-token": TOKEN, "x-cachet-request-id": str(uuid.uuid4())},
+        )
+        self.assertEqual(status, 200, r)
+        return r["content"][0]["text"], r["usage"]
+
+    def test_5_prefix_written_on_one_is_read_on_the_other(self):
+        """(d)"""
+        text, usage, hdrs = messages(self.base, self.key, system=self.SYSTEM)
+        first = hdrs.get("x-cachet-node")
+        self.assertIn(first, self.nodes, hdrs)
+        self.assertGreater(usage["cache_creation_input_tokens"], 0, usage)
+        other = next(n for n in self.nodes if n != first)
+        before = external_hits(self.nodes[other]["vllm"])
+        text2, usage2 = self.node_direct(other, self.key)
+        self.assertEqual(text2, text)
+        self.assertEqual(usage2["cache_read_input_tokens"], usage["cache_creation_input_tokens"], usage2)
+        self.assertEqual(external_hits(self.nodes[other]["vllm"]) - before, usage2["cache_read_input_tokens"],
+                         "the other instance's vLLM loaded the prefix through its connector")
+        type(self).written = (text, usage["cache_creation_input_tokens"])
+
+    def test_6_killed_instance(self):
+        """(e)"""
+        resp = messages(self.base, self.key_d, system=self.SYSTEM,
+                        question="Write a long story about a lighthouse keeper.", max_tokens=400, stream=True)
+        victim = resp.headers.get("x-cachet-node")
+        self.assertIn(victim, self.nodes)
+        survivor = next(n for n in self.nodes if n != victim)
+        deltas, error, killed, event = 0, None, False, None
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:") and event == "error":
+                error = json.loads(line[5:])["error"]
+                break
+            elif line.startswith("data:") and event == "content_block_delta":
+                deltas += 1
+                if deltas == 5 and not killed:
+                    Procs.kill(self.nodes[victim]["vllm_proc"])
+                    killed = True
+            elif event == "message_stop":
+                break
+        resp.close()
+        self.assertTrue(killed, "the stream ended before vLLM could be killed")
+        self.assertIsNotNone(error, "a stream cut by a dead vLLM must end with an error event")
+        self.assertEqual(error["type"], "overloaded_error", error)
+        self.assertIn("model server is unavailable", error["message"])
+        # One ledger row for it, failed, with the output it had produced.
+        deadline, rows = time.time() + 10, []
+        while time.time() < deadline and not rows:
+            rows = [r.split("|") for r in psql(
+                self.db_url, f"SELECT status, output_tokens FROM usage_events WHERE tenant_id = '{self.tenant_d}'"
+            ).splitlines() if r]
+            time.sleep(0.25)
+        time.sleep(1)
+        rows = [r.split("|") for r in psql(
+            self.db_url, f"SELECT status, output_tokens FROM usage_events WHERE tenant_id = '{self.tenant_d}'"
+        ).splitlines() if r]
+        self.assertEqual(len(rows), 1, rows)
+        self.assertEqual(rows[0][0], "failed", rows)
+        self.assertGreaterEqual(int(rows[0][1]), 5, rows)
+        # A node whose vLLM is down answers 529 before doing any work, saying why, and records
+        # nothing (the gateway then tries the next node under the same request id).
+        status, hdrs, r = http(
+            "POST", f"http://127.0.0.1:{self.nodes[victim]['api']}/v1/messages",
+            {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": QUESTION}]},
+            {"x-api-key": self.key_d, "anthropic-version": "2023-06-01",
+             "x-cachet-cluster-token": TOKEN, "x-cachet-request-id": str(uuid.uuid4())},
+        )
+        self.assertEqual(status, 529, r)
+        self.assertIn("model server is unavailable", r["error"]["message"])
+        self.assertIn("retry-after", {k.lower() for k in hdrs})
+        time.sleep(1)
+        self.assertEqual(
+            psql(self.db_url, f"SELECT count(*) FROM usage_events WHERE tenant_id = '{self.tenant_d}'"), "1",
+            "a request the dead vLLM never saw must not be billed",
+        )
+        # The service goes on with the other instance: every request lands there.
+        text, written = getattr(self, "written", (None, None))
+        ok = 0
+        for _ in range(3):
+            t, usage, hdrs = messages(self.base, self.key, system=self.SYSTEM)
+            self.assertEqual(hdrs.get("x-cachet-node"), survivor, hdrs)
+            if text is not None:
+                self.assertEqual(t, text)
+                self.assertEqual(usage["cache_read_input_tokens"], written, usage)
+            ok += 1
+        self.assertEqual(ok, 3)
+        # Each of those is billed once, retried or not (the dead node recorded nothing).
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            n = int(psql(self.db_url, f"SELECT count(*) FROM usage_events WHERE tenant_id = '{self.tenant}'"))
+            if n >= 5:
+                break
+            time.sleep(0.25)
+        time.sleep(1)
+        n = int(psql(self.db_url, f"SELECT count(*) FROM usage_events WHERE tenant_id = '{self.tenant}'"))
+        self.assertEqual(n, 5, "two requests before the kill, three after: one row each")
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# `make run-vllm`: `make run`, plus a vLLM server (its CPU build) serving SmolLM2 with Cachet's
+# KV connector, its KV kept in the service's fabric node. Clients name the model
+# `smollm2-135m-instruct-vllm`; everything else is as `make run` (the reference engine too).
+#
+#   scripts/run-vllm.sh path/to/cachet
+#
+# Environment: CACHET_VLLM_PORT (8100), CACHET_FABRIC_LISTEN (127.0.0.1:7400, where the
+# connector reaches the node), CACHET_CLUSTER_TOKEN (generated if unset: the connector and the
+# node share it), VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE. vLLM's log: .cachet/vllm.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${1:?usage: scripts/run-vllm.sh path/to/cachet}
+PORT=${CACHET_VLLM_PORT:-8100}
+export CACHET_FABRIC_LISTEN=${CACHET_FABRIC_LISTEN:-127.0.0.1:7400}
+export CACHET_VLLM_URL=http://127.0.0.1:$PORT
+export CACHET_CLUSTER_TOKEN=${CACHET_CLUSTER_TOKEN:-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')}
+mkdir -p .cachet
+echo "run-vllm: starting vLLM on 127.0.0.1:$PORT (log: .cachet/vllm.log; about 40 s)" >&2
+setsid scripts/vllm-serve.sh "$PORT" "$CACHET_FABRIC_LISTEN" >.cachet/vllm.log 2>&1 &
+VLLM=$!
+trap 'kill -- -$VLLM 2>/dev/null || kill $VLLM 2>/dev/null || true' EXIT
+"$BIN" migrate >/dev/null
+scripts/admin-user.sh "$BIN"
+export CACHET_ADMIN_JWT_SECRET="${CACHET_ADMIN_JWT_SECRET:-$(scripts/admin-secret.sh)}"
+KEY=$("$BIN" demo)
+ADMIN=$("$BIN" billing token --role platform_admin --subject make-run --ttl-secs 86400)
+for _ in $(seq 600); do
+  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+  kill -0 $VLLM 2>/dev/null || { echo "run-vllm: vLLM exited; see .cachet/vllm.log" >&2; tail -20 .cachet/vllm.log >&2; exit 1; }
+  sleep 0.5
+done
+scripts/print-examples.sh "$KEY" "$ADMIN"
+cat <<MSG
+vLLM is up: the same examples with "model": "smollm2-135m-instruct-vllm" are answered by vLLM,
+whose KV cache lives in Cachet's fabric (run one twice after restarting vLLM: the prefix is
+loaded from the fabric, cache_read_input_tokens > 0).
+
+MSG
+"$BIN" serve
