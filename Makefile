@@ -81,6 +81,10 @@ rdma-test:
 vllm-test: services model build
 	CACHET_BIN=$(TARGET)/debug/cachet scripts/vllm-test.sh
 
+## TTFT with a connector-loaded prefix vs recomputed on vLLM CPU (docs/benchmarks.md).
+bench-vllm: services model
+	loadtests/vllm-bench.sh
+
 venv: $(VENV)/.installed
 $(VENV)/.installed: tests/sdk/requirements.txt
 	python3 -m venv $(VENV)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# `make bench-vllm`: TTFT of vLLM's CPU build with a prefix its KV connector loads vs
+# recomputed, at 1K / 4K / 7K prompt tokens (BENCH_SIZES), for Cachet's connector, no
+# connector (the connector's cost on a miss) and vLLM's own offloading connector, in one run
+# (loadtests/vllm_bench.py). Needs Postgres; about 10 minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=$(scripts/vllm-env.sh)
+scripts/vllm-model.sh "$PY" >/dev/null
+export CACHET_BIN=${CACHET_BIN:-${CARGO_TARGET_DIR:-target}/release/cachet}
+[ -x "$CACHET_BIN" ] || cargo build --release --locked --bin cachet
+export CACHET_VLLM_TEST_LOGS=${CACHET_VLLM_TEST_LOGS:-$(mktemp -d)}
+echo "# $(date -u +%FT%TZ) $(nproc) cores; logs in $CACHET_VLLM_TEST_LOGS" >&2
+exec "$PY" loadtests/vllm_bench.py

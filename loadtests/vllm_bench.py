@@ -1,0 +1,188 @@
+"""TTFT of vLLM (CPU build) with a prefix loaded by a KV connector vs recomputed, at several
+prompt lengths, in one run: Cachet's connector behind `cachet serve`, vLLM with no connector
+behind `cachet serve` (the connector's cost on a request that hits nothing), and vLLM's own
+offloading connector (or, if it does not run on the CPU backend, its example file connector)
+on the same prompts. Run by loadtests/vllm-bench.sh (`make bench-vllm`); prints a Markdown
+table for docs/benchmarks.md.
+
+Each "hit" runs after vLLM's own prefix cache is emptied (POST /reset_prefix_cache), so the
+prefix can only come from the connector; vLLM's counters confirm how many prompt tokens came
+from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "vllm"))
+import test_vllm as t  # noqa: E402  (process helpers shared with the end-to-end tests)
+
+SIZES = [int(s) for s in os.environ.get("BENCH_SIZES", "1000,4000,7000").split(",")]
+WORDS = (
+    "freight parcel customs invoice route rail road depot warehouse tracking refund border "
+    "schedule carrier pallet container weight volume express standard insurance claim driver "
+    "station harbour ferry transit manifest declaration tariff delivery pickup label"
+).split()
+
+
+def prompt_text(tokens: int, seed: int) -> str:
+    rng = random.Random(seed)
+    # About 1.3 tokens a word with this vocabulary and its punctuation.
+    words = [rng.choice(WORDS) for _ in range(int(tokens / 1.3))]
+    return " ".join(w + ("." if i % 12 == 11 else "") for i, w in enumerate(words))
+
+
+def ttft_cachet(base: str, key: str, system: str) -> tuple[float, dict]:
+    body = {
+        "model": t.MODEL,
+        "max_tokens": 1,
+        "stream": True,
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": "Summarize the above in one word."}],
+    }
+    req = urllib.request.Request(
+        f"{base}/v1/messages", data=json.dumps(body).encode(), method="POST",
+        headers={"x-api-key": key, "anthropic-version": "2023-06-01", "content-type": "application/json"},
+    )
+    start = time.perf_counter()
+    usage, first = None, None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        event = None
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:") and event == "message_start":
+                usage = json.loads(line[5:])["message"]["usage"]
+            elif line.startswith("data:") and event == "content_block_delta" and first is None:
+                first = time.perf_counter() - start
+            elif event == "message_stop":
+                break
+    return (first if first is not None else time.perf_counter() - start), usage
+
+
+def ttft_direct(port: int, system: str) -> float:
+    body = {
+        "model": "smollm2",
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "messages": [{"role": "system", "content": system},
+                     {"role": "user", "content": "Summarize the above in one word."}],
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+        headers={"content-type": "application/json"},
+    )
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            if raw.startswith(b"data:") and b'"content"' in raw:
+                return time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    procs = t.Procs()
+    out = []
+    db = f"cachet_vllm_bench_{os.getpid()}"
+    try:
+        api, fabric, vport = t.free_port(), t.free_port(), t.free_port()
+        data = tempfile.mkdtemp(prefix="cachet-vllm-bench-")
+        cfg = os.path.join(data, "cachet.toml")
+        with open(cfg, "w") as f:
+            f.write(
+                f'listen = "127.0.0.1:{api}"\ndatabase_url = "{t.PG}/{db}"\ndata_dir = "{data}"\n'
+                f'redis_url = ""\n[fabric]\nlisten = "127.0.0.1:{fabric}"\n'
+                "dram_capacity_bytes = 4294967296\n[engine]\nkind = \"sim\"\n"
+                f'[[engine.vllm]]\nurl = "http://127.0.0.1:{vport}"\n'
+            )
+        env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": t.TOKEN, "RUST_LOG": "warn"}
+        t.cachet(["migrate"], env)
+        serve, serve_log = procs.start("bench-serve", [t.BIN, "serve"], env)
+        base = f"http://127.0.0.1:{api}"
+        t.wait_until("cachet serve", lambda: t.http("GET", f"{base}/healthz", timeout=2)[0] == 200, 60, serve,
+                     serve_log)
+        prompts = {n: prompt_text(n, n) for n in SIZES}
+        rows = {n: {} for n in SIZES}
+
+        def vllm(name: str, connector: str):
+            os.environ["CACHET_VLLM_CONNECTOR"] = connector
+            p, log = t.start_vllm(procs, name, vport, fabric)
+            t.wait_vllm(p, log, vport)
+            return p, log
+
+        # 1. Cachet's connector.
+        p, _ = vllm("bench-vllm-cachet", "on")
+        _, key = t.new_tenant(env, "bench-cachet")
+        for n, text in prompts.items():
+            miss, u = ttft_cachet(base, key, text)
+            t.reset_vllm_cache(vport)
+            before = t.external_hits(vport)
+            hit, u2 = ttft_cachet(base, key, text)
+            rows[n]["tokens"] = u["input_tokens"] + u["cache_creation_input_tokens"] + u["cache_read_input_tokens"]
+            rows[n]["cachet_miss"], rows[n]["cachet_hit"] = miss, hit
+            rows[n]["cachet_read"] = u2["cache_read_input_tokens"]
+            rows[n]["cachet_external"] = t.external_hits(vport) - before
+        t.Procs.kill(p)
+        # 2. No connector (the same gateway, keys and all): the connector's cost on a miss.
+        p, _ = vllm("bench-vllm-plain", "off")
+        _, key = t.new_tenant(env, "bench-plain")
+        for n, text in prompts.items():
+            rows[n]["plain_miss"], _ = ttft_cachet(base, key, text)
+        t.Procs.kill(p)
+        # 3. vLLM's own offloading connector, else its example file connector.
+        offload = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                              "kv_connector_extra_config": {"cpu_bytes_to_use": 4 << 30}})
+        other = "OffloadingConnector"
+        try:
+            p, _ = vllm("bench-vllm-offloading", offload)
+        except AssertionError as e:
+            lines = [ln for ln in str(e).splitlines() if "Error" in ln or "error" in ln]
+            rows["offloading_error"] = lines[-1][:300] if lines else str(e)[:300]
+            kv = tempfile.mkdtemp(prefix="cachet-bench-example-kv-")
+            other = "ExampleConnector"
+            p, _ = vllm("bench-vllm-example", json.dumps({
+                "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": kv}}))
+        for n, text in prompts.items():
+            miss = ttft_direct(vport, text)
+            t.reset_vllm_cache(vport)
+            before = t.external_hits(vport)
+            hit = ttft_direct(vport, text)
+            rows[n]["other_miss"], rows[n]["other_hit"] = miss, hit
+            rows[n]["other_external"] = t.external_hits(vport) - before
+        t.Procs.kill(p)
+        rows["other"] = other
+        out = rows
+    finally:
+        procs.stop_all()
+        subprocess.run(["psql", f"{t.PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"],
+                       capture_output=True)
+    other = out.pop("other")
+    err = out.pop("offloading_error", None)
+    print(f"| prompt tokens | Cachet: recomputed (ms) | Cachet: loaded (ms) | loaded / recomputed "
+          f"| tokens loaded (vLLM counter) | no connector (ms) | connector cost on a miss "
+          f"| {other}: recomputed (ms) | {other}: loaded (ms) | {other}: loaded / recomputed |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n in SIZES:
+        r = out[n]
+        print(
+            f"| {r['tokens']} | {r['cachet_miss'] * 1e3:.0f} | {r['cachet_hit'] * 1e3:.0f} "
+            f"| {r['cachet_hit'] / r['cachet_miss']:.1%} | {r['cachet_read']} ({r['cachet_external']:.0f}) "
+            f"| {r['plain_miss'] * 1e3:.0f} | {r['cachet_miss'] / r['plain_miss'] - 1:+.1%} "
+            f"| {r['other_miss'] * 1e3:.0f} | {r['other_hit'] * 1e3:.0f} | {r['other_hit'] / r['other_miss']:.1%} |"
+        )
+    if err:
+        print(f"\nOffloadingConnector did not start on the CPU backend: `{err}`")
+
+
+if __name__ == "__main__":
+    main()
