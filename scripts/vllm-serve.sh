@@ -8,7 +8,8 @@
 #
 # Environment: VLLM_CPU_OMP_THREADS_BIND (cores to pin to, e.g. "0" or "1"; vLLM's default:
 # all), VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, default 1), CACHET_VLLM_BLOCK_SIZE (default
-# 128), CACHET_VLLM_CONNECTOR=off (serve without the connector: the baseline benchmarks use).
+# 128), CACHET_VLLM_CONNECTOR=off (serve without the connector: the baseline benchmarks use)
+# or a whole --kv-transfer-config JSON (another connector), CACHET_VLLM_ARGS (more arguments).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${1:?usage: scripts/vllm-serve.sh PORT FABRIC_ADDR}
@@ -28,4 +29,4 @@ case "${CACHET_VLLM_CONNECTOR:-on}" in
 esac
 exec "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name smollm2 \
   --host 127.0.0.1 --port "$PORT" --dtype float32 --enforce-eager --max-model-len 8192 \
-  --block-size "$BLOCK" "${KV[@]}"
+  --block-size "$BLOCK" "${KV[@]}" ${CACHET_VLLM_ARGS:-}

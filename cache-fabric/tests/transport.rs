@@ -434,3 +434,70 @@ async fn a_node_reports_a_tenants_cache_to_the_cluster() {
         Err(TransportError::Unauthorized { .. })
     ));
 }
+
+/// What an engine's own KV connector uses, byte for byte as `connectors/vllm` sends it: HAS
+/// answers without touching the blocks, REPORT lands in the node's reports for the gateway.
+#[tokio::test]
+async fn an_engine_connector_looks_up_and_reports_on_the_raw_wire() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (addr, node) = node().await;
+    let s = scope();
+    let blocks = chain(s, "connector", 2, 64);
+    node.with_store(|st| {
+        st.put_entry(
+            &s,
+            &[],
+            blocks.clone(),
+            Duration::from_secs(300),
+            tokio::time::Instant::now(),
+            EntryKind::Paid,
+        )
+    })
+    .unwrap();
+    let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let frame = |body: Vec<u8>| {
+        let mut f = (body.len() as u32).to_le_bytes().to_vec();
+        f.extend(body);
+        f
+    };
+    let mut hello = vec![1u8];
+    hello.extend((TOKEN.len() as u16).to_le_bytes());
+    hello.extend(TOKEN.as_bytes());
+    raw.write_all(&frame(hello)).await.unwrap();
+    assert_eq!(raw.read_u8().await.unwrap(), 0);
+    // HAS: both blocks, then a block nobody stored.
+    let mut has = vec![5u8];
+    has.extend(s.tenant.as_uuid().as_bytes());
+    has.extend(s.workspace.as_uuid().as_bytes());
+    has.extend(3u32.to_le_bytes());
+    for h in [blocks[0].hash, blocks[1].hash, hash("absent")] {
+        has.extend(h.0);
+    }
+    raw.write_all(&frame(has)).await.unwrap();
+    let mut answer = [0u8; 4];
+    raw.read_exact(&mut answer).await.unwrap();
+    assert_eq!(answer, [0, 1, 1, 0]);
+    // REPORT: tag (big-endian u128, a UUID's bytes), local, loaded, failed tokens.
+    let tag = 0x0123_4567_89ab_cdef_0011_2233_4455_6677u128;
+    let mut report = vec![10u8];
+    report.extend(tag.to_be_bytes());
+    for n in [128u32, 256, 128] {
+        report.extend(n.to_le_bytes());
+    }
+    raw.write_all(&frame(report)).await.unwrap();
+    assert_eq!(raw.read_u8().await.unwrap(), 0);
+    let got = node
+        .reports()
+        .take_within(tag, Duration::from_secs(1))
+        .await
+        .expect("the report reached the node");
+    assert_eq!(
+        (got.local_tokens, got.loaded_tokens, got.failed_tokens),
+        (128, 256, 128)
+    );
+    assert_eq!(got.cached_tokens(), 384);
+    // A short REPORT closes the connection (the node stays up).
+    raw.write_all(&frame(vec![10u8, 1, 2])).await.unwrap();
+    let mut buf = [0u8; 4];
+    assert_eq!(raw.read(&mut buf).await.unwrap_or(0), 0);
+}

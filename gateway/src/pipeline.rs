@@ -720,15 +720,34 @@ fn connector_params(w: &Work, key_space: &str) -> ConnectorParams {
     let mut scope = [0u8; 32];
     scope[..16].copy_from_slice(w.scope.tenant.as_uuid().as_bytes());
     scope[16..].copy_from_slice(w.scope.workspace.as_uuid().as_bytes());
-    let bs = w.block_size.max(1);
-    // One entry per breakpoint, ending at the last full block before it (the connector saves
-    // whole blocks); two breakpoints in one block make one entry, the longer TTL and paid if
-    // either was.
+    let writes = connector_writes(&w.placed, &w.targets, w.block_size);
+    ConnectorParams {
+        cache_salt: scope.iter().map(|b| format!("{b:02x}")).collect(),
+        scope,
+        keys: w
+            .keys
+            .as_ref()
+            .map(|k| k.blocks.clone())
+            .unwrap_or_default(),
+        writes,
+        tag: w.request_id.0.as_u128(),
+        key_space: key_space.to_string(),
+    }
+}
+
+/// One entry per breakpoint being written (`targets`), ending at the last full block before
+/// it (a connector saves whole blocks); breakpoints in one block make one entry, with the
+/// longer TTL, paid if either was. In block order; none for a breakpoint inside block 0.
+fn connector_writes(
+    placed: &[usage::Placed],
+    targets: &[usize],
+    block_size: usize,
+) -> Vec<ConnectorWrite> {
+    let bs = block_size.max(1);
     let mut writes: Vec<ConnectorWrite> = Vec::new();
-    for pl in w
-        .placed
+    for pl in placed
         .iter()
-        .filter(|p| p.cacheable && w.targets.contains(&p.offset))
+        .filter(|p| p.cacheable && targets.contains(&p.offset))
     {
         let end_block = pl.offset / bs;
         if end_block == 0 {
@@ -748,18 +767,7 @@ fn connector_params(w: &Work, key_space: &str) -> ConnectorParams {
         }
     }
     writes.sort_by_key(|x| x.end_block);
-    ConnectorParams {
-        cache_salt: scope.iter().map(|b| format!("{b:02x}")).collect(),
-        scope,
-        keys: w
-            .keys
-            .as_ref()
-            .map(|k| k.blocks.clone())
-            .unwrap_or_default(),
-        writes,
-        tag: w.request_id.0.as_u128(),
-        key_space: key_space.to_string(),
-    }
+    writes
 }
 
 /// How long the gateway waits for a connector's report once the first token is here (it is
@@ -855,15 +863,7 @@ fn connector_entries(
                 ("not_written", Some("not_saved".to_string()))
             }
         };
-        metrics::BREAKPOINTS.with_label_values(&[status]).inc();
-        reports.push(BreakpointReport {
-            location: pl.bp.location.clone(),
-            automatic: pl.bp.automatic,
-            ttl: pl.bp.ttl.as_str().into(),
-            token_offset: pl.offset as u64,
-            status: status.into(),
-            reason,
-        });
+        reports.push(breakpoint_report(pl, status, reason));
     }
     usage_and_report(w, cached, &written, reports)
 }
@@ -907,17 +907,22 @@ async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheRe
                 Err(r) => ("not_written", Some(r.as_str().to_string())),
             }
         };
-        metrics::BREAKPOINTS.with_label_values(&[status]).inc();
-        reports.push(BreakpointReport {
-            location: pl.bp.location.clone(),
-            automatic: pl.bp.automatic,
-            ttl: pl.bp.ttl.as_str().into(),
-            token_offset: pl.offset as u64,
-            status: status.into(),
-            reason,
-        });
+        reports.push(breakpoint_report(pl, status, reason));
     }
     usage_and_report(w, cached, &written, reports)
+}
+
+/// One breakpoint's line in the cache report, counted in the breakpoint metric.
+fn breakpoint_report(pl: &usage::Placed, status: &str, reason: Option<String>) -> BreakpointReport {
+    metrics::BREAKPOINTS.with_label_values(&[status]).inc();
+    BreakpointReport {
+        location: pl.bp.location.clone(),
+        automatic: pl.bp.automatic,
+        ttl: pl.bp.ttl.as_str().into(),
+        token_offset: pl.offset as u64,
+        status: status.into(),
+        reason,
+    }
 }
 
 /// Automatic caching's entries are best effort; explicit breakpoints are paid for.
@@ -964,5 +969,51 @@ async fn record(state: &AppState, ev: UsageEvent) {
     let id = ev.request_id;
     if let Err(e) = state.meter.record_durable(ev).await {
         tracing::error!(request_id = %id, error = %e, "usage event could not be recorded");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::validate::{BlockRef, Breakpoint};
+
+    fn placed(offset: usize, ttl: Ttl, automatic: bool) -> usage::Placed {
+        usage::Placed {
+            bp: Breakpoint {
+                location: format!("system.{offset}"),
+                block: BlockRef::System(0),
+                ttl,
+                automatic,
+            },
+            offset,
+            cacheable: true,
+        }
+    }
+
+    #[test]
+    fn connector_writes_end_at_whole_blocks() {
+        let p = vec![
+            placed(100, Ttl::FiveMinutes, false), // inside block 0: nothing to save
+            placed(300, Ttl::FiveMinutes, true),  // block 2, best effort …
+            placed(380, Ttl::OneHour, false),     // … and block 2 again, paid, 1h: one entry
+            placed(700, Ttl::FiveMinutes, false), // block 5
+            placed(900, Ttl::FiveMinutes, false), // not being written (not a target)
+        ];
+        let w = connector_writes(&p, &[100, 300, 380, 700], 128);
+        assert_eq!(
+            w,
+            vec![
+                ConnectorWrite {
+                    end_block: 2,
+                    ttl: Ttl::OneHour.duration(),
+                    paid: true,
+                },
+                ConnectorWrite {
+                    end_block: 5,
+                    ttl: Ttl::FiveMinutes.duration(),
+                    paid: true,
+                },
+            ]
+        );
     }
 }

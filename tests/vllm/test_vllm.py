@@ -308,6 +308,15 @@ class CorruptingProxy:
         c.close()
 
 
+def config_file(prefix: str, body: str) -> tuple[str, str]:
+    """A fresh data directory and a cachet.toml in it: `body` after its data_dir line."""
+    data = tempfile.mkdtemp(prefix=prefix)
+    path = os.path.join(data, "cachet.toml")
+    with open(path, "w") as f:
+        f.write(f'data_dir = "{data}"\n' + body)
+    return data, path
+
+
 def have_prerequisites() -> None:
     need(os.path.exists(BIN), f"the cachet binary at {BIN} (cargo build)")
     need(shutil.which("psql") is not None, "psql (Postgres client)")
@@ -328,18 +337,15 @@ class SingleInstance(unittest.TestCase):
         cls.db_url = f"{PG}/{cls.db}"
         cls.api_port, cls.fabric_port, cls.vllm_port = free_port(), free_port(), free_port()
         cls.proxy = CorruptingProxy(cls.fabric_port)
-        data = tempfile.mkdtemp(prefix="cachet-vllm-serve-")
-        cfg = os.path.join(data, "cachet.toml")
-        with open(cfg, "w") as f:
-            f.write(
-                f'listen = "127.0.0.1:{cls.api_port}"\n'
-                f'database_url = "{cls.db_url}"\n'
-                f'data_dir = "{data}"\n'
-                f'redis_url = ""\n'
-                f'[fabric]\nlisten = "127.0.0.1:{cls.fabric_port}"\n'
-                f'[engine]\nkind = "sim"\n'
-                f'[[engine.vllm]]\nurl = "http://127.0.0.1:{cls.vllm_port}"\n'
-            )
+        _, cfg = config_file(
+            "cachet-vllm-serve-",
+            f'listen = "127.0.0.1:{cls.api_port}"\n'
+            f'database_url = "{cls.db_url}"\n'
+            'redis_url = ""\n'
+            f'[fabric]\nlisten = "127.0.0.1:{cls.fabric_port}"\n'
+            '[engine]\nkind = "sim"\n'
+            f'[[engine.vllm]]\nurl = "http://127.0.0.1:{cls.vllm_port}"\n',
+        )
         cls.env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
         # vLLM first (it takes ~30 s); its connector reaches the node through the proxy.
         cls.vllm, cls.vllm_log = start_vllm(cls.procs, "vllm-single", cls.vllm_port, cls.proxy.port)
@@ -474,16 +480,13 @@ class TwoInstances(unittest.TestCase):
         cls.db = f"cachet_vllm_cluster_{os.getpid()}"
         cls.db_url = f"{PG}/{cls.db}"
         cls.prefix = f"vllmtest{os.getpid()}"
-        data = tempfile.mkdtemp(prefix="cachet-vllm-cluster-")
-        cfg = os.path.join(data, "cachet.toml")
-        with open(cfg, "w") as f:
-            f.write(
-                f'database_url = "{cls.db_url}"\n'
-                f'redis_url = "{REDIS}"\n'
-                f'data_dir = "{data}"\n'
-                '[engine]\nkind = "sim"\n'
-                '[cluster]\nreplicas = 2\ngroup_size = 2\n'
-            )
+        data, cfg = config_file(
+            "cachet-vllm-cluster-",
+            f'database_url = "{cls.db_url}"\n'
+            f'redis_url = "{REDIS}"\n'
+            '[engine]\nkind = "sim"\n'
+            '[cluster]\nreplicas = 2\ngroup_size = 2\n',
+        )
         env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
         cls.env = env
         cls.nodes = {}

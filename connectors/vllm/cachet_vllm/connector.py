@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -324,15 +325,17 @@ class CachetConnector(KVConnectorBase_V1):
         )
         del one
 
-    def _block_bytes_of(self, block_id: int) -> bytes:
+    def _block_bytes_of(self, block_id: int) -> memoryview:
+        """One vLLM block of every layer, layers in model order: one copy out of the pool."""
         parts = [
             layer.select(self._block_dim, block_id).contiguous().view(-1).view(torch.uint8)
             for layer in self._layers
         ]
-        return torch.cat(parts).numpy().tobytes()
+        return memoryview(torch.cat(parts).numpy())
 
-    def _write_block(self, block_id: int, data) -> None:
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    def _write_block(self, block_id: int, data: memoryview) -> None:
+        # `data` is the receive buffer itself (writable): viewed, not copied.
+        src = torch.frombuffer(data, dtype=torch.uint8)
         off = 0
         for layer in self._layers:
             dst = layer.select(self._block_dim, block_id)
@@ -347,6 +350,7 @@ class CachetConnector(KVConnectorBase_V1):
         bs = self._block_size
         for work in meta.loads:
             ok = 0
+            started = time.perf_counter()
             if work.blocks:
                 try:
                     got = self._fabric.get(work.scope, [k for k, _ in work.blocks])
@@ -375,6 +379,14 @@ class CachetConnector(KVConnectorBase_V1):
                         len(failed),
                     )
                     self._load_errors.update(failed)
+            if work.blocks:
+                logger.debug(
+                    "cachet: loaded %d of %d blocks (%.1f MB) in %.1f ms",
+                    ok,
+                    len(work.blocks),
+                    ok * self._block_bytes / 1e6,
+                    (time.perf_counter() - started) * 1e3,
+                )
             try:
                 self._fabric.report(work.tag, work.local_tokens, ok * bs, (len(work.blocks) - ok) * bs)
             except FabricError as e:
@@ -393,6 +405,7 @@ class CachetConnector(KVConnectorBase_V1):
             return
         bs = self._block_size
         for work in meta.saves:
+            started = time.perf_counter()
             new = [(k, parent, bs, self._block_bytes_of(b)) for k, parent, b in work.blocks]
             try:
                 refused = self._fabric.put(work.scope, work.ttl_ms, work.kind, work.existing, new)
@@ -401,6 +414,13 @@ class CachetConnector(KVConnectorBase_V1):
                 continue
             if refused:
                 logger.info("cachet: node refused %d blocks: %s", len(new), refused)
+            else:
+                logger.debug(
+                    "cachet: saved %d blocks (%.1f MB) in %.1f ms",
+                    len(new),
+                    len(new) * self._block_bytes / 1e6,
+                    (time.perf_counter() - started) * 1e3,
+                )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
