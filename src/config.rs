@@ -601,7 +601,7 @@ impl Config {
             if !url.starts_with("http://") {
                 bail!("engine.vllm[{i}].url must be an http:// URL (got {url:?})");
             }
-            if *block_size == 0 || block_size % 32 != 0 {
+            if *block_size == 0 || !block_size.is_multiple_of(32) {
                 bail!("engine.vllm[{i}].block_size must be a positive multiple of 32");
             }
             if *max_model_len == 0 || *read_timeout_secs == 0 {

@@ -65,7 +65,7 @@ pub struct VllmEngine {
 impl VllmEngine {
     /// `rt` drives the HTTP calls the engine's blocking methods make.
     pub fn new(config: VllmConfig, rt: tokio::runtime::Handle) -> Result<Self, EngineError> {
-        if config.block_size == 0 || config.block_size % 32 != 0 {
+        if config.block_size == 0 || !config.block_size.is_multiple_of(32) {
             return Err(EngineError::Internal(format!(
                 "vLLM block size {} is not a positive multiple of 32",
                 config.block_size
