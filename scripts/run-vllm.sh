@@ -31,10 +31,17 @@ for _ in $(seq 600); do
   sleep 0.5
 done
 scripts/print-examples.sh "$KEY" "$ADMIN"
+SYSTEM="$(printf 'You are a friendly geography tutor who answers briefly and kindly. %.0s' $(seq 30))"
 cat <<MSG
-vLLM is up: the same examples with "model": "smollm2-135m-instruct-vllm" are answered by vLLM,
-whose KV cache lives in Cachet's fabric (run one twice after restarting vLLM: the prefix is
-loaded from the fabric, cache_read_input_tokens > 0).
+vLLM is up. Its model is "smollm2-135m-instruct-vllm"; its KV cache lives in Cachet's fabric
+in whole 128-token blocks, so a cached prefix must be at least 128 tokens (run this twice: the
+second reports cache_read_input_tokens > 0; restart vLLM and it is loaded from the fabric):
+
+curl -s http://${CACHET_LISTEN:-127.0.0.1:8080}/v1/messages \\
+  -H "x-api-key: $KEY" -H "anthropic-version: 2023-06-01" -H "content-type: application/json" \\
+  -d '{"model": "smollm2-135m-instruct-vllm", "max_tokens": 48,
+       "system": [{"type": "text", "text": "$SYSTEM", "cache_control": {"type": "ephemeral"}}],
+       "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
 
 MSG
 "$BIN" serve

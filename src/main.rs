@@ -188,8 +188,18 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Demo { key_file } => {
             let pool = server::connect_and_migrate(&config.database_url, 2).await?;
-            let secret = match std::fs::read_to_string(&key_file) {
-                Ok(s) if !s.trim().is_empty() => s.trim().to_string(),
+            // A stored key is reused only if this database still knows it (the file outlives
+            // a dropped database or another DATABASE_URL).
+            let stored = std::fs::read_to_string(&key_file)
+                .ok()
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty());
+            let live = match &stored {
+                Some(s) => gateway::tenants::key_is_live(&pool, s).await?,
+                None => false,
+            };
+            let secret = match stored {
+                Some(s) if live => s,
                 _ => {
                     let actor = gateway::tenants::Actor::cli_user();
                     let t = match gateway::tenants::find_tenant(&pool, "demo").await? {

@@ -221,6 +221,18 @@ fn key_info(r: &sqlx::postgres::PgRow, now: DateTime<Utc>) -> KeyInfo {
 }
 
 /// Every key of a tenant, newest first.
+/// Whether `secret` is a key of this database that still authenticates (not revoked, not
+/// expired): `cachet demo` reuses its stored key only then.
+pub async fn key_is_live(pool: &PgPool, secret: &str) -> Result<bool, AdminError> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM api_keys WHERE secret_sha256 = $1 AND revoked_at IS NULL \
+         AND (expires_at IS NULL OR expires_at > now()))",
+    )
+    .bind(&hash_secret(secret)[..])
+    .fetch_one(pool)
+    .await?)
+}
+
 pub async fn list_keys(pool: &PgPool, tenant: Uuid) -> Result<Vec<KeyInfo>, AdminError> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {KEY_COLUMNS} FROM api_keys WHERE tenant_id = $1 ORDER BY created_at DESC, id"

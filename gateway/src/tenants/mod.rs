@@ -23,7 +23,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 pub use audit::Actor;
-pub use keys::{NewKey, create_key, hash_secret, revoke_key};
+pub use keys::{NewKey, create_key, hash_secret, key_is_live, revoke_key};
 pub use policy::Policy;
 
 #[derive(Debug, thiserror::Error)]
