@@ -23,6 +23,25 @@ fn model_path() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(default_model_path())
 }
 
+/// Whether the model file is here; outside CI a missing one skips the test with a message, in
+/// CI it fails it (`make test` fetches the model first).
+fn have_model() -> bool {
+    let path = model_path();
+    if path.exists() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI must have the model at {} (`make model` fetches it)",
+        path.display()
+    );
+    eprintln!(
+        "skipping: {} not found (run `make model` first)",
+        path.display()
+    );
+    false
+}
+
 fn cc() -> Value {
     json!({"type": "ephemeral"})
 }
@@ -72,8 +91,7 @@ fn prompts() -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_prompt_answers_the_same_with_and_without_its_cached_prefix() {
-    if !model_path().exists() {
-        eprintln!("skipping: run `make model` first");
+    if !have_model() {
         return;
     }
     let app = TestApp::start_with(Options {
@@ -141,8 +159,7 @@ fn generate(
 
 #[tokio::test]
 async fn a_fresh_engine_instance_uses_a_prefix_read_back_from_the_fabric() {
-    if !model_path().exists() {
-        eprintln!("skipping: run `make model` first");
+    if !have_model() {
         return;
     }
     // f32 KV, so the logits can be compared to 1e-4 below: with int8 KV (the default) a

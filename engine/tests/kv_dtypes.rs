@@ -1,6 +1,6 @@
 //! Compressed KV on the real SmolLM2 model: quality against f32 KV on a fixed set of 50
 //! prompts, and identical answers with and without a cached prefix for every dtype.
-//! Skipped with a message when the model file is absent (`make test` fetches it first).
+//! Skipped with a message when the model file is absent outside CI; in CI that fails.
 //!
 //! The figures (agreement and log-prob difference per dtype) print with `--nocapture`;
 //! docs/benchmarks.md quotes them.

@@ -1,5 +1,5 @@
 //! The reference engine on the real SmolLM2 model file. Skipped with a message when the file
-//! is absent (`make test` fetches it first, so CI always runs these).
+//! is absent outside CI; in CI a missing file fails (`make test` fetches it first).
 
 mod common;
 
