@@ -7,6 +7,18 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
+/// The token from the environment: required, and long enough not to be guessed.
+pub fn cluster_token() -> anyhow::Result<std::sync::Arc<str>> {
+    let t = std::env::var("CACHET_CLUSTER_TOKEN").unwrap_or_default();
+    if t.len() < 16 {
+        bail!(
+            "CACHET_CLUSTER_TOKEN must be set to a secret of at least 16 characters shared by \
+             every node and gateway of the cluster"
+        );
+    }
+    Ok(t.into())
+}
+
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {

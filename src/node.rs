@@ -48,18 +48,6 @@ const MEMBERSHIP_POLL: Duration = Duration::from_millis(500);
 /// How soon a repair that could not reach an owner is retried.
 const REPAIR_RETRY: Duration = Duration::from_secs(2);
 
-/// The token from the environment: required, and long enough not to be guessed.
-pub fn cluster_token() -> anyhow::Result<Arc<str>> {
-    let t = std::env::var("CACHET_CLUSTER_TOKEN").unwrap_or_default();
-    if t.len() < 16 {
-        bail!(
-            "CACHET_CLUSTER_TOKEN must be set to a secret of at least 16 characters shared by \
-             every node and gateway of the cluster"
-        );
-    }
-    Ok(t.into())
-}
-
 /// Run until `stop`. Prints `node <id> listening on <addr>` once the fabric port serves,
 /// then `node <id> api on <addr>` if it runs the API.
 pub async fn run(
@@ -67,7 +55,7 @@ pub async fn run(
     args: NodeArgs,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
-    let token = cluster_token()?;
+    let token = crate::config::cluster_token()?;
     if config.redis_url.is_empty() {
         bail!("a cluster node needs redis_url (membership and block events live in Redis)");
     }

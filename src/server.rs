@@ -213,7 +213,7 @@ pub async fn start(
     let node = config.fabric.node(&config.data_dir.join("fabric-disk"))?;
     if !config.fabric.listen.is_empty() {
         // For an engine's own KV connector beside this process (vLLM's).
-        let token = crate::node::cluster_token()?;
+        let token = crate::config::cluster_token()?;
         let l = tokio::net::TcpListener::bind(&config.fabric.listen)
             .await
             .with_context(|| format!("binding fabric.listen {}", config.fabric.listen))?;
@@ -302,7 +302,7 @@ pub async fn start_gateway(
     shutdown: CancellationToken,
     redis_prefix: String,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<anyhow::Result<()>>)> {
-    let token = crate::node::cluster_token()?;
+    let token = crate::config::cluster_token()?;
     if config.redis_url.is_empty() {
         anyhow::bail!("the routing gateway needs redis_url (it finds nodes and blocks there)");
     }

@@ -19,7 +19,7 @@ use std::sync::Mutex;
 
 use cachet_common::RequestId;
 
-use crate::meter::{UsageEvent, UsageStatus};
+use crate::event::{UsageEvent, UsageStatus};
 use crate::metrics;
 
 /// Rewrite the file once it holds at least this many lines and four times the open streams.
@@ -132,7 +132,7 @@ fn read(path: &Path) -> std::io::Result<Vec<UsageEvent>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e),
     };
-    let read = crate::meter::parse_event_lines(&bytes);
+    let read = crate::event::parse_event_lines(&bytes);
     // Only the last line can be torn (a crash mid-append): its stream never answered.
     for (line, err) in &read.unreadable {
         tracing::warn!(line, %err, "skipping unreadable open-stream line");

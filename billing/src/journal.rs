@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use crate::meter::{UsageEvent, parse_event_lines};
+use crate::event::{UsageEvent, parse_event_lines};
 use crate::metrics;
 
 /// A segment is sealed (and a new one begun) once it holds this many bytes: about 12,000

@@ -8,6 +8,9 @@
 //!   `usage_events` with `ON CONFLICT DO NOTHING` on the request id, and appends batches to a
 //!   local spool file while Postgres is unreachable, replaying it when Postgres returns.
 //!
+//! - [`event`]: the usage event and its JSON Lines form in every local file of events (below
+//!   the meter, its journal and its open-stream intents, which all read it).
+//!
 //! - [`money`]: exact amounts and the one rounding rule; [`prices`]: the versioned price
 //!   book, tenant custom rates and plans; [`invoice`]: rating the ledger into monthly
 //!   invoices (draft, finalized, adjustments); [`rollup`]: hourly/daily rollups and the
@@ -23,6 +26,7 @@
 
 pub mod api;
 pub mod dashboard;
+pub mod event;
 mod intents;
 pub mod invoice;
 pub mod journal;
