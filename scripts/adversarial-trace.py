@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes an adversarial Mooncake-format trace to stdout (docs/benchmarks.md, issue 15)."""
+"""Writes an adversarial Mooncake-format trace to stdout (docs/benchmarks.md, "Eviction policies over several workloads")."""
 # Adversarial: phases alternate between a scan with a hot set (frequency wins) and
 # interleaved growing conversations (recency wins), so a policy tuned to one phase loses the next.
 import json, random, sys
