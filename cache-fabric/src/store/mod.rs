@@ -204,7 +204,8 @@ pub const STICKY_GRACE_TURNS: u64 = 2;
 /// Whether a block is popular enough that its owner copy is kept last. Only a policy that
 /// weighs frequency at all makes blocks popular: at horizon 0 (LRU, or the adaptive policy
 /// where recency serves best) stickiness would keep the parents of trimmed chains, read on
-/// every turn of a conversation, ahead of everything newer (docs/benchmarks.md, "The adaptive policy").
+/// every turn of a conversation, ahead of everything newer (docs/benchmarks.md, "The
+/// adaptive policy").
 fn popular(ranking: &Ranking, hash: &BlockHash) -> bool {
     ranking.horizon_factor() > 0.0
         && ranking
