@@ -25,7 +25,6 @@ impl Store {
         self.tombstones.get(hash).copied()
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn insert(
         &mut self,
         scope: &Scope,
@@ -33,9 +32,9 @@ impl Store {
         ttl: Duration,
         expires_at: Instant,
         paid: bool,
-        replica: bool,
-        extra: bool,
+        copy: super::Copy,
     ) {
+        let (replica, extra) = (copy != super::Copy::Own, copy == super::Copy::Extra);
         let tick = self.tick();
         let key = self.ranking.use_key(&b.hash, tick, self.blocks.len() + 1);
         let len = b.data.len() as u64;

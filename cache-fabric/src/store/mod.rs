@@ -82,6 +82,18 @@ pub struct FetchedBlock {
     pub data: Bytes,
 }
 
+/// Which copy of its blocks a write stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Copy {
+    /// An entry written here: every block's parent must be stored here too.
+    Own,
+    /// An owner's replica ([`Store::put_replica`]): parents may live on another node.
+    Replica,
+    /// An extra copy of blocks this node does not own ([`Store::put_extra`]): a replica that
+    /// capacity eviction takes first.
+    Extra,
+}
+
 /// What an entry write is: it decides what the entry's blocks may be evicted for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EntryKind {
@@ -472,7 +484,7 @@ impl Store {
         now: Instant,
         kind: EntryKind,
     ) -> Result<(), WriteRefused> {
-        self.put(scope, existing, new, ttl, now, kind, false, false)
+        self.put(scope, existing, new, ttl, now, kind, Copy::Own)
     }
 
     /// Store blocks this node holds as one of their owners (cluster placement puts each
@@ -493,7 +505,7 @@ impl Store {
         // Blocks an owner holds are independent of each other (their chain may be spread
         // over several nodes), so each is admitted on its own: a large entry is not refused
         // whole because this node's DRAM holds only part of it at once (the rest demotes).
-        self.put_each(scope, existing, new, ttl, now, kind, false)
+        self.put_each(scope, existing, new, ttl, now, kind, Copy::Replica)
     }
 
     /// Store extra copies of blocks this node does not own (a writer's own copies, hot
@@ -506,7 +518,15 @@ impl Store {
         ttl: Duration,
         now: Instant,
     ) -> Result<(), WriteRefused> {
-        self.put_each(scope, &[], new, ttl, now, EntryKind::BestEffort, true)
+        self.put_each(
+            scope,
+            &[],
+            new,
+            ttl,
+            now,
+            EntryKind::BestEffort,
+            Copy::Extra,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -518,11 +538,11 @@ impl Store {
         ttl: Duration,
         now: Instant,
         kind: EntryKind,
-        extra: bool,
+        copy: Copy,
     ) -> Result<(), WriteRefused> {
-        let mut result = self.put(scope, existing, Vec::new(), ttl, now, kind, true, extra);
+        let mut result = self.put(scope, existing, Vec::new(), ttl, now, kind, copy);
         for b in new {
-            if let Err(e) = self.put(scope, &[], vec![b], ttl, now, kind, true, extra) {
+            if let Err(e) = self.put(scope, &[], vec![b], ttl, now, kind, copy) {
                 result = result.and(Err(e));
             }
         }
@@ -538,9 +558,9 @@ impl Store {
         ttl: Duration,
         now: Instant,
         kind: EntryKind,
-        replica: bool,
-        extra: bool,
+        copy: Copy,
     ) -> Result<(), WriteRefused> {
+        let (replica, extra) = (copy != Copy::Own, copy == Copy::Extra);
         self.purge_expired(now);
         self.rekey_some(REKEY_BATCH);
         let present: Vec<BlockHash>;
@@ -650,7 +670,7 @@ impl Store {
                 return Err(refused(WriteRefused::MissingParent));
             }
             inserted.push(b.hash);
-            self.insert(scope, b, ttl, expires, paid, replica, extra);
+            self.insert(scope, b, ttl, expires, paid, copy);
         }
         Ok(())
     }

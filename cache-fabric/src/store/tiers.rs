@@ -82,8 +82,13 @@ impl Store {
         }
         let remaining = Duration::from_millis(tb.expires_unix_ms - wall);
         let put = PutBlock::new(*hash, tb.parent, tb.n_tokens, tb.data);
-        let replica = parent.is_none();
-        self.insert(scope, put, tb.ttl, now + remaining, tb.paid, replica, false);
+        // Without its parent here it comes back as a replica (its chain lives elsewhere).
+        let copy = if parent.is_none() {
+            super::Copy::Replica
+        } else {
+            super::Copy::Own
+        };
+        self.insert(scope, put, tb.ttl, now + remaining, tb.paid, copy);
         metrics::TIER_MOVES.with_label_values(&["promoted"]).inc();
         self.lower_reads += 1;
         None
