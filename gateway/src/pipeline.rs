@@ -76,7 +76,13 @@ pub enum Event {
 /// a connection that stops taking bytes altogether.
 pub fn spawn(state: AppState, job: Job) -> mpsc::UnboundedReceiver<Event> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let span = tracing::info_span!("request", request_id = %job.request_id, tenant_id = %job.principal.tenant);
+    let span = tracing::info_span!(
+        "request",
+        request_id = %job.request_id,
+        tenant_id = %job.principal.tenant,
+        workspace_id = %job.principal.workspace,
+        model = %job.engine.info().id,
+    );
     tokio::spawn(tracing::Instrument::instrument(drive(state, job, tx), span));
     rx
 }
@@ -458,7 +464,9 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         diagnosis,
     };
     let rt = tokio::runtime::Handle::current();
-    let outcome = tokio::task::spawn_blocking(move || generate(work, &rt)).await;
+    // The blocking thread and the tasks it spawns log in this request's span too.
+    let span = tracing::Span::current();
+    let outcome = tokio::task::spawn_blocking(move || span.in_scope(|| generate(work, &rt))).await;
     metrics::ENGINE_INFLIGHT.dec();
     let done = outcome.unwrap_or_else(|e| Finished {
         unserved: false,
@@ -770,6 +778,10 @@ fn connector_writes(
     writes
 }
 
+/// Whether the missing-report warning was logged (once per process: it repeats per request).
+static MISSING_REPORT_LOGGED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 /// How long the gateway waits for a connector's report once the first token is here (it is
 /// sent before the first forward pass, so it has normally arrived long before).
 const REPORT_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
@@ -799,10 +811,15 @@ fn prefill_with_connector(
         metrics::CONNECTOR_REPORTS
             .with_label_values(&["missing"])
             .inc();
-        tracing::warn!(
-            model = %w.model,
-            "the engine's KV connector sent no report: is vLLM running with CachetConnector?"
-        );
+        if MISSING_REPORT_LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::debug!("no connector report");
+        } else {
+            tracing::warn!(
+                model = %w.model,
+                "the engine's KV connector sent no report: is vLLM running with CachetConnector? \
+                 (said once; the metric cachet_gateway_connector_reports_total counts them)"
+            );
+        }
     }
     let cached = report.map_or(0, |r| {
         metrics::CONNECTOR_REPORTS
@@ -850,14 +867,14 @@ fn connector_entries(
                 let (fabric, keys, scope, start) =
                     (w.state.fabric.clone(), k.clone(), w.scope, w.start);
                 let (ttl, kind) = (pl.bp.ttl.duration(), entry_kind(pl.bp.automatic));
-                rt.spawn(async move {
+                rt.spawn(tracing::Instrument::in_current_span(async move {
                     if let Err(r) = fabric
                         .replicate_written(scope, &keys, aligned, ttl, start, kind)
                         .await
                     {
                         tracing::warn!(reason = r.as_str(), "replicating a connector's entry");
                     }
-                });
+                }));
                 ("written", None)
             } else {
                 ("not_written", Some("not_saved".to_string()))
