@@ -406,7 +406,10 @@ class CachetConnector(KVConnectorBase_V1):
         bs = self._block_size
         for work in meta.saves:
             started = time.perf_counter()
-            new = [(k, parent, bs, self._block_bytes_of(b)) for k, parent, b in work.blocks]
+            new = [
+                (k, parent, bs, self._block_bytes, lambda b=b: self._block_bytes_of(b))
+                for k, parent, b in work.blocks
+            ]
             try:
                 refused = self._fabric.put(work.scope, work.ttl_ms, work.kind, work.existing, new)
             except FabricError as e:

@@ -20,6 +20,7 @@ import struct
 import threading
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 import crc32c
 
@@ -119,16 +120,23 @@ class FabricConnection:
             got += k
         return buf
 
-    def _call(self, parts: list, answer):
-        """Send one request frame (its parts concatenated on the wire) and read the answer
-        with `answer(sock)`; any failure closes the connection."""
+    def _call(self, parts, answer, total: int | None = None):
+        """Send one request frame (its parts concatenated on the wire; an iterable, made as it
+        is sent when `total` gives the frame's length) and read the answer with
+        `answer(sock)`; any failure closes the connection."""
         with self._lock:
             s = self._connect()
             try:
-                total = sum(len(p) for p in parts)
+                if total is None:
+                    parts = list(parts)
+                    total = sum(len(p) for p in parts)
                 s.sendall(struct.pack("<I", total))
+                sent = 0
                 for p in parts:
                     s.sendall(p)
+                    sent += len(p)
+                if sent != total:
+                    raise FabricError(f"frame of {sent} bytes, {total} announced")
                 return answer(s)
             except (OSError, FabricError, struct.error) as e:
                 self.close()
@@ -192,19 +200,27 @@ class FabricConnection:
         ttl_ms: int,
         kind: int,
         existing: list[bytes],
-        new: list[tuple[bytes, bytes | None, int, bytes | memoryview]],
+        new: list[tuple[bytes, bytes | None, int, int, Callable[[], memoryview]]],
     ) -> str | None:
-        """Store an entry; `new` is (hash, parent or None, tokens, data). Returns None when
-        stored, else the node's reason for refusing."""
-        parts = [
-            struct.pack("<B", OP_PUT) + scope + struct.pack("<QBI", ttl_ms, kind, len(existing)),
-            b"".join(existing),
-            struct.pack("<I", len(new)),
-        ]
-        for h, parent, n_tokens, data in new:
-            flag = b"\x01" + parent if parent is not None else b"\x00" + bytes(32)
-            parts.append(h + flag + struct.pack("<IIQ", n_tokens, checksum(data), len(data)))
-            parts.append(data)
+        """Store an entry; `new` is (hash, parent or None, tokens, length, make the data).
+        Each block's bytes are made just before they are sent and dropped after, so a save
+        holds one block at a time however long the prompt. Returns None when stored, else
+        the node's reason for refusing."""
+        head = (
+            struct.pack("<B", OP_PUT) + scope + struct.pack("<QBI", ttl_ms, kind, len(existing))
+            + b"".join(existing) + struct.pack("<I", len(new))
+        )
+        total = len(head) + sum(32 + 33 + 16 + length for _, _, _, length, _ in new)
+
+        def parts():
+            yield head
+            for h, parent, n_tokens, length, make in new:
+                data = make()
+                if len(data) != length:
+                    raise FabricError(f"a block of {len(data)} bytes, {length} announced")
+                flag = b"\x01" + parent if parent is not None else b"\x00" + bytes(32)
+                yield h + flag + struct.pack("<IIQ", n_tokens, checksum(data), length)
+                yield data
 
         def answer(s):
             status = self._recv_exact(s, 1)[0]
@@ -215,7 +231,7 @@ class FabricConnection:
                 return REFUSALS.get(code, f"refused ({code})")
             raise FabricError(f"PUT answered status {status}")
 
-        return self._call(parts, answer)
+        return self._call(parts(), answer, total)
 
     def report(self, tag: uuid.UUID, local_tokens: int, loaded_tokens: int, failed_tokens: int) -> None:
         """Tell the node (and so the gateway beside it) what request `tag` did not prefill."""
