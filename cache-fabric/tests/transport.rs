@@ -50,6 +50,21 @@ async fn node() -> (String, Arc<FabricNode>) {
     (addr, node)
 }
 
+/// Store `blocks` on `node` as one paid entry.
+fn store(node: &FabricNode, scope: Scope, blocks: &[PutBlock]) {
+    node.with_store(|st| {
+        st.put_entry(
+            &scope,
+            &[],
+            blocks.to_vec(),
+            Duration::from_secs(300),
+            tokio::time::Instant::now(),
+            EntryKind::Paid,
+        )
+    })
+    .unwrap();
+}
+
 fn entry(scope: Scope, blocks: &[PutBlock], kind: EntryKind) -> RemoteEntry {
     RemoteEntry {
         scope,
@@ -223,17 +238,7 @@ async fn a_peer_without_the_cluster_token_gets_nothing() {
     let (addr, node) = node().await;
     let s = scope();
     let blocks = chain(s, "secret", 1, 64);
-    node.with_store(|st| {
-        st.put_entry(
-            &s,
-            &[],
-            blocks.clone(),
-            Duration::from_secs(300),
-            tokio::time::Instant::now(),
-            EntryKind::Paid,
-        )
-    })
-    .unwrap();
+    store(&node, s, &blocks);
     let t = TcpTransport::new("wrong-token");
     let r = t.get_chain(&addr, s, &[blocks[0].hash]).await;
     assert!(
@@ -443,17 +448,7 @@ async fn an_engine_connector_looks_up_and_reports_on_the_raw_wire() {
     let (addr, node) = node().await;
     let s = scope();
     let blocks = chain(s, "connector", 2, 64);
-    node.with_store(|st| {
-        st.put_entry(
-            &s,
-            &[],
-            blocks.clone(),
-            Duration::from_secs(300),
-            tokio::time::Instant::now(),
-            EntryKind::Paid,
-        )
-    })
-    .unwrap();
+    store(&node, s, &blocks);
     let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let frame = |body: Vec<u8>| {
         let mut f = (body.len() as u32).to_le_bytes().to_vec();

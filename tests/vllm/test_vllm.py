@@ -446,7 +446,6 @@ class SingleInstance(unittest.TestCase):
             {"authorization": f"Bearer {self.key_b}"},
         )
         self.assertIn(status, (200, 400), r)
-        self.assertEqual(local_hits(self.vllm_port) - local >= 0, True)
         if status == 200:
             self.assertEqual(r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, True,
                              "B's second request reads B's own prefix")

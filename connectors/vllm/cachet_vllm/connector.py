@@ -311,7 +311,6 @@ class CachetConnector(KVConnectorBase_V1):
         t = self._layers[0]
         dims = [d for d, n in enumerate(t.shape) if n == num_blocks] if num_blocks else [0]
         self._block_dim = dims[0] if dims else 0
-        one = t.select(self._block_dim, 0)
         self._block_bytes = sum(
             layer.select(self._block_dim, 0).numel() * layer.element_size() for layer in self._layers
         )
@@ -323,7 +322,6 @@ class CachetConnector(KVConnectorBase_V1):
             self._block_dim,
             self._block_bytes,
         )
-        del one
 
     def _block_bytes_of(self, block_id: int) -> memoryview:
         """One vLLM block of every layer, layers in model order: one copy out of the pool."""
