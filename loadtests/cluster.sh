@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A 3-node cluster (`cachet node` × 3 with engines, `cachet gateway`) on sim-llama-8b (128 KiB of
+# A 3-node cluster (`cachet node` × 3 with engines, `cachet router`) on sim-llama-8b (128 KiB of
 # KV a token, time scale 1), each node with its own KV budget and DRAM tier, replaying a
 # synthetic workload at rising rates. For each rate: answers, 529s, TTFT, the measured hit
 # ratio beside `simulate-cache`'s for the same requests at the cluster's capacity (the nodes'
@@ -60,7 +60,7 @@ for n in 1 2 3; do
   PIDS+=($!)
   NODES+=($!)
 done
-CACHET_LISTEN=127.0.0.1:18097 CACHET_DATA_DIR=$OUT/data-gw $BIN gateway --redis-prefix "$PREFIX" \
+CACHET_LISTEN=127.0.0.1:18097 CACHET_DATA_DIR=$OUT/data-gw $BIN router --redis-prefix "$PREFIX" \
   >"$OUT/gw.out" 2>"$OUT/gw.log" &
 PIDS+=($!)
 for _ in $(seq 300); do

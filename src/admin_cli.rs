@@ -9,10 +9,10 @@
 use std::io::Read;
 
 use anyhow::{Context, bail};
-use billing::api::Role;
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
-use gateway::tenants::{self, Actor, keys, policy};
+use control::tenants::{self, Actor, keys, policy};
+use identity::Role;
 use serde_json::json;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -574,13 +574,13 @@ pub async fn run(
                 };
                 let mut out = std::io::BufWriter::new(std::io::stdout().lock());
                 if format == "csv" {
-                    out.write_all(gateway::admin::handlers::AUDIT_CSV_HEADER)?;
+                    out.write_all(control::admin::handlers::AUDIT_CSV_HEADER)?;
                 }
                 let mut rows = std::pin::pin!(tenants::audit::stream(pool, f));
                 while let Some(r) = rows.next().await {
                     let r = r?;
                     if format == "csv" {
-                        out.write_all(&gateway::admin::handlers::audit_csv(&r))?;
+                        out.write_all(&control::admin::handlers::audit_csv(&r))?;
                     } else {
                         serde_json::to_writer(&mut out, &r)?;
                         out.write_all(b"\n")?;
@@ -617,10 +617,10 @@ pub async fn run(
                     ),
                     None => (random_password()?, true),
                 };
-                let u = gateway::admin::login::create_user(
+                let u = control::admin::login::create_user(
                     pool,
                     &actor,
-                    gateway::admin::login::NewUser {
+                    control::admin::login::NewUser {
                         username,
                         password: password.clone(),
                         role,
@@ -635,7 +635,7 @@ pub async fn run(
                 }
             }
             UserCommand::List => {
-                for u in gateway::admin::login::users(pool, None).await? {
+                for u in control::admin::login::users(pool, None).await? {
                     println!(
                         "{:<24}  {:<15}  {:<36}  last login {}  {}",
                         u.username,
@@ -656,12 +656,12 @@ pub async fn run(
             }
             UserCommand::Disable { username } => {
                 let id = user_id(pool, &username).await?;
-                gateway::admin::login::disable(pool, &actor, id).await?;
+                control::admin::login::disable(pool, &actor, id).await?;
                 println!("user {username} disabled; its sessions are ended");
             }
             UserCommand::Unlock { username } => {
                 let id = user_id(pool, &username).await?;
-                gateway::admin::login::unlock(pool, &actor, id).await?;
+                control::admin::login::unlock(pool, &actor, id).await?;
                 println!("user {username} unlocked");
             }
         },

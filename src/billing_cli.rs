@@ -135,7 +135,7 @@ pub enum Command {
 }
 
 async fn tenant_id(pool: &PgPool, name_or_id: &str) -> anyhow::Result<uuid::Uuid> {
-    let t = gateway::tenants::find_tenant(pool, name_or_id)
+    let t = control::tenants::find_tenant(pool, name_or_id)
         .await?
         .with_context(|| format!("no tenant {name_or_id}"))?;
     Ok(t.id.as_uuid())
@@ -288,7 +288,7 @@ pub async fn run(
         } => {
             let jwt = crate::server::admin_jwt(config)?
                 .context("set CACHET_ADMIN_JWT_SECRET (at least 32 bytes) to issue tokens")?;
-            let role: billing::api::Role = serde_json::from_value(serde_json::json!(role))
+            let role: identity::Role = serde_json::from_value(serde_json::json!(role))
                 .context("role must be platform_admin, finance or tenant_admin")?;
             let tenant = match tenant {
                 Some(t) => Some(tenant_id(pool, &t).await?),

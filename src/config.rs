@@ -49,7 +49,7 @@ pub struct Config {
     pub memory_overcommit: bool,
 }
 
-/// Cluster roles (`cachet node`, `cachet gateway`): placement, reads, routing.
+/// Cluster roles (`cachet node`, `cachet router`): placement, reads, routing.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClusterSection {
@@ -735,8 +735,8 @@ impl Config {
         Ok(())
     }
 
-    pub fn admin(&self) -> gateway::admin::AdminConfig {
-        gateway::admin::AdminConfig {
+    pub fn admin(&self) -> control::admin::AdminConfig {
+        control::admin::AdminConfig {
             ui_dir: self.admin.ui_dir.clone(),
             access_ttl: Duration::from_secs(self.admin.access_token_ttl_secs),
             session_ttl: Duration::from_secs(self.admin.session_ttl_secs),

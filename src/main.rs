@@ -54,9 +54,11 @@ enum Command {
         #[arg(long, default_value = "cachet")]
         redis_prefix: String,
     },
-    /// Run the routing gateway of a cluster: the public API on `listen`, each request sent
-    /// to the node the conductor picks (CACHET_CLUSTER_TOKEN).
-    Gateway {
+    /// Run the router of a cluster: the public API on `listen`, each request sent to the node
+    /// the conductor picks (CACHET_CLUSTER_TOKEN). `cachet gateway` is its former name, still
+    /// accepted.
+    #[command(alias = "gateway")]
+    Router {
         /// Prefix of the cluster's Redis keys.
         #[arg(long, default_value = "cachet")]
         redis_prefix: String,
@@ -143,13 +145,13 @@ async fn main() -> anyhow::Result<()> {
             )
             .await
         }
-        Command::Gateway { redis_prefix } => {
+        Command::Router { redis_prefix } => {
             let listener = tokio::net::TcpListener::bind(&config.listen)
                 .await
                 .with_context(|| format!("binding {}", config.listen))?;
             let shutdown = CancellationToken::new();
             let (addr, task) =
-                server::start_gateway(config, listener, shutdown.clone(), redis_prefix).await?;
+                server::start_router(config, listener, shutdown.clone(), redis_prefix).await?;
             println!("gateway listening on {addr}");
             tokio::spawn(async move {
                 wait_for_signal().await;
@@ -195,18 +197,18 @@ async fn main() -> anyhow::Result<()> {
                 .map(|s| s.trim().to_string())
                 .filter(|s| !s.is_empty());
             let live = match &stored {
-                Some(s) => gateway::tenants::key_is_live(&pool, s).await?,
+                Some(s) => control::tenants::key_is_live(&pool, s).await?,
                 None => false,
             };
             let secret = match stored {
                 Some(s) if live => s,
                 _ => {
-                    let actor = gateway::tenants::Actor::cli_user();
-                    let t = match gateway::tenants::find_tenant(&pool, "demo").await? {
+                    let actor = control::tenants::Actor::cli_user();
+                    let t = match control::tenants::find_tenant(&pool, "demo").await? {
                         Some(t) => t,
-                        None => gateway::tenants::create_tenant(&pool, &actor, "demo").await?,
+                        None => control::tenants::create_tenant(&pool, &actor, "demo").await?,
                     };
-                    let k = gateway::tenants::create_key(&pool, &actor, &t, "demo", None).await?;
+                    let k = control::tenants::create_key(&pool, &actor, &t, "demo", None).await?;
                     if let Some(dir) = key_file.parent() {
                         std::fs::create_dir_all(dir)?;
                     }

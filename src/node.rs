@@ -7,7 +7,7 @@
 //! - It follows the membership, reads and writes blocks through their owners
 //!   ([`cache_fabric::cluster`]), and restores `R` copies after every membership change.
 //! - With `--api-listen`, it also runs the engines and the API pipeline (auth, admission,
-//!   fabric, engine, meter) for requests routed to it by `cachet gateway`; that port takes
+//!   fabric, engine, meter) for requests routed to it by `cachet router`; that port takes
 //!   only requests carrying the cluster token, and answers only once the request's ledger
 //!   row is durable (a node killed after answering loses no usage).
 //!
@@ -198,7 +198,7 @@ pub async fn run(
             crate::server::follow_changes(
                 &config,
                 pool,
-                gateway::admin::sync::Targets {
+                gateway::sync::Targets {
                     fabric: Some(FabricClient::clustered(node.clone(), cluster.clone())),
                     ..Default::default()
                 },

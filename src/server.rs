@@ -90,8 +90,8 @@ fn admin_console(
     config: &Config,
     pool: &PgPool,
     shutdown: &CancellationToken,
-    cache: gateway::admin::CacheSource,
-) -> anyhow::Result<gateway::admin::AdminState> {
+    cache: control::admin::CacheSource,
+) -> anyhow::Result<control::admin::AdminState> {
     let jwt = admin_jwt(config)?.map(Arc::new);
     let server_key: Option<Arc<[u8]>> = (!config.admin_jwt_secret.is_empty())
         .then(|| Arc::from(config.admin_jwt_secret.as_bytes()));
@@ -101,7 +101,7 @@ fn admin_console(
         chrono::TimeDelta::hours(2),
         shutdown.clone(),
     ));
-    Ok(gateway::admin::state(
+    Ok(control::admin::state(
         pool.clone(),
         jwt,
         server_key,
@@ -114,13 +114,13 @@ fn admin_console(
 pub fn follow_changes(
     config: &Config,
     pool: PgPool,
-    targets: gateway::admin::sync::Targets,
+    targets: gateway::sync::Targets,
     shutdown: &CancellationToken,
 ) {
-    tokio::spawn(gateway::admin::sync::run(
+    tokio::spawn(gateway::sync::run(
         pool,
         targets,
-        gateway::admin::sync::SyncConfig {
+        gateway::sync::SyncConfig {
             poll: Duration::from_millis(config.admin.change_poll_ms),
             spend_every: Duration::from_secs(config.admin.spend_refresh_secs),
         },
@@ -130,12 +130,12 @@ pub fn follow_changes(
 
 /// The admin and finance APIs' token signer (none without a secret: they then answer 503
 /// saying how to turn them on).
-pub fn admin_jwt(config: &Config) -> anyhow::Result<Option<billing::api::Jwt>> {
+pub fn admin_jwt(config: &Config) -> anyhow::Result<Option<identity::Jwt>> {
     if config.admin_jwt_secret.is_empty() {
         return Ok(None);
     }
     Ok(Some(
-        billing::api::Jwt::new(config.admin_jwt_secret.as_bytes())
+        identity::Jwt::new(config.admin_jwt_secret.as_bytes())
             .context("CACHET_ADMIN_JWT_SECRET")?,
     ))
 }
@@ -257,7 +257,7 @@ pub async fn start_api(
             &config,
             &pool,
             &shutdown,
-            gateway::admin::CacheSource::Local(fabric.clone()),
+            control::admin::CacheSource::Local(fabric.clone()),
         )?)
     };
     let state = gateway::state(
@@ -294,9 +294,9 @@ pub async fn start_api(
     })
 }
 
-/// Start the routing gateway of a cluster (`cachet gateway`) on `listener`: auth, validation
+/// Start the routing gateway of a cluster (`cachet router`) on `listener`: auth, validation
 /// and routing here, requests served by the nodes announced under `redis_prefix`.
-pub async fn start_gateway(
+pub async fn start_router(
     config: Config,
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
@@ -335,7 +335,7 @@ pub async fn start_gateway(
         &config,
         &pool,
         &shutdown,
-        gateway::admin::CacheSource::Cluster {
+        control::admin::CacheSource::Cluster {
             transport: Arc::new(cache_fabric::transport::TcpTransport::new(token)),
             nodes: Arc::new(move || nodes.fabric_addrs()),
         },
@@ -347,6 +347,6 @@ pub async fn start_gateway(
             .await
             .context("http server failed")
     });
-    tracing::info!(%addr, "cachet gateway routing");
+    tracing::info!(%addr, "cachet router routing");
     Ok((addr, task))
 }

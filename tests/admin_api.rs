@@ -15,8 +15,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use billing::api::{Jwt, Role};
 use common::*;
+use identity::{Jwt, Role};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -49,10 +49,10 @@ impl Admin {
 
     async fn user(&self, name: &str, role: Role, tenant: Option<Uuid>) -> String {
         let password = format!("{name}-password-long-enough");
-        gateway::admin::login::create_user(
+        control::admin::login::create_user(
             &self.pool,
-            &gateway::tenants::Actor::cli("test"),
-            gateway::admin::login::NewUser {
+            &control::tenants::Actor::cli("test"),
+            control::admin::login::NewUser {
                 username: name.into(),
                 password: password.clone(),
                 role,
@@ -231,10 +231,10 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
     for i in 0..6 {
         keys.push(a.new_key(t, &root, &format!("k{i}")).await.0);
     }
-    let victim = gateway::admin::login::create_user(
+    let victim = control::admin::login::create_user(
         &a.pool,
-        &gateway::tenants::Actor::cli("test"),
-        gateway::admin::login::NewUser {
+        &control::tenants::Actor::cli("test"),
+        control::admin::login::NewUser {
             username: "victim".into(),
             password: "victim-password-long".into(),
             role: Role::Finance,
@@ -940,7 +940,7 @@ async fn rotation_is_idempotent_and_the_old_secret_works_until_its_grace_ends() 
         .await
         .unwrap();
     assert_eq!(
-        gateway::tenants::keys::expire_rotation_seeds(&a.pool)
+        control::tenants::keys::expire_rotation_seeds(&a.pool)
             .await
             .unwrap(),
         1
@@ -1162,7 +1162,7 @@ async fn usage_and_cache_views_agree_with_the_ledger_and_the_fabric() {
 /// Postgres outage would refuse every key of the tenants changed last.
 #[tokio::test]
 async fn the_change_feed_starts_at_its_end_and_drops_cached_keys_only_for_new_changes() {
-    use gateway::admin::sync::{Follower, Targets};
+    use gateway::sync::{Follower, Targets};
     let name = fresh_db_name();
     let pool = cachet::server::connect_and_migrate(&format!("{PG}/{name}"), 2)
         .await
@@ -1192,9 +1192,9 @@ async fn the_change_feed_starts_at_its_end_and_drops_cached_keys_only_for_new_ch
         "the key stays cached"
     );
     // A change made now is applied, and drops the tenant's cached keys.
-    gateway::tenants::set_suspended(
+    control::tenants::set_suspended(
         &pool,
-        &gateway::tenants::Actor::cli("test"),
+        &control::tenants::Actor::cli("test"),
         p.tenant.as_uuid(),
         true,
     )

@@ -6,15 +6,15 @@ mod common;
 use common::*;
 use serde_json::Value;
 
-async fn set_quotas(app: &TestApp, patch: gateway::tenants::policy::PolicyPatch) {
+async fn set_quotas(app: &TestApp, patch: control::tenants::policy::PolicyPatch) {
     let pool = sqlx::PgPool::connect(&app.db_url).await.unwrap();
     let tenant: uuid::Uuid = sqlx::query_scalar("SELECT tenant_id FROM api_keys LIMIT 1")
         .fetch_one(&pool)
         .await
         .unwrap();
-    gateway::tenants::policy::patch_policy(
+    control::tenants::policy::patch_policy(
         &pool,
-        &gateway::tenants::Actor::cli("test"),
+        &control::tenants::Actor::cli("test"),
         tenant,
         &patch,
         true,
@@ -41,7 +41,7 @@ async fn requests_per_minute_limit_answers_429_with_retry_after_and_headers() {
     let app = TestApp::start().await;
     set_quotas(
         &app,
-        gateway::tenants::policy::PolicyPatch {
+        control::tenants::policy::PolicyPatch {
             key_requests_per_minute: Some(Some(3)),
             ..Default::default()
         },
@@ -74,7 +74,7 @@ async fn cache_reads_do_not_count_toward_input_tokens_per_minute() {
     // Enough for one uncached prompt (~310 tokens) plus many cached ones (~10 each).
     set_quotas(
         &app,
-        gateway::tenants::policy::PolicyPatch {
+        control::tenants::policy::PolicyPatch {
             input_tokens_per_minute: Some(Some(400)),
             ..Default::default()
         },
@@ -119,7 +119,7 @@ async fn redis_unreachable_falls_back_to_local_limits() {
     .await;
     set_quotas(
         &app,
-        gateway::tenants::policy::PolicyPatch {
+        control::tenants::policy::PolicyPatch {
             key_requests_per_minute: Some(Some(2)),
             ..Default::default()
         },

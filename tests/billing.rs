@@ -26,9 +26,9 @@ async fn db() -> (PgPool, Uuid, String) {
     let pool = cachet::server::connect_and_migrate(&format!("{PG}/{name}"), 4)
         .await
         .unwrap();
-    let t = gateway::tenants::create_tenant(
+    let t = control::tenants::create_tenant(
         &pool,
-        &gateway::tenants::Actor::cli("test"),
+        &control::tenants::Actor::cli("test"),
         &format!("t-{}", Uuid::new_v4().simple()),
     )
     .await
@@ -451,16 +451,16 @@ async fn reconcile_cli_exits_non_zero_with_the_differences() {
 #[tokio::test]
 async fn a_plans_reserved_bytes_come_with_the_tenants_key() {
     let (pool, tenant, name) = db().await;
-    let t = gateway::tenants::find_tenant(&pool, &tenant.to_string())
+    let t = control::tenants::find_tenant(&pool, &tenant.to_string())
         .await
         .unwrap()
         .unwrap();
     let key =
-        gateway::tenants::create_key(&pool, &gateway::tenants::Actor::cli("test"), &t, "k", None)
+        control::tenants::create_key(&pool, &control::tenants::Actor::cli("test"), &t, "k", None)
             .await
             .unwrap();
     let lookup = || async {
-        gateway::tenants::lookup_key(&pool, &gateway::tenants::hash_secret(&key.secret))
+        control::tenants::lookup_key(&pool, &control::tenants::hash_secret(&key.secret))
             .await
             .unwrap()
             .unwrap()

@@ -515,7 +515,7 @@ fn signal(child: &Child, s: &str) {
     );
 }
 
-/// The cluster half of the suite: three `cachet node`s and a `cachet gateway` on Postgres
+/// The cluster half of the suite: three `cachet node`s and a `cachet router` on Postgres
 /// and Redis under 16 clients, while each of these faults is injected in turn: `kill -9` of
 /// a node (restarted on its data directory), `SIGSTOP`/`SIGCONT` of a node, a node cut off
 /// from its peers and the gateway (its fabric and API ports behind proxies the test cuts),

@@ -188,7 +188,7 @@ fn prompt(words: usize, tag: &str, user: &str) -> serde_json::Value {
 }
 
 /// A fresh database with one tenant and its API key: (pool, URL, tenant, key secret).
-async fn tenant_db(name: &str) -> (sqlx::PgPool, String, gateway::tenants::Tenant, String) {
+async fn tenant_db(name: &str) -> (sqlx::PgPool, String, control::tenants::Tenant, String) {
     let db_url = format!(
         "postgres://postgres@127.0.0.1:5432/cachet_test_{}",
         uuid::Uuid::new_v4().simple()
@@ -197,12 +197,12 @@ async fn tenant_db(name: &str) -> (sqlx::PgPool, String, gateway::tenants::Tenan
         .await
         .unwrap();
     let tenant =
-        gateway::tenants::create_tenant(&pool, &gateway::tenants::Actor::cli("test"), name)
+        control::tenants::create_tenant(&pool, &control::tenants::Actor::cli("test"), name)
             .await
             .unwrap();
-    let key = gateway::tenants::create_key(
+    let key = control::tenants::create_key(
         &pool,
-        &gateway::tenants::Actor::cli("test"),
+        &control::tenants::Actor::cli("test"),
         &tenant,
         "k",
         None,
@@ -245,7 +245,7 @@ async fn gateway_metrics(http: &reqwest::Client, gw: &Gateway) -> String {
 }
 
 /// Issue 4's acceptance, on real processes, Postgres and Redis: three `cachet node`s and a
-/// `cachet gateway`. Blocks land on R = 2 distinct owners; a prefix written through one
+/// `cachet router`. Blocks land on R = 2 distinct owners; a prefix written through one
 /// node is read by another; a bit flipped on disk is caught and never served; `kill -9` of
 /// a node under load fails no request and loses no ledger row, and R is restored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -546,14 +546,9 @@ async fn a_saturated_node_is_skipped_not_surfaced() {
             req.send().await.unwrap().status().as_u16()
         }
     };
-    let finance = billing::api::Jwt::new(secret.as_bytes())
+    let finance = identity::Jwt::new(secret.as_bytes())
         .unwrap()
-        .issue(
-            "t",
-            billing::api::Role::Finance,
-            None,
-            Duration::from_secs(60),
-        )
+        .issue("t", identity::Role::Finance, None, Duration::from_secs(60))
         .unwrap();
     assert_eq!(prices(gw.url.clone(), None).await, 401);
     assert_eq!(prices(gw.url.clone(), Some(finance.clone())).await, 200);
@@ -738,11 +733,11 @@ async fn admin_changes_reach_every_node_of_a_cluster() {
     let gw = start_gateway(&prefix, &env);
     let http = reqwest::Client::new();
     wait_for_nodes(&http, &gw, 2).await;
-    let admin = billing::api::Jwt::new(SECRET.as_bytes())
+    let admin = identity::Jwt::new(SECRET.as_bytes())
         .unwrap()
         .issue(
             "test",
-            billing::api::Role::PlatformAdmin,
+            identity::Role::PlatformAdmin,
             None,
             Duration::from_secs(600),
         )

@@ -6,8 +6,8 @@ mod common;
 
 use std::time::Duration;
 
-use billing::api::{Jwt, Role};
 use common::*;
+use identity::{Jwt, Role};
 use serde_json::{Value, json};
 use uuid::Uuid;
 

@@ -13,8 +13,6 @@
 //! in JSON Lines), through a bounded channel: a month of millions of rows costs constant
 //! memory. Errors have the gateway's shape: `{"type":"error","error":{"type","message"}}`.
 
-use std::sync::Arc;
-
 use axum::Json;
 use axum::body::Body;
 use axum::extract::{FromRequestParts, Path, Query, State};
@@ -24,309 +22,41 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use chrono::{DateTime, NaiveDate, Utc};
 use futures::TryStreamExt;
-use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgPool, Row};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
+use cachet_common::error::{ApiError, ErrorBody, ErrorCode};
+use identity::{AdminAuth, Claims, Role};
+
 use crate::invoice::{self, BillingError, Invoice};
 use crate::prices::{self, PriceVersion};
-
-/// A finance API role.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    PlatformAdmin,
-    Finance,
-    TenantAdmin,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::PlatformAdmin => "platform_admin",
-            Role::Finance => "finance",
-            Role::TenantAdmin => "tenant_admin",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        [Role::PlatformAdmin, Role::Finance, Role::TenantAdmin]
-            .into_iter()
-            .find(|r| r.as_str() == s)
-    }
-}
-
-/// The token's claims.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Claims {
-    pub sub: String,
-    pub role: Role,
-    /// The tenant a `tenant_admin` administers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tenant: Option<Uuid>,
-    /// The admin session (login) the token belongs to: it stops working when the session is
-    /// logged out or its user disabled. Tokens made by `cachet billing token` have none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sid: Option<Uuid>,
-    pub exp: u64,
-    /// Not valid before (seconds since the epoch); checked.
-    #[serde(default)]
-    pub nbf: u64,
-}
-
-/// Signs and checks admin tokens. The secret comes from `CACHET_ADMIN_JWT_SECRET`.
-#[derive(Clone)]
-pub struct Jwt {
-    encoding: EncodingKey,
-    decoding: DecodingKey,
-}
-
-impl Jwt {
-    /// At least 32 bytes of secret.
-    pub fn new(secret: &[u8]) -> Result<Self, BillingError> {
-        if secret.len() < 32 {
-            return Err(BillingError::Invalid(
-                "the admin JWT secret must be at least 32 bytes".into(),
-            ));
-        }
-        Ok(Self {
-            encoding: EncodingKey::from_secret(secret),
-            decoding: DecodingKey::from_secret(secret),
-        })
-    }
-
-    /// A token for `role` (and `tenant`, for a tenant admin) valid for `ttl`.
-    pub fn issue(
-        &self,
-        sub: &str,
-        role: Role,
-        tenant: Option<Uuid>,
-        ttl: std::time::Duration,
-    ) -> Result<String, BillingError> {
-        self.issue_for_session(sub, role, tenant, None, ttl)
-    }
-
-    /// A token of an admin session `sid` (see [`Claims::sid`]).
-    pub fn issue_for_session(
-        &self,
-        sub: &str,
-        role: Role,
-        tenant: Option<Uuid>,
-        sid: Option<Uuid>,
-        ttl: std::time::Duration,
-    ) -> Result<String, BillingError> {
-        if (role == Role::TenantAdmin) != tenant.is_some() {
-            return Err(BillingError::Invalid(
-                "a tenant_admin token names exactly one tenant; other roles name none".into(),
-            ));
-        }
-        let now = Utc::now();
-        let exp = (now + chrono::Duration::from_std(ttl).unwrap_or_default()).timestamp();
-        let claims = Claims {
-            sub: sub.to_string(),
-            role,
-            tenant,
-            sid,
-            exp: exp.max(0) as u64,
-            nbf: now.timestamp().max(0) as u64,
-        };
-        jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &self.encoding)
-            .map_err(|e| BillingError::Invalid(format!("signing the token: {e}")))
-    }
-
-    /// The claims of a token signed with this secret, unexpired and already valid.
-    pub fn check(&self, token: &str) -> Result<Claims, ApiError> {
-        let mut v = Validation::new(Algorithm::HS256);
-        v.leeway = 5;
-        v.validate_nbf = true;
-        let data = jsonwebtoken::decode::<Claims>(token, &self.decoding, &v)
-            .map_err(|e| ApiError::unauthorized(&format!("invalid admin token: {e}")))?;
-        let c = data.claims;
-        if (c.role == Role::TenantAdmin) != c.tenant.is_some() {
-            return Err(ApiError::unauthorized(
-                "invalid admin token: a tenant_admin token names exactly one tenant",
-            ));
-        }
-        Ok(c)
-    }
-}
 
 /// State of the finance API.
 #[derive(Clone)]
 pub struct FinanceState {
     pub pool: PgPool,
-    pub jwt: Option<Arc<Jwt>>,
-}
-
-/// An error in the API's shape.
-#[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    kind: &'static str,
-    message: String,
-}
-
-impl ApiError {
-    pub fn status(&self) -> StatusCode {
-        self.status
-    }
-    /// The error type (`authentication_error`, `permission_error`, …).
-    pub fn kind(&self) -> &'static str {
-        self.kind
-    }
-    pub fn message(&self) -> &str {
-        &self.message
-    }
-}
-
-/// The error body (the gateway's shape).
-#[derive(Serialize, ToSchema)]
-pub struct ErrorBody {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub error: ErrorDetail,
-    /// The request's id (`req_…`), as in the `request-id` header.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub request_id: Option<String>,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct ErrorDetail {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub message: String,
-}
-
-impl ApiError {
-    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            kind,
-            message: message.into(),
-        }
-    }
-    fn unauthorized(m: &str) -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", m)
-    }
-    fn forbidden(m: &str) -> Self {
-        Self::new(StatusCode::FORBIDDEN, "permission_error", m)
-    }
-    fn invalid(m: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", m)
-    }
-    fn not_found(m: &str) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "not_found_error", m)
-    }
-}
-
-/// A query string, path or JSON body that does not parse: 400 (415 for a body that is not
-/// JSON) in the API's shape, saying what was wrong.
-impl From<axum::extract::rejection::QueryRejection> for ApiError {
-    fn from(r: axum::extract::rejection::QueryRejection) -> Self {
-        ApiError::invalid(r.body_text())
-    }
-}
-
-impl From<axum::extract::rejection::PathRejection> for ApiError {
-    fn from(r: axum::extract::rejection::PathRejection) -> Self {
-        ApiError::invalid(r.body_text())
-    }
-}
-
-impl From<axum::extract::rejection::JsonRejection> for ApiError {
-    fn from(r: axum::extract::rejection::JsonRejection) -> Self {
-        let status = r.status();
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
-            return ApiError::new(status, "request_too_large", r.body_text());
-        }
-        if status == StatusCode::UNSUPPORTED_MEDIA_TYPE {
-            return ApiError::new(status, "invalid_request_error", r.body_text());
-        }
-        ApiError::invalid(r.body_text())
-    }
+    /// Who may call (the admin tokens the control plane's admin API uses too).
+    pub auth: AdminAuth,
 }
 
 impl From<BillingError> for ApiError {
     fn from(e: BillingError) -> Self {
-        match e {
-            BillingError::Db(e) => {
-                tracing::error!(error = %e, "finance API database error");
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "api_error",
-                    "Internal server error",
-                )
-            }
-            BillingError::Finalized { .. } => {
-                ApiError::new(StatusCode::CONFLICT, "invalid_request_error", e.to_string())
-            }
-            other => ApiError::invalid(other.to_string()),
-        }
+        ApiError::from_service("finance API database error", &e)
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = ErrorBody {
-            kind: "error".into(),
-            error: ErrorDetail {
-                kind: self.kind.into(),
-                message: self.message,
-            },
-            request_id: None,
-        };
-        let mut resp = (self.status, Json(body)).into_response();
-        // The server's request middleware knows the id and adds it to the body.
-        resp.extensions_mut()
-            .insert(cachet_common::RequestIdPending);
-        resp
-    }
+fn forbidden(m: &str) -> ApiError {
+    ApiError::new(ErrorCode::Permission, m)
+}
+
+fn not_found(m: &str) -> ApiError {
+    ApiError::new(ErrorCode::NotFound, m)
 }
 
 /// The caller, authenticated.
 pub struct Caller(pub Claims);
-
-/// Authenticate an admin request: a valid token in `Authorization: Bearer`, and, when it
-/// belongs to an admin session, a session that is neither logged out, expired, nor of a
-/// disabled user.
-pub async fn authenticate(
-    state: &FinanceState,
-    headers: &axum::http::HeaderMap,
-) -> Result<Claims, ApiError> {
-    let Some(jwt) = &state.jwt else {
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "api_error",
-            "the admin and finance APIs are off: set CACHET_ADMIN_JWT_SECRET",
-        ));
-    };
-    let token = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .ok_or_else(|| {
-            ApiError::unauthorized("an admin token is required (Authorization: Bearer)")
-        })?;
-    let claims = jwt.check(token.trim())?;
-    if let Some(sid) = claims.sid {
-        let live: Option<bool> = sqlx::query_scalar(
-            "SELECT s.revoked_at IS NULL AND s.expires_at > now() AND u.disabled_at IS NULL \
-             FROM admin_sessions s JOIN admin_users u ON u.id = s.user_id WHERE s.id = $1",
-        )
-        .bind(sid)
-        .fetch_optional(&state.pool)
-        .await
-        .map_err(BillingError::from)?;
-        if live != Some(true) {
-            return Err(ApiError::unauthorized(
-                "this admin session has ended: log in again",
-            ));
-        }
-    }
-    Ok(claims)
-}
 
 impl FromRequestParts<FinanceState> for Caller {
     type Rejection = ApiError;
@@ -335,7 +65,7 @@ impl FromRequestParts<FinanceState> for Caller {
         parts: &mut Parts,
         state: &FinanceState,
     ) -> Result<Self, Self::Rejection> {
-        Ok(Caller(authenticate(state, &parts.headers).await?))
+        Ok(Caller(state.auth.authenticate(&parts.headers).await?))
     }
 }
 
@@ -354,9 +84,7 @@ impl Caller {
             (None, a) => Ok(a),
             (Some(own), None) => Ok(Some(own)),
             (Some(own), Some(a)) if a == own => Ok(Some(own)),
-            (Some(_), Some(_)) => Err(ApiError::forbidden(
-                "a tenant admin reads only its own tenant",
-            )),
+            (Some(_), Some(_)) => Err(forbidden("a tenant admin reads only its own tenant")),
         }
     }
 
@@ -364,7 +92,7 @@ impl Caller {
         if roles.contains(&self.0.role) {
             Ok(())
         } else {
-            Err(ApiError::forbidden("this role may not do that"))
+            Err(forbidden("this role may not do that"))
         }
     }
 }
@@ -550,7 +278,7 @@ pub async fn get_invoice(
     let Path(id) = id?;
     match invoice::load(&s.pool, id).await? {
         Some(inv) if caller.scope().is_none_or(|t| t == inv.tenant_id) => Ok(Json(inv)),
-        _ => Err(ApiError::not_found("no such invoice")),
+        _ => Err(not_found("no such invoice")),
     }
 }
 
@@ -872,34 +600,5 @@ mod tests {
         assert_eq!(csv_field("a,b"), "\"a,b\"");
         assert_eq!(csv_field("say \"hi\""), "\"say \"\"hi\"\"\"");
         assert_eq!(csv_field("two\r\nlines"), "\"two\r\nlines\"");
-    }
-
-    #[test]
-    fn tokens_carry_roles_and_are_checked() {
-        let jwt = Jwt::new(&[7u8; 32]).unwrap();
-        let t = jwt
-            .issue(
-                "ana",
-                Role::Finance,
-                None,
-                std::time::Duration::from_secs(60),
-            )
-            .unwrap();
-        assert_eq!(jwt.check(&t).unwrap().role, Role::Finance);
-        let other = Jwt::new(&[8u8; 32]).unwrap();
-        assert!(
-            other.check(&t).is_err(),
-            "another secret's token is refused"
-        );
-        assert!(
-            jwt.issue(
-                "x",
-                Role::TenantAdmin,
-                None,
-                std::time::Duration::from_secs(60)
-            )
-            .is_err()
-        );
-        assert!(Jwt::new(b"short").is_err());
     }
 }

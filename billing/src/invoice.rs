@@ -36,6 +36,19 @@ pub enum BillingError {
     Db(#[from] sqlx::Error),
 }
 
+impl cachet_common::error::ServiceError for BillingError {
+    fn error_code(&self) -> cachet_common::error::ErrorCode {
+        use cachet_common::error::ErrorCode;
+        match self {
+            BillingError::Db(_) => ErrorCode::Api,
+            BillingError::Finalized { .. } => ErrorCode::Conflict,
+            BillingError::NoPrice { .. }
+            | BillingError::MixedCurrency { .. }
+            | BillingError::Invalid(_) => ErrorCode::InvalidRequest,
+        }
+    }
+}
+
 /// What a line bills.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

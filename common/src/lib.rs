@@ -2,7 +2,10 @@
 //!
 //! Domain ids are newtypes so a tenant id can never be passed where a key id is expected.
 //! This crate holds no logic beyond formatting and parsing those ids; it is not a place for
-//! helpers that belong to one subsystem.
+//! helpers that belong to one subsystem, and the one error vocabulary ([`error`]) every
+//! crate's errors speak.
+
+pub mod error;
 
 use std::fmt;
 use std::str::FromStr;

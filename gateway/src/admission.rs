@@ -5,7 +5,7 @@
 //! - Output cost is `max_tokens` at admission; the unused part is refunded at the end.
 //! - All buckets of a request are checked and taken atomically (one Lua script).
 //! - **Monthly spend budget**: a tenant whose spend this month (from the rollups, refreshed
-//!   by [`crate::admin::sync`] about every 15 s, so up to a minute or so behind) has reached its
+//!   by [`crate::sync`] about every 15 s, so up to a minute or so behind) has reached its
 //!   budget is refused with 429 until the month ends. Until its spend is first known, a
 //!   tenant is admitted.
 //! - Every refusal is counted per tenant, key and limit ([`Admission::take_refusals`]) for the
@@ -24,7 +24,7 @@ use chrono::{DateTime, Utc};
 use redis::aio::ConnectionManager;
 
 use crate::metrics;
-use crate::tenants::Principal;
+use control::tenants::Principal;
 
 const WINDOW_MS: f64 = 60_000.0;
 

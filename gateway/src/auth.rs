@@ -3,7 +3,7 @@
 //! Keys come in `x-api-key` or `Authorization: Bearer`. A resolved key is cached for `ttl`;
 //! an unknown key is cached as unknown for a few seconds so a flood of bad keys does not reach
 //! Postgres. Administrative changes (a revoked or rotated key, a suspended tenant, new limits)
-//! do not wait for the cache: the change feed ([`crate::admin::sync`]) drops the entries they
+//! do not wait for the cache: the change feed ([`crate::sync`]) drops the entries they
 //! touch within about a second.
 //!
 //! A cached principal past its `ttl` is served at once and refreshed in the background
@@ -25,8 +25,8 @@ use cachet_common::{ApiKeyId, TenantId};
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use crate::error::{ApiError, ErrorKind};
-use crate::tenants::{self, Principal};
+use crate::error::{ApiError, ErrorCode};
+use control::tenants::{self, Principal};
 
 const NEGATIVE_TTL: Duration = Duration::from_secs(5);
 const MAX_ENTRIES: usize = 100_000;
@@ -85,7 +85,7 @@ fn usable(p: Arc<Principal>, now: DateTime<Utc>) -> Result<Arc<Principal>, ApiEr
         && at <= now
     {
         return Err(ApiError::new(
-            ErrorKind::Authentication,
+            ErrorCode::Authentication,
             format!(
                 "this API key expired at {}",
                 at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
@@ -94,7 +94,7 @@ fn usable(p: Arc<Principal>, now: DateTime<Utc>) -> Result<Arc<Principal>, ApiEr
     }
     if p.tenant_suspended {
         return Err(ApiError::new(
-            ErrorKind::Permission,
+            ErrorCode::Permission,
             "this API key's organization is suspended; contact your administrator",
         ));
     }
@@ -116,7 +116,7 @@ impl Authenticator {
     pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Arc<Principal>, ApiError> {
         let Some(secret) = presented_key(headers)? else {
             return Err(ApiError::new(
-                ErrorKind::Authentication,
+                ErrorCode::Authentication,
                 "x-api-key header is required",
             ));
         };
@@ -270,14 +270,14 @@ fn auth_metric(result: &str) {
 
 fn db_down() -> ApiError {
     ApiError::new(
-        ErrorKind::Unavailable,
+        ErrorCode::Unavailable,
         "API keys cannot be checked right now (the key store is unreachable); retry shortly",
     )
     .with_header("retry-after", "1")
 }
 
 fn invalid_key() -> ApiError {
-    ApiError::new(ErrorKind::Authentication, "invalid x-api-key")
+    ApiError::new(ErrorCode::Authentication, "invalid x-api-key")
 }
 
 #[cfg(test)]
@@ -292,7 +292,7 @@ mod tests {
         assert_eq!(presented_key(&h).unwrap().as_deref(), Some("sk-a"));
         h.append("x-api-key", HeaderValue::from_static("sk-b"));
         let e = presented_key(&h).unwrap_err();
-        assert_eq!(e.kind, ErrorKind::InvalidRequest);
+        assert_eq!(e.code, ErrorCode::InvalidRequest);
         let mut h = HeaderMap::new();
         h.append("authorization", HeaderValue::from_static("Bearer sk-a"));
         h.append("authorization", HeaderValue::from_static("Bearer sk-a"));

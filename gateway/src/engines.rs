@@ -51,7 +51,7 @@ pub struct Share {
 
 impl Share {
     /// A tenant's share from its policy.
-    pub fn of(tenant: TenantId, policy: &crate::tenants::policy::Policy) -> Self {
+    pub fn of(tenant: TenantId, policy: &control::tenants::policy::Policy) -> Self {
         Self {
             tenant,
             weight: policy.engine_weight.clamp(1, 100) as u32,

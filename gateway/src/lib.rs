@@ -2,11 +2,12 @@
 //!
 //! What it exposes: [`serve`] (serve a router on a listener until a shutdown token fires,
 //! under the timeouts and connection limits of [`server`]),
-//! [`routing`] (the routing gateway of a cluster, `cachet gateway`, with the
+//! [`routing`] (the routing gateway of a cluster, `cachet router`, with the
 //! [`conductor`]'s choice of node),
 //! [`router`], [`AppState`] (built from the fabric client, the engine pool, the meter handle,
-//! Postgres and Redis), [`tenants`] (tenant and key administration used by the CLI), and the
-//! OpenAPI document ([`openapi::document`]).
+//! Postgres and Redis), [`sync`] (the change feed that applies the control plane's changes
+//! here), and the OpenAPI document ([`openapi::document`]). Tenants, keys, policy and the
+//! admin API are the control plane's (`control`); the gateway serves its routes.
 //!
 //! The request path lives in [`api::handlers`] (HTTP) → [`api::validate`] (Anthropic's rules
 //! and texts) → [`render`] (tokens, breakpoints, block keys) → [`pipeline`] (fabric, admission,
@@ -15,7 +16,6 @@
 //! What it is not: it stores no KV (the fabric does) and writes no ledger rows itself (the
 //! meter does).
 
-pub mod admin;
 pub mod admission;
 pub mod api;
 pub mod auth;
@@ -31,7 +31,7 @@ pub mod pipeline;
 pub mod render;
 pub mod routing;
 pub mod server;
-pub mod tenants;
+pub mod sync;
 pub mod usage;
 
 use std::sync::Arc;
@@ -112,7 +112,7 @@ pub struct Inner {
     /// Prompts of requests that asked for cache diagnostics, for later comparison.
     pub fingerprints: diagnostics::Fingerprints,
     /// The admin and finance APIs and the admin UI (on the public side only).
-    pub admin: Option<admin::AdminState>,
+    pub admin: Option<control::admin::AdminState>,
 }
 
 /// Shared state of every handler. Cheap to clone.
@@ -126,7 +126,7 @@ pub fn state(
     engines: EnginePool,
     meter: MeterHandle,
     redis_url: Option<&str>,
-    admin: Option<admin::AdminState>,
+    admin: Option<control::admin::AdminState>,
 ) -> anyhow::Result<AppState> {
     let auth = Arc::new(Authenticator::new(pool.clone(), config.auth_cache_ttl));
     let admission = Arc::new(Admission::new(redis_url, config.redis_timeout)?);
@@ -147,9 +147,9 @@ pub fn state(
 }
 
 impl Inner {
-    /// What the change feed ([`admin::sync`]) applies changes to in this process.
-    pub fn sync_targets(&self) -> admin::sync::Targets {
-        admin::sync::Targets {
+    /// What the change feed ([`crate::sync`]) applies changes to in this process.
+    pub fn sync_targets(&self) -> crate::sync::Targets {
+        crate::sync::Targets {
             auth: Some(self.auth.clone()),
             admission: Some(self.admission.clone()),
             fabric: Some(self.fabric.clone()),
@@ -176,7 +176,7 @@ async fn request_context(State(state): State<AppState>, mut req: Request, next: 
             .unwrap_or_default();
         if !same_secret(presented, token.as_bytes()) {
             return error::ApiError::new(
-                error::ErrorKind::Authentication,
+                error::ErrorCode::Authentication,
                 "this is an internal node port: requests must come through a gateway",
             )
             .into_response();
@@ -262,7 +262,7 @@ pub(crate) async fn metrics_text(req: Request) -> Response {
         && !c.may_read_metrics(req.headers())
     {
         return error::ApiError::new(
-            error::ErrorKind::Permission,
+            error::ErrorCode::Permission,
             "/metrics is for operators: send the metrics token (CACHET_METRICS_TOKEN) as a bearer token",
         )
         .into_response();
@@ -280,7 +280,7 @@ pub(crate) async fn openapi_json() -> Response {
 
 /// An error about the route itself, with the request's id (a fresh one where no middleware
 /// gave it one).
-fn route_error(req: &Request, kind: error::ErrorKind, message: String) -> Response {
+fn route_error(req: &Request, kind: error::ErrorCode, message: String) -> Response {
     let rid = req
         .extensions()
         .get::<RequestId>()
@@ -294,13 +294,13 @@ fn route_error(req: &Request, kind: error::ErrorKind, message: String) -> Respon
 /// A known path asked with a method it does not take: 405 in the API's error shape.
 pub(crate) async fn method_not_allowed(req: Request) -> Response {
     let msg = format!("{} is not allowed for {}", req.method(), req.uri().path());
-    route_error(&req, error::ErrorKind::MethodNotAllowed, msg)
+    route_error(&req, error::ErrorCode::MethodNotAllowed, msg)
 }
 
 /// No such path: 404 in the API's error shape.
 pub(crate) async fn not_found(req: Request) -> Response {
     let msg = format!("no route for {} {}", req.method(), req.uri().path());
-    route_error(&req, error::ErrorKind::NotFound, msg)
+    route_error(&req, error::ErrorCode::NotFound, msg)
 }
 
 pub fn router(state: AppState) -> Router {
@@ -323,11 +323,12 @@ pub fn router(state: AppState) -> Router {
         .route("/openapi.json", get(openapi_json))
         .with_state(state.clone());
     if let Some(a) = &state.admin {
-        app = app.merge(admin::routes(a.clone()));
+        app = app.merge(control::admin::routes(a.clone()));
     }
     app.method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn(error::observed))
         .layer(middleware::from_fn_with_state(state, request_context))
 }
 

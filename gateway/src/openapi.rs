@@ -4,8 +4,8 @@
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::admin::{handlers as admin, login, views};
 use crate::api::handlers;
+use control::admin::{handlers as admin, login, views};
 
 struct Security;
 

@@ -23,11 +23,11 @@ use crate::admission::{Ask, Decision, RateHeaders};
 use crate::api::types::{BreakpointReport, CacheReport, Usage};
 use crate::coalesce::{Claim, Leader, Waited};
 use crate::diagnostics;
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{ApiError, ErrorCode};
 use crate::metrics;
 use crate::render::Prepared;
-use crate::tenants::Principal;
 use crate::usage::{self, TokenUsage};
+use control::tenants::Principal;
 
 pub struct Job {
     pub request_id: RequestId,
@@ -348,7 +348,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
             headers,
             ..
         } => {
-            let mut e = ApiError::new(ErrorKind::RateLimit, message)
+            let mut e = ApiError::new(ErrorCode::RateLimit, message)
                 .with_header("retry-after", &retry_after_secs.to_string());
             for (k, v) in &headers.0 {
                 e = e.with_header(k, v);
@@ -714,7 +714,7 @@ fn engine_error(stage: &str, e: EngineError) -> ApiError {
         EngineError::Unavailable(why) => {
             metrics::ENGINE_UNAVAILABLE.inc();
             ApiError::new(
-                ErrorKind::Overloaded,
+                ErrorCode::Overloaded,
                 format!("the model server is unavailable ({why}); retry shortly"),
             )
             .with_header("retry-after", "1")

@@ -1,4 +1,4 @@
-//! The routing gateway (`cachet gateway`): a stateless front door for a cluster of
+//! The routing gateway (`cachet router`): a stateless front door for a cluster of
 //! `cachet node`s.
 //!
 //! For each `POST /v1/messages` it authenticates the key and validates and renders the
@@ -41,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::Authenticator;
 use crate::conductor::{Candidate, CostModel, Demand, Refusal};
 use crate::engines::EnginePool;
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{ApiError, ErrorCode};
 use crate::{CLUSTER_TOKEN_HEADER, REQUEST_ID_HEADER, metrics};
 
 mod relay;
@@ -193,9 +193,9 @@ impl RouterInner {
         req
     }
 
-    /// What the change feed ([`crate::admin::sync`]) applies changes to here: the key cache.
-    pub fn sync_targets(&self) -> crate::admin::sync::Targets {
-        crate::admin::sync::Targets {
+    /// What the change feed ([`crate::sync`]) applies changes to here: the key cache.
+    pub fn sync_targets(&self) -> crate::sync::Targets {
+        crate::sync::Targets {
             auth: Some(self.auth.clone()),
             ..Default::default()
         }
@@ -593,7 +593,7 @@ async fn passthrough(State(state): State<RouterState>, req: Request) -> Response
     let body = match axum::body::to_bytes(body, state.config.max_body_bytes).await {
         Ok(b) => b,
         Err(_) => {
-            return ApiError::new(ErrorKind::RequestTooLarge, "request body is too large")
+            return ApiError::new(ErrorCode::RequestTooLarge, "request body is too large")
                 .with_request_id(rid)
                 .into_response();
         }
@@ -1042,7 +1042,7 @@ async fn readyz(State(state): State<RouterState>) -> Response {
 
 /// The routing gateway's routes, with the admin and finance APIs and the admin UI when
 /// `admin` is given.
-pub fn router(state: RouterState, admin: Option<crate::admin::AdminState>) -> Router {
+pub fn router(state: RouterState, admin: Option<control::admin::AdminState>) -> Router {
     let limit = state.config.max_body_bytes;
     let mut app = Router::new()
         .route("/v1/messages", axum::routing::post(messages))
@@ -1056,11 +1056,12 @@ pub fn router(state: RouterState, admin: Option<crate::admin::AdminState>) -> Ro
         .route("/openapi.json", get(crate::openapi_json))
         .with_state(state);
     if let Some(a) = admin {
-        app = app.merge(crate::admin::routes(a));
+        app = app.merge(control::admin::routes(a));
     }
     app.method_not_allowed_fallback(crate::method_not_allowed)
         .fallback(crate::not_found)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn(crate::error::observed))
 }
 
 /// Serve until `shutdown`, then finish in-flight requests.

@@ -183,17 +183,16 @@ pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 
 /// 414 or 431, in the API's error shape, for a request head past the limits above.
 fn head_too_large<B>(req: &hyper::Request<B>) -> Option<axum::response::Response> {
-    use crate::error::{ApiError, ErrorKind};
-    use axum::response::IntoResponse;
+    use crate::error::{ApiError, ErrorCode};
     let uri = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
     let refusal = if uri > MAX_URI_BYTES {
         ApiError::new(
-            ErrorKind::UriTooLong,
+            ErrorCode::UriTooLong,
             format!("The request target is {uri} bytes; the limit is {MAX_URI_BYTES}."),
         )
     } else if req.headers().len() > MAX_HEADERS {
         ApiError::new(
-            ErrorKind::HeadersTooLarge,
+            ErrorCode::HeadersTooLarge,
             format!(
                 "The request has {} header fields; the limit is {MAX_HEADERS}.",
                 req.headers().len()
@@ -209,29 +208,27 @@ fn head_too_large<B>(req: &hyper::Request<B>) -> Option<axum::response::Response
             return None;
         }
         ApiError::new(
-            ErrorKind::HeadersTooLarge,
+            ErrorCode::HeadersTooLarge,
             format!("The request's headers are {bytes} bytes; the limit is {MAX_HEADER_BYTES}."),
         )
     };
-    Some(
-        refusal
-            .with_request_id(cachet_common::RequestId::new())
-            .into_response(),
-    )
+    Some(crate::error::unrouted(
+        refusal.with_request_id(cachet_common::RequestId::new()),
+    ))
 }
 
 /// 413 from the declared length alone: nobody waits for a body that will be refused.
 fn body_too_large(max: usize) -> axum::response::Response {
-    use axum::response::IntoResponse;
-    crate::error::ApiError::new(
-        crate::error::ErrorKind::RequestTooLarge,
-        format!(
-            "Request exceeds the maximum allowed number of bytes ({} MB).",
-            max / (1024 * 1024)
-        ),
+    crate::error::unrouted(
+        crate::error::ApiError::new(
+            crate::error::ErrorCode::RequestTooLarge,
+            format!(
+                "Request exceeds the maximum allowed number of bytes ({} MB).",
+                max / (1024 * 1024)
+            ),
+        )
+        .with_request_id(cachet_common::RequestId::new()),
     )
-    .with_request_id(cachet_common::RequestId::new())
-    .into_response()
 }
 
 /// One connection counted against its client's address; released on drop.

@@ -9,8 +9,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use billing::api::{Jwt, Role};
 use chrono::Utc;
+use identity::{Jwt, Role};
 use sqlx::Row;
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -47,11 +47,11 @@ pub async fn dashboard(
     let (pool, name, url) = super::ledger::scratch(url).await?;
     let started = Instant::now();
     // Tenants with 5 keys each (numbered for the generator), and list prices for the models.
-    let actor = gateway::tenants::Actor::cli("bench");
+    let actor = control::tenants::Actor::cli("bench");
     for i in 0..tenants {
-        let t = gateway::tenants::create_tenant(&pool, &actor, &format!("bench-{i:05}")).await?;
+        let t = control::tenants::create_tenant(&pool, &actor, &format!("bench-{i:05}")).await?;
         for k in 0..5 {
-            gateway::tenants::create_key(&pool, &actor, &t, &format!("k{k}"), None).await?;
+            control::tenants::create_key(&pool, &actor, &t, &format!("k{k}"), None).await?;
         }
     }
     sqlx::query(
@@ -148,19 +148,19 @@ pub async fn dashboard(
         dram_capacity_bytes: 1 << 20,
         eviction: cache_fabric::EvictionPolicy::DEFAULT,
     });
-    let admin = gateway::admin::state(
+    let admin = control::admin::state(
         pool.clone(),
         Some(jwt),
         None,
-        gateway::admin::CacheSource::Local(cache_fabric::FabricClient::local(node)),
-        gateway::admin::AdminConfig::default(),
+        control::admin::CacheSource::Local(cache_fabric::FabricClient::local(node)),
+        control::admin::AdminConfig::default(),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let stop = tokio_util::sync::CancellationToken::new();
     let server = tokio::spawn(gateway::serve(
         listener,
-        gateway::admin::routes(admin),
+        control::admin::routes(admin),
         stop.clone(),
         gateway::server::ServeLimits::default(),
     ));

@@ -213,16 +213,19 @@ pub async fn export(url: &str, rows: usize) -> anyhow::Result<()> {
     .execute(&pool)
     .await?;
     let secret = "bench-secret-for-the-finance-api-token-0123456789";
-    let jwt = billing::api::Jwt::new(secret.as_bytes())?;
+    let jwt = identity::Jwt::new(secret.as_bytes())?;
     let token = jwt.issue(
         "bench",
-        billing::api::Role::Finance,
+        identity::Role::Finance,
         None,
         Duration::from_secs(3600),
     )?;
     let app = billing::api::router(billing::api::FinanceState {
         pool: pool.clone(),
-        jwt: Some(std::sync::Arc::new(jwt)),
+        auth: identity::AdminAuth {
+            pool: pool.clone(),
+            jwt: Some(std::sync::Arc::new(jwt)),
+        },
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;

@@ -33,7 +33,7 @@ pub struct ReplayArgs {
     pub workload: Option<Kind>,
     #[command(flatten)]
     pub workload_args: WorkloadArgs,
-    /// Base URL of `cachet serve` or a cluster's `cachet gateway` (this machine only).
+    /// Base URL of `cachet serve` or a cluster's `cachet router` (this machine only).
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub url: String,
     /// API keys; repeat for several tenants (sessions are spread over them).

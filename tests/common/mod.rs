@@ -225,15 +225,15 @@ impl TestApp {
 
 /// A new tenant with one key named `key_name`; the key's secret.
 pub async fn tenant_with_key(pool: &sqlx::PgPool, key_name: &str) -> String {
-    let actor = gateway::tenants::Actor::cli("test");
-    let t = gateway::tenants::create_tenant(
+    let actor = control::tenants::Actor::cli("test");
+    let t = control::tenants::create_tenant(
         pool,
         &actor,
         &format!("t-{}", uuid::Uuid::new_v4().simple()),
     )
     .await
     .unwrap();
-    gateway::tenants::create_key(pool, &actor, &t, key_name, None)
+    control::tenants::create_key(pool, &actor, &t, key_name, None)
         .await
         .unwrap()
         .secret

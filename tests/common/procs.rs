@@ -1,4 +1,4 @@
-//! `cachet node` and `cachet gateway` as child processes, for the cluster and chaos tests.
+//! `cachet node` and `cachet router` as child processes, for the cluster and chaos tests.
 //! With `CACHET_TEST_NODE_LOGS=<dir>` their logs go to files there.
 
 use std::io::{BufRead, BufReader};
@@ -155,7 +155,7 @@ impl Drop for Gateway {
 
 pub fn start_gateway(prefix: &str, env: &[(&str, String)]) -> Gateway {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachet"));
-    cmd.args(["gateway", "--redis-prefix", prefix])
+    cmd.args(["router", "--redis-prefix", prefix])
         .env("CACHET_CLUSTER_TOKEN", TOKEN)
         .env("REDIS_URL", REDIS)
         .env("CACHET_LISTEN", "127.0.0.1:0")
@@ -164,7 +164,7 @@ pub fn start_gateway(prefix: &str, env: &[(&str, String)]) -> Gateway {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd.spawn().expect("start cachet gateway");
+    let mut child = cmd.spawn().expect("start cachet router");
     let mut out = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     out.read_line(&mut line).unwrap();

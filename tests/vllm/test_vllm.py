@@ -469,7 +469,7 @@ class SingleInstance(unittest.TestCase):
 
 class TwoInstances(unittest.TestCase):
     """A cluster: two `cachet node`s, each with its own vLLM server (one core each), behind
-    `cachet gateway`."""
+    `cachet router`."""
 
     @classmethod
     def setUpClass(cls):
@@ -506,7 +506,7 @@ class TwoInstances(unittest.TestCase):
             )
         gw = free_port()
         cls.gateway, cls.gateway_log = cls.procs.start(
-            "gateway", [BIN, "gateway", "--redis-prefix", cls.prefix],
+            "gateway", [BIN, "router", "--redis-prefix", cls.prefix],
             {**env, "CACHET_LISTEN": f"127.0.0.1:{gw}",
              # The gateway renders and counts tokens as the nodes do; it never calls vLLM.
              "CACHET_VLLM_URL": f"http://127.0.0.1:{cls.nodes['n1']['vllm']}",
@@ -519,7 +519,7 @@ class TwoInstances(unittest.TestCase):
             text = json.dumps(body) if not isinstance(body, bytes) else body.decode()
             return status == 200 and '"n1"' in text and '"n2"' in text
 
-        wait_until("cachet gateway with two nodes", ready, 90, cls.gateway, cls.gateway_log)
+        wait_until("cachet router with two nodes", ready, 90, cls.gateway, cls.gateway_log)
         for c in cls.nodes.values():
             wait_vllm(c["vllm_proc"], c["vllm_log"], c["vllm"])
 

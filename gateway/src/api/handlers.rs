@@ -21,7 +21,7 @@ use crate::admission::RateHeaders;
 use crate::api::openai;
 use crate::api::types::*;
 use crate::api::validate::{self, ModelLimits};
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{ApiError, ErrorCode};
 use crate::pipeline::{self, Event, Job};
 use crate::render;
 
@@ -61,7 +61,7 @@ pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, A
     body.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::new(
-                ErrorKind::RequestTooLarge,
+                ErrorCode::RequestTooLarge,
                 "Request exceeds the maximum allowed number of bytes (32 MB).",
             )
         } else if is_body_timeout(&r) {
@@ -69,7 +69,7 @@ pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, A
                 .with_label_values(&["body_read"])
                 .inc();
             ApiError::new(
-                ErrorKind::RequestTimeout,
+                ErrorCode::RequestTimeout,
                 "the request body stopped arriving: the server waits at most its body read timeout between pieces",
             )
         } else {
@@ -132,7 +132,7 @@ struct Started {
 async fn start_generation(
     state: &AppState,
     rid: RequestId,
-    principal: Arc<crate::tenants::Principal>,
+    principal: Arc<control::tenants::Principal>,
     body: Bytes,
     seed: Option<u64>,
     diagnose: bool,
@@ -279,7 +279,7 @@ async fn create_message_inner(
 /// pipeline and the routing gateway, so both see the same keys.
 pub(crate) async fn prepare_messages(
     engines: &crate::engines::EnginePool,
-    principal: &crate::tenants::Principal,
+    principal: &control::tenants::Principal,
     body: Bytes,
 ) -> Result<(MessagesRequest, Arc<dyn engine::Engine>, render::Prepared), ApiError> {
     let (req, bps) = validate::messages_request(&body, |m| {
@@ -291,7 +291,7 @@ pub(crate) async fn prepare_messages(
         && let Some(bp) = bps.iter().find(|b| b.ttl == cachet_common::Ttl::OneHour)
     {
         return Err(ApiError::new(
-            ErrorKind::Permission,
+            ErrorCode::Permission,
             format!(
                 "{}: a 1h cache TTL is not allowed for this organization by its administrator; use \"5m\"",
                 bp.location
@@ -421,7 +421,7 @@ pub async fn create_chat_completion(
 
 /// A Cachet error in OpenAI's shape (the `request-id` header set as on every answer).
 pub(crate) fn openai_error(e: ApiError, rid: RequestId) -> Response {
-    e.observe();
+    crate::error::observe(e.code, &e.message, Some(rid));
     let (status, body) = openai::error_body(&e);
     let mut resp = (status, axum::Json(body)).into_response();
     for (n, v) in e.headers {
@@ -627,7 +627,7 @@ pub async fn get_model(
     }
     match state.engines.get(&model_id) {
         Some(e) => axum::Json(model_object(e)).into_response(),
-        None => ApiError::new(ErrorKind::NotFound, format!("model: {model_id}"))
+        None => ApiError::new(ErrorCode::NotFound, format!("model: {model_id}"))
             .with_request_id(rid)
             .into_response(),
     }

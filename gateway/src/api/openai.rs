@@ -21,7 +21,7 @@
 
 use serde_json::{Map, Value, json};
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{ApiError, ErrorCode};
 
 /// What the translation keeps besides the Messages body.
 #[derive(Clone, Debug, Default)]
@@ -564,32 +564,36 @@ pub fn finish_reason(stop: &engine::StopReason) -> &'static str {
 /// OpenAI's error body and status for a Cachet error.
 pub fn error_body(e: &ApiError) -> (axum::http::StatusCode, Value) {
     use axum::http::StatusCode;
-    let (status, kind, code) = match e.kind {
-        ErrorKind::Authentication => (
+    let (status, kind, code) = match e.code {
+        ErrorCode::Authentication => (
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",
             Some("invalid_api_key"),
         ),
-        ErrorKind::Permission => (StatusCode::FORBIDDEN, "permission_error", None),
-        ErrorKind::NotFound => (
+        ErrorCode::Permission => (StatusCode::FORBIDDEN, "permission_error", None),
+        ErrorCode::NotFound => (
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             Some("not_found"),
         ),
-        ErrorKind::RateLimit => (
+        ErrorCode::RateLimit => (
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_error",
             Some("rate_limit_exceeded"),
         ),
         // OpenAI sheds load with 503; its SDKs retry it.
-        ErrorKind::Overloaded => (
+        ErrorCode::Overloaded => (
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
             Some("overloaded"),
         ),
-        ErrorKind::Api => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
-        ErrorKind::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None),
-        k => (k.status(), "invalid_request_error", None),
+        ErrorCode::Api => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        ErrorCode::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None),
+        k => (
+            StatusCode::from_u16(k.status_u16()).unwrap_or(StatusCode::BAD_REQUEST),
+            "invalid_request_error",
+            None,
+        ),
     };
     let param = e
         .message
@@ -734,7 +738,7 @@ mod tests {
             (json!({"temperature": 3}), "temperature"),
         ] {
             let e = base(extra.clone());
-            assert_eq!(e.kind, ErrorKind::InvalidRequest, "{extra}");
+            assert_eq!(e.code, ErrorCode::InvalidRequest, "{extra}");
             let (_, body) = error_body(&e);
             assert_eq!(body["error"]["param"], param, "{extra}: {}", e.message);
             assert_eq!(body["error"]["type"], "invalid_request_error");

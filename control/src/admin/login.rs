@@ -23,8 +23,8 @@ use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, Salt
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use billing::api::Role;
 use chrono::{DateTime, Utc};
+use identity::Role;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sha2::{Digest, Sha256};
@@ -33,10 +33,10 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::{Admin, AdminJson, AdminPath, AdminState};
-use crate::error::{ApiError, ErrorKind};
 use crate::metrics;
 use crate::tenants::AdminError;
 use crate::tenants::audit::{self, Actor, Entry};
+use cachet_common::error::{ApiError, ErrorCode};
 
 /// Consecutive failures that lock an account.
 pub const LOCK_AFTER: i32 = 5;
@@ -387,7 +387,7 @@ fn too_many(until: DateTime<Utc>, now: DateTime<Utc>, locked: bool) -> ApiError 
         .with_label_values(&[if locked { "locked" } else { "throttled" }])
         .inc();
     ApiError::new(
-        ErrorKind::RateLimit,
+        ErrorCode::RateLimit,
         if locked {
             format!(
                 "too many failed logins: try again in {} minutes",
@@ -402,7 +402,7 @@ fn too_many(until: DateTime<Utc>, now: DateTime<Utc>, locked: bool) -> ApiError 
 
 fn invalid_login() -> ApiError {
     metrics::ADMIN_LOGINS.with_label_values(&["invalid"]).inc();
-    ApiError::new(ErrorKind::Authentication, "invalid username or password")
+    ApiError::new(ErrorCode::Authentication, "invalid username or password")
 }
 
 fn refresh_token() -> Result<String, AdminError> {
@@ -440,9 +440,9 @@ async fn me_of(
 
 /// Issue an access token for session `sid`.
 fn access_token(state: &AdminState, me: &Me, sid: Uuid) -> Result<String, ApiError> {
-    let jwt = state.finance.jwt.as_ref().ok_or_else(|| {
+    let jwt = state.finance.auth.jwt.as_ref().ok_or_else(|| {
         ApiError::new(
-            ErrorKind::Unavailable,
+            ErrorCode::Unavailable,
             "the admin API is off: set CACHET_ADMIN_JWT_SECRET",
         )
     })?;
@@ -458,15 +458,15 @@ fn access_token(state: &AdminState, me: &Me, sid: Uuid) -> Result<String, ApiErr
 
 /// Log in.
 #[utoipa::path(post, path = "/v1/admin/login", tag = "admin", request_body = LoginRequest,
-    responses((status = 200, body = LoginTokens), (status = 400, body = crate::api::types::ErrorBody),
-              (status = 401, body = crate::api::types::ErrorBody), (status = 429, body = crate::api::types::ErrorBody)))]
+    responses((status = 200, body = LoginTokens), (status = 400, body = cachet_common::error::ErrorBody),
+              (status = 401, body = cachet_common::error::ErrorBody), (status = 429, body = cachet_common::error::ErrorBody)))]
 pub async fn login(
     State(state): State<AdminState>,
     AdminJson(req): AdminJson<LoginRequest>,
 ) -> Result<axum::Json<LoginTokens>, ApiError> {
-    if state.finance.jwt.is_none() {
+    if state.finance.auth.jwt.is_none() {
         return Err(ApiError::new(
-            ErrorKind::Unavailable,
+            ErrorCode::Unavailable,
             "the admin API is off: set CACHET_ADMIN_JWT_SECRET",
         ));
     }
@@ -593,7 +593,7 @@ pub async fn login(
 /// Exchange a refresh token for a new access token and a new refresh token (the old one
 /// stops working).
 #[utoipa::path(post, path = "/v1/admin/refresh", tag = "admin", request_body = RefreshRequest,
-    responses((status = 200, body = LoginTokens), (status = 401, body = crate::api::types::ErrorBody)))]
+    responses((status = 200, body = LoginTokens), (status = 401, body = cachet_common::error::ErrorBody)))]
 pub async fn refresh(
     State(state): State<AdminState>,
     AdminJson(req): AdminJson<RefreshRequest>,
@@ -612,7 +612,7 @@ pub async fn refresh(
     .map_err(AdminError::from)?
     .ok_or_else(|| {
         ApiError::new(
-            ErrorKind::Authentication,
+            ErrorCode::Authentication,
             "this refresh token is not valid (used already, logged out or expired): log in again",
         )
     })?;
@@ -632,7 +632,7 @@ pub async fn refresh(
 
 /// End the caller's session: its access and refresh tokens stop working.
 #[utoipa::path(post, path = "/v1/admin/logout", tag = "admin",
-    responses((status = 204, description = "Logged out"), (status = 401, body = crate::api::types::ErrorBody)),
+    responses((status = 204, description = "Logged out"), (status = 401, body = cachet_common::error::ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn logout(State(state): State<AdminState>, admin: Admin) -> Result<Response, ApiError> {
     if let Some(sid) = admin.claims.sid {
@@ -663,7 +663,7 @@ pub async fn logout(State(state): State<AdminState>, admin: Admin) -> Result<Res
 
 /// Who the token belongs to.
 #[utoipa::path(get, path = "/v1/admin/me", tag = "admin",
-    responses((status = 200, body = Me), (status = 401, body = crate::api::types::ErrorBody)),
+    responses((status = 200, body = Me), (status = 401, body = cachet_common::error::ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn me(State(state): State<AdminState>, admin: Admin) -> Result<axum::Json<Me>, ApiError> {
     Ok(axum::Json(
@@ -684,7 +684,7 @@ pub struct UserList {
 
 /// Admin users (platform admins).
 #[utoipa::path(get, path = "/v1/admin/users", tag = "admin",
-    responses((status = 200, body = UserList), (status = 401, body = crate::api::types::ErrorBody), (status = 403, body = crate::api::types::ErrorBody)),
+    responses((status = 200, body = UserList), (status = 401, body = cachet_common::error::ErrorBody), (status = 403, body = cachet_common::error::ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn list_users(
     State(state): State<AdminState>,
@@ -698,8 +698,8 @@ pub async fn list_users(
 
 /// Create an admin user (platform admins).
 #[utoipa::path(post, path = "/v1/admin/users", tag = "admin", request_body = NewUser,
-    responses((status = 201, body = User), (status = 400, body = crate::api::types::ErrorBody),
-              (status = 403, body = crate::api::types::ErrorBody), (status = 409, body = crate::api::types::ErrorBody)),
+    responses((status = 201, body = User), (status = 400, body = cachet_common::error::ErrorBody),
+              (status = 403, body = cachet_common::error::ErrorBody), (status = 409, body = cachet_common::error::ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn create_user_handler(
     State(state): State<AdminState>,
@@ -714,7 +714,7 @@ pub async fn create_user_handler(
 /// Disable an admin user and end its sessions (platform admins).
 #[utoipa::path(delete, path = "/v1/admin/users/{id}", tag = "admin",
     params(("id" = Uuid, Path, description = "User id")),
-    responses((status = 200, body = User), (status = 403, body = crate::api::types::ErrorBody), (status = 404, body = crate::api::types::ErrorBody)),
+    responses((status = 200, body = User), (status = 403, body = cachet_common::error::ErrorBody), (status = 404, body = cachet_common::error::ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn disable_user(
     State(state): State<AdminState>,
@@ -728,7 +728,7 @@ pub async fn disable_user(
 /// Clear a user's failed logins and lock (platform admins).
 #[utoipa::path(post, path = "/v1/admin/users/{id}/unlock", tag = "admin",
     params(("id" = Uuid, Path, description = "User id")),
-    responses((status = 200, body = User), (status = 403, body = crate::api::types::ErrorBody), (status = 404, body = crate::api::types::ErrorBody)),
+    responses((status = 200, body = User), (status = 403, body = cachet_common::error::ErrorBody), (status = 404, body = cachet_common::error::ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn unlock_user(
     State(state): State<AdminState>,

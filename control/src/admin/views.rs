@@ -15,9 +15,9 @@ use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::{Access, Admin, AdminPath, AdminQuery, AdminState, CacheSource};
-use crate::api::types::ErrorBody;
-use crate::error::ApiError;
 use crate::tenants::{self, AdminError, policy};
+use cachet_common::error::ApiError;
+use cachet_common::error::ErrorBody;
 
 /// Prefixes the cache view lists.
 const TOP_PREFIXES: usize = 20;

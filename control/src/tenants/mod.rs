@@ -50,6 +50,23 @@ pub enum AdminError {
     Db(sqlx::Error),
 }
 
+impl cachet_common::error::ServiceError for AdminError {
+    fn error_code(&self) -> cachet_common::error::ErrorCode {
+        use cachet_common::error::ErrorCode;
+        match self {
+            AdminError::TenantNotFound(_) | AdminError::NotFound(_) => ErrorCode::NotFound,
+            AdminError::Conflict(_) | AdminError::State(_) => ErrorCode::Conflict,
+            AdminError::Invalid(_) => ErrorCode::InvalidRequest,
+            AdminError::Forbidden(_) => ErrorCode::Permission,
+            AdminError::Billing(billing::invoice::BillingError::Db(_))
+            | AdminError::Db(_)
+            | AdminError::Random(_) => ErrorCode::Api,
+            // A price or invoice the change needs is missing or wrong: the caller's to fix.
+            AdminError::Billing(_) => ErrorCode::InvalidRequest,
+        }
+    }
+}
+
 impl From<sqlx::Error> for AdminError {
     fn from(e: sqlx::Error) -> Self {
         match &e {

@@ -5,21 +5,21 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use billing::api::Role;
 use cachet_common::ApiKeyId;
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
+use identity::Role;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::{Access, Admin, AdminJson, AdminPath, AdminQuery, AdminState};
-use crate::api::types::ErrorBody;
-use crate::error::{ApiError, ErrorKind};
 use crate::tenants::audit::{self, AuditRow};
 use crate::tenants::keys::{self, KeyInfo, RotateRequest};
 use crate::tenants::policy::{self, Policy, PolicyPatch};
 use crate::tenants::{self, AdminError, TenantInfo};
+use cachet_common::error::ErrorBody;
+use cachet_common::error::{ApiError, ErrorCode};
 
 #[derive(Serialize, ToSchema)]
 pub struct TenantList {
@@ -403,7 +403,7 @@ fn audit_filter(admin: &Admin, q: &AuditQuery) -> Result<audit::Filter, ApiError
     let tenant = match (admin.role(), q.tenant) {
         (Role::TenantAdmin, Some(t)) if Some(t) != admin.claims.tenant => {
             return Err(ApiError::new(
-                ErrorKind::NotFound,
+                ErrorCode::NotFound,
                 format!("tenant {t} not found"),
             ));
         }

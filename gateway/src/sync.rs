@@ -1,7 +1,7 @@
 //! The change feed: how a running gateway or node applies administrative changes without a
 //! restart.
 //!
-//! Every change writes an audit row in its own transaction (see [`crate::tenants::audit`]).
+//! Every change writes an audit row in its own transaction (see [`control::tenants::audit`]).
 //! [`run`] polls `admin_audit` about once a second for rows it has not seen and, for each
 //! tenant they touch:
 //! - drops the tenant's cached API keys (a revoked, expired or rotated key, a suspended
@@ -37,8 +37,8 @@ use uuid::Uuid;
 use crate::admission::{Admission, Spend};
 use crate::auth::Authenticator;
 use crate::metrics;
-use crate::tenants::policy::{self, Policy};
-use crate::tenants::{AdminError, keys};
+use control::tenants::policy::{self, Policy};
+use control::tenants::{AdminError, keys};
 
 /// Ids re-read behind the highest seen (rows that committed out of id order).
 pub const OVERLAP: i64 = 256;
@@ -81,22 +81,15 @@ async fn load_states(
     pool: &PgPool,
     only: Option<&[Uuid]>,
 ) -> Result<HashMap<Uuid, TenantState>, AdminError> {
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT t.id, t.deleted_at IS NOT NULL AS deleted, {} FROM tenants t \
-         LEFT JOIN tenant_quotas q ON q.tenant_id = t.id WHERE $1::UUID[] IS NULL OR t.id = ANY($1)",
-        policy::COLUMNS
-    )))
-    .bind(only)
-    .fetch_all(pool)
-    .await?;
-    Ok(rows
-        .iter()
-        .map(|r| {
+    Ok(policy::standings(pool, only)
+        .await?
+        .into_iter()
+        .map(|s| {
             (
-                r.get("id"),
+                s.tenant,
                 TenantState {
-                    deleted: r.get("deleted"),
-                    policy: policy::from_row(r),
+                    deleted: s.deleted,
+                    policy: s.policy,
                 },
             )
         })

@@ -12,15 +12,12 @@
 //!   tokens with rotating refresh tokens, logout;
 //! - [`handlers`]: tenants, keys, policy, audit log;
 //! - [`views`]: usage and savings over time, budget status, the cache view;
-//! - [`sync`]: the change feed every gateway and node follows, so changes apply in about a
-//!   second without a restart;
 //! - [`ui`]: the built single-page app from `admin-ui/dist`.
 //!
-//! Errors are the gateway's ([`crate::error`]): Anthropic's shape, one vocabulary.
+//! Errors are [`ApiError`]s: Anthropic's shape, one vocabulary ([`cachet_common::error`]).
 
 pub mod handlers;
 pub mod login;
-pub mod sync;
 pub mod ui;
 pub mod views;
 
@@ -32,22 +29,23 @@ use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::routing::{get, post};
-use billing::api::{Claims, FinanceState, Role};
+use billing::api::FinanceState;
 use cache_fabric::FabricClient;
 use cache_fabric::transport::TcpTransport;
 use cachet_common::RequestId;
+use identity::{AdminAuth, Claims, Role};
 use serde::de::DeserializeOwned;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::error::{ApiError, ErrorKind};
 use crate::tenants::{Actor, AdminError};
+use cachet_common::error::{ApiError, ErrorCode};
 
 /// Where the cache view comes from.
 pub enum CacheSource {
     /// This process's fabric node (`cachet serve`).
     Local(FabricClient),
-    /// Every node of a cluster, asked over the fabric transport (`cachet gateway`).
+    /// Every node of a cluster, asked over the fabric transport (`cachet router`).
     Cluster {
         transport: Arc<TcpTransport>,
         /// The nodes' fabric addresses now.
@@ -92,7 +90,7 @@ pub type AdminState = Arc<AdminInner>;
 
 pub fn state(
     pool: PgPool,
-    jwt: Option<Arc<billing::api::Jwt>>,
+    jwt: Option<Arc<identity::Jwt>>,
     server_key: Option<Arc<[u8]>>,
     cache: CacheSource,
     config: AdminConfig,
@@ -100,7 +98,10 @@ pub fn state(
     Arc::new(AdminInner {
         finance: FinanceState {
             pool: pool.clone(),
-            jwt,
+            auth: AdminAuth {
+                pool: pool.clone(),
+                jwt,
+            },
         },
         pool,
         server_key,
@@ -112,42 +113,7 @@ pub fn state(
 
 impl From<AdminError> for ApiError {
     fn from(e: AdminError) -> Self {
-        match e {
-            AdminError::TenantNotFound(_) | AdminError::NotFound(_) => {
-                ApiError::new(ErrorKind::NotFound, e.to_string())
-            }
-            AdminError::Conflict(_) | AdminError::State(_) => {
-                ApiError::new(ErrorKind::Conflict, e.to_string())
-            }
-            AdminError::Invalid(m) => ApiError::invalid(m),
-            AdminError::Forbidden(m) => ApiError::new(ErrorKind::Permission, m),
-            AdminError::Billing(billing::invoice::BillingError::Db(e)) | AdminError::Db(e) => {
-                ApiError::internal("admin database error", e)
-            }
-            AdminError::Billing(b) => ApiError::invalid(b.to_string()),
-            AdminError::Random(m) => ApiError::internal("admin", m),
-        }
-    }
-}
-
-impl From<billing::api::ApiError> for ApiError {
-    fn from(e: billing::api::ApiError) -> Self {
-        let kind = match e.status().as_u16() {
-            401 => ErrorKind::Authentication,
-            403 => ErrorKind::Permission,
-            404 => ErrorKind::NotFound,
-            409 => ErrorKind::Conflict,
-            400..=499 => ErrorKind::InvalidRequest,
-            503 => ErrorKind::Unavailable,
-            _ => ErrorKind::Api,
-        };
-        ApiError::new(kind, e.message())
-    }
-}
-
-impl From<billing::invoice::BillingError> for ApiError {
-    fn from(e: billing::invoice::BillingError) -> Self {
-        AdminError::Billing(e).into()
+        ApiError::from_service("admin", &e)
     }
 }
 
@@ -164,7 +130,7 @@ impl FromRequestParts<AdminState> for Admin {
         parts: &mut Parts,
         state: &AdminState,
     ) -> Result<Self, Self::Rejection> {
-        let claims = billing::api::authenticate(&state.finance, &parts.headers).await?;
+        let claims = state.finance.auth.authenticate(&parts.headers).await?;
         let actor = Actor {
             name: if claims.sid.is_some() {
                 format!("user:{}", claims.sub)
@@ -203,7 +169,7 @@ impl Admin {
             Ok(())
         } else {
             Err(ApiError::new(
-                ErrorKind::Permission,
+                ErrorCode::Permission,
                 format!("the {} role may not do this", self.claims.role.as_str()),
             ))
         }
@@ -220,12 +186,12 @@ impl Admin {
                 Ok(())
             }
             (Role::TenantAdmin, _) if self.claims.tenant != Some(tenant) => Err(ApiError::new(
-                ErrorKind::NotFound,
+                ErrorCode::NotFound,
                 format!("tenant {tenant} not found"),
             )),
             (Role::Finance, Access::Read) => Ok(()),
             _ => Err(ApiError::new(
-                ErrorKind::Permission,
+                ErrorCode::Permission,
                 format!("the {} role may not do this", self.claims.role.as_str()),
             )),
         }

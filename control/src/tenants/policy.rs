@@ -71,6 +71,32 @@ impl Default for Policy {
     }
 }
 
+/// A tenant as the change feed applies it: deleted or not, and its policy.
+pub struct Standing {
+    pub tenant: Uuid,
+    pub deleted: bool,
+    pub policy: Policy,
+}
+
+/// The standing of every tenant (deleted ones too), or of those in `only`.
+pub async fn standings(pool: &PgPool, only: Option<&[Uuid]>) -> Result<Vec<Standing>, AdminError> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT t.id, t.deleted_at IS NOT NULL AS deleted, {COLUMNS} FROM tenants t \
+         LEFT JOIN tenant_quotas q ON q.tenant_id = t.id WHERE $1::UUID[] IS NULL OR t.id = ANY($1)",
+    )))
+    .bind(only)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|r| Standing {
+            tenant: r.get("id"),
+            deleted: r.get("deleted"),
+            policy: from_row(r),
+        })
+        .collect())
+}
+
 /// The policy columns, read from `tenant_quotas q` (and the plan in force).
 pub(crate) const COLUMNS: &str = "q.requests_per_minute, q.input_tokens_per_minute, \
     q.output_tokens_per_minute, q.key_requests_per_minute, q.key_input_tokens_per_minute, \
