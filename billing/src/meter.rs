@@ -63,6 +63,12 @@ pub enum MeterError {
     Spool(#[from] std::io::Error),
 }
 
+impl cachet_common::error::ServiceError for MeterError {
+    fn error_code(&self) -> cachet_common::error::ErrorCode {
+        cachet_common::error::ErrorCode::Api
+    }
+}
+
 /// The append-only local spool.
 struct Spool {
     path: PathBuf,

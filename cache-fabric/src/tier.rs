@@ -68,6 +68,20 @@ pub enum TierError {
     Full { protected: u64, capacity: u64 },
 }
 
+impl cachet_common::error::ServiceError for TierError {
+    fn error_code(&self) -> cachet_common::error::ErrorCode {
+        use cachet_common::error::ErrorCode;
+        match self {
+            // No room for more paid blocks: the cache is full, not broken.
+            TierError::Full { .. } => ErrorCode::Overloaded,
+            TierError::Io(_)
+            | TierError::Corrupt(_)
+            | TierError::TooLarge { .. }
+            | TierError::Unavailable(_) => ErrorCode::Api,
+        }
+    }
+}
+
 /// One storage tier. Implementations: [`DramTier`], [`DiskTier`], and `GpuTier` (feature
 /// `cuda`, in `crate::gpu`).
 pub trait TierStore: Send {

@@ -63,6 +63,13 @@ pub enum TransportError {
     Corrupt { addr: String, hash: BlockHash },
 }
 
+/// A transfer's failure is recomputed, never shown; where one must be named it is ours.
+impl cachet_common::error::ServiceError for TransportError {
+    fn error_code(&self) -> cachet_common::error::ErrorCode {
+        cachet_common::error::ErrorCode::Api
+    }
+}
+
 /// An entry to store on a remote node (see [`crate::store::Store::put_entry`]).
 #[derive(Clone, Debug)]
 pub struct RemoteEntry {

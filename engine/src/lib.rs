@@ -245,6 +245,22 @@ pub enum EngineError {
     Unavailable(String),
 }
 
+impl cachet_common::error::ServiceError for EngineError {
+    fn error_code(&self) -> cachet_common::error::ErrorCode {
+        use cachet_common::error::ErrorCode;
+        match self {
+            EngineError::ContextTooLong { .. } | EngineError::PromptTooLarge { .. } => {
+                ErrorCode::InvalidRequest
+            }
+            // Another engine, or the same one later, can serve it.
+            EngineError::Unavailable(_) => ErrorCode::Overloaded,
+            EngineError::KvIntegrity { .. }
+            | EngineError::InvalidImport(_)
+            | EngineError::Internal(_) => ErrorCode::Api,
+        }
+    }
+}
+
 /// A model runner. Implementations are shared across threads; every method blocks.
 pub trait Engine: Send + Sync + 'static {
     fn info(&self) -> &ModelInfo;

@@ -713,13 +713,11 @@ fn engine_error(stage: &str, e: EngineError) -> ApiError {
     match e {
         EngineError::Unavailable(why) => {
             metrics::ENGINE_UNAVAILABLE.inc();
-            ApiError::new(
-                ErrorCode::Overloaded,
-                format!("the model server is unavailable ({why}); retry shortly"),
-            )
-            .with_header("retry-after", "1")
+            ApiError::overloaded(format!(
+                "the model server is unavailable ({why}); retry shortly"
+            ))
         }
-        e => ApiError::internal(stage, e),
+        e => ApiError::from_service(stage, &e),
     }
 }
 

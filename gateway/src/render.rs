@@ -85,12 +85,7 @@ pub fn to_prompt(
 }
 
 pub fn render_error(e: EngineError) -> ApiError {
-    match e {
-        e @ (EngineError::ContextTooLong { .. } | EngineError::PromptTooLarge { .. }) => {
-            ApiError::invalid(e.to_string())
-        }
-        other => ApiError::internal("render failed", other),
-    }
+    ApiError::from_service("render failed", &e)
 }
 
 /// A rendered request, ready for the fabric and the engine.

@@ -122,6 +122,22 @@ pub enum WriteRefused {
     Unavailable,
 }
 
+/// A refused write is a cache result (`quota`, `capacity`, …), not a failed request; where a
+/// caller must answer with it (an entry it was asked to hold), the code says whose it is.
+impl cachet_common::error::ServiceError for WriteRefused {
+    fn error_code(&self) -> cachet_common::error::ErrorCode {
+        use cachet_common::error::ErrorCode;
+        match self {
+            WriteRefused::Quota => ErrorCode::RateLimit,
+            WriteRefused::Capacity | WriteRefused::NotAdmitted | WriteRefused::Unavailable => {
+                ErrorCode::Overloaded
+            }
+            WriteRefused::MissingParent => ErrorCode::Conflict,
+            WriteRefused::Corrupt | WriteRefused::Conflict => ErrorCode::Api,
+        }
+    }
+}
+
 impl WriteRefused {
     pub fn as_str(self) -> &'static str {
         match self {
