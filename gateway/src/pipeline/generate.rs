@@ -1,0 +1,408 @@
+//! The blocking part of a request: prefill (importing the cached prefix, exporting new
+//! blocks), the fabric writes at its breakpoints, usage and `message_start`, then decoding.
+
+use super::connector::{connector_entries, prefill_with_connector};
+use super::*;
+
+pub(super) struct Prefilled {
+    pub(super) generation: Box<dyn Generation>,
+    /// The chain links past the cached prefix, and their exported KV.
+    pub(super) links: Vec<ChainLink>,
+    pub(super) exported: Vec<KvBlock>,
+    pub(super) cached: usize,
+}
+
+/// Prefill from the cached prefix; if the imported KV fails the engine's own check, recompute
+/// everything rather than answer wrongly.
+pub(super) fn prefill(
+    engine: &dyn Engine,
+    tokens: &[u32],
+    read: &PrefixRead,
+    keys: Option<&PrefixKeys>,
+    targets: &[usize],
+    sampling: &Sampling,
+    max_new_tokens: u32,
+) -> Result<Prefilled, EngineError> {
+    let attempt = |cached: usize, imported: Vec<KvBlock>| -> Result<Prefilled, EngineError> {
+        // Links wholly inside the cached prefix are skipped, so targets at or before it add none.
+        let links = keys
+            .map(|k| usage::export_links(k, cached, targets))
+            .unwrap_or_default();
+        let exports = links
+            .iter()
+            .map(|l| engine::ExportSpec {
+                hash: l.hash,
+                start: l.start,
+                end: l.end,
+            })
+            .collect();
+        let mut generation = engine.start(GenerateRequest {
+            tokens: tokens.to_vec(),
+            imported,
+            exports,
+            sampling: sampling.clone(),
+            max_new_tokens,
+            connector: None,
+        })?;
+        let exported = generation.take_exports();
+        Ok(Prefilled {
+            generation,
+            links,
+            exported,
+            cached,
+        })
+    };
+    let imported: Vec<KvBlock> = read
+        .links
+        .iter()
+        .zip(&read.blocks)
+        .map(|(l, b)| KvBlock {
+            hash: l.hash,
+            start: l.start,
+            end: l.end,
+            data: b.data.clone(),
+        })
+        .collect();
+    if imported.is_empty() {
+        return attempt(0, imported);
+    }
+    match attempt(read.tokens, imported) {
+        Err(e @ (EngineError::KvIntegrity { .. } | EngineError::InvalidImport(_))) => {
+            tracing::error!(error = %e, "cached KV rejected by the engine; recomputing the prefix");
+            metrics::KV_RECOMPUTES
+                .with_label_values(&["integrity"])
+                .inc();
+            attempt(0, Vec::new())
+        }
+        other => other,
+    }
+}
+
+pub(super) fn put_blocks(exported: &[KvBlock], links: &[ChainLink]) -> Vec<PutBlock> {
+    exported
+        .iter()
+        .map(|b| {
+            let parent = links
+                .iter()
+                .find(|l| l.hash == b.hash)
+                .and_then(|l| l.parent);
+            PutBlock::new(b.hash, parent, (b.end - b.start) as u32, b.data.clone())
+        })
+        .collect()
+}
+
+/// How the blocking part ended, and the event that ends the response (sent after metering).
+pub(super) struct Finished {
+    /// The engine could not be reached before it did any work (nothing to bill): no ledger
+    /// row, so that a routing gateway's retry of this request id on another node is the
+    /// request's one row (the ledger keeps the first row of a request id).
+    pub(super) unserved: bool,
+    pub(super) usage: TokenUsage,
+    pub(super) output: u64,
+    pub(super) status: UsageStatus,
+    pub(super) last: Option<Event>,
+}
+
+/// Everything the blocking part of a request needs.
+pub(super) struct Work {
+    pub(super) state: AppState,
+    pub(super) engine: Arc<dyn Engine>,
+    pub(super) tokens: Vec<u32>,
+    pub(super) placed: Vec<usage::Placed>,
+    pub(super) miss_reason: Vec<Option<String>>,
+    pub(super) keys: Option<Arc<PrefixKeys>>,
+    pub(super) read: PrefixRead,
+    pub(super) targets: Vec<usize>,
+    /// Breakpoints left unwritten because their blocks alone exceed the KV budget.
+    pub(super) trimmed: Vec<usize>,
+    /// This request's share of the KV budget: held until its blocks are written.
+    pub(super) kv: Option<crate::budget::KvReservation>,
+    /// Its engine worker: offered to requests owed a turn between tokens, released at the end.
+    pub(super) permit: crate::engines::EnginePermit,
+    pub(super) sampling: Sampling,
+    pub(super) scope: Scope,
+    pub(super) start: tokio::time::Instant,
+    pub(super) max_tokens: u32,
+    pub(super) stops: Vec<String>,
+    pub(super) streaming: bool,
+    pub(super) rate: RateHeaders,
+    pub(super) tx: mpsc::UnboundedSender<Event>,
+    /// A streamed request's usage event, journaled with its prompt usage before the 200.
+    pub(super) intent: Option<UsageEvent>,
+    pub(super) block_size: usize,
+    pub(super) model: String,
+    pub(super) request_id: RequestId,
+    /// The key space of an engine with its own KV connector ([`KvPath::Connector`]).
+    pub(super) connector: Option<String>,
+    /// This request's claim on the blocks it computes: landed once they are written, so
+    /// requests waiting on them read them.
+    pub(super) flight: Option<Leader>,
+    /// The cached prefix before waiting on another request's prefill, if that wait added
+    /// to it (those breakpoints are reported `coalesced`).
+    pub(super) coalesced_from: Option<usize>,
+    /// With cache diagnostics: this request's message id, its fingerprint (kept once its
+    /// entries are written) and the miss reason to report.
+    pub(super) diagnosis: Option<(String, diagnostics::Fingerprint, serde_json::Value)>,
+}
+
+/// Prefill, write, report, decode. Returns the prompt usage, output tokens and how it ended.
+pub(super) fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
+    let finished = |usage, output, status, last| Finished {
+        unserved: false,
+        usage,
+        output,
+        status,
+        last,
+    };
+    let prefill_started = std::time::Instant::now();
+    let started = match &w.connector {
+        Some(space) => prefill_with_connector(&w, space, rt),
+        None => prefill(
+            w.engine.as_ref(),
+            &w.tokens,
+            &w.read,
+            w.keys.as_deref(),
+            &w.targets,
+            &w.sampling,
+            w.max_tokens,
+        ),
+    };
+    let pre = match started {
+        Ok(p) => p,
+        Err(EngineError::Unavailable(why)) => {
+            let err = Event::Error(engine_error(
+                "prefill failed",
+                EngineError::Unavailable(why),
+            ));
+            return Finished {
+                unserved: true,
+                ..finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err))
+            };
+        }
+        Err(e) => {
+            let err = Event::Error(engine_error("prefill failed", e));
+            return finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err));
+        }
+    };
+    // The imported blocks are in the engine now: let go of them (they may be all that still
+    // holds a block the fabric has since evicted).
+    w.read = PrefixRead::default();
+    let took = prefill_started.elapsed();
+    metrics::PREFILL_SECONDS
+        .with_label_values(&[w.model.as_str()])
+        .inc_by(took.as_secs_f64());
+    w.state
+        .inflight
+        .observe(&w.model, w.tokens.len() - pre.cached, took);
+    let (u, api_usage, report) = if w.connector.is_some() {
+        connector_entries(&w, &pre, rt)
+    } else {
+        rt.block_on(write_entries(&w, &pre))
+    };
+    if let Some(f) = w.flight.take() {
+        f.land();
+    }
+    // Written (or refused): the exported KV and its budget go before decoding starts.
+    let Prefilled { generation, .. } = pre;
+    drop(w.kv.take());
+    let diagnostics = w.diagnosis.take().map(|(id, mut fp, reason)| {
+        fp.cached_end = report
+            .breakpoints
+            .iter()
+            .filter(|b| matches!(b.status.as_str(), "read" | "coalesced" | "written"))
+            .map(|b| b.token_offset as usize)
+            .max()
+            .unwrap_or(0)
+            .max(pre.cached);
+        w.state.fingerprints.put(id, fp);
+        serde_json::json!({ "cache_miss_reason": reason })
+    });
+    if let Some(mut ev) = w.intent.take() {
+        (ev.input_tokens, ev.cache_write_5m_tokens) = (u.input, u.write_5m);
+        (ev.cache_write_1h_tokens, ev.cache_read_tokens) = (u.write_1h, u.read);
+        ev.finished_at = Utc::now();
+        if let Err(e) = w.state.meter.open_stream(&ev) {
+            // Served anyway: only a crash before the final event would lose this row.
+            tracing::error!(error = %e, "could not journal the open stream");
+        }
+    }
+    let Work {
+        tx,
+        rate,
+        max_tokens,
+        stops,
+        streaming,
+        mut permit,
+        ..
+    } = w;
+    if tx
+        .send(Event::Start {
+            usage: api_usage,
+            report,
+            rate,
+            diagnostics,
+        })
+        .is_err()
+    {
+        return finished(u, 0, UsageStatus::ClientDisconnected, None);
+    }
+    let mut stream = TextStream::new(generation, max_tokens, stops);
+    let mut whole = String::new();
+    loop {
+        // Between two tokens: a request owed a turn takes this worker, and this generation
+        // goes on in its own next turn.
+        if let Err(e) = permit.yield_turn(rt) {
+            let output = stream.output_tokens() as u64;
+            return finished(u, output, UsageStatus::Failed, Some(Event::Error(e)));
+        }
+        match stream.next_delta() {
+            Ok(Some(d)) if !streaming => whole.push_str(&d.text),
+            Ok(Some(d)) => {
+                if !d.text.is_empty() && tx.send(Event::Delta(d.text)).is_err() {
+                    return finished(
+                        u,
+                        stream.output_tokens() as u64,
+                        UsageStatus::ClientDisconnected,
+                        None,
+                    );
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                let err = Event::Error(engine_error("decode failed", e));
+                return finished(
+                    u,
+                    stream.output_tokens() as u64,
+                    UsageStatus::Failed,
+                    Some(err),
+                );
+            }
+        }
+    }
+    let output = stream.output_tokens() as u64;
+    if !whole.is_empty() && tx.send(Event::Delta(whole)).is_err() {
+        return finished(u, output, UsageStatus::ClientDisconnected, None);
+    }
+    let stop_reason = stream.stop_reason().cloned().unwrap_or(StopReason::EndTurn);
+    finished(
+        u,
+        output,
+        UsageStatus::Completed,
+        Some(Event::Done {
+            stop_reason,
+            output_tokens: output,
+        }),
+    )
+}
+
+/// An engine that cannot be reached (a vLLM server down or restarting) is an overload the
+/// client may retry, said plainly; anything else is an internal error.
+pub(super) fn engine_error(stage: &str, e: EngineError) -> ApiError {
+    match e {
+        EngineError::Unavailable(why) => {
+            metrics::ENGINE_UNAVAILABLE.inc();
+            ApiError::overloaded(format!(
+                "the model server is unavailable ({why}); retry shortly"
+            ))
+        }
+        e => ApiError::from_service(stage, &e),
+    }
+}
+
+/// Write each cacheable breakpoint past the cached prefix, in order; then the usage.
+pub(super) async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheReport) {
+    let cached = pre.cached;
+    let mut written: Vec<(usize, Ttl)> = Vec::new();
+    let mut reports = Vec::with_capacity(w.placed.len());
+    let blocks = put_blocks(&pre.exported, &pre.links);
+    for (i, pl) in w.placed.iter().enumerate() {
+        let (status, reason) = if !pl.cacheable {
+            ("below_minimum", None)
+        } else if pl.offset > cached && w.trimmed.contains(&pl.offset) {
+            ("not_written", Some("kv_budget".to_string()))
+        } else if pl.offset <= cached {
+            match w.coalesced_from {
+                Some(from) if pl.offset > from => ("coalesced", None),
+                _ => ("read", None),
+            }
+        } else {
+            let k = w.keys.as_ref().expect("cacheable breakpoint implies keys");
+            match w
+                .state
+                .fabric
+                .write_entry(
+                    w.scope,
+                    k,
+                    pl.offset,
+                    &blocks,
+                    pl.bp.ttl.duration(),
+                    w.start,
+                    entry_kind(pl.bp.automatic),
+                )
+                .await
+            {
+                Ok(()) => {
+                    written.push((pl.offset, pl.bp.ttl));
+                    ("written", w.miss_reason[i].clone())
+                }
+                Err(r) => ("not_written", Some(r.as_str().to_string())),
+            }
+        };
+        reports.push(breakpoint_report(pl, status, reason));
+    }
+    usage_and_report(w, cached, &written, reports)
+}
+
+/// One breakpoint's line in the cache report, counted in the breakpoint metric.
+pub(super) fn breakpoint_report(
+    pl: &usage::Placed,
+    status: &str,
+    reason: Option<String>,
+) -> BreakpointReport {
+    metrics::BREAKPOINTS.with_label_values(&[status]).inc();
+    BreakpointReport {
+        location: pl.bp.location.clone(),
+        automatic: pl.bp.automatic,
+        ttl: pl.bp.ttl.as_str().into(),
+        token_offset: pl.offset as u64,
+        status: status.into(),
+        reason,
+    }
+}
+
+/// Automatic caching's entries are best effort; explicit breakpoints are paid for.
+pub(super) fn entry_kind(automatic: bool) -> EntryKind {
+    if automatic {
+        EntryKind::BestEffort
+    } else {
+        EntryKind::Paid
+    }
+}
+
+/// The request's prompt usage (counted in the metrics) and its cache report.
+pub(super) fn usage_and_report(
+    w: &Work,
+    cached: usize,
+    written: &[(usize, Ttl)],
+    reports: Vec<BreakpointReport>,
+) -> (TokenUsage, Usage, CacheReport) {
+    let total = w.tokens.len();
+    let u = usage::compute(total, cached, written);
+    for (class, n) in [
+        ("input", u.input),
+        ("write_5m", u.write_5m),
+        ("write_1h", u.write_1h),
+        ("read", u.read),
+    ] {
+        metrics::PROMPT_TOKENS
+            .with_label_values(&[w.model.as_str(), class])
+            .inc_by(n);
+    }
+    let api_usage = usage::anthropic(&u);
+    let report = CacheReport {
+        block_size: w.block_size as u64,
+        prompt_tokens: total as u64,
+        breakpoints: reports,
+    };
+    (u, api_usage, report)
+}
