@@ -309,362 +309,420 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let actor = Actor::cli_user();
     match command {
-        Command::Tenant { command } => match command {
-            TenantCommand::Create { name } => {
-                let t = tenants::create_tenant(pool, &actor, &name).await?;
-                println!("tenant {} created: id {}", t.name, t.id);
-            }
-            TenantCommand::List { all } => {
-                println!("{:<36}  {:<10}  {:>4}  name", "id", "state", "keys");
-                for t in tenants::list_tenants(pool, all).await? {
-                    println!(
-                        "{}  {:<10}  {:>4}  {}",
-                        t.id,
-                        format!("{:?}", t.state).to_lowercase(),
-                        t.active_keys,
-                        t.name
-                    );
-                }
-            }
-            TenantCommand::Show { tenant } => {
-                let id = tenant_id(pool, &tenant).await?;
-                print_json(&tenants::get_tenant(pool, id).await?)?;
-            }
-            TenantCommand::Suspend { tenant } => {
-                let id = tenant_id(pool, &tenant).await?;
-                tenants::set_suspended(pool, &actor, id, true).await?;
-                println!("tenant {tenant} suspended: its keys are refused within seconds");
-            }
-            TenantCommand::Resume { tenant } => {
-                let id = tenant_id(pool, &tenant).await?;
-                tenants::set_suspended(pool, &actor, id, false).await?;
-                println!("tenant {tenant} resumed");
-            }
-            TenantCommand::Delete { tenant, yes } => {
-                if !yes {
-                    bail!(
-                        "deleting {tenant} revokes its keys and purges its cache; add --yes to do it"
-                    );
-                }
-                let id = tenant_id(pool, &tenant).await?;
-                tenants::delete_tenant(pool, &actor, id).await?;
-                println!("tenant {tenant} deleted; its ledger and invoices are kept");
-            }
-        },
-        Command::Key { command } => match command {
-            KeyCommand::Create {
-                tenant,
-                name,
-                expires,
-            } => {
-                let t = tenants::find_tenant(pool, &tenant)
-                    .await?
-                    .with_context(|| format!("no tenant {tenant}"))?;
-                let k = keys::create_key(pool, &actor, &t, &name, expires).await?;
-                eprintln!(
-                    "key {} created for tenant {}; the secret is shown once:",
-                    k.id, t.name
-                );
-                println!("{}", k.secret);
-            }
-            KeyCommand::List { tenant } => {
-                let id = tenant_id(pool, &tenant).await?;
-                println!(
-                    "{:<36}  {:<8}  {:<16}  {:<20}  {:<20}  name",
-                    "id", "state", "prefix", "last used", "expires"
-                );
-                for k in keys::list_keys(pool, id).await? {
-                    println!(
-                        "{}  {:<8}  {:<16}  {:<20}  {:<20}  {}",
-                        k.id,
-                        format!("{:?}", k.state).to_lowercase(),
-                        k.prefix,
-                        time(k.last_used_at),
-                        time(k.expires_at),
-                        k.name
-                    );
-                }
-            }
-            KeyCommand::Revoke { id } => {
-                keys::revoke_key(pool, &actor, None, id.into()).await?;
-                println!("revoked: refused by running gateways within seconds");
-            }
-            KeyCommand::Rotate {
-                id,
-                grace,
-                idempotency_key,
-                expires,
-            } => {
-                let server_key = (!config.admin_jwt_secret.is_empty())
-                    .then_some(config.admin_jwt_secret.as_bytes());
-                let r = keys::rotate_key(
-                    pool,
-                    &actor,
-                    &keys::RotateRequest {
-                        tenant: None,
-                        key: id,
-                        grace,
-                        idempotency_key: idempotency_key.as_deref(),
-                        expires_at: expires,
-                    },
-                    server_key,
-                )
-                .await?;
-                eprintln!(
-                    "key {} replaces {}; the old secret works until {}{}",
-                    r.new.id,
-                    r.old.id,
-                    time(Some(r.grace_until)),
-                    if r.replayed {
-                        " (a retry of an earlier rotation)"
-                    } else {
-                        ""
-                    }
-                );
-                match r.secret {
-                    Some(s) => println!("{s}"),
-                    None => bail!(
-                        "the new key's secret can no longer be shown (its replay window has passed)"
-                    ),
-                }
-            }
-            KeyCommand::Expire { id, at, never } => {
-                if at.is_none() && !never {
-                    bail!("give --at TIME or --never");
-                }
-                let k = keys::set_key_expiry(pool, &actor, None, id, at).await?;
-                println!("key {} expires {}", k.id, time(k.expires_at));
-            }
-        },
-        Command::Policy { command } => match command {
-            PolicyCommand::Show { tenant } => {
-                let id = tenant_id(pool, &tenant).await?;
-                print_json(&policy::get_policy(pool, id).await?)?;
-            }
-            PolicyCommand::Set(s) => {
-                let id = tenant_id(pool, &s.tenant).await?;
-                let patch = policy::PolicyPatch {
-                    requests_per_minute: s.rpm,
-                    input_tokens_per_minute: s.input_tpm,
-                    output_tokens_per_minute: s.output_tpm,
-                    key_requests_per_minute: s.key_rpm,
-                    key_input_tokens_per_minute: s.key_input_tpm,
-                    key_output_tokens_per_minute: s.key_output_tpm,
-                    monthly_budget_minor: s.budget_minor,
-                    budget_alert_percent: s.budget_alert_percent,
-                    cache_resident_bytes: s.cache_bytes,
-                    reserved_cache_bytes: s.reserved_bytes,
-                    allow_1h_ttl: s.allow_1h_ttl,
-                    replication_factor: s
-                        .replication
-                        .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
-                    engine_weight: s.engine_weight,
-                    max_concurrent: s
-                        .max_concurrent
-                        .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
-                };
-                let p = policy::patch_policy(pool, &actor, id, &patch, true).await?;
-                print_json(&p)?;
-            }
-        },
+        Command::Tenant { command } => tenant(pool, &actor, command).await,
+        Command::Key { command } => key(pool, &actor, config, command).await,
+        Command::Policy { command } => policy_cmd(pool, &actor, command).await,
         Command::Usage {
             tenant,
             from,
             to,
             granularity,
             by,
-        } => {
-            let id = tenant_id(pool, &tenant).await?;
-            let granularity =
-                serde_json::from_value(json!(granularity)).context("--granularity: hour or day")?;
-            let by = serde_json::from_value(json!(by)).context("--by: none, model or api_key")?;
-            let r = billing::dashboard::usage(pool, id, from, to, granularity, by).await?;
-            print_json(&r)?;
+        } => usage(pool, tenant, from, to, granularity, by).await,
+        Command::Budget { tenant } => budget(pool, tenant).await,
+        Command::Cache { tenant, url } => cache(pool, config, tenant, url).await,
+        Command::Audit { command } => audit(pool, command).await,
+        Command::User { command } => user(pool, &actor, command).await,
+    }
+}
+
+/// `cachet admin tenant …`: tenants: create, list, show, suspend, resume, delete.
+async fn tenant(pool: &PgPool, actor: &Actor, command: TenantCommand) -> anyhow::Result<()> {
+    match command {
+        TenantCommand::Create { name } => {
+            let t = tenants::create_tenant(pool, &actor, &name).await?;
+            println!("tenant {} created: id {}", t.name, t.id);
         }
-        Command::Budget { tenant } => {
-            let id = tenant_id(pool, &tenant).await?;
-            let p = policy::get_policy(pool, id).await?;
-            let now = Utc::now();
-            let (currency, spent) = billing::dashboard::month_spend(pool, id, now).await?;
-            let (_, resets) = billing::dashboard::month_of(now);
-            let money =
-                |m: i64| format!("{} {currency}", billing::money::format_minor(m, &currency));
-            println!(
-                "spent this month: {}; budget: {}; alert at {}%; resets {}",
-                money(spent),
-                p.monthly_budget_minor
-                    .map(money)
-                    .unwrap_or_else(|| "none".into()),
-                p.budget_alert_percent,
-                time(Some(resets))
-            );
-        }
-        Command::Cache { tenant, url } => {
-            let id = tenant_id(pool, &tenant).await?;
-            let jwt = crate::server::admin_jwt(config)?
-                .context("set CACHET_ADMIN_JWT_SECRET: the cache view is read from the running service's admin API")?;
-            let token = jwt.issue(
-                &format!("cli:{}", std::env::var("USER").unwrap_or_default()),
-                Role::PlatformAdmin,
-                None,
-                std::time::Duration::from_secs(60),
-            )?;
-            let resp = reqwest::Client::new()
-                .get(format!(
-                    "{}/v1/admin/tenants/{id}/cache",
-                    url.trim_end_matches('/')
-                ))
-                .bearer_auth(token)
-                .send()
-                .await
-                .with_context(|| format!("asking {url}"))?;
-            let status = resp.status();
-            let body: serde_json::Value = resp.json().await?;
-            if !status.is_success() {
-                bail!("{url} answered {status}: {body}");
+        TenantCommand::List { all } => {
+            println!("{:<36}  {:<10}  {:>4}  name", "id", "state", "keys");
+            for t in tenants::list_tenants(pool, all).await? {
+                println!(
+                    "{}  {:<10}  {:>4}  {}",
+                    t.id,
+                    format!("{:?}", t.state).to_lowercase(),
+                    t.active_keys,
+                    t.name
+                );
             }
-            print_json(&body)?;
         }
-        Command::Audit { command } => match command {
-            AuditCommand::List {
+        TenantCommand::Show { tenant } => {
+            let id = tenant_id(pool, &tenant).await?;
+            print_json(&tenants::get_tenant(pool, id).await?)?;
+        }
+        TenantCommand::Suspend { tenant } => {
+            let id = tenant_id(pool, &tenant).await?;
+            tenants::set_suspended(pool, &actor, id, true).await?;
+            println!("tenant {tenant} suspended: its keys are refused within seconds");
+        }
+        TenantCommand::Resume { tenant } => {
+            let id = tenant_id(pool, &tenant).await?;
+            tenants::set_suspended(pool, &actor, id, false).await?;
+            println!("tenant {tenant} resumed");
+        }
+        TenantCommand::Delete { tenant, yes } => {
+            if !yes {
+                bail!(
+                    "deleting {tenant} revokes its keys and purges its cache; add --yes to do it"
+                );
+            }
+            let id = tenant_id(pool, &tenant).await?;
+            tenants::delete_tenant(pool, &actor, id).await?;
+            println!("tenant {tenant} deleted; its ledger and invoices are kept");
+        }
+    }
+    Ok(())
+}
+
+/// `cachet admin key …`: API keys.
+async fn key(
+    pool: &PgPool,
+    actor: &Actor,
+    config: &crate::config::Config,
+    command: KeyCommand,
+) -> anyhow::Result<()> {
+    match command {
+        KeyCommand::Create {
+            tenant,
+            name,
+            expires,
+        } => {
+            let t = tenants::find_tenant(pool, &tenant)
+                .await?
+                .with_context(|| format!("no tenant {tenant}"))?;
+            let k = keys::create_key(pool, &actor, &t, &name, expires).await?;
+            eprintln!(
+                "key {} created for tenant {}; the secret is shown once:",
+                k.id, t.name
+            );
+            println!("{}", k.secret);
+        }
+        KeyCommand::List { tenant } => {
+            let id = tenant_id(pool, &tenant).await?;
+            println!(
+                "{:<36}  {:<8}  {:<16}  {:<20}  {:<20}  name",
+                "id", "state", "prefix", "last used", "expires"
+            );
+            for k in keys::list_keys(pool, id).await? {
+                println!(
+                    "{}  {:<8}  {:<16}  {:<20}  {:<20}  {}",
+                    k.id,
+                    format!("{:?}", k.state).to_lowercase(),
+                    k.prefix,
+                    time(k.last_used_at),
+                    time(k.expires_at),
+                    k.name
+                );
+            }
+        }
+        KeyCommand::Revoke { id } => {
+            keys::revoke_key(pool, &actor, None, id.into()).await?;
+            println!("revoked: refused by running gateways within seconds");
+        }
+        KeyCommand::Rotate {
+            id,
+            grace,
+            idempotency_key,
+            expires,
+        } => {
+            let server_key =
+                (!config.admin_jwt_secret.is_empty()).then_some(config.admin_jwt_secret.as_bytes());
+            let r = keys::rotate_key(
+                pool,
+                &actor,
+                &keys::RotateRequest {
+                    tenant: None,
+                    key: id,
+                    grace,
+                    idempotency_key: idempotency_key.as_deref(),
+                    expires_at: expires,
+                },
+                server_key,
+            )
+            .await?;
+            eprintln!(
+                "key {} replaces {}; the old secret works until {}{}",
+                r.new.id,
+                r.old.id,
+                time(Some(r.grace_until)),
+                if r.replayed {
+                    " (a retry of an earlier rotation)"
+                } else {
+                    ""
+                }
+            );
+            match r.secret {
+                Some(s) => println!("{s}"),
+                None => bail!(
+                    "the new key's secret can no longer be shown (its replay window has passed)"
+                ),
+            }
+        }
+        KeyCommand::Expire { id, at, never } => {
+            if at.is_none() && !never {
+                bail!("give --at TIME or --never");
+            }
+            let k = keys::set_key_expiry(pool, &actor, None, id, at).await?;
+            println!("key {} expires {}", k.id, time(k.expires_at));
+        }
+    }
+    Ok(())
+}
+
+/// `cachet admin policy …`: a tenant's limits and cache policy.
+async fn policy_cmd(pool: &PgPool, actor: &Actor, command: PolicyCommand) -> anyhow::Result<()> {
+    match command {
+        PolicyCommand::Show { tenant } => {
+            let id = tenant_id(pool, &tenant).await?;
+            print_json(&policy::get_policy(pool, id).await?)?;
+        }
+        PolicyCommand::Set(s) => {
+            let id = tenant_id(pool, &s.tenant).await?;
+            let patch = policy::PolicyPatch {
+                requests_per_minute: s.rpm,
+                input_tokens_per_minute: s.input_tpm,
+                output_tokens_per_minute: s.output_tpm,
+                key_requests_per_minute: s.key_rpm,
+                key_input_tokens_per_minute: s.key_input_tpm,
+                key_output_tokens_per_minute: s.key_output_tpm,
+                monthly_budget_minor: s.budget_minor,
+                budget_alert_percent: s.budget_alert_percent,
+                cache_resident_bytes: s.cache_bytes,
+                reserved_cache_bytes: s.reserved_bytes,
+                allow_1h_ttl: s.allow_1h_ttl,
+                replication_factor: s
+                    .replication
+                    .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
+                engine_weight: s.engine_weight,
+                max_concurrent: s
+                    .max_concurrent
+                    .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
+            };
+            let p = policy::patch_policy(pool, &actor, id, &patch, true).await?;
+            print_json(&p)?;
+        }
+    }
+    Ok(())
+}
+
+/// `cachet admin usage`: a tenant's usage, cost and savings over time.
+async fn usage(
+    pool: &PgPool,
+    tenant: String,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+    granularity: String,
+    by: String,
+) -> anyhow::Result<()> {
+    let id = tenant_id(pool, &tenant).await?;
+    let granularity =
+        serde_json::from_value(json!(granularity)).context("--granularity: hour or day")?;
+    let by = serde_json::from_value(json!(by)).context("--by: none, model or api_key")?;
+    let r = billing::dashboard::usage(pool, id, from, to, granularity, by).await?;
+    print_json(&r)?;
+    Ok(())
+}
+
+/// `cachet admin budget`: a tenant's spend this month against its budget.
+async fn budget(pool: &PgPool, tenant: String) -> anyhow::Result<()> {
+    let id = tenant_id(pool, &tenant).await?;
+    let p = policy::get_policy(pool, id).await?;
+    let now = Utc::now();
+    let (currency, spent) = billing::dashboard::month_spend(pool, id, now).await?;
+    let (_, resets) = billing::dashboard::month_of(now);
+    let money = |m: i64| format!("{} {currency}", billing::money::format_minor(m, &currency));
+    println!(
+        "spent this month: {}; budget: {}; alert at {}%; resets {}",
+        money(spent),
+        p.monthly_budget_minor
+            .map(money)
+            .unwrap_or_else(|| "none".into()),
+        p.budget_alert_percent,
+        time(Some(resets))
+    );
+    Ok(())
+}
+
+/// `cachet admin cache`: a tenant's cache on the running service.
+async fn cache(
+    pool: &PgPool,
+    config: &crate::config::Config,
+    tenant: String,
+    url: String,
+) -> anyhow::Result<()> {
+    let id = tenant_id(pool, &tenant).await?;
+    let jwt = crate::server::admin_jwt(config)?.context(
+        "set CACHET_ADMIN_JWT_SECRET: the cache view is read from the running service's admin API",
+    )?;
+    let token = jwt.issue(
+        &format!("cli:{}", std::env::var("USER").unwrap_or_default()),
+        Role::PlatformAdmin,
+        None,
+        std::time::Duration::from_secs(60),
+    )?;
+    let resp = reqwest::Client::new()
+        .get(format!(
+            "{}/v1/admin/tenants/{id}/cache",
+            url.trim_end_matches('/')
+        ))
+        .bearer_auth(token)
+        .send()
+        .await
+        .with_context(|| format!("asking {url}"))?;
+    let status = resp.status();
+    let body: serde_json::Value = resp.json().await?;
+    if !status.is_success() {
+        bail!("{url} answered {status}: {body}");
+    }
+    print_json(&body)?;
+    Ok(())
+}
+
+/// `cachet admin audit …`: the audit log.
+async fn audit(pool: &PgPool, command: AuditCommand) -> anyhow::Result<()> {
+    match command {
+        AuditCommand::List {
+            tenant,
+            action,
+            limit,
+        } => {
+            let tenant = match tenant {
+                Some(t) => Some(tenant_id(pool, &t).await?),
+                None => None,
+            };
+            let f = tenants::audit::Filter {
                 tenant,
                 action,
-                limit,
-            } => {
-                let tenant = match tenant {
-                    Some(t) => Some(tenant_id(pool, &t).await?),
-                    None => None,
-                };
-                let f = tenants::audit::Filter {
-                    tenant,
-                    action,
-                    ..Default::default()
-                };
-                for r in tenants::audit::list(pool, &f, limit).await? {
-                    println!(
-                        "{:>6}  {}  {:<24}  {:<18}  {}",
-                        r.id,
-                        time(Some(r.at)),
-                        r.actor,
-                        r.action,
-                        r.target.unwrap_or_default()
-                    );
-                }
+                ..Default::default()
+            };
+            for r in tenants::audit::list(pool, &f, limit).await? {
+                println!(
+                    "{:>6}  {}  {:<24}  {:<18}  {}",
+                    r.id,
+                    time(Some(r.at)),
+                    r.actor,
+                    r.action,
+                    r.target.unwrap_or_default()
+                );
             }
-            AuditCommand::Export {
+        }
+        AuditCommand::Export {
+            from,
+            to,
+            tenant,
+            format,
+        } => {
+            use futures::StreamExt;
+            use std::io::Write;
+            if format != "jsonl" && format != "csv" {
+                bail!("--format: jsonl or csv");
+            }
+            let tenant = match tenant {
+                Some(t) => Some(tenant_id(pool, &t).await?),
+                None => None,
+            };
+            let f = tenants::audit::Filter {
+                tenant,
                 from,
                 to,
-                tenant,
-                format,
-            } => {
-                use futures::StreamExt;
-                use std::io::Write;
-                if format != "jsonl" && format != "csv" {
-                    bail!("--format: jsonl or csv");
-                }
-                let tenant = match tenant {
-                    Some(t) => Some(tenant_id(pool, &t).await?),
-                    None => None,
-                };
-                let f = tenants::audit::Filter {
-                    tenant,
-                    from,
-                    to,
-                    ..Default::default()
-                };
-                let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+                ..Default::default()
+            };
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            if format == "csv" {
+                out.write_all(control::admin::handlers::AUDIT_CSV_HEADER)?;
+            }
+            let mut rows = std::pin::pin!(tenants::audit::stream(pool, f));
+            while let Some(r) = rows.next().await {
+                let r = r?;
                 if format == "csv" {
-                    out.write_all(control::admin::handlers::AUDIT_CSV_HEADER)?;
+                    out.write_all(&control::admin::handlers::audit_csv(&r))?;
+                } else {
+                    serde_json::to_writer(&mut out, &r)?;
+                    out.write_all(b"\n")?;
                 }
-                let mut rows = std::pin::pin!(tenants::audit::stream(pool, f));
-                while let Some(r) = rows.next().await {
-                    let r = r?;
-                    if format == "csv" {
-                        out.write_all(&control::admin::handlers::audit_csv(&r))?;
+            }
+            out.flush()?;
+        }
+    }
+    Ok(())
+}
+
+/// `cachet admin user …`: admin console users.
+async fn user(pool: &PgPool, actor: &Actor, command: UserCommand) -> anyhow::Result<()> {
+    match command {
+        UserCommand::Create {
+            username,
+            role,
+            tenant,
+            password_file,
+        } => {
+            let role =
+                Role::parse(&role).context("--role: platform_admin, tenant_admin or finance")?;
+            let tenant = match tenant {
+                Some(t) => Some(tenant_id(pool, &t).await?),
+                None => None,
+            };
+            let (password, generated) = match password_file {
+                Some(p) if p.as_os_str() == "-" => {
+                    let mut s = String::new();
+                    std::io::stdin().read_to_string(&mut s)?;
+                    (s.trim_end_matches(['\r', '\n']).to_string(), false)
+                }
+                Some(p) => (
+                    std::fs::read_to_string(&p)
+                        .with_context(|| format!("reading {}", p.display()))?
+                        .trim_end_matches(['\r', '\n'])
+                        .to_string(),
+                    false,
+                ),
+                None => (random_password()?, true),
+            };
+            let u = control::admin::login::create_user(
+                pool,
+                &actor,
+                control::admin::login::NewUser {
+                    username,
+                    password: password.clone(),
+                    role,
+                    tenant,
+                },
+            )
+            .await?;
+            eprintln!("user {} ({}) created", u.username, role.as_str());
+            if generated {
+                eprintln!("its password, shown once:");
+                println!("{password}");
+            }
+        }
+        UserCommand::List => {
+            for u in control::admin::login::users(pool, None).await? {
+                println!(
+                    "{:<24}  {:<15}  {:<36}  last login {}  {}",
+                    u.username,
+                    u.role.as_str(),
+                    u.tenant
+                        .map(|t| t.to_string())
+                        .unwrap_or_else(|| "-".into()),
+                    time(u.last_login_at),
+                    if u.disabled_at.is_some() {
+                        "disabled"
+                    } else if u.locked_until.is_some_and(|l| l > Utc::now()) {
+                        "locked"
                     } else {
-                        serde_json::to_writer(&mut out, &r)?;
-                        out.write_all(b"\n")?;
+                        ""
                     }
-                }
-                out.flush()?;
+                );
             }
-        },
-        Command::User { command } => match command {
-            UserCommand::Create {
-                username,
-                role,
-                tenant,
-                password_file,
-            } => {
-                let role = Role::parse(&role)
-                    .context("--role: platform_admin, tenant_admin or finance")?;
-                let tenant = match tenant {
-                    Some(t) => Some(tenant_id(pool, &t).await?),
-                    None => None,
-                };
-                let (password, generated) = match password_file {
-                    Some(p) if p.as_os_str() == "-" => {
-                        let mut s = String::new();
-                        std::io::stdin().read_to_string(&mut s)?;
-                        (s.trim_end_matches(['\r', '\n']).to_string(), false)
-                    }
-                    Some(p) => (
-                        std::fs::read_to_string(&p)
-                            .with_context(|| format!("reading {}", p.display()))?
-                            .trim_end_matches(['\r', '\n'])
-                            .to_string(),
-                        false,
-                    ),
-                    None => (random_password()?, true),
-                };
-                let u = control::admin::login::create_user(
-                    pool,
-                    &actor,
-                    control::admin::login::NewUser {
-                        username,
-                        password: password.clone(),
-                        role,
-                        tenant,
-                    },
-                )
-                .await?;
-                eprintln!("user {} ({}) created", u.username, role.as_str());
-                if generated {
-                    eprintln!("its password, shown once:");
-                    println!("{password}");
-                }
-            }
-            UserCommand::List => {
-                for u in control::admin::login::users(pool, None).await? {
-                    println!(
-                        "{:<24}  {:<15}  {:<36}  last login {}  {}",
-                        u.username,
-                        u.role.as_str(),
-                        u.tenant
-                            .map(|t| t.to_string())
-                            .unwrap_or_else(|| "-".into()),
-                        time(u.last_login_at),
-                        if u.disabled_at.is_some() {
-                            "disabled"
-                        } else if u.locked_until.is_some_and(|l| l > Utc::now()) {
-                            "locked"
-                        } else {
-                            ""
-                        }
-                    );
-                }
-            }
-            UserCommand::Disable { username } => {
-                let id = user_id(pool, &username).await?;
-                control::admin::login::disable(pool, &actor, id).await?;
-                println!("user {username} disabled; its sessions are ended");
-            }
-            UserCommand::Unlock { username } => {
-                let id = user_id(pool, &username).await?;
-                control::admin::login::unlock(pool, &actor, id).await?;
-                println!("user {username} unlocked");
-            }
-        },
+        }
+        UserCommand::Disable { username } => {
+            let id = user_id(pool, &username).await?;
+            control::admin::login::disable(pool, &actor, id).await?;
+            println!("user {username} disabled; its sessions are ended");
+        }
+        UserCommand::Unlock { username } => {
+            let id = user_id(pool, &username).await?;
+            control::admin::login::unlock(pool, &actor, id).await?;
+            println!("user {username} unlocked");
+        }
     }
     Ok(())
 }

@@ -101,13 +101,16 @@ pub async fn run(
     node.set_event_sink(sink);
     // What survived a restart in the disk tier is announced again.
     node.with_store(|s| s.announce_held());
-    let publisher = tokio::spawn(events::publish(
-        conn.clone(),
-        format!("{}:blocks", args.redis_prefix),
-        args.id.clone(),
-        rx,
-        1_000_000,
-    ));
+    let publisher = crate::spawn_loop(
+        "block_events",
+        events::publish(
+            conn.clone(),
+            format!("{}:blocks", args.redis_prefix),
+            args.id.clone(),
+            rx,
+            1_000_000,
+        ),
+    );
     let record = NodeRecord {
         id: args.id.clone(),
         addr: args.advertise.clone().unwrap_or_else(|| addr.clone()),
@@ -134,38 +137,49 @@ pub async fn run(
     // its API runs) and its pull bandwidth, the routing gateway's learned estimates.
     let measured: Arc<std::sync::OnceLock<gateway::coalesce::Inflight>> = Arc::default();
     let (m, cl) = (measured.clone(), cluster.clone());
-    let heartbeat = tokio::spawn(membership::heartbeat(
-        conn.clone(),
-        args.redis_prefix.clone(),
-        move || NodeRecord {
-            dram_used_bytes: n.with_store(|s| s.used_bytes()),
-            prefill_tokens_per_sec: m
-                .get()
-                .map(|i| i.prefill_tokens_per_sec())
-                .unwrap_or_default(),
-            pull_bytes_per_sec: cl.pull_bytes_per_sec(),
-            ..record.clone()
-        },
-        leave.clone(),
-    ));
-    tokio::spawn(cluster.clone().follow_membership(
-        conn.clone(),
-        args.redis_prefix.clone(),
-        MEMBERSHIP_POLL,
-        background.clone(),
-    ));
-    tokio::spawn(
+    let heartbeat = crate::spawn_loop(
+        "heartbeat",
+        membership::heartbeat(
+            conn.clone(),
+            args.redis_prefix.clone(),
+            move || NodeRecord {
+                dram_used_bytes: n.with_store(|s| s.used_bytes()),
+                prefill_tokens_per_sec: m
+                    .get()
+                    .map(|i| i.prefill_tokens_per_sec())
+                    .unwrap_or_default(),
+                pull_bytes_per_sec: cl.pull_bytes_per_sec(),
+                ..record.clone()
+            },
+            leave.clone(),
+        ),
+    );
+    crate::spawn_loop(
+        "membership",
+        cluster.clone().follow_membership(
+            conn.clone(),
+            args.redis_prefix.clone(),
+            MEMBERSHIP_POLL,
+            background.clone(),
+        ),
+    );
+    crate::spawn_loop(
+        "repairs",
         cluster
             .clone()
             .run_repairs(REPAIR_RETRY, background.clone()),
     );
     // Blocks dropped as corrupt are fetched again from another owner.
-    tokio::spawn(
+    crate::spawn_loop(
+        "healing",
         cluster
             .clone()
             .run_healing(Duration::from_secs(1), background.clone()),
     );
-    let serving = tokio::spawn(serve_tcp(listener, node.clone(), token.clone()));
+    let serving = crate::spawn_loop(
+        "fabric_serve",
+        serve_tcp(listener, node.clone(), token.clone()),
+    );
     println!("node {} listening on {addr}", args.id);
 
     let api_stop = CancellationToken::new();

@@ -95,12 +95,15 @@ fn admin_console(
     let jwt = admin_jwt(config)?.map(Arc::new);
     let server_key: Option<Arc<[u8]>> = (!config.admin_jwt_secret.is_empty())
         .then(|| Arc::from(config.admin_jwt_secret.as_bytes()));
-    tokio::spawn(billing::rollup::keep_current(
-        pool.clone(),
-        Duration::from_secs(config.admin.rollup_interval_secs),
-        chrono::TimeDelta::hours(2),
-        shutdown.clone(),
-    ));
+    crate::spawn_loop(
+        "rollups",
+        billing::rollup::keep_current(
+            pool.clone(),
+            Duration::from_secs(config.admin.rollup_interval_secs),
+            chrono::TimeDelta::hours(2),
+            shutdown.clone(),
+        ),
+    );
     Ok(control::admin::state(
         pool.clone(),
         jwt,
@@ -117,15 +120,18 @@ pub fn follow_changes(
     targets: gateway::sync::Targets,
     shutdown: &CancellationToken,
 ) {
-    tokio::spawn(gateway::sync::run(
-        pool,
-        targets,
-        gateway::sync::SyncConfig {
-            poll: Duration::from_millis(config.admin.change_poll_ms),
-            spend_every: Duration::from_secs(config.admin.spend_refresh_secs),
-        },
-        shutdown.clone(),
-    ));
+    crate::spawn_loop(
+        "change_feed",
+        gateway::sync::run(
+            pool,
+            targets,
+            gateway::sync::SyncConfig {
+                poll: Duration::from_millis(config.admin.change_poll_ms),
+                spend_every: Duration::from_secs(config.admin.spend_refresh_secs),
+            },
+            shutdown.clone(),
+        ),
+    );
 }
 
 /// The admin and finance APIs' token signer (none without a secret: they then answer 503
@@ -218,7 +224,10 @@ pub async fn start(
             .await
             .with_context(|| format!("binding fabric.listen {}", config.fabric.listen))?;
         tracing::info!(addr = %l.local_addr()?, "fabric node open to engine connectors");
-        tokio::spawn(cache_fabric::transport::serve_tcp(l, node.clone(), token));
+        crate::spawn_loop(
+            "fabric_serve",
+            cache_fabric::transport::serve_tcp(l, node.clone(), token),
+        );
     }
     let fabric = FabricClient::local(node.clone());
     let gateway_config = config.gateway();
@@ -272,7 +281,10 @@ pub async fn start_api(
     follow_changes(&config, pool.clone(), state.sync_targets(), &shutdown);
     let inflight = state.inflight.clone();
     let app = gateway::router(state);
-    tokio::spawn(crate::memory::return_idle_memory(shutdown.clone()));
+    crate::spawn_loop(
+        "return_idle_memory",
+        crate::memory::return_idle_memory(shutdown.clone()),
+    );
     let limits = config.serve_limits();
     let meter_handle = meter.clone();
     let task = tokio::spawn(async move {
@@ -322,13 +334,16 @@ pub async fn start_router(
         node_timeout: Duration::from_secs(600),
     };
     let state = gateway::routing::state(routing, pool.clone(), engine_pool)?;
-    tokio::spawn(gateway::routing::follow_cluster(
-        state.clone(),
-        conn,
-        redis_prefix,
-        Duration::from_millis(500),
-        shutdown.clone(),
-    ));
+    crate::spawn_loop(
+        "follow_cluster",
+        gateway::routing::follow_cluster(
+            state.clone(),
+            conn,
+            redis_prefix,
+            Duration::from_millis(500),
+            shutdown.clone(),
+        ),
+    );
     follow_changes(&config, pool.clone(), state.sync_targets(), &shutdown);
     let nodes = state.clone();
     let admin = admin_console(

@@ -205,6 +205,7 @@ impl MeterHandle {
             }
         };
         self.intents.close(event.request_id);
+        tracing::debug!(request_id = %event.request_id, status = event.status.as_str(), "usage journaled");
         let journal = self.journal.clone();
         self.send(event, Some(Box::new(move || journal.committed(at))))
             .await
@@ -396,7 +397,10 @@ impl Meter {
             degraded_until: None,
             next_replay: Instant::now(),
         };
-        let task = tokio::spawn(meter.run(shutdown));
+        let task = tokio::spawn(tracing::Instrument::instrument(
+            meter.run(shutdown),
+            tracing::info_span!("background", task = "meter"),
+        ));
         Ok((handle, task))
     }
 

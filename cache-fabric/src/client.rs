@@ -51,9 +51,15 @@ impl FabricClient {
         upto: usize,
         now: Instant,
     ) -> PrefixRead {
-        if let Some(c) = &self.cluster {
-            return c.read_prefix(scope, keys, upto, now).await;
-        }
+        let read = match &self.cluster {
+            Some(c) => c.read_prefix(scope, keys, upto, now).await,
+            None => self.read_local(scope, keys, upto, now),
+        };
+        tracing::debug!(tokens = read.tokens, "fabric prefix read");
+        read
+    }
+
+    fn read_local(&self, scope: Scope, keys: &PrefixKeys, upto: usize, now: Instant) -> PrefixRead {
         let b = keys.block_size;
         let mut store = self.node.store();
         let max_full = (upto / b).min(keys.blocks.len());
@@ -192,13 +198,21 @@ impl FabricClient {
                 None => existing.push(l.hash),
             }
         }
-        match &self.cluster {
+        let blocks = fresh.len();
+        let written = match &self.cluster {
             Some(c) => c.write_entry(scope, &existing, fresh, ttl, now, kind).await,
             None => self
                 .node
                 .store()
                 .put_entry(&scope, &existing, fresh, ttl, now, kind),
-        }
+        };
+        tracing::debug!(
+            offset,
+            new_blocks = blocks,
+            refused = written.err().map(|r| r.as_str()),
+            "fabric entry written"
+        );
+        written
     }
 
     /// Explain a miss at `offset` (the first block of its chain that is not stored).

@@ -46,6 +46,16 @@ impl Drop for Serve {
 
 /// `cachet serve` (sim engines unless `env` says otherwise) on a free port, on `db_url`.
 pub fn start_serve(db_url: &str, data_dir: &std::path::Path, env: &[(&str, &str)]) -> Serve {
+    start_serve_logging(db_url, data_dir, env, log_to("serve.log"))
+}
+
+/// [`start_serve`] with its log (stderr) going to `log`.
+pub fn start_serve_logging(
+    db_url: &str,
+    data_dir: &std::path::Path,
+    env: &[(&str, &str)],
+    log: Stdio,
+) -> Serve {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachet"));
     cmd.arg("serve")
         .env("DATABASE_URL", db_url)
@@ -54,7 +64,7 @@ pub fn start_serve(db_url: &str, data_dir: &std::path::Path, env: &[(&str, &str)
         .env("CACHET_LISTEN", "127.0.0.1:0")
         .env("CACHET_ENGINE", "sim")
         .stdout(Stdio::piped())
-        .stderr(log_to("serve.log"));
+        .stderr(log);
     for (k, v) in env {
         cmd.env(k, v);
     }

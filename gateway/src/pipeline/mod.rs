@@ -625,6 +625,14 @@ impl Meter<'_> {
 /// The usage event goes to the meter before the response ends, so a client that has read
 /// the whole response can rely on its ledger row being on its way.
 async fn record_finished(state: &AppState, ev: UsageEvent, unserved: bool) {
+    tracing::debug!(
+        input = ev.input_tokens,
+        cache_read = ev.cache_read_tokens,
+        cache_write = ev.cache_write_5m_tokens + ev.cache_write_1h_tokens,
+        output = ev.output_tokens,
+        status = ev.status.as_str(),
+        "request finished"
+    );
     if unserved {
         tracing::warn!("the engine was unreachable; answered 529 and recorded no usage");
     } else if ev.status == UsageStatus::ClientDisconnected && state.config.internal_token.is_some()

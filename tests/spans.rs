@@ -1,0 +1,136 @@
+//! One request's log lines, followed by its `request_id` through the gateway, the fabric and
+//! the meter of a real `cachet serve` (JSON logs): every line of the request carries the
+//! request id and its tenant, whichever crate wrote it, and the background loops log in
+//! spans of their own.
+
+mod common;
+
+use std::time::Duration;
+
+use common::procs::start_serve_logging;
+use serde_json::Value;
+
+/// The span fields of a JSON log line (its current span and every span above it).
+fn span_field<'a>(line: &'a Value, field: &str) -> Vec<&'a str> {
+    let mut out = Vec::new();
+    if let Some(spans) = line["spans"].as_array() {
+        out.extend(spans.iter().filter_map(|s| s[field].as_str()));
+    }
+    if let Some(v) = line["span"][field].as_str() {
+        out.push(v);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_is_followed_by_its_id_through_gateway_fabric_and_meter() {
+    let (db_name, db_url, pool) = common::fresh_db().await;
+    let key = common::tenant_with_key(&pool, "spans").await;
+    let dir = common::tempdir::Dir::new();
+    let log_path = dir.0.join("serve.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let serve = start_serve_logging(
+        &db_url,
+        &dir.0.join("data"),
+        &[
+            ("CACHET_LOG_FORMAT", "json"),
+            (
+                "RUST_LOG",
+                "info,sqlx=warn,gateway=debug,cache_fabric=debug,billing=debug",
+            ),
+        ],
+        log.into(),
+    );
+
+    let http = reqwest::Client::new();
+    let mut ids = Vec::new();
+    // The second request reads what the first wrote: both fabric paths are logged.
+    for n in 0..2 {
+        let resp = http
+            .post(format!("{}/v1/messages", serve.url))
+            .header("x-api-key", &key)
+            .header("anthropic-version", "2023-06-01")
+            .json(&common::cached_body(300, &format!("question {n}"), 8))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        ids.push(resp.headers()["request-id"].to_str().unwrap().to_string());
+        let body: Value = resp.json().await.unwrap();
+        if n == 1 {
+            assert!(body["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0);
+        }
+    }
+    let tenant: uuid::Uuid = sqlx::query_scalar("SELECT tenant_id FROM api_keys LIMIT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let tenant = tenant.to_string();
+
+    // Lines are written as they happen; the meter's line comes before the answer ends.
+    let mut lines: Vec<Value> = Vec::new();
+    for _ in 0..50 {
+        lines = std::fs::read_to_string(&log_path)
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let done = ids.iter().all(|id| {
+            lines.iter().any(|l| {
+                span_field(l, "request_id").contains(&id.as_str())
+                    && l["fields"]["message"] == "usage journaled"
+            })
+        });
+        if done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(serve);
+
+    for (n, id) in ids.iter().enumerate() {
+        let mine: Vec<&Value> = lines
+            .iter()
+            .filter(|l| span_field(l, "request_id").contains(&id.as_str()))
+            .collect();
+        let targets: Vec<&str> = mine.iter().filter_map(|l| l["target"].as_str()).collect();
+        for crate_name in ["gateway", "cache_fabric", "billing"] {
+            assert!(
+                targets
+                    .iter()
+                    .any(|t| t.split("::").next() == Some(crate_name)),
+                "request {n} ({id}) has no {crate_name} line; its lines came from {targets:?}"
+            );
+        }
+        for l in &mine {
+            assert_eq!(
+                span_field(l, "tenant_id"),
+                vec![tenant.as_str()],
+                "every line of the request names its tenant: {l}"
+            );
+        }
+        let messages: Vec<&str> = mine
+            .iter()
+            .filter_map(|l| l["fields"]["message"].as_str())
+            .collect();
+        let expected: &[&str] = if n == 0 {
+            &[
+                "fabric prefix read",
+                "fabric entry written",
+                "usage journaled",
+                "request finished",
+            ]
+        } else {
+            &["fabric prefix read", "usage journaled", "request finished"]
+        };
+        for m in expected {
+            assert!(
+                messages.contains(m),
+                "request {n}: no {m:?} in {messages:?}"
+            );
+        }
+    }
+    let loops: Vec<&str> = lines.iter().flat_map(|l| span_field(l, "task")).collect();
+    eprintln!("background loops that logged: {loops:?}");
+    common::drop_db(&db_name).await;
+}
