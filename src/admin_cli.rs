@@ -330,7 +330,7 @@ pub async fn run(
 async fn tenant(pool: &PgPool, actor: &Actor, command: TenantCommand) -> anyhow::Result<()> {
     match command {
         TenantCommand::Create { name } => {
-            let t = tenants::create_tenant(pool, &actor, &name).await?;
+            let t = tenants::create_tenant(pool, actor, &name).await?;
             println!("tenant {} created: id {}", t.name, t.id);
         }
         TenantCommand::List { all } => {
@@ -351,12 +351,12 @@ async fn tenant(pool: &PgPool, actor: &Actor, command: TenantCommand) -> anyhow:
         }
         TenantCommand::Suspend { tenant } => {
             let id = tenant_id(pool, &tenant).await?;
-            tenants::set_suspended(pool, &actor, id, true).await?;
+            tenants::set_suspended(pool, actor, id, true).await?;
             println!("tenant {tenant} suspended: its keys are refused within seconds");
         }
         TenantCommand::Resume { tenant } => {
             let id = tenant_id(pool, &tenant).await?;
-            tenants::set_suspended(pool, &actor, id, false).await?;
+            tenants::set_suspended(pool, actor, id, false).await?;
             println!("tenant {tenant} resumed");
         }
         TenantCommand::Delete { tenant, yes } => {
@@ -366,7 +366,7 @@ async fn tenant(pool: &PgPool, actor: &Actor, command: TenantCommand) -> anyhow:
                 );
             }
             let id = tenant_id(pool, &tenant).await?;
-            tenants::delete_tenant(pool, &actor, id).await?;
+            tenants::delete_tenant(pool, actor, id).await?;
             println!("tenant {tenant} deleted; its ledger and invoices are kept");
         }
     }
@@ -389,7 +389,7 @@ async fn key(
             let t = tenants::find_tenant(pool, &tenant)
                 .await?
                 .with_context(|| format!("no tenant {tenant}"))?;
-            let k = keys::create_key(pool, &actor, &t, &name, expires).await?;
+            let k = keys::create_key(pool, actor, &t, &name, expires).await?;
             eprintln!(
                 "key {} created for tenant {}; the secret is shown once:",
                 k.id, t.name
@@ -415,7 +415,7 @@ async fn key(
             }
         }
         KeyCommand::Revoke { id } => {
-            keys::revoke_key(pool, &actor, None, id.into()).await?;
+            keys::revoke_key(pool, actor, None, id.into()).await?;
             println!("revoked: refused by running gateways within seconds");
         }
         KeyCommand::Rotate {
@@ -428,7 +428,7 @@ async fn key(
                 (!config.admin_jwt_secret.is_empty()).then_some(config.admin_jwt_secret.as_bytes());
             let r = keys::rotate_key(
                 pool,
-                &actor,
+                actor,
                 &keys::RotateRequest {
                     tenant: None,
                     key: id,
@@ -461,7 +461,7 @@ async fn key(
             if at.is_none() && !never {
                 bail!("give --at TIME or --never");
             }
-            let k = keys::set_key_expiry(pool, &actor, None, id, at).await?;
+            let k = keys::set_key_expiry(pool, actor, None, id, at).await?;
             println!("key {} expires {}", k.id, time(k.expires_at));
         }
     }
@@ -497,7 +497,7 @@ async fn policy_cmd(pool: &PgPool, actor: &Actor, command: PolicyCommand) -> any
                     .max_concurrent
                     .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
             };
-            let p = policy::patch_policy(pool, &actor, id, &patch, true).await?;
+            let p = policy::patch_policy(pool, actor, id, &patch, true).await?;
             print_json(&p)?;
         }
     }
@@ -678,7 +678,7 @@ async fn user(pool: &PgPool, actor: &Actor, command: UserCommand) -> anyhow::Res
             };
             let u = control::admin::login::create_user(
                 pool,
-                &actor,
+                actor,
                 control::admin::login::NewUser {
                     username,
                     password: password.clone(),
@@ -715,12 +715,12 @@ async fn user(pool: &PgPool, actor: &Actor, command: UserCommand) -> anyhow::Res
         }
         UserCommand::Disable { username } => {
             let id = user_id(pool, &username).await?;
-            control::admin::login::disable(pool, &actor, id).await?;
+            control::admin::login::disable(pool, actor, id).await?;
             println!("user {username} disabled; its sessions are ended");
         }
         UserCommand::Unlock { username } => {
             let id = user_id(pool, &username).await?;
-            control::admin::login::unlock(pool, &actor, id).await?;
+            control::admin::login::unlock(pool, actor, id).await?;
             println!("user {username} unlocked");
         }
     }
