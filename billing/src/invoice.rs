@@ -113,7 +113,8 @@ pub fn month_bounds(month: NaiveDate) -> Result<(DateTime<Utc>, DateTime<Utc>), 
     Ok((at(first), at(next)))
 }
 
-/// Rate a tenant's month from the ledger (no writes).
+/// Rate a tenant's month from the ledger (no writes): its usage lines, its reserved-capacity
+/// lines and the adjustments not yet billed elsewhere.
 pub async fn compute(
     pool: &PgPool,
     tenant: Uuid,
@@ -121,6 +122,35 @@ pub async fn compute(
 ) -> Result<Invoice, BillingError> {
     let (from, to) = month_bounds(month)?;
     let mut conn = pool.acquire().await?;
+    let (currency, mut lines) = usage_lines(&mut conn, tenant, from, to).await?;
+    lines.extend(reserved_lines(&mut conn, tenant, from, to, &currency).await?);
+    lines.extend(adjustment_lines(&mut conn, tenant, from, &currency).await?);
+    let existing: Option<(Uuid, String)> = sqlx::query_as(
+        "SELECT id, status FROM invoices WHERE tenant_id = $1 AND period_start = $2",
+    )
+    .bind(tenant)
+    .bind(from.date_naive())
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(Invoice {
+        id: existing.as_ref().map(|e| e.0).unwrap_or_else(Uuid::now_v7),
+        tenant_id: tenant,
+        period_start: from.date_naive(),
+        currency,
+        status: existing.map(|e| e.1).unwrap_or_else(|| "draft".into()),
+        total_minor: lines.iter().map(|l| l.amount_minor).sum(),
+        lines,
+    })
+}
+
+/// One line per model × price version × discount × token class, rated at the version in
+/// force at each row's start; the invoice's currency (one per tenant).
+async fn usage_lines(
+    conn: &mut sqlx::PgConnection,
+    tenant: Uuid,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Result<(String, Vec<Line>), BillingError> {
     // One group per model × price version × discount in force at each row's start.
     let groups = sqlx::query(
         r#"
@@ -228,9 +258,17 @@ pub async fn compute(
         return Err(BillingError::MixedCurrency { tenant, currencies });
     }
     let currency = currencies.pop().unwrap_or_else(|| "USD".to_string());
-    let mut lines: Vec<Line> = lines.into_iter().map(|(_, l)| l).collect();
+    Ok((currency, lines.into_iter().map(|(_, l)| l).collect()))
+}
 
-    // Reserved cache capacity: every whole hour of the month under each plan version.
+/// Reserved cache capacity: every whole hour of the month under each plan version.
+async fn reserved_lines(
+    conn: &mut sqlx::PgConnection,
+    tenant: Uuid,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+    currency: &str,
+) -> Result<Vec<Line>, BillingError> {
     let plans = sqlx::query(
         r#"
         SELECT effective_from, reserved_cache_bytes, reserved_nanos_per_gb_hour,
@@ -241,6 +279,7 @@ pub async fn compute(
     .bind(tenant)
     .fetch_all(&mut *conn)
     .await?;
+    let mut lines = Vec::new();
     for p in plans {
         let start: DateTime<Utc> = p.get("effective_from");
         let until: Option<DateTime<Utc>> = p.get("until");
@@ -262,14 +301,23 @@ pub async fn compute(
             price_from: Some(start),
             quantity: bytes.saturating_mul(hours),
             exact_nanos: exact.nanos_decimal(),
-            amount_minor: exact.to_minor(&currency),
+            amount_minor: exact.to_minor(currency),
             description: format!(
                 "reserved cache: {bytes} bytes × {hours} h at {rate} nano per GB-hour"
             ),
         });
     }
 
-    // Adjustments not yet billed elsewhere.
+    Ok(lines)
+}
+
+/// Adjustments not yet billed elsewhere (or billed on this month's draft).
+async fn adjustment_lines(
+    conn: &mut sqlx::PgConnection,
+    tenant: Uuid,
+    from: DateTime<Utc>,
+    currency: &str,
+) -> Result<Vec<Line>, BillingError> {
     let adjustments = sqlx::query(
         r#"
         SELECT a.id, a.amount_minor, a.reason, a.corrects_invoice
@@ -284,6 +332,7 @@ pub async fn compute(
     .bind(from.date_naive())
     .fetch_all(&mut *conn)
     .await?;
+    let mut lines = Vec::new();
     for a in adjustments {
         let minor: i64 = a.get("amount_minor");
         let corrects: Option<Uuid> = a.get("corrects_invoice");
@@ -293,7 +342,7 @@ pub async fn compute(
             token_class: None,
             price_from: None,
             quantity: 1,
-            exact_nanos: Exact::from_minor(minor, &currency).nanos_decimal(),
+            exact_nanos: Exact::from_minor(minor, currency).nanos_decimal(),
             amount_minor: minor,
             description: match corrects {
                 Some(inv) => format!(
@@ -305,22 +354,7 @@ pub async fn compute(
         });
     }
 
-    let existing: Option<(Uuid, String)> = sqlx::query_as(
-        "SELECT id, status FROM invoices WHERE tenant_id = $1 AND period_start = $2",
-    )
-    .bind(tenant)
-    .bind(from.date_naive())
-    .fetch_optional(&mut *conn)
-    .await?;
-    Ok(Invoice {
-        id: existing.as_ref().map(|e| e.0).unwrap_or_else(Uuid::now_v7),
-        tenant_id: tenant,
-        period_start: from.date_naive(),
-        currency,
-        status: existing.map(|e| e.1).unwrap_or_else(|| "draft".into()),
-        total_minor: lines.iter().map(|l| l.amount_minor).sum(),
-        lines,
-    })
+    Ok(lines)
 }
 
 async fn write_draft(
