@@ -221,7 +221,13 @@ async fn set_price(pool: &PgPool, args: PriceArgs) -> anyhow::Result<()> {
                 cache_write_1h_bp: write_1h_bp,
                 cache_read_bp: read_bp,
             };
-            prices::set_tenant_price(pool, id, &model, from, rates, &actor, backdate, now).await?;
+            let price = prices::TenantPrice {
+                tenant: id,
+                model: model.clone(),
+                effective_from: from,
+                rates,
+            };
+            prices::set_tenant_price(pool, &price, &actor, backdate, now).await?;
         }
         None => {
             let p = PriceVersion {

@@ -326,18 +326,15 @@ async fn usage_without_a_price_is_refused_not_billed_as_free() {
         cache_write_1h_bp: 20_000,
         cache_read_bp: 1_000,
     };
-    prices::set_tenant_price(
-        &pool,
+    let price = prices::TenantPrice {
         tenant,
-        "sim-tiny",
-        at("2026-01-01T00:00:00Z"),
+        model: "sim-tiny".into(),
+        effective_from: at("2026-01-01T00:00:00Z"),
         rates,
-        "test",
-        true,
-        NOW(),
-    )
-    .await
-    .unwrap();
+    };
+    prices::set_tenant_price(&pool, &price, "test", true, NOW())
+        .await
+        .unwrap();
     let inv = invoice::refresh_draft(&pool, tenant, OCT(), "test")
         .await
         .unwrap();

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use cache_fabric::{
-    EntryKind, EvictionPolicy, FabricClient, FabricNode, KeySpace, NodeConfig, PutBlock,
+    EntryKind, EvictionPolicy, FabricClient, FabricNode, Holding, KeySpace, NodeConfig, PutBlock,
 };
 use cachet_common::{Scope, TenantId, WorkspaceId};
 use common::*;
@@ -226,9 +226,11 @@ async fn a_fresh_engine_instance_uses_a_prefix_read_back_from_the_fabric() {
             &keys,
             bp,
             &puts,
-            Duration::from_secs(300),
+            Holding {
+                ttl: Duration::from_secs(300),
+                kind: EntryKind::Paid,
+            },
             now,
-            EntryKind::Paid,
         )
         .await
         .unwrap();

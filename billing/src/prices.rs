@@ -147,19 +147,31 @@ pub async fn set_price(
     .await
 }
 
+/// A tenant's custom rates for one model, from a moment on.
+#[derive(Clone, Debug)]
+pub struct TenantPrice {
+    pub tenant: Uuid,
+    pub model: String,
+    pub effective_from: DateTime<Utc>,
+    pub rates: Rates,
+}
+
 /// Add a custom-rate version for one tenant and model.
-#[allow(clippy::too_many_arguments)]
 pub async fn set_tenant_price(
     pool: &PgPool,
-    tenant: Uuid,
-    model: &str,
-    effective_from: DateTime<Utc>,
-    rates: Rates,
+    price: &TenantPrice,
     actor: &str,
     backdate: bool,
     now: DateTime<Utc>,
 ) -> Result<(), BillingError> {
-    check_rates(&rates)?;
+    let TenantPrice {
+        tenant,
+        model,
+        effective_from,
+        rates,
+    } = price;
+    let (tenant, effective_from) = (*tenant, *effective_from);
+    check_rates(rates)?;
     let corrects = check_backdate(effective_from, now, backdate)?;
     sqlx::query(
         r#"INSERT INTO tenant_prices (tenant_id, model, effective_from, input_nanos, output_nanos,

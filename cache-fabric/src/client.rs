@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use crate::cluster::Cluster;
 use crate::keys::PrefixKeys;
 use crate::node::{FabricNode, MissReason, PrefixRead};
-use crate::store::{EntryKind, PutBlock, WriteRefused};
+use crate::store::{EntryKind, Holding, PutBlock, WriteRefused};
 
 /// How long blocks pulled for an engine's own connector stay on the pulling node.
 pub const STAGED_TTL: Duration = Duration::from_secs(300);
@@ -178,17 +178,16 @@ impl FabricClient {
     /// Write the entry ending at `offset`: the blocks of `keys.chain_to(offset)` that are in
     /// `new` are stored, the others must already be stored and get their TTL extended.
     /// `kind` says whether it was paid for (explicit breakpoint) or is best effort.
-    #[allow(clippy::too_many_arguments)]
     pub async fn write_entry(
         &self,
         scope: Scope,
         keys: &PrefixKeys,
         offset: usize,
         new: &[PutBlock],
-        ttl: Duration,
+        holding: Holding,
         now: Instant,
-        kind: EntryKind,
     ) -> Result<(), WriteRefused> {
+        let Holding { ttl, kind } = holding;
         let links = keys.chain_to(offset).ok_or(WriteRefused::MissingParent)?;
         let mut existing = Vec::new();
         let mut fresh = Vec::new();

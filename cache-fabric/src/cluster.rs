@@ -545,7 +545,6 @@ impl Cluster {
 
     /// Write an entry: keep its blocks here and push each to its owners. Succeeds once every
     /// block in `fresh` is held by at least one owner (this node counts when it is one).
-    #[allow(clippy::too_many_arguments)]
     pub async fn write_entry(
         &self,
         scope: Scope,

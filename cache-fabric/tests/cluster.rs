@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use cache_fabric::Holding;
 use cache_fabric::cluster::{Cluster, ClusterConfig, View};
 use cache_fabric::membership::NodeRecord;
 use cache_fabric::transport::{TcpTransport, Transport, serve_tcp};
@@ -130,9 +131,11 @@ async fn write(
         k,
         offset,
         new,
-        Duration::from_secs(300),
+        Holding {
+            ttl: Duration::from_secs(300),
+            kind,
+        },
         Instant::now(),
-        kind,
     )
     .await
     .unwrap();

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use cache_fabric::events::{self, Follower};
 use cache_fabric::index::PrefixIndex;
 use cache_fabric::{
-    EntryKind, EvictionPolicy, FabricClient, FabricNode, KeySpace, NodeConfig, PutBlock,
+    EntryKind, EvictionPolicy, FabricClient, FabricNode, Holding, KeySpace, NodeConfig, PutBlock,
 };
 use cachet_common::{Scope, TenantId, WorkspaceId};
 use tokio::time::Instant;
@@ -58,9 +58,11 @@ async fn writes_and_evictions_reach_a_followers_index_through_redis() {
         &k,
         16,
         &blocks,
-        Duration::from_secs(300),
+        Holding {
+            ttl: Duration::from_secs(300),
+            kind: EntryKind::BestEffort,
+        },
         now,
-        EntryKind::BestEffort,
     )
     .await
     .unwrap();
@@ -102,9 +104,11 @@ async fn writes_and_evictions_reach_a_followers_index_through_redis() {
         &k2,
         8,
         &b2,
-        Duration::from_secs(300),
+        Holding {
+            ttl: Duration::from_secs(300),
+            kind: EntryKind::BestEffort,
+        },
         now,
-        EntryKind::BestEffort,
     )
     .await
     .unwrap();

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use cache_fabric::{
-    EntryKind, EvictionPolicy, FabricClient, FabricNode, KeySpace, MissReason, NodeConfig,
+    EntryKind, EvictionPolicy, FabricClient, FabricNode, Holding, KeySpace, MissReason, NodeConfig,
     PrefixKeys, PutBlock, RemovalReason, WriteRefused,
 };
 use common::{TempDir, scope};
@@ -52,9 +52,11 @@ async fn write_whole(
         keys,
         offset,
         &blocks_to(keys, offset),
-        Duration::from_secs(ttl_secs),
+        Holding {
+            ttl: Duration::from_secs(ttl_secs),
+            kind,
+        },
         now,
-        kind,
     )
     .await
 }
@@ -142,9 +144,11 @@ async fn tenants_never_read_each_others_blocks() {
         &ka,
         12,
         &blocks_to(&ka, 12),
-        Duration::from_secs(300),
+        Holding {
+            ttl: Duration::from_secs(300),
+            kind: PAID,
+        },
         Instant::now(),
-        PAID,
     )
     .await
     .unwrap();
@@ -171,9 +175,11 @@ async fn quota_evicts_only_the_tenants_own_lru_blocks() {
             k,
             8,
             &blocks_to(k, 8),
-            Duration::from_secs(300),
+            Holding {
+                ttl: Duration::from_secs(300),
+                kind: PAID,
+            },
             now,
-            PAID,
         )
         .await
         .unwrap();
@@ -202,9 +208,11 @@ async fn quota_evicts_only_the_tenants_own_lru_blocks() {
             &big,
             24,
             &blocks_to(&big, 24),
-            Duration::from_secs(300),
+            Holding {
+                ttl: Duration::from_secs(300),
+                kind: PAID,
+            },
             now,
-            PAID,
         )
         .await;
     assert_eq!(r, Err(WriteRefused::Quota));
@@ -397,8 +405,18 @@ async fn a_flipped_bit_is_detected_and_the_block_never_served() {
     let mut bad = blocks_to(&k, 12);
     bad[1].checksum ^= 1;
     assert_eq!(
-        c.write_entry(s, &k, 12, &bad, Duration::from_secs(300), now, PAID)
-            .await,
+        c.write_entry(
+            s,
+            &k,
+            12,
+            &bad,
+            Holding {
+                ttl: Duration::from_secs(300),
+                kind: PAID
+            },
+            now
+        )
+        .await,
         Err(WriteRefused::Corrupt)
     );
 }
@@ -524,9 +542,19 @@ async fn a_paid_write_over_an_automatic_prefix_makes_the_whole_chain_paid() {
     write_whole(&c, s, &k, 8, 300, now, AUTO).await.unwrap();
     node.with_store(|st| assert!(!st.is_paid(&k.blocks[0])));
     let rest: Vec<PutBlock> = blocks_to(&k, 16).into_iter().skip(2).collect();
-    c.write_entry(s, &k, 16, &rest, Duration::from_secs(300), now, PAID)
-        .await
-        .unwrap();
+    c.write_entry(
+        s,
+        &k,
+        16,
+        &rest,
+        Holding {
+            ttl: Duration::from_secs(300),
+            kind: PAID,
+        },
+        now,
+    )
+    .await
+    .unwrap();
     node.with_store(|st| {
         assert!(k.blocks.iter().all(|h| st.is_paid(h)));
         st.check_invariants();
@@ -546,9 +574,11 @@ async fn frequency_policy_declines_a_one_off_entry_that_would_displace_hot_block
             k,
             8,
             &blocks_to(k, 8),
-            Duration::from_secs(300),
+            Holding {
+                ttl: Duration::from_secs(300),
+                kind: AUTO,
+            },
             now,
-            AUTO,
         )
         .await
         .unwrap();
@@ -574,9 +604,11 @@ async fn frequency_policy_declines_a_one_off_entry_that_would_displace_hot_block
             k,
             8,
             &blocks_to(k, 8),
-            Duration::from_secs(300),
+            Holding {
+                ttl: Duration::from_secs(300),
+                kind: AUTO,
+            },
             now,
-            AUTO,
         )
         .await
         .unwrap();
@@ -742,9 +774,11 @@ async fn a_block_corrupted_on_disk_is_never_promoted_and_a_restart_recovers_the_
                 k,
                 8,
                 &blocks_to(k, 8),
-                Duration::from_secs(300),
+                Holding {
+                    ttl: Duration::from_secs(300),
+                    kind: AUTO,
+                },
                 now,
-                AUTO,
             )
             .await
             .unwrap();
@@ -824,7 +858,7 @@ proptest! {
                 let new: Vec<PutBlock> = blocks_to(&k, len).into_iter().filter(|b| !read.blocks.iter().any(|r| r.hash == b.hash)).collect();
                 let ttl = Duration::from_secs(if long_ttl { 3600 } else { 300 });
                 let kind = if paid { PAID } else { AUTO };
-                let _ = c.write_entry(s, &k, len, &new, ttl, now, kind).await;
+                let _ = c.write_entry(s, &k, len, &new, Holding { ttl, kind }, now).await;
                 tokio::time::advance(Duration::from_secs(45)).await;
                 node.with_store(|st| {
                     st.check_invariants();
@@ -863,7 +897,7 @@ proptest! {
                 let new: Vec<PutBlock> = blocks_to(&k, n).into_iter().filter(|b| !read.blocks.iter().any(|r| r.hash == b.hash)).collect();
                 let ttl = Duration::from_secs(300);
                 let kind = if is_paid { PAID } else { AUTO };
-                if c.write_entry(s, &k, n, &new, ttl, now, kind).await.is_ok() && is_paid {
+                if c.write_entry(s, &k, n, &new, Holding { ttl, kind }, now).await.is_ok() && is_paid {
                     paid.push((s, k, n, now + ttl));
                 }
                 tokio::time::advance(Duration::from_secs(20)).await;

@@ -431,16 +431,8 @@ async fn messages(
         Ok(r) => r,
         Err(e) => return e.with_request_id(rid).into_response(),
     };
-    forward(
-        &state,
-        rid,
-        "/v1/messages",
-        &headers,
-        body,
-        &ids,
-        Wire::Anthropic,
-    )
-    .await
+    let req = Forward::post(rid, "/v1/messages", &headers, body, Wire::Anthropic);
+    forward(&state, req, &ids).await
 }
 
 /// `POST /v1/chat/completions` on a cluster: routed by the Messages request it translates to
@@ -471,16 +463,8 @@ async fn chat(
     .await;
     match routed {
         Ok((body, ids, _computing)) => {
-            forward(
-                &state,
-                rid,
-                "/v1/chat/completions",
-                &headers,
-                body,
-                &ids,
-                Wire::OpenAi,
-            )
-            .await
+            let req = Forward::post(rid, "/v1/chat/completions", &headers, body, Wire::OpenAi);
+            forward(&state, req, &ids).await
         }
         Err(e) => crate::api::handlers::openai_error(e, rid),
     }
@@ -600,18 +584,15 @@ async fn passthrough(State(state): State<RouterState>, req: Request) -> Response
     };
     let mut ids = state.node_ids();
     ids.sort_by_key(|id| state.load(id).in_flight.load(Ordering::Relaxed));
-    let method = parts.method.clone();
-    forward_with(
-        &state,
+    let req = Forward {
         rid,
-        method,
-        &path,
-        &parts.headers,
+        method: parts.method.clone(),
+        path: &path,
+        headers: &parts.headers,
         body,
-        &ids,
-        Wire::Anthropic,
-    )
-    .await
+        wire: Wire::Anthropic,
+    };
+    forward(&state, req, &ids).await
 }
 
 /// The API a forwarded request speaks: its stream can be resumed on another node
@@ -624,26 +605,33 @@ enum Wire {
     OpenAi,
 }
 
-async fn forward(
-    state: &RouterState,
+/// A request on its way to a node.
+struct Forward<'a> {
     rid: RequestId,
-    path: &str,
-    headers: &HeaderMap,
+    method: axum::http::Method,
+    path: &'a str,
+    headers: &'a HeaderMap,
     body: Bytes,
-    ids: &[String],
     wire: Wire,
-) -> Response {
-    forward_with(
-        state,
-        rid,
-        axum::http::Method::POST,
-        path,
-        headers,
-        body,
-        ids,
-        wire,
-    )
-    .await
+}
+
+impl<'a> Forward<'a> {
+    fn post(
+        rid: RequestId,
+        path: &'a str,
+        headers: &'a HeaderMap,
+        body: Bytes,
+        wire: Wire,
+    ) -> Self {
+        Forward {
+            rid,
+            method: axum::http::Method::POST,
+            path,
+            headers,
+            body,
+            wire,
+        }
+    }
 }
 
 /// Headers a node's answer keeps on its way back.
@@ -654,17 +642,17 @@ fn keep_response_header(name: &str) -> bool {
         || name.starts_with("anthropic-ratelimit-")
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn forward_with(
-    state: &RouterState,
-    rid: RequestId,
-    method: axum::http::Method,
-    path: &str,
-    headers: &HeaderMap,
-    body: Bytes,
-    ids: &[String],
-    wire: Wire,
-) -> Response {
+/// Send `req` to the first of `ids` that answers (then to nodes that joined since), relaying
+/// a stream event by event; a node that fails or is overloaded is skipped.
+async fn forward(state: &RouterState, req: Forward<'_>, ids: &[String]) -> Response {
+    let Forward {
+        rid,
+        method,
+        path,
+        headers,
+        body,
+        wire,
+    } = req;
     let mut ids = ids.to_vec();
     let mut joined_checked = false;
     for attempt in 0.. {

@@ -315,6 +315,11 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
         a.max_requests,
         a.quiet,
     ));
+    let clock = Clock {
+        start,
+        stop: &stop,
+        cut: &cut,
+    };
     let sender = send_all(
         &a,
         &trace,
@@ -322,8 +327,7 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
         opts.clone(),
         tx,
         permits.clone(),
-        (&stop, &cut),
-        start,
+        clock,
     );
     let (sent, cap_waits) = sender.await?;
     // Drain: answers still coming get `drain_secs` (or until a second Ctrl-C), then are cut.
@@ -379,16 +383,19 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
         }
         None => None,
     };
+    let ran = Ran {
+        started: started_wall,
+        elapsed,
+        sent,
+        cap_waits,
+    };
     let mut summary = summarize(
         &a,
         &trace,
         &stats,
-        sent,
-        cap_waits,
-        elapsed,
+        &ran,
         prices.as_ref(),
         reconciliation.as_ref(),
-        started_wall,
     );
     summary["marks"] = json!(marks);
     summary["simulated"] = simulated.unwrap_or(Value::Null);
@@ -430,9 +437,16 @@ impl Schedule {
     }
 }
 
+/// When the run started, and the tokens that end it: `stop` ends sending, `cut` ends the
+/// answers still coming.
+struct Clock<'a> {
+    start: Instant,
+    stop: &'a CancellationToken,
+    cut: &'a CancellationToken,
+}
+
 /// Send every request of the trace on schedule, each in its own task; returns how many were
 /// sent and how often the in-flight cap held the sender back.
-#[allow(clippy::too_many_arguments)]
 async fn send_all(
     a: &ReplayArgs,
     trace_path: &Path,
@@ -440,9 +454,9 @@ async fn send_all(
     opts: Arc<BodyOptions>,
     tx: mpsc::Sender<(RequestRecord, Vec<f64>)>,
     permits: Arc<Semaphore>,
-    (stop, cut): (&CancellationToken, &CancellationToken),
-    start: Instant,
+    clock: Clock<'_>,
 ) -> anyhow::Result<(u64, u64)> {
+    let Clock { start, stop, cut } = clock;
     let mut schedule = match (a.rate, a.concurrency) {
         (Some(rate), _) => Schedule::Poisson {
             rng: Rng::new(a.seed),
@@ -711,17 +725,29 @@ async fn check_token_counts(
 }
 
 #[allow(clippy::too_many_arguments)]
+/// How the run went, as the sender saw it.
+struct Ran {
+    started: chrono::DateTime<chrono::Utc>,
+    elapsed: f64,
+    sent: u64,
+    /// How often the in-flight cap held the sender back.
+    cap_waits: u64,
+}
+
 fn summarize(
     a: &ReplayArgs,
     trace: &Path,
     s: &Stats,
-    sent: u64,
-    cap_waits: u64,
-    elapsed: f64,
+    ran: &Ran,
     prices: Option<&reconcile::Prices>,
     rec: Option<&reconcile::Reconciliation>,
-    started: chrono::DateTime<chrono::Utc>,
 ) -> Value {
+    let Ran {
+        started,
+        elapsed,
+        sent,
+        cap_waits,
+    } = *ran;
     let rates = prices.map_or_else(reconcile::Prices::list_default, Clone::clone);
     let (with, without) = crate::stats::cost(&s.totals, &rates.rates);
     let tenants: Vec<Value> = s

@@ -94,6 +94,22 @@ pub(crate) enum Copy {
     Extra,
 }
 
+/// How an entry's blocks are held: for how long, of which kind, as which copy.
+#[derive(Clone, Copy, Debug)]
+struct Terms {
+    ttl: Duration,
+    kind: EntryKind,
+    copy: Copy,
+}
+
+/// How long an entry's blocks are held and of which kind (an entry write's terms).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Holding {
+    /// From the write (or a read), refreshed by every read.
+    pub ttl: Duration,
+    pub kind: EntryKind,
+}
+
 /// What an entry write is: it decides what the entry's blocks may be evicted for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EntryKind {
@@ -500,7 +516,12 @@ impl Store {
         now: Instant,
         kind: EntryKind,
     ) -> Result<(), WriteRefused> {
-        self.put(scope, existing, new, ttl, now, kind, Copy::Own)
+        let terms = Terms {
+            ttl,
+            kind,
+            copy: Copy::Own,
+        };
+        self.put(scope, existing, new, terms, now)
     }
 
     /// Store blocks this node holds as one of their owners (cluster placement puts each
@@ -521,7 +542,12 @@ impl Store {
         // Blocks an owner holds are independent of each other (their chain may be spread
         // over several nodes), so each is admitted on its own: a large entry is not refused
         // whole because this node's DRAM holds only part of it at once (the rest demotes).
-        self.put_each(scope, existing, new, ttl, now, kind, Copy::Replica)
+        let terms = Terms {
+            ttl,
+            kind,
+            copy: Copy::Replica,
+        };
+        self.put_each(scope, existing, new, terms, now)
     }
 
     /// Store extra copies of blocks this node does not own (a writer's own copies, hot
@@ -534,48 +560,40 @@ impl Store {
         ttl: Duration,
         now: Instant,
     ) -> Result<(), WriteRefused> {
-        self.put_each(
-            scope,
-            &[],
-            new,
+        let terms = Terms {
             ttl,
-            now,
-            EntryKind::BestEffort,
-            Copy::Extra,
-        )
+            kind: EntryKind::BestEffort,
+            copy: Copy::Extra,
+        };
+        self.put_each(scope, &[], new, terms, now)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn put_each(
         &mut self,
         scope: &Scope,
         existing: &[BlockHash],
         new: Vec<PutBlock>,
-        ttl: Duration,
+        terms: Terms,
         now: Instant,
-        kind: EntryKind,
-        copy: Copy,
     ) -> Result<(), WriteRefused> {
-        let mut result = self.put(scope, existing, Vec::new(), ttl, now, kind, copy);
+        let mut result = self.put(scope, existing, Vec::new(), terms, now);
         for b in new {
-            if let Err(e) = self.put(scope, &[], vec![b], ttl, now, kind, copy) {
+            if let Err(e) = self.put(scope, &[], vec![b], terms, now) {
                 result = result.and(Err(e));
             }
         }
         result
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn put(
         &mut self,
         scope: &Scope,
         existing: &[BlockHash],
         new: Vec<PutBlock>,
-        ttl: Duration,
+        terms: Terms,
         now: Instant,
-        kind: EntryKind,
-        copy: Copy,
     ) -> Result<(), WriteRefused> {
+        let Terms { ttl, kind, copy } = terms;
         let (replica, extra) = (copy != Copy::Own, copy == Copy::Extra);
         self.purge_expired(now);
         self.rekey_some(REKEY_BATCH);

@@ -77,6 +77,9 @@ pub fn matmul_small(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f
     out
 }
 
+// The tile kernels take their geometry as plain numbers on purpose: they are the hot loop,
+// called per tile with values the caller already holds in registers, and a struct would only
+// be unpacked again at the top of each.
 #[allow(clippy::too_many_arguments)]
 fn tile_scalar(
     x: &[f32],

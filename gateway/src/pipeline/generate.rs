@@ -335,9 +335,11 @@ pub(super) async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usa
                     k,
                     pl.offset,
                     &blocks,
-                    pl.bp.ttl.duration(),
+                    Holding {
+                        ttl: pl.bp.ttl.duration(),
+                        kind: entry_kind(pl.bp.automatic),
+                    },
                     w.start,
-                    entry_kind(pl.bp.automatic),
                 )
                 .await
             {

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use billing::{UsageEvent, UsageStatus};
-use cache_fabric::{ChainLink, EntryKind, PrefixKeys, PrefixRead, PutBlock};
+use cache_fabric::{ChainLink, EntryKind, Holding, PrefixKeys, PrefixRead, PutBlock};
 use cachet_common::{RequestId, Scope, Ttl};
 use chrono::{DateTime, Utc};
 use engine::{
