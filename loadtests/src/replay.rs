@@ -724,7 +724,6 @@ async fn check_token_counts(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
 /// How the run went, as the sender saw it.
 struct Ran {
     started: chrono::DateTime<chrono::Utc>,
