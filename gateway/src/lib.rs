@@ -97,7 +97,8 @@ impl Default for GatewayConfig {
     }
 }
 
-pub struct Inner {
+/// The gateway's shared state: its config, fabric client, engines, meter, admission, caches.
+pub struct App {
     pub config: GatewayConfig,
     pub pool: PgPool,
     pub fabric: FabricClient,
@@ -116,7 +117,7 @@ pub struct Inner {
 }
 
 /// Shared state of every handler. Cheap to clone.
-pub type AppState = Arc<Inner>;
+pub type AppState = Arc<App>;
 
 /// Build the state. `redis_url` `None` keeps rate limits in process only.
 pub fn state(
@@ -131,7 +132,7 @@ pub fn state(
     let auth = Arc::new(Authenticator::new(pool.clone(), config.auth_cache_ttl));
     let admission = Arc::new(Admission::new(redis_url, config.redis_timeout)?);
     let kv_budget = budget::KvBudget::new(config.kv_budget_bytes, config.kv_budget_wait);
-    Ok(Arc::new(Inner {
+    Ok(Arc::new(App {
         config,
         pool,
         fabric,
@@ -146,7 +147,7 @@ pub fn state(
     }))
 }
 
-impl Inner {
+impl App {
     /// What the change feed ([`crate::sync`]) applies changes to in this process.
     pub fn sync_targets(&self) -> crate::sync::Targets {
         crate::sync::Targets {
