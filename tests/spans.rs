@@ -10,16 +10,13 @@ use std::time::Duration;
 use common::procs::start_serve_logging;
 use serde_json::Value;
 
-/// The span fields of a JSON log line (its current span and every span above it).
+/// A field of the spans a JSON log line was written in (`spans` lists the current span and
+/// every span above it), once per span that has it.
 fn span_field<'a>(line: &'a Value, field: &str) -> Vec<&'a str> {
-    let mut out = Vec::new();
-    if let Some(spans) = line["spans"].as_array() {
-        out.extend(spans.iter().filter_map(|s| s[field].as_str()));
+    match line["spans"].as_array() {
+        Some(spans) => spans.iter().filter_map(|s| s[field].as_str()).collect(),
+        None => line["span"][field].as_str().into_iter().collect(),
     }
-    if let Some(v) = line["span"][field].as_str() {
-        out.push(v);
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -132,5 +129,16 @@ async fn one_request_is_followed_by_its_id_through_gateway_fabric_and_meter() {
     }
     let loops: Vec<&str> = lines.iter().flat_map(|l| span_field(l, "task")).collect();
     eprintln!("background loops that logged: {loops:?}");
+    assert!(
+        loops.contains(&"rollups"),
+        "the rollup loop logs in its own span: {loops:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .filter(|l| !span_field(l, "task").is_empty())
+            .all(|l| span_field(l, "request_id").is_empty()),
+        "a background loop's lines are not attributed to a request"
+    );
     common::drop_db(&db_name).await;
 }
