@@ -287,18 +287,5 @@ pub struct ModelList {
     pub last_id: Option<String>,
 }
 
-#[derive(Clone, Debug, Deserialize, Serialize, ToSchema)]
-pub struct ErrorDetail {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub message: String,
-}
-
-/// Every error: `{"type":"error","error":{"type","message"},"request_id"}`.
-#[derive(Clone, Debug, Deserialize, Serialize, ToSchema)]
-pub struct ErrorBody {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub error: ErrorDetail,
-    pub request_id: String,
-}
+/// The error body every crate answers with (one shape, defined with the error vocabulary).
+pub use cachet_common::error::{ErrorBody, ErrorDetail};
