@@ -257,6 +257,16 @@ pub enum UserCommand {
     Disable { username: String },
     /// Clear a user's failed logins and lock.
     Unlock { username: String },
+    /// Set a user's password (read from --password-file, `-`: standard input; without it a
+    /// random one is generated and printed once). Its sessions end and its lock clears.
+    Passwd {
+        username: String,
+        #[arg(long)]
+        password_file: Option<std::path::PathBuf>,
+    },
+    /// Print a one-time reset secret for a user (valid a day, one use): they set a new
+    /// password with it at the console's login page.
+    Reset { username: String },
 }
 
 async fn tenant_id(pool: &PgPool, name_or_id: &str) -> anyhow::Result<Uuid> {
@@ -661,21 +671,7 @@ async fn user(pool: &PgPool, actor: &Actor, command: UserCommand) -> anyhow::Res
                 Some(t) => Some(tenant_id(pool, &t).await?),
                 None => None,
             };
-            let (password, generated) = match password_file {
-                Some(p) if p.as_os_str() == "-" => {
-                    let mut s = String::new();
-                    std::io::stdin().read_to_string(&mut s)?;
-                    (s.trim_end_matches(['\r', '\n']).to_string(), false)
-                }
-                Some(p) => (
-                    std::fs::read_to_string(&p)
-                        .with_context(|| format!("reading {}", p.display()))?
-                        .trim_end_matches(['\r', '\n'])
-                        .to_string(),
-                    false,
-                ),
-                None => (random_password()?, true),
-            };
+            let (password, generated) = read_password(password_file)?;
             let u = control::admin::login::create_user(
                 pool,
                 actor,
@@ -723,6 +719,44 @@ async fn user(pool: &PgPool, actor: &Actor, command: UserCommand) -> anyhow::Res
             control::admin::login::unlock(pool, actor, id).await?;
             println!("user {username} unlocked");
         }
+        UserCommand::Passwd {
+            username,
+            password_file,
+        } => {
+            let id = user_id(pool, &username).await?;
+            let (password, generated) = read_password(password_file)?;
+            control::admin::passwords::set_password(pool, actor, id, password.clone()).await?;
+            eprintln!("password of {username} set; its sessions have ended");
+            if generated {
+                println!("{password}");
+            }
+        }
+        UserCommand::Reset { username } => {
+            let id = user_id(pool, &username).await?;
+            let r = control::admin::passwords::issue_reset(pool, actor, id).await?;
+            eprintln!(
+                "one-time reset secret for {username}, valid until {} (shown once):",
+                r.expires_at
+                    .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+            );
+            println!("{}", r.reset_secret);
+        }
     }
     Ok(())
+}
+
+/// A password from `file` (`-`: standard input), or a random one (and whether it was made).
+fn read_password(file: Option<std::path::PathBuf>) -> anyhow::Result<(String, bool)> {
+    let text = match file {
+        Some(p) if p.as_os_str() == "-" => {
+            let mut s = String::new();
+            std::io::stdin().read_to_string(&mut s)?;
+            s
+        }
+        Some(p) => {
+            std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?
+        }
+        None => return Ok((random_password()?, true)),
+    };
+    Ok((text.trim_end_matches(['\r', '\n']).to_string(), false))
 }

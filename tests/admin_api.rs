@@ -271,6 +271,18 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
             [200, 403, 403],
         ),
         (
+            "POST",
+            format!("/v1/admin/users/{victim}/password-reset"),
+            None,
+            [201, 403, 403],
+        ),
+        (
+            "POST",
+            "/v1/admin/me/password".into(),
+            Some(json!({"current_password": "not it", "new_password": "a-long-new-password"})),
+            [400, 400, 400],
+        ),
+        (
             "DELETE",
             format!("/v1/admin/users/{victim}"),
             None,
@@ -766,6 +778,262 @@ async fn logins_back_off_lock_refresh_and_log_out() {
         .await
         .unwrap();
     assert!(!dump.contains(&pw), "a password leaked into the audit log");
+    a.stop().await;
+}
+
+/// A login's answer as an attacker sees it: status, `retry-after`, and the body without its
+/// `request_id` (which differs on every answer by design).
+async fn login_answer(a: &Admin, name: &str, password: &str) -> (u16, Option<String>, String) {
+    let r = a
+        .app
+        .client
+        .post(format!("{}/v1/admin/login", a.app.url))
+        .json(&json!({"username": name, "password": password}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let retry = r
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_string());
+    let mut body: Value = r.json().await.unwrap();
+    body.as_object_mut().unwrap().remove("request_id");
+    (status, retry, body.to_string())
+}
+
+#[tokio::test]
+async fn unknown_and_existing_usernames_get_byte_identical_failures_and_lockouts() {
+    let a = setup().await;
+    a.user("alice", Role::Finance, None).await;
+    // Round k: a wrong password for each, then an immediate retry (refused for 2^k s), until
+    // the fifth failure locks both.
+    for k in 0..control::admin::login::LOCK_AFTER {
+        let known = login_answer(&a, "alice", "not her password").await;
+        let unknown = login_answer(&a, "mallory", "not her password").await;
+        assert_eq!(known.0, 401, "{known:?}");
+        assert_eq!(
+            known, unknown,
+            "failure {k}: the answers tell the usernames apart"
+        );
+        let known = login_answer(&a, "alice", "not her password").await;
+        let unknown = login_answer(&a, "mallory", "not her password").await;
+        assert_eq!(known.0, 429, "{known:?}");
+        assert_eq!(
+            known, unknown,
+            "retry {k}: the answers tell the usernames apart"
+        );
+        let wanted = if k + 1 == control::admin::login::LOCK_AFTER {
+            "try again in 15 minutes".to_string()
+        } else if k == 0 {
+            "try again in 1 second".to_string()
+        } else {
+            format!("try again in {} seconds", 1 << k)
+        };
+        assert!(known.2.contains(&wanted), "{wanted:?} in {}", known.2);
+        if k + 1 < control::admin::login::LOCK_AFTER {
+            tokio::time::sleep(Duration::from_millis((1000 << k) + 150)).await;
+        }
+    }
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn passwords_change_with_the_current_one_and_reset_with_a_one_time_secret() {
+    let a = setup().await;
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let pw = a.user("bob", Role::Finance, None).await;
+    let bob = a.user_id("bob").await;
+    let here = a.token("bob", &pw).await;
+    let elsewhere = a.token("bob", &pw).await;
+    let change =
+        |current: &str, new: &str| json!({"current_password": current, "new_password": new});
+
+    // The wrong current password is refused and counts as a failed login.
+    let (s, v) = a
+        .call(
+            "POST",
+            "/v1/admin/me/password",
+            Some(&here),
+            Some(change("guess", "bob-new-password-1")),
+        )
+        .await;
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("current_password:")
+    );
+    let (s, v) = a
+        .call(
+            "POST",
+            "/v1/admin/me/password",
+            Some(&here),
+            Some(change(&pw, "bob-new-password-1")),
+        )
+        .await;
+    assert_eq!(s, 429, "the backoff applies here too: {v}");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // Too short: refused, nothing changed.
+    let (s, v) = a
+        .call(
+            "POST",
+            "/v1/admin/me/password",
+            Some(&here),
+            Some(change(&pw, "short")),
+        )
+        .await;
+    assert_eq!(
+        (s, v["error"]["message"].as_str()),
+        (400, Some("password: at least 12 characters"))
+    );
+    let (s, v) = a
+        .call(
+            "POST",
+            "/v1/admin/me/password",
+            Some(&here),
+            Some(change(&pw, "bob-new-password-1")),
+        )
+        .await;
+    assert_eq!(s, 204, "{v}");
+    // This session stays; the other ends; the old password no longer logs in.
+    assert_eq!(
+        a.call("GET", "/v1/admin/me", Some(&here), None).await.0,
+        200
+    );
+    assert_eq!(
+        a.call("GET", "/v1/admin/me", Some(&elsewhere), None)
+            .await
+            .0,
+        401
+    );
+    assert_eq!(a.login("bob", &pw).await.0, 401);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(a.login("bob", "bob-new-password-1").await.0, 200);
+    // A token made by `cachet billing token` belongs to no user: it cannot change one.
+    let jwt = Jwt::new(ADMIN_SECRET.as_bytes()).unwrap();
+    let cli = jwt
+        .issue("ops", Role::PlatformAdmin, None, Duration::from_secs(60))
+        .unwrap();
+    let (s, v) = a
+        .call(
+            "POST",
+            "/v1/admin/me/password",
+            Some(&cli),
+            Some(change("x", "y-long-password")),
+        )
+        .await;
+    assert_eq!(s, 400, "{v}");
+
+    // Only a platform admin issues reset secrets; a newer one retires the older.
+    let fin = a.token("bob", "bob-new-password-1").await;
+    let path = format!("/v1/admin/users/{bob}/password-reset");
+    assert_eq!(a.call("POST", &path, Some(&fin), None).await.0, 403);
+    let (s, first) = a.call("POST", &path, Some(&root), None).await;
+    assert_eq!(s, 201, "{first}");
+    let (_, second) = a.call("POST", &path, Some(&root), None).await;
+    let secret = second["reset_secret"].as_str().unwrap().to_string();
+    assert!(secret.starts_with("cachet-reset-"));
+    let redeem = |secret: &str, new: &str| json!({"reset_secret": secret, "new_password": new});
+    for bad in [first["reset_secret"].as_str().unwrap(), "cachet-reset-00"] {
+        let (s, v) = a
+            .call(
+                "POST",
+                "/v1/admin/password-reset",
+                None,
+                Some(redeem(bad, "bob-reset-password")),
+            )
+            .await;
+        assert_eq!(s, 400, "{v}");
+        assert_eq!(
+            v["error"]["message"],
+            "reset_secret: not valid (used, replaced or expired)"
+        );
+    }
+    // Redeemed once: the password is set, every session ends, and the secret is spent.
+    let (s, v) = a
+        .call(
+            "POST",
+            "/v1/admin/password-reset",
+            None,
+            Some(redeem(&secret, "bob-reset-password")),
+        )
+        .await;
+    assert_eq!(s, 204, "{v}");
+    for t in [&here, &fin] {
+        assert_eq!(a.call("GET", "/v1/admin/me", Some(t), None).await.0, 401);
+    }
+    let (s, _) = a
+        .call(
+            "POST",
+            "/v1/admin/password-reset",
+            None,
+            Some(redeem(&secret, "bob-other-password")),
+        )
+        .await;
+    assert_eq!(s, 400, "a reset secret works once");
+    assert_eq!(a.login("bob", "bob-reset-password").await.0, 200);
+
+    // The CLI sets a password too; a disabled user gets no reset.
+    let file = std::env::temp_dir().join(format!("cachet-pw-{}", Uuid::new_v4()));
+    std::fs::write(&file, "bob-cli-password-1\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cachet"))
+        .args(["admin", "user", "passwd", "bob", "--password-file"])
+        .arg(&file)
+        .env("DATABASE_URL", &a.app.db_url)
+        .output()
+        .unwrap();
+    std::fs::remove_file(&file).ok();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(a.login("bob", "bob-cli-password-1").await.0, 200);
+    assert_eq!(
+        a.call(
+            "DELETE",
+            &format!("/v1/admin/users/{bob}"),
+            Some(&root),
+            None
+        )
+        .await
+        .0,
+        200
+    );
+    assert_eq!(a.call("POST", &path, Some(&root), None).await.0, 409);
+
+    // Audited, and no secret or password in the log.
+    let actions: Vec<String> = sqlx::query_scalar("SELECT action FROM admin_audit ORDER BY id")
+        .fetch_all(&a.pool)
+        .await
+        .unwrap();
+    for want in [
+        "user.password_change",
+        "user.password_reset_issued",
+        "user.password_reset",
+        "user.password_set",
+    ] {
+        assert!(actions.iter().any(|x| x == want), "{want} in {actions:?}");
+    }
+    let dump: String = sqlx::query_scalar("SELECT string_agg(coalesce(before::text,'') || coalesce(after::text,''), ' ') FROM admin_audit")
+        .fetch_one(&a.pool)
+        .await
+        .unwrap();
+    for secret_text in [
+        &secret,
+        "bob-new-password-1",
+        "bob-reset-password",
+        "bob-cli-password-1",
+    ] {
+        assert!(
+            !dump.contains(secret_text),
+            "{secret_text} leaked into the audit log"
+        );
+    }
     a.stop().await;
 }
 

@@ -364,4 +364,54 @@ describe("the admin console", () => {
     expect(ledger.length).toBeGreaterThanOrEqual(8);
     expect(rows).toEqual(ledger);
   });
+
+  it("resets a forgotten password with a one-time secret, then the user changes it on their account page", async () => {
+    const p = await page();
+    await logIn(p, "root", ROOT_PASSWORD);
+    await p.getByRole("link", { name: "Users" }).first().click();
+    await p.getByRole("button", { name: "Reset the password of globex-admin" }).click();
+    await p.getByRole("button", { name: "Make a reset secret" }).click();
+    const secret = ((await p.locator("[data-secret]").textContent()) ?? "").trim();
+    expect(secret).toMatch(/^cachet-reset-[0-9a-f]{64}$/);
+    await shot(p, "16-reset-secret");
+    await p.getByRole("button", { name: "I have stored it" }).click();
+    await logOut(p);
+    // The user redeems it on the login page (a mistyped confirmation is caught first).
+    const reset = "globex-reset-password-e2e";
+    await p.getByRole("button", { name: "I have a reset secret" }).click();
+    await p.getByLabel("Reset secret").fill(secret);
+    await p.getByLabel("New password (12+ characters)").fill(reset);
+    await p.getByLabel("New password, again").fill(reset + "x");
+    await p.getByRole("button", { name: "Set password" }).click();
+    await p.getByText("the two passwords differ").waitFor();
+    await p.getByLabel("New password, again").fill(reset);
+    await p.getByRole("button", { name: "Set password" }).click();
+    await p.getByText("Password set. Log in with it.").waitFor();
+    await shot(p, "17-reset-done");
+    // The secret worked once; the old password no longer does.
+    const again = await fetch(`${svc.url}/v1/admin/password-reset`, {
+      method: "POST",
+      headers: { "content-type": "application/json" },
+      body: JSON.stringify({ reset_secret: secret, new_password: "another-password-123" }),
+    });
+    expect(again.status).toBe(400);
+    const old = await fetch(`${svc.url}/v1/admin/login`, {
+      method: "POST",
+      headers: { "content-type": "application/json" },
+      body: JSON.stringify({ username: "globex-admin", password: OTHER_PASSWORD }),
+    });
+    expect(old.status).toBe(401);
+    await new Promise((r) => setTimeout(r, 1100)); // the backoff after that failure
+    await logIn(p, "globex-admin", reset);
+    await p.getByRole("link", { name: /globex-admin/ }).click();
+    await p.getByRole("heading", { name: "Your account" }).waitFor();
+    await p.getByLabel("Current password").fill(reset);
+    await p.getByLabel("New password (12+ characters)").fill("globex-changed-password");
+    await p.getByLabel("New password, again").fill("globex-changed-password");
+    await p.getByRole("button", { name: "Change password" }).click();
+    await p.getByText("Password changed. Your other sessions have been logged out.").waitFor();
+    await shot(p, "18-account");
+    await logOut(p);
+    await logIn(p, "globex-admin", "globex-changed-password");
+  });
 });

@@ -202,6 +202,18 @@ export function validateUser(u: {
   return errors;
 }
 
+/** A new password: 12+ characters, not the username, typed twice the same. */
+export function validateNewPassword(p: { username: string; password: string; confirm: string }): Errors {
+  const errors: Errors = {};
+  if ([...p.password].length < 12) errors.password = "at least 12 characters";
+  else if (p.password.length > 1024) errors.password = "at most 1024 bytes";
+  else if (p.username && p.password.toLowerCase() === p.username.trim().toLowerCase()) {
+    errors.password = "must not be the username";
+  }
+  if (p.confirm !== p.password) errors.confirm = "the two passwords differ";
+  return errors;
+}
+
 /** A tenant name. */
 export function validateTenantName(name: string): string | null {
   const n = name.trim();

@@ -10,6 +10,7 @@ import { TenantPage } from "./pages/tenant";
 import { UsersPage } from "./pages/users";
 import { FinancePage, InvoicePage } from "./pages/finance";
 import { AuditPage } from "./pages/audit";
+import { AccountPage } from "./pages/account";
 
 function home(me: Me): string {
   if (me.role === "tenant_admin" && me.tenant) return `/tenants/${me.tenant}/dashboard`;
@@ -54,10 +55,10 @@ function Nav({ me }: { me: Me }) {
           </li>
         ))}
         <li>
-          <span class="who" title={me.role}>
+          <a class="who" href="#/account" title="Your account" aria-current={path === "/account" ? "page" : undefined}>
             {me.username} · {me.role.replace("_", " ")}
             {me.tenant_name ? ` · ${me.tenant_name}` : ""}
-          </span>
+          </a>
         </li>
         <li>
           <button type="button" class="secondary outline" onClick={() => logout().then(() => navigate("/login"))}>
@@ -78,6 +79,7 @@ function Routes({ me, path }: { me: Me; path: string }) {
   if ((m = match("/finance/invoices/:id", path))) return <InvoicePage me={me} id={m.id} />;
   if (match("/finance", path)) return <FinancePage me={me} />;
   if (match("/audit", path)) return <AuditPage me={me} tenant={null} />;
+  if (match("/account", path)) return <AccountPage me={me} />;
   return (
     <section>
       <h1>Not found</h1>

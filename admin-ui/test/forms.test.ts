@@ -10,6 +10,7 @@ import {
   policyPatch,
   validateKey,
   validateTenantName,
+  validateNewPassword,
   validateUser,
 } from "../src/forms";
 
@@ -130,6 +131,16 @@ describe("other forms", () => {
     expect(Object.keys(bad).sort()).toEqual(["password", "tenant", "username"]);
     expect(validateTenantName("acme")).toBeNull();
     expect(validateTenantName("")).toBeTruthy();
+  });
+  it("new passwords: long enough, not the username, typed twice alike", () => {
+    expect(validateNewPassword({ username: "ana", password: "a long passphrase", confirm: "a long passphrase" })).toEqual({});
+    expect(validateNewPassword({ username: "ana", password: "short", confirm: "short" })).toEqual({ password: "at least 12 characters" });
+    expect(validateNewPassword({ username: "ana-the-admin", password: "ANA-THE-ADMIN", confirm: "ANA-THE-ADMIN" })).toEqual({
+      password: "must not be the username",
+    });
+    expect(validateNewPassword({ username: "", password: "a long passphrase", confirm: "a long passphrase!" })).toEqual({
+      confirm: "the two passwords differ",
+    });
   });
   it("date ranges include their last day", () => {
     expect(dateRange("2026-11-01", "2026-11-30")).toEqual({ from: "2026-11-01T00:00:00.000Z", to: "2026-12-01T00:00:00.000Z" });

@@ -5,7 +5,7 @@ use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder
 use utoipa::{Modify, OpenApi};
 
 use crate::api::handlers;
-use control::admin::{handlers as admin, login, views};
+use control::admin::{handlers as admin, login, passwords, views};
 
 struct Security;
 
@@ -45,6 +45,8 @@ impl Modify for Security {
           billing::api::export_usage,
           login::login, login::refresh, login::logout, login::me, login::list_users,
           login::create_user_handler, login::disable_user, login::unlock_user,
+          passwords::change_own_password, passwords::reset_user_password,
+          passwords::redeem_password_reset,
           admin::list_tenants, admin::create_tenant, admin::get_tenant, admin::suspend, admin::resume,
           admin::delete_tenant, admin::list_keys, admin::create_key, admin::update_key,
           admin::revoke_key, admin::rotate_key, admin::get_policy, admin::patch_policy,

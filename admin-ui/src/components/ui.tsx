@@ -193,3 +193,29 @@ export async function copy(text: string): Promise<boolean> {
     return false;
   }
 }
+
+/** Shows a secret once, with a copy button; closing it is final. */
+export function SecretDialog(props: { title: string; secret: string | null; note: string; onClose: () => void }) {
+  const [copied, setCopied] = useState<string | null>(null);
+  return (
+    <Dialog open={props.secret !== null} title={props.title} onClose={props.onClose}>
+      <p>{props.note}</p>
+      <p class="secret" data-secret>
+        {props.secret}
+      </p>
+      <Notice text={copied} />
+      <footer>
+        <button
+          type="button"
+          class="secondary"
+          onClick={async () => setCopied((await copy(props.secret ?? "")) ? "Copied." : "Copy it by hand: the clipboard is not available.")}
+        >
+          Copy
+        </button>
+        <button type="button" onClick={props.onClose}>
+          I have stored it
+        </button>
+      </footer>
+    </Dialog>
+  );
+}

@@ -1,35 +1,9 @@
 import { useState } from "preact/hooks";
 import { api } from "../api";
-import { Confirm, Dialog, ErrorBanner, Field, Loading, Notice, Table, copy, message, useAsync } from "../components/ui";
+import { Confirm, Dialog, ErrorBanner, Field, Loading, Notice, SecretDialog, Table, message, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { parseGrace, validateKey } from "../forms";
 import type { CreatedKey, Key, Rotation, Tenant } from "../types";
-
-/** Shows a secret once, with a copy button; closing it is final. */
-function SecretDialog(props: { title: string; secret: string | null; note: string; onClose: () => void }) {
-  const [copied, setCopied] = useState<string | null>(null);
-  return (
-    <Dialog open={props.secret !== null} title={props.title} onClose={props.onClose}>
-      <p>{props.note}</p>
-      <p class="secret" data-secret>
-        {props.secret}
-      </p>
-      <Notice text={copied} />
-      <footer>
-        <button
-          type="button"
-          class="secondary"
-          onClick={async () => setCopied((await copy(props.secret ?? "")) ? "Copied." : "Copy it by hand: the clipboard is not available.")}
-        >
-          Copy
-        </button>
-        <button type="button" onClick={props.onClose}>
-          I have stored it
-        </button>
-      </footer>
-    </Dialog>
-  );
-}
 
 export function KeysTab({ tenant }: { tenant: Tenant }) {
   const keys = useAsync(() => api<{ data: Key[] }>("GET", `/v1/admin/tenants/${tenant.id}/keys`), [tenant.id]);

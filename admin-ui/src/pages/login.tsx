@@ -1,8 +1,88 @@
 import { useState } from "preact/hooks";
-import { login } from "../api";
-import { ErrorBanner, Field, message } from "../components/ui";
+import { api, login } from "../api";
+import { ErrorBanner, Field, Notice, message } from "../components/ui";
+import { validateNewPassword } from "../forms";
+
+/** Set a new password with the one-time reset secret a platform admin gave you. */
+function RedeemReset(props: { onDone: (note: string) => void; onCancel: () => void }) {
+  const [f, setF] = useState({ secret: "", password: "", confirm: "" });
+  const [errors, setErrors] = useState<Record<string, string>>({});
+  const [error, setError] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+  return (
+    <form
+      aria-label="Set a new password with a reset secret"
+      onSubmit={async (e) => {
+        e.preventDefault();
+        const errs = validateNewPassword({ username: "", password: f.password, confirm: f.confirm });
+        if (!f.secret.trim()) errs.secret = "paste the reset secret you were given";
+        setErrors(errs);
+        if (Object.keys(errs).length) return;
+        setBusy(true);
+        try {
+          await api("POST", "/v1/admin/password-reset", { reset_secret: f.secret.trim(), new_password: f.password });
+          setError(null);
+          props.onDone("Password set. Log in with it.");
+        } catch (err) {
+          setError(message(err));
+        } finally {
+          setBusy(false);
+        }
+      }}
+    >
+      <Field id="reset-secret" label="Reset secret" autoComplete="off" value={f.secret} error={errors.secret} onInput={(e) => setF({ ...f, secret: e.currentTarget.value })} />
+      <Field
+        id="reset-password"
+        label="New password (12+ characters)"
+        type="password"
+        autoComplete="new-password"
+        value={f.password}
+        error={errors.password}
+        onInput={(e) => setF({ ...f, password: e.currentTarget.value })}
+      />
+      <Field
+        id="reset-confirm"
+        label="New password, again"
+        type="password"
+        autoComplete="new-password"
+        value={f.confirm}
+        error={errors.confirm}
+        onInput={(e) => setF({ ...f, confirm: e.currentTarget.value })}
+      />
+      <ErrorBanner error={error} />
+      <div class="actions">
+        <button type="button" class="secondary" onClick={props.onCancel}>
+          Back to log in
+        </button>
+        <button type="submit" aria-busy={busy} disabled={busy}>
+          Set password
+        </button>
+      </div>
+    </form>
+  );
+}
 
 export function LoginPage() {
+  const [resetting, setResetting] = useState(false);
+  const [notice, setNotice] = useState<string | null>(null);
+  if (resetting) {
+    return (
+      <article>
+        <h1>Cachet admin</h1>
+        <RedeemReset
+          onCancel={() => setResetting(false)}
+          onDone={(note) => {
+            setNotice(note);
+            setResetting(false);
+          }}
+        />
+      </article>
+    );
+  }
+  return <LoginForm notice={notice} onReset={() => setResetting(true)} />;
+}
+
+function LoginForm(props: { notice: string | null; onReset: () => void }) {
   const [username, setUsername] = useState("");
   const [password, setPassword] = useState("");
   const [error, setError] = useState<string | null>(null);
@@ -10,6 +90,7 @@ export function LoginPage() {
   return (
     <article>
       <h1>Cachet admin</h1>
+      <Notice text={props.notice} />
       <form
         onSubmit={async (e) => {
           e.preventDefault();
@@ -54,6 +135,11 @@ export function LoginPage() {
         <small>
           Users are made with <code>cachet admin user create</code>; there is no default password.
         </small>
+      </p>
+      <p>
+        <button type="button" class="secondary outline" onClick={props.onReset}>
+          I have a reset secret
+        </button>
       </p>
     </article>
   );

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, type Me } from "../api";
-import { Confirm, ErrorBanner, Field, Loading, Notice, Table, message, useAsync } from "../components/ui";
+import { Confirm, ErrorBanner, Field, Loading, Notice, SecretDialog, Table, message, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { validateUser } from "../forms";
 import type { Tenant, User } from "../types";
@@ -87,8 +87,16 @@ function CreateUser(props: { tenants: Tenant[]; fixedTenant?: Tenant; onCreated:
   );
 }
 
+interface ResetSecret {
+  username: string;
+  reset_secret: string;
+  expires_at: string;
+}
+
 function UserTable(props: { users: User[]; tenants: Tenant[]; onChange: () => void }) {
   const [disabling, setDisabling] = useState<User | null>(null);
+  const [resetting, setResetting] = useState<User | null>(null);
+  const [secret, setSecret] = useState<ResetSecret | null>(null);
   const name = (id: string | null) => props.tenants.find((t) => t.id === id)?.name ?? id ?? "–";
   return (
     <>
@@ -121,6 +129,9 @@ function UserTable(props: { users: User[]; tenants: Tenant[]; onChange: () => vo
                           Unlock
                         </button>
                       )}
+                      <button type="button" class="secondary" onClick={() => setResetting(u)} aria-label={`Reset the password of ${u.username}`}>
+                        Reset password
+                      </button>
                       <button type="button" class="danger" onClick={() => setDisabling(u)} aria-label={`Disable ${u.username}`}>
                         Disable
                       </button>
@@ -132,6 +143,28 @@ function UserTable(props: { users: User[]; tenants: Tenant[]; onChange: () => vo
           })}
         </tbody>
       </Table>
+      <Confirm
+        open={resetting !== null}
+        title={`Reset the password of ${resetting?.username ?? ""}?`}
+        body={
+          <p>
+            You get a one-time secret to give them. With it they set a new password on the login page (within a day, once); then all
+            their sessions end. Their current password keeps working until then.
+          </p>
+        }
+        action="Make a reset secret"
+        onClose={() => setResetting(null)}
+        onConfirm={async () => {
+          setSecret(await api<ResetSecret>("POST", `/v1/admin/users/${resetting!.id}/password-reset`));
+          props.onChange();
+        }}
+      />
+      <SecretDialog
+        title={`Reset secret for ${secret?.username ?? ""}`}
+        secret={secret?.reset_secret ?? null}
+        note={`Give this to ${secret?.username ?? "them"} by a channel you trust. It works once, until ${formatTime(secret?.expires_at ?? null)}, and is shown this once.`}
+        onClose={() => setSecret(null)}
+      />
       <Confirm
         open={disabling !== null}
         title={`Disable ${disabling?.username ?? ""}?`}

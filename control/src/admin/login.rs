@@ -59,6 +59,8 @@ pub struct User {
     pub locked_until: Option<DateTime<Utc>>,
     pub last_login_at: Option<DateTime<Utc>>,
     pub failed_logins: i32,
+    /// When the password last changed (its creation counts).
+    pub password_changed_at: DateTime<Utc>,
 }
 
 fn user_row(r: &sqlx::postgres::PgRow) -> User {
@@ -73,11 +75,12 @@ fn user_row(r: &sqlx::postgres::PgRow) -> User {
         locked_until: r.get("locked_until"),
         last_login_at: r.get("last_login_at"),
         failed_logins: r.get("failed_logins"),
+        password_changed_at: r.get("password_changed_at"),
     }
 }
 
 const USER_COLUMNS: &str = "id, username, role, tenant_id, created_at, disabled_at, \
-    locked_until, last_login_at, failed_logins";
+    locked_until, last_login_at, failed_logins, password_changed_at";
 
 /// A user to create.
 #[derive(Clone, Debug, Deserialize, ToSchema)]
@@ -91,7 +94,7 @@ pub struct NewUser {
     pub tenant: Option<Uuid>,
 }
 
-fn check_password(username: &str, password: &str) -> Result<(), AdminError> {
+pub(crate) fn check_password(username: &str, password: &str) -> Result<(), AdminError> {
     if password.chars().count() < MIN_PASSWORD {
         return Err(AdminError::Invalid(format!(
             "password: at least {MIN_PASSWORD} characters"
@@ -117,7 +120,7 @@ pub fn hash_password(password: &str) -> Result<String, AdminError> {
         .map_err(|e| AdminError::Random(format!("hashing a password: {e}")))
 }
 
-fn verify_password(password: &str, phc: &str) -> bool {
+pub(crate) fn verify_password(password: &str, phc: &str) -> bool {
     PasswordHash::new(phc).is_ok_and(|h| {
         Argon2::default()
             .verify_password(password.as_bytes(), &h)
@@ -132,7 +135,7 @@ fn decoy_hash() -> &'static str {
     DECOY.get_or_init(|| hash_password("decoy password nobody has").unwrap_or_default())
 }
 
-async fn blocking<T: Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, AdminError> {
     tokio::task::spawn_blocking(f)
@@ -317,11 +320,13 @@ pub struct Throttle {
 }
 
 impl Throttle {
-    fn wait_until(&self, username: &str) -> Option<DateTime<Utc>> {
+    /// Until when an attempt on `username` is refused, and whether that is a lock.
+    fn wait_until(&self, username: &str) -> Option<(DateTime<Utc>, bool)> {
         let m = self.unknown.lock().unwrap_or_else(|p| p.into_inner());
         let a = m.get(username)?;
         a.locked_until
-            .or_else(|| next_allowed(a.failures, Some(a.last)))
+            .map(|l| (l, true))
+            .or_else(|| next_allowed(a.failures, Some(a.last)).map(|n| (n, false)))
     }
 
     fn failed(&self, username: &str, now: DateTime<Utc>) {
@@ -381,21 +386,33 @@ pub struct Me {
     pub tenant_name: Option<String>,
 }
 
-fn too_many(until: DateTime<Utc>, now: DateTime<Utc>, locked: bool) -> ApiError {
-    let secs = (until - now).num_seconds().max(1);
+/// How long until `until`, in whole seconds rounded up (at least 1).
+fn secs_until(until: DateTime<Utc>, now: DateTime<Utc>) -> i64 {
+    ((until - now).num_milliseconds() + 999)
+        .div_euclid(1000)
+        .max(1)
+}
+
+/// A wait as people say it: "1 second", "30 seconds", "15 minutes".
+pub(crate) fn wait_text(secs: i64) -> String {
+    match secs {
+        ..=1 => "1 second".into(),
+        2..=119 => format!("{secs} seconds"),
+        _ => format!("{} minutes", (secs + 59) / 60),
+    }
+}
+
+/// 429 for an attempt that comes too soon (backoff) or on a locked account. The answer
+/// depends only on how long the wait is, never on whether the username exists: an unknown
+/// username is throttled and locked on the same schedule, and answered in the same bytes.
+pub(crate) fn too_many(until: DateTime<Utc>, now: DateTime<Utc>, locked: bool) -> ApiError {
+    let secs = secs_until(until, now);
     metrics::ADMIN_LOGINS
         .with_label_values(&[if locked { "locked" } else { "throttled" }])
         .inc();
     ApiError::new(
         ErrorCode::RateLimit,
-        if locked {
-            format!(
-                "too many failed logins: try again in {} minutes",
-                (secs + 59) / 60
-            )
-        } else {
-            format!("too many failed logins: try again in {secs} seconds")
-        },
+        format!("too many failed logins: try again in {}", wait_text(secs)),
     )
     .with_header("retry-after", &secs.to_string())
 }
@@ -411,7 +428,7 @@ fn refresh_token() -> Result<String, AdminError> {
     Ok(format!("cachet-refresh-{}", hex::encode(raw)))
 }
 
-fn sha256(s: &str) -> Vec<u8> {
+pub(crate) fn sha256(s: &str) -> Vec<u8> {
     Sha256::digest(s.as_bytes()).to_vec()
 }
 
@@ -456,6 +473,61 @@ fn access_token(state: &AdminState, me: &Me, sid: Uuid) -> Result<String, ApiErr
     .map_err(ApiError::from)
 }
 
+/// Count a failed attempt on user `id` (a login, or a password change with the wrong current
+/// password): the next attempt waits, and the [`LOCK_AFTER`]th in a row locks the account.
+pub(crate) async fn record_failure(
+    pool: &PgPool,
+    actor: &Actor,
+    id: Uuid,
+    tenant: Option<Uuid>,
+    failures: i32,
+) -> Result<(), AdminError> {
+    let locked: Option<DateTime<Utc>> = sqlx::query_scalar(
+        "UPDATE admin_users SET failed_logins = CASE WHEN failed_logins + 1 >= $2 THEN 0 ELSE failed_logins + 1 END, \
+         last_failed_at = now(), \
+         locked_until = CASE WHEN failed_logins + 1 >= $2 THEN now() + make_interval(secs => $3) END \
+         WHERE id = $1 RETURNING locked_until",
+    )
+    .bind(id)
+    .bind(LOCK_AFTER)
+    .bind(LOCK_FOR.as_secs() as f64)
+    .fetch_one(pool)
+    .await?;
+    let action = if locked.is_some() {
+        "login.lockout"
+    } else {
+        "login.failure"
+    };
+    audit::record_alone(
+        pool,
+        actor,
+        Entry {
+            tenant,
+            action,
+            target: Some(id.to_string()),
+            before: None,
+            after: Some(json!({"failed_logins": failures + 1})),
+        },
+    )
+    .await
+}
+
+/// Refuse an attempt on a user that is locked or inside its backoff.
+pub(crate) fn check_throttle(
+    failures: i32,
+    last_failed: Option<DateTime<Utc>>,
+    locked_until: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+) -> Result<(), ApiError> {
+    if let Some(locked) = locked_until.filter(|l| *l > now) {
+        return Err(too_many(locked, now, true));
+    }
+    if let Some(next) = next_allowed(failures, last_failed).filter(|n| *n > now) {
+        return Err(too_many(next, now, false));
+    }
+    Ok(())
+}
+
 /// Log in.
 #[utoipa::path(post, path = "/v1/admin/login", tag = "admin", request_body = LoginRequest,
     responses((status = 200, body = LoginTokens), (status = 400, body = cachet_common::error::ErrorBody),
@@ -482,8 +554,8 @@ pub async fn login(
     .map_err(AdminError::from)?;
     let Some(row) = row.filter(|r| r.get::<Option<DateTime<Utc>>, _>("disabled_at").is_none())
     else {
-        if let Some(until) = state.throttle.wait_until(&username).filter(|u| *u > now) {
-            return Err(too_many(until, now, false));
+        if let Some((until, locked)) = state.throttle.wait_until(&username).filter(|u| u.0 > now) {
+            return Err(too_many(until, now, locked));
         }
         let password = req.password;
         blocking(move || verify_password(&password, decoy_hash())).await?;
@@ -492,15 +564,12 @@ pub async fn login(
     };
     let id: Uuid = row.get("id");
     let failures: i32 = row.get("failed_logins");
-    if let Some(locked) = row
-        .get::<Option<DateTime<Utc>>, _>("locked_until")
-        .filter(|l| *l > now)
-    {
-        return Err(too_many(locked, now, true));
-    }
-    if let Some(next) = next_allowed(failures, row.get("last_failed_at")).filter(|n| *n > now) {
-        return Err(too_many(next, now, false));
-    }
+    check_throttle(
+        failures,
+        row.get("last_failed_at"),
+        row.get("locked_until"),
+        now,
+    )?;
     let phc: String = row.get("password_hash");
     let password = req.password;
     let ok = blocking(move || verify_password(&password, &phc)).await?;
@@ -511,35 +580,7 @@ pub async fn login(
     };
     let tenant: Option<Uuid> = row.get("tenant_id");
     if !ok {
-        let locked: Option<DateTime<Utc>> = sqlx::query_scalar(
-            "UPDATE admin_users SET failed_logins = CASE WHEN failed_logins + 1 >= $2 THEN 0 ELSE failed_logins + 1 END, \
-             last_failed_at = now(), \
-             locked_until = CASE WHEN failed_logins + 1 >= $2 THEN now() + make_interval(secs => $3) END \
-             WHERE id = $1 RETURNING locked_until",
-        )
-        .bind(id)
-        .bind(LOCK_AFTER)
-        .bind(LOCK_FOR.as_secs() as f64)
-        .fetch_one(&state.pool)
-        .await
-        .map_err(AdminError::from)?;
-        let action = if locked.is_some() {
-            "login.lockout"
-        } else {
-            "login.failure"
-        };
-        audit::record_alone(
-            &state.pool,
-            &actor,
-            Entry {
-                tenant,
-                action,
-                target: Some(id.to_string()),
-                before: None,
-                after: Some(json!({"failed_logins": failures + 1})),
-            },
-        )
-        .await?;
+        record_failure(&state.pool, &actor, id, tenant, failures).await?;
         return Err(invalid_login());
     }
     let role = Role::parse(row.get::<&str, _>("role")).unwrap_or(Role::Finance);
@@ -773,12 +814,30 @@ mod tests {
         th.failed("ghost", t);
         assert_eq!(
             th.wait_until("ghost"),
-            Some(t + chrono::Duration::seconds(1))
+            Some((t + chrono::Duration::seconds(1), false))
         );
         for _ in 1..LOCK_AFTER {
             th.failed("ghost", t);
         }
-        let until = th.wait_until("ghost").unwrap();
-        assert!(until >= t + chrono::Duration::minutes(14), "{until}");
+        let (until, locked) = th.wait_until("ghost").unwrap();
+        assert!(
+            locked && until >= t + chrono::Duration::minutes(14),
+            "{until}"
+        );
+    }
+
+    #[test]
+    fn waits_read_as_people_say_them() {
+        assert_eq!(wait_text(0), "1 second");
+        assert_eq!(wait_text(1), "1 second");
+        assert_eq!(wait_text(2), "2 seconds");
+        assert_eq!(wait_text(119), "119 seconds");
+        assert_eq!(wait_text(120), "2 minutes");
+        assert_eq!(wait_text(900), "15 minutes");
+        assert_eq!(wait_text(882), "15 minutes");
+        let t: DateTime<Utc> = "2026-11-24T00:00:00Z".parse().unwrap();
+        // Rounded up: 1.2 s left is 2 seconds, never "0 seconds".
+        assert_eq!(secs_until(t + chrono::Duration::milliseconds(1200), t), 2);
+        assert_eq!(secs_until(t - chrono::Duration::seconds(3), t), 1);
     }
 }

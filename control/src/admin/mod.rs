@@ -10,6 +10,7 @@
 //!
 //! - [`login`]: admin users (argon2id), login with backoff and lockout, short-lived access
 //!   tokens with rotating refresh tokens, logout;
+//! - [`passwords`]: changing one's own password, one-time reset secrets;
 //! - [`handlers`]: tenants, keys, policy, audit log;
 //! - [`views`]: usage and savings over time, budget status, the cache view;
 //! - [`ui`]: the built single-page app from `admin-ui/dist`.
@@ -18,6 +19,7 @@
 
 pub mod handlers;
 pub mod login;
+pub mod passwords;
 pub mod ui;
 pub mod views;
 
@@ -261,6 +263,18 @@ pub fn routes(state: AdminState) -> Router {
         .route("/v1/admin/refresh", post(login::refresh))
         .route("/v1/admin/logout", post(login::logout))
         .route("/v1/admin/me", get(login::me))
+        .route(
+            "/v1/admin/me/password",
+            post(passwords::change_own_password),
+        )
+        .route(
+            "/v1/admin/password-reset",
+            post(passwords::redeem_password_reset),
+        )
+        .route(
+            "/v1/admin/users/{id}/password-reset",
+            post(passwords::reset_user_password),
+        )
         .route(
             "/v1/admin/users",
             get(login::list_users).post(login::create_user_handler),

@@ -1,0 +1,78 @@
+import { useState } from "preact/hooks";
+import { api, type Me } from "../api";
+import { ErrorBanner, Field, Notice, message } from "../components/ui";
+import { validateNewPassword } from "../forms";
+
+/** The caller's own account: its password. */
+export function AccountPage({ me }: { me: Me }) {
+  const [f, setF] = useState({ current: "", password: "", confirm: "" });
+  const [errors, setErrors] = useState<Record<string, string>>({});
+  const [error, setError] = useState<string | null>(null);
+  const [notice, setNotice] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+  return (
+    <section>
+      <h1>Your account</h1>
+      <p>
+        {me.username} · {me.role.replace("_", " ")}
+        {me.tenant_name ? ` · ${me.tenant_name}` : ""}
+      </p>
+      <h2>Change your password</h2>
+      <Notice text={notice} />
+      <form
+        aria-label="Change your password"
+        onSubmit={async (e) => {
+          e.preventDefault();
+          const errs = validateNewPassword({ username: me.username, password: f.password, confirm: f.confirm });
+          if (!f.current) errs.current = "enter your current password";
+          setErrors(errs);
+          if (Object.keys(errs).length) return;
+          setBusy(true);
+          try {
+            await api("POST", "/v1/admin/me/password", { current_password: f.current, new_password: f.password });
+            setError(null);
+            setF({ current: "", password: "", confirm: "" });
+            setNotice("Password changed. Your other sessions have been logged out.");
+          } catch (err) {
+            setNotice(null);
+            setError(message(err));
+          } finally {
+            setBusy(false);
+          }
+        }}
+      >
+        <Field
+          id="current-password"
+          label="Current password"
+          type="password"
+          autoComplete="current-password"
+          value={f.current}
+          error={errors.current}
+          onInput={(e) => setF({ ...f, current: e.currentTarget.value })}
+        />
+        <Field
+          id="new-password"
+          label="New password (12+ characters)"
+          type="password"
+          autoComplete="new-password"
+          value={f.password}
+          error={errors.password}
+          onInput={(e) => setF({ ...f, password: e.currentTarget.value })}
+        />
+        <Field
+          id="confirm-password"
+          label="New password, again"
+          type="password"
+          autoComplete="new-password"
+          value={f.confirm}
+          error={errors.confirm}
+          onInput={(e) => setF({ ...f, confirm: e.currentTarget.value })}
+        />
+        <ErrorBanner error={error} />
+        <button type="submit" aria-busy={busy} disabled={busy}>
+          Change password
+        </button>
+      </form>
+    </section>
+  );
+}
