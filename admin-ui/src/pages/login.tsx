@@ -11,7 +11,7 @@ function RedeemReset(props: { onDone: (note: string) => void; onCancel: () => vo
   const [busy, setBusy] = useState(false);
   return (
     <form
-      aria-label="Set a new password with a reset secret"
+      aria-label="Set a new password"
       onSubmit={async (e) => {
         e.preventDefault();
         const errs = validateNewPassword({ username: "", password: f.password, confirm: f.confirm });
