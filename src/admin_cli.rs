@@ -9,6 +9,7 @@
 use std::io::Read;
 
 use anyhow::{Context, bail};
+use cachet_common::TenantId;
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
 use control::tenants::{self, Actor, keys, policy};
@@ -357,16 +358,16 @@ async fn tenant(pool: &PgPool, actor: &Actor, command: TenantCommand) -> anyhow:
         }
         TenantCommand::Show { tenant } => {
             let id = tenant_id(pool, &tenant).await?;
-            print_json(&tenants::get_tenant(pool, id).await?)?;
+            print_json(&tenants::get_tenant(pool, TenantId(id)).await?)?;
         }
         TenantCommand::Suspend { tenant } => {
             let id = tenant_id(pool, &tenant).await?;
-            tenants::set_suspended(pool, actor, id, true).await?;
+            tenants::set_suspended(pool, actor, TenantId(id), tenants::Suspension::Suspend).await?;
             println!("tenant {tenant} suspended: its keys are refused within seconds");
         }
         TenantCommand::Resume { tenant } => {
             let id = tenant_id(pool, &tenant).await?;
-            tenants::set_suspended(pool, actor, id, false).await?;
+            tenants::set_suspended(pool, actor, TenantId(id), tenants::Suspension::Resume).await?;
             println!("tenant {tenant} resumed");
         }
         TenantCommand::Delete { tenant, yes } => {
@@ -376,7 +377,7 @@ async fn tenant(pool: &PgPool, actor: &Actor, command: TenantCommand) -> anyhow:
                 );
             }
             let id = tenant_id(pool, &tenant).await?;
-            tenants::delete_tenant(pool, actor, id).await?;
+            tenants::delete_tenant(pool, actor, TenantId(id)).await?;
             println!("tenant {tenant} deleted; its ledger and invoices are kept");
         }
     }
@@ -412,7 +413,7 @@ async fn key(
                 "{:<36}  {:<8}  {:<16}  {:<20}  {:<20}  name",
                 "id", "state", "prefix", "last used", "expires"
             );
-            for k in keys::list_keys(pool, id).await? {
+            for k in keys::list_keys(pool, TenantId(id)).await? {
                 println!(
                     "{}  {:<8}  {:<16}  {:<20}  {:<20}  {}",
                     k.id,
@@ -483,7 +484,7 @@ async fn policy_cmd(pool: &PgPool, actor: &Actor, command: PolicyCommand) -> any
     match command {
         PolicyCommand::Show { tenant } => {
             let id = tenant_id(pool, &tenant).await?;
-            print_json(&policy::get_policy(pool, id).await?)?;
+            print_json(&policy::get_policy(pool, TenantId(id)).await?)?;
         }
         PolicyCommand::Set(s) => {
             let id = tenant_id(pool, &s.tenant).await?;
@@ -507,7 +508,14 @@ async fn policy_cmd(pool: &PgPool, actor: &Actor, command: PolicyCommand) -> any
                     .max_concurrent
                     .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
             };
-            let p = policy::patch_policy(pool, actor, id, &patch, true).await?;
+            let p = policy::patch_policy(
+                pool,
+                actor,
+                TenantId(id),
+                &patch,
+                policy::PatchedBy::Platform,
+            )
+            .await?;
             print_json(&p)?;
         }
     }
@@ -535,7 +543,7 @@ async fn usage(
 /// `cachet admin budget`: a tenant's spend this month against its budget.
 async fn budget(pool: &PgPool, tenant: String) -> anyhow::Result<()> {
     let id = tenant_id(pool, &tenant).await?;
-    let p = policy::get_policy(pool, id).await?;
+    let p = policy::get_policy(pool, TenantId(id)).await?;
     let now = Utc::now();
     let (currency, spent) = billing::dashboard::month_spend(pool, id, now).await?;
     let (_, resets) = billing::dashboard::month_of(now);

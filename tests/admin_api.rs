@@ -1463,8 +1463,8 @@ async fn the_change_feed_starts_at_its_end_and_drops_cached_keys_only_for_new_ch
     control::tenants::set_suspended(
         &pool,
         &control::tenants::Actor::cli("test"),
-        p.tenant.as_uuid(),
-        true,
+        p.tenant,
+        control::tenants::Suspension::Suspend,
     )
     .await
     .unwrap();

@@ -15,9 +15,9 @@ async fn set_quotas(app: &TestApp, patch: control::tenants::policy::PolicyPatch)
     control::tenants::policy::patch_policy(
         &pool,
         &control::tenants::Actor::cli("test"),
-        tenant,
+        cachet_common::TenantId(tenant),
         &patch,
-        true,
+        control::tenants::policy::PatchedBy::Platform,
     )
     .await
     .unwrap();

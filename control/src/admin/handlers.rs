@@ -6,6 +6,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use cachet_common::ApiKeyId;
+use cachet_common::TenantId;
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use identity::Role;
@@ -43,7 +44,7 @@ pub async fn list_tenants(
     AdminQuery(q): AdminQuery<TenantListQuery>,
 ) -> Result<axum::Json<TenantList>, ApiError> {
     let data = match (admin.role(), admin.claims.tenant) {
-        (Role::TenantAdmin, Some(t)) => vec![tenants::get_tenant(&state.pool, t).await?],
+        (Role::TenantAdmin, Some(t)) => vec![tenants::get_tenant(&state.pool, TenantId(t)).await?],
         _ => tenants::list_tenants(&state.pool, q.include_deleted).await?,
     };
     Ok(axum::Json(TenantList { data }))
@@ -69,7 +70,7 @@ pub async fn create_tenant(
     let created = tenants::create_tenant(&state.pool, &admin.actor, &t.name).await?;
     Ok((
         StatusCode::CREATED,
-        axum::Json(tenants::get_tenant(&state.pool, created.id.as_uuid()).await?),
+        axum::Json(tenants::get_tenant(&state.pool, created.id).await?),
     ))
 }
 
@@ -84,7 +85,9 @@ pub async fn get_tenant(
     AdminPath(id): AdminPath<Uuid>,
 ) -> Result<axum::Json<TenantInfo>, ApiError> {
     admin.tenant(id, Access::Read)?;
-    Ok(axum::Json(tenants::get_tenant(&state.pool, id).await?))
+    Ok(axum::Json(
+        tenants::get_tenant(&state.pool, TenantId(id)).await?,
+    ))
 }
 
 /// Suspend a tenant: its keys are refused with 403 within seconds (platform admins).
@@ -100,7 +103,13 @@ pub async fn suspend(
 ) -> Result<axum::Json<TenantInfo>, ApiError> {
     admin.tenant(id, Access::Platform)?;
     Ok(axum::Json(
-        tenants::set_suspended(&state.pool, &admin.actor, id, true).await?,
+        tenants::set_suspended(
+            &state.pool,
+            &admin.actor,
+            TenantId(id),
+            tenants::Suspension::Suspend,
+        )
+        .await?,
     ))
 }
 
@@ -117,7 +126,13 @@ pub async fn resume(
 ) -> Result<axum::Json<TenantInfo>, ApiError> {
     admin.tenant(id, Access::Platform)?;
     Ok(axum::Json(
-        tenants::set_suspended(&state.pool, &admin.actor, id, false).await?,
+        tenants::set_suspended(
+            &state.pool,
+            &admin.actor,
+            TenantId(id),
+            tenants::Suspension::Resume,
+        )
+        .await?,
     ))
 }
 
@@ -134,7 +149,7 @@ pub async fn delete_tenant(
 ) -> Result<axum::Json<TenantInfo>, ApiError> {
     admin.tenant(id, Access::Platform)?;
     Ok(axum::Json(
-        tenants::delete_tenant(&state.pool, &admin.actor, id).await?,
+        tenants::delete_tenant(&state.pool, &admin.actor, TenantId(id)).await?,
     ))
 }
 
@@ -155,9 +170,9 @@ pub async fn list_keys(
 ) -> Result<axum::Json<KeyList>, ApiError> {
     admin.require(&[Role::PlatformAdmin, Role::TenantAdmin])?;
     admin.tenant(id, Access::Read)?;
-    tenants::ensure_tenant(&state.pool, id).await?;
+    tenants::ensure_tenant(&state.pool, TenantId(id)).await?;
     Ok(axum::Json(KeyList {
-        data: keys::list_keys(&state.pool, id).await?,
+        data: keys::list_keys(&state.pool, TenantId(id)).await?,
     }))
 }
 
@@ -348,7 +363,9 @@ pub async fn get_policy(
     AdminPath(id): AdminPath<Uuid>,
 ) -> Result<axum::Json<Policy>, ApiError> {
     admin.tenant(id, Access::Read)?;
-    Ok(axum::Json(policy::get_policy(&state.pool, id).await?))
+    Ok(axum::Json(
+        policy::get_policy(&state.pool, TenantId(id)).await?,
+    ))
 }
 
 /// Change a tenant's policy (JSON merge patch: absent fields unchanged, `null` = no limit).
@@ -367,12 +384,18 @@ pub async fn patch_policy(
     AdminJson(patch): AdminJson<PolicyPatch>,
 ) -> Result<axum::Json<Policy>, ApiError> {
     admin.tenant(id, Access::Write)?;
-    if tenants::get_tenant(&state.pool, id).await?.state == tenants::TenantState::Deleted {
+    if tenants::get_tenant(&state.pool, TenantId(id)).await?.state == tenants::TenantState::Deleted
+    {
         return Err(AdminError::State("the tenant is deleted".into()).into());
     }
-    Ok(axum::Json(
-        policy::patch_policy(&state.pool, &admin.actor, id, &patch, admin.is_platform()).await?,
-    ))
+    Ok(axum::Json({
+        let by = if admin.is_platform() {
+            policy::PatchedBy::Platform
+        } else {
+            policy::PatchedBy::TenantAdmin
+        };
+        policy::patch_policy(&state.pool, &admin.actor, TenantId(id), &patch, by).await?
+    }))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]

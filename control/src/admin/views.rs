@@ -56,7 +56,7 @@ pub async fn usage(
     AdminQuery(q): AdminQuery<UsageQuery>,
 ) -> Result<axum::Json<UsageView>, ApiError> {
     admin.tenant(id, Access::Read)?;
-    tenants::ensure_tenant(&state.pool, id).await?;
+    tenants::ensure_tenant(&state.pool, TenantId(id)).await?;
     let granularity = q
         .granularity
         .unwrap_or(if q.to - q.from <= chrono::Duration::days(3) {
@@ -128,7 +128,7 @@ pub async fn budget(
     AdminPath(id): AdminPath<Uuid>,
 ) -> Result<axum::Json<BudgetView>, ApiError> {
     admin.tenant(id, Access::Read)?;
-    let p = policy::get_policy(&state.pool, id).await?;
+    let p = policy::get_policy(&state.pool, TenantId(id)).await?;
     let now = Utc::now();
     let (month_start, resets_at) = dashboard::month_of(now);
     let (currency, spent_minor) = dashboard::month_spend(&state.pool, id, now).await?;
@@ -196,7 +196,7 @@ pub async fn cache(
     AdminPath(id): AdminPath<Uuid>,
 ) -> Result<axum::Json<CacheView>, ApiError> {
     admin.tenant(id, Access::Read)?;
-    let p = policy::get_policy(&state.pool, id).await?;
+    let p = policy::get_policy(&state.pool, TenantId(id)).await?;
     let (stats, unreachable_nodes) = tenant_cache(&state.cache, TenantId(id)).await;
     Ok(axum::Json(CacheView {
         quota_bytes: p.cache_resident_bytes,

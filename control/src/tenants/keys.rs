@@ -233,7 +233,8 @@ pub async fn key_is_live(pool: &PgPool, secret: &str) -> Result<bool, AdminError
     .await?)
 }
 
-pub async fn list_keys(pool: &PgPool, tenant: Uuid) -> Result<Vec<KeyInfo>, AdminError> {
+pub async fn list_keys(pool: &PgPool, tenant: TenantId) -> Result<Vec<KeyInfo>, AdminError> {
+    let tenant = tenant.as_uuid();
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {KEY_COLUMNS} FROM api_keys WHERE tenant_id = $1 ORDER BY created_at DESC, id"
     )))

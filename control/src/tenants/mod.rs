@@ -232,7 +232,8 @@ pub async fn list_tenants(
 }
 
 /// One tenant (deleted or not).
-pub async fn get_tenant(pool: &PgPool, id: Uuid) -> Result<TenantInfo, AdminError> {
+pub async fn get_tenant(pool: &PgPool, id: TenantId) -> Result<TenantInfo, AdminError> {
+    let id = id.as_uuid();
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {TENANT_COLUMNS} FROM tenants t WHERE t.id = $1"
     )))
@@ -245,7 +246,8 @@ pub async fn get_tenant(pool: &PgPool, id: Uuid) -> Result<TenantInfo, AdminErro
 
 /// Fail with `TenantNotFound` unless the tenant exists (deleted or not); cheaper than
 /// [`get_tenant`] where only existence matters.
-pub async fn ensure_tenant(pool: &PgPool, id: Uuid) -> Result<(), AdminError> {
+pub async fn ensure_tenant(pool: &PgPool, id: TenantId) -> Result<(), AdminError> {
+    let id = id.as_uuid();
     let found: Option<i32> = sqlx::query_scalar("SELECT 1 FROM tenants WHERE id = $1")
         .bind(id)
         .fetch_optional(pool)
@@ -255,15 +257,23 @@ pub async fn ensure_tenant(pool: &PgPool, id: Uuid) -> Result<(), AdminError> {
         .ok_or_else(|| AdminError::TenantNotFound(id.to_string()))
 }
 
-/// Suspend (`true`) or resume (`false`) a tenant: a suspended tenant's keys are refused with
-/// 403 once running gateways see the change (about a second).
+/// Whether a tenant is to be suspended or resumed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Suspension {
+    Suspend,
+    Resume,
+}
+
+/// Suspend or resume a tenant: a suspended tenant's keys are refused with 403 once running
+/// gateways see the change (about a second).
 pub async fn set_suspended(
     pool: &PgPool,
     actor: &Actor,
-    id: Uuid,
-    suspended: bool,
+    tenant: TenantId,
+    change: Suspension,
 ) -> Result<TenantInfo, AdminError> {
-    let before = get_tenant(pool, id).await?;
+    let (id, suspended) = (tenant.as_uuid(), change == Suspension::Suspend);
+    let before = get_tenant(pool, tenant).await?;
     if before.state == TenantState::Deleted {
         return Err(AdminError::State("the tenant is deleted".into()));
     }
@@ -293,7 +303,7 @@ pub async fn set_suspended(
     )
     .await?;
     tx.commit().await?;
-    get_tenant(pool, id).await
+    get_tenant(pool, tenant).await
 }
 
 /// Delete a tenant: its keys are revoked, its tenant admins disabled (and logged out), and
@@ -302,9 +312,10 @@ pub async fn set_suspended(
 pub async fn delete_tenant(
     pool: &PgPool,
     actor: &Actor,
-    id: Uuid,
+    tenant: TenantId,
 ) -> Result<TenantInfo, AdminError> {
-    let before = get_tenant(pool, id).await?;
+    let id = tenant.as_uuid();
+    let before = get_tenant(pool, tenant).await?;
     if before.state == TenantState::Deleted {
         return Ok(before);
     }
@@ -349,7 +360,7 @@ pub async fn delete_tenant(
     )
     .await?;
     tx.commit().await?;
-    get_tenant(pool, id).await
+    get_tenant(pool, tenant).await
 }
 
 /// The key (not revoked, tenant not deleted) with this secret hash. Expired keys and keys of

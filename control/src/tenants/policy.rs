@@ -7,6 +7,7 @@
 //! bytes, replication) is the platform admin's. Reserved bytes are part of the tenant's plan
 //! (they are billed per GB-hour), so changing them adds a plan version from now on.
 
+use cachet_common::TenantId;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::json;
 use sqlx::{PgPool, Row};
@@ -297,7 +298,8 @@ pub fn validate(p: &Policy) -> Result<(), AdminError> {
 }
 
 /// A tenant's policy.
-pub async fn get_policy(pool: &PgPool, tenant: Uuid) -> Result<Policy, AdminError> {
+pub async fn get_policy(pool: &PgPool, tenant: TenantId) -> Result<Policy, AdminError> {
+    let tenant = tenant.as_uuid();
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM tenant_quotas q JOIN tenants t ON t.id = q.tenant_id WHERE q.tenant_id = $1"
     )))
@@ -308,23 +310,31 @@ pub async fn get_policy(pool: &PgPool, tenant: Uuid) -> Result<Policy, AdminErro
         .ok_or_else(|| AdminError::TenantNotFound(tenant.to_string()))
 }
 
-/// Apply `patch` to a tenant's policy. `platform` says whether the caller may change the
-/// platform's fields ([`PolicyPatch::platform_fields`]).
+/// Who patches a policy: the platform may change every field, a tenant admin only the
+/// self-service ones (not [`PolicyPatch::platform_fields`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PatchedBy {
+    Platform,
+    TenantAdmin,
+}
+
+/// Apply `patch` to a tenant's policy.
 pub async fn patch_policy(
     pool: &PgPool,
     actor: &Actor,
-    tenant: Uuid,
+    tenant_id: TenantId,
     patch: &PolicyPatch,
-    platform: bool,
+    by: PatchedBy,
 ) -> Result<Policy, AdminError> {
+    let tenant = tenant_id.as_uuid();
     let forbidden = patch.platform_fields();
-    if !platform && !forbidden.is_empty() {
+    if by == PatchedBy::TenantAdmin && !forbidden.is_empty() {
         return Err(AdminError::Forbidden(format!(
             "{}: only a platform admin may change this",
             forbidden.join(", ")
         )));
     }
-    let before = get_policy(pool, tenant).await?;
+    let before = get_policy(pool, tenant_id).await?;
     let after = patch.apply(before.clone())?;
     if after.reserved_cache_bytes != before.reserved_cache_bytes {
         set_reservation(pool, actor, tenant, after.reserved_cache_bytes).await?;
