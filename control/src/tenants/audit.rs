@@ -4,7 +4,7 @@
 //! its row (or a row without its change) cannot exist. Never a secret: keys appear by id and
 //! visible prefix, passwords not at all. The table is append-only (a trigger refuses UPDATE and
 //! DELETE), and it is also the change feed that gateways and nodes follow
-//! ([`crate::admin::sync`]).
+//! (`gateway::sync`).
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
