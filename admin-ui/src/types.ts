@@ -139,4 +139,6 @@ export interface Invoice extends InvoiceSummary {
   }[];
   computed_at?: string;
   finalized_at?: string | null;
+  /** Models whose usage had no price in force: listed at zero, not billed. */
+  unpriced: string[];
 }

@@ -203,6 +203,13 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
         </p>
       </hgroup>
       <Notice text={i.status === "finalized" ? "Finalized: this invoice can no longer change; corrections are adjustments." : null} />
+      {i.unpriced.length > 0 && (
+        <p class="warning" role="alert" data-unpriced>
+          Usage of {i.unpriced.join(", ")} had no price in force: it is listed at zero and not billed. Add a price for{" "}
+          {i.unpriced.length > 1 ? "these models" : "this model"} (dated back to the usage) and rate the draft again; a draft with
+          unpriced usage cannot be finalized.
+        </p>
+      )}
       <Table caption="Lines">
         <thead>
           <tr>
