@@ -21,6 +21,9 @@ export function FinancePage({ me }: { me: Me }) {
   return (
     <section>
       <h1>Finance</h1>
+      <p>
+        <a href="#/finance/prices">Price book</a>
+      </p>
       <label for="inv-tenant">
         Tenant
         <select id="inv-tenant" value={tenant} onChange={(e) => setTenant(e.currentTarget.value)}>
