@@ -134,6 +134,8 @@ export interface Invoice extends InvoiceSummary {
     model: string | null;
     token_class: string | null;
     quantity: number;
+    /** The line's exact amount in nano-units (decimal text), before any rounding. */
+    exact_nanos: string;
     amount_minor: number;
     description: string;
   }[];

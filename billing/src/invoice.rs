@@ -141,7 +141,7 @@ pub async fn compute(
         period_start: from.date_naive(),
         currency,
         status: existing.map(|e| e.1).unwrap_or_else(|| "draft".into()),
-        total_minor: lines.iter().map(|l| l.amount_minor).sum(),
+        total_minor: total_of(&lines, &currency),
         unpriced: unpriced_models(&lines),
         lines,
     })
@@ -301,6 +301,21 @@ fn unpriced_lines(
             },
         )
     })
+}
+
+/// An invoice's total: its lines' exact amounts summed, then rounded once, as the dashboards
+/// round their costs (so the two agree to the cent). A line's own `amount_minor` is that line
+/// rounded alone, for reading; the total is not their sum.
+pub fn total_of(lines: &[Line], currency: &str) -> i64 {
+    lines
+        .iter()
+        .map(|l| {
+            l.exact_nanos
+                .parse::<Exact>()
+                .unwrap_or_else(|_| Exact::from_minor(l.amount_minor, currency))
+        })
+        .sum::<Exact>()
+        .to_minor(currency)
 }
 
 /// The models whose usage no price covered (usage lines without a price version).

@@ -1,7 +1,7 @@
 import { useState } from "preact/hooks";
 import { api, download, qs, type Me } from "../api";
 import { Confirm, ErrorBanner, Loading, Notice, Table, message, useAsync } from "../components/ui";
-import { formatMoney, formatTime, formatTokens } from "../format";
+import { formatExact, formatMoney, formatTime } from "../format";
 import { dateRange } from "../forms";
 import type { Invoice, InvoiceSummary, Tenant } from "../types";
 
@@ -225,15 +225,15 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
           {i.lines.map((l, n) => (
             <tr key={n}>
               <td>{l.description}</td>
-              <td>{l.kind === "usage" ? formatTokens(l.quantity) : l.quantity.toLocaleString("en-US")}</td>
-              <td>{formatMoney(l.amount_minor, i.currency)}</td>
+              <td>{l.quantity.toLocaleString("en-US")}</td>
+              <td>{formatExact(l.exact_nanos, i.currency)}</td>
             </tr>
           ))}
         </tbody>
         <tfoot>
           <tr>
             <th scope="row" colSpan={2}>
-              Total
+              Total (the lines' exact sum, rounded once)
             </th>
             <td>{formatMoney(i.total_minor, i.currency)}</td>
           </tr>
