@@ -9,7 +9,7 @@ describe("money", () => {
     expect(formatExact("1234567890123.456789000")).toBe("$1,234.56789");
     // Past 6 decimals, rounded half away from zero.
     expect(formatExact("1500.000000000")).toBe("$0.000002");
-    expect(formatExact("1.500000000")).toBe("$0.000000");
+    expect(formatExact("1.500000000")).toBe("$0.00");
     expect(formatExact("-2500000000.000000000")).toBe("−$2.50");
     expect(formatExact("-0.4")).toBe("$0.00");
     expect(formatExact("12345", "JPY")).toBe("0.000012 JPY");
