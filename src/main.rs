@@ -180,8 +180,14 @@ async fn main() -> anyhow::Result<()> {
             cachet::billing_cli::run(&pool, &config, command).await
         }
         Command::Migrate => {
-            server::connect_and_migrate(&config.database_url, 2).await?;
+            let pool = server::connect_and_migrate(&config.database_url, 2).await?;
             println!("migrations applied");
+            let seeded =
+                billing::prices::ensure_list_defaults(&pool, billing::prices::DEFAULT_MODELS)
+                    .await?;
+            if !seeded.is_empty() {
+                println!("list prices seeded (shipped defaults): {}", seeded.join(", "));
+            }
             Ok(())
         }
         Command::Admin { command } => {

@@ -83,6 +83,17 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> anyhow::Res
     Ok(pool)
 }
 
+/// The served models without any list price get the price Cachet ships for them, so a fresh
+/// install rates its usage; a price an operator set is never replaced.
+async fn seed_list_prices(pool: &PgPool, engines: &gateway::engines::EnginePool) -> anyhow::Result<()> {
+    let models: Vec<String> = engines.all().iter().map(|e| e.info().id.clone()).collect();
+    let ids: Vec<&str> = models.iter().map(String::as_str).collect();
+    for m in billing::prices::ensure_list_defaults(pool, &ids).await? {
+        tracing::info!(model = %m, "no list price: seeded the shipped default (edit it with `cachet billing price`)");
+    }
+    Ok(())
+}
+
 /// The public side's admin console (admin and finance APIs, admin UI) with its cache view
 /// from `cache`, and the rollups its views read kept current (the last two hours, every
 /// `admin.rollup_interval_secs`) until `shutdown`.
@@ -250,6 +261,7 @@ pub async fn start_api(
     // Load the engines first: a missing model file is reported before anything starts.
     let engine_pool = engines(&config).await?;
     let pool = connect_and_migrate(&config.database_url, 16).await?;
+    seed_list_prices(&pool, &engine_pool).await?;
     let meter_pool = PgPoolOptions::new()
         .max_connections(4)
         .acquire_timeout(Duration::from_secs(2))

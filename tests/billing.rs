@@ -311,12 +311,26 @@ async fn a_finalized_invoice_never_changes_and_corrections_are_adjustments() {
 }
 
 #[tokio::test]
-async fn usage_without_a_price_is_refused_not_billed_as_free() {
+async fn usage_without_a_price_is_listed_and_flagged_but_never_finalized_as_free() {
     let (pool, tenant, name) = db().await;
     row(&pool, tenant, "2026-10-05T10:00:00Z", [10, 0, 0, 0, 10]).await;
-    match invoice::refresh_draft(&pool, tenant, OCT(), "test").await {
-        Err(BillingError::NoPrice { model, .. }) => assert_eq!(model, "sim-tiny"),
-        other => panic!("expected NoPrice, got {other:?}"),
+    // Rating does not stop: the usage is listed at zero, and the invoice names the model.
+    let draft = invoice::refresh_draft(&pool, tenant, OCT(), "test")
+        .await
+        .unwrap();
+    assert_eq!(draft.unpriced, vec!["sim-tiny".to_string()]);
+    assert_eq!(draft.total_minor, 0);
+    assert_eq!(draft.lines.len(), 2, "input and output: {:?}", draft.lines);
+    for l in &draft.lines {
+        assert!(l.price_from.is_none() && l.amount_minor == 0);
+        assert!(l.description.contains("no price in force"), "{}", l.description);
+    }
+    // The stored draft says so too, and finalizing refuses to bill it as free.
+    let loaded = invoice::load(&pool, draft.id).await.unwrap().unwrap();
+    assert_eq!(loaded.unpriced, vec!["sim-tiny".to_string()]);
+    match invoice::finalize(&pool, tenant, OCT(), "test", NOW()).await {
+        Err(BillingError::Unpriced { models }) => assert_eq!(models, vec!["sim-tiny"]),
+        other => panic!("expected Unpriced, got {other:?}"),
     }
     // A tenant's custom rate prices it even without a list price.
     let rates = Rates {
@@ -340,7 +354,62 @@ async fn usage_without_a_price_is_refused_not_billed_as_free() {
         .unwrap();
     // 20 tokens × $0.001 = $0.02.
     assert_eq!(inv.total_minor, 2);
+    assert!(inv.unpriced.is_empty());
     assert!(inv.lines[0].description.contains("custom rate"));
+    drop_db(pool, name).await;
+}
+
+#[tokio::test]
+async fn shipped_list_prices_are_seeded_once_and_never_over_an_operators_price() {
+    let (pool, tenant, name) = db().await;
+    // The operator priced the 8B profile before the defaults were ever seeded.
+    let own = PriceVersion {
+        model: "sim-llama-8b".into(),
+        effective_from: at("2026-06-01T00:00:00Z"),
+        currency: "USD".into(),
+        input_nanos: 7,
+        output_nanos: 9,
+        cache_write_5m_bp: 12_500,
+        cache_write_1h_bp: 20_000,
+        cache_read_bp: 1_000,
+    };
+    prices::set_price(&pool, &own, "ops", true, NOW()).await.unwrap();
+    let models = ["sim-tiny", "sim-llama-8b", "a-model-cachet-does-not-ship"];
+    let seeded = prices::ensure_list_defaults(&pool, &models).await.unwrap();
+    assert_eq!(seeded, vec!["sim-tiny".to_string()]);
+    assert!(
+        prices::ensure_list_defaults(&pool, &models).await.unwrap().is_empty(),
+        "seeding is idempotent"
+    );
+    let book = prices::list_prices(&pool).await.unwrap();
+    let of = |m: &str| book.iter().filter(|p| p.model == m).cloned().collect::<Vec<_>>();
+    assert_eq!(of("sim-llama-8b"), vec![own], "the operator's price stays alone");
+    let tiny = of("sim-tiny");
+    assert_eq!(tiny.len(), 1);
+    assert_eq!(tiny[0].effective_from, at("1970-01-01T00:00:00Z"));
+    assert_eq!(
+        Some(tiny[0].rates()),
+        prices::list_default("sim-tiny"),
+        "the seeded version is the shipped one"
+    );
+    assert!(of("a-model-cachet-does-not-ship").is_empty());
+    // Usage of a seeded model is priced on a fresh draft; the seeding was audited.
+    row(&pool, tenant, "2026-10-05T10:00:00Z", [1_000, 0, 0, 0, 100]).await;
+    let inv = invoice::refresh_draft(&pool, tenant, OCT(), "test")
+        .await
+        .unwrap();
+    assert!(inv.unpriced.is_empty());
+    // 1,000 input tokens × $3/MTok + 100 output × $15/MTok = $0.0045 → rounds to $0.00 per
+    // line today; the exact amounts say what was rated.
+    let exact: Vec<&str> = inv.lines.iter().map(|l| l.exact_nanos.as_str()).collect();
+    assert_eq!(exact, vec!["3000000.000000000", "1500000.000000000"], "{:?}", inv.lines);
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM billing_audit WHERE action = 'price_default' AND actor = 'cachet-defaults'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(audited, 1);
     drop_db(pool, name).await;
 }
 

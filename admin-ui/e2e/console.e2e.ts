@@ -414,4 +414,34 @@ describe("the admin console", () => {
     await logOut(p);
     await logIn(p, "globex-admin", "globex-changed-password");
   });
+
+  it("keeps a price book: shipped defaults listed, the platform admin schedules a price, finance reads it", async () => {
+    const p = await page();
+    await logIn(p, "root", ROOT_PASSWORD);
+    await p.getByRole("link", { name: "Finance" }).first().click();
+    await p.getByRole("link", { name: "Price book" }).click();
+    await p.getByRole("heading", { name: "Price book" }).waitFor();
+    // Every served model has a price from the start: the shipped defaults.
+    await p.locator("tr", { hasText: "always (shipped default)" }).first().waitFor();
+    // A price in the past is a correction: the form asks first.
+    await p.getByLabel("Model").fill("sim-llama-8b");
+    await p.getByLabel("In force from (UTC)").fill("2026-01-01T00:00");
+    await p.getByLabel("Input, per million tokens").fill("0.25");
+    await p.getByLabel("Output, per million tokens").fill("0.5");
+    await p.getByRole("button", { name: "Record the correction" }).click();
+    await p.getByText("in the past: tick the correction box").waitFor();
+    await p.getByLabel("In force from (UTC)").fill("2030-01-01T00:00");
+    await p.getByRole("button", { name: "Add price" }).click();
+    await p.getByText(/^Price of sim-llama-8b from .* recorded\.$/).waitFor();
+    const scheduled = p.locator('tr[data-state="scheduled"]', { hasText: "sim-llama-8b" });
+    await scheduled.waitFor();
+    expect(await scheduled.textContent()).toContain("0.250 USD");
+    await shot(p, "19-prices");
+    await logOut(p);
+    // Finance reads the same book and cannot edit it.
+    await logIn(p, "fin", FIN_PASSWORD);
+    await p.goto(`${svc.url}/admin/#/finance/prices`);
+    await p.locator('tr[data-state="scheduled"]', { hasText: "sim-llama-8b" }).waitFor();
+    expect(await p.getByRole("button", { name: "Add price" }).count()).toBe(0);
+  });
 });

@@ -214,6 +214,69 @@ export function validateNewPassword(p: { username: string; password: string; con
   return errors;
 }
 
+/** A list-price version to add, as the finance API takes it. */
+export interface NewPrice {
+  model: string;
+  effective_from: string;
+  currency: string;
+  input_nanos: number;
+  output_nanos: number;
+  cache_write_5m_bp: number;
+  cache_write_1h_bp: number;
+  cache_read_bp: number;
+  backdate: boolean;
+}
+
+/** "3" or "0.125" (currency units per million tokens) → nano-units per token (3000, 125). */
+export function perMillionToNanos(text: string): number | string {
+  const t = text.trim();
+  if (!/^\d+(\.\d{1,3})?$/.test(t)) return "a price per million tokens, up to 3 decimals (e.g. 3 or 0.125)";
+  const [whole, frac = ""] = t.split(".");
+  const nanos = Number(whole) * 1000 + Number(frac.padEnd(3, "0"));
+  return Number.isSafeInteger(nanos) ? nanos : "too large";
+}
+
+/** "1.25" (× the input price) → basis points (12500). */
+export function multiplierToBp(text: string): number | string {
+  const t = text.trim();
+  if (!/^\d+(\.\d{1,4})?$/.test(t)) return "a multiple of the input price, up to 4 decimals (e.g. 1.25)";
+  const [whole, frac = ""] = t.split(".");
+  const bp = Number(whole) * 10000 + Number(frac.padEnd(4, "0"));
+  return bp <= 1_000_000 ? bp : "at most 100×";
+}
+
+/** The price form (text inputs) → a version to add, or the errors by field. `now` decides
+ * whether the date is in the past, which is a correction the user must confirm. */
+export function parsePrice(
+  f: { model: string; from: string; currency: string; input: string; output: string; w5: string; w1: string; read: string; backdate: boolean },
+  now: Date,
+): { value?: NewPrice; errors: Errors } {
+  const errors: Errors = {};
+  const model = f.model.trim();
+  if (!/^[A-Za-z0-9._:/-]{1,128}$/.test(model)) errors.model = "the model's id, as requests name it";
+  const from = new Date(f.from.endsWith("Z") ? f.from : `${f.from}Z`);
+  if (!f.from || Number.isNaN(from.getTime())) errors.from = "when it takes effect (UTC)";
+  else if (from < now && !f.backdate) errors.from = "in the past: tick the correction box to re-price usage already rated";
+  const currency = f.currency.trim().toUpperCase();
+  if (!/^[A-Z]{3}$/.test(currency)) errors.currency = "a three-letter currency code (USD)";
+  const num = (key: string, v: number | string) => {
+    if (typeof v === "string") errors[key] = v;
+    return typeof v === "number" ? v : 0;
+  };
+  const value: NewPrice = {
+    model,
+    effective_from: Number.isNaN(from.getTime()) ? "" : from.toISOString(),
+    currency,
+    input_nanos: num("input", perMillionToNanos(f.input)),
+    output_nanos: num("output", perMillionToNanos(f.output)),
+    cache_write_5m_bp: num("w5", multiplierToBp(f.w5)),
+    cache_write_1h_bp: num("w1", multiplierToBp(f.w1)),
+    cache_read_bp: num("read", multiplierToBp(f.read)),
+    backdate: f.backdate && from < now,
+  };
+  return Object.keys(errors).length ? { errors } : { value, errors };
+}
+
 /** A tenant name. */
 export function validateTenantName(name: string): string | null {
   const n = name.trim();

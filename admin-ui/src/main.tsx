@@ -11,6 +11,7 @@ import { UsersPage } from "./pages/users";
 import { FinancePage, InvoicePage } from "./pages/finance";
 import { AuditPage } from "./pages/audit";
 import { AccountPage } from "./pages/account";
+import { PricesPage } from "./pages/prices";
 
 function home(me: Me): string {
   if (me.role === "tenant_admin" && me.tenant) return `/tenants/${me.tenant}/dashboard`;
@@ -77,6 +78,7 @@ function Routes({ me, path }: { me: Me; path: string }) {
   if (match("/tenants", path)) return <TenantsPage me={me} />;
   if (match("/users", path)) return <UsersPage me={me} />;
   if ((m = match("/finance/invoices/:id", path))) return <InvoicePage me={me} id={m.id} />;
+  if (match("/finance/prices", path)) return <PricesPage me={me} />;
   if (match("/finance", path)) return <FinancePage me={me} />;
   if (match("/audit", path)) return <AuditPage me={me} tenant={null} />;
   if (match("/account", path)) return <AccountPage me={me} />;

@@ -134,9 +134,13 @@ export interface Invoice extends InvoiceSummary {
     model: string | null;
     token_class: string | null;
     quantity: number;
+    /** The line's exact amount in nano-units (decimal text), before any rounding. */
+    exact_nanos: string;
     amount_minor: number;
     description: string;
   }[];
   computed_at?: string;
   finalized_at?: string | null;
+  /** Models whose usage had no price in force: listed at zero, not billed. */
+  unpriced: string[];
 }

@@ -1,7 +1,20 @@
 import { describe, expect, it } from "vitest";
-import { formatBytes, formatDuration, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../src/format";
+import { formatBytes, formatDuration, formatExact, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../src/format";
 
 describe("money", () => {
+  it("formats an invoice line's exact amount with its sub-cent digits, in integers only", () => {
+    expect(formatExact("4500000.000000000")).toBe("$0.0045");
+    expect(formatExact("3000000000.000000000")).toBe("$3.00");
+    expect(formatExact("0.000000000")).toBe("$0.00");
+    expect(formatExact("1234567890123.456789000")).toBe("$1,234.56789");
+    // Past 6 decimals, rounded half away from zero.
+    expect(formatExact("1500.000000000")).toBe("$0.000002");
+    expect(formatExact("1.500000000")).toBe("$0.00");
+    expect(formatExact("-2500000000.000000000")).toBe("−$2.50");
+    expect(formatExact("-0.4")).toBe("$0.00");
+    expect(formatExact("12345", "JPY")).toBe("0.000012 JPY");
+    expect(formatExact("not a number")).toBe("not a number");
+  });
   it("formats minor units exactly, with grouping and the currency's digits", () => {
     expect(formatMoney(0)).toBe("$0.00");
     expect(formatMoney(5)).toBe("$0.05");

@@ -21,8 +21,10 @@ use crate::money::{Exact, Rates, TokenClass, format_minor};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BillingError {
-    #[error("no price for model {model:?} at {at}: add one with `cachet billing price`")]
-    NoPrice { model: String, at: DateTime<Utc> },
+    #[error(
+        "usage of {models:?} has no price in force: add one (backdated) before finalizing, so it is not billed as free"
+    )]
+    Unpriced { models: Vec<String> },
     #[error("the invoice of {tenant} for {month} is finalized; corrections are adjustments")]
     Finalized { tenant: Uuid, month: NaiveDate },
     #[error("prices in force for {tenant} use several currencies: {currencies:?}")]
@@ -41,9 +43,8 @@ impl cachet_common::error::ServiceError for BillingError {
         use cachet_common::error::ErrorCode;
         match self {
             BillingError::Db(_) => ErrorCode::Api,
-            BillingError::Finalized { .. } => ErrorCode::Conflict,
-            BillingError::NoPrice { .. }
-            | BillingError::MixedCurrency { .. }
+            BillingError::Finalized { .. } | BillingError::Unpriced { .. } => ErrorCode::Conflict,
+            BillingError::MixedCurrency { .. }
             | BillingError::Invalid(_) => ErrorCode::InvalidRequest,
         }
     }
@@ -91,6 +92,8 @@ pub struct Invoice {
     pub status: String,
     pub total_minor: i64,
     pub lines: Vec<Line>,
+    /// Models whose usage this month had no price in force: listed at zero, not billed.
+    pub unpriced: Vec<String>,
 }
 
 /// `YYYY-MM` → the first day of that month.
@@ -138,7 +141,8 @@ pub async fn compute(
         period_start: from.date_naive(),
         currency,
         status: existing.map(|e| e.1).unwrap_or_else(|| "draft".into()),
-        total_minor: lines.iter().map(|l| l.amount_minor).sum(),
+        total_minor: total_of(&lines, &currency),
+        unpriced: unpriced_models(&lines),
         lines,
     })
 }
@@ -199,10 +203,10 @@ async fn usage_lines(
     for g in &groups {
         let model: String = g.get("model");
         let Some(price_from) = g.get::<Option<DateTime<Utc>>, _>("price_from") else {
-            return Err(BillingError::NoPrice {
-                model,
-                at: g.get("first_at"),
-            });
+            // Rating never stops for a missing price: the usage is listed, billed at zero,
+            // and the invoice names the model (`Invoice::unpriced`) so finance is told.
+            lines.extend(unpriced_lines(&model, g));
+            continue;
         };
         let currency: String = g.get("currency");
         if !currencies.contains(&currency) {
@@ -218,13 +222,7 @@ async fn usage_lines(
         let discount: i32 = g.get("discount_bp");
         let custom: bool = g.get("custom");
         for class in TokenClass::ALL {
-            let tokens: i64 = g.get(match class {
-                TokenClass::Input => "input_tokens",
-                TokenClass::CacheWrite5m => "w5_tokens",
-                TokenClass::CacheWrite1h => "w1_tokens",
-                TokenClass::CacheRead => "read_tokens",
-                TokenClass::Output => "output_tokens",
-            });
+            let tokens = class_tokens(g, class);
             if tokens == 0 {
                 continue;
             }
@@ -240,7 +238,7 @@ async fn usage_lines(
                 description.push_str(&format!(", {}.{:02}% off", discount / 100, discount % 100));
             }
             lines.push((
-                currency.clone(),
+                Some(currency.clone()),
                 Line {
                     kind: LineKind::Usage,
                     model: Some(model.clone()),
@@ -259,6 +257,77 @@ async fn usage_lines(
     }
     let currency = currencies.pop().unwrap_or_else(|| "USD".to_string());
     Ok((currency, lines.into_iter().map(|(_, l)| l).collect()))
+}
+
+/// The token class columns of a usage group.
+fn class_tokens(g: &sqlx::postgres::PgRow, class: TokenClass) -> i64 {
+    g.get(match class {
+        TokenClass::Input => "input_tokens",
+        TokenClass::CacheWrite5m => "w5_tokens",
+        TokenClass::CacheWrite1h => "w1_tokens",
+        TokenClass::CacheRead => "read_tokens",
+        TokenClass::Output => "output_tokens",
+    })
+}
+
+/// Usage of `model` no price covered (no list price and no custom rate in force at the
+/// rows' start): one zero line per token class, saying so.
+fn unpriced_lines(
+    model: &str,
+    g: &sqlx::postgres::PgRow,
+) -> impl Iterator<Item = (Option<String>, Line)> + use<> {
+    let model = model.to_string();
+    let first_at: DateTime<Utc> = g.get("first_at");
+    let counts: Vec<(TokenClass, i64)> = TokenClass::ALL
+        .into_iter()
+        .map(|c| (c, class_tokens(g, c)))
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    counts.into_iter().map(move |(class, tokens)| {
+        (
+            None,
+            Line {
+                kind: LineKind::Usage,
+                model: Some(model.clone()),
+                token_class: Some(class.as_str().to_string()),
+                price_from: None,
+                quantity: tokens,
+                exact_nanos: Exact::from_minor(0, "USD").nanos_decimal(),
+                amount_minor: 0,
+                description: format!(
+                    "{model} {class}: {tokens} tokens with no price in force (from {}): not billed; add a price for {model}",
+                    first_at.format("%Y-%m-%d %H:%M UTC")
+                ),
+            },
+        )
+    })
+}
+
+/// An invoice's total: its lines' exact amounts summed, then rounded once, as the dashboards
+/// round their costs (so the two agree to the cent). A line's own `amount_minor` is that line
+/// rounded alone, for reading; the total is not their sum.
+pub fn total_of(lines: &[Line], currency: &str) -> i64 {
+    lines
+        .iter()
+        .map(|l| {
+            l.exact_nanos
+                .parse::<Exact>()
+                .unwrap_or_else(|_| Exact::from_minor(l.amount_minor, currency))
+        })
+        .sum::<Exact>()
+        .to_minor(currency)
+}
+
+/// The models whose usage no price covered (usage lines without a price version).
+pub fn unpriced_models(lines: &[Line]) -> Vec<String> {
+    let mut models: Vec<String> = lines
+        .iter()
+        .filter(|l| l.kind == LineKind::Usage && l.price_from.is_none())
+        .filter_map(|l| l.model.clone())
+        .collect();
+    models.sort();
+    models.dedup();
+    models
 }
 
 /// Reserved cache capacity: every whole hour of the month under each plan version.
@@ -488,6 +557,12 @@ pub async fn finalize(
         return Err(BillingError::Finalized { tenant, month });
     }
     let mut inv = compute(pool, tenant, month).await?;
+    if !inv.unpriced.is_empty() {
+        // A draft lists unpriced usage at zero; a final invoice must not bill it as free.
+        return Err(BillingError::Unpriced {
+            models: inv.unpriced,
+        });
+    }
     write_draft(&mut tx, &inv, actor).await?;
     sqlx::query(
         "UPDATE invoices SET status = 'finalized', finalized_at = now(), finalized_by = $2 WHERE id = $1",
@@ -582,6 +657,7 @@ pub async fn load(pool: &PgPool, id: Uuid) -> Result<Option<Invoice>, BillingErr
         currency: h.get("currency"),
         status: h.get("status"),
         total_minor: h.get("total_minor"),
+        unpriced: unpriced_models(&lines),
         lines,
     }))
 }

@@ -125,6 +125,38 @@ impl Exact {
     }
 }
 
+impl std::str::FromStr for Exact {
+    type Err = String;
+
+    /// The inverse of [`Exact::nanos_decimal`]: a decimal number of nano-units (as stored in
+    /// `exact_nanos`), at most 9 decimals.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || format!("{s:?} is not a decimal amount of nano-units");
+        let (neg, digits) = match s.strip_prefix('-') {
+            Some(rest) => (true, rest),
+            None => (false, s),
+        };
+        let (whole, frac) = digits.split_once('.').unwrap_or((digits, ""));
+        if whole.is_empty()
+            || frac.len() > 9
+            || !whole.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit())
+        {
+            return Err(bad());
+        }
+        let whole: i128 = whole.parse().map_err(|_| bad())?;
+        let frac: i128 = if frac.is_empty() {
+            0
+        } else {
+            format!("{frac:0<9}").parse().map_err(|_| bad())?
+        };
+        let v = whole
+            .checked_mul(ATTO_PER_NANO)
+            .and_then(|w| w.checked_add(frac))
+            .ok_or_else(bad)?;
+        Ok(Exact(if neg { -v } else { v }))
+    }
+}
+
 fn atto_per_minor(currency: &str) -> i128 {
     10i128.pow(18 - minor_digits(currency))
 }
@@ -177,6 +209,24 @@ mod tests {
         cache_write_1h_bp: 20_000,
         cache_read_bp: 1_000,
     };
+
+    proptest! {
+        #[test]
+        fn exact_amounts_round_trip_through_their_stored_text(v in any::<i64>(), f in 0i128..1_000_000_000) {
+            let e = Exact(v as i128 * 1_000_000_000 + f);
+            prop_assert_eq!(e.nanos_decimal().parse::<Exact>(), Ok(e));
+        }
+    }
+
+    #[test]
+    fn stored_amounts_parse_as_postgres_prints_them() {
+        assert_eq!("3000000".parse::<Exact>(), Ok(Exact(3_000_000_000_000_000)));
+        assert_eq!("0.5".parse::<Exact>(), Ok(Exact(500_000_000)));
+        assert_eq!("-12.000000001".parse::<Exact>(), Ok(Exact(-12_000_000_001)));
+        for bad in ["", ".5", "1.0000000001", "1e5", "--1", "1.2.3"] {
+            assert!(bad.parse::<Exact>().is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn cache_multipliers_are_exact() {

@@ -39,6 +39,86 @@ impl PriceVersion {
     }
 }
 
+/// Who seeds the shipped list prices (the `created_by` of their versions).
+pub const DEFAULTS_ACTOR: &str = "cachet-defaults";
+
+/// The list price Cachet ships for a model it serves: (input, output) in nano-units of USD
+/// per token, with the standard multipliers (1.25× 5m write, 2× 1h write, 0.1× read).
+/// Seeded by [`ensure_list_defaults`] where a model has no list price at all; an operator's
+/// own price is never replaced, and a changed default here never reaches an install that
+/// already has a price for the model.
+pub fn list_default(model: &str) -> Option<Rates> {
+    let (input_nanos, output_nanos) = match model {
+        // The reference engine (SmolLM2-135M), embedded or behind vLLM: $0.10 / $0.20 per MTok.
+        "smollm2-135m-instruct" | "smollm2-135m-instruct-vllm" => (100, 200),
+        // The load-test profiles, priced like models of their size.
+        "sim-llama-8b" => (300, 600),
+        "sim-llama-70b" => (1_000, 3_000),
+        // The tiny test model: $3 / $15 per MTok, the replayer's list rates too.
+        "sim-tiny" => (3_000, 15_000),
+        _ => return None,
+    };
+    Some(Rates {
+        input_nanos,
+        output_nanos,
+        cache_write_5m_bp: 12_500,
+        cache_write_1h_bp: 20_000,
+        cache_read_bp: 1_000,
+    })
+}
+
+/// Give each of `models` that has no list-price version at all its shipped default
+/// ([`list_default`]), in force from the epoch so no usage of it is ever unpriced. Returns
+/// the models seeded now. Idempotent and safe to run from several processes at once.
+pub async fn ensure_list_defaults(
+    pool: &PgPool,
+    models: &[&str],
+) -> Result<Vec<String>, BillingError> {
+    let mut seeded = Vec::new();
+    for model in models {
+        let Some(r) = list_default(model) else {
+            continue;
+        };
+        let done = sqlx::query(
+            "INSERT INTO prices (model, effective_from, currency, input_nanos, output_nanos, \
+             cache_write_5m_bp, cache_write_1h_bp, cache_read_bp, created_by) \
+             SELECT $1, 'epoch', 'USD', $2, $3, $4, $5, $6, $7 \
+             WHERE NOT EXISTS (SELECT 1 FROM prices WHERE model = $1) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(model)
+        .bind(r.input_nanos)
+        .bind(r.output_nanos)
+        .bind(r.cache_write_5m_bp)
+        .bind(r.cache_write_1h_bp)
+        .bind(r.cache_read_bp)
+        .bind(DEFAULTS_ACTOR)
+        .execute(pool)
+        .await?;
+        if done.rows_affected() == 1 {
+            audit(
+                pool,
+                DEFAULTS_ACTOR,
+                "price_default",
+                serde_json::json!({"model": model, "input_nanos": r.input_nanos,
+                    "output_nanos": r.output_nanos, "currency": "USD"}),
+            )
+            .await?;
+            seeded.push(model.to_string());
+        }
+    }
+    Ok(seeded)
+}
+
+/// Every model with a shipped default.
+pub const DEFAULT_MODELS: &[&str] = &[
+    "smollm2-135m-instruct",
+    "smollm2-135m-instruct-vllm",
+    "sim-tiny",
+    "sim-llama-8b",
+    "sim-llama-70b",
+];
+
 /// A tenant's plan version.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Plan {

@@ -25,17 +25,20 @@ pub struct Prices {
 }
 
 impl Prices {
-    /// Without a finance token: list rates of $3 / $15 per million input / output tokens
-    /// with Cachet's multipliers (1.25× 5m write, 2× 1h write, 0.1× read).
-    pub fn list_default() -> Self {
+    /// Without a finance token: the list price Cachet ships for `model`
+    /// (`billing::prices::list_default`), or for a model it ships none for, $3 / $15 per
+    /// million input / output tokens; Cachet's multipliers (1.25× 5m write, 2× 1h write,
+    /// 0.1× read).
+    pub fn list_default(model: &str) -> Self {
+        let rates = billing::prices::list_default(model).unwrap_or(Rates {
+            input_nanos: 3_000,
+            output_nanos: 15_000,
+            cache_write_5m_bp: 12_500,
+            cache_write_1h_bp: 20_000,
+            cache_read_bp: 1_000,
+        });
         Self {
-            rates: Rates {
-                input_nanos: 3_000,
-                output_nanos: 15_000,
-                cache_write_5m_bp: 12_500,
-                cache_write_1h_bp: 20_000,
-                cache_read_bp: 1_000,
-            },
+            rates,
             currency: "USD".into(),
             source: "default list rates (no finance token)".into(),
         }

@@ -258,7 +258,7 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
                             "default list rates (the price book has no price for {})",
                             a.model
                         ),
-                        ..reconcile::Prices::list_default()
+                        ..reconcile::Prices::list_default(&a.model)
                     }),
             )
         }
@@ -747,7 +747,7 @@ fn summarize(
         sent,
         cap_waits,
     } = *ran;
-    let rates = prices.map_or_else(reconcile::Prices::list_default, Clone::clone);
+    let rates = prices.map_or_else(|| reconcile::Prices::list_default(&a.model), Clone::clone);
     let (with, without) = crate::stats::cost(&s.totals, &rates.rates);
     let tenants: Vec<Value> = s
         .tenants

@@ -1,7 +1,7 @@
 import { useState } from "preact/hooks";
 import { api, download, qs, type Me } from "../api";
 import { Confirm, ErrorBanner, Loading, Notice, Table, message, useAsync } from "../components/ui";
-import { formatMoney, formatTime, formatTokens } from "../format";
+import { formatExact, formatMoney, formatTime } from "../format";
 import { dateRange } from "../forms";
 import type { Invoice, InvoiceSummary, Tenant } from "../types";
 
@@ -21,6 +21,9 @@ export function FinancePage({ me }: { me: Me }) {
   return (
     <section>
       <h1>Finance</h1>
+      <p>
+        <a href="#/finance/prices">Price book</a>
+      </p>
       <label for="inv-tenant">
         Tenant
         <select id="inv-tenant" value={tenant} onChange={(e) => setTenant(e.currentTarget.value)}>
@@ -203,6 +206,13 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
         </p>
       </hgroup>
       <Notice text={i.status === "finalized" ? "Finalized: this invoice can no longer change; corrections are adjustments." : null} />
+      {i.unpriced.length > 0 && (
+        <p class="warning" role="alert" data-unpriced>
+          Usage of {i.unpriced.join(", ")} had no price in force: it is listed at zero and not billed. Add a price for{" "}
+          {i.unpriced.length > 1 ? "these models" : "this model"} (dated back to the usage) and rate the draft again; a draft with
+          unpriced usage cannot be finalized.
+        </p>
+      )}
       <Table caption="Lines">
         <thead>
           <tr>
@@ -215,15 +225,15 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
           {i.lines.map((l, n) => (
             <tr key={n}>
               <td>{l.description}</td>
-              <td>{l.kind === "usage" ? formatTokens(l.quantity) : l.quantity.toLocaleString("en-US")}</td>
-              <td>{formatMoney(l.amount_minor, i.currency)}</td>
+              <td>{l.quantity.toLocaleString("en-US")}</td>
+              <td>{formatExact(l.exact_nanos, i.currency)}</td>
             </tr>
           ))}
         </tbody>
         <tfoot>
           <tr>
             <th scope="row" colSpan={2}>
-              Total
+              Total (the lines' exact sum, rounded once)
             </th>
             <td>{formatMoney(i.total_minor, i.currency)}</td>
           </tr>
