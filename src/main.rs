@@ -186,7 +186,10 @@ async fn main() -> anyhow::Result<()> {
                 billing::prices::ensure_list_defaults(&pool, billing::prices::DEFAULT_MODELS)
                     .await?;
             if !seeded.is_empty() {
-                println!("list prices seeded (shipped defaults): {}", seeded.join(", "));
+                println!(
+                    "list prices seeded (shipped defaults): {}",
+                    seeded.join(", ")
+                );
             }
             Ok(())
         }

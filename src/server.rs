@@ -85,7 +85,10 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> anyhow::Res
 
 /// The served models without any list price get the price Cachet ships for them, so a fresh
 /// install rates its usage; a price an operator set is never replaced.
-async fn seed_list_prices(pool: &PgPool, engines: &gateway::engines::EnginePool) -> anyhow::Result<()> {
+async fn seed_list_prices(
+    pool: &PgPool,
+    engines: &gateway::engines::EnginePool,
+) -> anyhow::Result<()> {
     let models: Vec<String> = engines.all().iter().map(|e| e.info().id.clone()).collect();
     let ids: Vec<&str> = models.iter().map(String::as_str).collect();
     for m in billing::prices::ensure_list_defaults(pool, &ids).await? {

@@ -323,7 +323,11 @@ async fn usage_without_a_price_is_listed_and_flagged_but_never_finalized_as_free
     assert_eq!(draft.lines.len(), 2, "input and output: {:?}", draft.lines);
     for l in &draft.lines {
         assert!(l.price_from.is_none() && l.amount_minor == 0);
-        assert!(l.description.contains("no price in force"), "{}", l.description);
+        assert!(
+            l.description.contains("no price in force"),
+            "{}",
+            l.description
+        );
     }
     // The stored draft says so too, and finalizing refuses to bill it as free.
     let loaded = invoice::load(&pool, draft.id).await.unwrap().unwrap();
@@ -373,17 +377,31 @@ async fn shipped_list_prices_are_seeded_once_and_never_over_an_operators_price()
         cache_write_1h_bp: 20_000,
         cache_read_bp: 1_000,
     };
-    prices::set_price(&pool, &own, "ops", true, NOW()).await.unwrap();
+    prices::set_price(&pool, &own, "ops", true, NOW())
+        .await
+        .unwrap();
     let models = ["sim-tiny", "sim-llama-8b", "a-model-cachet-does-not-ship"];
     let seeded = prices::ensure_list_defaults(&pool, &models).await.unwrap();
     assert_eq!(seeded, vec!["sim-tiny".to_string()]);
     assert!(
-        prices::ensure_list_defaults(&pool, &models).await.unwrap().is_empty(),
+        prices::ensure_list_defaults(&pool, &models)
+            .await
+            .unwrap()
+            .is_empty(),
         "seeding is idempotent"
     );
     let book = prices::list_prices(&pool).await.unwrap();
-    let of = |m: &str| book.iter().filter(|p| p.model == m).cloned().collect::<Vec<_>>();
-    assert_eq!(of("sim-llama-8b"), vec![own], "the operator's price stays alone");
+    let of = |m: &str| {
+        book.iter()
+            .filter(|p| p.model == m)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        of("sim-llama-8b"),
+        vec![own],
+        "the operator's price stays alone"
+    );
     let tiny = of("sim-tiny");
     assert_eq!(tiny.len(), 1);
     assert_eq!(tiny[0].effective_from, at("1970-01-01T00:00:00Z"));
@@ -394,15 +412,25 @@ async fn shipped_list_prices_are_seeded_once_and_never_over_an_operators_price()
     );
     assert!(of("a-model-cachet-does-not-ship").is_empty());
     // Usage of a seeded model is priced on a fresh draft; the seeding was audited.
-    row(&pool, tenant, "2026-10-05T10:00:00Z", [1_000, 0, 0, 0, 100]).await;
+    row(&pool, tenant, "2026-10-05T10:00:00Z", [1_500, 0, 0, 0, 300]).await;
     let inv = invoice::refresh_draft(&pool, tenant, OCT(), "test")
         .await
         .unwrap();
     assert!(inv.unpriced.is_empty());
-    // 1,000 input tokens × $3/MTok + 100 output × $15/MTok = $0.0045 → rounds to $0.00 per
-    // line today; the exact amounts say what was rated.
+    // 1,500 input tokens × $3/MTok = $0.0045 and 300 output × $15/MTok = $0.0045: each line
+    // alone rounds to $0.00, but the total is their exact sum ($0.009) rounded once, $0.01,
+    // as the dashboards round.
     let exact: Vec<&str> = inv.lines.iter().map(|l| l.exact_nanos.as_str()).collect();
-    assert_eq!(exact, vec!["3000000.000000000", "1500000.000000000"], "{:?}", inv.lines);
+    assert_eq!(
+        exact,
+        vec!["4500000.000000000", "4500000.000000000"],
+        "{:?}",
+        inv.lines
+    );
+    assert!(inv.lines.iter().all(|l| l.amount_minor == 0));
+    assert_eq!(inv.total_minor, 1);
+    let stored = invoice::load(&pool, inv.id).await.unwrap().unwrap();
+    assert_eq!(stored.total_minor, 1);
     let audited: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM billing_audit WHERE action = 'price_default' AND actor = 'cachet-defaults'",
     )

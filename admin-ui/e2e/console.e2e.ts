@@ -424,7 +424,7 @@ describe("the admin console", () => {
     // Every served model has a price from the start: the shipped defaults.
     await p.locator("tr", { hasText: "always (shipped default)" }).first().waitFor();
     // A price in the past is a correction: the form asks first.
-    await p.getByLabel("Model").fill("sim-llama-8b");
+    await p.getByLabel("Model", { exact: true }).fill("sim-llama-8b");
     await p.getByLabel("In force from (UTC)").fill("2026-01-01T00:00");
     await p.getByLabel("Input, per million tokens").fill("0.25");
     await p.getByLabel("Output, per million tokens").fill("0.5");

@@ -149,8 +149,9 @@ export async function api<T>(
 ): Promise<T> {
   const r = await send(method, path, body, headers);
   if (!r.ok) throw await errorOf(r);
-  if (r.status === 204) return undefined as T;
-  return r.json();
+  // 204, or a 201 that carries nothing (a price version added).
+  const text = r.status === 204 ? "" : await r.text();
+  return (text ? JSON.parse(text) : undefined) as T;
 }
 
 /** Download an export as a file (the token cannot ride on a plain link). */

@@ -44,8 +44,9 @@ impl cachet_common::error::ServiceError for BillingError {
         match self {
             BillingError::Db(_) => ErrorCode::Api,
             BillingError::Finalized { .. } | BillingError::Unpriced { .. } => ErrorCode::Conflict,
-            BillingError::MixedCurrency { .. }
-            | BillingError::Invalid(_) => ErrorCode::InvalidRequest,
+            BillingError::MixedCurrency { .. } | BillingError::Invalid(_) => {
+                ErrorCode::InvalidRequest
+            }
         }
     }
 }
@@ -139,9 +140,9 @@ pub async fn compute(
         id: existing.as_ref().map(|e| e.0).unwrap_or_else(Uuid::now_v7),
         tenant_id: tenant,
         period_start: from.date_naive(),
+        total_minor: total_of(&lines, &currency),
         currency,
         status: existing.map(|e| e.1).unwrap_or_else(|| "draft".into()),
-        total_minor: total_of(&lines, &currency),
         unpriced: unpriced_models(&lines),
         lines,
     })
@@ -626,7 +627,7 @@ pub async fn load(pool: &PgPool, id: Uuid) -> Result<Option<Invoice>, BillingErr
     else {
         return Ok(None);
     };
-    let lines = sqlx::query(
+    let lines: Vec<Line> = sqlx::query(
         r#"SELECT kind, model, token_class, price_from, quantity, exact_nanos::TEXT AS exact,
                   amount_minor, description
            FROM invoice_lines WHERE invoice_id = $1 ORDER BY line_no"#,

@@ -139,7 +139,10 @@ impl std::str::FromStr for Exact {
         let (whole, frac) = digits.split_once('.').unwrap_or((digits, ""));
         if whole.is_empty()
             || frac.len() > 9
-            || !whole.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit())
+            || !whole
+                .bytes()
+                .chain(frac.bytes())
+                .all(|b| b.is_ascii_digit())
         {
             return Err(bad());
         }
