@@ -163,6 +163,11 @@ describe("the admin console", () => {
     await shot(p, "04-users");
     await p.getByRole("link", { name: "Audit log" }).first().click();
     await p.getByRole("cell", { name: "user.create" }).first().waitFor();
+    // Objects by name (the user created, the tenant), and the log fits a 1,280 px window.
+    await p.getByRole("cell", { name: "globex-admin", exact: true }).first().waitFor();
+    await p.getByRole("cell", { name: GLOBEX, exact: true }).first().waitFor();
+    const wrap = p.locator(".audit-log .table-wrap");
+    expect(await wrap.evaluate((el) => el.scrollWidth <= el.clientWidth + 1)).toBe(true);
     await shot(p, "05-audit");
     await logOut(p);
   });

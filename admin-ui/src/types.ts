@@ -105,6 +105,9 @@ export interface AuditRow {
   before: unknown;
   after: unknown;
   request_id: string | null;
+  tenant_name: string | null;
+  /** The object by name (a tenant, a console user, an API key), when it is one of those. */
+  target_name: string | null;
 }
 
 export interface User {

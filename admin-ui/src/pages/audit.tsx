@@ -10,6 +10,11 @@ function summary(v: unknown): string {
   return s.length > 160 ? `${s.slice(0, 157)}…` : s;
 }
 
+/** A long id shown short (its full form in the cell's title). */
+function shortId(id: string): string {
+  return id.length > 13 ? `${id.slice(0, 8)}…` : id;
+}
+
 /** The audit log: every tenant's for a platform admin, one tenant's on its page. */
 export function AuditPage({ me, tenant }: { me: Me; tenant: Tenant | null }) {
   const [action, setAction] = useState("");
@@ -62,38 +67,49 @@ export function AuditPage({ me, tenant }: { me: Me; tenant: Tenant | null }) {
       {log.loading && !log.data ? (
         <Loading what="the audit log" />
       ) : (
-        <Table caption="Changes, newest first">
-          <thead>
-            <tr>
-              <th scope="col">When</th>
-              <th scope="col">Who</th>
-              <th scope="col">Action</th>
-              <th scope="col">Object</th>
-              <th scope="col">Before</th>
-              <th scope="col">After</th>
-            </tr>
-          </thead>
-          <tbody>
-            {log.data?.data.map((r) => (
-              <tr key={r.id}>
-                <td>{formatTime(r.at)}</td>
-                <td>{r.actor}</td>
-                <td>
-                  <code>{r.action}</code>
-                </td>
-                <td>
-                  <code class="hash">{r.target ?? ""}</code>
-                </td>
-                <td>
-                  <code class="hash">{summary(r.before)}</code>
-                </td>
-                <td>
-                  <code class="hash">{summary(r.after)}</code>
-                </td>
+        <div class="audit-log">
+          <Table caption="Changes, newest first">
+            <thead>
+              <tr>
+                <th scope="col" class="when">
+                  When
+                </th>
+                <th scope="col">Who</th>
+                <th scope="col">Action</th>
+                {!scope && <th scope="col">Tenant</th>}
+                <th scope="col">Object</th>
+                <th scope="col" class="change">
+                  Change
+                </th>
               </tr>
-            ))}
-          </tbody>
-        </Table>
+            </thead>
+            <tbody>
+              {log.data?.data.map((r) => (
+                <tr key={r.id}>
+                  <td class="when">{formatTime(r.at)}</td>
+                  <td>{r.actor}</td>
+                  <td>
+                    <code>{r.action}</code>
+                  </td>
+                  {!scope && <td>{r.tenant_name ?? (r.tenant_id ? shortId(r.tenant_id) : "–")}</td>}
+                  <td title={r.target ?? undefined}>{r.target_name ?? (r.target ? shortId(r.target) : "–")}</td>
+                  <td class="change">
+                    {r.before !== null && r.before !== undefined && (
+                      <div>
+                        <small>before</small> <code class="hash">{summary(r.before)}</code>
+                      </div>
+                    )}
+                    {r.after !== null && r.after !== undefined && (
+                      <div>
+                        <small>after</small> <code class="hash">{summary(r.after)}</code>
+                      </div>
+                    )}
+                  </td>
+                </tr>
+              ))}
+            </tbody>
+          </Table>
+        </div>
       )}
       <div class="actions">
         <button type="button" class="secondary" disabled={pages.length < 2} onClick={() => setPages(pages.slice(0, -1))}>

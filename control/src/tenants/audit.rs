@@ -97,6 +97,11 @@ pub struct AuditRow {
     pub before: Option<serde_json::Value>,
     pub after: Option<serde_json::Value>,
     pub request_id: Option<String>,
+    /// The tenant's name (as it is now), when the row is about a tenant.
+    pub tenant_name: Option<String>,
+    /// The object by name, where it is a tenant (its name), a console user (username) or
+    /// an API key (name and visible prefix); absent for other objects.
+    pub target_name: Option<String>,
 }
 
 fn row(r: &sqlx::postgres::PgRow) -> AuditRow {
@@ -111,6 +116,8 @@ fn row(r: &sqlx::postgres::PgRow) -> AuditRow {
         before: r.get("before"),
         after: r.get("after"),
         request_id: r.get("request_id"),
+        tenant_name: r.get("tenant_name"),
+        target_name: r.get("target_name"),
     }
 }
 
@@ -126,16 +133,27 @@ pub struct Filter {
     pub before_id: Option<i64>,
 }
 
-const COLUMNS: &str =
-    "id, at, actor, actor_role, tenant_id, action, target, before, after, request_id";
+/// The row's columns, and its tenant and object by name (looked up by primary key: a target
+/// that is a UUID is a tenant, a console user or an API key).
+const COLUMNS: &str = "a.id, a.at, a.actor, a.actor_role, a.tenant_id, a.action, a.target, \
+    a.before, a.after, a.request_id, \
+    (SELECT t.name FROM tenants t WHERE t.id = a.tenant_id) AS tenant_name, \
+    COALESCE((SELECT t.name FROM tenants t WHERE t.id = x.uid), \
+             (SELECT u.username FROM admin_users u WHERE u.id = x.uid), \
+             (SELECT k.name || ' (' || k.visible_prefix || '…)' FROM api_keys k WHERE k.id = x.uid)) \
+        AS target_name";
+
+/// `admin_audit a` with `x.uid`, its target as a UUID where it is one.
+const FROM: &str = "admin_audit a LEFT JOIN LATERAL (SELECT CASE WHEN a.target ~* \
+    '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$' THEN a.target::UUID END AS uid) x ON true";
 
 /// Newest first, at most `limit` rows.
 pub async fn list(pool: &PgPool, f: &Filter, limit: i64) -> Result<Vec<AuditRow>, AdminError> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {COLUMNS} FROM admin_audit \
-         WHERE ($1::UUID IS NULL OR tenant_id = $1) AND ($2::TEXT IS NULL OR starts_with(action, $2)) \
-         AND ($3::TIMESTAMPTZ IS NULL OR at >= $3) AND ($4::TIMESTAMPTZ IS NULL OR at < $4) \
-         AND ($5::BIGINT IS NULL OR id < $5) ORDER BY id DESC LIMIT $6"
+        "SELECT {COLUMNS} FROM {FROM} \
+         WHERE ($1::UUID IS NULL OR a.tenant_id = $1) AND ($2::TEXT IS NULL OR starts_with(a.action, $2)) \
+         AND ($3::TIMESTAMPTZ IS NULL OR a.at >= $3) AND ($4::TIMESTAMPTZ IS NULL OR a.at < $4) \
+         AND ($5::BIGINT IS NULL OR a.id < $5) ORDER BY a.id DESC LIMIT $6"
     )))
     .bind(f.tenant)
     .bind(&f.action)
@@ -158,10 +176,10 @@ pub fn stream(
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<AuditRow, sqlx::Error>>(256);
     tokio::spawn(async move {
         let mut rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {COLUMNS} FROM admin_audit \
-             WHERE ($1::UUID IS NULL OR tenant_id = $1) AND ($2::TEXT IS NULL OR starts_with(action, $2)) \
-             AND ($3::TIMESTAMPTZ IS NULL OR at >= $3) AND ($4::TIMESTAMPTZ IS NULL OR at < $4) \
-             ORDER BY id"
+            "SELECT {COLUMNS} FROM {FROM} \
+             WHERE ($1::UUID IS NULL OR a.tenant_id = $1) AND ($2::TEXT IS NULL OR starts_with(a.action, $2)) \
+             AND ($3::TIMESTAMPTZ IS NULL OR a.at >= $3) AND ($4::TIMESTAMPTZ IS NULL OR a.at < $4) \
+             ORDER BY a.id"
         )))
         .bind(f.tenant)
         .bind(f.action)
