@@ -442,6 +442,106 @@ async fn shipped_list_prices_are_seeded_once_and_never_over_an_operators_price()
 }
 
 #[tokio::test]
+async fn the_month_overview_is_the_sum_of_the_dashboards_and_the_invoices_to_the_cent() {
+    let (pool, first, name) = db().await;
+    let actor = control::tenants::Actor::cli("test");
+    let mut tenants = vec![first];
+    for n in ["beta", "gamma, inc."] {
+        let t = control::tenants::create_tenant(&pool, &actor, n).await.unwrap();
+        tenants.push(t.id.as_uuid());
+    }
+    // Awkward rates: nothing divides evenly, a price change on the hour mid-month, and a
+    // discount for one tenant.
+    let awkward = |from: &str, input, output| PriceVersion {
+        cache_write_5m_bp: 12_345,
+        cache_write_1h_bp: 19_999,
+        cache_read_bp: 1_111,
+        ..price(from, input, output)
+    };
+    for p in [
+        awkward("2026-01-01T00:00:00Z", 3_333, 15_007),
+        awkward("2026-10-17T13:00:00Z", 2_917, 11_113),
+    ] {
+        prices::set_price(&pool, &p, "test", true, NOW()).await.unwrap();
+    }
+    let plan = Plan {
+        tenant_id: tenants[1],
+        effective_from: at("2026-10-01T00:00:00Z"),
+        discount_bp: 737,
+        reserved_cache_bytes: 0,
+        reserved_nanos_per_gb_hour: 0,
+    };
+    prices::set_plan(&pool, &plan, "test", true, NOW()).await.unwrap();
+    // A generated month: a few hundred rows of odd sizes over every day of October.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = |m: u64| {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        ((x >> 33) % m) as i64
+    };
+    for i in 0..300 {
+        let t = tenants[i % 3];
+        let started = format!(
+            "2026-10-{:02}T{:02}:{:02}:{:02}Z",
+            1 + next(31),
+            next(24),
+            next(60),
+            next(60)
+        );
+        let tokens = [next(9_973), next(4_001), next(1_009), next(50_021), next(997)];
+        row(&pool, t, &started, tokens).await;
+    }
+    rollup::rollup(&pool, at("2026-10-01T00:00:00Z"), at("2026-11-01T00:00:00Z"))
+        .await
+        .unwrap();
+
+    let o = control::admin::overview::month_overview(&pool, "2026-10")
+        .await
+        .unwrap();
+    assert_eq!(o.data.len(), 3);
+    let names: Vec<&str> = o.data.iter().map(|r| r.name.as_str()).collect();
+    assert!(names.contains(&"gamma, inc."), "{names:?}");
+    let mut sum = 0;
+    for row in &o.data {
+        let dash = billing::dashboard::usage(
+            &pool,
+            row.tenant,
+            at("2026-10-01T00:00:00Z"),
+            at("2026-11-01T00:00:00Z"),
+            billing::dashboard::Granularity::Hour,
+            billing::dashboard::GroupBy::None,
+        )
+        .await
+        .unwrap();
+        let inv = invoice::refresh_draft(&pool, row.tenant, OCT(), "test")
+            .await
+            .unwrap();
+        assert_eq!(
+            (row.cost_minor, dash.totals.cost_minor, inv.total_minor),
+            (inv.total_minor, inv.total_minor, inv.total_minor),
+            "{}: overview, dashboard and invoice agree to the cent",
+            row.name
+        );
+        assert_eq!(row.requests, dash.totals.tokens.requests);
+        assert!(row.cost_minor > 0 && row.unpriced_tokens == 0);
+        sum += row.cost_minor;
+    }
+    assert_eq!(o.totals.len(), 1);
+    assert_eq!((o.totals[0].currency.as_str(), o.totals[0].cost_minor), ("USD", sum));
+    assert_eq!(o.totals[0].requests, 300);
+    // The CSV carries names (quoted where needed) and the same amounts.
+    let csv = control::admin::overview::overview_csv(&o);
+    let lines: Vec<&str> = csv.split("\r\n").filter(|l| !l.is_empty()).collect();
+    assert_eq!(lines.len(), 4);
+    assert!(lines.iter().any(|l| l.contains("\"gamma, inc.\"")), "{csv}");
+    // A month that does not parse is the caller's mistake.
+    assert!(matches!(
+        control::admin::overview::month_overview(&pool, "October").await,
+        Err(control::tenants::AdminError::Billing(_))
+    ));
+    drop_db(pool, name).await;
+}
+
+#[tokio::test]
 async fn rollups_are_idempotent_and_reconcile_proves_ledger_rollups_and_invoices_agree() {
     let (pool, tenant, name) = db().await;
     october(&pool, tenant).await;

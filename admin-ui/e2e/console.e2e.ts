@@ -343,6 +343,7 @@ describe("the admin console", () => {
     await p.getByRole("link", { name: new Date().toISOString().slice(0, 7) }).first().click();
     await p.getByRole("heading", { name: /^Invoice / }).waitFor();
     await shot(p, "14-invoice");
+    const invoiceTotal = (await p.locator("tfoot td").last().textContent())?.trim();
     // Finalizing asks first, and the month is not over: the API's text is shown.
     await p.getByRole("button", { name: "Finalize…" }).click();
     await p.getByRole("button", { name: "Finalize", exact: true }).click();
@@ -350,6 +351,21 @@ describe("the admin console", () => {
     expect(await p.getByRole("alert").textContent()).toMatch(/month|over|end/i);
     await p.getByRole("button", { name: "Cancel" }).click();
     await p.getByRole("link", { name: "← Invoices" }).click();
+    // The month overview lists ACME with the invoice's total (one rounding for both), and
+    // its CSV downloads with the tenant's name.
+    const acmeRow = p.locator("section[aria-labelledby=overview-title] tbody tr", { hasText: ACME });
+    const acmeCost = await eventually("ACME in the month overview", 10_000, async () => {
+      const t = (await acmeRow.locator("td").nth(6).textContent({ timeout: 1000 }))?.trim();
+      return t || undefined;
+    });
+    expect(acmeCost).toBe(invoiceTotal);
+    const [overviewCsv] = await Promise.all([
+      p.waitForEvent("download"),
+      p.getByRole("button", { name: "Download overview CSV" }).click(),
+    ]);
+    const ov = (await import("node:fs")).readFileSync((await overviewCsv.path())!, "utf8");
+    expect(ov.split("\r\n")[0]).toMatch(/^tenant_id,tenant,state,requests,/);
+    expect(ov).toContain(`,${ACME},active,`);
     await shot(p, "15-finance");
     const [download] = await Promise.all([
       p.waitForEvent("download"),

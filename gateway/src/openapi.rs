@@ -5,7 +5,7 @@ use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder
 use utoipa::{Modify, OpenApi};
 
 use crate::api::handlers;
-use control::admin::{handlers as admin, login, passwords, views};
+use control::admin::{handlers as admin, login, overview, passwords, views};
 
 struct Security;
 
@@ -50,7 +50,8 @@ impl Modify for Security {
           admin::list_tenants, admin::create_tenant, admin::get_tenant, admin::suspend, admin::resume,
           admin::delete_tenant, admin::list_keys, admin::create_key, admin::update_key,
           admin::revoke_key, admin::rotate_key, admin::get_policy, admin::patch_policy,
-          admin::list_audit, admin::export_audit, views::usage, views::budget, views::cache),
+          admin::list_audit, admin::export_audit, views::usage, views::budget, views::cache,
+          overview::overview),
     components(schemas(billing::api::Format)),
     modifiers(&Security),
     tags((name = "messages", description = "Messages and token counting"), (name = "chat", description = "OpenAI Chat Completions over the same cache"), (name = "models", description = "Served models"),

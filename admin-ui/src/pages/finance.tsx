@@ -68,6 +68,7 @@ export function FinancePage({ me }: { me: Me }) {
           </tbody>
         </Table>
       )}
+      {canRate && <MonthOverview />}
       {canRate && <Exports tenant={tenant} />}
     </section>
   );
@@ -129,6 +130,123 @@ function RateMonth({ tenants, onRated }: { tenants: Tenant[]; onRated: () => voi
       <ErrorBanner error={error} />
       <Notice text={notice} />
     </form>
+  );
+}
+
+interface TenantMonth {
+  tenant: string;
+  name: string;
+  state: string;
+  requests: number;
+  input_tokens: number;
+  cache_write_5m_tokens: number;
+  cache_write_1h_tokens: number;
+  cache_read_tokens: number;
+  output_tokens: number;
+  hit_ratio: number;
+  currency: string;
+  cost_minor: number;
+  saved_minor: number;
+  unpriced_tokens: number;
+  budget_minor: number | null;
+  budget_state: "none" | "ok" | "alert" | "exhausted";
+}
+
+interface Overview {
+  month: string;
+  data: TenantMonth[];
+  totals: { currency: string; tenants: number; requests: number; cost_minor: number; saved_minor: number }[];
+}
+
+/** A month across tenants: what each spent and saved, and where its budget stands. */
+function MonthOverview() {
+  const [month, setMonth] = useState(new Date().toISOString().slice(0, 7));
+  const [error, setError] = useState<string | null>(null);
+  const o = useAsync(() => api<Overview>("GET", `/v1/admin/overview${qs({ month })}`), [month]);
+  return (
+    <section aria-labelledby="overview-title">
+      <h2 id="overview-title">Month overview</h2>
+      <div class="row">
+        <label for="ov-month">
+          Month
+          <input id="ov-month" type="month" value={month} onChange={(e) => e.currentTarget.value && setMonth(e.currentTarget.value)} />
+        </label>
+        <div class="actions">
+          <button
+            type="button"
+            onClick={async () => {
+              try {
+                await download(`/v1/admin/overview${qs({ month, format: "csv" })}`, `cachet-${month}.csv`);
+                setError(null);
+              } catch (e) {
+                setError(message(e));
+              }
+            }}
+          >
+            Download overview CSV
+          </button>
+        </div>
+      </div>
+      <ErrorBanner error={error ?? o.error} />
+      {o.loading && !o.data ? (
+        <Loading what="the month" />
+      ) : (
+        <Table caption={`Tenants in ${month}`}>
+          <thead>
+            <tr>
+              <th scope="col">Tenant</th>
+              <th scope="col">Requests</th>
+              <th scope="col">Input</th>
+              <th scope="col">Cache writes</th>
+              <th scope="col">Cache reads</th>
+              <th scope="col">Output</th>
+              <th scope="col">Cost</th>
+              <th scope="col">Saved</th>
+              <th scope="col">Budget</th>
+            </tr>
+          </thead>
+          <tbody>
+            {o.data?.data.length === 0 && (
+              <tr>
+                <td colSpan={9}>No usage this month.</td>
+              </tr>
+            )}
+            {o.data?.data.map((r) => (
+              <tr key={r.tenant} data-budget={r.budget_state}>
+                <td>
+                  {r.name}
+                  {r.state !== "active" ? ` (${r.state})` : ""}
+                </td>
+                <td>{r.requests.toLocaleString("en-US")}</td>
+                <td>{r.input_tokens.toLocaleString("en-US")}</td>
+                <td>{(r.cache_write_5m_tokens + r.cache_write_1h_tokens).toLocaleString("en-US")}</td>
+                <td>{r.cache_read_tokens.toLocaleString("en-US")}</td>
+                <td>{r.output_tokens.toLocaleString("en-US")}</td>
+                <td>{formatMoney(r.cost_minor, r.currency)}</td>
+                <td>{formatMoney(r.saved_minor, r.currency)}</td>
+                <td class={`budget-${r.budget_state}`}>
+                  {r.budget_minor === null ? "–" : `${formatMoney(r.budget_minor, r.currency)} · ${r.budget_state}`}
+                </td>
+              </tr>
+            ))}
+          </tbody>
+          <tfoot>
+            {o.data?.totals.map((t) => (
+              <tr key={t.currency}>
+                <th scope="row">
+                  Total, {t.tenants} tenant{t.tenants === 1 ? "" : "s"}
+                </th>
+                <td>{t.requests.toLocaleString("en-US")}</td>
+                <td colSpan={4} />
+                <td data-total={t.currency}>{formatMoney(t.cost_minor, t.currency)}</td>
+                <td>{formatMoney(t.saved_minor, t.currency)}</td>
+                <td />
+              </tr>
+            ))}
+          </tfoot>
+        </Table>
+      )}
+    </section>
   );
 }
 

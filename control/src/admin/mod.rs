@@ -13,12 +13,14 @@
 //! - [`passwords`]: changing one's own password, one-time reset secrets;
 //! - [`handlers`]: tenants, keys, policy, audit log;
 //! - [`views`]: usage and savings over time, budget status, the cache view;
+//! - [`overview`]: finance's month across tenants (JSON or CSV);
 //! - [`ui`]: the built single-page app from `admin-ui/dist`.
 //!
 //! Errors are [`ApiError`]s: Anthropic's shape, one vocabulary ([`cachet_common::error`]).
 
 pub mod handlers;
 pub mod login;
+pub mod overview;
 pub mod passwords;
 pub mod ui;
 pub mod views;
@@ -314,6 +316,7 @@ pub fn routes(state: AdminState) -> Router {
         .route("/v1/admin/tenants/{id}/usage", get(views::usage))
         .route("/v1/admin/tenants/{id}/budget", get(views::budget))
         .route("/v1/admin/tenants/{id}/cache", get(views::cache))
+        .route("/v1/admin/overview", get(overview::overview))
         .route("/v1/admin/audit", get(handlers::list_audit))
         .route("/v1/admin/audit/export", get(handlers::export_audit))
         .with_state(state.clone());
