@@ -498,6 +498,18 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
         ),
         ("GET", "/v1/billing/prices".into(), None, [200, 200, 403]),
         (
+            "GET",
+            format!("/v1/admin/overview?month={month}"),
+            None,
+            [200, 200, 403],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/overview?month={month}&format=csv"),
+            None,
+            [200, 200, 403],
+        ),
+        (
             "POST",
             "/v1/billing/prices".into(),
             Some(

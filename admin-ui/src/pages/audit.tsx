@@ -75,7 +75,9 @@ export function AuditPage({ me, tenant }: { me: Me; tenant: Tenant | null }) {
                   When
                 </th>
                 <th scope="col">Who</th>
-                <th scope="col">Action</th>
+                <th scope="col" class="action">
+                  Action
+                </th>
                 {!scope && <th scope="col">Tenant</th>}
                 <th scope="col">Object</th>
                 <th scope="col" class="change">
@@ -88,7 +90,7 @@ export function AuditPage({ me, tenant }: { me: Me; tenant: Tenant | null }) {
                 <tr key={r.id}>
                   <td class="when">{formatTime(r.at)}</td>
                   <td>{r.actor}</td>
-                  <td>
+                  <td class="action">
                     <code>{r.action}</code>
                   </td>
                   {!scope && <td>{r.tenant_name ?? (r.tenant_id ? shortId(r.tenant_id) : "–")}</td>}
