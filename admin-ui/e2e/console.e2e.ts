@@ -344,6 +344,21 @@ describe("the admin console", () => {
     await p.getByRole("heading", { name: /^Invoice / }).waitFor();
     await shot(p, "14-invoice");
     const invoiceTotal = (await p.locator("tfoot td").last().textContent())?.trim();
+    // The invoice downloads as CSV: a row per line and the total, the page's total.
+    const [invCsv] = await Promise.all([
+      p.waitForEvent("download"),
+      p.getByRole("button", { name: "Download invoice CSV" }).click(),
+    ]);
+    const invText = (await import("node:fs")).readFileSync((await invCsv.path())!, "utf8");
+    const invRows = invText.split("\r\n").filter((l) => l.length > 0);
+    expect(invRows[0]).toBe("line,kind,model,token_class,price_from,quantity,exact_nanos,amount,description");
+    const totalRow = invRows[invRows.length - 1].split(",");
+    expect(totalRow[1]).toBe("total");
+    expect(`$${totalRow[7]}`).toBe(invoiceTotal);
+    // Rating the draft again keeps the total (no new usage) and says when it was rated.
+    await p.getByRole("button", { name: "Rate again" }).click();
+    await p.getByText(/ · rated \d{4}-\d{2}-\d{2} /).waitFor();
+    expect((await p.locator("tfoot td").last().textContent())?.trim()).toBe(invoiceTotal);
     // Finalizing asks first, and the month is not over: the API's text is shown.
     await p.getByRole("button", { name: "Finalize…" }).click();
     await p.getByRole("button", { name: "Finalize", exact: true }).click();
@@ -461,7 +476,9 @@ describe("the admin console", () => {
     await logOut(p);
     // Finance reads the same book and cannot edit it.
     await logIn(p, "fin", FIN_PASSWORD);
-    await p.goto(`${svc.url}/admin/#/finance/prices`);
+    await p.getByRole("link", { name: "Finance" }).first().click();
+    await p.getByRole("link", { name: "Price book" }).click();
+    await p.getByRole("heading", { name: "Price book" }).waitFor();
     await p.locator('tr[data-state="scheduled"]', { hasText: "sim-llama-8b" }).waitFor();
     expect(await p.getByRole("button", { name: "Add price" }).count()).toBe(0);
   });

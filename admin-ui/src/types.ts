@@ -142,8 +142,9 @@ export interface Invoice extends InvoiceSummary {
     amount_minor: number;
     description: string;
   }[];
-  computed_at?: string;
-  finalized_at?: string | null;
+  /** When the lines were rated from the ledger. */
+  rated_at: string;
+  finalized_at: string | null;
   /** Models whose usage had no price in force: listed at zero, not billed. */
   unpriced: string[];
 }

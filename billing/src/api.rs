@@ -265,20 +265,49 @@ pub async fn list_invoices(
     }))
 }
 
-/// One invoice with its lines.
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct InvoiceFormat {
+    /// `json` (default) or `csv` (a download: a row per line, then the total).
+    pub format: Option<String>,
+}
+
+/// One invoice with its lines (JSON, or CSV to download).
 #[utoipa::path(get, path = "/v1/billing/invoices/{id}", tag = "billing",
-    params(("id" = Uuid, Path, description = "Invoice id")),
-    responses((status = 200, description = "The invoice and its lines"), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
+    params(("id" = Uuid, Path, description = "Invoice id"), InvoiceFormat),
+    responses((status = 200, description = "The invoice and its lines"), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn get_invoice(
     State(s): State<FinanceState>,
     caller: Caller,
     id: Result<Path<Uuid>, axum::extract::rejection::PathRejection>,
-) -> Result<Json<Invoice>, ApiError> {
+    q: Result<Query<InvoiceFormat>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
     let Path(id) = id?;
-    match invoice::load(&s.pool, id).await? {
-        Some(inv) if caller.scope().is_none_or(|t| t == inv.tenant_id) => Ok(Json(inv)),
-        _ => Err(not_found("no such invoice")),
+    let Query(q) = q?;
+    let inv = match invoice::load(&s.pool, id).await? {
+        Some(inv) if caller.scope().is_none_or(|t| t == inv.tenant_id) => inv,
+        _ => return Err(not_found("no such invoice")),
+    };
+    match q.format.as_deref().unwrap_or("json") {
+        "json" => Ok(Json(inv).into_response()),
+        "csv" => {
+            let name = format!(
+                "attachment; filename=\"cachet-invoice-{}-{}.csv\"",
+                inv.period_start.format("%Y-%m"),
+                inv.id
+            );
+            Ok((
+                [
+                    (header::CONTENT_TYPE, "text/csv; charset=utf-8".to_string()),
+                    (header::CONTENT_DISPOSITION, name),
+                ],
+                invoice::invoice_csv(&inv),
+            )
+                .into_response())
+        }
+        other => Err(ApiError::invalid(format!(
+            "format: {other:?} is not json or csv"
+        ))),
     }
 }
 
@@ -421,14 +450,7 @@ pub struct ExportQuery {
 
 const CSV_HEADER: &str = "request_id,tenant_id,workspace_id,api_key_id,model,input_tokens,cache_write_5m_tokens,cache_write_1h_tokens,cache_read_tokens,output_tokens,status,started_at,finished_at\r\n";
 
-/// One field per RFC 4180: quoted when it holds a comma, quote, CR or LF; quotes doubled.
-pub fn csv_field(s: &str) -> std::borrow::Cow<'_, str> {
-    if s.contains([',', '"', '\r', '\n']) {
-        format!("\"{}\"", s.replace('"', "\"\"")).into()
-    } else {
-        s.into()
-    }
-}
+pub use crate::csv::field as csv_field;
 
 /// A ledger row for exports.
 #[derive(Debug, Serialize, sqlx::FromRow)]

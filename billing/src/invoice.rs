@@ -12,7 +12,7 @@
 //! an adjustment ([`add_adjustment`]), billed as a line of the tenant's next draft. Every
 //! (re-)rating writes a row to `billing_audit`.
 
-use chrono::{DateTime, Datelike, NaiveDate, TimeZone, Utc};
+use chrono::{DateTime, Datelike, NaiveDate, SubsecRound, TimeZone, Utc};
 use serde::Serialize;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 use uuid::Uuid;
@@ -95,6 +95,9 @@ pub struct Invoice {
     pub lines: Vec<Line>,
     /// Models whose usage this month had no price in force: listed at zero, not billed.
     pub unpriced: Vec<String>,
+    /// When the lines were rated from the ledger (a draft is re-rated on demand).
+    pub rated_at: DateTime<Utc>,
+    pub finalized_at: Option<DateTime<Utc>>,
 }
 
 /// `YYYY-MM` → the first day of that month.
@@ -144,6 +147,9 @@ pub async fn compute(
         currency,
         status: existing.map(|e| e.1).unwrap_or_else(|| "draft".into()),
         unpriced: unpriced_models(&lines),
+        // Postgres keeps microseconds: what is stored is what was computed.
+        rated_at: Utc::now().trunc_subsecs(6),
+        finalized_at: None,
         lines,
     })
 }
@@ -319,6 +325,43 @@ pub fn total_of(lines: &[Line], currency: &str) -> i64 {
         .to_minor(currency)
 }
 
+/// The header of an invoice's CSV.
+pub const INVOICE_CSV_HEADER: &str =
+    "line,kind,model,token_class,price_from,quantity,exact_nanos,amount,description\r\n";
+
+/// An invoice as CSV (RFC 4180): a row per line with its exact amount (nano-units) and its
+/// amount rounded alone, then the total (the exact sum, rounded once).
+pub fn invoice_csv(inv: &Invoice) -> String {
+    use crate::csv::field;
+    let mut out = String::from(INVOICE_CSV_HEADER);
+    for (i, l) in inv.lines.iter().enumerate() {
+        out.push_str(&format!(
+            "{},{},{},{},{},{},{},{},{}\r\n",
+            i + 1,
+            l.kind.as_str(),
+            field(l.model.as_deref().unwrap_or("")),
+            l.token_class.as_deref().unwrap_or(""),
+            l.price_from.map(|t| t.to_rfc3339()).unwrap_or_default(),
+            l.quantity,
+            l.exact_nanos,
+            format_minor(l.amount_minor, &inv.currency),
+            field(&l.description),
+        ));
+    }
+    out.push_str(&format!(
+        ",total,,,,,,{},{}\r\n",
+        format_minor(inv.total_minor, &inv.currency),
+        field(&format!(
+            "{} {} {} ({})",
+            inv.period_start.format("%Y-%m"),
+            inv.currency,
+            inv.status,
+            inv.id
+        ))
+    ));
+    out
+}
+
 /// The models whose usage no price covered (usage lines without a price version).
 pub fn unpriced_models(lines: &[Line]) -> Vec<String> {
     let mut models: Vec<String> = lines
@@ -435,7 +478,7 @@ async fn write_draft(
     sqlx::query(
         r#"
         INSERT INTO invoices (id, tenant_id, period_start, currency, status, total_minor, computed_at)
-        VALUES ($1, $2, $3, $4, 'draft', $5, now())
+        VALUES ($1, $2, $3, $4, 'draft', $5, $6)
         ON CONFLICT (tenant_id, period_start)
         DO UPDATE SET currency = EXCLUDED.currency, total_minor = EXCLUDED.total_minor,
                       computed_at = EXCLUDED.computed_at
@@ -446,6 +489,7 @@ async fn write_draft(
     .bind(inv.period_start)
     .bind(&inv.currency)
     .bind(inv.total_minor)
+    .bind(inv.rated_at)
     .execute(&mut **tx)
     .await?;
     sqlx::query("DELETE FROM invoice_lines WHERE invoice_id = $1")
@@ -565,12 +609,13 @@ pub async fn finalize(
         });
     }
     write_draft(&mut tx, &inv, actor).await?;
-    sqlx::query(
-        "UPDATE invoices SET status = 'finalized', finalized_at = now(), finalized_by = $2 WHERE id = $1",
+    let finalized_at: DateTime<Utc> = sqlx::query_scalar(
+        "UPDATE invoices SET status = 'finalized', finalized_at = now(), finalized_by = $2 \
+         WHERE id = $1 RETURNING finalized_at",
     )
     .bind(inv.id)
     .bind(actor)
-    .execute(&mut *tx)
+    .fetch_one(&mut *tx)
     .await?;
     sqlx::query("INSERT INTO billing_audit (actor, action, details) VALUES ($1, 'finalize', $2)")
         .bind(actor)
@@ -579,6 +624,7 @@ pub async fn finalize(
         .await?;
     tx.commit().await?;
     inv.status = "finalized".into();
+    inv.finalized_at = Some(finalized_at);
     Ok(inv)
 }
 
@@ -619,7 +665,8 @@ pub async fn add_adjustment(
 /// A stored invoice with its lines.
 pub async fn load(pool: &PgPool, id: Uuid) -> Result<Option<Invoice>, BillingError> {
     let Some(h) = sqlx::query(
-        "SELECT id, tenant_id, period_start, currency, status, total_minor FROM invoices WHERE id = $1",
+        "SELECT id, tenant_id, period_start, currency, status, total_minor, computed_at, finalized_at \
+         FROM invoices WHERE id = $1",
     )
     .bind(id)
     .fetch_optional(pool)
@@ -659,6 +706,8 @@ pub async fn load(pool: &PgPool, id: Uuid) -> Result<Option<Invoice>, BillingErr
         status: h.get("status"),
         total_minor: h.get("total_minor"),
         unpriced: unpriced_models(&lines),
+        rated_at: h.get("computed_at"),
+        finalized_at: h.get("finalized_at"),
         lines,
     }))
 }

@@ -19,12 +19,15 @@
 //! - [`dashboard`]: usage, cost and savings by cache over time from the rollups, and a
 //!   tenant's spend this month (the admin console and budget checks).
 //!
+//! - [`csv`]: the one CSV field rule every export uses.
+//!
 //! - [`api`]: the finance API (`/v1/billing/…`, JWT roles), served by `cachet serve` with
 //!   the gateway's routes; usage, invoices, prices, streamed exports.
 //!
 //! What it is not: it does not compute usage (the gateway does).
 
 pub mod api;
+pub mod csv;
 pub mod dashboard;
 pub mod event;
 mod intents;

@@ -304,6 +304,8 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
   const inv = useAsync(() => api<Invoice>("GET", `/v1/billing/invoices/${id}`), [id]);
   const tenants = useTenants();
   const [confirming, setConfirming] = useState(false);
+  const [rating, setRating] = useState(false);
+  const [actionError, setActionError] = useState<string | null>(null);
   if (inv.error) return <ErrorBanner error={inv.error} />;
   if (!inv.data) return <Loading what="the invoice" />;
   const i = inv.data;
@@ -320,7 +322,8 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
         </h1>
         <p>
           {i.status}
-          {i.finalized_at ? ` on ${formatTime(i.finalized_at)}` : ""} · total {formatMoney(i.total_minor, i.currency)}
+          {i.finalized_at ? ` on ${formatTime(i.finalized_at)}` : ""} · total {formatMoney(i.total_minor, i.currency)} · rated{" "}
+          {formatTime(i.rated_at)}
         </p>
       </hgroup>
       <Notice text={i.status === "finalized" ? "Finalized: this invoice can no longer change; corrections are adjustments." : null} />
@@ -357,11 +360,49 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
           </tr>
         </tfoot>
       </Table>
-      {i.status === "draft" && me.role !== "tenant_admin" && (
-        <button type="button" onClick={() => setConfirming(true)}>
-          Finalize…
+      <ErrorBanner error={actionError} />
+      <div class="actions">
+        <button
+          type="button"
+          class="secondary"
+          onClick={async () => {
+            try {
+              await download(`/v1/billing/invoices/${i.id}?format=csv`, `cachet-invoice-${month}-${tenantName}.csv`);
+              setActionError(null);
+            } catch (e) {
+              setActionError(message(e));
+            }
+          }}
+        >
+          Download invoice CSV
         </button>
-      )}
+        {i.status === "draft" && me.role !== "tenant_admin" && (
+          <>
+            <button
+              type="button"
+              class="secondary"
+              aria-busy={rating}
+              disabled={rating}
+              onClick={async () => {
+                setRating(true);
+                try {
+                  inv.setData(await api<Invoice>("POST", "/v1/billing/invoices", { tenant: i.tenant_id, month }));
+                  setActionError(null);
+                } catch (e) {
+                  setActionError(message(e));
+                } finally {
+                  setRating(false);
+                }
+              }}
+            >
+              Rate again
+            </button>
+            <button type="button" onClick={() => setConfirming(true)}>
+              Finalize…
+            </button>
+          </>
+        )}
+      </div>
       <Confirm
         open={confirming}
         title={`Finalize the ${month} invoice of ${tenantName}?`}

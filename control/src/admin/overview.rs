@@ -73,10 +73,7 @@ pub struct MonthOverview {
 }
 
 /// The month of every tenant with usage or a budget.
-pub async fn month_overview(
-    pool: &sqlx::PgPool,
-    month: &str,
-) -> Result<MonthOverview, AdminError> {
+pub async fn month_overview(pool: &sqlx::PgPool, month: &str) -> Result<MonthOverview, AdminError> {
     let first = billing::invoice::parse_month(month)?;
     let (from, to) = billing::invoice::month_bounds(first)?;
     let tenants = sqlx::query(
