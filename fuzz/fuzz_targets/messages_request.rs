@@ -34,10 +34,10 @@ fuzz_target!(|data: &[u8]| {
     let check = |parts: Result<(Prompt, Vec<Breakpoint>), ApiError>| match parts {
         Ok((p, bps)) => {
             if let Err(e) = gateway::render::prepare(engine, &p, &bps, scope) {
-                assert!(e.kind.status().is_client_error(), "{e:?}");
+                assert!(e.status().is_client_error(), "{e:?}");
             }
         }
-        Err(e) => assert!(e.kind.status().is_client_error(), "{e:?}"),
+        Err(e) => assert!(e.status().is_client_error(), "{e:?}"),
     };
     let prompt = |tools: Option<&[_]>, system: Option<&_>, messages: &[_]| {
         gateway::render::to_prompt(tools, system, messages, scope)
