@@ -219,3 +219,36 @@ export function SecretDialog(props: { title: string; secret: string | null; note
     </Dialog>
   );
 }
+
+/** A new password typed twice (ids prefixed with `id`), with the errors of `validateNewPassword`. */
+export function NewPasswordFields(props: {
+  id: string;
+  password: string;
+  confirm: string;
+  errors: Record<string, string>;
+  onPassword: (v: string) => void;
+  onConfirm: (v: string) => void;
+}) {
+  return (
+    <>
+      <Field
+        id={`${props.id}-password`}
+        label="New password (12+ characters)"
+        type="password"
+        autoComplete="new-password"
+        value={props.password}
+        error={props.errors.password}
+        onInput={(e) => props.onPassword(e.currentTarget.value)}
+      />
+      <Field
+        id={`${props.id}-confirm`}
+        label="New password, again"
+        type="password"
+        autoComplete="new-password"
+        value={props.confirm}
+        error={props.errors.confirm}
+        onInput={(e) => props.onConfirm(e.currentTarget.value)}
+      />
+    </>
+  );
+}

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, type Me } from "../api";
-import { ErrorBanner, Field, Notice, message } from "../components/ui";
+import { ErrorBanner, Field, NewPasswordFields, Notice, message } from "../components/ui";
 import { validateNewPassword } from "../forms";
 
 /** The caller's own account: its password. */
@@ -50,23 +50,13 @@ export function AccountPage({ me }: { me: Me }) {
           error={errors.current}
           onInput={(e) => setF({ ...f, current: e.currentTarget.value })}
         />
-        <Field
-          id="new-password"
-          label="New password (12+ characters)"
-          type="password"
-          autoComplete="new-password"
-          value={f.password}
-          error={errors.password}
-          onInput={(e) => setF({ ...f, password: e.currentTarget.value })}
-        />
-        <Field
-          id="confirm-password"
-          label="New password, again"
-          type="password"
-          autoComplete="new-password"
-          value={f.confirm}
-          error={errors.confirm}
-          onInput={(e) => setF({ ...f, confirm: e.currentTarget.value })}
+        <NewPasswordFields
+          id="new"
+          password={f.password}
+          confirm={f.confirm}
+          errors={errors}
+          onPassword={(v) => setF({ ...f, password: v })}
+          onConfirm={(v) => setF({ ...f, confirm: v })}
         />
         <ErrorBanner error={error} />
         <button type="submit" aria-busy={busy} disabled={busy}>

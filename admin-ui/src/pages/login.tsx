@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, login } from "../api";
-import { ErrorBanner, Field, Notice, message } from "../components/ui";
+import { ErrorBanner, Field, NewPasswordFields, Notice, message } from "../components/ui";
 import { validateNewPassword } from "../forms";
 
 /** Set a new password with the one-time reset secret a platform admin gave you. */
@@ -31,23 +31,13 @@ function RedeemReset(props: { onDone: (note: string) => void; onCancel: () => vo
       }}
     >
       <Field id="reset-secret" label="Reset secret" autoComplete="off" value={f.secret} error={errors.secret} onInput={(e) => setF({ ...f, secret: e.currentTarget.value })} />
-      <Field
-        id="reset-password"
-        label="New password (12+ characters)"
-        type="password"
-        autoComplete="new-password"
-        value={f.password}
-        error={errors.password}
-        onInput={(e) => setF({ ...f, password: e.currentTarget.value })}
-      />
-      <Field
-        id="reset-confirm"
-        label="New password, again"
-        type="password"
-        autoComplete="new-password"
-        value={f.confirm}
-        error={errors.confirm}
-        onInput={(e) => setF({ ...f, confirm: e.currentTarget.value })}
+      <NewPasswordFields
+        id="reset"
+        password={f.password}
+        confirm={f.confirm}
+        errors={errors}
+        onPassword={(v) => setF({ ...f, password: v })}
+        onConfirm={(v) => setF({ ...f, confirm: v })}
       />
       <ErrorBanner error={error} />
       <div class="actions">
