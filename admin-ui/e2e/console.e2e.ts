@@ -482,4 +482,15 @@ describe("the admin console", () => {
     await p.locator('tr[data-state="scheduled"]', { hasText: "sim-llama-8b" }).waitFor();
     expect(await p.getByRole("button", { name: "Add price" }).count()).toBe(0);
   });
+
+  it("warns the tenant admin on the dashboard once the month's budget is reached", async () => {
+    const tok = await token("root", ROOT_PASSWORD);
+    const r = await adminApi(tok, "PATCH", `/v1/admin/tenants/${acmeId}/policy`, { monthly_budget_minor: 0 });
+    expect(r.status).toBe(200);
+    const p = await page();
+    await logIn(p, "acme-admin", ADMIN_PASSWORD);
+    await p.locator("[data-budget-banner=exhausted]").waitFor();
+    expect(await p.locator("[data-budget-banner=exhausted]").textContent()).toMatch(/Monthly budget reached: \$[\d.,]+ of \$0\.00 spent/);
+    await shot(p, "20-budget");
+  });
 });

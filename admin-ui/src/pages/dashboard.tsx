@@ -72,6 +72,7 @@ export function DashboardTab({ tenant }: { tenant: Tenant }) {
       </form>
       <ErrorBanner error={usage.error} />
       {usage.loading && !usage.data && <Loading what="usage" />}
+      {budget.data && <BudgetBanner b={budget.data} />}
       {usage.data && <Usage view={usage.data.total} />}
       {budget.data && <Budget b={budget.data} />}
       <ErrorBanner error={budget.error} />
@@ -184,8 +185,26 @@ function Usage({ view }: { view: UsageView }) {
   );
 }
 
+/** Said at the top of the dashboard once spend passes the alert threshold or the budget. */
+function BudgetBanner({ b }: { b: BudgetView }) {
+  if (b.limit_minor === null || (b.state !== "alert" && b.state !== "exhausted")) return null;
+  const spent = `${formatMoney(b.spent_minor, b.currency)} of ${formatMoney(b.limit_minor, b.currency)}`;
+  return b.state === "exhausted" ? (
+    <p class="error-banner" role="alert" data-budget-banner="exhausted">
+      Monthly budget reached: {spent} spent. Requests are refused (429) until it resets {formatTime(b.resets_at)} or the budget is
+      raised.
+    </p>
+  ) : (
+    <p class="warning" role="alert" data-budget-banner="alert">
+      Budget alert: {spent} spent this month, past the {b.alert_percent}% threshold. Requests are refused once the budget is
+      reached; it resets {formatTime(b.resets_at)}.
+    </p>
+  );
+}
+
 function Budget({ b }: { b: BudgetView }) {
-  const pct = b.limit_minor ? Math.min(1, b.spent_minor / Math.max(1, b.limit_minor)) : 0;
+  // A budget of zero is spent from the start.
+  const pct = b.limit_minor === null ? 0 : b.limit_minor <= 0 ? 1 : Math.min(1, b.spent_minor / b.limit_minor);
   return (
     <article aria-labelledby="budget-title">
       <h3 id="budget-title">Budget this month</h3>
@@ -203,7 +222,7 @@ function Budget({ b }: { b: BudgetView }) {
         ; resets {formatTime(b.resets_at)}.
       </p>
       {b.limit_minor !== null && (
-        <div class="bar" role="progressbar" aria-label="Budget spent" aria-valuemin={0} aria-valuemax={100} aria-valuenow={Math.round(pct * 100)}>
+        <div class={`bar state-${b.state}`} role="progressbar" aria-label="Budget spent" aria-valuemin={0} aria-valuemax={100} aria-valuenow={Math.round(pct * 100)}>
           <span style={{ width: `${pct * 100}%` }} />
         </div>
       )}
