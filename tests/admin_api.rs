@@ -521,6 +521,12 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
             "GET",
             format!("/v1/billing/exports/usage?{range}&format=csv"),
             None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/billing/exports/usage?{range}&format=csv&tenant={o}"),
+            None,
             [200, 200, 403],
         ),
     ];

@@ -164,6 +164,19 @@ async fn a_tenant_admin_sees_its_own_tenant_only_and_bad_input_is_a_400() {
     assert_eq!(usage["data"].as_array().unwrap().len(), 1);
     assert_eq!(usage["data"][0]["tenant"], json!(t));
     assert_eq!(usage["data"][0]["requests"], 3);
+    // A tenant admin exports its own ledger rows, and only those (finance sees more).
+    let export = |tok: String| {
+        let path = format!("/v1/billing/exports/usage?{}", q("&format=jsonl"));
+        let f = &f;
+        async move { call(f, "GET", &path, Some(&tok), None).await }
+    };
+    let (s, own) = export(tenant_admin.clone()).await;
+    assert_eq!(s, 200, "{own}");
+    let own: Vec<Value> = own.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(own.len(), 3);
+    assert!(own.iter().all(|r| r["tenant_id"] == json!(t)));
+    let (_, all) = export(finance.clone()).await;
+    assert!(all.lines().count() > own.len(), "finance's export holds every tenant");
     // Bad input is a 400 in the API's shape.
     let (status, text) = call(
         &f,

@@ -490,6 +490,18 @@ describe("the admin console", () => {
     const p = await page();
     await logIn(p, "acme-admin", ADMIN_PASSWORD);
     await p.locator("[data-budget-banner=exhausted]").waitFor();
+    // The tenant admin exports its own ledger rows from its dashboard: only its tenant's.
+    const [own] = await Promise.all([
+      p.waitForEvent("download"),
+      p.getByRole("button", { name: "Export ledger rows (CSV)" }).click(),
+    ]);
+    const ownRows = (await import("node:fs"))
+      .readFileSync((await own.path())!, "utf8")
+      .split("\r\n")
+      .filter((l) => l.length > 0)
+      .slice(1);
+    expect(ownRows.length).toBeGreaterThan(0);
+    expect(ownRows.every((l) => l.split(",")[1] === acmeId)).toBe(true);
     expect(await p.locator("[data-budget-banner=exhausted]").textContent()).toMatch(/Monthly budget reached: \$[\d.,]+ of \$0\.00 spent/);
     await shot(p, "20-budget");
   });

@@ -574,7 +574,7 @@ pub fn export_stream(
     Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
-/// Ledger rows, streamed (finance and platform admins).
+/// Ledger rows, streamed (finance and platform admins: any tenant; a tenant admin: its own).
 #[utoipa::path(get, path = "/v1/billing/exports/usage", tag = "billing", params(ExportQuery),
     responses((status = 200, description = "Rows as CSV, JSON Lines or CloudEvents JSON Lines"),
               (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
@@ -585,7 +585,8 @@ pub async fn export_usage(
     q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(q) = q?;
-    caller.require(&[Role::PlatformAdmin, Role::Finance])?;
+    // A tenant admin exports its own tenant's rows only (asking for another is refused).
+    let tenant = caller.tenant_filter(q.tenant)?;
     if q.to <= q.from {
         return Err(ApiError::invalid("`to` must be after `from`"));
     }
@@ -594,7 +595,7 @@ pub async fn export_usage(
         Format::Jsonl => "application/jsonl",
         Format::Cloudevents => "application/cloudevents-batch+jsonl",
     };
-    let body = export_stream(s.pool.clone(), q.from, q.to, q.tenant, q.format);
+    let body = export_stream(s.pool.clone(), q.from, q.to, tenant, q.format);
     Ok(([(header::CONTENT_TYPE, content_type)], body).into_response())
 }
 

@@ -1,7 +1,7 @@
 import { useMemo, useState } from "preact/hooks";
-import { api, qs } from "../api";
+import { api, download, qs } from "../api";
 import { TimeChart } from "../components/chart";
-import { ErrorBanner, Kpi, Loading, Table, useAsync } from "../components/ui";
+import { ErrorBanner, Kpi, Loading, Table, message, useAsync } from "../components/ui";
 import { formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../format";
 import { dateRange } from "../forms";
 import type { BudgetView, Tenant, UsagePoint, UsageView } from "../types";
@@ -39,6 +39,20 @@ export function DashboardTab({ tenant }: { tenant: Tenant }) {
     return { total, split };
   }, [tenant.id, preset, from, to, by, stamp]);
   const budget = useAsync(() => api<BudgetView>("GET", `/v1/admin/tenants/${tenant.id}/budget`), [tenant.id, stamp]);
+  const [exportError, setExportError] = useState<string | null>(null);
+  const exportCsv = async () => {
+    if (typeof range === "string") return setExportError(range);
+    try {
+      const day = (t: string) => t.slice(0, 10);
+      await download(
+        `/v1/billing/exports/usage${qs({ ...range, tenant: tenant.id, format: "csv" })}`,
+        `cachet-usage-${tenant.name}-${day(range.from)}-${day(range.to)}.csv`,
+      );
+      setExportError(null);
+    } catch (e) {
+      setExportError(message(e));
+    }
+  };
   return (
     <section aria-labelledby="dash-title">
       <h2 id="dash-title">Usage</h2>
@@ -69,7 +83,11 @@ export function DashboardTab({ tenant }: { tenant: Tenant }) {
         <button type="button" class="secondary" onClick={() => setStamp((s) => s + 1)}>
           Refresh
         </button>
+        <button type="button" class="secondary" onClick={exportCsv}>
+          Export ledger rows (CSV)
+        </button>
       </form>
+      <ErrorBanner error={exportError} />
       <ErrorBanner error={usage.error} />
       {usage.loading && !usage.data && <Loading what="usage" />}
       {budget.data && <BudgetBanner b={budget.data} />}
