@@ -172,11 +172,17 @@ async fn a_tenant_admin_sees_its_own_tenant_only_and_bad_input_is_a_400() {
     };
     let (s, own) = export(tenant_admin.clone()).await;
     assert_eq!(s, 200, "{own}");
-    let own: Vec<Value> = own.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let own: Vec<Value> = own
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(own.len(), 3);
     assert!(own.iter().all(|r| r["tenant_id"] == json!(t)));
     let (_, all) = export(finance.clone()).await;
-    assert!(all.lines().count() > own.len(), "finance's export holds every tenant");
+    assert!(
+        all.lines().count() > own.len(),
+        "finance's export holds every tenant"
+    );
     // Bad input is a 400 in the API's shape.
     let (status, text) = call(
         &f,
