@@ -169,10 +169,7 @@ pub fn overview_csv(o: &MonthOverview) -> String {
             money(r.saved_minor),
             r.unpriced_tokens,
             r.budget_minor.map(money).unwrap_or_default(),
-            serde_json::to_value(r.budget_state)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default(),
+            r.budget_state.as_str(),
         ));
     }
     out

@@ -94,6 +94,18 @@ pub enum BudgetState {
     Exhausted,
 }
 
+impl BudgetState {
+    /// The state as the API names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BudgetState::None => "none",
+            BudgetState::Ok => "ok",
+            BudgetState::Alert => "alert",
+            BudgetState::Exhausted => "exhausted",
+        }
+    }
+}
+
 /// Requests refused this month by one limit.
 #[derive(Serialize, ToSchema)]
 pub struct Refusals {
@@ -250,6 +262,18 @@ pub async fn tenant_cache(source: &CacheSource, tenant: TenantId) -> (TenantCach
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn budget_states_are_named_as_the_api_serializes_them() {
+        for b in [
+            BudgetState::None,
+            BudgetState::Ok,
+            BudgetState::Alert,
+            BudgetState::Exhausted,
+        ] {
+            assert_eq!(serde_json::to_value(b).unwrap(), b.as_str());
+        }
+    }
 
     #[test]
     fn budget_states_follow_the_alert_and_the_limit() {
