@@ -12,6 +12,7 @@ use anyhow::{Context, bail};
 use cachet_common::TenantId;
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
+use control::tenants::workspaces::{self, WorkspaceLimits, WorkspacePatch};
 use control::tenants::{self, Actor, keys, policy};
 use identity::Role;
 use serde_json::json;
@@ -26,6 +27,11 @@ pub enum Command {
     Tenant {
         #[command(subcommand)]
         command: TenantCommand,
+    },
+    /// A tenant's workspaces: create, list, rename, set limits, archive.
+    Workspace {
+        #[command(subcommand)]
+        command: WorkspaceCommand,
     },
     /// API keys: create, list, revoke, rotate, expire.
     Key {
@@ -48,9 +54,12 @@ pub enum Command {
         /// hour or day.
         #[arg(long, default_value = "day")]
         granularity: String,
-        /// none, model or api_key.
+        /// none, model, api_key or workspace.
         #[arg(long, default_value = "none")]
         by: String,
+        /// Only this workspace's usage (name or id).
+        #[arg(long)]
+        workspace: Option<String>,
     },
     /// A tenant's spend this month against its budget.
     Budget {
@@ -111,6 +120,9 @@ pub enum KeyCommand {
         tenant: String,
         #[arg(long, default_value = "default")]
         name: String,
+        /// The workspace (name or id) the key belongs to; the tenant's default one if absent.
+        #[arg(long)]
+        workspace: Option<String>,
         /// When the key stops working.
         #[arg(long, value_parser = parse_time, help = TIME_HELP)]
         expires: Option<DateTime<Utc>>,
@@ -144,6 +156,80 @@ pub enum KeyCommand {
         #[arg(long)]
         never: bool,
     },
+}
+
+#[derive(Subcommand)]
+pub enum WorkspaceCommand {
+    /// Create a workspace (keys, limits and usage of its own; a cache of its own).
+    Create {
+        /// Tenant name or id.
+        #[arg(long)]
+        tenant: String,
+        name: String,
+        #[command(flatten)]
+        limits: WorkspaceLimitArgs,
+    },
+    /// List a tenant's workspaces.
+    List {
+        /// Tenant name or id.
+        #[arg(long)]
+        tenant: String,
+        /// Include archived workspaces.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Rename a workspace or change its limits: only what is given changes; `none` removes
+    /// a limit.
+    Set {
+        /// Tenant name or id.
+        #[arg(long)]
+        tenant: String,
+        /// Workspace name or id.
+        workspace: String,
+        #[arg(long)]
+        rename: Option<String>,
+        #[command(flatten)]
+        limits: WorkspaceLimitArgs,
+    },
+    /// Archive a workspace: its keys are revoked; its usage is kept. Final.
+    Archive {
+        /// Tenant name or id.
+        #[arg(long)]
+        tenant: String,
+        /// Workspace name or id.
+        workspace: String,
+        /// Required: archiving cannot be undone.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+/// A workspace's limits on the command line (`none` removes one).
+#[derive(Args)]
+pub struct WorkspaceLimitArgs {
+    /// Requests per minute, the whole workspace.
+    #[arg(long, value_parser = limit)]
+    pub rpm: Option<Option<i64>>,
+    /// Uncached input tokens per minute, the whole workspace.
+    #[arg(long, value_parser = limit)]
+    pub input_tpm: Option<Option<i64>>,
+    #[arg(long, value_parser = limit)]
+    pub output_tpm: Option<Option<i64>>,
+    /// Monthly spend budget in minor units of the tenant's currency (cents).
+    #[arg(long, value_parser = limit)]
+    pub budget_minor: Option<Option<i64>>,
+}
+
+impl WorkspaceLimitArgs {
+    fn patch(self, name: Option<String>) -> WorkspacePatch {
+        WorkspacePatch {
+            name,
+            requests_per_minute: self.rpm,
+            input_tokens_per_minute: self.input_tpm,
+            output_tokens_per_minute: self.output_tpm,
+            monthly_budget_minor: self.budget_minor,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -321,6 +407,7 @@ pub async fn run(
     let actor = Actor::cli_user();
     match command {
         Command::Tenant { command } => tenant(pool, &actor, command).await,
+        Command::Workspace { command } => workspace(pool, &actor, command).await,
         Command::Key { command } => key(pool, &actor, config, command).await,
         Command::Policy { command } => policy_cmd(pool, &actor, command).await,
         Command::Usage {
@@ -329,7 +416,18 @@ pub async fn run(
             to,
             granularity,
             by,
-        } => usage(pool, tenant, from, to, granularity, by).await,
+            workspace,
+        } => {
+            let window = UsageArgs {
+                tenant,
+                from,
+                to,
+                granularity,
+                by,
+                workspace,
+            };
+            usage(pool, window).await
+        }
         Command::Budget { tenant } => budget(pool, tenant).await,
         Command::Cache { tenant, url } => cache(pool, config, tenant, url).await,
         Command::Audit { command } => audit(pool, command).await,
@@ -384,6 +482,83 @@ async fn tenant(pool: &PgPool, actor: &Actor, command: TenantCommand) -> anyhow:
     Ok(())
 }
 
+/// `cachet admin workspace …`: a tenant's workspaces.
+async fn workspace(pool: &PgPool, actor: &Actor, command: WorkspaceCommand) -> anyhow::Result<()> {
+    let limit = |l: Option<i64>| l.map_or_else(|| "-".to_string(), |v| v.to_string());
+    match command {
+        WorkspaceCommand::Create {
+            tenant,
+            name,
+            limits,
+        } => {
+            let id = TenantId(tenant_id(pool, &tenant).await?);
+            let l = limits.patch(None).apply(WorkspaceLimits::default())?;
+            let w = workspaces::create_workspace(pool, actor, id, &name, l).await?;
+            println!(
+                "workspace {} created in tenant {tenant}: id {}",
+                w.name, w.id
+            );
+        }
+        WorkspaceCommand::List { tenant, all } => {
+            let id = TenantId(tenant_id(pool, &tenant).await?);
+            println!(
+                "{:<36}  {:<8}  {:>4}  {:>8}  {:>10}  {:>10}  {:>12}  name",
+                "id", "state", "keys", "rpm", "input tpm", "output tpm", "budget minor"
+            );
+            for w in workspaces::list_workspaces(pool, id, all).await? {
+                println!(
+                    "{}  {:<8}  {:>4}  {:>8}  {:>10}  {:>10}  {:>12}  {}",
+                    w.id,
+                    if w.archived_at.is_some() {
+                        "archived"
+                    } else {
+                        "active"
+                    },
+                    w.active_keys,
+                    limit(w.limits.requests_per_minute),
+                    limit(w.limits.input_tokens_per_minute),
+                    limit(w.limits.output_tokens_per_minute),
+                    limit(w.limits.monthly_budget_minor),
+                    w.name
+                );
+            }
+        }
+        WorkspaceCommand::Set {
+            tenant,
+            workspace,
+            rename,
+            limits,
+        } => {
+            let id = TenantId(tenant_id(pool, &tenant).await?);
+            let w = workspaces::find_workspace(pool, id, &workspace).await?;
+            let w = workspaces::update_workspace(
+                pool,
+                actor,
+                id,
+                cachet_common::WorkspaceId(w.id),
+                &limits.patch(rename),
+            )
+            .await?;
+            print_json(&w)?;
+        }
+        WorkspaceCommand::Archive {
+            tenant,
+            workspace,
+            yes,
+        } => {
+            if !yes {
+                bail!("archiving {workspace} revokes its keys for good; add --yes to do it");
+            }
+            let id = TenantId(tenant_id(pool, &tenant).await?);
+            let w = workspaces::find_workspace(pool, id, &workspace).await?;
+            workspaces::archive_workspace(pool, actor, id, cachet_common::WorkspaceId(w.id))
+                .await?;
+            println!("workspace {} archived; its keys are revoked", w.name);
+        }
+    }
+    Ok(())
+}
+
 /// `cachet admin key …`: API keys.
 async fn key(
     pool: &PgPool,
@@ -395,12 +570,19 @@ async fn key(
         KeyCommand::Create {
             tenant,
             name,
+            workspace,
             expires,
         } => {
             let t = tenants::find_tenant(pool, &tenant)
                 .await?
                 .with_context(|| format!("no tenant {tenant}"))?;
-            let k = keys::create_key(pool, actor, &t, &name, expires).await?;
+            let ws = match workspace {
+                Some(w) => {
+                    cachet_common::WorkspaceId(workspaces::find_workspace(pool, t.id, &w).await?.id)
+                }
+                None => t.default_workspace,
+            };
+            let k = keys::create_key_in(pool, actor, &t, ws, &name, expires).await?;
             eprintln!(
                 "key {} created for tenant {}; the secret is shown once:",
                 k.id, t.name
@@ -522,20 +704,36 @@ async fn policy_cmd(pool: &PgPool, actor: &Actor, command: PolicyCommand) -> any
     Ok(())
 }
 
-/// `cachet admin usage`: a tenant's usage, cost and savings over time.
-async fn usage(
-    pool: &PgPool,
+/// What `cachet admin usage` asks for.
+struct UsageArgs {
     tenant: String,
     from: DateTime<Utc>,
     to: DateTime<Utc>,
     granularity: String,
     by: String,
-) -> anyhow::Result<()> {
-    let id = tenant_id(pool, &tenant).await?;
+    workspace: Option<String>,
+}
+
+/// `cachet admin usage`: a tenant's usage, cost and savings over time.
+async fn usage(pool: &PgPool, a: UsageArgs) -> anyhow::Result<()> {
+    let id = tenant_id(pool, &a.tenant).await?;
     let granularity =
-        serde_json::from_value(json!(granularity)).context("--granularity: hour or day")?;
-    let by = serde_json::from_value(json!(by)).context("--by: none, model or api_key")?;
-    let r = billing::dashboard::usage(pool, id, from, to, granularity, by).await?;
+        serde_json::from_value(json!(a.granularity)).context("--granularity: hour or day")?;
+    let group_by =
+        serde_json::from_value(json!(a.by)).context("--by: none, model, api_key or workspace")?;
+    let workspace = match &a.workspace {
+        Some(w) => Some(workspaces::find_workspace(pool, TenantId(id), w).await?.id),
+        None => None,
+    };
+    let q = billing::dashboard::UsageQuery {
+        tenant: id,
+        from: a.from,
+        to: a.to,
+        granularity,
+        group_by,
+        workspace,
+    };
+    let r = billing::dashboard::usage(pool, &q).await?;
     print_json(&r)?;
     Ok(())
 }
@@ -545,7 +743,7 @@ async fn budget(pool: &PgPool, tenant: String) -> anyhow::Result<()> {
     let id = tenant_id(pool, &tenant).await?;
     let p = policy::get_policy(pool, TenantId(id)).await?;
     let now = Utc::now();
-    let (currency, spent) = billing::dashboard::month_spend(pool, id, now).await?;
+    let (currency, spent) = billing::dashboard::month_spend(pool, id, None, now).await?;
     let (_, resets) = billing::dashboard::month_of(now);
     let money = |m: i64| format!("{} {currency}", billing::money::format_minor(m, &currency));
     println!(

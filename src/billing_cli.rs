@@ -15,8 +15,11 @@ use crate::cli_time::{TIME_HELP, parse_time, whole_day};
 pub enum Command {
     /// Add a list-price version of a model (or, with --tenant, that tenant's custom rates).
     Price(PriceArgs),
-    /// List the list-price versions.
+    /// List the list-price versions (retired ones marked).
     Prices,
+    /// Retire a scheduled list-price version before it takes effect (a version in force is
+    /// replaced by adding a newer one instead).
+    RetirePrice(RetirePriceArgs),
     /// Add a plan version for a tenant: usage discount and reserved cache capacity.
     Plan(PlanArgs),
     /// Recompute the hourly and daily rollups of every bucket touching [from, to).
@@ -35,6 +38,19 @@ pub enum Command {
     /// spool. For a node that will not be started again; never while a process runs on
     /// that directory. Idempotent.
     Recover(RecoverArgs),
+}
+
+// The arguments of `cachet billing retire-price`.
+#[derive(Args)]
+pub struct RetirePriceArgs {
+    #[arg(long)]
+    pub model: String,
+    /// The version's effective_from, exactly as listed.
+    #[arg(long, value_parser = parse_time, help = TIME_HELP)]
+    pub from: DateTime<Utc>,
+    /// Who retires it (recorded in the billing audit).
+    #[arg(long, default_value = "cli")]
+    pub actor: String,
 }
 
 // The arguments of `cachet billing price` (a plain comment: a doc comment would become its help).
@@ -185,6 +201,11 @@ pub async fn run(
     match command {
         Command::Price(args) => set_price(pool, args).await,
         Command::Prices => list_prices(pool).await,
+        Command::RetirePrice(a) => {
+            prices::retire_price(pool, &a.model, a.from, &a.actor, Utc::now()).await?;
+            println!("price of {} from {} retired", a.model, a.from);
+            Ok(())
+        }
         Command::Plan(args) => set_plan(pool, args).await,
         Command::Rollup(args) => roll_up(pool, args).await,
         Command::Invoice(args) => make_invoice(pool, args).await,
@@ -249,9 +270,10 @@ async fn set_price(pool: &PgPool, args: PriceArgs) -> anyhow::Result<()> {
 
 /// List the list-price versions.
 async fn list_prices(pool: &PgPool) -> anyhow::Result<()> {
-    for p in prices::list_prices(pool).await? {
+    for listed in prices::list_prices(pool).await? {
+        let p = &listed.version;
         println!(
-            "{:<24} from {}  {} input {} output {} nano/token  5m ×{} 1h ×{} read ×{} (bp)",
+            "{:<24} from {}  {} input {} output {} nano/token  5m ×{} 1h ×{} read ×{} (bp){}",
             p.model,
             p.effective_from,
             p.currency,
@@ -259,7 +281,11 @@ async fn list_prices(pool: &PgPool) -> anyhow::Result<()> {
             p.output_nanos,
             p.cache_write_5m_bp,
             p.cache_write_1h_bp,
-            p.cache_read_bp
+            p.cache_read_bp,
+            listed
+                .retired_at
+                .map(|t| format!("  retired {t}"))
+                .unwrap_or_default()
         );
     }
     Ok(())

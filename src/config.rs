@@ -319,6 +319,10 @@ pub struct AdminSection {
     /// How often budgeted tenants' spend this month is recomputed (admission refuses a tenant
     /// over its budget from then on).
     pub spend_refresh_secs: u64,
+    /// The wait after a webhook delivery's first failed attempt; each later wait doubles.
+    pub webhook_retry_base_ms: u64,
+    /// Attempts before a webhook delivery is given up as failed.
+    pub webhook_max_attempts: u32,
 }
 
 impl Default for AdminSection {
@@ -330,6 +334,8 @@ impl Default for AdminSection {
             rollup_interval_secs: 60,
             change_poll_ms: 1000,
             spend_refresh_secs: 15,
+            webhook_retry_base_ms: 5000,
+            webhook_max_attempts: 8,
         }
     }
 }
@@ -714,6 +720,8 @@ impl Config {
             rollup_interval_secs,
             change_poll_ms,
             spend_refresh_secs,
+            webhook_retry_base_ms,
+            webhook_max_attempts,
         } = admin;
         if !(60..=86_400).contains(access_token_ttl_secs) {
             bail!("admin.access_token_ttl_secs must be between 60 and 86400");
@@ -731,6 +739,12 @@ impl Config {
         }
         if *spend_refresh_secs == 0 || *spend_refresh_secs > 3600 {
             bail!("admin.spend_refresh_secs must be between 1 and 3600");
+        }
+        if !(100..=3_600_000).contains(webhook_retry_base_ms) {
+            bail!("admin.webhook_retry_base_ms must be between 100 and 3600000");
+        }
+        if !(1..=30).contains(webhook_max_attempts) {
+            bail!("admin.webhook_max_attempts must be between 1 and 30");
         }
         Ok(())
     }

@@ -98,8 +98,8 @@ async fn seed_list_prices(
 }
 
 /// The public side's admin console (admin and finance APIs, admin UI) with its cache view
-/// from `cache`, and the rollups its views read kept current (the last two hours, every
-/// `admin.rollup_interval_secs`) until `shutdown`.
+/// from `cache`, the rollups its views read kept current (the last two hours, every
+/// `admin.rollup_interval_secs`) and webhook deliveries sent, until `shutdown`.
 fn admin_console(
     config: &Config,
     pool: &PgPool,
@@ -115,6 +115,18 @@ fn admin_console(
             pool.clone(),
             Duration::from_secs(config.admin.rollup_interval_secs),
             chrono::TimeDelta::hours(2),
+            shutdown.clone(),
+        ),
+    );
+    crate::spawn_loop(
+        "webhooks",
+        control::webhooks::run(
+            pool.clone(),
+            control::webhooks::DeliveryConfig {
+                retry_base: Duration::from_millis(config.admin.webhook_retry_base_ms),
+                max_attempts: config.admin.webhook_max_attempts as i32,
+                ..Default::default()
+            },
             shutdown.clone(),
         ),
     );

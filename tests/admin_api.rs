@@ -10,6 +10,10 @@
 //! - Policy: a 1h TTL refused when the tenant does not allow it; the monthly budget refuses
 //!   requests once spent (and raises its alert), with the refusals counted.
 //! - Views: usage totals equal the ledger's; the cache view shows the tenant's bytes and reads.
+//! - Workspaces: two workspaces of one tenant never read each other's cache; limits apply per
+//!   workspace; usage and exports split by workspace; archiving revokes a workspace's keys.
+//! - Budget alerts: a webhook receiver gets exactly one signed alert per crossed threshold,
+//!   including one that failed first and was retried; a lowered budget alerts at once.
 
 mod common;
 
@@ -518,6 +522,54 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
             [201, 403, 403],
         ),
         (
+            "POST",
+            "/v1/billing/prices/retire".into(),
+            Some(json!({"model": "sim-llama-8b", "effective_from": "2099-01-01T00:00:00Z"})),
+            [204, 403, 403],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{t}/workspaces"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{o}/workspaces"),
+            None,
+            [200, 200, 404],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/workspaces"),
+            Some(json!({"name": "ws{role}"})),
+            [201, 403, 201],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{o}/workspaces"),
+            Some(json!({"name": "ws{role}"})),
+            [201, 403, 404],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{t}/webhooks"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{o}/webhooks/deliveries"),
+            None,
+            [200, 200, 404],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/webhooks"),
+            Some(json!({"url": "http://127.0.0.1:9/hook"})),
+            [201, 403, 201],
+        ),
+        (
             "GET",
             format!("/v1/billing/exports/usage?{range}&format=csv"),
             None,
@@ -633,6 +685,29 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
             "{v}"
         );
     }
+    // A price in force priced usage: it is replaced by a newer version, never retired.
+    let (s, v) = a
+        .call(
+            "POST",
+            "/v1/billing/prices/retire",
+            Some(&root),
+            Some(json!({"model": "sim-tiny", "effective_from": "1970-01-01T00:00:00Z"})),
+        )
+        .await;
+    assert_eq!(
+        (s, v["error"]["type"].as_str()),
+        (409, Some("conflict_error")),
+        "{v}"
+    );
+    let (_, book) = a.call("GET", "/v1/billing/prices", Some(&root), None).await;
+    let retired: Vec<&Value> = book["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| !p["retired_at"].is_null())
+        .collect();
+    assert_eq!(retired.len(), 1, "{book}");
+    assert_eq!(retired[0]["effective_from"], "2099-01-01T00:00:00Z");
     let (s, v) = a
         .call("GET", "/v1/admin/tenants/not-a-uuid", Some(&root), None)
         .await;
@@ -1341,7 +1416,10 @@ async fn policy_refuses_1h_ttls_and_spent_budgets() {
     .fetch_one(&a.pool)
     .await
     .unwrap();
-    assert_eq!(alerts, 1, "the alert is raised once a month");
+    assert_eq!(
+        alerts, 2,
+        "the alert percentage and the budget itself are each raised once a month"
+    );
     // Raising the budget lets requests through again.
     a.call(
         "PATCH",
@@ -1503,4 +1581,425 @@ fn base64url(bytes: &[u8]) -> String {
         }
     }
     out
+}
+
+/// A `/v1/messages` call with `key` and `body`; status and JSON.
+async fn send(a: &Admin, key: &str, body: &Value) -> (u16, Value) {
+    let (s, _, v) = a.app.post("/v1/messages", key, body).await;
+    (s, v)
+}
+
+#[tokio::test]
+async fn workspaces_isolate_caches_apply_their_own_limits_and_split_usage() {
+    let a = setup().await;
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let t = a.tenant;
+    let ws_path = format!("/v1/admin/tenants/{t}/workspaces");
+    let (s, alpha) = a
+        .call(
+            "POST",
+            &ws_path,
+            Some(&root),
+            Some(json!({"name": "alpha", "requests_per_minute": 2})),
+        )
+        .await;
+    assert_eq!(s, 201, "{alpha}");
+    assert_eq!(alpha["limits"]["requests_per_minute"], 2);
+    let alpha: Uuid = alpha["id"].as_str().unwrap().parse().unwrap();
+    let (s, beta) = a
+        .call("POST", &ws_path, Some(&root), Some(json!({"name": "beta"})))
+        .await;
+    assert_eq!(s, 201, "{beta}");
+    let beta: Uuid = beta["id"].as_str().unwrap().parse().unwrap();
+    let (s, v) = a
+        .call("POST", &ws_path, Some(&root), Some(json!({"name": "beta"})))
+        .await;
+    assert_eq!(
+        (s, v["error"]["type"].as_str()),
+        (409, Some("conflict_error")),
+        "{v}"
+    );
+    let (_, list) = a.call("GET", &ws_path, Some(&root), None).await;
+    let names: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["default", "alpha", "beta"], "the default first");
+
+    let key_in = |ws: Uuid, name: &'static str| {
+        let a = &a;
+        let root = root.clone();
+        async move {
+            let (s, v) = a
+                .call(
+                    "POST",
+                    &format!("/v1/admin/tenants/{t}/keys"),
+                    Some(&root),
+                    Some(json!({"name": name, "workspace_id": ws})),
+                )
+                .await;
+            assert_eq!(s, 201, "{v}");
+            assert_eq!(v["workspace_id"], json!(ws));
+            (
+                v["id"].as_str().unwrap().parse::<Uuid>().unwrap(),
+                v["secret"].as_str().unwrap().to_string(),
+            )
+        }
+    };
+    let (alpha_key_id, alpha_key) = key_in(alpha, "alpha-key").await;
+    let (_, beta_key) = key_in(beta, "beta-key").await;
+
+    // The same prompt: alpha writes then reads its cache; beta, same tenant, reads nothing.
+    let body = cached_body(300, "which workspace?", 4);
+    let (s, v) = send(&a, &alpha_key, &body).await;
+    assert_eq!(s, 200, "{v}");
+    assert!(v["usage"]["cache_creation_input_tokens"].as_u64().unwrap() > 0);
+    let (s, v) = send(&a, &alpha_key, &body).await;
+    assert_eq!(s, 200, "{v}");
+    assert!(
+        v["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0,
+        "{v}"
+    );
+    let (s, v) = send(&a, &beta_key, &body).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["cache_read_input_tokens"], 0, "{v}");
+    assert!(v["usage"]["cache_creation_input_tokens"].as_u64().unwrap() > 0);
+
+    // Alpha's limit of 2 requests a minute is spent; beta and the default workspace are not.
+    let (s, v) = send(&a, &alpha_key, &body).await;
+    assert_eq!(s, 429, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("2 requests per minute") && msg.contains("workspace"),
+        "{msg}"
+    );
+    assert_eq!(send(&a, &beta_key, &body).await.0, 200);
+    assert_eq!(send(&a, &a.app.key, &body).await.0, 200);
+
+    // Usage split by workspace: the dashboard and the export agree with what was sent.
+    a.app.settle().await;
+    let now = chrono::Utc::now();
+    let from =
+        (now - chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let to = (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let range = format!("from={from}&to={to}").replace('+', "%2B");
+    within(
+        "usage is split by workspace",
+        Duration::from_secs(20),
+        || async {
+            let (_, u) = a
+                .call(
+                    "GET",
+                    &format!("/v1/admin/tenants/{t}/usage?{range}&group_by=workspace"),
+                    Some(&root),
+                    None,
+                )
+                .await;
+            let requests = |ws: Uuid| -> i64 {
+                u["series"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter(|p| p["workspace"] == json!(ws))
+                    .map(|p| p["requests"].as_i64().unwrap())
+                    .sum()
+            };
+            requests(alpha) == 2
+                && requests(beta) == 2
+                && u["workspace_names"][alpha.to_string()] == "alpha"
+        },
+    )
+    .await;
+    let (_, only) = a
+        .call(
+            "GET",
+            &format!("/v1/admin/tenants/{t}/usage?{range}&workspace={beta}"),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!(only["totals"]["requests"], 2, "{only}");
+    let export = |filter: String| {
+        let a = &a;
+        let root = root.clone();
+        let range = range.clone();
+        async move {
+            let (s, v) = a
+                .call(
+                    "GET",
+                    &format!("/v1/billing/exports/usage?{range}&format=jsonl&{filter}"),
+                    Some(&root),
+                    None,
+                )
+                .await;
+            assert_eq!(s, 200, "{v}");
+            let text = match v {
+                Value::String(s) => s,
+                other => other.to_string(),
+            };
+            text.lines()
+                .map(|l| serde_json::from_str::<Value>(l).unwrap())
+                .collect::<Vec<_>>()
+        }
+    };
+    let rows = export(format!("workspace={alpha}")).await;
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for r in &rows {
+        assert_eq!(r["workspace_name"], "alpha");
+        assert_eq!(r["api_key_name"], "alpha-key");
+        assert!(r["tenant_name"].is_string());
+        assert_eq!(r["currency"], "USD", "the shipped price rates it: {r}");
+        let cost: f64 = r["cost_exact_nanos"].as_str().unwrap().parse().unwrap();
+        assert!(cost > 0.0, "{r}");
+    }
+    assert_eq!(export(format!("api_key={alpha_key_id}")).await.len(), 2);
+    assert_eq!(export("model=sim-tiny".into()).await.len(), 6);
+    assert!(export("model=no-such-model".into()).await.is_empty());
+
+    // Rename; the default workspace is neither renamed nor archived.
+    let (s, v) = a
+        .call(
+            "PATCH",
+            &format!("{ws_path}/{alpha}"),
+            Some(&root),
+            Some(json!({"name": "alpha-2", "requests_per_minute": null})),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (v["name"].as_str(), &v["limits"]["requests_per_minute"]),
+        (Some("alpha-2"), &Value::Null)
+    );
+    let default: Uuid = list["data"][0]["id"].as_str().unwrap().parse().unwrap();
+    let (s, _) = a
+        .call(
+            "PATCH",
+            &format!("{ws_path}/{default}"),
+            Some(&root),
+            Some(json!({"name": "x"})),
+        )
+        .await;
+    assert_eq!(s, 409);
+    let (s, _) = a
+        .call(
+            "POST",
+            &format!("{ws_path}/{default}/archive"),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!(s, 409);
+    // Archiving revokes the workspace's keys; no key can be made in it any more.
+    let (s, v) = a
+        .call(
+            "POST",
+            &format!("{ws_path}/{alpha}/archive"),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    assert!(v["archived_at"].is_string());
+    within(
+        "an archived workspace's key is refused",
+        Duration::from_secs(10),
+        || async { send(&a, &alpha_key, &body).await.0 == 401 },
+    )
+    .await;
+    let (s, v) = a
+        .call(
+            "POST",
+            &format!("/v1/admin/tenants/{t}/keys"),
+            Some(&root),
+            Some(json!({"name": "late", "workspace_id": alpha})),
+        )
+        .await;
+    assert_eq!(s, 409, "{v}");
+    assert_eq!(send(&a, &beta_key, &body).await.0, 200, "beta is untouched");
+    a.stop().await;
+}
+
+/// What a webhook receiver saw: (event id header, signature header, body).
+type Received = std::sync::Arc<std::sync::Mutex<Vec<(String, String, bytes::Bytes, u16)>>>;
+
+/// A webhook receiver on loopback that fails its first request with 500 and accepts the rest.
+async fn receiver() -> (String, Received) {
+    let seen: Received = Default::default();
+    let s2 = seen.clone();
+    let app = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move |headers: axum::http::HeaderMap, body: bytes::Bytes| {
+            let seen = s2.clone();
+            async move {
+                let mut seen = seen.lock().unwrap();
+                let status = if seen.is_empty() { 500 } else { 200 };
+                let h = |n: &str| {
+                    headers
+                        .get(n)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_string()
+                };
+                seen.push((h("cachet-event-id"), h("cachet-signature"), body, status));
+                axum::http::StatusCode::from_u16(status).unwrap()
+            }
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    (url, seen)
+}
+
+#[tokio::test]
+async fn budget_thresholds_reach_a_signed_webhook_once_each_even_after_a_retry() {
+    let a = setup().await;
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let t = a.tenant;
+    let (url, seen) = receiver().await;
+    let (s, ep) = a
+        .call(
+            "POST",
+            &format!("/v1/admin/tenants/{t}/webhooks"),
+            Some(&root),
+            Some(json!({"url": url})),
+        )
+        .await;
+    assert_eq!(s, 201, "{ep}");
+    let secret = ep["secret"].as_str().unwrap().to_string();
+    assert!(secret.starts_with("whsec_"));
+    let (s, v) = a
+        .call(
+            "POST",
+            &format!("/v1/admin/tenants/{t}/webhooks"),
+            Some(&root),
+            Some(json!({"url": "ftp://example.com"})),
+        )
+        .await;
+    assert_eq!(s, 400, "{v}");
+
+    // A price that makes a request cost cents, and some spend.
+    billing::prices::set_price(
+        &a.pool,
+        &billing::prices::PriceVersion {
+            model: "sim-tiny".into(),
+            effective_from: chrono::Utc::now() - chrono::Duration::days(40),
+            currency: "USD".into(),
+            input_nanos: 100_000,
+            output_nanos: 100_000,
+            cache_write_5m_bp: 12_500,
+            cache_write_1h_bp: 20_000,
+            cache_read_bp: 1_000,
+        },
+        "test",
+        true,
+        chrono::Utc::now(),
+    )
+    .await
+    .unwrap();
+    for _ in 0..2 {
+        assert_eq!(a.message(&a.app.key).await.0, 200);
+    }
+    a.app.settle().await;
+    let budget = format!("/v1/admin/tenants/{t}/budget");
+    within("the spend shows", Duration::from_secs(20), || async {
+        let (_, b) = a.call("GET", &budget, Some(&root), None).await;
+        b["spent_minor"].as_i64().unwrap_or(0) >= 2
+    })
+    .await;
+    let (_, b) = a.call("GET", &budget, Some(&root), None).await;
+    let spent = b["spent_minor"].as_i64().unwrap();
+    let policy = format!("/v1/admin/tenants/{t}/policy");
+    // A budget of twice the spend, alerting at 50%: that threshold is crossed at once.
+    let (s, v) = a
+        .call(
+            "PATCH",
+            &policy,
+            Some(&root),
+            Some(json!({"monthly_budget_minor": spent * 2, "budget_alert_percent": 50})),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    within(
+        "the 50% alert is delivered after a retry",
+        Duration::from_secs(20),
+        || async { seen.lock().unwrap().iter().any(|r| r.3 == 200) },
+    )
+    .await;
+    // Lowered to what was spent: the 100% threshold, at once.
+    let (s, _) = a
+        .call(
+            "PATCH",
+            &policy,
+            Some(&root),
+            Some(json!({"monthly_budget_minor": spent})),
+        )
+        .await;
+    assert_eq!(s, 200);
+    within(
+        "the 100% alert is delivered",
+        Duration::from_secs(20),
+        || async { seen.lock().unwrap().iter().filter(|r| r.3 == 200).count() == 2 },
+    )
+    .await;
+    // Later checks (every second) and more traffic fire nothing again.
+    let _ = a.message(&a.app.key).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen.len(),
+        3,
+        "one failed attempt, two deliveries: {seen:?}"
+    );
+    let accepted: Vec<&(String, String, bytes::Bytes, u16)> =
+        seen.iter().filter(|r| r.3 == 200).collect();
+    assert_eq!(
+        seen[0].0, accepted[0].0,
+        "the retry carries the same event id"
+    );
+    let month = chrono::Utc::now().format("%Y-%m").to_string();
+    for (i, pct) in [50, 100].into_iter().enumerate() {
+        let (id, sig, body, _) = accepted[i];
+        assert!(
+            control::webhooks::verify(&secret, sig, body),
+            "signed with the endpoint's secret"
+        );
+        assert!(!control::webhooks::verify("whsec_other", sig, body));
+        let ev: Value = serde_json::from_slice(body).unwrap();
+        assert_eq!(ev["id"], json!(id));
+        assert_eq!(ev["id"], json!(format!("budget:{t}:tenant:{month}:{pct}")));
+        assert_eq!(ev["type"], "budget.threshold_crossed");
+        assert_eq!(ev["data"]["threshold_percent"], pct);
+        assert_eq!(ev["data"]["spent_minor"], spent);
+    }
+    // The delivery log says the same.
+    let (s, log) = a
+        .call(
+            "GET",
+            &format!("/v1/admin/tenants/{t}/webhooks/deliveries"),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200, "{log}");
+    let log = log["data"].as_array().unwrap();
+    assert_eq!(log.len(), 2, "{log:?}");
+    assert!(
+        log.iter()
+            .all(|d| d["state"] == "delivered" && d["last_status"] == 200)
+    );
+    let attempts: Vec<i64> = log
+        .iter()
+        .map(|d| d["attempts"].as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        attempts,
+        [1, 2],
+        "newest first: the 100% alert once, the 50% one twice"
+    );
+    a.stop().await;
 }

@@ -400,8 +400,8 @@ async fn shipped_list_prices_are_seeded_once_and_never_over_an_operators_price()
     let book = prices::list_prices(&pool).await.unwrap();
     let of = |m: &str| {
         book.iter()
+            .map(|p| p.version.clone())
             .filter(|p| p.model == m)
-            .cloned()
             .collect::<Vec<_>>()
     };
     assert_eq!(
@@ -527,16 +527,15 @@ async fn the_month_overview_is_the_sum_of_the_dashboards_and_the_invoices_to_the
     assert!(names.contains(&"gamma, inc."), "{names:?}");
     let mut sum = 0;
     for row in &o.data {
-        let dash = billing::dashboard::usage(
-            &pool,
-            row.tenant,
-            at("2026-10-01T00:00:00Z"),
-            at("2026-11-01T00:00:00Z"),
-            billing::dashboard::Granularity::Hour,
-            billing::dashboard::GroupBy::None,
-        )
-        .await
-        .unwrap();
+        let q = billing::dashboard::UsageQuery {
+            granularity: billing::dashboard::Granularity::Hour,
+            ..billing::dashboard::UsageQuery::tenant(
+                row.tenant,
+                at("2026-10-01T00:00:00Z"),
+                at("2026-11-01T00:00:00Z"),
+            )
+        };
+        let dash = billing::dashboard::usage(&pool, &q).await.unwrap();
         let inv = invoice::refresh_draft(&pool, row.tenant, OCT(), "test")
             .await
             .unwrap();
@@ -750,13 +749,19 @@ async fn the_usage_view_rates_a_mid_day_price_change_like_the_invoice() {
     .await
     .unwrap();
     let (from, to) = (at("2026-10-01T00:00:00Z"), at("2026-11-01T00:00:00Z"));
-    use billing::dashboard::{Granularity, GroupBy, usage};
-    let daily = usage(&pool, tenant, from, to, Granularity::Day, GroupBy::None)
+    use billing::dashboard::{Granularity, UsageQuery, usage};
+    let daily = usage(&pool, &UsageQuery::tenant(tenant, from, to))
         .await
         .unwrap();
-    let hourly = usage(&pool, tenant, from, to, Granularity::Hour, GroupBy::None)
-        .await
-        .unwrap();
+    let hourly = usage(
+        &pool,
+        &UsageQuery {
+            granularity: Granularity::Hour,
+            ..UsageQuery::tenant(tenant, from, to)
+        },
+    )
+    .await
+    .unwrap();
     assert_eq!(daily.totals.tokens, hourly.totals.tokens);
     assert_eq!(daily.totals.tokens.requests, 4);
     assert_eq!(daily.totals.cost_minor, hourly.totals.cost_minor);
@@ -777,11 +782,11 @@ async fn the_usage_view_rates_a_mid_day_price_change_like_the_invoice() {
     // A window that starts and ends mid-day is still whole hours of exact rows.
     let part = usage(
         &pool,
-        tenant,
-        at("2026-10-10T09:10:00Z"),
-        at("2026-10-11T23:00:00Z"),
-        Granularity::Day,
-        GroupBy::None,
+        &UsageQuery::tenant(
+            tenant,
+            at("2026-10-10T09:10:00Z"),
+            at("2026-10-11T23:00:00Z"),
+        ),
     )
     .await
     .unwrap();

@@ -13,6 +13,8 @@
 //! in JSON Lines), through a bounded channel: a month of millions of rows costs constant
 //! memory. Errors have the gateway's shape: `{"type":"error","error":{"type","message"}}`.
 
+use std::collections::HashMap;
+
 use axum::Json;
 use axum::body::Body;
 use axum::extract::{FromRequestParts, Path, Query, State};
@@ -430,6 +432,39 @@ pub async fn add_price(
     Ok(StatusCode::CREATED)
 }
 
+/// A scheduled list-price version to withdraw.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RetirePrice {
+    pub model: String,
+    pub effective_from: DateTime<Utc>,
+}
+
+/// Retire a scheduled list-price version before it takes effect (platform admins only). A
+/// version in force is refused (409): change a price by adding a newer version.
+#[utoipa::path(post, path = "/v1/billing/prices/retire", tag = "billing", request_body = RetirePrice,
+    responses((status = 204, description = "Retired (or already retired)"), (status = 400, body = ErrorBody),
+              (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)),
+    security(("admin_jwt" = [])))]
+pub async fn retire_price(
+    State(s): State<FinanceState>,
+    caller: Caller,
+    p: Result<Json<RetirePrice>, axum::extract::rejection::JsonRejection>,
+) -> Result<StatusCode, ApiError> {
+    let Json(p) = p?;
+    caller.require(&[Role::PlatformAdmin])?;
+    prices::retire_price(
+        &s.pool,
+        &p.model,
+        p.effective_from,
+        &format!("jwt:{}", caller.0.sub),
+        Utc::now(),
+    )
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 /// Export format.
 #[derive(Clone, Copy, Debug, Deserialize, ToSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -444,15 +479,34 @@ pub struct ExportQuery {
     pub from: DateTime<Utc>,
     pub to: DateTime<Utc>,
     pub tenant: Option<Uuid>,
+    /// Only this workspace's rows.
+    pub workspace: Option<Uuid>,
+    /// Only this API key's rows.
+    pub api_key: Option<Uuid>,
+    /// Only this model's rows.
+    pub model: Option<String>,
     /// `csv` (RFC 4180), `jsonl`, or `cloudevents` (JSON Lines of CloudEvents 1.0).
     pub format: Format,
 }
 
-const CSV_HEADER: &str = "request_id,tenant_id,workspace_id,api_key_id,model,input_tokens,cache_write_5m_tokens,cache_write_1h_tokens,cache_read_tokens,output_tokens,status,started_at,finished_at\r\n";
+/// Which ledger rows an export holds.
+#[derive(Clone, Debug)]
+pub struct ExportFilter {
+    pub from: DateTime<Utc>,
+    pub to: DateTime<Utc>,
+    pub tenant: Option<Uuid>,
+    pub workspace: Option<Uuid>,
+    pub api_key: Option<Uuid>,
+    pub model: Option<String>,
+}
+
+const CSV_HEADER: &str = "request_id,tenant_id,workspace_id,api_key_id,model,input_tokens,cache_write_5m_tokens,cache_write_1h_tokens,cache_read_tokens,output_tokens,status,started_at,finished_at,tenant_name,workspace_name,api_key_name,currency,cost_exact_nanos\r\n";
 
 pub use crate::csv::field as csv_field;
 
-/// A ledger row for exports.
+/// A ledger row for exports, with the names of its tenant, workspace and key, and its cost:
+/// the row rated at its own start time with the tenant's prices, exact (in nano-units, as
+/// invoice lines carry it; `null` where no price covered the model).
 #[derive(Debug, Serialize, sqlx::FromRow)]
 pub struct LedgerRow {
     pub request_id: Uuid,
@@ -468,6 +522,35 @@ pub struct LedgerRow {
     pub status: String,
     pub started_at: DateTime<Utc>,
     pub finished_at: DateTime<Utc>,
+    pub tenant_name: Option<String>,
+    pub workspace_name: Option<String>,
+    pub api_key_name: Option<String>,
+    #[sqlx(skip)]
+    pub currency: Option<String>,
+    #[sqlx(skip)]
+    pub cost_exact_nanos: Option<String>,
+}
+
+impl LedgerRow {
+    fn tokens(&self) -> crate::dashboard::Tokens {
+        crate::dashboard::Tokens {
+            requests: 1,
+            input_tokens: self.input_tokens,
+            cache_write_5m_tokens: self.cache_write_5m_tokens,
+            cache_write_1h_tokens: self.cache_write_1h_tokens,
+            cache_read_tokens: self.cache_read_tokens,
+            output_tokens: self.output_tokens,
+        }
+    }
+
+    /// Fill in the row's cost from its tenant's prices.
+    fn rate(&mut self, rater: &crate::dashboard::Rater) {
+        let cost = rater.rate(&self.model, self.started_at, &self.tokens());
+        self.currency = rater
+            .currency(&self.model, self.started_at)
+            .map(str::to_string);
+        self.cost_exact_nanos = (cost.unpriced_tokens == 0).then(|| cost.actual.nanos_decimal());
+    }
 }
 
 /// Append one row in `format` to `out`.
@@ -475,9 +558,12 @@ pub fn encode_row(format: Format, r: &LedgerRow, out: &mut Vec<u8>) {
     use std::io::Write;
     match format {
         Format::Csv => {
+            fn opt(v: &Option<String>) -> std::borrow::Cow<'_, str> {
+                csv_field(v.as_deref().unwrap_or(""))
+            }
             let _ = write!(
                 out,
-                "{},{},{},{},{},{},{},{},{},{},{},{},{}\r\n",
+                "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\r\n",
                 r.request_id,
                 r.tenant_id,
                 r.workspace_id,
@@ -493,6 +579,11 @@ pub fn encode_row(format: Format, r: &LedgerRow, out: &mut Vec<u8>) {
                     .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
                 r.finished_at
                     .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                opt(&r.tenant_name),
+                opt(&r.workspace_name),
+                opt(&r.api_key_name),
+                opt(&r.currency),
+                opt(&r.cost_exact_nanos),
             );
         }
         Format::Jsonl => {
@@ -516,36 +607,62 @@ pub fn encode_row(format: Format, r: &LedgerRow, out: &mut Vec<u8>) {
     }
 }
 
-/// Stream the ledger rows of `[from, to)` (optionally one tenant) in `format`, in chunks of
-/// about 64 KiB through a bounded channel.
-pub fn export_stream(
-    pool: PgPool,
-    from: DateTime<Utc>,
-    to: DateTime<Utc>,
-    tenant: Option<Uuid>,
-    format: Format,
-) -> Body {
+/// Stream the ledger rows `filter` picks in `format`, in chunks of about 64 KiB through a
+/// bounded channel.
+pub fn export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(4);
     tokio::spawn(async move {
         let mut buf: Vec<u8> = Vec::with_capacity(80 * 1024);
         if format == Format::Csv {
             buf.extend_from_slice(CSV_HEADER.as_bytes());
         }
+        // Each tenant's prices, loaded once (an export spans few tenants next to its rows).
+        let mut raters: HashMap<Uuid, crate::dashboard::Rater> = HashMap::new();
         let mut rows = sqlx::query_as::<_, LedgerRow>(
-            r#"SELECT request_id, tenant_id, workspace_id, api_key_id, model, input_tokens,
-                      cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens,
-                      output_tokens, status, started_at, finished_at
-               FROM usage_events
-               WHERE started_at >= $1 AND started_at < $2 AND ($3::UUID IS NULL OR tenant_id = $3)
-               ORDER BY started_at, request_id"#,
+            r#"SELECT e.request_id, e.tenant_id, e.workspace_id, e.api_key_id, e.model,
+                      e.input_tokens, e.cache_write_5m_tokens, e.cache_write_1h_tokens,
+                      e.cache_read_tokens, e.output_tokens, e.status, e.started_at, e.finished_at,
+                      t.name AS tenant_name, w.name AS workspace_name, k.name AS api_key_name
+               FROM usage_events e
+               LEFT JOIN tenants t ON t.id = e.tenant_id
+               LEFT JOIN workspaces w ON w.id = e.workspace_id
+               LEFT JOIN api_keys k ON k.id = e.api_key_id
+               WHERE e.started_at >= $1 AND e.started_at < $2
+                 AND ($3::UUID IS NULL OR e.tenant_id = $3)
+                 AND ($4::UUID IS NULL OR e.workspace_id = $4)
+                 AND ($5::UUID IS NULL OR e.api_key_id = $5)
+                 AND ($6::TEXT IS NULL OR e.model = $6)
+               ORDER BY e.started_at, e.request_id"#,
         )
-        .bind(from)
-        .bind(to)
-        .bind(tenant)
+        .bind(filter.from)
+        .bind(filter.to)
+        .bind(filter.tenant)
+        .bind(filter.workspace)
+        .bind(filter.api_key)
+        .bind(filter.model.as_deref())
         .fetch(&pool);
         loop {
             match rows.try_next().await {
-                Ok(Some(r)) => {
+                Ok(Some(mut r)) => {
+                    if let std::collections::hash_map::Entry::Vacant(slot) =
+                        raters.entry(r.tenant_id)
+                    {
+                        match crate::dashboard::Rater::load(&pool, r.tenant_id).await {
+                            Ok(rater) => {
+                                slot.insert(rater);
+                            }
+                            Err(e) => {
+                                tracing::error!(error = %e, "export failed loading prices");
+                                let _ = tx
+                                    .send(Err(std::io::Error::other("export failed; retry")))
+                                    .await;
+                                return;
+                            }
+                        }
+                    }
+                    if let Some(rater) = raters.get(&r.tenant_id) {
+                        r.rate(rater);
+                    }
                     encode_row(format, &r, &mut buf);
                     if buf.len() >= 64 * 1024 {
                         let chunk = bytes::Bytes::from(std::mem::replace(
@@ -595,7 +712,15 @@ pub async fn export_usage(
         Format::Jsonl => "application/jsonl",
         Format::Cloudevents => "application/cloudevents-batch+jsonl",
     };
-    let body = export_stream(s.pool.clone(), q.from, q.to, tenant, q.format);
+    let filter = ExportFilter {
+        from: q.from,
+        to: q.to,
+        tenant,
+        workspace: q.workspace,
+        api_key: q.api_key,
+        model: q.model,
+    };
+    let body = export_stream(s.pool.clone(), filter, q.format);
     Ok(([(header::CONTENT_TYPE, content_type)], body).into_response())
 }
 
@@ -609,6 +734,10 @@ pub fn router(state: FinanceState) -> axum::Router {
         )
         .route("/v1/billing/invoices/{id}", get(get_invoice))
         .route("/v1/billing/prices", get(list_prices).post(add_price))
+        .route(
+            "/v1/billing/prices/retire",
+            axum::routing::post(retire_price),
+        )
         .route("/v1/billing/exports/usage", get(export_usage))
         .with_state(state)
 }

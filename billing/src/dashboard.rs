@@ -41,6 +41,7 @@ pub enum GroupBy {
     None,
     Model,
     ApiKey,
+    Workspace,
 }
 
 /// Token counts by class (and requests).
@@ -120,6 +121,8 @@ pub struct UsagePoint {
     pub model: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key: Option<Uuid>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<Uuid>,
     #[serde(flatten)]
     pub tokens: Tokens,
     /// Share of prompt tokens served from the cache, 0..1.
@@ -137,6 +140,9 @@ pub struct UsagePoint {
 #[derive(Clone, Debug, Serialize, ToSchema)]
 pub struct UsageReport {
     pub tenant: Uuid,
+    /// The one workspace the report covers, if it was asked for one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<Uuid>,
     pub from: DateTime<Utc>,
     pub to: DateTime<Utc>,
     pub granularity: Granularity,
@@ -175,7 +181,7 @@ impl Rater {
         let mut list: HashMap<String, Vec<(DateTime<Utc>, String, Rates)>> = HashMap::new();
         for r in sqlx::query(
             "SELECT model, effective_from, currency, input_nanos, output_nanos, cache_write_5m_bp, \
-             cache_write_1h_bp, cache_read_bp FROM prices ORDER BY model, effective_from",
+             cache_write_1h_bp, cache_read_bp FROM price_book ORDER BY model, effective_from",
         )
         .fetch_all(pool)
         .await?
@@ -228,7 +234,7 @@ impl Rater {
     }
 
     /// The currency of the list price of `model` in force at `at`.
-    fn currency(&self, model: &str, at: DateTime<Utc>) -> Option<&str> {
+    pub fn currency(&self, model: &str, at: DateTime<Utc>) -> Option<&str> {
         let v = self.list.get(model)?;
         let i = v.partition_point(|(from, _, _)| *from <= at);
         i.checked_sub(1).map(|i| v[i].1.as_str())
@@ -267,10 +273,17 @@ impl Rater {
     }
 }
 
-fn point(
-    bucket_start: Option<DateTime<Utc>>,
+/// What a point of a series is, besides its bucket: the group it stands for.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+struct Group {
     model: Option<String>,
     api_key: Option<Uuid>,
+    workspace: Option<Uuid>,
+}
+
+fn point(
+    bucket_start: Option<DateTime<Utc>>,
+    group: Group,
     tokens: Tokens,
     cost: Cost,
     currency: &str,
@@ -278,8 +291,9 @@ fn point(
     let saved = Exact(cost.without_cache.0 - cost.actual.0);
     UsagePoint {
         bucket_start,
-        model,
-        api_key,
+        model: group.model,
+        api_key: group.api_key,
+        workspace: group.workspace,
         hit_ratio: tokens.hit_ratio(),
         tokens,
         cost_minor: cost.actual.to_minor(currency),
@@ -298,17 +312,45 @@ fn bucket_of(t: DateTime<Utc>, g: Granularity) -> DateTime<Utc> {
     t.duration_trunc(step).unwrap_or(t)
 }
 
-/// Usage of `tenant` over the whole hours covering `[from, to)` (the rollups' resolution;
-/// the report says which), per bucket of
-/// `granularity`, split by `group_by`, with totals. Empty buckets are left out.
-pub async fn usage(
-    pool: &PgPool,
-    tenant: Uuid,
-    from: DateTime<Utc>,
-    to: DateTime<Utc>,
-    granularity: Granularity,
-    group_by: GroupBy,
-) -> Result<UsageReport, BillingError> {
+/// What a usage report covers and how it is split.
+#[derive(Clone, Copy, Debug)]
+pub struct UsageQuery {
+    pub tenant: Uuid,
+    pub from: DateTime<Utc>,
+    pub to: DateTime<Utc>,
+    pub granularity: Granularity,
+    pub group_by: GroupBy,
+    /// Only this workspace's keys.
+    pub workspace: Option<Uuid>,
+}
+
+impl UsageQuery {
+    /// The whole tenant over `[from, to)` in daily buckets, not split.
+    pub fn tenant(tenant: Uuid, from: DateTime<Utc>, to: DateTime<Utc>) -> Self {
+        Self {
+            tenant,
+            from,
+            to,
+            granularity: Granularity::Day,
+            group_by: GroupBy::None,
+            workspace: None,
+        }
+    }
+}
+
+/// Usage of a tenant (or one of its workspaces) over the whole hours covering `[from, to)`
+/// (the rollups' resolution; the report says which), per bucket of `granularity`, split by
+/// `group_by`, with totals. Empty buckets are left out. A workspace is its keys' usage (a key
+/// never changes workspace).
+pub async fn usage(pool: &PgPool, q: &UsageQuery) -> Result<UsageReport, BillingError> {
+    let UsageQuery {
+        tenant,
+        from,
+        to,
+        granularity,
+        group_by,
+        workspace,
+    } = *q;
     if to <= from {
         return Err(BillingError::Invalid("`to` must be after `from`".into()));
     }
@@ -346,17 +388,18 @@ pub async fn usage(
     let rows = sqlx::query(
         r#"
         SELECT bucket_start, model, CASE WHEN $4 THEN api_key_id END AS api_key,
+               CASE WHEN $8 THEN k.workspace_id END AS workspace,
                sum(requests)::BIGINT AS requests, sum(input_tokens)::BIGINT AS input_tokens,
                sum(cache_write_5m_tokens)::BIGINT AS w5, sum(cache_write_1h_tokens)::BIGINT AS w1,
                sum(cache_read_tokens)::BIGINT AS rd, sum(output_tokens)::BIGINT AS output_tokens
-        FROM usage_rollups
-        WHERE tenant_id = $1 AND (
+        FROM usage_rollups r LEFT JOIN api_keys k ON k.id = r.api_key_id
+        WHERE r.tenant_id = $1 AND ($9::UUID IS NULL OR k.workspace_id = $9) AND (
               (granularity = 'day' AND bucket_start >= $5 AND bucket_start < $6
                AND NOT (bucket_start = ANY($7)))
            OR (granularity = 'hour' AND bucket_start >= $2 AND bucket_start < $3
                AND (bucket_start < $5 OR bucket_start >= $6
                     OR date_trunc('day', bucket_start, 'UTC') = ANY($7))))
-        GROUP BY 1, 2, 3
+        GROUP BY 1, 2, 3, 4
         "#,
     )
     .bind(tenant)
@@ -366,10 +409,12 @@ pub async fn usage(
     .bind(whole_from)
     .bind(whole_to)
     .bind(&dirty)
+    .bind(group_by == GroupBy::Workspace)
+    .bind(workspace)
     .fetch_all(pool)
     .await?;
 
-    type Key = (DateTime<Utc>, Option<String>, Option<Uuid>);
+    type Key = (DateTime<Utc>, Group);
     let mut buckets: BTreeMap<Key, (Tokens, Cost)> = BTreeMap::new();
     let mut totals = (Tokens::default(), Cost::default());
     let mut currencies: Vec<String> = Vec::new();
@@ -392,8 +437,11 @@ pub async fn usage(
         }
         let key = (
             bucket_of(hour, granularity),
-            (group_by == GroupBy::Model).then(|| model.clone()),
-            r.get("api_key"),
+            Group {
+                model: (group_by == GroupBy::Model).then(|| model.clone()),
+                api_key: r.get("api_key"),
+                workspace: r.get("workspace"),
+            },
         );
         let e = buckets.entry(key).or_default();
         e.0.add(&tokens);
@@ -407,15 +455,16 @@ pub async fn usage(
     let currency = currencies.pop().unwrap_or_else(|| "USD".to_string());
     let series = buckets
         .into_iter()
-        .map(|((at, model, key), (t, c))| point(Some(at), model, key, t, c, &currency))
+        .map(|((at, group), (t, c))| point(Some(at), group, t, c, &currency))
         .collect();
     Ok(UsageReport {
         tenant,
+        workspace,
         from,
         to,
         granularity,
         group_by,
-        totals: point(None, None, None, totals.0, totals.1, &currency),
+        totals: point(None, Group::default(), totals.0, totals.1, &currency),
         currency,
         series,
     })
@@ -439,15 +488,20 @@ pub fn month_of(now: DateTime<Utc>) -> (DateTime<Utc>, DateTime<Utc>) {
     (start, next)
 }
 
-/// What `tenant` has spent this month so far (from the rollups, so up to a minute behind),
-/// in minor units of its currency.
+/// What `tenant` (or one of its workspaces) has spent this month so far (from the rollups, so
+/// up to a minute behind), in minor units of its currency.
 pub async fn month_spend(
     pool: &PgPool,
     tenant: Uuid,
+    workspace: Option<Uuid>,
     now: DateTime<Utc>,
 ) -> Result<(String, i64), BillingError> {
     let (start, next) = month_of(now);
-    let r = usage(pool, tenant, start, next, Granularity::Day, GroupBy::None).await?;
+    let q = UsageQuery {
+        workspace,
+        ..UsageQuery::tenant(tenant, start, next)
+    };
+    let r = usage(pool, &q).await?;
     Ok((r.currency, r.totals.cost_minor))
 }
 

@@ -34,6 +34,11 @@ pub enum BillingError {
     },
     #[error("{0}")]
     Invalid(String),
+    #[error("{0}")]
+    NotFound(String),
+    /// A change the object's state does not allow (retiring a price in force, …).
+    #[error("{0}")]
+    Conflict(String),
     #[error("database: {0}")]
     Db(#[from] sqlx::Error),
 }
@@ -43,7 +48,10 @@ impl cachet_common::error::ServiceError for BillingError {
         use cachet_common::error::ErrorCode;
         match self {
             BillingError::Db(_) => ErrorCode::Api,
-            BillingError::Finalized { .. } | BillingError::Unpriced { .. } => ErrorCode::Conflict,
+            BillingError::Finalized { .. }
+            | BillingError::Unpriced { .. }
+            | BillingError::Conflict(_) => ErrorCode::Conflict,
+            BillingError::NotFound(_) => ErrorCode::NotFound,
             BillingError::MixedCurrency { .. } | BillingError::Invalid(_) => {
                 ErrorCode::InvalidRequest
             }
@@ -187,7 +195,7 @@ async fn usage_lines(
             WHERE t.tenant_id = e.tenant_id AND t.model = e.model AND t.effective_from <= e.started_at
             ORDER BY t.effective_from DESC LIMIT 1) tp ON true
         LEFT JOIN LATERAL (
-            SELECT * FROM prices q
+            SELECT * FROM price_book q
             WHERE q.model = e.model AND q.effective_from <= e.started_at
             ORDER BY q.effective_from DESC LIMIT 1) p ON true
         LEFT JOIN LATERAL (

@@ -333,13 +333,77 @@ pub async fn set_plan(
     .await
 }
 
-/// Every list-price version, by model then time.
-pub async fn list_prices(pool: &PgPool) -> Result<Vec<PriceVersion>, BillingError> {
-    Ok(sqlx::query_as::<_, PriceVersion>(
-        r#"SELECT model, effective_from, currency, input_nanos, output_nanos, cache_write_5m_bp,
-                  cache_write_1h_bp, cache_read_bp
-           FROM prices ORDER BY model, effective_from"#,
+/// A list-price version as the price book lists it: retired ones too, marked.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct ListedPrice {
+    #[serde(flatten)]
+    #[sqlx(flatten)]
+    pub version: PriceVersion,
+    /// When it was withdrawn before taking effect (it never priced anything).
+    pub retired_at: Option<DateTime<Utc>>,
+    pub retired_by: Option<String>,
+    /// Who added it.
+    pub created_by: String,
+}
+
+/// Every list-price version (retired ones included), by model then time.
+pub async fn list_prices(pool: &PgPool) -> Result<Vec<ListedPrice>, BillingError> {
+    Ok(sqlx::query_as::<_, ListedPrice>(
+        r#"SELECT p.model, p.effective_from, p.currency, p.input_nanos, p.output_nanos,
+                  p.cache_write_5m_bp, p.cache_write_1h_bp, p.cache_read_bp, p.created_by,
+                  r.retired_at, r.retired_by
+           FROM prices p LEFT JOIN price_retirements r
+             ON r.model = p.model AND r.effective_from = p.effective_from
+           ORDER BY p.model, p.effective_from"#,
     )
     .fetch_all(pool)
     .await?)
+}
+
+/// Retire a scheduled list-price version: it is withdrawn and never takes effect. A version
+/// already in force (or past) is refused: it priced usage, so it is replaced by a newer version
+/// instead, which keeps every rated line reproducible.
+pub async fn retire_price(
+    pool: &PgPool,
+    model: &str,
+    effective_from: DateTime<Utc>,
+    actor: &str,
+    now: DateTime<Utc>,
+) -> Result<(), BillingError> {
+    let found: Option<bool> = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM price_retirements r WHERE r.model = p.model          AND r.effective_from = p.effective_from) FROM prices p          WHERE p.model = $1 AND p.effective_from = $2",
+    )
+    .bind(model)
+    .bind(effective_from)
+    .fetch_optional(pool)
+    .await?;
+    match found {
+        None => {
+            return Err(BillingError::NotFound(format!(
+                "no price of model {model} from {effective_from}"
+            )));
+        }
+        Some(true) => return Ok(()),
+        Some(false) => {}
+    }
+    if effective_from <= now {
+        return Err(BillingError::Conflict(format!(
+            "the price of {model} from {effective_from} is in force or past: it priced usage, so              it cannot be retired; add a new version to change the price from a date on"
+        )));
+    }
+    sqlx::query(
+        "INSERT INTO price_retirements (model, effective_from, retired_by) VALUES ($1, $2, $3)          ON CONFLICT DO NOTHING",
+    )
+    .bind(model)
+    .bind(effective_from)
+    .bind(actor)
+    .execute(pool)
+    .await?;
+    audit(
+        pool,
+        actor,
+        "price_retired",
+        serde_json::json!({"model": model, "effective_from": effective_from}),
+    )
+    .await
 }

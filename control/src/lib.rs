@@ -5,6 +5,8 @@
 //!   the admin API and the `cachet admin` CLI change, and what the request path's
 //!   authentication reads ([`tenants::lookup_key`]);
 //! - [`admin`], the admin API's handlers, logins, the usage/budget/cache views, the UI;
+//! - [`alerts`], budget thresholds crossed (once a month each), and [`webhooks`], the signed,
+//!   retried deliveries that tell the tenant;
 //! - [`metrics`], the `cachet_control_*` series.
 //!
 //! It depends on billing (invoices, usage views) and on admin identity (roles and tokens),
@@ -14,5 +16,7 @@
 //! databases see one migration history.
 
 pub mod admin;
+pub mod alerts;
 pub mod metrics;
 pub mod tenants;
+pub mod webhooks;

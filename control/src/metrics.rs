@@ -17,3 +17,29 @@ pub static ADMIN_LOGINS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     let _ = prometheus::default_registry().register(Box::new(c.clone()));
     c
 });
+
+pub static WEBHOOK_ATTEMPTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    let c = IntCounterVec::new(
+        Opts::new(
+            "cachet_control_webhook_attempts_total",
+            "Webhook delivery attempts by outcome (delivered, retry, failed)",
+        ),
+        &["outcome"],
+    )
+    .expect("metric");
+    let _ = prometheus::default_registry().register(Box::new(c.clone()));
+    c
+});
+
+pub static BUDGET_ALERTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    let c = IntCounterVec::new(
+        Opts::new(
+            "cachet_control_budget_alerts_total",
+            "Budget thresholds crossed (recorded once per tenant or workspace, month and threshold)",
+        ),
+        &["scope"],
+    )
+    .expect("metric");
+    let _ = prometheus::default_registry().register(Box::new(c.clone()));
+    c
+});

@@ -4,7 +4,9 @@
 //! - Input cost is the prompt minus cache reads (reads never count, as on Anthropic).
 //! - Output cost is `max_tokens` at admission; the unused part is refunded at the end.
 //! - All buckets of a request are checked and taken atomically (one Lua script).
-//! - **Monthly spend budget**: a tenant whose spend this month (from the rollups, refreshed
+//! - Limits are each key's, its workspace's (every key of the workspace together) and the
+//!   whole tenant's; a request must fit all of them.
+//! - **Monthly spend budget**: a tenant (or a workspace) whose spend this month (from the rollups, refreshed
 //!   by [`crate::sync`] about every 15 s, so up to a minute or so behind) has reached its
 //!   budget is refused with 429 until the month ends. Until its spend is first known, a
 //!   tenant is admitted.
@@ -19,7 +21,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use cachet_common::{ApiKeyId, TenantId};
+use cachet_common::{ApiKeyId, TenantId, WorkspaceId};
 use chrono::{DateTime, Utc};
 use redis::aio::ConnectionManager;
 
@@ -89,14 +91,34 @@ impl Class {
     }
 }
 
+/// Whose limit a bucket is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Holder {
+    /// Each API key's own.
+    Key,
+    /// The key's workspace, every key in it together.
+    Workspace,
+    /// The whole tenant.
+    Tenant,
+}
+
+impl Holder {
+    fn describe(self) -> &'static str {
+        match self {
+            Holder::Key => "per API key",
+            Holder::Workspace => "for this workspace",
+            Holder::Tenant => "for your organization",
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Bucket {
     key: String,
     class: Class,
     /// The policy field this bucket enforces (`key_requests_per_minute`, …).
     limit: &'static str,
-    /// A key's own limit, or the whole tenant's.
-    per_key: bool,
+    holder: Holder,
     capacity: u64,
     cost: u64,
 }
@@ -133,6 +155,13 @@ pub struct Spend {
     pub resets_at: DateTime<Utc>,
 }
 
+/// Who has a monthly budget: a tenant, or one of its workspaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Spender {
+    Tenant(TenantId),
+    Workspace(WorkspaceId),
+}
+
 /// A granted admission, to refund unused output tokens against.
 pub struct Ticket {
     buckets: Vec<Bucket>,
@@ -149,69 +178,94 @@ pub struct Admission {
     timeout: Duration,
     script: redis::Script,
     local: Mutex<HashMap<String, Local>>,
-    spend: Mutex<HashMap<TenantId, Spend>>,
+    spend: Mutex<HashMap<Spender, Spend>>,
     refusals: Mutex<HashMap<(TenantId, ApiKeyId, &'static str), u64>>,
 }
 
 fn buckets(ask: &Ask<'_>) -> Vec<Bucket> {
     let p = ask.principal;
-    let q = &p.policy;
-    let key = format!("cachet:rl:k:{}", p.key_id);
-    let tenant = format!("cachet:rl:t:{}", p.tenant);
+    let (q, w) = (&p.policy, &p.workspace_limits);
     let (input, output) = (ask.input_tokens, ask.output_tokens);
+    use Class::{InputTokens, OutputTokens, Requests};
+    use Holder::{Key, Tenant, Workspace};
     let spec = [
         (
-            true,
-            Class::Requests,
+            Key,
+            Requests,
             "key_requests_per_minute",
             q.key_requests_per_minute,
             1,
         ),
         (
-            false,
-            Class::Requests,
+            Workspace,
+            Requests,
+            "workspace_requests_per_minute",
+            w.requests_per_minute,
+            1,
+        ),
+        (
+            Tenant,
+            Requests,
             "requests_per_minute",
             q.requests_per_minute,
             1,
         ),
         (
-            true,
-            Class::InputTokens,
+            Key,
+            InputTokens,
             "key_input_tokens_per_minute",
             q.key_input_tokens_per_minute,
             input,
         ),
         (
-            false,
-            Class::InputTokens,
+            Workspace,
+            InputTokens,
+            "workspace_input_tokens_per_minute",
+            w.input_tokens_per_minute,
+            input,
+        ),
+        (
+            Tenant,
+            InputTokens,
             "input_tokens_per_minute",
             q.input_tokens_per_minute,
             input,
         ),
         (
-            true,
-            Class::OutputTokens,
+            Key,
+            OutputTokens,
             "key_output_tokens_per_minute",
             q.key_output_tokens_per_minute,
             output,
         ),
         (
-            false,
-            Class::OutputTokens,
+            Workspace,
+            OutputTokens,
+            "workspace_output_tokens_per_minute",
+            w.output_tokens_per_minute,
+            output,
+        ),
+        (
+            Tenant,
+            OutputTokens,
             "output_tokens_per_minute",
             q.output_tokens_per_minute,
             output,
         ),
     ];
     spec.into_iter()
-        .filter_map(|(per_key, class, name, limit, cost)| {
+        .filter_map(|(holder, class, name, limit, cost)| {
             let cap = u64::try_from(limit?).ok().filter(|&c| c > 0)?;
-            let k = if per_key { &key } else { &tenant };
+            let k = match holder {
+                Key => format!("cachet:rl:k:{}", p.key_id),
+                Workspace => format!("cachet:rl:w:{}", p.workspace),
+                Tenant => format!("cachet:rl:t:{}", p.tenant),
+            };
             Some(Bucket {
                 key: format!("{k}:{}", class.header()),
                 class,
                 limit: name,
-                per_key,
+                holder,
                 capacity: cap,
                 cost,
             })
@@ -267,20 +321,20 @@ impl Admission {
         })
     }
 
-    /// Record what a tenant has spent this month (see the module docs).
-    pub fn set_spend(&self, tenant: TenantId, spend: Spend) {
+    /// Record what a tenant (or a workspace) has spent this month (see the module docs).
+    pub fn set_spend(&self, who: Spender, spend: Spend) {
         self.spend
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(tenant, spend);
+            .insert(who, spend);
     }
 
-    /// What a tenant had spent this month when last computed.
-    pub fn spend(&self, tenant: TenantId) -> Option<Spend> {
+    /// What a tenant (or a workspace) had spent this month when last computed.
+    pub fn spend(&self, who: Spender) -> Option<Spend> {
         self.spend
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .get(&tenant)
+            .get(&who)
             .cloned()
     }
 
@@ -304,13 +358,26 @@ impl Admission {
             .or_default() += 1;
     }
 
-    /// A refusal for the monthly budget, if the tenant has one and has spent it.
-    fn over_budget(&self, p: &Principal, now: DateTime<Utc>) -> Option<Decision> {
-        let budget = p.policy.monthly_budget_minor?;
-        let spend = self.spend(p.tenant)?;
-        if spend.spent_minor < budget || spend.resets_at <= now {
-            return None;
-        }
+    /// A refusal for the monthly budget, if the tenant (or the key's workspace) has one and
+    /// has spent it: the refused limit and the decision.
+    fn over_budget(&self, p: &Principal, now: DateTime<Utc>) -> Option<(&'static str, Decision)> {
+        let spent = |budget: Option<i64>, who: Spender| {
+            let budget = budget?;
+            let spend = self.spend(who)?;
+            (spend.spent_minor >= budget && spend.resets_at > now).then_some((budget, spend))
+        };
+        let (limit, whose, (budget, spend)) =
+            match spent(p.policy.monthly_budget_minor, Spender::Tenant(p.tenant)) {
+                Some(s) => ("monthly_budget", "your organization's", s),
+                None => (
+                    "workspace_monthly_budget",
+                    "this workspace's",
+                    spent(
+                        p.workspace_limits.monthly_budget_minor,
+                        Spender::Workspace(p.workspace),
+                    )?,
+                ),
+            };
         let money = |m: i64| {
             format!(
                 "{} {}",
@@ -318,19 +385,22 @@ impl Admission {
                 spend.currency
             )
         };
-        Some(Decision::Denied {
-            retry_after_secs: (spend.resets_at - now).num_seconds().max(1) as u64,
-            limit: "monthly_budget",
-            message: format!(
-                "This request would exceed your organization's monthly spend budget of {} ({} spent this month). The budget resets at {}.",
-                money(budget),
-                money(spend.spent_minor),
-                spend
-                    .resets_at
-                    .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-            ),
-            headers: RateHeaders::default(),
-        })
+        Some((
+            limit,
+            Decision::Denied {
+                retry_after_secs: (spend.resets_at - now).num_seconds().max(1) as u64,
+                limit,
+                message: format!(
+                    "This request would exceed {whose} monthly spend budget of {} ({} spent this month). The budget resets at {}.",
+                    money(budget),
+                    money(spend.spent_minor),
+                    spend
+                        .resets_at
+                        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+                ),
+                headers: RateHeaders::default(),
+            },
+        ))
     }
 
     async fn connection(&self) -> Option<ConnectionManager> {
@@ -454,8 +524,8 @@ impl Admission {
     }
 
     pub async fn admit(&self, ask: &Ask<'_>) -> (Decision, Ticket) {
-        if let Some(refusal) = self.over_budget(ask.principal, Utc::now()) {
-            self.refused(ask.principal, "monthly_budget");
+        if let Some((limit, refusal)) = self.over_budget(ask.principal, Utc::now()) {
+            self.refused(ask.principal, limit);
             return (
                 refusal,
                 Ticket {
@@ -485,11 +555,7 @@ impl Admission {
                         "This request would exceed your rate limit of {} {} ({}). Please retry after {retry_after_secs} seconds.",
                         b.capacity,
                         b.class.describe(),
-                        if b.per_key {
-                            "per API key"
-                        } else {
-                            "for your organization"
-                        },
+                        b.holder.describe(),
                     ),
                     headers: h,
                 },

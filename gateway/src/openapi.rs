@@ -5,7 +5,7 @@ use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder
 use utoipa::{Modify, OpenApi};
 
 use crate::api::handlers;
-use control::admin::{handlers as admin, login, overview, passwords, views};
+use control::admin::{handlers as admin, login, overview, passwords, views, webhooks, workspaces};
 
 struct Security;
 
@@ -42,6 +42,7 @@ impl Modify for Security {
     paths(handlers::create_message, handlers::create_chat_completion, handlers::count_tokens, handlers::list_models, handlers::get_model,
           billing::api::usage, billing::api::list_invoices, billing::api::get_invoice,
           billing::api::rate_invoice, billing::api::list_prices, billing::api::add_price,
+          billing::api::retire_price,
           billing::api::export_usage,
           login::login, login::refresh, login::logout, login::me, login::list_users,
           login::create_user_handler, login::disable_user, login::unlock_user,
@@ -51,12 +52,15 @@ impl Modify for Security {
           admin::delete_tenant, admin::list_keys, admin::create_key, admin::update_key,
           admin::revoke_key, admin::rotate_key, admin::get_policy, admin::patch_policy,
           admin::list_audit, admin::export_audit, views::usage, views::budget, views::cache,
-          overview::overview),
+          overview::overview, workspaces::list_workspaces, workspaces::create_workspace,
+          workspaces::get_workspace, workspaces::update_workspace, workspaces::archive_workspace,
+          webhooks::list_endpoints, webhooks::create_endpoint, webhooks::disable_endpoint,
+          webhooks::list_deliveries),
     components(schemas(billing::api::Format)),
     modifiers(&Security),
     tags((name = "messages", description = "Messages and token counting"), (name = "chat", description = "OpenAI Chat Completions over the same cache"), (name = "models", description = "Served models"),
          (name = "billing", description = "Finance API: usage, invoices, prices, exports (admin JWT)"),
-         (name = "admin", description = "Admin API: login, users, tenants, keys, policy, usage, budget, cache, audit log (admin JWT)"))
+         (name = "admin", description = "Admin API: login, users, tenants, workspaces, keys, policy, webhooks, usage, budget, cache, audit log (admin JWT)"))
 )]
 pub struct ApiDoc;
 

@@ -17,9 +17,9 @@
 //! applied. Applying a change twice is harmless (it reloads state), so nothing depends on
 //! exactly-once.
 //!
-//! Besides, on the same loop: the month's spend of tenants with a budget (for admission, every
-//! [`SyncConfig::spend_every`], with a `budget.alert` audit row the first time a tenant passes its alert
-//! threshold in a month), counts of refused requests and keys' last use (every
+//! Besides, on the same loop: the month's spend of tenants and workspaces with a budget (for
+//! admission, every [`SyncConfig::spend_every`], recording each budget threshold crossed once a
+//! month: [`control::alerts`]), counts of refused requests and keys' last use (every
 //! [`FLUSH_EVERY`]), and erasing rotation seeds past their replay window.
 
 use std::collections::{BTreeSet, HashMap};
@@ -29,12 +29,11 @@ use std::time::{Duration, Instant};
 use cache_fabric::FabricClient;
 use cachet_common::TenantId;
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
-use serde_json::json;
 use sqlx::{PgPool, Row};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::admission::{Admission, Spend};
+use crate::admission::{Admission, Spend, Spender};
 use crate::auth::Authenticator;
 use crate::metrics;
 use control::tenants::policy::{self, Policy};
@@ -238,8 +237,8 @@ impl Follower {
     }
 }
 
-/// Recompute this month's spend of the tenants with a budget that this process serves, and
-/// raise each tenant's budget alert once a month.
+/// Recompute this month's spend of the tenants (and workspaces) with a budget that this
+/// process serves, and record the budget thresholds they crossed ([`control::alerts`]).
 async fn refresh_spend(
     pool: &PgPool,
     auth: &Authenticator,
@@ -249,41 +248,34 @@ async fn refresh_spend(
     if served.is_empty() {
         return Ok(());
     }
-    let budgets = sqlx::query(
-        "SELECT tenant_id, monthly_budget_minor, budget_alert_percent FROM tenant_quotas \
-         WHERE monthly_budget_minor IS NOT NULL AND tenant_id = ANY($1)",
+    let budgeted: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT tenant_id FROM tenant_quotas WHERE monthly_budget_minor IS NOT NULL \
+         AND tenant_id = ANY($1) UNION SELECT tenant_id FROM workspaces \
+         WHERE monthly_budget_minor IS NOT NULL AND archived_at IS NULL AND tenant_id = ANY($1)",
     )
     .bind(&served)
     .fetch_all(pool)
     .await?;
     let now = Utc::now();
-    let (month, resets_at) = billing::dashboard::month_of(now);
-    for b in budgets {
-        let tenant: Uuid = b.get("tenant_id");
-        let limit: i64 = b.get("monthly_budget_minor");
-        let alert: i16 = b.get("budget_alert_percent");
-        let (currency, spent) = billing::dashboard::month_spend(pool, tenant, now).await?;
-        if i128::from(spent) * 100 >= i128::from(limit) * i128::from(alert) {
-            // Once a month per tenant, whichever process sees it first.
-            sqlx::query(
-                "INSERT INTO admin_audit (actor, tenant_id, action, target, after) \
-                 SELECT 'system', $1, 'budget.alert', $1::TEXT, $2 WHERE NOT EXISTS \
-                 (SELECT 1 FROM admin_audit WHERE tenant_id = $1 AND action = 'budget.alert' AND at >= $3)",
-            )
-            .bind(tenant)
-            .bind(json!({"spent_minor": spent, "limit_minor": limit, "alert_percent": alert, "currency": currency}))
-            .bind(month)
-            .execute(pool)
-            .await?;
+    let (_, resets_at) = billing::dashboard::month_of(now);
+    for tenant in budgeted {
+        for s in control::alerts::standings(pool, tenant, now).await? {
+            if let Err(e) = control::alerts::record(pool, &s, now).await {
+                tracing::warn!(tenant_id = %tenant, error = %e, "recording a budget alert failed");
+            }
+            let who = match s.workspace {
+                Some(w) => Spender::Workspace(cachet_common::WorkspaceId(w)),
+                None => Spender::Tenant(TenantId(tenant)),
+            };
+            admission.set_spend(
+                who,
+                Spend {
+                    currency: s.currency,
+                    spent_minor: s.spent_minor,
+                    resets_at,
+                },
+            );
         }
-        admission.set_spend(
-            TenantId(tenant),
-            Spend {
-                currency,
-                spent_minor: spent,
-                resets_at,
-            },
-        );
     }
     Ok(())
 }

@@ -121,6 +121,7 @@ impl TestApp {
         config.admin.change_poll_ms = 200;
         config.admin.rollup_interval_secs = 1;
         config.admin.spend_refresh_secs = 1;
+        config.admin.webhook_retry_base_ms = 200;
         (opts.tweak)(&mut config);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let shutdown = CancellationToken::new();

@@ -184,6 +184,9 @@ pub struct NewKeyRequest {
     /// When the key stops working (RFC 3339); none by default.
     #[serde(default)]
     pub expires_at: Option<DateTime<Utc>>,
+    /// The workspace the key belongs to (the tenant's default workspace if absent).
+    #[serde(default)]
+    pub workspace_id: Option<Uuid>,
 }
 
 fn default_key_name() -> String {
@@ -215,10 +218,14 @@ pub async fn create_key(
     let tenant = tenants::find_tenant(&state.pool, &id.to_string())
         .await?
         .ok_or_else(|| AdminError::TenantNotFound(id.to_string()))?;
-    let k = keys::create_key(
+    let workspace = req
+        .workspace_id
+        .map_or(tenant.default_workspace, cachet_common::WorkspaceId);
+    let k = keys::create_key_in(
         &state.pool,
         &admin.actor,
         &tenant,
+        workspace,
         &req.name,
         req.expires_at,
     )

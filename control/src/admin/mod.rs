@@ -12,6 +12,8 @@
 //!   tokens with rotating refresh tokens, logout;
 //! - [`passwords`]: changing one's own password, one-time reset secrets;
 //! - [`handlers`]: tenants, keys, policy, audit log;
+//! - [`workspaces`]: a tenant's workspaces (create, rename, limits, archive);
+//! - [`webhooks`]: a tenant's alert endpoints and their delivery log;
 //! - [`views`]: usage and savings over time, budget status, the cache view;
 //! - [`overview`]: finance's month across tenants (JSON or CSV);
 //! - [`ui`]: the built single-page app from `admin-ui/dist`.
@@ -24,6 +26,8 @@ pub mod overview;
 pub mod passwords;
 pub mod ui;
 pub mod views;
+pub mod webhooks;
+pub mod workspaces;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -308,6 +312,30 @@ pub fn routes(state: AdminState) -> Router {
         .route(
             "/v1/admin/tenants/{id}/keys/{key}/rotate",
             post(handlers::rotate_key),
+        )
+        .route(
+            "/v1/admin/tenants/{id}/workspaces",
+            get(workspaces::list_workspaces).post(workspaces::create_workspace),
+        )
+        .route(
+            "/v1/admin/tenants/{id}/workspaces/{workspace}",
+            get(workspaces::get_workspace).patch(workspaces::update_workspace),
+        )
+        .route(
+            "/v1/admin/tenants/{id}/workspaces/{workspace}/archive",
+            post(workspaces::archive_workspace),
+        )
+        .route(
+            "/v1/admin/tenants/{id}/webhooks",
+            get(webhooks::list_endpoints).post(webhooks::create_endpoint),
+        )
+        .route(
+            "/v1/admin/tenants/{id}/webhooks/deliveries",
+            get(webhooks::list_deliveries),
+        )
+        .route(
+            "/v1/admin/tenants/{id}/webhooks/{endpoint}/disable",
+            post(webhooks::disable_endpoint),
         )
         .route(
             "/v1/admin/tenants/{id}/policy",

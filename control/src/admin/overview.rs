@@ -6,7 +6,7 @@
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use billing::dashboard::{self, Granularity, GroupBy};
+use billing::dashboard;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
@@ -93,7 +93,7 @@ pub async fn month_overview(pool: &sqlx::PgPool, month: &str) -> Result<MonthOve
     let mut data = Vec::with_capacity(tenants.len());
     for t in tenants {
         let id: Uuid = t.get("id");
-        let r = dashboard::usage(pool, id, from, to, Granularity::Day, GroupBy::None).await?;
+        let r = dashboard::usage(pool, &dashboard::UsageQuery::tenant(id, from, to)).await?;
         let budget: Option<i64> = t.get("monthly_budget_minor");
         let p = r.totals;
         data.push(TenantMonth {

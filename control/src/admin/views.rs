@@ -30,9 +30,11 @@ pub struct UsageQuery {
     pub to: DateTime<Utc>,
     /// `hour` or `day`; by default `hour` for windows up to three days, else `day`.
     pub granularity: Option<Granularity>,
-    /// `none` (default), `model` or `api_key`.
+    /// `none` (default), `model`, `api_key` or `workspace`.
     #[serde(default)]
     pub group_by: GroupBy,
+    /// Only the usage of this workspace's keys.
+    pub workspace: Option<Uuid>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -41,6 +43,8 @@ pub struct UsageView {
     pub report: UsageReport,
     /// Names of the keys in a series grouped by `api_key`.
     pub key_names: BTreeMap<Uuid, String>,
+    /// Names of the workspaces in a series grouped by `workspace`.
+    pub workspace_names: BTreeMap<Uuid, String>,
 }
 
 /// Tokens by class, requests, hit ratio, cost and cost saved by caching (net of the write
@@ -64,8 +68,33 @@ pub async fn usage(
         } else {
             Granularity::Day
         });
-    let report = dashboard::usage(&state.pool, id, q.from, q.to, granularity, q.group_by).await?;
+    let report = dashboard::usage(
+        &state.pool,
+        &dashboard::UsageQuery {
+            tenant: id,
+            from: q.from,
+            to: q.to,
+            granularity,
+            group_by: q.group_by,
+            workspace: q.workspace,
+        },
+    )
+    .await?;
     let mut key_names = BTreeMap::new();
+    let mut workspace_names = BTreeMap::new();
+    if q.group_by == GroupBy::Workspace {
+        let ids: Vec<Uuid> = report.series.iter().filter_map(|p| p.workspace).collect();
+        for r in
+            sqlx::query("SELECT id, name FROM workspaces WHERE id = ANY($1) AND tenant_id = $2")
+                .bind(&ids)
+                .bind(id)
+                .fetch_all(&state.pool)
+                .await
+                .map_err(AdminError::from)?
+        {
+            workspace_names.insert(r.get("id"), r.get("name"));
+        }
+    }
     if q.group_by == GroupBy::ApiKey {
         let ids: Vec<Uuid> = report.series.iter().filter_map(|p| p.api_key).collect();
         for r in sqlx::query("SELECT id, name, visible_prefix FROM api_keys WHERE id = ANY($1)")
@@ -78,7 +107,11 @@ pub async fn usage(
             key_names.insert(r.get("id"), format!("{name} ({prefix}…)"));
         }
     }
-    Ok(axum::Json(UsageView { report, key_names }))
+    Ok(axum::Json(UsageView {
+        report,
+        key_names,
+        workspace_names,
+    }))
 }
 
 /// How a budget stands.
@@ -143,7 +176,7 @@ pub async fn budget(
     let p = policy::get_policy(&state.pool, TenantId(id)).await?;
     let now = Utc::now();
     let (month_start, resets_at) = dashboard::month_of(now);
-    let (currency, spent_minor) = dashboard::month_spend(&state.pool, id, now).await?;
+    let (currency, spent_minor) = dashboard::month_spend(&state.pool, id, None, now).await?;
     let refusals = sqlx::query(
         "SELECT limit_name, sum(refusals)::BIGINT AS n FROM admission_refusals \
          WHERE tenant_id = $1 AND bucket_start >= $2 GROUP BY 1 ORDER BY 2 DESC, 1",

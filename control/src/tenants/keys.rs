@@ -55,6 +55,8 @@ pub enum KeyState {
 pub struct KeyInfo {
     pub id: Uuid,
     pub tenant_id: Uuid,
+    /// The workspace the key belongs to (for good: a key never moves).
+    pub workspace_id: Uuid,
     pub name: String,
     /// The secret's first 16 characters.
     pub prefix: String,
@@ -155,21 +157,36 @@ pub async fn create_key(
     name: &str,
     expires_at: Option<DateTime<Utc>>,
 ) -> Result<NewKey, AdminError> {
+    create_key_in(
+        pool,
+        actor,
+        tenant,
+        tenant.default_workspace,
+        name,
+        expires_at,
+    )
+    .await
+}
+
+/// Create an API key in one of a tenant's workspaces (not an archived one).
+pub async fn create_key_in(
+    pool: &PgPool,
+    actor: &Actor,
+    tenant: &Tenant,
+    workspace: WorkspaceId,
+    name: &str,
+    expires_at: Option<DateTime<Utc>>,
+) -> Result<NewKey, AdminError> {
     let name = super::check_name(name)?;
     check_expiry(expires_at)?;
+    if workspace != tenant.default_workspace {
+        super::workspaces::live_workspace(pool, tenant.id, workspace).await?;
+    }
     let id = ApiKeyId::new();
     let secret = new_secret()?;
     let mut tx = pool.begin().await?;
-    let visible_prefix = insert_key(
-        &mut tx,
-        id,
-        tenant.id,
-        tenant.default_workspace,
-        name,
-        &secret,
-        expires_at,
-    )
-    .await?;
+    let visible_prefix =
+        insert_key(&mut tx, id, tenant.id, workspace, name, &secret, expires_at).await?;
     audit::record(
         &mut tx,
         actor,
@@ -178,7 +195,7 @@ pub async fn create_key(
             action: "key.create",
             target: Some(id.to_string()),
             before: None,
-            after: Some(json!({"name": name, "prefix": visible_prefix, "expires_at": expires_at})),
+            after: Some(json!({"name": name, "prefix": visible_prefix, "expires_at": expires_at, "workspace_id": workspace})),
         },
     )
     .await?;
@@ -190,7 +207,7 @@ pub async fn create_key(
     })
 }
 
-const KEY_COLUMNS: &str = "id, tenant_id, name, visible_prefix, created_at, last_used_at, \
+const KEY_COLUMNS: &str = "id, tenant_id, workspace_id, name, visible_prefix, created_at, last_used_at, \
     expires_at, revoked_at, rotated_to";
 
 fn key_info(r: &sqlx::postgres::PgRow, now: DateTime<Utc>) -> KeyInfo {
@@ -209,6 +226,7 @@ fn key_info(r: &sqlx::postgres::PgRow, now: DateTime<Utc>) -> KeyInfo {
     KeyInfo {
         id: r.get("id"),
         tenant_id: r.get("tenant_id"),
+        workspace_id: r.get("workspace_id"),
         name: r.get("name"),
         prefix: r.get("visible_prefix"),
         state,

@@ -13,6 +13,7 @@
 pub mod audit;
 pub mod keys;
 pub mod policy;
+pub mod workspaces;
 
 use cachet_common::{ApiKeyId, TenantId, WorkspaceId};
 use chrono::{DateTime, Utc};
@@ -90,6 +91,8 @@ pub struct Principal {
     pub tenant: TenantId,
     pub workspace: WorkspaceId,
     pub policy: Policy,
+    /// The limits of the key's workspace, on top of the tenant's.
+    pub workspace_limits: workspaces::WorkspaceLimits,
     /// When the key stops working (its own expiry, or the end of a rotation's grace period).
     pub key_expires_at: Option<DateTime<Utc>>,
     pub tenant_suspended: bool,
@@ -370,10 +373,14 @@ pub async fn lookup_key(
     secret_sha256: &[u8; 32],
 ) -> Result<Option<Principal>, sqlx::Error> {
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT k.id, k.tenant_id, k.workspace_id, k.expires_at, t.suspended_at, {} \
-         FROM api_keys k JOIN tenants t ON t.id = k.tenant_id LEFT JOIN tenant_quotas q ON q.tenant_id = k.tenant_id \
-         WHERE k.secret_sha256 = $1 AND k.revoked_at IS NULL AND t.deleted_at IS NULL",
-        policy::COLUMNS
+        "SELECT k.id, k.tenant_id, k.workspace_id, k.expires_at, t.suspended_at, {}, {} \
+         FROM api_keys k JOIN tenants t ON t.id = k.tenant_id \
+         JOIN workspaces w ON w.id = k.workspace_id \
+         LEFT JOIN tenant_quotas q ON q.tenant_id = k.tenant_id \
+         WHERE k.secret_sha256 = $1 AND k.revoked_at IS NULL AND t.deleted_at IS NULL \
+         AND w.archived_at IS NULL",
+        policy::COLUMNS,
+        workspaces::LIMIT_COLUMNS
     )))
     .bind(&secret_sha256[..])
     .fetch_optional(pool)
@@ -383,6 +390,7 @@ pub async fn lookup_key(
         tenant: TenantId(r.get("tenant_id")),
         workspace: WorkspaceId(r.get("workspace_id")),
         policy: policy::from_row(&r),
+        workspace_limits: workspaces::limits_from_row(&r),
         key_expires_at: r.get("expires_at"),
         tenant_suspended: r.get::<Option<DateTime<Utc>>, _>("suspended_at").is_some(),
     }))

@@ -134,7 +134,7 @@ pub(crate) fn from_row(r: &sqlx::postgres::PgRow) -> Policy {
 }
 
 /// `Some(None)` for an explicit `null`, `Some(Some(v))` for a value, `None` when absent.
-fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+pub(crate) fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
     d: D,
 ) -> Result<Option<Option<T>>, D::Error> {
     Ok(Some(Option::deserialize(d)?))
@@ -377,6 +377,10 @@ pub async fn patch_policy(
     )
     .await?;
     tx.commit().await?;
+    if patch.monthly_budget_minor.is_some() || patch.budget_alert_percent.is_some() {
+        // A budget lowered below what was spent alerts now, not at the next request.
+        crate::alerts::check_now(pool, tenant).await;
+    }
     Ok(after)
 }
 

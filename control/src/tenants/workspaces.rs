@@ -1,0 +1,433 @@
+//! Workspaces: the cache-isolation scope inside a tenant, and a unit of keys, limits and usage.
+//!
+//! Every tenant is created with a `default` workspace; keys created without a workspace go
+//! there, and it can be neither renamed nor archived. Other workspaces are created, renamed,
+//! given limits and archived. Archiving revokes the workspace's keys in the same transaction
+//! (running gateways refuse them within about a second, as for any revoked key) and is final;
+//! the workspace's usage stays in the ledger and its name stays taken.
+//!
+//! A workspace's limits apply on top of the tenant's: requests, uncached input tokens and
+//! output tokens per minute, and a monthly spend budget, each for the whole workspace (every
+//! key in it together). Every block hash carries the workspace, so two workspaces of one tenant
+//! never read each other's cache.
+
+use cachet_common::{TenantId, WorkspaceId};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use sqlx::{PgPool, Row};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::AdminError;
+use super::audit::{self, Actor};
+use super::policy::present;
+
+/// The name of the workspace every tenant is created with.
+pub const DEFAULT_NAME: &str = "default";
+
+/// A workspace's own limits; `None` is "no limit beyond the tenant's".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct WorkspaceLimits {
+    pub requests_per_minute: Option<i64>,
+    /// Uncached input tokens per minute (cache reads never count).
+    pub input_tokens_per_minute: Option<i64>,
+    pub output_tokens_per_minute: Option<i64>,
+    /// Spend per calendar month (UTC), minor units of the tenant's currency.
+    pub monthly_budget_minor: Option<i64>,
+}
+
+impl WorkspaceLimits {
+    fn validate(&self) -> Result<(), AdminError> {
+        let at_least = |name: &str, v: Option<i64>, min: i64| match v {
+            Some(v) if v < min => Err(AdminError::Invalid(format!(
+                "{name}: must be a whole number of at least {min}, or null for no limit"
+            ))),
+            _ => Ok(()),
+        };
+        at_least("requests_per_minute", self.requests_per_minute, 1)?;
+        at_least("input_tokens_per_minute", self.input_tokens_per_minute, 1)?;
+        at_least("output_tokens_per_minute", self.output_tokens_per_minute, 1)?;
+        at_least("monthly_budget_minor", self.monthly_budget_minor, 0)
+    }
+}
+
+/// A workspace as the admin API shows it.
+#[derive(Clone, Debug, Serialize, ToSchema)]
+pub struct WorkspaceInfo {
+    pub id: Uuid,
+    pub tenant_id: Uuid,
+    pub name: String,
+    /// The tenant's `default` workspace (never renamed or archived).
+    pub is_default: bool,
+    pub created_at: DateTime<Utc>,
+    pub archived_at: Option<DateTime<Utc>>,
+    pub limits: WorkspaceLimits,
+    /// Keys that are neither revoked nor expired.
+    pub active_keys: i64,
+}
+
+/// A change to a workspace (JSON merge patch: absent = unchanged, `null` = no limit).
+#[derive(Clone, Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkspacePatch {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub requests_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub input_tokens_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub output_tokens_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub monthly_budget_minor: Option<Option<i64>>,
+}
+
+impl WorkspacePatch {
+    /// `limits` with this patch applied, validated.
+    pub fn apply(&self, mut l: WorkspaceLimits) -> Result<WorkspaceLimits, AdminError> {
+        fn set<T: Copy>(slot: &mut T, v: Option<T>) {
+            if let Some(v) = v {
+                *slot = v;
+            }
+        }
+        set(&mut l.requests_per_minute, self.requests_per_minute);
+        set(&mut l.input_tokens_per_minute, self.input_tokens_per_minute);
+        set(
+            &mut l.output_tokens_per_minute,
+            self.output_tokens_per_minute,
+        );
+        set(&mut l.monthly_budget_minor, self.monthly_budget_minor);
+        l.validate()?;
+        Ok(l)
+    }
+}
+
+/// The workspace columns, read from `workspaces w`.
+pub(crate) const LIMIT_COLUMNS: &str = "w.requests_per_minute AS ws_requests_per_minute, \
+    w.input_tokens_per_minute AS ws_input_tokens_per_minute, \
+    w.output_tokens_per_minute AS ws_output_tokens_per_minute, \
+    w.monthly_budget_minor AS ws_monthly_budget_minor";
+
+pub(crate) fn limits_from_row(r: &sqlx::postgres::PgRow) -> WorkspaceLimits {
+    WorkspaceLimits {
+        requests_per_minute: r.get("ws_requests_per_minute"),
+        input_tokens_per_minute: r.get("ws_input_tokens_per_minute"),
+        output_tokens_per_minute: r.get("ws_output_tokens_per_minute"),
+        monthly_budget_minor: r.get("ws_monthly_budget_minor"),
+    }
+}
+
+fn columns() -> String {
+    format!(
+        "w.id, w.tenant_id, w.name, w.created_at, w.archived_at, {LIMIT_COLUMNS}, \
+         (SELECT count(*) FROM api_keys k WHERE k.workspace_id = w.id AND k.revoked_at IS NULL \
+          AND (k.expires_at IS NULL OR k.expires_at > now())) AS active_keys"
+    )
+}
+
+fn info(r: &sqlx::postgres::PgRow) -> WorkspaceInfo {
+    let name: String = r.get("name");
+    WorkspaceInfo {
+        id: r.get("id"),
+        tenant_id: r.get("tenant_id"),
+        is_default: name == DEFAULT_NAME,
+        name,
+        created_at: r.get("created_at"),
+        archived_at: r.get("archived_at"),
+        limits: limits_from_row(r),
+        active_keys: r.get("active_keys"),
+    }
+}
+
+/// A tenant's workspaces (archived ones too with `include_archived`), the default first,
+/// then by name.
+pub async fn list_workspaces(
+    pool: &PgPool,
+    tenant: TenantId,
+    include_archived: bool,
+) -> Result<Vec<WorkspaceInfo>, AdminError> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {} FROM workspaces w WHERE w.tenant_id = $1 AND ($2 OR w.archived_at IS NULL) \
+         ORDER BY w.name <> '{DEFAULT_NAME}', w.name, w.id",
+        columns()
+    )))
+    .bind(tenant.as_uuid())
+    .bind(include_archived)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.iter().map(info).collect())
+}
+
+/// One workspace of `tenant`.
+pub async fn get_workspace(
+    pool: &PgPool,
+    tenant: TenantId,
+    workspace: WorkspaceId,
+) -> Result<WorkspaceInfo, AdminError> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {} FROM workspaces w WHERE w.id = $1 AND w.tenant_id = $2",
+        columns()
+    )))
+    .bind(workspace.as_uuid())
+    .bind(tenant.as_uuid())
+    .fetch_optional(pool)
+    .await?;
+    row.map(|r| info(&r))
+        .ok_or_else(|| AdminError::NotFound(format!("workspace {workspace}")))
+}
+
+/// The workspace of `tenant` named or numbered `name_or_id` (for the CLI).
+pub async fn find_workspace(
+    pool: &PgPool,
+    tenant: TenantId,
+    name_or_id: &str,
+) -> Result<WorkspaceInfo, AdminError> {
+    let id = name_or_id.parse::<Uuid>().ok();
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {} FROM workspaces w WHERE w.tenant_id = $1 AND (w.name = $2 OR w.id = $3)",
+        columns()
+    )))
+    .bind(tenant.as_uuid())
+    .bind(name_or_id)
+    .bind(id)
+    .fetch_optional(pool)
+    .await?;
+    row.map(|r| info(&r))
+        .ok_or_else(|| AdminError::NotFound(format!("workspace {name_or_id}")))
+}
+
+/// A workspace of `tenant` that keys may be created in: it exists and is not archived.
+pub async fn live_workspace(
+    pool: &PgPool,
+    tenant: TenantId,
+    workspace: WorkspaceId,
+) -> Result<WorkspaceInfo, AdminError> {
+    let ws = get_workspace(pool, tenant, workspace).await?;
+    if ws.archived_at.is_some() {
+        return Err(AdminError::State(format!(
+            "workspace {} is archived",
+            ws.name
+        )));
+    }
+    Ok(ws)
+}
+
+fn conflict(e: AdminError, name: &str) -> AdminError {
+    match e {
+        AdminError::Conflict(_) => {
+            AdminError::Conflict(format!("a workspace named {name} in this tenant"))
+        }
+        e => e,
+    }
+}
+
+/// Create a workspace under `tenant`.
+pub async fn create_workspace(
+    pool: &PgPool,
+    actor: &Actor,
+    tenant: TenantId,
+    name: &str,
+    limits: WorkspaceLimits,
+) -> Result<WorkspaceInfo, AdminError> {
+    let name = super::check_name(name)?;
+    limits.validate()?;
+    super::ensure_tenant(pool, tenant).await?;
+    let id = WorkspaceId::new();
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO workspaces (id, tenant_id, name, requests_per_minute, input_tokens_per_minute, \
+         output_tokens_per_minute, monthly_budget_minor) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(id.as_uuid())
+    .bind(tenant.as_uuid())
+    .bind(name)
+    .bind(limits.requests_per_minute)
+    .bind(limits.input_tokens_per_minute)
+    .bind(limits.output_tokens_per_minute)
+    .bind(limits.monthly_budget_minor)
+    .execute(&mut *tx)
+    .await
+    .map_err(|e| conflict(e.into(), name))?;
+    audit::record(
+        &mut tx,
+        actor,
+        audit::Entry {
+            tenant: Some(tenant.as_uuid()),
+            action: "workspace.create",
+            target: Some(id.to_string()),
+            before: None,
+            after: Some(json!({"name": name, "limits": limits})),
+        },
+    )
+    .await?;
+    tx.commit().await?;
+    get_workspace(pool, tenant, id).await
+}
+
+/// Rename a workspace or change its limits.
+pub async fn update_workspace(
+    pool: &PgPool,
+    actor: &Actor,
+    tenant: TenantId,
+    workspace: WorkspaceId,
+    patch: &WorkspacePatch,
+) -> Result<WorkspaceInfo, AdminError> {
+    let before = get_workspace(pool, tenant, workspace).await?;
+    if before.archived_at.is_some() {
+        return Err(AdminError::State(format!(
+            "workspace {} is archived",
+            before.name
+        )));
+    }
+    let name = match &patch.name {
+        Some(n) => super::check_name(n)?,
+        None => before.name.as_str(),
+    };
+    if before.is_default && name != before.name {
+        return Err(AdminError::State(
+            "the default workspace cannot be renamed".into(),
+        ));
+    }
+    if !before.is_default && name == DEFAULT_NAME {
+        return Err(AdminError::Invalid(format!(
+            "name: {DEFAULT_NAME} is the name of the tenant's default workspace"
+        )));
+    }
+    let limits = patch.apply(before.limits)?;
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "UPDATE workspaces SET name = $2, requests_per_minute = $3, input_tokens_per_minute = $4, \
+         output_tokens_per_minute = $5, monthly_budget_minor = $6 WHERE id = $1",
+    )
+    .bind(workspace.as_uuid())
+    .bind(name)
+    .bind(limits.requests_per_minute)
+    .bind(limits.input_tokens_per_minute)
+    .bind(limits.output_tokens_per_minute)
+    .bind(limits.monthly_budget_minor)
+    .execute(&mut *tx)
+    .await
+    .map_err(|e| conflict(e.into(), name))?;
+    audit::record(
+        &mut tx,
+        actor,
+        audit::Entry {
+            tenant: Some(tenant.as_uuid()),
+            action: "workspace.update",
+            target: Some(workspace.to_string()),
+            before: Some(json!({"name": before.name, "limits": before.limits})),
+            after: Some(json!({"name": name, "limits": limits})),
+        },
+    )
+    .await?;
+    tx.commit().await?;
+    if patch.monthly_budget_minor.is_some() {
+        crate::alerts::check_now(pool, tenant.as_uuid()).await;
+    }
+    get_workspace(pool, tenant, workspace).await
+}
+
+/// Archive a workspace: its keys are revoked with it. Archiving an archived workspace changes
+/// nothing.
+pub async fn archive_workspace(
+    pool: &PgPool,
+    actor: &Actor,
+    tenant: TenantId,
+    workspace: WorkspaceId,
+) -> Result<WorkspaceInfo, AdminError> {
+    let before = get_workspace(pool, tenant, workspace).await?;
+    if before.archived_at.is_some() {
+        return Ok(before);
+    }
+    if before.is_default {
+        return Err(AdminError::State(
+            "the default workspace cannot be archived".into(),
+        ));
+    }
+    let mut tx = pool.begin().await?;
+    sqlx::query("UPDATE workspaces SET archived_at = now() WHERE id = $1 AND archived_at IS NULL")
+        .bind(workspace.as_uuid())
+        .execute(&mut *tx)
+        .await?;
+    let revoked = sqlx::query(
+        "UPDATE api_keys SET revoked_at = now() WHERE workspace_id = $1 AND revoked_at IS NULL",
+    )
+    .bind(workspace.as_uuid())
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    audit::record(
+        &mut tx,
+        actor,
+        audit::Entry {
+            tenant: Some(tenant.as_uuid()),
+            action: "workspace.archive",
+            target: Some(workspace.to_string()),
+            before: Some(json!({"name": before.name, "active_keys": before.active_keys})),
+            after: Some(json!({"state": "archived", "keys_revoked": revoked})),
+        },
+    )
+    .await?;
+    tx.commit().await?;
+    get_workspace(pool, tenant, workspace).await
+}
+
+/// The workspaces of `tenant` with a monthly budget (for the budget check of admission).
+pub async fn budgeted(
+    pool: &PgPool,
+    tenants: &[Uuid],
+) -> Result<Vec<(Uuid, Uuid, i64)>, AdminError> {
+    let rows = sqlx::query(
+        "SELECT tenant_id, id, monthly_budget_minor FROM workspaces \
+         WHERE monthly_budget_minor IS NOT NULL AND archived_at IS NULL AND tenant_id = ANY($1)",
+    )
+    .bind(tenants)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            (
+                r.get("tenant_id"),
+                r.get("id"),
+                r.get("monthly_budget_minor"),
+            )
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_patch_sets_clears_and_keeps_limits() {
+        let before = WorkspaceLimits {
+            requests_per_minute: Some(10),
+            input_tokens_per_minute: Some(1000),
+            ..Default::default()
+        };
+        let p: WorkspacePatch =
+            serde_json::from_str(r#"{"requests_per_minute": null, "output_tokens_per_minute": 5}"#)
+                .unwrap();
+        let after = p.apply(before).unwrap();
+        assert_eq!(after.requests_per_minute, None);
+        assert_eq!(after.input_tokens_per_minute, Some(1000));
+        assert_eq!(after.output_tokens_per_minute, Some(5));
+    }
+
+    #[test]
+    fn limits_below_their_minimum_are_refused_by_name() {
+        let p: WorkspacePatch = serde_json::from_str(r#"{"requests_per_minute": 0}"#).unwrap();
+        let e = p.apply(WorkspaceLimits::default()).unwrap_err().to_string();
+        assert!(e.starts_with("requests_per_minute:"), "{e}");
+        let p: WorkspacePatch = serde_json::from_str(r#"{"monthly_budget_minor": -1}"#).unwrap();
+        assert!(p.apply(WorkspaceLimits::default()).is_err());
+        assert!(serde_json::from_str::<WorkspacePatch>(r#"{"colour": 1}"#).is_err());
+    }
+}
