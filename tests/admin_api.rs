@@ -696,7 +696,7 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
         .await;
     assert_eq!(
         (s, v["error"]["type"].as_str()),
-        (409, Some("conflict_error")),
+        (409, Some("invalid_request_error")),
         "{v}"
     );
     let (_, book) = a.call("GET", "/v1/billing/prices", Some(&root), None).await;
@@ -1617,7 +1617,7 @@ async fn workspaces_isolate_caches_apply_their_own_limits_and_split_usage() {
         .await;
     assert_eq!(
         (s, v["error"]["type"].as_str()),
-        (409, Some("conflict_error")),
+        (409, Some("invalid_request_error")),
         "{v}"
     );
     let (_, list) = a.call("GET", &ws_path, Some(&root), None).await;
@@ -1756,7 +1756,7 @@ async fn workspaces_isolate_caches_apply_their_own_limits_and_split_usage() {
         assert!(cost > 0.0, "{r}");
     }
     assert_eq!(export(format!("api_key={alpha_key_id}")).await.len(), 2);
-    assert_eq!(export("model=sim-tiny".into()).await.len(), 6);
+    assert_eq!(export("model=sim-tiny".into()).await.len(), 5);
     assert!(export("model=no-such-model".into()).await.is_empty());
 
     // Rename; the default workspace is neither renamed nor archived.

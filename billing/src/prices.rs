@@ -371,7 +371,7 @@ pub async fn retire_price(
     now: DateTime<Utc>,
 ) -> Result<(), BillingError> {
     let found: Option<bool> = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM price_retirements r WHERE r.model = p.model          AND r.effective_from = p.effective_from) FROM prices p          WHERE p.model = $1 AND p.effective_from = $2",
+        "SELECT EXISTS (SELECT 1 FROM price_retirements r WHERE r.model = p.model AND r.effective_from = p.effective_from) FROM prices p WHERE p.model = $1 AND p.effective_from = $2",
     )
     .bind(model)
     .bind(effective_from)
@@ -388,7 +388,7 @@ pub async fn retire_price(
     }
     if effective_from <= now {
         return Err(BillingError::Conflict(format!(
-            "the price of {model} from {effective_from} is in force or past: it priced usage, so              it cannot be retired; add a new version to change the price from a date on"
+            "the price of {model} from {effective_from} is in force or past: it priced usage, so it cannot be retired; add a new version to change the price from a date on"
         )));
     }
     sqlx::query(
