@@ -10,17 +10,26 @@ export interface PriceVersion {
   cache_write_5m_bp: number;
   cache_write_1h_bp: number;
   cache_read_bp: number;
+  /** Withdrawn before it took effect: it never priced anything. */
+  retired_at?: string | null;
+  created_by?: string;
 }
+
+export type PriceState = "in force" | "scheduled" | "superseded" | "retired";
 
 /** nano-units per token → "3.000" per million tokens. */
 export const perMillion = (nanos: number) => (nanos / 1000).toFixed(3);
 export const times = (bp: number) => `${(bp / 10000).toFixed(2)}×`;
 
-/** Which version of each model is in force at `now`, which are scheduled, which superseded. */
-export function priceStates(versions: PriceVersion[], now: Date): Map<PriceVersion, "in force" | "scheduled" | "superseded"> {
-  const out = new Map<PriceVersion, "in force" | "scheduled" | "superseded">();
+/** Which version of each model is in force at `now`, which are scheduled, which superseded,
+ * which retired (a retired version is never in force). */
+export function priceStates(versions: PriceVersion[], now: Date): Map<PriceVersion, PriceState> {
+  const out = new Map<PriceVersion, PriceState>();
   const byModel = new Map<string, PriceVersion[]>();
-  for (const v of versions) byModel.set(v.model, [...(byModel.get(v.model) ?? []), v]);
+  for (const v of versions) {
+    if (v.retired_at) out.set(v, "retired");
+    else byModel.set(v.model, [...(byModel.get(v.model) ?? []), v]);
+  }
   for (const vs of byModel.values()) {
     const started = vs.filter((v) => new Date(v.effective_from) <= now);
     const current = started.reduce<PriceVersion | null>(

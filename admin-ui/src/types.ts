@@ -13,6 +13,7 @@ export interface Tenant {
 export interface Key {
   id: string;
   tenant_id: string;
+  workspace_id: string;
   name: string;
   prefix: string;
   state: "active" | "rotating" | "expired" | "revoked";
@@ -147,4 +148,47 @@ export interface Invoice extends InvoiceSummary {
   finalized_at: string | null;
   /** Models whose usage had no price in force: listed at zero, not billed. */
   unpriced: string[];
+}
+
+export interface WorkspaceLimits {
+  requests_per_minute: number | null;
+  input_tokens_per_minute: number | null;
+  output_tokens_per_minute: number | null;
+  monthly_budget_minor: number | null;
+}
+
+export interface Workspace {
+  id: string;
+  tenant_id: string;
+  name: string;
+  is_default: boolean;
+  created_at: string;
+  archived_at: string | null;
+  limits: WorkspaceLimits;
+  active_keys: number;
+}
+
+export interface WebhookEndpoint {
+  id: string;
+  tenant_id: string;
+  url: string;
+  created_at: string;
+  disabled_at: string | null;
+  secret_prefix: string;
+}
+
+export interface WebhookDelivery {
+  id: number;
+  endpoint_id: string;
+  url: string;
+  event_id: string;
+  event_type: string;
+  payload: { data?: { threshold_percent?: number; spent?: string; limit?: string; currency?: string; workspace_id?: string | null } };
+  created_at: string;
+  state: "pending" | "delivered" | "failed";
+  attempts: number;
+  next_attempt_at: string | null;
+  last_status: number | null;
+  last_error: string | null;
+  delivered_at: string | null;
 }

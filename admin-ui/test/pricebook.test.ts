@@ -58,4 +58,11 @@ describe("the price book", () => {
     const s = priceStates([next, old, cur, other], new Date("2026-11-26T00:00:00Z"));
     expect([s.get(old), s.get(cur), s.get(next), s.get(other)]).toEqual(["superseded", "in force", "scheduled", "in force"]);
   });
+
+  it("never puts a retired version in force", () => {
+    const old = v("m", "2026-01-01T00:00:00Z");
+    const withdrawn = { ...v("m", "2026-06-01T00:00:00Z"), retired_at: "2026-05-01T00:00:00Z" };
+    const s = priceStates([old, withdrawn], new Date("2026-11-26T00:00:00Z"));
+    expect([s.get(old), s.get(withdrawn)]).toEqual(["in force", "retired"]);
+  });
 });

@@ -3,10 +3,13 @@ import { api } from "../api";
 import { Confirm, Dialog, ErrorBanner, Field, Loading, Notice, SecretDialog, Table, message, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { parseGrace, validateKey } from "../forms";
-import type { CreatedKey, Key, Rotation, Tenant } from "../types";
+import type { CreatedKey, Key, Rotation, Tenant, Workspace } from "../types";
+import { useWorkspaces } from "./workspaces";
 
 export function KeysTab({ tenant }: { tenant: Tenant }) {
   const keys = useAsync(() => api<{ data: Key[] }>("GET", `/v1/admin/tenants/${tenant.id}/keys`), [tenant.id]);
+  const workspaces = useWorkspaces(tenant, true);
+  const wsName = (id: string) => workspaces.data?.data.find((w) => w.id === id)?.name ?? "…";
   const [creating, setCreating] = useState(false);
   const [secret, setSecret] = useState<{ title: string; value: string; note: string } | null>(null);
   const [rotating, setRotating] = useState<Key | null>(null);
@@ -32,6 +35,7 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
             <tr>
               <th scope="col">Name</th>
               <th scope="col">Prefix</th>
+              <th scope="col">Workspace</th>
               <th scope="col">State</th>
               <th scope="col">Created</th>
               <th scope="col">Last used</th>
@@ -46,6 +50,7 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
                 <td>
                   <code>{k.prefix}…</code>
                 </td>
+                <td>{wsName(k.workspace_id)}</td>
                 <td class={`state-${k.state}`}>{k.state}</td>
                 <td>{formatTime(k.created_at)}</td>
                 <td>{formatTime(k.last_used_at)}</td>
@@ -77,6 +82,7 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
       <CreateKeyDialog
         open={creating}
         tenant={tenant}
+        workspaces={(workspaces.data?.data ?? []).filter((w) => !w.archived_at)}
         onClose={() => setCreating(false)}
         onCreated={(k) => {
           setCreating(false);
@@ -130,8 +136,15 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
   );
 }
 
-function CreateKeyDialog(props: { open: boolean; tenant: Tenant; onClose: () => void; onCreated: (k: CreatedKey) => void }) {
+function CreateKeyDialog(props: {
+  open: boolean;
+  tenant: Tenant;
+  workspaces: Workspace[];
+  onClose: () => void;
+  onCreated: (k: CreatedKey) => void;
+}) {
   const [name, setName] = useState("");
+  const [workspace, setWorkspace] = useState("");
   const [expires, setExpires] = useState("");
   const [errors, setErrors] = useState<Record<string, string>>({});
   const [error, setError] = useState<string | null>(null);
@@ -146,7 +159,8 @@ function CreateKeyDialog(props: { open: boolean; tenant: Tenant; onClose: () => 
           if (!v.value) return;
           setBusy(true);
           try {
-            const k = await api<CreatedKey>("POST", `/v1/admin/tenants/${props.tenant.id}/keys`, v.value);
+            const body = workspace ? { ...v.value, workspace_id: workspace } : v.value;
+            const k = await api<CreatedKey>("POST", `/v1/admin/tenants/${props.tenant.id}/keys`, body);
             setError(null);
             setName("");
             setExpires("");
@@ -159,6 +173,15 @@ function CreateKeyDialog(props: { open: boolean; tenant: Tenant; onClose: () => 
         }}
       >
         <Field id="key-name" label="Name" value={name} error={errors.name} onInput={(e) => setName(e.currentTarget.value)} />
+        <Field id="key-workspace" label="Workspace" hint="Its cache, limits and usage are the workspace's.">
+          <select id="key-workspace" value={workspace} onChange={(e) => setWorkspace(e.currentTarget.value)}>
+            {props.workspaces.map((w) => (
+              <option key={w.id} value={w.is_default ? "" : w.id}>
+                {w.name}
+              </option>
+            ))}
+          </select>
+        </Field>
         <Field
           id="key-expires"
           label="Expires (UTC, optional)"

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, type Me } from "../api";
-import { ErrorBanner, Field, Loading, Notice, Table, message, useAsync } from "../components/ui";
+import { Confirm, ErrorBanner, Field, Loading, Notice, Table, message, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { parsePrice } from "../forms";
 import { type PriceVersion, perMillion, priceStates, times } from "../pricebook";
@@ -68,6 +68,7 @@ function AddPrice(props: { onAdded: (v: PriceVersion) => void }) {
 export function PricesPage({ me }: { me: Me }) {
   const prices = useAsync(() => api<{ data: PriceVersion[] }>("GET", "/v1/billing/prices"), []);
   const [notice, setNotice] = useState<string | null>(null);
+  const [retiring, setRetiring] = useState<PriceVersion | null>(null);
   if (me.role === "tenant_admin") return <p>The price book is for platform admins and finance.</p>;
   const now = new Date();
   const states = priceStates(prices.data?.data ?? [], now);
@@ -100,12 +101,13 @@ export function PricesPage({ me }: { me: Me }) {
               <th scope="col">5m write</th>
               <th scope="col">1h write</th>
               <th scope="col">Read</th>
+              {me.role === "platform_admin" && <th scope="col">Actions</th>}
             </tr>
           </thead>
           <tbody>
             {rows.length === 0 && (
               <tr>
-                <td colSpan={8}>No price yet.</td>
+                <td colSpan={9}>No price yet.</td>
               </tr>
             )}
             {rows.map((p) => (
@@ -122,11 +124,43 @@ export function PricesPage({ me }: { me: Me }) {
                 <td>{times(p.cache_write_5m_bp)}</td>
                 <td>{times(p.cache_write_1h_bp)}</td>
                 <td>{times(p.cache_read_bp)}</td>
+                {me.role === "platform_admin" && (
+                  <td>
+                    {states.get(p) === "scheduled" && (
+                      <button
+                        type="button"
+                        class="danger"
+                        aria-label={`Retire ${p.model} from ${p.effective_from}`}
+                        onClick={() => setRetiring(p)}
+                      >
+                        Retire
+                      </button>
+                    )}
+                  </td>
+                )}
               </tr>
             ))}
           </tbody>
         </Table>
       )}
+      <Confirm
+        open={retiring !== null}
+        title={`Retire the price of ${retiring?.model ?? ""}?`}
+        body={
+          <p>
+            The version from {retiring ? formatTime(retiring.effective_from) : ""} is withdrawn and never takes effect; the price in
+            force before it stays in force. A price already in force is changed by adding a newer version instead.
+          </p>
+        }
+        action="Retire"
+        danger
+        onClose={() => setRetiring(null)}
+        onConfirm={async () => {
+          await api("POST", "/v1/billing/prices/retire", { model: retiring!.model, effective_from: retiring!.effective_from });
+          setNotice(`The price of ${retiring!.model} from ${formatTime(retiring!.effective_from)} is retired.`);
+          prices.reload();
+        }}
+      />
       {me.role === "platform_admin" && (
         <AddPrice
           onAdded={(v) => {

@@ -9,12 +9,16 @@ import { PolicyTab } from "./policy";
 import { CacheTab } from "./cache";
 import { AuditPage } from "./audit";
 import { TenantAdmins } from "./users";
+import { WorkspacesTab } from "./workspaces";
+import { AlertsTab } from "./alerts";
 
 const TABS: [string, string, (m: Me) => boolean][] = [
   ["dashboard", "Dashboard", () => true],
+  ["workspaces", "Workspaces", () => true],
   ["keys", "Keys", (m) => m.role !== "finance"],
   ["policy", "Quotas & policy", () => true],
   ["cache", "Cache", () => true],
+  ["alerts", "Alerts", () => true],
   ["audit", "Audit log", (m) => m.role !== "finance"],
   ["admins", "Admins", (m) => m.role === "platform_admin"],
 ];
@@ -86,9 +90,11 @@ export function TenantPage({ me, id, tab }: { me: Me; id: string; tab: string })
         </ul>
       </nav>
       {tab === "dashboard" && <DashboardTab tenant={tenant} />}
+      {tab === "workspaces" && <WorkspacesTab tenant={tenant} canEdit={me.role !== "finance"} />}
       {tab === "keys" && <KeysTab tenant={tenant} />}
       {tab === "policy" && <PolicyTab me={me} tenant={tenant} />}
       {tab === "cache" && <CacheTab tenant={tenant} />}
+      {tab === "alerts" && <AlertsTab tenant={tenant} canEdit={me.role !== "finance"} />}
       {tab === "audit" && <AuditPage me={me} tenant={tenant} />}
       {tab === "admins" && <TenantAdmins tenant={tenant} />}
       {!tabs.some(([key]) => key === tab) && <p>No such section.</p>}
