@@ -258,6 +258,43 @@ describe("the admin console", () => {
     );
   });
 
+  it("lets the tenant admin make a workspace with its own limit and key (its own cache), and an alert endpoint", async () => {
+    const p = await page();
+    await logIn(p, "acme-admin", ADMIN_PASSWORD);
+    await p.getByRole("link", { name: "Workspaces" }).first().click();
+    await p.getByRole("button", { name: "Create workspace" }).click();
+    await p.getByLabel("Name").fill("research");
+    await p.getByLabel("Requests per minute").fill("100");
+    await p.getByRole("button", { name: "Save" }).click();
+    const row = p.locator('tr[data-workspace="research"]');
+    await row.waitFor();
+    expect(await row.textContent()).toContain("100");
+    await shot(p, "11-workspaces");
+    await p.getByRole("link", { name: "Keys" }).first().click();
+    await p.getByRole("button", { name: "Create key" }).click();
+    await p.getByLabel("Name").fill("research-key");
+    await p.getByLabel("Workspace").selectOption({ label: "research" });
+    await p.getByRole("button", { name: "Create", exact: true }).click();
+    const secret = p.locator("[data-secret]");
+    await secret.waitFor();
+    const researchKey = (await secret.textContent())!.trim();
+    await p.getByRole("button", { name: "I have stored it" }).click();
+    await p.locator("tr", { hasText: "research-key" }).getByRole("cell", { name: "research", exact: true }).waitFor();
+    // The default workspace cached this prompt; the research workspace does not read it.
+    const r = await ask(researchKey);
+    expect(r.usage.cache_read_input_tokens).toBe(0);
+    expect(r.usage.cache_creation_input_tokens).toBeGreaterThan(0);
+
+    await p.getByRole("link", { name: "Alerts" }).first().click();
+    await p.getByRole("button", { name: "Add endpoint" }).click();
+    await p.getByLabel("URL").fill("https://alerts.example.com/cachet");
+    await p.getByRole("button", { name: "Add", exact: true }).click();
+    await secret.waitFor();
+    expect((await secret.textContent())!.trim()).toMatch(/^whsec_[0-9a-f]{64}$/);
+    await p.getByRole("button", { name: "I have stored it" }).click();
+    await p.locator('tr[data-endpoint="https://alerts.example.com/cachet"]').waitFor();
+  });
+
   it("applies requests per minute set by the tenant admin: the third request gets 429 quoting it", async () => {
     const p = await page();
     await logIn(p, "acme-admin", ADMIN_PASSWORD);
@@ -472,6 +509,15 @@ describe("the admin console", () => {
     const scheduled = p.locator('tr[data-state="scheduled"]', { hasText: "sim-llama-8b" });
     await scheduled.waitFor();
     expect(await scheduled.textContent()).toContain("0.250 USD");
+    // A version scheduled by mistake is retired before it takes effect.
+    await p.getByLabel("Model", { exact: true }).fill("sim-llama-8b");
+    await p.getByLabel("In force from (UTC)").fill("2031-01-01T00:00");
+    await p.getByLabel("Input, per million tokens").fill("9");
+    await p.getByLabel("Output, per million tokens").fill("9");
+    await p.getByRole("button", { name: "Add price" }).click();
+    await p.getByRole("button", { name: /^Retire sim-llama-8b from 2031/ }).click();
+    await p.getByRole("button", { name: "Retire", exact: true }).click();
+    await p.locator('tr[data-state="retired"]', { hasText: "sim-llama-8b" }).waitFor();
     await shot(p, "19-prices");
     await logOut(p);
     // Finance reads the same book and cannot edit it.
@@ -504,5 +550,13 @@ describe("the admin console", () => {
     expect(ownRows.every((l) => l.split(",")[1] === acmeId)).toBe(true);
     expect(await p.locator("[data-budget-banner=exhausted]").textContent()).toMatch(/Monthly budget reached: \$[\d.,]+ of \$0\.00 spent/);
     await shot(p, "20-budget");
+    // The budget alerts were queued for the tenant's endpoint at once: the log shows them.
+    await p.getByRole("link", { name: "Alerts" }).first().click();
+    await eventually("the 100% alert is in the delivery log", 20_000, async () => {
+      await p.getByRole("button", { name: "Refresh" }).click();
+      await p.waitForTimeout(300);
+      return (await p.locator('tr[data-delivery$=":100"]').count()) > 0 ? true : undefined;
+    });
+    await shot(p, "21-alerts");
   });
 });
