@@ -268,7 +268,10 @@ async fn exports_stream_csv_jsonl_and_cloudevents() {
     let lines: Vec<&str> = csv.split("\r\n").filter(|l| !l.is_empty()).collect();
     assert_eq!(lines.len(), 1 + 4, "header + 4 rows: {csv}");
     assert!(lines[0].starts_with("request_id,tenant_id,"));
-    assert!(lines[1..].iter().all(|l| l.split(',').count() == 18), "{csv}");
+    assert!(
+        lines[1..].iter().all(|l| l.split(',').count() == 18),
+        "{csv}"
+    );
     let (s, jsonl) = get("jsonl").await;
     assert_eq!(s, 200);
     let rows: Vec<Value> = jsonl

@@ -12,7 +12,7 @@
 import Anthropic from "@anthropic-ai/sdk";
 import type { Browser, Page } from "playwright-core";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { eventually, launch, type Service, shot, startService } from "./harness";
+import { ARTIFACTS, eventually, launch, type Service, shot, startService } from "./harness";
 
 const ROOT_PASSWORD = "root-password-for-the-e2e-suite";
 const ADMIN_PASSWORD = "acme-admin-password-e2e";
@@ -392,6 +392,22 @@ describe("the admin console", () => {
     const totalRow = invRows[invRows.length - 1].split(",");
     expect(totalRow[1]).toBe("total");
     expect(`$${totalRow[7]}`).toBe(invoiceTotal);
+    // And as a PDF to send: rendered to PNG (poppler's pdftoppm) and its text read back
+    // (pdftotext): the total is the page's, to the cent.
+    const [invPdf] = await Promise.all([
+      p.waitForEvent("download"),
+      p.getByRole("button", { name: "Download invoice PDF" }).click(),
+    ]);
+    const fs = await import("node:fs");
+    const { execFileSync } = await import("node:child_process");
+    const pdfPath = (await invPdf.path())!;
+    expect(fs.readFileSync(pdfPath).subarray(0, 5).toString()).toBe("%PDF-");
+    const png = `${ARTIFACTS}/14b-invoice-pdf`;
+    execFileSync("pdftoppm", ["-png", "-r", "80", "-singlefile", "-f", "1", "-l", "1", pdfPath, png]);
+    expect(fs.statSync(`${png}.png`).size).toBeGreaterThan(5_000);
+    const pdfText = execFileSync("pdftotext", ["-layout", pdfPath, "-"], { encoding: "utf8" });
+    expect(pdfText).toContain(`Total ${totalRow[7]} USD`);
+    expect(pdfText).toContain(ACME);
     // Rating the draft again keeps the total (no new usage) and says when it was rated.
     await p.getByRole("button", { name: "Rate again" }).click();
     await p.getByText(/ · rated \d{4}-\d{2}-\d{2} /).waitFor();

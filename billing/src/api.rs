@@ -269,11 +269,12 @@ pub async fn list_invoices(
 
 #[derive(Debug, Deserialize, IntoParams)]
 pub struct InvoiceFormat {
-    /// `json` (default) or `csv` (a download: a row per line, then the total).
+    /// `json` (default), `csv` (a download: a row per line, then the total) or `pdf` (the
+    /// invoice to send: exact line amounts, the total rounded once).
     pub format: Option<String>,
 }
 
-/// One invoice with its lines (JSON, or CSV to download).
+/// One invoice with its lines (JSON, or CSV or PDF to download).
 #[utoipa::path(get, path = "/v1/billing/invoices/{id}", tag = "billing",
     params(("id" = Uuid, Path, description = "Invoice id"), InvoiceFormat),
     responses((status = 200, description = "The invoice and its lines"), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
@@ -307,8 +308,29 @@ pub async fn get_invoice(
             )
                 .into_response())
         }
+        "pdf" => {
+            let tenant: String = sqlx::query_scalar("SELECT name FROM tenants WHERE id = $1")
+                .bind(inv.tenant_id)
+                .fetch_optional(&s.pool)
+                .await
+                .map_err(BillingError::from)?
+                .unwrap_or_else(|| inv.tenant_id.to_string());
+            let name = format!(
+                "attachment; filename=\"cachet-invoice-{}-{}.pdf\"",
+                inv.period_start.format("%Y-%m"),
+                inv.id
+            );
+            Ok((
+                [
+                    (header::CONTENT_TYPE, "application/pdf".to_string()),
+                    (header::CONTENT_DISPOSITION, name),
+                ],
+                crate::pdf::invoice_pdf(&inv, &tenant),
+            )
+                .into_response())
+        }
         other => Err(ApiError::invalid(format!(
-            "format: {other:?} is not json or csv"
+            "format: {other:?} is not json, csv or pdf"
         ))),
     }
 }

@@ -19,7 +19,7 @@
 //! - [`dashboard`]: usage, cost and savings by cache over time from the rollups, and a
 //!   tenant's spend this month (the admin console and budget checks).
 //!
-//! - [`csv`]: the one CSV field rule every export uses.
+//! - [`csv`]: the one CSV field rule every export uses; [`pdf`]: an invoice as a PDF to send.
 //!
 //! - [`api`]: the finance API (`/v1/billing/…`, JWT roles), served by `cachet serve` with
 //!   the gateway's routes; usage, invoices, prices, streamed exports.
@@ -36,6 +36,7 @@ pub mod journal;
 pub mod meter;
 pub mod metrics;
 pub mod money;
+pub mod pdf;
 pub mod prices;
 pub mod rollup;
 

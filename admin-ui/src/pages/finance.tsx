@@ -3,7 +3,7 @@ import { api, download, qs, type Me } from "../api";
 import { Confirm, ErrorBanner, Loading, Notice, Table, message, useAsync } from "../components/ui";
 import { formatExact, formatMoney, formatTime } from "../format";
 import { dateRange } from "../forms";
-import type { Invoice, InvoiceSummary, Tenant } from "../types";
+import type { Invoice, InvoiceSummary, Tenant, Workspace } from "../types";
 
 function useTenants() {
   return useAsync(() => api<{ data: Tenant[] }>("GET", "/v1/admin/tenants?include_deleted=true"), []);
@@ -255,6 +255,15 @@ function Exports({ tenant }: { tenant: string }) {
   const first = `${today.slice(0, 8)}01`;
   const [from, setFrom] = useState(first);
   const [to, setTo] = useState(today);
+  const [model, setModel] = useState("");
+  const [workspace, setWorkspace] = useState("");
+  const workspaces = useAsync(
+    () =>
+      tenant
+        ? api<{ data: Workspace[] }>("GET", `/v1/admin/tenants/${tenant}/workspaces?include_archived=true`)
+        : Promise.resolve({ data: [] as Workspace[] }),
+    [tenant],
+  );
   const [error, setError] = useState<string | null>(null);
   const get = async (format: "csv" | "jsonl" | "cloudevents") => {
     const r = dateRange(from, to);
@@ -264,7 +273,8 @@ function Exports({ tenant }: { tenant: string }) {
     }
     try {
       const ext = format === "csv" ? "csv" : "jsonl";
-      await download(`/v1/billing/exports/usage${qs({ ...r, tenant, format })}`, `cachet-usage-${from}-${to}-${format}.${ext}`);
+      const filter = { tenant, model: model.trim(), workspace: tenant ? workspace : "" };
+      await download(`/v1/billing/exports/usage${qs({ ...r, ...filter, format })}`, `cachet-usage-${from}-${to}-${format}.${ext}`);
       setError(null);
     } catch (e) {
       setError(message(e));
@@ -273,7 +283,10 @@ function Exports({ tenant }: { tenant: string }) {
   return (
     <section aria-labelledby="exports-title">
       <h2 id="exports-title">Usage exports</h2>
-      <p>Every ledger row in the range ({tenant ? "the chosen tenant" : "all tenants"}), streamed.</p>
+      <p>
+        Every ledger row in the range ({tenant ? "the chosen tenant" : "all tenants"}), streamed, with the names of its tenant,
+        workspace and key and its exact cost.
+      </p>
       <div class="row">
         <label for="exp-from">
           From
@@ -283,6 +296,23 @@ function Exports({ tenant }: { tenant: string }) {
           To (inclusive)
           <input id="exp-to" type="date" value={to} onChange={(e) => setTo(e.currentTarget.value)} />
         </label>
+        <label for="exp-model">
+          Model (optional)
+          <input id="exp-model" value={model} placeholder="every model" onInput={(e) => setModel(e.currentTarget.value)} />
+        </label>
+        {tenant && (
+          <label for="exp-workspace">
+            Workspace
+            <select id="exp-workspace" value={workspace} onChange={(e) => setWorkspace(e.currentTarget.value)}>
+              <option value="">every workspace</option>
+              {workspaces.data?.data.map((w) => (
+                <option key={w.id} value={w.id}>
+                  {w.name}
+                </option>
+              ))}
+            </select>
+          </label>
+        )}
         <div class="actions">
           <button type="button" onClick={() => get("csv")}>
             Download CSV
@@ -375,6 +405,19 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
           }}
         >
           Download invoice CSV
+        </button>
+        <button
+          type="button"
+          onClick={async () => {
+            try {
+              await download(`/v1/billing/invoices/${i.id}?format=pdf`, `cachet-invoice-${month}-${tenantName}.pdf`);
+              setActionError(null);
+            } catch (e) {
+              setActionError(message(e));
+            }
+          }}
+        >
+          Download invoice PDF
         </button>
         {i.status === "draft" && me.role !== "tenant_admin" && (
           <>
