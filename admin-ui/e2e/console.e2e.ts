@@ -284,6 +284,15 @@ describe("the admin console", () => {
     const r = await ask(researchKey);
     expect(r.usage.cache_read_input_tokens).toBe(0);
     expect(r.usage.cache_creation_input_tokens).toBeGreaterThan(0);
+    // Its usage is its own on the dashboard.
+    await p.getByRole("link", { name: "Dashboard" }).first().click();
+    await p.getByLabel("Split by").selectOption("workspace");
+    await eventually("the dashboard splits usage by workspace", 30_000, async () => {
+      await p.getByRole("button", { name: "Refresh" }).click();
+      await p.waitForTimeout(300);
+      const row = p.locator("tr", { has: p.getByRole("rowheader", { name: "research", exact: true }) });
+      return (await row.count()) > 0 && (await row.locator("td").first().textContent())?.trim() === "1" ? true : undefined;
+    });
 
     await p.getByRole("link", { name: "Alerts" }).first().click();
     await p.getByRole("button", { name: "Add endpoint" }).click();

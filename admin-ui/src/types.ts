@@ -40,6 +40,7 @@ export interface UsagePoint {
   bucket_start?: string;
   model?: string;
   api_key?: string;
+  workspace?: string;
   requests: number;
   input_tokens: number;
   cache_write_5m_tokens: number;
@@ -58,11 +59,12 @@ export interface UsageView {
   from: string;
   to: string;
   granularity: "hour" | "day";
-  group_by: "none" | "model" | "api_key";
+  group_by: "none" | "model" | "api_key" | "workspace";
   currency: string;
   totals: UsagePoint;
   series: UsagePoint[];
   key_names: Record<string, string>;
+  workspace_names: Record<string, string>;
 }
 
 export interface BudgetView {

@@ -5,6 +5,9 @@ import { ErrorBanner, Kpi, Loading, Table, message, useAsync } from "../componen
 import { formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../format";
 import { dateRange } from "../forms";
 import type { BudgetView, Tenant, UsagePoint, UsageView } from "../types";
+import { useWorkspaces } from "./workspaces";
+
+type SplitBy = "model" | "api_key" | "workspace";
 
 const PRESETS: [string, string, number][] = [
   ["24h", "Last 24 hours", 1],
@@ -26,18 +29,20 @@ export function DashboardTab({ tenant }: { tenant: Tenant }) {
   const today = new Date().toISOString().slice(0, 10);
   const [from, setFrom] = useState(today);
   const [to, setTo] = useState(today);
-  const [by, setBy] = useState<"model" | "api_key">("model");
+  const [by, setBy] = useState<SplitBy>("model");
+  const [workspace, setWorkspace] = useState("");
+  const workspaces = useWorkspaces(tenant, true);
   const [stamp, setStamp] = useState(0);
   const range = rangeOf(preset, from, to);
   const usage = useAsync(async () => {
     if (typeof range === "string") throw new Error(range);
     const base = `/v1/admin/tenants/${tenant.id}/usage`;
     const [total, split] = await Promise.all([
-      api<UsageView>("GET", `${base}${qs({ ...range })}`),
-      api<UsageView>("GET", `${base}${qs({ ...range, group_by: by, granularity: "day" })}`),
+      api<UsageView>("GET", `${base}${qs({ ...range, workspace })}`),
+      api<UsageView>("GET", `${base}${qs({ ...range, workspace, group_by: by, granularity: "day" })}`),
     ]);
     return { total, split };
-  }, [tenant.id, preset, from, to, by, stamp]);
+  }, [tenant.id, preset, from, to, by, workspace, stamp]);
   const budget = useAsync(() => api<BudgetView>("GET", `/v1/admin/tenants/${tenant.id}/budget`), [tenant.id, stamp]);
   const [exportError, setExportError] = useState<string | null>(null);
   const exportCsv = async () => {
@@ -45,7 +50,7 @@ export function DashboardTab({ tenant }: { tenant: Tenant }) {
     try {
       const day = (t: string) => t.slice(0, 10);
       await download(
-        `/v1/billing/exports/usage${qs({ ...range, tenant: tenant.id, format: "csv" })}`,
+        `/v1/billing/exports/usage${qs({ ...range, tenant: tenant.id, workspace, format: "csv" })}`,
         `cachet-usage-${tenant.name}-${day(range.from)}-${day(range.to)}.csv`,
       );
       setExportError(null);
@@ -80,6 +85,19 @@ export function DashboardTab({ tenant }: { tenant: Tenant }) {
             </label>
           </>
         )}
+        {(workspaces.data?.data.length ?? 0) > 1 && (
+          <label for="dash-workspace">
+            Workspace
+            <select id="dash-workspace" value={workspace} onChange={(e) => setWorkspace(e.currentTarget.value)}>
+              <option value="">All workspaces</option>
+              {workspaces.data?.data.map((w) => (
+                <option key={w.id} value={w.id}>
+                  {w.name}
+                </option>
+              ))}
+            </select>
+          </label>
+        )}
         <button type="button" class="secondary" onClick={() => setStamp((s) => s + 1)}>
           Refresh
         </button>
@@ -98,9 +116,10 @@ export function DashboardTab({ tenant }: { tenant: Tenant }) {
         <>
           <label for="split">
             Split by
-            <select id="split" value={by} onChange={(e) => setBy(e.currentTarget.value as "model" | "api_key")}>
+            <select id="split" value={by} onChange={(e) => setBy(e.currentTarget.value as SplitBy)}>
               <option value="model">Model</option>
               <option value="api_key">API key</option>
+              <option value="workspace">Workspace</option>
             </select>
           </label>
           <Split view={usage.data.split} />
@@ -272,7 +291,8 @@ function Split({ view }: { view: UsageView }) {
   const rows = useMemo(() => {
     const m = new Map<string, UsagePoint[]>();
     for (const p of view.series) {
-      const k = view.group_by === "api_key" ? (p.api_key ?? "") : (p.model ?? "");
+      const k =
+        view.group_by === "api_key" ? (p.api_key ?? "") : view.group_by === "workspace" ? (p.workspace ?? "") : (p.model ?? "");
       m.set(k, [...(m.get(k) ?? []), p]);
     }
     return [...m.entries()].map(([k, ps]) => {
@@ -280,7 +300,12 @@ function Split({ view }: { view: UsageView }) {
       const read = sum((p) => p.cache_read_tokens);
       const prompt = read + sum((p) => p.input_tokens + p.cache_write_5m_tokens + p.cache_write_1h_tokens);
       return {
-        name: view.group_by === "api_key" ? (view.key_names[k] ?? k) : k,
+        name:
+          view.group_by === "api_key"
+            ? (view.key_names[k] ?? k)
+            : view.group_by === "workspace"
+              ? (view.workspace_names[k] ?? k)
+              : k,
         requests: sum((p) => p.requests),
         input: sum((p) => p.input_tokens),
         w5: sum((p) => p.cache_write_5m_tokens),
@@ -294,10 +319,10 @@ function Split({ view }: { view: UsageView }) {
     });
   }, [view]);
   return (
-    <Table caption={view.group_by === "api_key" ? "By API key" : "By model"}>
+    <Table caption={view.group_by === "api_key" ? "By API key" : view.group_by === "workspace" ? "By workspace" : "By model"}>
       <thead>
         <tr>
-          <th scope="col">{view.group_by === "api_key" ? "Key" : "Model"}</th>
+          <th scope="col">{view.group_by === "api_key" ? "Key" : view.group_by === "workspace" ? "Workspace" : "Model"}</th>
           <th scope="col">Requests</th>
           <th scope="col">Input</th>
           <th scope="col">Write 5m</th>
