@@ -140,6 +140,23 @@ pub(crate) fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
     Ok(Some(Option::deserialize(d)?))
 }
 
+/// A merge patch's field applied: `Some` replaces the value, `None` keeps it.
+pub(crate) fn set<T: Copy>(slot: &mut T, v: Option<T>) {
+    if let Some(v) = v {
+        *slot = v;
+    }
+}
+
+/// A limit is absent (none) or at least `min`, with the API's error text naming the field.
+pub(crate) fn at_least(name: &str, v: Option<i64>, min: i64) -> Result<(), AdminError> {
+    match v {
+        Some(v) if v < min => Err(AdminError::Invalid(format!(
+            "{name}: must be a whole number of at least {min}, or null for no limit"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// A change to a policy (JSON merge patch: absent = unchanged, `null` = no limit).
 #[derive(Clone, Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -206,11 +223,6 @@ impl PolicyPatch {
 
     /// `policy` with this patch applied, validated.
     pub fn apply(&self, mut p: Policy) -> Result<Policy, AdminError> {
-        fn set<T: Copy>(slot: &mut T, v: Option<T>) {
-            if let Some(v) = v {
-                *slot = v;
-            }
-        }
         set(&mut p.requests_per_minute, self.requests_per_minute);
         set(&mut p.input_tokens_per_minute, self.input_tokens_per_minute);
         set(
@@ -241,12 +253,6 @@ impl PolicyPatch {
 
 /// The rules every stored policy keeps, with the API's error texts.
 pub fn validate(p: &Policy) -> Result<(), AdminError> {
-    let at_least = |name: &str, v: Option<i64>, min: i64| match v {
-        Some(v) if v < min => Err(AdminError::Invalid(format!(
-            "{name}: must be a whole number of at least {min}, or null for no limit"
-        ))),
-        _ => Ok(()),
-    };
     at_least("requests_per_minute", p.requests_per_minute, 1)?;
     at_least("input_tokens_per_minute", p.input_tokens_per_minute, 1)?;
     at_least("output_tokens_per_minute", p.output_tokens_per_minute, 1)?;

@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 use super::AdminError;
 use super::audit::{self, Actor};
-use super::policy::present;
+use super::policy::{at_least, present, set};
 
 /// The name of the workspace every tenant is created with.
 pub const DEFAULT_NAME: &str = "default";
@@ -39,12 +39,6 @@ pub struct WorkspaceLimits {
 
 impl WorkspaceLimits {
     fn validate(&self) -> Result<(), AdminError> {
-        let at_least = |name: &str, v: Option<i64>, min: i64| match v {
-            Some(v) if v < min => Err(AdminError::Invalid(format!(
-                "{name}: must be a whole number of at least {min}, or null for no limit"
-            ))),
-            _ => Ok(()),
-        };
         at_least("requests_per_minute", self.requests_per_minute, 1)?;
         at_least("input_tokens_per_minute", self.input_tokens_per_minute, 1)?;
         at_least("output_tokens_per_minute", self.output_tokens_per_minute, 1)?;
@@ -90,11 +84,6 @@ pub struct WorkspacePatch {
 impl WorkspacePatch {
     /// `limits` with this patch applied, validated.
     pub fn apply(&self, mut l: WorkspaceLimits) -> Result<WorkspaceLimits, AdminError> {
-        fn set<T: Copy>(slot: &mut T, v: Option<T>) {
-            if let Some(v) = v {
-                *slot = v;
-            }
-        }
         set(&mut l.requests_per_minute, self.requests_per_minute);
         set(&mut l.input_tokens_per_minute, self.input_tokens_per_minute);
         set(
