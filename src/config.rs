@@ -323,6 +323,9 @@ pub struct AdminSection {
     pub webhook_retry_base_ms: u64,
     /// Attempts before a webhook delivery is given up as failed.
     pub webhook_max_attempts: u32,
+    /// Whether webhook endpoints may be private or loopback addresses (off: a tenant cannot
+    /// aim the service's requests at the operator's network).
+    pub webhook_allow_private_addresses: bool,
 }
 
 impl Default for AdminSection {
@@ -336,6 +339,7 @@ impl Default for AdminSection {
             spend_refresh_secs: 15,
             webhook_retry_base_ms: 5000,
             webhook_max_attempts: 8,
+            webhook_allow_private_addresses: false,
         }
     }
 }
@@ -722,6 +726,7 @@ impl Config {
             spend_refresh_secs,
             webhook_retry_base_ms,
             webhook_max_attempts,
+            webhook_allow_private_addresses: _,
         } = admin;
         if !(60..=86_400).contains(access_token_ttl_secs) {
             bail!("admin.access_token_ttl_secs must be between 60 and 86400");
@@ -754,6 +759,7 @@ impl Config {
             ui_dir: self.admin.ui_dir.clone(),
             access_ttl: Duration::from_secs(self.admin.access_token_ttl_secs),
             session_ttl: Duration::from_secs(self.admin.session_ttl_secs),
+            webhook_allow_private: self.admin.webhook_allow_private_addresses,
         }
     }
 

@@ -125,6 +125,7 @@ fn admin_console(
             control::webhooks::DeliveryConfig {
                 retry_base: Duration::from_millis(config.admin.webhook_retry_base_ms),
                 max_attempts: config.admin.webhook_max_attempts as i32,
+                allow_private: config.admin.webhook_allow_private_addresses,
                 ..Default::default()
             },
             shutdown.clone(),

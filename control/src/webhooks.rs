@@ -11,6 +11,11 @@
 //! - `cachet-signature`: `t=<unix seconds>,v1=<hex HMAC-SHA-256(secret, "<t>.<body>")>`, so a
 //!   receiver checks the body came from Cachet and is fresh (reject a `t` older than 5 minutes).
 //!
+//! Deliveries go to public addresses only (unless `admin.webhook_allow_private_addresses`):
+//! the endpoint's host is resolved before each attempt, every address it resolves to must be
+//! public, and the request is pinned to the address checked (no second lookup a DNS answer
+//! could change in between). Redirects are not followed.
+//!
 //! Several processes may run [`run`]: a delivery is claimed with `FOR UPDATE SKIP LOCKED`
 //! and sent by one of them at a time. An endpoint that never answers costs its deliveries'
 //! attempts, never another endpoint's.
@@ -43,6 +48,9 @@ pub struct DeliveryConfig {
     pub timeout: Duration,
     /// How often due deliveries are looked for.
     pub poll: Duration,
+    /// Whether endpoints may be private addresses (loopback, RFC 1918, link-local, …). Off by
+    /// default, so a tenant cannot aim the service's requests at its own network.
+    pub allow_private: bool,
 }
 
 impl Default for DeliveryConfig {
@@ -52,6 +60,7 @@ impl Default for DeliveryConfig {
             max_attempts: 8,
             timeout: Duration::from_secs(10),
             poll: Duration::from_secs(1),
+            allow_private: false,
         }
     }
 }
@@ -129,17 +138,99 @@ pub fn verify(secret: &str, header: &str, body: &[u8]) -> bool {
     mac.verify_slice(&v1).is_ok()
 }
 
-fn check_url(url: &str) -> Result<&str, AdminError> {
+/// Whether `ip` is an address on the public internet (not loopback, private, link-local,
+/// shared, documentation, multicast, unspecified or broadcast).
+pub fn is_public(ip: std::net::IpAddr) -> bool {
+    use std::net::IpAddr;
+    match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            !(v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || v4.is_documentation()
+                || v4.is_multicast()
+                || o[0] == 0
+                || (o[0] == 100 && (64..128).contains(&o[1]))
+                || (o[0] == 192 && o[1] == 0 && o[2] == 0)
+                || (o[0] == 198 && (18..20).contains(&o[1]))
+                || o[0] >= 240)
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_public(IpAddr::V4(v4));
+            }
+            let seg = v6.segments();
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (seg[0] & 0xfe00) == 0xfc00
+                || (seg[0] & 0xffc0) == 0xfe80
+                || (seg[0] == 0x2001 && seg[1] == 0x0db8))
+        }
+    }
+}
+
+/// An endpoint URL, checked: absolute `http(s)`, and (unless `allow_private`) not a private
+/// address written as such (names are checked when resolved, before each delivery).
+fn check_url(url: &str, allow_private: bool) -> Result<&str, AdminError> {
     let url = url.trim();
-    let ok = (url.starts_with("https://") || url.starts_with("http://"))
-        && url.len() <= 2000
-        && reqwest::Url::parse(url).is_ok_and(|u| u.host_str().is_some());
-    if !ok {
+    let parsed = reqwest::Url::parse(url).ok().filter(|u| {
+        matches!(u.scheme(), "http" | "https") && u.host_str().is_some() && url.len() <= 2000
+    });
+    let Some(parsed) = parsed else {
         return Err(AdminError::Invalid(
             "url: an absolute http:// or https:// URL of at most 2000 characters".into(),
         ));
+    };
+    let host = parsed
+        .host_str()
+        .unwrap_or_default()
+        .trim_matches(['[', ']']);
+    let private = match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => !is_public(ip),
+        Err(_) => {
+            let h = host.to_ascii_lowercase();
+            h == "localhost" || h.ends_with(".localhost")
+        }
+    };
+    if private && !allow_private {
+        return Err(AdminError::Invalid(
+            "url: a private or loopback address; webhooks go to public addresses only".into(),
+        ));
     }
     Ok(url)
+}
+
+/// Resolve `url`'s host and pick the address to send to: the first one, after checking that
+/// every address it resolves to is public (unless `allow_private`).
+async fn destination(
+    url: &str,
+    allow_private: bool,
+) -> Result<(String, std::net::SocketAddr), String> {
+    let u = reqwest::Url::parse(url).map_err(|_| "not a URL".to_string())?;
+    let host = u
+        .host_str()
+        .ok_or("no host")?
+        .trim_matches(['[', ']'])
+        .to_string();
+    let port = u.port_or_known_default().ok_or("no port")?;
+    let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host.as_str(), port))
+        .await
+        .map_err(|_| format!("could not resolve {host}"))?
+        .collect();
+    let first = *addrs
+        .first()
+        .ok_or_else(|| format!("{host} has no address"))?;
+    if !allow_private && let Some(bad) = addrs.iter().find(|a| !is_public(a.ip())) {
+        return Err(format!(
+            "{host} resolves to a private address ({}); webhooks go to public addresses only",
+            bad.ip()
+        ));
+    }
+    Ok((host, first))
 }
 
 fn endpoint_info(r: &sqlx::postgres::PgRow) -> EndpointInfo {
@@ -175,8 +266,9 @@ pub async fn create_endpoint(
     actor: &Actor,
     tenant: TenantId,
     url: &str,
+    allow_private: bool,
 ) -> Result<(EndpointInfo, String), AdminError> {
-    let url = check_url(url)?;
+    let url = check_url(url, allow_private)?;
     crate::tenants::ensure_tenant(pool, tenant).await?;
     let id = Uuid::now_v7();
     let secret = new_secret()?;
@@ -325,17 +417,6 @@ pub fn backoff(config: &DeliveryConfig, attempts: i32) -> Duration {
 
 /// Send due deliveries until `stop`.
 pub async fn run(pool: PgPool, config: DeliveryConfig, stop: CancellationToken) {
-    let client = match reqwest::Client::builder()
-        .timeout(config.timeout)
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(error = %e, "webhook deliveries cannot start: no HTTP client");
-            return;
-        }
-    };
     let mut tick = tokio::time::interval(config.poll);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -345,7 +426,7 @@ pub async fn run(pool: PgPool, config: DeliveryConfig, stop: CancellationToken) 
         }
         // Drain what is due, one delivery at a time.
         loop {
-            match deliver_one(&pool, &client, &config).await {
+            match deliver_one(&pool, &config).await {
                 Ok(true) => continue,
                 Ok(false) => break,
                 Err(e) => {
@@ -358,11 +439,7 @@ pub async fn run(pool: PgPool, config: DeliveryConfig, stop: CancellationToken) 
 }
 
 /// Claim one due delivery and attempt it; `false` when none is due.
-pub async fn deliver_one(
-    pool: &PgPool,
-    client: &reqwest::Client,
-    config: &DeliveryConfig,
-) -> Result<bool, AdminError> {
+pub async fn deliver_one(pool: &PgPool, config: &DeliveryConfig) -> Result<bool, AdminError> {
     let mut tx = pool.begin().await?;
     let Some(r) = sqlx::query(
         "SELECT d.id, d.tenant_id, d.event_id, d.event_type, d.payload, d.attempts, e.url, e.secret \
@@ -385,32 +462,50 @@ pub async fn deliver_one(
     let secret: String = r.get("secret");
     let body = serde_json::to_vec(&payload).unwrap_or_default();
     let t = Utc::now().timestamp();
-    let sent = client
-        .post(&url)
-        .header("content-type", "application/json")
-        .header("user-agent", "cachet-webhooks/1")
-        .header("cachet-event-id", &event_id)
-        .header("cachet-event-type", &event_type)
-        .header("cachet-signature", signature(&secret, t, &body))
-        .body(body)
-        .send()
-        .await;
-    let (status, error) = match sent {
-        Ok(resp) if resp.status().is_success() => (Some(resp.status().as_u16()), None),
-        Ok(resp) => (
-            Some(resp.status().as_u16()),
-            Some(format!("the endpoint answered {}", resp.status())),
-        ),
-        Err(e) => (
-            None,
-            Some(if e.is_timeout() {
-                "timed out".to_string()
-            } else if e.is_connect() {
-                "could not connect".to_string()
-            } else {
-                "the request failed".to_string()
-            }),
-        ),
+    let (status, error) = match destination(&url, config.allow_private).await {
+        Err(e) => (None, Some(e)),
+        Ok((host, addr)) => {
+            let sent = match reqwest::Client::builder()
+                .timeout(config.timeout)
+                .redirect(reqwest::redirect::Policy::none())
+                .resolve(&host, addr)
+                .build()
+            {
+                Ok(client) => {
+                    client
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .header("user-agent", "cachet-webhooks/1")
+                        .header("cachet-event-id", &event_id)
+                        .header("cachet-event-type", &event_type)
+                        .header("cachet-signature", signature(&secret, t, &body))
+                        .body(body)
+                        .send()
+                        .await
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "no HTTP client for webhook deliveries");
+                    return Ok(false);
+                }
+            };
+            match sent {
+                Ok(resp) if resp.status().is_success() => (Some(resp.status().as_u16()), None),
+                Ok(resp) => (
+                    Some(resp.status().as_u16()),
+                    Some(format!("the endpoint answered {}", resp.status())),
+                ),
+                Err(e) => (
+                    None,
+                    Some(if e.is_timeout() {
+                        "timed out".to_string()
+                    } else if e.is_connect() {
+                        "could not connect".to_string()
+                    } else {
+                        "the request failed".to_string()
+                    }),
+                ),
+            }
+        }
     };
     let outcome = match (&error, attempts >= config.max_attempts) {
         (None, _) => "delivered",
@@ -474,11 +569,63 @@ mod tests {
     }
 
     #[test]
-    fn urls_must_be_absolute_http() {
-        assert!(check_url("https://example.com/hook").is_ok());
-        assert!(check_url("http://127.0.0.1:9/x").is_ok());
-        assert!(check_url("ftp://example.com").is_err());
-        assert!(check_url("/relative").is_err());
-        assert!(check_url("https://").is_err());
+    fn urls_must_be_absolute_http_and_public_unless_allowed() {
+        assert!(check_url("https://example.com/hook", false).is_ok());
+        assert!(check_url("http://93.184.216.34:8080/x", false).is_ok());
+        assert!(check_url("ftp://example.com", true).is_err());
+        assert!(check_url("/relative", true).is_err());
+        assert!(check_url("https://", true).is_err());
+        for private in [
+            "http://127.0.0.1:9/x",
+            "http://10.1.2.3/x",
+            "http://[::1]/x",
+            "http://169.254.169.254/latest/meta-data",
+            "http://localhost:8080/",
+            "http://[fd00::1]/",
+            "http://[::ffff:192.168.1.1]/",
+        ] {
+            let e = check_url(private, false).unwrap_err().to_string();
+            assert!(e.contains("private"), "{private}: {e}");
+            assert!(
+                check_url(private, true).is_ok(),
+                "{private} allowed when asked"
+            );
+        }
+    }
+
+    #[test]
+    fn public_addresses_are_told_from_the_rest() {
+        for ip in ["8.8.8.8", "2606:4700::1111", "93.184.216.34"] {
+            assert!(is_public(ip.parse().unwrap()), "{ip}");
+        }
+        for ip in [
+            "127.0.0.1",
+            "10.0.0.1",
+            "172.16.0.1",
+            "192.168.0.1",
+            "169.254.1.1",
+            "100.64.0.1",
+            "0.0.0.0",
+            "255.255.255.255",
+            "224.0.0.1",
+            "::1",
+            "::",
+            "fe80::1",
+            "fc00::1",
+            "::ffff:10.0.0.1",
+            "198.18.0.1",
+            "240.0.0.1",
+        ] {
+            assert!(!is_public(ip.parse().unwrap()), "{ip}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_name_that_resolves_to_loopback_is_refused_before_sending() {
+        let e = destination("http://localhost:9/x", false)
+            .await
+            .unwrap_err();
+        assert!(e.contains("private address"), "{e}");
+        assert!(destination("http://localhost:9/x", true).await.is_ok());
     }
 }

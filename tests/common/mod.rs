@@ -122,6 +122,8 @@ impl TestApp {
         config.admin.rollup_interval_secs = 1;
         config.admin.spend_refresh_secs = 1;
         config.admin.webhook_retry_base_ms = 200;
+        // The tests' webhook receivers listen on loopback.
+        config.admin.webhook_allow_private_addresses = true;
         (opts.tweak)(&mut config);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let shutdown = CancellationToken::new();

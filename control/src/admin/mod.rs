@@ -70,6 +70,8 @@ pub struct AdminConfig {
     pub access_ttl: Duration,
     /// Lifetime of a login (its refresh tokens).
     pub session_ttl: Duration,
+    /// Whether webhook endpoints may be private or loopback addresses.
+    pub webhook_allow_private: bool,
 }
 
 impl Default for AdminConfig {
@@ -78,6 +80,7 @@ impl Default for AdminConfig {
             ui_dir: "admin-ui/dist".into(),
             access_ttl: Duration::from_secs(15 * 60),
             session_ttl: Duration::from_secs(12 * 3600),
+            webhook_allow_private: false,
         }
     }
 }

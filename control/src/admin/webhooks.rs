@@ -63,8 +63,14 @@ pub async fn create_endpoint(
     AdminJson(req): AdminJson<NewEndpoint>,
 ) -> Result<(StatusCode, axum::Json<CreatedEndpoint>), ApiError> {
     admin.tenant(id, Access::Write)?;
-    let (endpoint, secret) =
-        webhooks::create_endpoint(&state.pool, &admin.actor, TenantId(id), &req.url).await?;
+    let (endpoint, secret) = webhooks::create_endpoint(
+        &state.pool,
+        &admin.actor,
+        TenantId(id),
+        &req.url,
+        state.config.webhook_allow_private,
+    )
+    .await?;
     Ok((
         StatusCode::CREATED,
         axum::Json(CreatedEndpoint { endpoint, secret }),
