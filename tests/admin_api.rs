@@ -2003,3 +2003,109 @@ async fn budget_thresholds_reach_a_signed_webhook_once_each_even_after_a_retry()
     );
     a.stop().await;
 }
+
+#[tokio::test]
+async fn a_workspace_budget_refuses_only_that_workspace_and_alerts_once_per_threshold() {
+    let a = setup().await;
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let t = a.tenant;
+    // A price that makes a request cost cents.
+    billing::prices::set_price(
+        &a.pool,
+        &billing::prices::PriceVersion {
+            model: "sim-tiny".into(),
+            effective_from: chrono::Utc::now() - chrono::Duration::days(40),
+            currency: "USD".into(),
+            input_nanos: 100_000,
+            output_nanos: 100_000,
+            cache_write_5m_bp: 12_500,
+            cache_write_1h_bp: 20_000,
+            cache_read_bp: 1_000,
+        },
+        "test",
+        true,
+        chrono::Utc::now(),
+    )
+    .await
+    .unwrap();
+    let ws_path = format!("/v1/admin/tenants/{t}/workspaces");
+    let (s, ws) = a
+        .call(
+            "POST",
+            &ws_path,
+            Some(&root),
+            Some(json!({"name": "capped", "monthly_budget_minor": 1})),
+        )
+        .await;
+    assert_eq!(s, 201, "{ws}");
+    let ws: Uuid = ws["id"].as_str().unwrap().parse().unwrap();
+    let (s, k) = a
+        .call(
+            "POST",
+            &format!("/v1/admin/tenants/{t}/keys"),
+            Some(&root),
+            Some(json!({"name": "capped-key", "workspace_id": ws})),
+        )
+        .await;
+    assert_eq!(s, 201, "{k}");
+    let capped = k["secret"].as_str().unwrap().to_string();
+    // Spend past the workspace's one cent.
+    for _ in 0..2 {
+        assert_eq!(a.message(&capped).await.0, 200);
+    }
+    a.app.settle().await;
+    within(
+        "the spent workspace budget refuses the workspace's keys",
+        Duration::from_secs(30),
+        || async {
+            let (s, v) = a.message(&capped).await;
+            s == 429
+                && v["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("this workspace's monthly spend budget")
+        },
+    )
+    .await;
+    // The default workspace (the same tenant) is not refused.
+    assert_eq!(a.message(&a.app.key).await.0, 200);
+    // Both thresholds (the tenant's alert percentage, 80, and 100) fire once for the workspace.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let alerts: Vec<(String, i32)> = sqlx::query_as(
+        "SELECT event_id, percent FROM budget_alerts WHERE tenant_id = $1 ORDER BY percent",
+    )
+    .bind(t)
+    .fetch_all(&a.pool)
+    .await
+    .unwrap();
+    let month = chrono::Utc::now().format("%Y-%m").to_string();
+    assert_eq!(
+        alerts,
+        vec![
+            (format!("budget:{t}:{ws}:{month}:80"), 80),
+            (format!("budget:{t}:{ws}:{month}:100"), 100)
+        ]
+    );
+    within(
+        "the refusal is counted by its limit",
+        Duration::from_secs(15),
+        || async {
+            let (_, b) = a
+                .call(
+                    "GET",
+                    &format!("/v1/admin/tenants/{t}/budget"),
+                    Some(&root),
+                    None,
+                )
+                .await;
+            b["refusals"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| r["limit"] == "workspace_monthly_budget")
+        },
+    )
+    .await;
+    a.stop().await;
+}
