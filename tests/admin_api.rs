@@ -2109,3 +2109,93 @@ async fn a_workspace_budget_refuses_only_that_workspace_and_alerts_once_per_thre
     .await;
     a.stop().await;
 }
+
+#[tokio::test]
+async fn a_delivery_that_never_succeeds_is_retried_then_marked_failed_and_a_disabled_endpoint_gets_nothing()
+ {
+    let (name, _, pool) = fresh_db().await;
+    let actor = control::tenants::Actor::cli("test");
+    let t = control::tenants::create_tenant(&pool, &actor, "hooked")
+        .await
+        .unwrap()
+        .id;
+    // Nothing listens on port 9 of loopback: every attempt fails to connect.
+    let (dead, _) =
+        control::webhooks::create_endpoint(&pool, &actor, t, "http://127.0.0.1:9/x", true)
+            .await
+            .unwrap();
+    assert!(
+        control::webhooks::create_endpoint(&pool, &actor, t, "http://127.0.0.1:9/x", false)
+            .await
+            .is_err(),
+        "a loopback endpoint is refused unless allowed"
+    );
+    let standing = control::alerts::Standing {
+        tenant: t.as_uuid(),
+        workspace: None,
+        limit_minor: 100,
+        alert_percent: 80,
+        spent_minor: 90,
+        currency: "USD".into(),
+    };
+    let now = chrono::Utc::now();
+    assert_eq!(
+        control::alerts::record(&pool, &standing, now)
+            .await
+            .unwrap(),
+        [80]
+    );
+    assert!(
+        control::alerts::record(&pool, &standing, now)
+            .await
+            .unwrap()
+            .is_empty(),
+        "recorded once"
+    );
+    let config = control::webhooks::DeliveryConfig {
+        retry_base: Duration::from_millis(20),
+        max_attempts: 3,
+        timeout: Duration::from_secs(2),
+        poll: Duration::from_millis(10),
+        allow_private: true,
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        control::webhooks::deliver_one(&pool, &config)
+            .await
+            .unwrap();
+        let log = control::webhooks::list_deliveries(&pool, t, 10)
+            .await
+            .unwrap();
+        if log[0].state == "failed" || Instant::now() > deadline {
+            assert_eq!(log.len(), 1);
+            assert_eq!(log[0].state, "failed", "{log:?}");
+            assert_eq!(log[0].attempts, 3);
+            assert_eq!(log[0].last_error.as_deref(), Some("could not connect"));
+            assert_eq!(log[0].endpoint_id, dead.id);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    // A disabled endpoint is sent nothing more: the next threshold queues nothing for it.
+    control::webhooks::disable_endpoint(&pool, &actor, t, dead.id)
+        .await
+        .unwrap();
+    let spent = control::alerts::Standing {
+        spent_minor: 100,
+        ..standing
+    };
+    assert_eq!(
+        control::alerts::record(&pool, &spent, now).await.unwrap(),
+        [100]
+    );
+    assert_eq!(
+        control::webhooks::list_deliveries(&pool, t, 10)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    pool.close().await;
+    drop_db(&name).await;
+}
