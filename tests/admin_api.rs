@@ -1819,6 +1819,17 @@ async fn workspaces_isolate_caches_apply_their_own_limits_and_split_usage() {
         .await;
     assert_eq!(s, 409, "{v}");
     assert_eq!(send(&a, &beta_key, &body).await.0, 200, "beta is untouched");
+    // The audit log names the workspace.
+    let (_, log) = a
+        .call(
+            "GET",
+            &format!("/v1/admin/audit?tenant={t}&action=workspace.archive"),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!(log["data"][0]["target_name"], "workspace alpha-2", "{log}");
+    assert_eq!(log["data"][0]["after"]["keys_revoked"], 1, "{log}");
     a.stop().await;
 }
 

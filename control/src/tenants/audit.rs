@@ -99,8 +99,9 @@ pub struct AuditRow {
     pub request_id: Option<String>,
     /// The tenant's name (as it is now), when the row is about a tenant.
     pub tenant_name: Option<String>,
-    /// The object by name, where it is a tenant (its name), a console user (username) or
-    /// an API key (name and visible prefix); absent for other objects.
+    /// The object by name, where it is a tenant (its name), a console user (username), an
+    /// API key (name and visible prefix), a workspace or a webhook endpoint (its URL); absent
+    /// for other objects.
     pub target_name: Option<String>,
 }
 
@@ -140,7 +141,9 @@ const COLUMNS: &str = "a.id, a.at, a.actor, a.actor_role, a.tenant_id, a.action,
     (SELECT t.name FROM tenants t WHERE t.id = a.tenant_id) AS tenant_name, \
     COALESCE((SELECT t.name FROM tenants t WHERE t.id = x.uid), \
              (SELECT u.username FROM admin_users u WHERE u.id = x.uid), \
-             (SELECT k.name || ' (' || k.visible_prefix || '…)' FROM api_keys k WHERE k.id = x.uid)) \
+             (SELECT k.name || ' (' || k.visible_prefix || '…)' FROM api_keys k WHERE k.id = x.uid), \
+             (SELECT 'workspace ' || w.name FROM workspaces w WHERE w.id = x.uid), \
+             (SELECT 'webhook ' || e.url FROM webhook_endpoints e WHERE e.id = x.uid)) \
         AS target_name";
 
 /// `admin_audit a` with `x.uid`, its target as a UUID where it is one.
