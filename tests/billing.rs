@@ -548,6 +548,40 @@ async fn the_month_overview_is_the_sum_of_the_dashboards_and_the_invoices_to_the
         assert_eq!(row.requests, dash.totals.tokens.requests);
         assert!(row.cost_minor > 0 && row.unpriced_tokens == 0);
         sum += row.cost_minor;
+        // The export's per-row costs add up to the invoice: exact, then rounded once.
+        let filter = billing::api::ExportFilter {
+            from: at("2026-10-01T00:00:00Z"),
+            to: at("2026-11-01T00:00:00Z"),
+            tenant: Some(row.tenant),
+            workspace: None,
+            api_key: None,
+            model: None,
+        };
+        let body = billing::api::export_stream(pool.clone(), filter, billing::api::Format::Jsonl);
+        let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+        let rows: Vec<serde_json::Value> = std::str::from_utf8(&bytes)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len() as i64, row.requests);
+        let exact: billing::money::Exact = rows
+            .iter()
+            .map(|r| {
+                assert_eq!(r["tenant_name"], row.name.as_str());
+                r["cost_exact_nanos"]
+                    .as_str()
+                    .unwrap()
+                    .parse::<billing::money::Exact>()
+                    .unwrap()
+            })
+            .sum();
+        assert_eq!(
+            exact.to_minor("USD"),
+            inv.total_minor,
+            "{}: the export's rows cost what the invoice bills",
+            row.name
+        );
     }
     assert_eq!(o.totals.len(), 1);
     assert_eq!(
