@@ -462,7 +462,10 @@ pub async fn deliver_one(pool: &PgPool, config: &DeliveryConfig) -> Result<bool,
     let secret: String = r.get("secret");
     let body = serde_json::to_vec(&payload).unwrap_or_default();
     let t = Utc::now().timestamp();
-    let (status, error) = match destination(&url, config.allow_private).await {
+    let resolved = tokio::time::timeout(config.timeout, destination(&url, config.allow_private))
+        .await
+        .unwrap_or_else(|_| Err("resolving the host timed out".to_string()));
+    let (status, error) = match resolved {
         Err(e) => (None, Some(e)),
         Ok((host, addr)) => {
             let sent = match reqwest::Client::builder()
