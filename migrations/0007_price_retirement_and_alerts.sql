@@ -13,8 +13,6 @@ CREATE TABLE price_retirements (
     FOREIGN KEY (model, effective_from) REFERENCES prices (model, effective_from)
 );
 
--- A view's column list is fixed when it is created: a migration that adds a column to
--- `prices` recreates this view (CREATE OR REPLACE VIEW) to carry it.
 CREATE VIEW price_book AS
     SELECT p.* FROM prices p
     WHERE NOT EXISTS (SELECT 1 FROM price_retirements r

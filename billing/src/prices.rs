@@ -334,6 +334,10 @@ pub async fn set_plan(
 }
 
 /// A list-price version as the price book lists it: retired ones too, marked.
+///
+/// Rating reads the view `price_book` (migration 0007: the versions not retired). A view's
+/// column list is fixed when it is created, so a migration that adds a column to `prices`
+/// recreates `price_book` (`CREATE OR REPLACE VIEW`) to carry it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct ListedPrice {
     #[serde(flatten)]
