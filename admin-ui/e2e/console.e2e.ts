@@ -265,10 +265,12 @@ describe("the admin console", () => {
     await p.getByRole("button", { name: "Create workspace" }).click();
     await p.getByLabel("Name").fill("research");
     await p.getByLabel("Requests per minute").fill("100");
+    await p.getByLabel(/^Monthly budget/).fill("12.50");
     await p.getByRole("button", { name: "Save" }).click();
     const row = p.locator('tr[data-workspace="research"]');
     await row.waitFor();
     expect(await row.textContent()).toContain("100");
+    expect(await row.textContent()).toContain("$12.50");
     await shot(p, "11-workspaces");
     await p.getByRole("link", { name: "Keys" }).first().click();
     await p.getByRole("button", { name: "Create key" }).click();

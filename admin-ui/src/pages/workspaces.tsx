@@ -4,15 +4,14 @@
 import { useState } from "preact/hooks";
 import { api } from "../api";
 import { Confirm, Dialog, ErrorBanner, Field, Loading, Notice, Table, message, useAsync } from "../components/ui";
-import { formatLimit, formatTime } from "../format";
-import { parseLimit } from "../forms";
-import type { Tenant, Workspace, WorkspaceLimits } from "../types";
+import { formatLimit, formatMoney, formatTime } from "../format";
+import { minorToText, parseLimit, parseMoney } from "../forms";
+import type { BudgetView, Tenant, Workspace, WorkspaceLimits } from "../types";
 
-const LIMITS: [keyof WorkspaceLimits, string, number][] = [
+const LIMITS: [Exclude<keyof WorkspaceLimits, "monthly_budget_minor">, string, number][] = [
   ["requests_per_minute", "Requests per minute", 1],
   ["input_tokens_per_minute", "Uncached input tokens per minute", 1],
   ["output_tokens_per_minute", "Output tokens per minute", 1],
-  ["monthly_budget_minor", "Monthly budget (cents)", 0],
 ];
 
 /** The workspaces of a tenant, for pickers and names. */
@@ -29,6 +28,9 @@ function limitText(v: number | null): string {
 
 export function WorkspacesTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolean }) {
   const list = useWorkspaces(tenant, true);
+  // Budgets are in the tenant's price currency (the budget view says which).
+  const budget = useAsync(() => api<BudgetView>("GET", `/v1/admin/tenants/${tenant.id}/budget`), [tenant.id]);
+  const currency = budget.data?.currency ?? "USD";
   const [editing, setEditing] = useState<Workspace | "new" | null>(null);
   const [archiving, setArchiving] = useState<Workspace | null>(null);
   const [notice, setNotice] = useState<string | null>(null);
@@ -61,6 +63,7 @@ export function WorkspacesTab({ tenant, canEdit }: { tenant: Tenant; canEdit: bo
                   {label}
                 </th>
               ))}
+              <th scope="col">Monthly budget</th>
               <th scope="col">Created</th>
               <th scope="col">Actions</th>
             </tr>
@@ -77,6 +80,7 @@ export function WorkspacesTab({ tenant, canEdit }: { tenant: Tenant; canEdit: bo
                 {LIMITS.map(([k]) => (
                   <td key={k}>{limitText(w.limits[k])}</td>
                 ))}
+                <td>{w.limits.monthly_budget_minor === null ? "—" : formatMoney(w.limits.monthly_budget_minor, currency)}</td>
                 <td>{formatTime(w.created_at)}</td>
                 <td>
                   {live && !w.archived_at && (
@@ -99,6 +103,7 @@ export function WorkspacesTab({ tenant, canEdit }: { tenant: Tenant; canEdit: bo
       )}
       <WorkspaceDialog
         tenant={tenant}
+        currency={currency}
         workspace={editing}
         onClose={() => setEditing(null)}
         onSaved={(w) => {
@@ -126,6 +131,7 @@ export function WorkspacesTab({ tenant, canEdit }: { tenant: Tenant; canEdit: bo
 
 function WorkspaceDialog(props: {
   tenant: Tenant;
+  currency: string;
   workspace: Workspace | "new" | null;
   onClose: () => void;
   onSaved: (w: Workspace) => void;
@@ -135,6 +141,8 @@ function WorkspaceDialog(props: {
   const initial = () => {
     const f: Record<string, string> = { name: existing?.name ?? "" };
     for (const [k] of LIMITS) f[k] = existing?.limits[k] == null ? "" : String(existing.limits[k]);
+    const b = existing?.limits.monthly_budget_minor;
+    f.budget = b == null ? "" : minorToText(b, props.currency);
     return f;
   };
   const [form, setForm] = useState<Record<string, string>>(initial);
@@ -163,6 +171,12 @@ function WorkspaceDialog(props: {
             const v = parseLimit(form[k], min);
             if (typeof v === "string") errs[k] = v;
             else body[k] = v;
+          }
+          if (form.budget.trim() === "") body.monthly_budget_minor = null;
+          else {
+            const v = parseMoney(form.budget, props.currency);
+            if (typeof v === "string") errs.budget = v;
+            else body.monthly_budget_minor = v;
           }
           setErrors(errs);
           if (Object.keys(errs).length > 0) return;
@@ -202,6 +216,16 @@ function WorkspaceDialog(props: {
             onInput={(e) => setForm({ ...form, [k]: e.currentTarget.value })}
           />
         ))}
+        <Field
+          id="ws-budget"
+          label={`Monthly budget (${props.currency}, empty = none)`}
+          inputMode="decimal"
+          placeholder="no budget"
+          value={form.budget}
+          error={errors.budget}
+          hint="This workspace's keys are refused (429) once its spend this month reaches it."
+          onInput={(e) => setForm({ ...form, budget: e.currentTarget.value })}
+        />
         <ErrorBanner error={error} />
         <footer>
           <button type="button" class="secondary" onClick={props.onClose}>
