@@ -72,8 +72,11 @@ fn start_serve_with(db_url: &str, data_dir: &Path, time_scale: &str) -> (Serve, 
     (Serve(child), url)
 }
 
-fn finance_token() -> String {
+/// A finance token, from the CLI pointed at the test's own database (never the machine's
+/// default one, which a CLI run would migrate).
+fn finance_token(db_url: &str) -> String {
     let out = cachet()
+        .env("DATABASE_URL", db_url)
         .args([
             "billing",
             "token",
@@ -141,7 +144,7 @@ async fn a_trace_slice_replays_without_errors_reconciles_exactly_and_matches_the
     let (serve, url) = start_serve(&db_url, &data.0);
     let out_dir = common::tempdir::Dir::new();
     let out = out_dir.0.join("run");
-    let token = finance_token();
+    let token = finance_token(&db_url);
     let run = tokio::task::spawn_blocking({
         let (out, url) = (out.clone(), url.clone());
         move || {
@@ -287,7 +290,7 @@ async fn a_sweep_finds_a_capacity_and_an_interrupted_replay_still_reports() {
     let out3 = dir.0.join("openai");
     let run = loadtest("replay", &out3)
         .args(["--api", "openai", "--rate", "40", "--max-requests", "60"])
-        .env("CACHET_FINANCE_TOKEN", finance_token())
+        .env("CACHET_FINANCE_TOKEN", finance_token(&db_url))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout);
