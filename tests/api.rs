@@ -708,3 +708,69 @@ async fn cache_miss_reasons_compare_with_the_previous_message() {
     assert_eq!(s, 400, "{f}");
     app.stop().await;
 }
+
+/// OpenAI's `prompt_cache_retention: "24h"` keeps the prefix a day, billed as a 1h write.
+#[tokio::test]
+async fn openai_24h_retention_keeps_the_prefix_a_day() {
+    let app = TestApp::start().await;
+    let system: String = (0..300).map(|i| format!("w{i} ")).collect();
+    let ask = |question: &str| {
+        serde_json::json!({
+            "model": "sim-tiny",
+            "max_tokens": 4,
+            "prompt_cache_retention": "24h",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+        })
+    };
+    let pool = &app.running().pool;
+    let tenant: uuid::Uuid = sqlx::query_scalar("SELECT tenant_id FROM api_keys LIMIT 1")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let (s, _, v) = app.post("/v1/chat/completions", &app.key, &ask("q")).await;
+    assert_eq!(s, 200, "{v}");
+    assert!(
+        v["cachet"]["breakpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|b| b["ttl"] == "24h" && b["status"] == "written"),
+        "{v}"
+    );
+    // Read back; the cache view lists read prefixes with what is left of their TTL.
+    let (s, _, v) = app
+        .post("/v1/chat/completions", &app.key, &ask("again"))
+        .await;
+    assert_eq!(s, 200, "{v}");
+    assert!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{v}"
+    );
+    let left = app
+        .running()
+        .node
+        .tenant_stats(cachet_common::TenantId(tenant), 10)
+        .top_prefixes
+        .iter()
+        .map(|p| p.ttl_left_ms)
+        .max()
+        .unwrap_or(0);
+    assert!(
+        left > 23 * 3600 * 1000 && left <= 24 * 3600 * 1000,
+        "a 24h prefix has about a day left: {left} ms"
+    );
+    // Billed as a 1h write (the first request wrote it).
+    app.settle().await;
+    let w1: i64 = sqlx::query_scalar("SELECT sum(cache_write_1h_tokens)::BIGINT FROM usage_events")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert!(w1 > 0);
+    app.stop().await;
+}

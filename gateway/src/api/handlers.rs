@@ -129,16 +129,37 @@ struct Started {
 /// Validate, render and start generating a Messages body for `principal`: the one path both
 /// wires take. `seed`: the client's sampling seed (default: one derived from the request id,
 /// so a request resumed on another node, or retried under its id, generates the same text).
+/// What a wire asks of a generation besides its Messages body.
+#[derive(Clone, Copy, Debug, Default)]
+struct Asked {
+    seed: Option<u64>,
+    /// Cache diagnostics (the beta header).
+    diagnose: bool,
+    /// Keep what the long-TTL breakpoints write this long (OpenAI's 24h retention).
+    hold: Option<std::time::Duration>,
+}
+
 async fn start_generation(
     state: &AppState,
     rid: RequestId,
     principal: Arc<control::tenants::Principal>,
     body: Bytes,
-    seed: Option<u64>,
-    diagnose: bool,
+    asked: Asked,
     (start, started_at): (tokio::time::Instant, chrono::DateTime<chrono::Utc>),
 ) -> Result<Started, ApiError> {
-    let (req, engine, prepared) = prepare_messages(&state.engines, &principal, body).await?;
+    let Asked {
+        seed,
+        diagnose,
+        hold,
+    } = asked;
+    let (req, engine, mut prepared) = prepare_messages(&state.engines, &principal, body).await?;
+    if let Some(h) = hold {
+        for pl in &mut prepared.placed {
+            if pl.bp.ttl == cachet_common::Ttl::OneHour {
+                pl.bp.hold = Some(h);
+            }
+        }
+    }
     let diagnose = diagnose.then(|| pipeline::Diagnose {
         message_id: rid.message_id(),
         previous: req
@@ -235,8 +256,10 @@ async fn create_message_inner(
         rid,
         principal,
         body,
-        None,
-        crate::diagnostics::requested(&headers),
+        Asked {
+            diagnose: crate::diagnostics::requested(&headers),
+            ..Asked::default()
+        },
         (start, started_at),
     )
     .await?;
@@ -462,8 +485,11 @@ async fn chat_inner(
         rid,
         principal,
         body,
-        opts.seed,
-        false,
+        Asked {
+            seed: opts.seed,
+            hold: opts.hold,
+            ..Asked::default()
+        },
         (start, started_at),
     )
     .await?;

@@ -13,9 +13,10 @@
 //!   `cache_control`), plus a breakpoint on every content part marked
 //!   `prompt_cache_breakpoint`;
 //! - `mode: "explicit"`: only the marked parts (none marked: nothing is cached);
-//! - TTL: `prompt_cache_retention: "in_memory"` → 5m; `"24h"` or `prompt_cache_options.ttl:
-//!   "30m"` → 1h, Cachet's longest, where the tenant's policy allows 1h (else 5m: retention is
-//!   a maximum, and the cache is best effort);
+//! - TTL: `prompt_cache_retention: "in_memory"` → 5m; `prompt_cache_options.ttl: "30m"` →
+//!   1h; `"24h"` → kept 24 hours (a 1h write as billed, held for a day and refreshed by
+//!   reads), where the tenant's policy allows long TTLs (else 5m: retention is a maximum, and
+//!   the cache is best effort);
 //! - `prompt_cache_key` is a routing hint within the tenant only, never part of any key: two
 //!   tenants sending the same key share nothing.
 
@@ -31,7 +32,13 @@ pub struct ChatOptions {
     pub seed: Option<u64>,
     /// Routing hint within the tenant (never an isolation key).
     pub prompt_cache_key: Option<String>,
+    /// `prompt_cache_retention: "24h"` where the tenant allows long TTLs: what this request
+    /// writes is kept 24 hours (billed as a 1h write).
+    pub hold: Option<std::time::Duration>,
 }
+
+/// OpenAI's extended retention.
+pub const RETENTION_24H: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
 fn bad(param: &str, msg: impl std::fmt::Display) -> ApiError {
     ApiError::invalid(format!("{param}: {msg}"))
@@ -228,6 +235,9 @@ pub fn to_messages(
         get("prompt_cache_options"),
         allow_1h,
     )?;
+    if ttl == "1h" && get("prompt_cache_retention").and_then(Value::as_str) == Some("24h") {
+        opts.hold = Some(RETENTION_24H);
+    }
     let ttl_json = |marker: &mut Map<String, Value>| {
         let mut cc = json!({"type": "ephemeral"});
         if ttl == "1h" {
@@ -693,13 +703,18 @@ mod tests {
         assert_eq!(m["cache_control"], json!({"type": "ephemeral"}));
         // A tenant without 1h gets 5m for 24h retention.
         let body = json!({"model": "x", "prompt_cache_retention": "24h", "messages": [{"role": "user", "content": "q"}]});
-        let (m, _) = to_messages(body.to_string().as_bytes(), |_| Some(1), false).unwrap();
+        let (m, o) = to_messages(body.to_string().as_bytes(), |_| Some(1), false).unwrap();
         assert_eq!(m["cache_control"], json!({"type": "ephemeral"}));
-        let (m, _) = to_messages(body.to_string().as_bytes(), |_| Some(1), true).unwrap();
+        assert_eq!(o.hold, None, "no long TTLs: no 24h hold");
+        let (m, o) = to_messages(body.to_string().as_bytes(), |_| Some(1), true).unwrap();
         assert_eq!(
             m["cache_control"],
             json!({"type": "ephemeral", "ttl": "1h"})
         );
+        assert_eq!(o.hold, Some(RETENTION_24H), "kept a day, billed as 1h");
+        let thirty = json!({"model": "x", "prompt_cache_options": {"ttl": "30m"},
+            "messages": [{"role": "user", "content": "q"}]});
+        assert_eq!(conv(thirty).unwrap().1.hold, None);
     }
 
     #[test]

@@ -27,8 +27,29 @@ pub enum BlockRef {
 pub struct Breakpoint {
     pub location: String,
     pub block: BlockRef,
+    /// The TTL class: what the write is billed as, and how long it is kept unless `hold`
+    /// says longer.
     pub ttl: Ttl,
     pub automatic: bool,
+    /// Kept this long instead of the TTL class's duration (OpenAI's 24-hour retention, billed
+    /// as a 1h write); `None` for every Messages breakpoint.
+    pub hold: Option<std::time::Duration>,
+}
+
+impl Breakpoint {
+    /// How long the cache keeps what this breakpoint writes (refreshed by reads).
+    pub fn held_for(&self) -> std::time::Duration {
+        self.hold.unwrap_or(self.ttl.duration())
+    }
+
+    /// The TTL as the cache report names it: `5m`, `1h`, or the hold (`24h`).
+    pub fn ttl_label(&self) -> String {
+        match self.hold {
+            Some(h) if h.as_secs() % 3600 == 0 => format!("{}h", h.as_secs() / 3600),
+            Some(h) => format!("{}s", h.as_secs()),
+            None => self.ttl.as_str().to_string(),
+        }
+    }
 }
 
 /// Limits of the model the request names.
@@ -556,6 +577,7 @@ fn breakpoints(w: &Walk, top: &Map<String, Value>) -> Result<Vec<Breakpoint>, Ap
                 block: b.block,
                 ttl,
                 automatic,
+                hold: None,
             })
         })
         .collect())

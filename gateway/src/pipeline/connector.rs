@@ -42,7 +42,7 @@ pub(super) fn connector_writes(
         if end_block == 0 {
             continue;
         }
-        let (ttl, paid) = (pl.bp.ttl.duration(), !pl.bp.automatic);
+        let (ttl, paid) = (pl.bp.held_for(), !pl.bp.automatic);
         match writes.iter_mut().find(|x| x.end_block == end_block) {
             Some(x) => {
                 x.ttl = x.ttl.max(ttl);
@@ -147,7 +147,7 @@ pub(super) fn connector_entries(
                 // In a cluster its owners get copies too, off the answer's path.
                 let (fabric, keys, scope, start) =
                     (w.state.fabric.clone(), k.clone(), w.scope, w.start);
-                let (ttl, kind) = (pl.bp.ttl.duration(), entry_kind(pl.bp.automatic));
+                let (ttl, kind) = (pl.bp.held_for(), entry_kind(pl.bp.automatic));
                 rt.spawn(tracing::Instrument::in_current_span(async move {
                     if let Err(r) = fabric
                         .replicate_written(scope, &keys, aligned, ttl, start, kind)
@@ -178,6 +178,7 @@ mod tests {
                 block: BlockRef::System(0),
                 ttl,
                 automatic,
+                hold: None,
             },
             offset,
             cacheable: true,

@@ -336,7 +336,7 @@ pub(super) async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usa
                     pl.offset,
                     &blocks,
                     Holding {
-                        ttl: pl.bp.ttl.duration(),
+                        ttl: pl.bp.held_for(),
                         kind: entry_kind(pl.bp.automatic),
                     },
                     w.start,
@@ -365,7 +365,7 @@ pub(super) fn breakpoint_report(
     BreakpointReport {
         location: pl.bp.location.clone(),
         automatic: pl.bp.automatic,
-        ttl: pl.bp.ttl.as_str().into(),
+        ttl: pl.bp.ttl_label(),
         token_offset: pl.offset as u64,
         status: status.into(),
         reason,
