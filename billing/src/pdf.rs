@@ -409,14 +409,6 @@ mod tests {
     }
 
     #[test]
-    fn a_sample_renders_where_asked() {
-        // CACHET_PDF_SAMPLE=path writes a three-page sample to look at.
-        if let Ok(path) = std::env::var("CACHET_PDF_SAMPLE") {
-            std::fs::write(path, invoice_pdf(&invoice(100), "acme, inc.")).unwrap();
-        }
-    }
-
-    #[test]
     fn text_is_win_ansi() {
         assert_eq!(win_ansi("a€×é✓"), vec![b'a', 0x80, 0xd7, 0xe9, b'?']);
     }
