@@ -385,23 +385,33 @@ pub async fn usage(pool: &PgPool, q: &UsageQuery) -> Result<UsageReport, Billing
         .filter(|t| *t != bucket_of(*t, Granularity::Day))
         .map(|t| bucket_of(t, Granularity::Day))
         .collect();
-    let rows = sqlx::query(
+    // A key's workspace is where its usage goes: the key table is read only when a report
+    // splits or filters by workspace.
+    let (ws, ws_join) = if group_by == GroupBy::Workspace || workspace.is_some() {
+        (
+            "k.workspace_id",
+            "LEFT JOIN api_keys k ON k.id = r.api_key_id",
+        )
+    } else {
+        ("NULL::UUID", "")
+    };
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         r#"
         SELECT bucket_start, model, CASE WHEN $4 THEN api_key_id END AS api_key,
-               CASE WHEN $8 THEN k.workspace_id END AS workspace,
+               CASE WHEN $8 THEN {ws} END AS workspace,
                sum(requests)::BIGINT AS requests, sum(input_tokens)::BIGINT AS input_tokens,
                sum(cache_write_5m_tokens)::BIGINT AS w5, sum(cache_write_1h_tokens)::BIGINT AS w1,
                sum(cache_read_tokens)::BIGINT AS rd, sum(output_tokens)::BIGINT AS output_tokens
-        FROM usage_rollups r LEFT JOIN api_keys k ON k.id = r.api_key_id
-        WHERE r.tenant_id = $1 AND ($9::UUID IS NULL OR k.workspace_id = $9) AND (
+        FROM usage_rollups r {ws_join}
+        WHERE r.tenant_id = $1 AND ($9::UUID IS NULL OR {ws} = $9) AND (
               (granularity = 'day' AND bucket_start >= $5 AND bucket_start < $6
                AND NOT (bucket_start = ANY($7)))
            OR (granularity = 'hour' AND bucket_start >= $2 AND bucket_start < $3
                AND (bucket_start < $5 OR bucket_start >= $6
                     OR date_trunc('day', bucket_start, 'UTC') = ANY($7))))
         GROUP BY 1, 2, 3, 4
-        "#,
-    )
+        "#
+    )))
     .bind(tenant)
     .bind(from)
     .bind(to)
