@@ -235,6 +235,26 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
     for i in 0..6 {
         keys.push(a.new_key(t, &root, &format!("k{i}")).await.0);
     }
+    // A workspace and a webhook endpoint of each tenant to read, change and disable.
+    let made = |tenant: Uuid, what: &'static str, body: Value| {
+        let (a, root) = (&a, root.clone());
+        async move {
+            let (s, v) = a
+                .call(
+                    "POST",
+                    &format!("/v1/admin/tenants/{tenant}/{what}"),
+                    Some(&root),
+                    Some(body),
+                )
+                .await;
+            assert_eq!(s, 201, "{v}");
+            v["id"].as_str().unwrap().parse::<Uuid>().unwrap()
+        }
+    };
+    let ws_t = made(t, "workspaces", json!({"name": "table"})).await;
+    let ws_o = made(o, "workspaces", json!({"name": "table"})).await;
+    let hook_t = made(t, "webhooks", json!({"url": "http://127.0.0.1:9/t"})).await;
+    let hook_o = made(o, "webhooks", json!({"url": "http://127.0.0.1:9/o"})).await;
     let victim = control::admin::login::create_user(
         &a.pool,
         &control::tenants::Actor::cli("test"),
@@ -556,6 +576,48 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
             format!("/v1/admin/tenants/{t}/webhooks"),
             None,
             [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{t}/workspaces/{ws_t}"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{o}/workspaces/{ws_o}"),
+            None,
+            [200, 200, 404],
+        ),
+        (
+            "PATCH",
+            format!("/v1/admin/tenants/{t}/workspaces/{ws_t}"),
+            Some(json!({"requests_per_minute": 5})),
+            [200, 403, 200],
+        ),
+        (
+            "PATCH",
+            format!("/v1/admin/tenants/{o}/workspaces/{ws_o}"),
+            Some(json!({"requests_per_minute": 5})),
+            [200, 403, 404],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/webhooks/{hook_t}/disable"),
+            None,
+            [200, 403, 200],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{o}/webhooks/{hook_o}/disable"),
+            None,
+            [200, 403, 404],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{o}/workspaces/{ws_o}/archive"),
+            None,
+            [200, 403, 404],
         ),
         (
             "GET",
