@@ -293,6 +293,9 @@ pub struct PolicySet {
     /// Generations running at once per model, at most (none = no cap).
     #[arg(long, value_parser = limit)]
     pub max_concurrent: Option<Option<i64>>,
+    /// The longest a cache object may be held, in seconds (300 to 2592000).
+    #[arg(long)]
+    pub max_cache_ttl_secs: Option<i32>,
 }
 
 #[derive(Subcommand)]
@@ -689,6 +692,7 @@ async fn policy_cmd(pool: &PgPool, actor: &Actor, command: PolicyCommand) -> any
                 max_concurrent: s
                     .max_concurrent
                     .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
+                max_cache_ttl_secs: s.max_cache_ttl_secs,
             };
             let p = policy::patch_policy(
                 pool,

@@ -21,6 +21,7 @@ export interface Policy {
   replication_factor: number | null;
   engine_weight: number;
   max_concurrent: number | null;
+  max_cache_ttl_secs: number;
 }
 
 /** The rate limits, in form order: [field, label, unit]. */
@@ -56,6 +57,7 @@ export function policyForm(p: Policy, currency: string): PolicyForm {
   f.allow_1h_ttl = p.allow_1h_ttl;
   f.engine_weight = String(p.engine_weight);
   f.max_concurrent = p.max_concurrent === null ? "" : String(p.max_concurrent);
+  f.max_cache_ttl_secs = String(p.max_cache_ttl_secs);
   return f;
 }
 
@@ -127,6 +129,10 @@ export function policyPatch(
   const mc = parseLimit(text("max_concurrent"), 1);
   if (typeof mc === "string") errors.max_concurrent = mc;
   else next.max_concurrent = mc;
+  const ttl = parseLimit(text("max_cache_ttl_secs"), 300);
+  if (typeof ttl !== "number" || ttl > 2592000) {
+    errors.max_cache_ttl_secs = "a whole number of seconds from 300 (5 minutes) to 2592000 (30 days)";
+  } else next.max_cache_ttl_secs = ttl;
   if (platform) {
     const w = parseLimit(text("engine_weight"), 1);
     if (typeof w !== "number" || w > 100) errors.engine_weight = "a whole number from 1 to 100";

@@ -29,6 +29,7 @@ const policy: Policy = {
   replication_factor: null,
   engine_weight: 1,
   max_concurrent: null,
+  max_cache_ttl_secs: 86400,
 };
 
 describe("the policy form", () => {
@@ -56,12 +57,14 @@ describe("the policy form", () => {
       reserved_cache_bytes: "2147483648",
       engine_weight: "0",
       max_concurrent: "0",
+      max_cache_ttl_secs: "60",
     };
     const { errors } = policyPatch(policy, form, "USD", true);
     expect(Object.keys(errors).sort()).toEqual(
       [
         "budget_alert_percent",
         "engine_weight",
+        "max_cache_ttl_secs",
         "max_concurrent",
         "monthly_budget",
         "output_tokens_per_minute",
@@ -86,6 +89,17 @@ describe("the policy form", () => {
     expect(policyPatch({ ...policy, max_concurrent: 3 }, { ...form, max_concurrent: "" }, "USD", false).patch).toEqual({
       max_concurrent: null,
     });
+  });
+});
+
+describe("the longest cache object TTL", () => {
+  it("is a tenant admin's to set, from 5 minutes to 30 days", () => {
+    const form = { ...policyForm(policy, "USD"), max_cache_ttl_secs: "604800" };
+    expect(policyPatch(policy, form, "USD", false).patch).toEqual({ max_cache_ttl_secs: 604800 });
+    for (const bad of ["", "299", "2592001", "1h"]) {
+      const { errors } = policyPatch(policy, { ...form, max_cache_ttl_secs: bad }, "USD", false);
+      expect(errors.max_cache_ttl_secs).toContain("2592000");
+    }
   });
 });
 

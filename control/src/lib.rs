@@ -5,6 +5,7 @@
 //!   the admin API and the `cachet admin` CLI change, and what the request path's
 //!   authentication reads ([`tenants::lookup_key`]);
 //! - [`admin`], the admin API's handlers, logins, the usage/budget/cache views, the UI;
+//! - [`caches`], the rows behind the cache objects customers hold by id (`/v1/caches`);
 //! - [`alerts`], budget thresholds crossed (once a month each), and [`webhooks`], the signed,
 //!   retried deliveries that tell the tenant;
 //! - [`metrics`], the `cachet_control_*` series.
@@ -17,6 +18,7 @@
 
 pub mod admin;
 pub mod alerts;
+pub mod caches;
 pub mod metrics;
 pub mod tenants;
 pub mod webhooks;

@@ -318,6 +318,16 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/models", get(api::handlers::list_models))
         .route("/v1/models/{model_id}", get(api::handlers::get_model))
+        .route(
+            "/v1/caches",
+            get(api::caches::list_caches).post(api::caches::create_cache),
+        )
+        .route(
+            "/v1/caches/{cache_id}",
+            get(api::caches::get_cache)
+                .patch(api::caches::update_cache)
+                .delete(api::caches::delete_cache),
+        )
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))

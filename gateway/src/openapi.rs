@@ -4,7 +4,7 @@
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::api::handlers;
+use crate::api::{caches, handlers};
 use control::admin::{handlers as admin, login, overview, passwords, views, webhooks, workspaces};
 
 struct Security;
@@ -40,6 +40,7 @@ impl Modify for Security {
 #[openapi(
     info(title = "Cachet API", description = "Anthropic-compatible Messages API with managed prompt caching."),
     paths(handlers::create_message, handlers::create_chat_completion, handlers::count_tokens, handlers::list_models, handlers::get_model,
+          caches::create_cache, caches::list_caches, caches::get_cache, caches::update_cache, caches::delete_cache,
           billing::api::usage, billing::api::list_invoices, billing::api::get_invoice,
           billing::api::rate_invoice, billing::api::list_prices, billing::api::add_price,
           billing::api::retire_price,
@@ -59,6 +60,7 @@ impl Modify for Security {
     components(schemas(billing::api::Format)),
     modifiers(&Security),
     tags((name = "messages", description = "Messages and token counting"), (name = "chat", description = "OpenAI Chat Completions over the same cache"), (name = "models", description = "Served models"),
+         (name = "caches", description = "Cache objects: prefixes held by id, named in `cached_content` on both wires"),
          (name = "billing", description = "Finance API: usage, invoices, prices, exports (admin JWT)"),
          (name = "admin", description = "Admin API: login, users, tenants, workspaces, keys, policy, webhooks, usage, budget, cache, audit log (admin JWT)"))
 )]

@@ -90,6 +90,8 @@ pub struct RouterInner {
     engines: EnginePool,
     http: reqwest::Client,
     nodes: RwLock<Vec<NodeEntry>>,
+    /// The control plane's database: cache objects a request names are read from it.
+    pool: PgPool,
     index: Arc<RwLock<PrefixIndex>>,
     load: Mutex<HashMap<String, Arc<Load>>>,
     /// Per node, cancelled when it leaves the membership: requests waiting on it move on.
@@ -116,7 +118,8 @@ pub fn state(
         .connect_timeout(Duration::from_secs(1))
         .build()?;
     Ok(Arc::new(RouterInner {
-        auth: Arc::new(Authenticator::new(pool, config.auth_cache_ttl)),
+        auth: Arc::new(Authenticator::new(pool.clone(), config.auth_cache_ttl)),
+        pool,
         members: RwLock::new(Vec::new()),
         config,
         engines,
@@ -322,8 +325,15 @@ async fn demand(
     body: &Bytes,
 ) -> Result<Standing, ApiError> {
     let principal = state.auth.authenticate(headers).await?;
-    let (_, engine, prepared) =
-        crate::api::handlers::prepare_messages(&state.engines, &principal, body.clone()).await?;
+    let crate::api::handlers::Shaped {
+        engine, prepared, ..
+    } = crate::api::handlers::prepare_messages(
+        &state.engines,
+        &state.pool,
+        &principal,
+        body.clone(),
+    )
+    .await?;
     let info = engine.info();
     let b = info.block_size;
     let nodes = state
@@ -1038,6 +1048,8 @@ pub fn router(state: RouterState, admin: Option<control::admin::AdminState>) -> 
         .route("/v1/messages/count_tokens", any(passthrough))
         .route("/v1/models", any(passthrough))
         .route("/v1/models/{model_id}", any(passthrough))
+        .route("/v1/caches", any(passthrough))
+        .route("/v1/caches/{cache_id}", any(passthrough))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(crate::metrics_text))

@@ -101,6 +101,17 @@ export function PolicyTab({ me, tenant }: { me: Me; tenant: Tenant }) {
         </label>
         <div class="row">
           <Field
+            id="max_cache_ttl_secs"
+            label="Longest cache object TTL, seconds (300–2592000)"
+            inputMode="numeric"
+            value={String(form.max_cache_ttl_secs ?? "")}
+            error={errors.max_cache_ttl_secs}
+            hint="How long cache objects (POST /v1/caches) and OpenAI's 24h retention may be held."
+            onInput={set("max_cache_ttl_secs")}
+          />
+        </div>
+        <div class="row">
+          <Field
             id="cache_resident_bytes"
             label="Resident cache bytes (empty = no limit)"
             inputMode="numeric"

@@ -34,6 +34,15 @@ impl Actor {
         }
     }
 
+    /// A customer's API key, acting on its own workspace's objects (cache objects).
+    pub fn api_key(key: cachet_common::ApiKeyId, request_id: String) -> Self {
+        Self {
+            name: format!("key:{}", key.as_uuid()),
+            role: Some("api_key".into()),
+            request_id: Some(request_id),
+        }
+    }
+
     /// The operating-system user running the CLI.
     pub fn cli_user() -> Self {
         Self::cli(&std::env::var("USER").unwrap_or_else(|_| "unknown".into()))

@@ -74,22 +74,36 @@ pub fn hash_secret(secret: &str) -> [u8; 32] {
     Sha256::digest(secret.as_bytes()).into()
 }
 
-/// A secret from a source of 32-byte chunks (rejection sampling onto base62: bytes ≥ 248 =
-/// 4 × 62 are skipped, so every character is uniform).
+/// A secret from a source of 32-byte chunks: [`SECRET_PREFIX`] and 40 base62 characters.
 fn secret_from(
+    chunk: impl FnMut(u32) -> Result<[u8; 32], AdminError>,
+) -> Result<String, AdminError> {
+    base62_from(SECRET_PREFIX, 40, chunk)
+}
+
+/// `prefix` and `len` base62 characters from a source of 32-byte chunks (rejection sampling:
+/// bytes ≥ 248 = 4 × 62 are skipped, so every character is uniform).
+fn base62_from(
+    prefix: &str,
+    len: usize,
     mut chunk: impl FnMut(u32) -> Result<[u8; 32], AdminError>,
 ) -> Result<String, AdminError> {
-    let mut out = String::from(SECRET_PREFIX);
+    let mut out = String::from(prefix);
     let mut counter = 0u32;
-    while out.len() < SECRET_PREFIX.len() + 40 {
+    while out.len() < prefix.len() + len {
         for b in chunk(counter)? {
-            if b < 248 && out.len() < SECRET_PREFIX.len() + 40 {
+            if b < 248 && out.len() < prefix.len() + len {
                 out.push(BASE62[(b % 62) as usize] as char);
             }
         }
         counter += 1;
     }
     Ok(out)
+}
+
+/// A random identifier: `prefix` and `len` uniform base62 characters.
+pub(crate) fn random_id(prefix: &str, len: usize) -> Result<String, AdminError> {
+    base62_from(prefix, len, |_| random_bytes())
 }
 
 fn random_bytes() -> Result<[u8; 32], AdminError> {

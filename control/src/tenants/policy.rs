@@ -49,7 +49,15 @@ pub struct Policy {
     /// Generations of this tenant running at once per model, at most (none: no cap beyond
     /// the model's workers).
     pub max_concurrent: Option<i32>,
+    /// The longest a cache object (or OpenAI's 24h retention) may be held, in seconds: from
+    /// 300 (5 minutes) to 2,592,000 (30 days).
+    pub max_cache_ttl_secs: i32,
 }
+
+/// The default of [`Policy::max_cache_ttl_secs`]: a day.
+pub const DEFAULT_MAX_CACHE_TTL_SECS: i32 = 86_400;
+/// The bounds of [`Policy::max_cache_ttl_secs`]: 5 minutes to 30 days.
+pub const CACHE_TTL_SECS_RANGE: std::ops::RangeInclusive<i32> = 300..=2_592_000;
 
 impl Default for Policy {
     fn default() -> Self {
@@ -68,6 +76,7 @@ impl Default for Policy {
             replication_factor: None,
             engine_weight: 1,
             max_concurrent: None,
+            max_cache_ttl_secs: DEFAULT_MAX_CACHE_TTL_SECS,
         }
     }
 }
@@ -103,7 +112,7 @@ pub(crate) const COLUMNS: &str = "q.requests_per_minute, q.input_tokens_per_minu
     q.output_tokens_per_minute, q.key_requests_per_minute, q.key_input_tokens_per_minute, \
     q.key_output_tokens_per_minute, q.cache_resident_bytes, q.monthly_budget_minor, \
     q.budget_alert_percent, q.allow_1h_ttl, q.replication_factor, q.engine_weight, \
-    q.max_concurrent, \
+    q.max_concurrent, q.max_cache_ttl_secs, \
     (SELECT p.reserved_cache_bytes FROM tenant_plans p WHERE p.tenant_id = q.tenant_id \
      AND p.effective_from <= now() ORDER BY p.effective_from DESC LIMIT 1) AS reserved_cache_bytes";
 
@@ -130,6 +139,9 @@ pub(crate) fn from_row(r: &sqlx::postgres::PgRow) -> Policy {
             .get::<Option<i16>, _>("engine_weight")
             .map_or(1, i32::from),
         max_concurrent: r.get("max_concurrent"),
+        max_cache_ttl_secs: r
+            .get::<Option<i32>, _>("max_cache_ttl_secs")
+            .unwrap_or(DEFAULT_MAX_CACHE_TTL_SECS),
     }
 }
 
@@ -200,6 +212,8 @@ pub struct PolicyPatch {
     #[serde(default, deserialize_with = "present")]
     #[schema(value_type = Option<i32>)]
     pub max_concurrent: Option<Option<i32>>,
+    #[serde(default)]
+    pub max_cache_ttl_secs: Option<i32>,
 }
 
 impl PolicyPatch {
@@ -246,6 +260,7 @@ impl PolicyPatch {
         set(&mut p.replication_factor, self.replication_factor);
         set(&mut p.engine_weight, self.engine_weight);
         set(&mut p.max_concurrent, self.max_concurrent);
+        set(&mut p.max_cache_ttl_secs, self.max_cache_ttl_secs);
         validate(&p)?;
         Ok(p)
     }
@@ -291,6 +306,11 @@ pub fn validate(p: &Policy) -> Result<(), AdminError> {
     if p.max_concurrent.is_some_and(|m| m < 1) {
         return Err(AdminError::Invalid(
             "max_concurrent: must be a whole number of at least 1, or null for no limit".into(),
+        ));
+    }
+    if !CACHE_TTL_SECS_RANGE.contains(&p.max_cache_ttl_secs) {
+        return Err(AdminError::Invalid(
+            "max_cache_ttl_secs: must be between 300 (5 minutes) and 2592000 (30 days)".into(),
         ));
     }
     if let (Some(reserved), Some(cap)) = (p.reserved_cache_bytes, p.cache_resident_bytes)
@@ -351,7 +371,7 @@ pub async fn patch_policy(
          output_tokens_per_minute = $4, key_requests_per_minute = $5, key_input_tokens_per_minute = $6, \
          key_output_tokens_per_minute = $7, cache_resident_bytes = $8, monthly_budget_minor = $9, \
          budget_alert_percent = $10, allow_1h_ttl = $11, replication_factor = $12, \
-         engine_weight = $13, max_concurrent = $14, updated_at = now() \
+         engine_weight = $13, max_concurrent = $14, max_cache_ttl_secs = $15, updated_at = now() \
          WHERE tenant_id = $1",
     )
     .bind(tenant)
@@ -368,6 +388,7 @@ pub async fn patch_policy(
     .bind(after.replication_factor.map(|r| r as i16))
     .bind(after.engine_weight as i16)
     .bind(after.max_concurrent)
+    .bind(after.max_cache_ttl_secs)
     .execute(&mut *tx)
     .await?;
     audit::record(

@@ -18,6 +18,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::AppState;
 use crate::admission::RateHeaders;
+use crate::api::caches;
 use crate::api::openai;
 use crate::api::types::*;
 use crate::api::validate::{self, ModelLimits};
@@ -26,7 +27,7 @@ use crate::pipeline::{self, Event, Job};
 use crate::render;
 
 /// Bodies up to this size are rendered on the async worker; larger ones on the blocking pool.
-const INLINE_RENDER_BYTES: usize = 256 * 1024;
+pub(crate) const INLINE_RENDER_BYTES: usize = 256 * 1024;
 
 /// API versions accepted in `anthropic-version`.
 pub const API_VERSIONS: &[&str] = &["2023-06-01", "2023-01-01", "2026-10-21"];
@@ -117,33 +118,34 @@ pub async fn create_message(
 
 /// A generation under way: the validated request, its usage and cache report (known before
 /// the first token), the rate-limit headers, and the pipeline's events.
-struct Started {
-    req: MessagesRequest,
-    usage: Usage,
-    report: CacheReport,
-    rate: RateHeaders,
-    diagnostics: Option<serde_json::Value>,
-    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+pub(crate) struct Started {
+    pub req: MessagesRequest,
+    pub usage: Usage,
+    pub report: CacheReport,
+    pub rate: RateHeaders,
+    pub diagnostics: Option<serde_json::Value>,
+    pub rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
 }
 
-/// Validate, render and start generating a Messages body for `principal`: the one path both
-/// wires take. `seed`: the client's sampling seed (default: one derived from the request id,
-/// so a request resumed on another node, or retried under its id, generates the same text).
 /// What a wire asks of a generation besides its Messages body.
 #[derive(Clone, Copy, Debug, Default)]
-struct Asked {
-    seed: Option<u64>,
+pub(crate) struct Asked {
+    /// The client's sampling seed (default: one derived from the request id, so a request
+    /// resumed on another node, or retried under its id, generates the same text).
+    pub seed: Option<u64>,
     /// Cache diagnostics (the beta header).
-    diagnose: bool,
+    pub diagnose: bool,
     /// Keep what the long-TTL breakpoints write this long (OpenAI's 24h retention).
-    hold: Option<std::time::Duration>,
+    pub hold: Option<std::time::Duration>,
 }
 
-async fn start_generation(
+/// Start generating a validated, rendered request for `principal`: the one path both wires
+/// (and cache objects' creation) take.
+pub(crate) async fn start_generation(
     state: &AppState,
     rid: RequestId,
     principal: Arc<control::tenants::Principal>,
-    body: Bytes,
+    shaped: Shaped,
     asked: Asked,
     (start, started_at): (tokio::time::Instant, chrono::DateTime<chrono::Utc>),
 ) -> Result<Started, ApiError> {
@@ -152,11 +154,17 @@ async fn start_generation(
         diagnose,
         hold,
     } = asked;
-    let (req, engine, mut prepared) = prepare_messages(&state.engines, &principal, body).await?;
+    let Shaped {
+        req,
+        engine,
+        mut prepared,
+        object,
+    } = shaped;
     if let Some(h) = hold {
         for pl in &mut prepared.placed {
             if pl.bp.ttl == cachet_common::Ttl::OneHour {
-                pl.bp.hold = Some(h);
+                // An object's own breakpoint keeps its hold: until the object expires.
+                pl.bp.hold.get_or_insert(h);
             }
         }
     }
@@ -198,13 +206,25 @@ async fn start_generation(
     match rx.recv().await {
         Some(Event::Start {
             usage,
-            report,
+            mut report,
             rate,
             diagnostics,
         }) => Ok(Started {
+            report: {
+                report.cached_content = object.map(|o| CachedContentReport {
+                    status: report
+                        .breakpoints
+                        .iter()
+                        .find(|b| b.location == crate::api::caches::CACHED_CONTENT)
+                        .map(|b| b.status.clone())
+                        .unwrap_or_default(),
+                    id: o.id,
+                    input_tokens: o.input_tokens,
+                });
+                report
+            },
             req,
             usage,
-            report,
             rate,
             diagnostics,
             rx,
@@ -215,7 +235,7 @@ async fn start_generation(
 }
 
 /// The answer's text, stop reason and output tokens, from the events after the start.
-async fn collect_answer(
+pub(crate) async fn collect_answer(
     rx: &mut tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) -> Result<(String, engine::StopReason, u64), ApiError> {
     let mut text = String::new();
@@ -244,6 +264,7 @@ async fn create_message_inner(
     let body = body_bytes(body)?;
     check_version(&headers)?;
     let principal = state.auth.authenticate(&headers).await?;
+    let shaped = prepare_messages(&state.engines, &state.pool, &principal, body).await?;
     let Started {
         req,
         usage,
@@ -255,7 +276,7 @@ async fn create_message_inner(
         &state,
         rid,
         principal,
-        body,
+        shaped,
         Asked {
             diagnose: crate::diagnostics::requested(&headers),
             ..Asked::default()
@@ -297,19 +318,38 @@ async fn create_message_inner(
     }
 }
 
-/// Validate a Messages body and render it for `principal`'s scope: the request, the engine of
-/// its model, and the prompt's tokens, breakpoints and block keys. Shared by the serving
-/// pipeline and the routing gateway, so both see the same keys.
+/// A Messages request validated and rendered for a principal's scope.
+pub(crate) struct Shaped {
+    pub req: MessagesRequest,
+    /// The engine of its model.
+    pub engine: Arc<dyn engine::Engine>,
+    /// The prompt's tokens, breakpoints and block keys.
+    pub prepared: render::Prepared,
+    /// The cache object it names in `cached_content`.
+    pub object: Option<caches::ObjectUse>,
+}
+
+/// The limits validation checks for `model` (none: an unknown model).
+pub(crate) fn model_limits(
+    engines: &crate::engines::EnginePool,
+    model: &str,
+) -> Option<ModelLimits> {
+    engines.get(model).map(|e| ModelLimits {
+        max_output_tokens: e.info().max_output_tokens,
+    })
+}
+
+/// Validate a Messages body and render it for `principal`'s scope (with the content of the
+/// cache object it names, if any). Shared by the serving pipeline and the routing gateway,
+/// so both see the same keys.
 pub(crate) async fn prepare_messages(
     engines: &crate::engines::EnginePool,
+    pool: &sqlx::PgPool,
     principal: &control::tenants::Principal,
     body: Bytes,
-) -> Result<(MessagesRequest, Arc<dyn engine::Engine>, render::Prepared), ApiError> {
-    let (req, bps) = validate::messages_request(&body, |m| {
-        engines.get(m).map(|e| ModelLimits {
-            max_output_tokens: e.info().max_output_tokens,
-        })
-    })?;
+) -> Result<Shaped, ApiError> {
+    let (body, object) = caches::resolve(pool, principal, body).await?;
+    let (req, mut bps) = validate::messages_request(&body, |m| model_limits(engines, m))?;
     if !principal.policy.allow_1h_ttl
         && let Some(bp) = bps.iter().find(|b| b.ttl == cachet_common::Ttl::OneHour)
     {
@@ -321,8 +361,30 @@ pub(crate) async fn prepare_messages(
             ),
         ));
     }
+    if let Some(o) = &object {
+        // The object's end comes before every block the request sent.
+        bps.insert(0, o.breakpoint());
+    }
     let large = body.len() > INLINE_RENDER_BYTES;
     drop(body);
+    let (engine, prepared) = render_for(engines, principal, &req, bps, large).await?;
+    Ok(Shaped {
+        req,
+        engine,
+        prepared,
+        object,
+    })
+}
+
+/// Render a validated request with its breakpoints `bps` for `principal`'s scope (`large`:
+/// on the blocking pool).
+pub(crate) async fn render_for(
+    engines: &crate::engines::EnginePool,
+    principal: &control::tenants::Principal,
+    req: &MessagesRequest,
+    bps: Vec<validate::Breakpoint>,
+    large: bool,
+) -> Result<(Arc<dyn engine::Engine>, render::Prepared), ApiError> {
     let engine = engines
         .get(&req.model)
         .cloned()
@@ -346,7 +408,7 @@ pub(crate) async fn prepare_messages(
         // Small prompts render (memoized) in tens of microseconds: cheaper than a thread hop.
         render::prepare(engine.as_ref(), &prompt, &bps, scope)?
     };
-    Ok((req, engine, prepared))
+    Ok((engine, prepared))
 }
 
 fn sse(name: &str, data: serde_json::Value) -> Result<SseEvent, Infallible> {
@@ -473,6 +535,9 @@ async fn chat_inner(
     )?;
     drop(body);
     let body = Bytes::from(serde_json::to_vec(&messages).expect("a JSON value serializes"));
+    let shaped = prepare_messages(&state.engines, &state.pool, &principal, body).await?;
+    // 24h retention within the tenant's longest TTL.
+    let longest = std::time::Duration::from_secs(principal.policy.max_cache_ttl_secs.max(0) as u64);
     let Started {
         req,
         usage,
@@ -484,10 +549,10 @@ async fn chat_inner(
         &state,
         rid,
         principal,
-        body,
+        shaped,
         Asked {
             seed: opts.seed,
-            hold: opts.hold,
+            hold: opts.hold.map(|h| h.min(longest)),
             ..Asked::default()
         },
         (start, started_at),

@@ -126,6 +126,8 @@ pub fn to_messages(
             "prompt_cache_key",
             "prompt_cache_retention",
             "prompt_cache_options",
+            // A cache object (`POST /v1/caches`) the prompt begins with.
+            "cached_content",
             // Cachet extension, as on /v1/messages: exactly max tokens (load tests).
             "ignore_eos",
         ];
@@ -265,6 +267,11 @@ pub fn to_messages(
         out.insert("system".into(), Value::Array(system));
     }
     out.insert("messages".into(), Value::Array(messages));
+    if let Some(c) = get("cached_content") {
+        // Resolved with the Messages body it becomes (`api::caches::resolve`); a system
+        // message beside it is refused there as `system`.
+        out.insert("cached_content".into(), c.clone());
+    }
     Ok((Value::Object(out), opts))
 }
 

@@ -239,6 +239,20 @@ pub struct CacheReport {
     pub block_size: u64,
     pub prompt_tokens: u64,
     pub breakpoints: Vec<BreakpointReport>,
+    /// The cache object the request named in `cached_content`, and what became of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_content: Option<CachedContentReport>,
+}
+
+/// A request's use of a cache object.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, ToSchema, PartialEq, Eq)]
+pub struct CachedContentReport {
+    pub id: String,
+    /// The object's prompt tokens (the request's first ones).
+    pub input_tokens: u64,
+    /// `read` (served from the cache), `coalesced`, or `written` (its KV was gone and was
+    /// computed again, billed as a 1h cache write).
+    pub status: String,
 }
 
 /// A response content block.

@@ -583,8 +583,20 @@ fn breakpoints(w: &Walk, top: &Map<String, Value>) -> Result<Vec<Breakpoint>, Ap
         .collect())
 }
 
+/// Whether a body must hold at least one message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Messages {
+    /// A request: something for the model to answer.
+    Required,
+    /// A cache object's content: tools or a system prompt alone are a prefix too.
+    Optional,
+}
+
 /// Phase 5 checks shared by both endpoints.
-fn semantics(w: &Walk, model: &str) -> Result<(), ApiError> {
+fn semantics(w: &Walk, model: &str, messages: Messages) -> Result<(), ApiError> {
+    if w.roles.is_empty() && messages == Messages::Optional {
+        return semantics_of_content(w, model);
+    }
     if w.roles.is_empty() {
         return Err(err(
             "messages",
@@ -605,6 +617,11 @@ fn semantics(w: &Walk, model: &str) -> Result<(), ApiError> {
             ));
         }
     }
+    semantics_of_content(w, model)
+}
+
+/// Phase 5 checks of the content blocks themselves.
+fn semantics_of_content(w: &Walk, model: &str) -> Result<(), ApiError> {
     if let Some((path, role_kind, role)) = &w.misplaced {
         return Err(err(
             path,
@@ -736,6 +753,23 @@ pub fn messages_request(
     body: &[u8],
     limits: impl Fn(&str) -> Option<ModelLimits>,
 ) -> Result<(MessagesRequest, Vec<Breakpoint>), ApiError> {
+    messages_body(body, limits, Messages::Required)
+}
+
+/// Validate a cache object's content, given as a Messages body (`max_tokens` 0): as a
+/// request, except that tools or a system prompt alone are content too.
+pub fn object_content(
+    body: &[u8],
+    limits: impl Fn(&str) -> Option<ModelLimits>,
+) -> Result<(MessagesRequest, Vec<Breakpoint>), ApiError> {
+    messages_body(body, limits, Messages::Optional)
+}
+
+fn messages_body(
+    body: &[u8],
+    limits: impl Fn(&str) -> Option<ModelLimits>,
+    messages: Messages,
+) -> Result<(MessagesRequest, Vec<Breakpoint>), ApiError> {
     let v = parse_body(body)?;
     let top = as_obj(&v, "")?;
     no_extra(top, MESSAGES_FIELDS, "")?;
@@ -799,7 +833,7 @@ pub fn messages_request(
             "max_tokens: 0 (cache pre-warming) cannot be used with stream: true",
         ));
     }
-    semantics(&w, model)?;
+    semantics(&w, model, messages)?;
     Ok((typed(v)?, bps))
 }
 
@@ -821,7 +855,7 @@ pub fn count_tokens_request(
             &format!("unknown model '{model}'; GET /v1/models lists the available models"),
         ));
     }
-    semantics(&w, model)?;
+    semantics(&w, model, Messages::Required)?;
     Ok((typed(v)?, bps))
 }
 

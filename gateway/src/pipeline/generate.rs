@@ -405,6 +405,7 @@ pub(super) fn usage_and_report(
         block_size: w.block_size as u64,
         prompt_tokens: total as u64,
         breakpoints: reports,
+        cached_content: None,
     };
     (u, api_usage, report)
 }

@@ -1,0 +1,297 @@
+//! Cache objects: the rows behind prefixes customers hold by id (`POST /v1/caches`).
+//!
+//! A row is what the API lists and what a request naming the object renders: the model, the
+//! content as validated (tools, system, messages; markers removed), the prompt tokens up to
+//! its end, its expiry. The KV lives in the cache fabric as a paid entry held until
+//! `expires_at`; the gateway computes it (`gateway::api::caches`). Every read here is scoped:
+//! an object of another tenant or workspace is "not found", never "forbidden", so ids leak
+//! nothing. An object past its expiry, or deleted, is not found either.
+
+use cachet_common::{ApiKeyId, Scope, TenantId, WorkspaceId};
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{Value, json};
+use sqlx::{PgPool, Row};
+use utoipa::ToSchema;
+
+use crate::tenants::{Actor, AdminError, audit};
+
+/// The prefix of every object id.
+pub const ID_PREFIX: &str = "cache_";
+/// Random base62 characters after the prefix.
+const ID_CHARS: usize = 24;
+
+/// A fresh object id: `cache_` and 24 random base62 characters (about 143 bits).
+pub fn new_id() -> Result<String, AdminError> {
+    crate::tenants::keys::random_id(ID_PREFIX, ID_CHARS)
+}
+
+/// Whether `id` has the shape of an object id (anything else is not found without a query).
+pub fn is_object_id(id: &str) -> bool {
+    id.strip_prefix(ID_PREFIX)
+        .is_some_and(|r| r.len() == ID_CHARS && r.bytes().all(|b| b.is_ascii_alphanumeric()))
+}
+
+/// A live cache object.
+#[derive(Clone, Debug, Serialize, ToSchema)]
+pub struct CacheObject {
+    pub id: String,
+    /// Always `cache_object`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub model: String,
+    pub display_name: Option<String>,
+    /// Prompt tokens up to the object's end: what a request naming it reads from the cache.
+    pub input_tokens: i64,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    #[serde(skip)]
+    pub tenant: TenantId,
+    #[serde(skip)]
+    pub workspace: WorkspaceId,
+    /// `{"tools": …, "system": …, "messages": …}` as validated (absent parts omitted).
+    #[serde(skip)]
+    pub content: Value,
+}
+
+const COLUMNS: &str = "id, tenant_id, workspace_id, model, content, input_tokens, display_name, \
+    created_at, expires_at";
+
+fn from_row(r: &sqlx::postgres::PgRow) -> CacheObject {
+    CacheObject {
+        id: r.get("id"),
+        kind: "cache_object",
+        model: r.get("model"),
+        display_name: r.get("display_name"),
+        input_tokens: r.get("input_tokens"),
+        created_at: r.get("created_at"),
+        expires_at: r.get("expires_at"),
+        tenant: TenantId(r.get("tenant_id")),
+        workspace: WorkspaceId(r.get("workspace_id")),
+        content: r.get("content"),
+    }
+}
+
+/// An object about to be stored (its KV is already held by the fabric).
+pub struct NewObject<'a> {
+    pub id: &'a str,
+    pub scope: Scope,
+    pub key: ApiKeyId,
+    pub model: &'a str,
+    pub content: &'a Value,
+    pub input_tokens: i64,
+    pub display_name: Option<&'a str>,
+    pub request_id: uuid::Uuid,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+}
+
+/// Store a new object.
+pub async fn insert(pool: &PgPool, o: NewObject<'_>) -> Result<CacheObject, AdminError> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO cache_objects (id, tenant_id, workspace_id, api_key_id, model, content, \
+         input_tokens, display_name, request_id, created_at, expires_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING {COLUMNS}"
+    )))
+    .bind(o.id)
+    .bind(o.scope.tenant.as_uuid())
+    .bind(o.scope.workspace.as_uuid())
+    .bind(o.key.as_uuid())
+    .bind(o.model)
+    .bind(o.content)
+    .bind(o.input_tokens)
+    .bind(o.display_name)
+    .bind(o.request_id)
+    .bind(o.created_at)
+    .bind(o.expires_at)
+    .fetch_one(pool)
+    .await?;
+    Ok(from_row(&row))
+}
+
+fn not_found(id: &str) -> AdminError {
+    AdminError::NotFound(format!("cache object {id}"))
+}
+
+/// The live object `id` of `scope`.
+pub async fn get(pool: &PgPool, scope: Scope, id: &str) -> Result<CacheObject, AdminError> {
+    if !is_object_id(id) {
+        return Err(not_found(id));
+    }
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM cache_objects WHERE id = $1 AND tenant_id = $2 \
+         AND workspace_id = $3 AND deleted_at IS NULL AND expires_at > now()"
+    )))
+    .bind(id)
+    .bind(scope.tenant.as_uuid())
+    .bind(scope.workspace.as_uuid())
+    .fetch_optional(pool)
+    .await?;
+    row.map(|r| from_row(&r)).ok_or_else(|| not_found(id))
+}
+
+/// Which page of a list: newest first, `limit` objects after (older than) `after_id` or
+/// before (newer than) `before_id`, as Anthropic's list endpoints page.
+#[derive(Clone, Debug, Default)]
+pub struct Page {
+    pub before_id: Option<String>,
+    pub after_id: Option<String>,
+    pub limit: i64,
+}
+
+/// One page of a list.
+pub struct Listed {
+    pub data: Vec<CacheObject>,
+    pub has_more: bool,
+}
+
+/// The live objects of `scope`, newest first.
+pub async fn list(pool: &PgPool, scope: Scope, page: &Page) -> Result<Listed, AdminError> {
+    let (cursor, newer) = match (&page.before_id, &page.after_id) {
+        (Some(_), Some(_)) => {
+            return Err(AdminError::Invalid(
+                "before_id, after_id: give one of them, not both".into(),
+            ));
+        }
+        (Some(b), None) => (Some(b.as_str()), true),
+        (None, Some(a)) => (Some(a.as_str()), false),
+        (None, None) => (None, false),
+    };
+    let anchor: Option<(DateTime<Utc>, String)> = match cursor {
+        None => None,
+        Some(id) => {
+            // A cursor may have expired or been deleted since the last page: page from where
+            // it stood.
+            let at: Option<DateTime<Utc>> = sqlx::query_scalar(
+                "SELECT created_at FROM cache_objects WHERE id = $1 AND workspace_id = $2",
+            )
+            .bind(id)
+            .bind(scope.workspace.as_uuid())
+            .fetch_optional(pool)
+            .await?;
+            let at = at.ok_or_else(|| {
+                AdminError::Invalid(format!(
+                    "{}: no cache object {id}",
+                    if newer { "before_id" } else { "after_id" }
+                ))
+            })?;
+            Some((at, id.to_string()))
+        }
+    };
+    let limit = page.limit.clamp(1, 1000);
+    // Older pages walk down the (created_at, id) order; newer ones walk up and are reversed.
+    let (cmp, order) = if newer {
+        ("(created_at, id) > ($4, $5)", "ASC")
+    } else {
+        ("(created_at, id) < ($4, $5)", "DESC")
+    };
+    let cond = if anchor.is_some() { cmp } else { "TRUE" };
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM cache_objects WHERE tenant_id = $1 AND workspace_id = $2 \
+         AND deleted_at IS NULL AND expires_at > now() AND {cond} \
+         ORDER BY created_at {order}, id {order} LIMIT $3"
+    )))
+    .bind(scope.tenant.as_uuid())
+    .bind(scope.workspace.as_uuid())
+    .bind(limit + 1)
+    .bind(anchor.as_ref().map(|a| a.0))
+    .bind(anchor.as_ref().map(|a| a.1.clone()))
+    .fetch_all(pool)
+    .await?;
+    let mut data: Vec<CacheObject> = rows.iter().map(from_row).collect();
+    let has_more = data.len() as i64 > limit;
+    data.truncate(limit as usize);
+    if newer {
+        data.reverse();
+    }
+    Ok(Listed { data, has_more })
+}
+
+/// Move the expiry of the live object `id` of `scope` to `expires_at`.
+pub async fn set_expiry(
+    pool: &PgPool,
+    scope: Scope,
+    id: &str,
+    expires_at: DateTime<Utc>,
+) -> Result<CacheObject, AdminError> {
+    if !is_object_id(id) {
+        return Err(not_found(id));
+    }
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE cache_objects SET expires_at = $4 WHERE id = $1 AND tenant_id = $2 \
+         AND workspace_id = $3 AND deleted_at IS NULL AND expires_at > now() \
+         RETURNING {COLUMNS}"
+    )))
+    .bind(id)
+    .bind(scope.tenant.as_uuid())
+    .bind(scope.workspace.as_uuid())
+    .bind(expires_at)
+    .fetch_optional(pool)
+    .await?;
+    row.map(|r| from_row(&r)).ok_or_else(|| not_found(id))
+}
+
+/// Delete the live object `id` of `scope`, with an audit entry (`cache_object.delete`).
+pub async fn delete(
+    pool: &PgPool,
+    actor: &Actor,
+    scope: Scope,
+    id: &str,
+) -> Result<CacheObject, AdminError> {
+    if !is_object_id(id) {
+        return Err(not_found(id));
+    }
+    let mut tx = pool.begin().await?;
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE cache_objects SET deleted_at = now() WHERE id = $1 AND tenant_id = $2 \
+         AND workspace_id = $3 AND deleted_at IS NULL AND expires_at > now() \
+         RETURNING {COLUMNS}"
+    )))
+    .bind(id)
+    .bind(scope.tenant.as_uuid())
+    .bind(scope.workspace.as_uuid())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let o = row.map(|r| from_row(&r)).ok_or_else(|| not_found(id))?;
+    audit::record(
+        &mut tx,
+        actor,
+        audit::Entry {
+            tenant: Some(scope.tenant.as_uuid()),
+            action: "cache_object.delete",
+            target: Some(o.id.clone()),
+            before: Some(json!({
+                "id": o.id, "model": o.model, "workspace_id": scope.workspace.as_uuid(),
+                "input_tokens": o.input_tokens, "expires_at": o.expires_at,
+            })),
+            after: None,
+        },
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(o)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_prefixed_base62_and_checked_by_shape() {
+        let a = new_id().unwrap();
+        let b = new_id().unwrap();
+        assert_ne!(a, b);
+        assert!(is_object_id(&a), "{a}");
+        assert_eq!(a.len(), ID_PREFIX.len() + ID_CHARS);
+        for bad in [
+            "",
+            "cache_",
+            "cache_short",
+            "msg_0123456789abcdefghijklmn",
+            "cache_0123456789abcdefghijklm!",
+            "cache_0123456789abcdefghijklmno",
+        ] {
+            assert!(!is_object_id(bad), "{bad}");
+        }
+    }
+}
