@@ -237,7 +237,7 @@ pub enum PolicyCommand {
     /// Show a tenant's policy.
     Show { tenant: String },
     /// Change a tenant's policy: only the fields given change; `none` removes a limit.
-    Set(PolicySet),
+    Set(Box<PolicySet>),
 }
 
 /// A limit: a number, or `none`.
