@@ -40,10 +40,10 @@ run() {
     --max-examples "$examples" --workers 1 --seed 1 "$@"
 }
 status=0
-# The Messages API with an API key; the admin and finance APIs with an admin token (a request
+# The Messages API and cache objects with an API key; the admin and finance APIs with an admin token (a request
 # carrying both would be refused for its two keys); login, refresh, logout and health bare.
-run -H "x-api-key: $key" -H "anthropic-version: 2023-06-01" --include-path-regex '^/v1/(messages|models)' || status=1
-run -H "Authorization: Bearer $token" --exclude-path-regex '^/v1/(messages|models)|/login|/logout|/refresh' || status=1
+run -H "x-api-key: $key" -H "anthropic-version: 2023-06-01" --include-path-regex '^/v1/(messages|models|caches)' || status=1
+run -H "Authorization: Bearer $token" --exclude-path-regex '^/v1/(messages|models|caches)|/login|/logout|/refresh' || status=1
 run --include-path-regex '/login|/logout|/refresh|^/healthz|^/readyz|^/openapi' || status=1
 if grep -q panicked "$dir/serve.log"; then
   echo "cachet serve panicked during the run:" >&2

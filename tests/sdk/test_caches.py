@@ -33,12 +33,12 @@ def test_create_use_by_id_list_extend_delete(client):
     assert obj["display_name"] == "contract" and obj["input_tokens"] > 300
     question = "Which clause matters most?"
     by_id = client.messages.create(
-        model=MODEL, max_tokens=12, temperature=0,
+        model=MODEL, max_tokens=12,
         messages=[{"role": "user", "content": question}],
         extra_body={"cached_content": obj["id"]},
     )
     sent = client.messages.create(
-        model=MODEL, max_tokens=12, temperature=0, system=system,
+        model=MODEL, max_tokens=12, system=system,
         messages=[{"role": "user", "content": [
             {"type": "text", "text": doc, "cache_control": {"type": "ephemeral"}},
             {"type": "text", "text": question}]}],

@@ -344,7 +344,11 @@ impl Lifetime {
         let (field, at) = match self {
             Lifetime::Ttl(d) => (
                 "ttl",
-                now + chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX),
+                chrono::Duration::from_std(d)
+                    .ok()
+                    .and_then(|d| now.checked_add_signed(d))
+                    // Past any maximum: refused below.
+                    .unwrap_or(DateTime::<Utc>::MAX_UTC),
             ),
             Lifetime::Until(t) => ("expires_at", t),
         };
@@ -877,6 +881,7 @@ mod tests {
         );
         assert!(Lifetime::Ttl(day).expires_at(now, day).is_ok());
         let e = Lifetime::Ttl(day * 2).expires_at(now, day).unwrap_err();
+        assert!(Lifetime::Ttl(Duration::from_secs(u64::MAX)).expires_at(now, day).is_err());
         assert!(e.message.contains("max_cache_ttl_secs"), "{}", e.message);
         let past = now - chrono::Duration::minutes(1);
         assert!(Lifetime::Until(past).expires_at(now, day).is_err());
