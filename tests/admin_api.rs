@@ -475,6 +475,36 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
             None,
             [200, 200, 404],
         ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{t}/cache/objects"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/admin/tenants/{o}/cache/objects"),
+            None,
+            [200, 200, 404],
+        ),
+        (
+            "DELETE",
+            format!("/v1/admin/tenants/{t}/cache/objects/cache_000000000000000000000000"),
+            None,
+            [404, 403, 404],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/cache/purge"),
+            None,
+            [200, 403, 200],
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{o}/cache/purge"),
+            None,
+            [200, 403, 404],
+        ),
         ("GET", "/v1/admin/audit".into(), None, [200, 403, 200]),
         (
             "GET",
@@ -2271,4 +2301,151 @@ async fn a_delivery_that_never_succeeds_is_retried_then_marked_failed_and_a_disa
     );
     pool.close().await;
     drop_db(&name).await;
+}
+
+/// A tenant admin lists its cache objects (every workspace), deletes one, and purges the whole
+/// cache: objects deleted, every block of the tenant dropped, the next request recomputes.
+#[tokio::test]
+async fn a_tenant_admin_lists_deletes_and_purges_cache_objects() {
+    let a = setup().await;
+    let t = a.tenant;
+    let pw = a.user("cache-admin", Role::TenantAdmin, Some(t)).await;
+    let ta = a.token("cache-admin", &pw).await;
+    let system: String = (0..200).map(|i| format!("p{i} ")).collect();
+    let mut ids = Vec::new();
+    for name in ["one", "two"] {
+        let (s, _, o) = a
+            .app
+            .post(
+                "/v1/caches",
+                &a.app.key,
+                &json!({"model": "sim-tiny", "display_name": name,
+                        "system": format!("{name} {system}")}),
+            )
+            .await;
+        assert_eq!(s, 200, "{o}");
+        ids.push(o["id"].as_str().unwrap().to_string());
+    }
+    let (s, list) = a
+        .call(
+            "GET",
+            &format!("/v1/admin/tenants/{t}/cache/objects"),
+            Some(&ta),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200, "{list}");
+    let listed: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        listed,
+        vec![ids[1].as_str(), ids[0].as_str()],
+        "newest first"
+    );
+    assert_eq!(list["data"][0]["workspace_name"], "default");
+    assert_eq!(list["data"][0]["display_name"], "two");
+
+    let (s, d) = a
+        .call(
+            "DELETE",
+            &format!("/v1/admin/tenants/{t}/cache/objects/{}", ids[0]),
+            Some(&ta),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200, "{d}");
+    let use_it = |id: &str| {
+        json!({"model": "sim-tiny", "max_tokens": 2, "cached_content": id,
+               "messages": [{"role": "user", "content": "hi"}]})
+    };
+    let (s, _, _) = a
+        .app
+        .post("/v1/messages", &a.app.key, &use_it(&ids[0]))
+        .await;
+    assert_eq!(s, 404);
+    let (s, _, r) = a
+        .app
+        .post("/v1/messages", &a.app.key, &use_it(&ids[1]))
+        .await;
+    assert_eq!(s, 200, "{r}");
+    assert!(
+        r["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0,
+        "{r}"
+    );
+    let held = |a: &Admin| {
+        a.app
+            .running()
+            .node
+            .tenant_stats(cachet_common::TenantId(t), 10)
+            .tiers
+            .iter()
+            .map(|x| x.bytes)
+            .sum::<u64>()
+    };
+    assert!(held(&a) > 0);
+
+    let (s, p) = a
+        .call(
+            "POST",
+            &format!("/v1/admin/tenants/{t}/cache/purge"),
+            Some(&ta),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200, "{p}");
+    assert_eq!(
+        p,
+        json!({"type": "cache_purged", "cache_objects_deleted": 1})
+    );
+    // Every process drops the tenant's blocks when the change feed brings the purge.
+    let mut left = held(&a);
+    for _ in 0..100 {
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        left = held(&a);
+    }
+    assert_eq!(left, 0, "blocks left after the purge");
+    let (s, _, _) = a
+        .app
+        .post("/v1/messages", &a.app.key, &use_it(&ids[1]))
+        .await;
+    assert_eq!(s, 404, "the purge deleted the objects");
+    let (s, list) = a
+        .call(
+            "GET",
+            &format!("/v1/admin/tenants/{t}/cache/objects"),
+            Some(&ta),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200);
+    assert_eq!(list["data"], json!([]));
+    // The content sent again is computed again (written, not read).
+    let (s, _, r) = a
+        .app
+        .post(
+            "/v1/messages",
+            &a.app.key,
+            &json!({"model": "sim-tiny", "max_tokens": 2,
+                    "system": [{"type": "text", "text": format!("two {system}"),
+                                "cache_control": {"type": "ephemeral"}}],
+                    "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["usage"]["cache_read_input_tokens"], 0, "{r}");
+    let actions: Vec<String> = sqlx::query_scalar(
+        "SELECT action FROM admin_audit WHERE action IN ('cache_object.delete', 'cache.purge') ORDER BY id",
+    )
+    .fetch_all(&a.pool)
+    .await
+    .unwrap();
+    assert_eq!(actions, vec!["cache_object.delete", "cache.purge"]);
+    a.app.stop().await;
 }

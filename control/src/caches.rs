@@ -16,6 +16,40 @@ use utoipa::ToSchema;
 
 use crate::tenants::{Actor, AdminError, audit};
 
+/// Whose objects a call reaches: a key's workspace (the API), or a tenant's, in every
+/// workspace or one (the admin API).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Owner {
+    Workspace(Scope),
+    Tenant(TenantId, Option<WorkspaceId>),
+}
+
+impl Owner {
+    fn tenant(self) -> uuid::Uuid {
+        match self {
+            Owner::Workspace(s) => s.tenant.as_uuid(),
+            Owner::Tenant(t, _) => t.as_uuid(),
+        }
+    }
+
+    fn workspace(self) -> Option<uuid::Uuid> {
+        match self {
+            Owner::Workspace(s) => Some(s.workspace.as_uuid()),
+            Owner::Tenant(_, w) => w.map(|w| w.as_uuid()),
+        }
+    }
+}
+
+impl From<Scope> for Owner {
+    fn from(s: Scope) -> Self {
+        Owner::Workspace(s)
+    }
+}
+
+/// Rows of `o` (`$2` the tenant, `$3` the workspace or null), live ones.
+const OWNED_LIVE: &str = "o.tenant_id = $2 AND ($3::UUID IS NULL OR o.workspace_id = $3) \
+    AND o.deleted_at IS NULL AND o.expires_at > now()";
+
 /// The prefix of every object id.
 pub const ID_PREFIX: &str = "cache_";
 /// Random base62 characters after the prefix.
@@ -49,13 +83,16 @@ pub struct CacheObject {
     pub tenant: TenantId,
     #[serde(skip)]
     pub workspace: WorkspaceId,
+    #[serde(skip)]
+    pub workspace_name: String,
     /// `{"tools": …, "system": …, "messages": …}` as validated (absent parts omitted).
     #[serde(skip)]
     pub content: Value,
 }
 
-const COLUMNS: &str = "id, tenant_id, workspace_id, model, content, input_tokens, display_name, \
-    created_at, expires_at";
+const COLUMNS: &str = "o.id, o.tenant_id, o.workspace_id, o.model, o.content, o.input_tokens, \
+    o.display_name, o.created_at, o.expires_at, \
+    (SELECT w.name FROM workspaces w WHERE w.id = o.workspace_id) AS workspace_name";
 
 fn from_row(r: &sqlx::postgres::PgRow) -> CacheObject {
     CacheObject {
@@ -68,6 +105,9 @@ fn from_row(r: &sqlx::postgres::PgRow) -> CacheObject {
         expires_at: r.get("expires_at"),
         tenant: TenantId(r.get("tenant_id")),
         workspace: WorkspaceId(r.get("workspace_id")),
+        workspace_name: r
+            .get::<Option<String>, _>("workspace_name")
+            .unwrap_or_default(),
         content: r.get("content"),
     }
 }
@@ -89,7 +129,7 @@ pub struct NewObject<'a> {
 /// Store a new object.
 pub async fn insert(pool: &PgPool, o: NewObject<'_>) -> Result<CacheObject, AdminError> {
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO cache_objects (id, tenant_id, workspace_id, api_key_id, model, content, \
+        "INSERT INTO cache_objects AS o (id, tenant_id, workspace_id, api_key_id, model, content, \
          input_tokens, display_name, request_id, created_at, expires_at) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING {COLUMNS}"
     )))
@@ -113,18 +153,22 @@ fn not_found(id: &str) -> AdminError {
     AdminError::NotFound(format!("cache object {id}"))
 }
 
-/// The live object `id` of `scope`.
-pub async fn get(pool: &PgPool, scope: Scope, id: &str) -> Result<CacheObject, AdminError> {
+/// The live object `id` of `owner`.
+pub async fn get(
+    pool: &PgPool,
+    owner: impl Into<Owner>,
+    id: &str,
+) -> Result<CacheObject, AdminError> {
+    let owner = owner.into();
     if !is_object_id(id) {
         return Err(not_found(id));
     }
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {COLUMNS} FROM cache_objects WHERE id = $1 AND tenant_id = $2 \
-         AND workspace_id = $3 AND deleted_at IS NULL AND expires_at > now()"
+        "SELECT {COLUMNS} FROM cache_objects o WHERE o.id = $1 AND {OWNED_LIVE}"
     )))
     .bind(id)
-    .bind(scope.tenant.as_uuid())
-    .bind(scope.workspace.as_uuid())
+    .bind(owner.tenant())
+    .bind(owner.workspace())
     .fetch_optional(pool)
     .await?;
     row.map(|r| from_row(&r)).ok_or_else(|| not_found(id))
@@ -145,8 +189,13 @@ pub struct Listed {
     pub has_more: bool,
 }
 
-/// The live objects of `scope`, newest first.
-pub async fn list(pool: &PgPool, scope: Scope, page: &Page) -> Result<Listed, AdminError> {
+/// The live objects of `owner`, newest first.
+pub async fn list(
+    pool: &PgPool,
+    owner: impl Into<Owner>,
+    page: &Page,
+) -> Result<Listed, AdminError> {
+    let owner = owner.into();
     let (cursor, newer) = match (&page.before_id, &page.after_id) {
         (Some(_), Some(_)) => {
             return Err(AdminError::Invalid(
@@ -163,10 +212,12 @@ pub async fn list(pool: &PgPool, scope: Scope, page: &Page) -> Result<Listed, Ad
             // A cursor may have expired or been deleted since the last page: page from where
             // it stood.
             let at: Option<DateTime<Utc>> = sqlx::query_scalar(
-                "SELECT created_at FROM cache_objects WHERE id = $1 AND workspace_id = $2",
+                "SELECT created_at FROM cache_objects o WHERE o.id = $1 AND o.tenant_id = $2 \
+                 AND ($3::UUID IS NULL OR o.workspace_id = $3)",
             )
             .bind(id)
-            .bind(scope.workspace.as_uuid())
+            .bind(owner.tenant())
+            .bind(owner.workspace())
             .fetch_optional(pool)
             .await?;
             let at = at.ok_or_else(|| {
@@ -181,18 +232,18 @@ pub async fn list(pool: &PgPool, scope: Scope, page: &Page) -> Result<Listed, Ad
     let limit = page.limit.clamp(1, 1000);
     // Older pages walk down the (created_at, id) order; newer ones walk up and are reversed.
     let (cmp, order) = if newer {
-        ("(created_at, id) > ($4, $5)", "ASC")
+        ("(o.created_at, o.id) > ($5, $6)", "ASC")
     } else {
-        ("(created_at, id) < ($4, $5)", "DESC")
+        ("(o.created_at, o.id) < ($5, $6)", "DESC")
     };
     let cond = if anchor.is_some() { cmp } else { "TRUE" };
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {COLUMNS} FROM cache_objects WHERE tenant_id = $1 AND workspace_id = $2 \
-         AND deleted_at IS NULL AND expires_at > now() AND {cond} \
-         ORDER BY created_at {order}, id {order} LIMIT $3"
+        "SELECT {COLUMNS} FROM cache_objects o WHERE $1::BOOL AND {OWNED_LIVE} AND {cond} \
+         ORDER BY o.created_at {order}, o.id {order} LIMIT $4"
     )))
-    .bind(scope.tenant.as_uuid())
-    .bind(scope.workspace.as_uuid())
+    .bind(true)
+    .bind(owner.tenant())
+    .bind(owner.workspace())
     .bind(limit + 1)
     .bind(anchor.as_ref().map(|a| a.0))
     .bind(anchor.as_ref().map(|a| a.1.clone()))
@@ -207,49 +258,49 @@ pub async fn list(pool: &PgPool, scope: Scope, page: &Page) -> Result<Listed, Ad
     Ok(Listed { data, has_more })
 }
 
-/// Move the expiry of the live object `id` of `scope` to `expires_at`.
+/// Move the expiry of the live object `id` of `owner` to `expires_at`.
 pub async fn set_expiry(
     pool: &PgPool,
-    scope: Scope,
+    owner: impl Into<Owner>,
     id: &str,
     expires_at: DateTime<Utc>,
 ) -> Result<CacheObject, AdminError> {
+    let owner = owner.into();
     if !is_object_id(id) {
         return Err(not_found(id));
     }
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE cache_objects SET expires_at = $4 WHERE id = $1 AND tenant_id = $2 \
-         AND workspace_id = $3 AND deleted_at IS NULL AND expires_at > now() \
+        "UPDATE cache_objects o SET expires_at = $4 WHERE o.id = $1 AND {OWNED_LIVE} \
          RETURNING {COLUMNS}"
     )))
     .bind(id)
-    .bind(scope.tenant.as_uuid())
-    .bind(scope.workspace.as_uuid())
+    .bind(owner.tenant())
+    .bind(owner.workspace())
     .bind(expires_at)
     .fetch_optional(pool)
     .await?;
     row.map(|r| from_row(&r)).ok_or_else(|| not_found(id))
 }
 
-/// Delete the live object `id` of `scope`, with an audit entry (`cache_object.delete`).
+/// Delete the live object `id` of `owner`, with an audit entry (`cache_object.delete`).
 pub async fn delete(
     pool: &PgPool,
     actor: &Actor,
-    scope: Scope,
+    owner: impl Into<Owner>,
     id: &str,
 ) -> Result<CacheObject, AdminError> {
+    let owner = owner.into();
     if !is_object_id(id) {
         return Err(not_found(id));
     }
     let mut tx = pool.begin().await?;
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE cache_objects SET deleted_at = now() WHERE id = $1 AND tenant_id = $2 \
-         AND workspace_id = $3 AND deleted_at IS NULL AND expires_at > now() \
+        "UPDATE cache_objects o SET deleted_at = now() WHERE o.id = $1 AND {OWNED_LIVE} \
          RETURNING {COLUMNS}"
     )))
     .bind(id)
-    .bind(scope.tenant.as_uuid())
-    .bind(scope.workspace.as_uuid())
+    .bind(owner.tenant())
+    .bind(owner.workspace())
     .fetch_optional(&mut *tx)
     .await?;
     let o = row.map(|r| from_row(&r)).ok_or_else(|| not_found(id))?;
@@ -257,11 +308,11 @@ pub async fn delete(
         &mut tx,
         actor,
         audit::Entry {
-            tenant: Some(scope.tenant.as_uuid()),
+            tenant: Some(owner.tenant()),
             action: "cache_object.delete",
             target: Some(o.id.clone()),
             before: Some(json!({
-                "id": o.id, "model": o.model, "workspace_id": scope.workspace.as_uuid(),
+                "id": o.id, "model": o.model, "workspace_id": o.workspace.as_uuid(),
                 "input_tokens": o.input_tokens, "expires_at": o.expires_at,
             })),
             after: None,
@@ -270,6 +321,40 @@ pub async fn delete(
     .await?;
     tx.commit().await?;
     Ok(o)
+}
+
+/// The audit action of a purge: every process of the cluster drops the tenant's blocks from
+/// each tier when it sees it (`gateway::sync`).
+pub const PURGE_ACTION: &str = "cache.purge";
+
+/// Purge `tenant`'s whole cache without deleting the tenant: its live objects are deleted
+/// and an audit entry ([`PURGE_ACTION`]) tells every process to drop its blocks. Returns the
+/// number of objects deleted.
+pub async fn purge(pool: &PgPool, actor: &Actor, tenant: TenantId) -> Result<u64, AdminError> {
+    crate::tenants::ensure_tenant(pool, tenant).await?;
+    let mut tx = pool.begin().await?;
+    let deleted = sqlx::query(
+        "UPDATE cache_objects SET deleted_at = now() WHERE tenant_id = $1 \
+         AND deleted_at IS NULL AND expires_at > now()",
+    )
+    .bind(tenant.as_uuid())
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    audit::record(
+        &mut tx,
+        actor,
+        audit::Entry {
+            tenant: Some(tenant.as_uuid()),
+            action: PURGE_ACTION,
+            target: Some(tenant.as_uuid().to_string()),
+            before: None,
+            after: Some(json!({"cache_objects_deleted": deleted})),
+        },
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(deleted)
 }
 
 #[cfg(test)]

@@ -5,7 +5,10 @@ use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder
 use utoipa::{Modify, OpenApi};
 
 use crate::api::{caches, handlers};
-use control::admin::{handlers as admin, login, overview, passwords, views, webhooks, workspaces};
+use control::admin::{
+    caches as admin_caches, handlers as admin, login, overview, passwords, views, webhooks,
+    workspaces,
+};
 
 struct Security;
 
@@ -56,7 +59,8 @@ impl Modify for Security {
           overview::overview, workspaces::list_workspaces, workspaces::create_workspace,
           workspaces::get_workspace, workspaces::update_workspace, workspaces::archive_workspace,
           webhooks::list_endpoints, webhooks::create_endpoint, webhooks::disable_endpoint,
-          webhooks::list_deliveries),
+          webhooks::list_deliveries, admin_caches::list_objects, admin_caches::delete_object,
+          admin_caches::purge),
     components(schemas(billing::api::Format)),
     modifiers(&Security),
     tags((name = "messages", description = "Messages and token counting"), (name = "chat", description = "OpenAI Chat Completions over the same cache"), (name = "models", description = "Served models"),

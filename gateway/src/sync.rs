@@ -7,7 +7,8 @@
 //! - drops the tenant's cached API keys (a revoked, expired or rotated key, a suspended
 //!   tenant, new limits: the next request reads them again);
 //! - applies the tenant's cache policy to this process's fabric node (resident quota,
-//!   reservation, replication factor), or purges its blocks from every tier if it was deleted.
+//!   reservation, replication factor), or purges its blocks from every tier if it was deleted
+//!   or its cache was purged (`cache.purge`, the admin API's purge).
 //!
 //! At start it applies every tenant's policy and purges every deleted tenant's blocks (what a
 //! node's disk tier kept from before a restart included), then follows the feed from its end.
@@ -201,6 +202,7 @@ impl Follower {
         .fetch_all(pool)
         .await?;
         let mut tenants: BTreeSet<Uuid> = BTreeSet::new();
+        let mut purged: BTreeSet<Uuid> = BTreeSet::new();
         let now = Utc::now();
         for r in &rows {
             let id: i64 = r.get("id");
@@ -216,6 +218,9 @@ impl Follower {
                 .inc();
             if let Some(t) = r.get::<Option<Uuid>, _>("tenant_id") {
                 tenants.insert(t);
+                if action == control::caches::PURGE_ACTION {
+                    purged.insert(t);
+                }
             }
         }
         let floor = self.high - OVERLAP;
@@ -223,6 +228,12 @@ impl Follower {
         if let Some(auth) = &targets.auth {
             for t in &tenants {
                 auth.invalidate_tenant(TenantId(*t));
+            }
+        }
+        if let Some(f) = &targets.fabric {
+            for t in &purged {
+                let n = f.purge_tenant(TenantId(*t));
+                tracing::info!(tenant_id = %t, blocks = n, "purged a tenant's cache");
             }
         }
         if let Some(f) = &targets.fabric

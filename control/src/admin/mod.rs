@@ -20,6 +20,7 @@
 //!
 //! Errors are [`ApiError`]s: Anthropic's shape, one vocabulary ([`cachet_common::error`]).
 
+pub mod caches;
 pub mod handlers;
 pub mod login;
 pub mod overview;
@@ -347,6 +348,15 @@ pub fn routes(state: AdminState) -> Router {
         .route("/v1/admin/tenants/{id}/usage", get(views::usage))
         .route("/v1/admin/tenants/{id}/budget", get(views::budget))
         .route("/v1/admin/tenants/{id}/cache", get(views::cache))
+        .route(
+            "/v1/admin/tenants/{id}/cache/objects",
+            get(caches::list_objects),
+        )
+        .route(
+            "/v1/admin/tenants/{id}/cache/objects/{object}",
+            delete(caches::delete_object),
+        )
+        .route("/v1/admin/tenants/{id}/cache/purge", post(caches::purge))
         .route("/v1/admin/overview", get(overview::overview))
         .route("/v1/admin/audit", get(handlers::list_audit))
         .route("/v1/admin/audit/export", get(handlers::export_audit))

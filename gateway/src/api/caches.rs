@@ -881,7 +881,11 @@ mod tests {
         );
         assert!(Lifetime::Ttl(day).expires_at(now, day).is_ok());
         let e = Lifetime::Ttl(day * 2).expires_at(now, day).unwrap_err();
-        assert!(Lifetime::Ttl(Duration::from_secs(u64::MAX)).expires_at(now, day).is_err());
+        assert!(
+            Lifetime::Ttl(Duration::from_secs(u64::MAX))
+                .expires_at(now, day)
+                .is_err()
+        );
         assert!(e.message.contains("max_cache_ttl_secs"), "{}", e.message);
         let past = now - chrono::Duration::minutes(1);
         assert!(Lifetime::Until(past).expires_at(now, day).is_err());
