@@ -97,6 +97,18 @@ export interface CacheView {
   unreachable_nodes: number;
 }
 
+/** A cache object (`POST /v1/caches`) as the admin API lists it. */
+export interface CacheObject {
+  id: string;
+  model: string;
+  display_name: string | null;
+  input_tokens: number;
+  workspace_id: string;
+  workspace_name: string;
+  created_at: string;
+  expires_at: string;
+}
+
 export interface AuditRow {
   id: number;
   at: string;

@@ -1,7 +1,8 @@
+import { useState } from "preact/hooks";
 import { api } from "../api";
-import { ErrorBanner, Loading, Table, useAsync } from "../components/ui";
-import { formatBytes, formatDuration, formatTokens } from "../format";
-import type { CacheView, Tenant } from "../types";
+import { Confirm, ErrorBanner, Loading, Notice, Table, useAsync } from "../components/ui";
+import { formatBytes, formatDuration, formatTime, formatTokens } from "../format";
+import type { CacheObject, CacheView, Tenant } from "../types";
 
 const REASONS: [string, string][] = [
   ["expired", "TTL ran out"],
@@ -12,11 +13,16 @@ const REASONS: [string, string][] = [
   ["purged", "Purged"],
 ];
 
-export function CacheTab({ tenant }: { tenant: Tenant }) {
+export function CacheTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolean }) {
   const c = useAsync(() => api<CacheView>("GET", `/v1/admin/tenants/${tenant.id}/cache`), [tenant.id]);
+  const [notice, setNotice] = useState<string | null>(null);
+  const [purging, setPurging] = useState(false);
+  // Bumped after a purge: the object list is read again.
+  const [generation, setGeneration] = useState(0);
   if (c.error) return <ErrorBanner error={c.error} />;
   if (!c.data) return <Loading what="the cache" />;
   const v = c.data;
+  const live = canEdit && tenant.state !== "deleted";
   return (
     <section aria-labelledby="cache-title">
       <h2 id="cache-title">Cache</h2>
@@ -29,6 +35,16 @@ export function CacheTab({ tenant }: { tenant: Tenant }) {
         </button>
       </p>
       {v.unreachable_nodes > 0 && <p role="alert">{v.unreachable_nodes} node(s) did not answer: their share is missing.</p>}
+      <Notice text={notice} />
+      <CacheObjects
+        key={generation}
+        tenant={tenant}
+        canEdit={live}
+        onChange={(text) => {
+          setNotice(text);
+          c.reload();
+        }}
+      />
       <Table caption="Bytes per tier">
         <thead>
           <tr>
@@ -104,13 +120,109 @@ export function CacheTab({ tenant }: { tenant: Tenant }) {
               <td>{formatBytes(p.bytes)}</td>
               <td>{p.reads}</td>
               <td>
-                {formatDuration(p.ttl_left_ms)} of {p.ttl_secs >= 3600 ? "1h" : "5m"}
+                {formatDuration(p.ttl_left_ms)} of {formatDuration(p.ttl_secs * 1000)}
               </td>
               <td>{p.paid ? "breakpoint" : "automatic"}</td>
             </tr>
           ))}
         </tbody>
       </Table>
+      {live && (
+        <p>
+          <button type="button" class="danger" onClick={() => setPurging(true)}>
+            Purge the whole cache
+          </button>
+        </p>
+      )}
+      <Confirm
+        open={purging}
+        title={`Purge ${tenant.name}'s cache?`}
+        body={
+          <p>
+            Every cached prefix of every workspace is dropped from every node and tier within seconds, and every cache
+            object is deleted (requests naming one get 404). The next requests compute their prefixes again. The tenant,
+            its keys and its usage stay.
+          </p>
+        }
+        action="Purge"
+        danger
+        onClose={() => setPurging(false)}
+        onConfirm={async () => {
+          const r = await api<{ cache_objects_deleted: number }>("POST", `/v1/admin/tenants/${tenant.id}/cache/purge`);
+          setNotice(`Cache purged; ${r.cache_objects_deleted} cache object(s) deleted.`);
+          setGeneration((g) => g + 1);
+          c.reload();
+        }}
+      />
     </section>
+  );
+}
+
+/** The tenant's cache objects (`POST /v1/caches`), newest first, each deletable. */
+function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (notice: string) => void }) {
+  const { tenant } = props;
+  const list = useAsync(
+    () => api<{ data: CacheObject[]; has_more: boolean }>("GET", `/v1/admin/tenants/${tenant.id}/cache/objects?limit=100`),
+    [tenant.id],
+  );
+  const [deleting, setDeleting] = useState<CacheObject | null>(null);
+  if (list.error) return <ErrorBanner error={list.error} />;
+  if (!list.data) return <Loading what="cache objects" />;
+  const objects = list.data.data;
+  return (
+    <>
+      <Table caption={`Cache objects${list.data.has_more ? " (the newest 100)" : ""}`}>
+        <thead>
+          <tr>
+            <th scope="col">Object</th>
+            <th scope="col">Workspace</th>
+            <th scope="col">Model</th>
+            <th scope="col">Tokens</th>
+            <th scope="col">Created</th>
+            <th scope="col">Expires</th>
+            {props.canEdit && <th scope="col">Actions</th>}
+          </tr>
+        </thead>
+        <tbody>
+          {objects.length === 0 && (
+            <tr>
+              <td colSpan={props.canEdit ? 7 : 6}>No cache objects.</td>
+            </tr>
+          )}
+          {objects.map((o) => (
+            <tr key={o.id} data-object={o.id}>
+              <th scope="row">
+                {o.display_name ?? <em>unnamed</em>} <code>{o.id}</code>
+              </th>
+              <td>{o.workspace_name}</td>
+              <td>{o.model}</td>
+              <td>{formatTokens(o.input_tokens)}</td>
+              <td>{formatTime(o.created_at)}</td>
+              <td>{formatTime(o.expires_at)}</td>
+              {props.canEdit && (
+                <td>
+                  <button type="button" class="danger" aria-label={`Delete ${o.id}`} onClick={() => setDeleting(o)}>
+                    Delete
+                  </button>
+                </td>
+              )}
+            </tr>
+          ))}
+        </tbody>
+      </Table>
+      <Confirm
+        open={deleting !== null}
+        title={`Delete ${deleting?.display_name ?? deleting?.id ?? ""}?`}
+        body={<p>Requests naming {deleting?.id} get 404 from now on. This cannot be undone.</p>}
+        action="Delete"
+        danger
+        onClose={() => setDeleting(null)}
+        onConfirm={async () => {
+          await api("DELETE", `/v1/admin/tenants/${tenant.id}/cache/objects/${deleting!.id}`);
+          list.reload();
+          props.onChange(`Cache object ${deleting!.id} deleted.`);
+        }}
+      />
+    </>
   );
 }

@@ -93,7 +93,7 @@ export function TenantPage({ me, id, tab }: { me: Me; id: string; tab: string })
       {tab === "workspaces" && <WorkspacesTab tenant={tenant} canEdit={me.role !== "finance"} />}
       {tab === "keys" && <KeysTab tenant={tenant} />}
       {tab === "policy" && <PolicyTab me={me} tenant={tenant} />}
-      {tab === "cache" && <CacheTab tenant={tenant} />}
+      {tab === "cache" && <CacheTab tenant={tenant} canEdit={me.role !== "finance"} />}
       {tab === "alerts" && <AlertsTab tenant={tenant} canEdit={me.role !== "finance"} />}
       {tab === "audit" && <AuditPage me={me} tenant={tenant} />}
       {tab === "admins" && <TenantAdmins tenant={tenant} />}
