@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 
 # (api-fuzz, fuzz-api: schemathesis against a real server; fuzz-slice, fuzz: cargo fuzz;
 # chaos: faults under load)
-.PHONY: vllm-test run-vllm bench-vllm bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin
+.PHONY: vllm-test run-vllm bench-vllm bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
 
 UI := admin-ui
 
@@ -146,6 +146,11 @@ openapi:
 ## Cache-hit throughput through the gateway vs a bare axum handler (docs/benchmarks.md).
 bench-gateway: services build-release
 	loadtests/gateway-hit.sh
+
+## A 32K-token cache object on sim-llama-8b: request bytes and TTFT by id vs resending the
+## content (docs/benchmarks.md).
+bench-objects: services build-release
+	loadtests/cache-objects.sh
 
 ## A one-second slice of every benchmark (the debug build), so none can silently break.
 bench-slice: services build

@@ -35,6 +35,9 @@ CACHET_BIN=$BIN BENCH_TIME_SCALE=0 BENCH_KV_BUDGET=536870912 BENCH_DRAM=53687091
 step "a 3-node cluster: peak RSS and hit ratio beside the simulation (loadtests/cluster.sh 2 1)"
 CACHET_BIN=$BIN BENCH_TIME_SCALE=0 BENCH_TURN_BLOCKS=4 BENCH_KV_BUDGET=268435456 BENCH_DRAM=268435456 loadtests/cluster.sh 2 1
 
+step "a cache object against resending its content (loadtests/cache-objects.sh 1)"
+CACHET_BIN=$BIN BENCH_MODEL=sim-tiny BENCH_OBJECT_WORDS=400 BENCH_TIME_SCALE=0 loadtests/cache-objects.sh 1
+
 step "fabric transfer"
 $BIN loadtest transfer --size-mib 1 --iterations 2 --stripes 1 --stripes 2
 step "prefix index"
