@@ -318,6 +318,16 @@ async fn an_object_is_created_used_by_id_on_both_wires_listed_extended_and_delet
     .unwrap();
     assert_eq!(audited, 1);
 
+    let metrics = app.metrics().await;
+    for op in ["created", "used", "extended", "deleted"] {
+        assert!(
+            metrics.contains(&format!(
+                "cachet_gateway_cache_objects_total{{op=\"{op}\"}}"
+            )),
+            "{op}"
+        );
+    }
+
     // The creation is billed as a 1h write of the object's tokens; the uses as reads.
     app.settle().await;
     let (w1, reads): (i64, i64) = sqlx::query_as(
@@ -451,5 +461,105 @@ async fn creation_is_refused_with_errors_that_name_the_field() {
     )
     .await;
     assert_eq!(s, 404);
+    app.stop().await;
+}
+
+/// A purge while the node was down: at its restart, what its disk tier kept of the tenant
+/// goes before the tenant's prefixes can be read again.
+#[tokio::test]
+async fn a_purge_missed_while_down_is_applied_to_the_disk_tier_at_restart() {
+    let app = TestApp::start_with(common::Options {
+        // A small DRAM tier over a disk tier: the object's blocks are demoted to disk.
+        tweak: |c| {
+            c.fabric.dram_capacity_bytes = 256 << 10;
+            c.fabric.disk_capacity_bytes = 64 << 20;
+        },
+        ..Default::default()
+    })
+    .await;
+    let pool = app.running().pool.clone();
+    let tenant: uuid::Uuid = sqlx::query_scalar("SELECT tenant_id FROM api_keys LIMIT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let t = cachet_common::TenantId(tenant);
+    // Two objects, each within DRAM, together past it: the older one's blocks go to disk.
+    for prefix in ["k", "m", "n"] {
+        let (s, obj) = call(
+            &app,
+            reqwest::Method::POST,
+            "/v1/caches",
+            &app.key,
+            Some(&json!({"model": "sim-tiny", "system": words(prefix, 700), "ttl": "6h"})),
+        )
+        .await;
+        assert_eq!(s, 200, "{obj}");
+    }
+    let on_disk = |node: &cache_fabric::FabricNode| {
+        node.tenant_stats(t, 1)
+            .tiers
+            .iter()
+            .filter(|x| x.tier == "disk")
+            .map(|x| x.bytes)
+            .sum::<u64>()
+    };
+    // Demotion runs beside the writes (the tier below is written off the store's lock).
+    let mut demoted = 0;
+    for _ in 0..50 {
+        demoted = on_disk(&app.running().node);
+        if demoted > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let st = app.running().node.tenant_stats(t, 1);
+    assert!(
+        demoted > 0,
+        "demoted to disk: {:?} {:?}",
+        st.tiers
+            .iter()
+            .map(|x| (x.tier.clone(), x.bytes))
+            .collect::<Vec<_>>(),
+        st.evictions
+    );
+
+    // Down: the purge is written while nothing applies it.
+    let mut app = app;
+    app.shutdown.cancel();
+    app.running.take().unwrap().wait().await.unwrap();
+    let n = control::caches::purge(&pool, &control::tenants::Actor::cli("test"), t)
+        .await
+        .unwrap();
+    assert_eq!(n, 3);
+
+    // Up again on the same data directory: the disk tier reloads its segments, and the
+    // missed purge drops them.
+    let mut config = cachet::config::Config {
+        database_url: app.db_url.clone(),
+        redis_url: common::REDIS.into(),
+        data_dir: app.data_dir.0.clone(),
+        ..Default::default()
+    };
+    config.engine.kind = "sim".into();
+    config.engine.sim_time_scale = 0.0;
+    config.admin.change_poll_ms = 200;
+    config.fabric.dram_capacity_bytes = 256 << 10;
+    config.fabric.disk_capacity_bytes = 64 << 20;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let running = cachet::server::start(config, listener, shutdown.clone())
+        .await
+        .unwrap();
+    let mut left = on_disk(&running.node);
+    for _ in 0..50 {
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        left = on_disk(&running.node);
+    }
+    assert_eq!(left, 0, "the purged blocks came back from disk");
+    shutdown.cancel();
+    running.wait().await.unwrap();
     app.stop().await;
 }

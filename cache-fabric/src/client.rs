@@ -272,6 +272,13 @@ impl FabricClient {
         self.node.purge_tenant(tenant)
     }
 
+    /// At start: drop what this node's disk tier kept of `tenant` from before
+    /// `before_unix_ms` (a cache purge it missed while it was down).
+    pub fn purge_tenant_written_before(&self, tenant: TenantId, before_unix_ms: u64) -> usize {
+        self.node
+            .purge_tenant_written_before(tenant, before_unix_ms)
+    }
+
     /// This node's share of a cluster-wide tenant budget (all of it when not clustered).
     fn per_node_share(&self, tenant: TenantId, bytes: u64) -> u64 {
         match &self.cluster {

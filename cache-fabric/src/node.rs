@@ -179,6 +179,13 @@ impl FabricNode {
         self.store().purge_tenant(tenant)
     }
 
+    /// At start: drop what the disk tier kept of `tenant` from before `before_unix_ms` (a
+    /// purge this node missed while it was down).
+    pub fn purge_tenant_written_before(&self, tenant: TenantId, before_unix_ms: u64) -> usize {
+        self.store()
+            .purge_tenant_written_before(tenant, before_unix_ms)
+    }
+
     /// Direct access for tests and fault injection.
     #[doc(hidden)]
     pub fn with_store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {

@@ -124,6 +124,18 @@ pub trait TierStore: Send {
         }
         gone
     }
+    /// Drop every block of `tenant` written before `before_unix_ms` (a purge this tier's node
+    /// missed while it was down); the hashes dropped. A tier that cannot tell when a block was
+    /// written keeps nothing of the tenant's: it is only asked at start, before anything new
+    /// is written.
+    fn remove_tenant_written_before(
+        &mut self,
+        tenant: TenantId,
+        before_unix_ms: u64,
+    ) -> Vec<BlockHash> {
+        let _ = before_unix_ms;
+        self.remove_tenant(tenant)
+    }
     /// Whether the tier keeps paid blocks until they expire: it never drops one to make room
     /// (`put` answers [`TierError::Full`] instead). The store demotes paid entries only to
     /// such a tier.
@@ -257,7 +269,14 @@ struct Loc {
     len: u64,
     /// A paid block's expiry (ms since the epoch): it is kept until then. 0 if not paid.
     paid_until_ms: u64,
+    /// When the record was written (ms since the epoch): its expiry less its TTL.
+    written_ms: u64,
     tenant: TenantId,
+}
+
+fn written_ms(b: &TierBlock) -> u64 {
+    b.expires_unix_ms
+        .saturating_sub(b.ttl.as_millis().min(u64::MAX as u128) as u64)
 }
 
 fn paid_until(b: &TierBlock) -> u64 {
@@ -447,6 +466,7 @@ impl DiskTier {
                     offset: off as u64,
                     len,
                     paid_until_ms: paid_until(&block),
+                    written_ms: written_ms(&block),
                     tenant: block.scope.tenant,
                 },
             ) {
@@ -638,6 +658,7 @@ impl DiskTier {
                 offset,
                 len,
                 paid_until_ms: paid_until(&block),
+                written_ms: written_ms(&block),
                 tenant: block.scope.tenant,
             },
         );
@@ -731,6 +752,23 @@ impl TierStore for DiskTier {
             .iter()
             .map(|(h, l)| (*h, l.tenant, l.len))
             .collect()
+    }
+
+    fn remove_tenant_written_before(
+        &mut self,
+        tenant: TenantId,
+        before_unix_ms: u64,
+    ) -> Vec<BlockHash> {
+        let gone: Vec<BlockHash> = self
+            .index
+            .iter()
+            .filter(|(_, l)| l.tenant == tenant && l.written_ms < before_unix_ms)
+            .map(|(h, _)| *h)
+            .collect();
+        for h in &gone {
+            self.remove(h);
+        }
+        gone
     }
     fn keeps_paid(&self) -> bool {
         true

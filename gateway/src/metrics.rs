@@ -55,6 +55,17 @@ pub static PROMPT_TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static CACHE_OBJECT_OPS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_gateway_cache_objects_total",
+            "Cache object operations: created, refused (the fabric could not hold one), used \
+             (a request named one), extended, deleted",
+        ),
+        &["op"],
+    )
+    .expect("metric"))
+});
 pub static PREFILL_SECONDS: LazyLock<CounterVec> = LazyLock::new(|| {
     reg(CounterVec::new(
         Opts::new(

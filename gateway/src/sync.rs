@@ -11,7 +11,8 @@
 //!   or its cache was purged (`cache.purge`, the admin API's purge).
 //!
 //! At start it applies every tenant's policy and purges every deleted tenant's blocks (what a
-//! node's disk tier kept from before a restart included), then follows the feed from its end.
+//! node's disk tier kept from before a restart included), drops what the disk tier kept from
+//! before a cache purge of the last 30 days, then follows the feed from its end.
 //!
 //! Ids of rows that commit late can be lower than ids already seen; each poll re-reads a
 //! window of the last [`OVERLAP`] ids and skips those it has applied, so a late row is still
@@ -117,6 +118,29 @@ async fn apply_fabric(fabric: &FabricClient, tenant: Uuid, s: &TenantState) {
     fabric.set_tenant_replicas(t, s.policy.replication_factor.map(|r| r.max(1) as usize));
 }
 
+/// At start: cache purges of the longest TTL's span (30 days) — what a disk tier kept from
+/// before one (this node was down when it was applied) is dropped; what was written after it
+/// stays.
+async fn apply_missed_purges(pool: &PgPool, fabric: &FabricClient) -> Result<(), AdminError> {
+    let rows = sqlx::query(
+        "SELECT tenant_id, max(at) AS at FROM admin_audit WHERE action = $1 \
+         AND tenant_id IS NOT NULL AND at > now() - interval '30 days' GROUP BY tenant_id",
+    )
+    .bind(control::caches::PURGE_ACTION)
+    .fetch_all(pool)
+    .await?;
+    for r in rows {
+        let tenant = TenantId(r.get("tenant_id"));
+        let at: DateTime<Utc> = r.get("at");
+        let n = fabric.purge_tenant_written_before(tenant, at.timestamp_millis().max(0) as u64);
+        if n > 0 {
+            tracing::info!(tenant_id = %tenant, blocks = n, purged_at = %at,
+                "dropped blocks a cache purge missed while this node was down");
+        }
+    }
+    Ok(())
+}
+
 /// Follow the change feed until `stop`.
 pub async fn run(pool: PgPool, targets: Targets, config: SyncConfig, stop: CancellationToken) {
     let mut follower = Follower::default();
@@ -191,6 +215,7 @@ impl Follower {
                 for (id, s) in load_states(pool, None).await? {
                     apply_fabric(f, id, &s).await;
                 }
+                apply_missed_purges(pool, f).await?;
             }
             self.started = true;
             return Ok(0);

@@ -316,6 +316,21 @@ impl Store {
         n
     }
 
+    /// Drop the blocks of `tenant` that the tier below DRAM kept from before `before_unix_ms`
+    /// (a purge this node missed while it was down: applied at start, before it serves).
+    /// The DRAM tier starts empty, so only the tier below holds such blocks.
+    pub fn purge_tenant_written_before(&mut self, tenant: TenantId, before_unix_ms: u64) -> usize {
+        let Some(t) = self.lower.as_mut() else {
+            return 0;
+        };
+        let gone = t.remove_tenant_written_before(tenant, before_unix_ms);
+        let n = gone.len();
+        for h in gone {
+            self.emit(StoreEvent::Removed(h));
+        }
+        n
+    }
+
     pub(super) fn set_leaf(
         &mut self,
         tenant: TenantId,

@@ -198,6 +198,9 @@ pub(crate) async fn resolve(
     let end = end_of(&object.content)
         .ok_or_else(|| ApiError::internal("a stored cache object has no content", &id))?;
     merge(top, &object.content);
+    crate::metrics::CACHE_OBJECT_OPS
+        .with_label_values(&["used"])
+        .inc();
     let hold = (object.expires_at - Utc::now())
         .to_std()
         .unwrap_or(MIN_TTL)
@@ -610,6 +613,9 @@ async fn create_inner(
     handlers::collect_answer(&mut rx).await?;
     let bp = started.report.breakpoints.first();
     if !bp.is_some_and(|b| matches!(b.status.as_str(), "written" | "read" | "coalesced")) {
+        crate::metrics::CACHE_OBJECT_OPS
+            .with_label_values(&["refused"])
+            .inc();
         return Err(refusal(bp.and_then(|b| b.reason.as_deref())));
     }
     let scope = scope_of(&principal);
@@ -620,6 +626,9 @@ async fn create_inner(
             .map_err(|r| refusal(Some(r.as_str())))?;
     }
     let id = store::new_id().map_err(|e| store_error("making a cache object id failed", e))?;
+    crate::metrics::CACHE_OBJECT_OPS
+        .with_label_values(&["created"])
+        .inc();
     store::insert(
         &state.pool,
         store::NewObject {
@@ -791,6 +800,9 @@ async fn update_inner(
     let o = store::set_expiry(&state.pool, scope, id, expires_at)
         .await
         .map_err(|e| store_error("extending a cache object failed", e))?;
+    crate::metrics::CACHE_OBJECT_OPS
+        .with_label_values(&["extended"])
+        .inc();
     if let Some(keys) = &shaped.prepared.keys {
         let offset = shaped.prepared.placed[0].offset;
         if let Err(r) = hold_entry(&state.fabric, scope, keys, offset, hold).await {
@@ -824,6 +836,9 @@ pub async fn delete_cache(
         let o = store::delete(&state.pool, &actor, scope_of(&principal), &id)
             .await
             .map_err(|e| store_error("deleting a cache object failed", e))?;
+        crate::metrics::CACHE_OBJECT_OPS
+            .with_label_values(&["deleted"])
+            .inc();
         Ok(DeletedCacheObject {
             id: o.id,
             kind: "cache_object_deleted",
