@@ -1,7 +1,7 @@
 //! Cache objects on the API-key surface: `POST /v1/caches` computes a prefix once and holds
 //! it, `GET /v1/caches` lists a workspace's objects, `GET`, `PATCH` and `DELETE
 //! /v1/caches/{id}` read, extend and delete one; a Messages or Chat Completions request
-//! names an object in `cached_content` and sends only what follows it ([`resolve`]).
+//! names an object in `cached_content` and sends only what follows it (`resolve`).
 //!
 //! An object is a row (`control::caches`: its content as validated, its expiry) plus a paid
 //! entry in the fabric held until it expires. Creating one is a `max_tokens: 0` request with
