@@ -53,6 +53,32 @@ pub const KV_SHAPE: KvGeometry = KvGeometry {
 /// Prefill runs in chunks of this many tokens (measured in docs/benchmarks.md).
 const PREFILL_CHUNK: usize = 512;
 
+/// The prefill passes over `from..total`: cut at absolute multiples of [`PREFILL_CHUNK`] and
+/// where a later request with this prompt cached resumes — `resume`, the end of the last
+/// exported block (or, when that is the whole prompt, its last token, which such a request
+/// computes again for its logits). That request then computes the rest in the same passes as
+/// this one did, so its logits, and its greedy answer, are bit for bit this one's: the batched
+/// and the few-token matrix kernels round differently, and a near tie could otherwise flip.
+fn prefill_passes(from: usize, total: usize, resume: Option<usize>) -> Vec<std::ops::Range<usize>> {
+    let cut = resume
+        .map(|r| r.min(total.saturating_sub(1)))
+        .filter(|&c| c > from && c < total);
+    let mut passes = Vec::new();
+    let mut at = from;
+    while at < total {
+        let mut end = ((at / PREFILL_CHUNK) + 1) * PREFILL_CHUNK;
+        if let Some(c) = cut
+            && at < c
+        {
+            end = end.min(c);
+        }
+        let end = end.min(total);
+        passes.push(at..end);
+        at = end;
+    }
+    passes
+}
+
 /// Keep freed buffers in the process instead of handing them back to the kernel.
 ///
 /// Every request allocates its KV cache (about 45 KiB per token) and per-layer activations
@@ -307,10 +333,11 @@ impl crate::Engine for ReferenceEngine {
         // Chunks keep attention's score matrix cache-sized on long prompts. The pass runs on
         // a worker of the compute pool, so each operation's parallel parts are joined there
         // rather than handed across threads and waited for.
+        let resume = req.exports.iter().map(|e| e.end).max();
         let logits = rayon::scope(|_| {
             let mut logits = None;
-            for chunk in req.tokens[from..].chunks(PREFILL_CHUNK) {
-                logits = Some(self.weights.forward(chunk, &mut cache)?);
+            for pass in prefill_passes(from, total, resume) {
+                logits = Some(self.weights.forward(&req.tokens[pass], &mut cache)?);
             }
             Ok::<_, EngineError>(logits.expect("at least one token to prefill"))
         })?;
@@ -464,5 +491,38 @@ impl Sampler {
             }
         }
         Ok(idx[keep - 1] as u32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_passes_cut_where_a_cached_request_resumes() {
+        let c = PREFILL_CHUNK;
+        // No export: absolute chunks.
+        assert_eq!(
+            prefill_passes(0, 2 * c + 5, None),
+            vec![0..c, c..2 * c, 2 * c..2 * c + 5]
+        );
+        // Resuming mid-chunk continues to the next absolute boundary.
+        assert_eq!(
+            prefill_passes(c + 7, 2 * c + 5, None),
+            vec![c + 7..2 * c, 2 * c..2 * c + 5]
+        );
+        // A cold prompt with its last export at 300 of 306 tokens: cut at 300, where the
+        // request that reads it back starts.
+        assert_eq!(prefill_passes(0, 306, Some(300)), vec![0..300, 300..306]);
+        assert_eq!(prefill_passes(300, 306, None), vec![300..306]);
+        // The whole prompt exported: its last token on its own, as a full hit recomputes it.
+        assert_eq!(prefill_passes(0, 306, Some(306)), vec![0..305, 305..306]);
+        assert_eq!(prefill_passes(305, 306, None), vec![305..306]);
+        // A cut past a chunk boundary, and one before `from`, change nothing else.
+        assert_eq!(
+            prefill_passes(0, c + 20, Some(c + 10)),
+            vec![0..c, c..c + 10, c + 10..c + 20]
+        );
+        assert_eq!(prefill_passes(50, 60, Some(40)), vec![50..60]);
     }
 }
