@@ -822,3 +822,93 @@ async fn admin_changes_reach_every_node_of_a_cluster() {
     pool.close().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 27's cluster acceptance, first half: a cache object created through the routing
+/// gateway is held on its owners, and after the node that computed it is killed (`kill -9`)
+/// a request naming it through the gateway still reads every token of it from the replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cache_object_outlives_the_node_that_computed_it() {
+    let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
+    let dir = std::env::temp_dir().join(&prefix);
+    let (pool, db_url, tenant, key) = tenant_db("objects-tenant").await;
+    let env: Vec<(&'static str, String)> = vec![
+        ("DATABASE_URL", db_url.clone()),
+        ("CACHET_ENGINE", "sim".into()),
+        ("CACHET_SIM_TIME_SCALE", "0".into()),
+    ];
+    let mut nodes: std::collections::HashMap<String, Node> = ["n1", "n2", "n3"]
+        .iter()
+        .map(|id| {
+            (
+                id.to_string(),
+                start_node_with(id, &prefix, &dir, &env, true),
+            )
+        })
+        .collect();
+    let gw = start_gateway(&prefix, &env);
+    let http = reqwest::Client::new();
+    wait_for_nodes(&http, &gw, 3).await;
+
+    let system: String = (0..300).map(|i| format!("o{i} ")).collect();
+    let resp = http
+        .post(format!("{}/v1/caches", gw.url))
+        .header("x-api-key", &key)
+        .json(&serde_json::json!({"model": "sim-tiny", "system": system, "ttl": "2h"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let maker = resp
+        .headers()
+        .get("x-cachet-node")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let obj: serde_json::Value = resp.json().await.unwrap();
+    let tokens = obj["input_tokens"].as_u64().unwrap();
+    let scope = Scope {
+        tenant: tenant.id,
+        workspace: tenant.default_workspace,
+    };
+    // Every block of the object on its R = 2 owners before the node goes.
+    let as_request = serde_json::json!({"model": "sim-tiny", "max_tokens": 1,
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": "q"}]});
+    let hashes = block_hashes(&as_request, scope);
+    let addrs: Vec<String> = nodes.values().map(|n| n.addr.clone()).collect();
+    let addr_refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+    wait_until(
+        "the object's blocks on two nodes each",
+        Duration::from_secs(20),
+        async || {
+            for h in &hashes {
+                if copies(&addr_refs, scope, *h).await < 2 {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+
+    let mut gone = nodes.remove(&maker).expect("the maker is a node");
+    gone.child.kill().unwrap();
+    gone.child.wait().unwrap();
+    wait_for_nodes(&http, &gw, 2).await;
+    let use_it = serde_json::json!({"model": "sim-tiny", "max_tokens": 4, "cached_content": obj["id"],
+        "messages": [{"role": "user", "content": "what does it say?"}]});
+    let (s, _, r) = post(&http, &gw.url, &key, &use_it, false).await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(
+        r["usage"]["cache_read_input_tokens"].as_u64(),
+        Some(tokens),
+        "{r}"
+    );
+    assert_eq!(r["cachet"]["cached_content"]["status"], "read", "{r}");
+    drop(nodes);
+    drop(gw);
+    pool.close().await;
+    common::drop_db(db_url.rsplit('/').next().unwrap()).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
