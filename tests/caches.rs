@@ -117,6 +117,28 @@ async fn an_object_is_created_used_by_id_on_both_wires_listed_extended_and_delet
         common::usage_total(&b["usage"])
     );
 
+    // Streamed: the object's use is in `message_start`'s report.
+    let mut streamed = by_id.clone();
+    streamed["stream"] = json!(true);
+    let text = app
+        .post_raw("/v1/messages", &key, streamed.to_string())
+        .await
+        .text()
+        .await
+        .unwrap();
+    let start: Value = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .find(|e| e["type"] == "message_start")
+        .expect("a message_start event");
+    assert_eq!(
+        start["message"]["cachet"]["cached_content"]["id"],
+        id.as_str(),
+        "{text}"
+    );
+    assert_eq!(start["message"]["usage"]["cache_read_input_tokens"], tokens);
+
     // The OpenAI wire names it the same way.
     let chat = json!({
         "model": "sim-tiny", "max_completion_tokens": 8, "temperature": 0, "cached_content": id,
