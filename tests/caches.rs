@@ -117,6 +117,21 @@ async fn an_object_is_created_used_by_id_on_both_wires_listed_extended_and_delet
         common::usage_total(&b["usage"])
     );
 
+    // Counted with the object's content, as the request renders it.
+    let (s, _, counted) = app
+        .post(
+            "/v1/messages/count_tokens",
+            &key,
+            &json!({"model": "sim-tiny", "cached_content": id,
+                    "messages": [{"role": "user", "content": "what does it say?"}]}),
+        )
+        .await;
+    assert_eq!(s, 200, "{counted}");
+    assert_eq!(
+        counted["input_tokens"].as_u64().unwrap(),
+        common::usage_total(&a["usage"])
+    );
+
     // Streamed: the object's use is in `message_start`'s report.
     let mut streamed = by_id.clone();
     streamed["stream"] = json!(true);

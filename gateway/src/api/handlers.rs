@@ -641,6 +641,8 @@ pub async fn count_tokens(
             tenant: principal.tenant,
             workspace: principal.workspace,
         };
+        // A cache object named in the body counts with its content.
+        let (body, _) = caches::resolve(&state.pool, &principal, body).await?;
         let (req, _) = validate::count_tokens_request(&body, |m| state.engines.get(m).is_some())?;
         let engine = state
             .engines
