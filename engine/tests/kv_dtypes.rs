@@ -154,11 +154,21 @@ fn compressed_kv_agrees_with_f32_on_fifty_prompts() {
 }
 
 fn greedy(e: &ReferenceEngine, tokens: &[u32], imported: Vec<KvBlock>) -> Vec<u32> {
+    greedy_exporting(e, tokens, imported, vec![]).0
+}
+
+/// The greedy continuation of `tokens`, and the blocks `exports` asked for.
+fn greedy_exporting(
+    e: &ReferenceEngine,
+    tokens: &[u32],
+    imported: Vec<KvBlock>,
+    exports: Vec<ExportSpec>,
+) -> (Vec<u32>, Vec<KvBlock>) {
     let mut g = e
         .start(GenerateRequest {
             tokens: tokens.to_vec(),
             imported,
-            exports: vec![],
+            exports,
             sampling: Sampling {
                 ignore_eos: true,
                 ..Sampling::default()
@@ -167,13 +177,16 @@ fn greedy(e: &ReferenceEngine, tokens: &[u32], imported: Vec<KvBlock>) -> Vec<u3
             connector: None,
         })
         .unwrap();
-    (0..CONTINUATION)
+    let blocks = g.take_exports();
+    let answer = (0..CONTINUATION)
         .map_while(|_| g.next_token().unwrap().map(|t| t.id))
-        .collect()
+        .collect();
+    (answer, blocks)
 }
 
-/// For every dtype: a prefix exported as a whole block plus a breakpoint's partial tail, and
-/// imported into a fresh generation, gives the answer computed without it, token for token;
+/// For every dtype: a prefix exported as a whole block plus a breakpoint's partial tail by a
+/// generation that computed it from nothing, and imported into a fresh generation, gives that
+/// first generation's answer, token for token;
 /// blocks take the dtype's bytes; another dtype's blocks are refused, never misread.
 #[test]
 fn cached_prefix_gives_identical_answers_for_every_dtype() {
@@ -188,34 +201,30 @@ fn cached_prefix_gives_identical_answers_for_every_dtype() {
             let block = e.info().block_size;
             assert!(cut > block, "the system prompt spans a whole block");
             let whole = cut / block * block;
-            let mut g = e
-                .start(GenerateRequest {
-                    tokens: r.tokens.clone(),
-                    imported: vec![],
-                    exports: vec![
-                        ExportSpec {
-                            hash: BlockHash([1; 32]),
-                            start: 0,
-                            end: whole,
-                        },
-                        ExportSpec {
-                            hash: BlockHash([2; 32]),
-                            start: whole,
-                            end: cut,
-                        },
-                    ],
-                    sampling: Sampling::default(),
-                    max_new_tokens: 1,
-                    connector: None,
-                })
-                .unwrap();
-            let blocks = g.take_exports();
+            // The request that computes the prompt from nothing and writes the prefix.
+            let (cold, blocks) = greedy_exporting(
+                &e,
+                &r.tokens,
+                vec![],
+                vec![
+                    ExportSpec {
+                        hash: BlockHash([1; 32]),
+                        start: 0,
+                        end: whole,
+                    },
+                    ExportSpec {
+                        hash: BlockHash([2; 32]),
+                        start: whole,
+                        end: cut,
+                    },
+                ],
+            );
             assert_eq!(blocks[0].data.len(), whole * e.info().kv.bytes_per_token());
             assert_eq!(
                 blocks[1].data.len(),
                 (cut - whole) * e.info().kv.bytes_per_token()
             );
-            let cold = greedy(&e, &r.tokens, vec![]);
+            // The one that reads it back.
             let warm = greedy(&e, &r.tokens, blocks.clone());
             assert_eq!(cold.len(), CONTINUATION, "{d}");
             assert_eq!(cold, warm, "{d}: {q}");
