@@ -85,13 +85,19 @@ pub struct CacheObject {
     pub workspace: WorkspaceId,
     #[serde(skip)]
     pub workspace_name: String,
-    /// `{"tools": …, "system": …, "messages": …}` as validated (absent parts omitted).
+    /// `{"tools": …, "system": …, "messages": …}` as validated (absent parts omitted); `null`
+    /// in a [`list`], which never reads it (an object's content can be megabytes).
     #[serde(skip)]
     pub content: Value,
 }
 
+/// An object's columns, its content included (one object: get, extend, delete).
 const COLUMNS: &str = "o.id, o.tenant_id, o.workspace_id, o.model, o.content, o.input_tokens, \
     o.display_name, o.created_at, o.expires_at, \
+    (SELECT w.name FROM workspaces w WHERE w.id = o.workspace_id) AS workspace_name";
+/// The same without the content (lists).
+const LISTED: &str = "o.id, o.tenant_id, o.workspace_id, o.model, NULL::JSONB AS content, \
+    o.input_tokens, o.display_name, o.created_at, o.expires_at, \
     (SELECT w.name FROM workspaces w WHERE w.id = o.workspace_id) AS workspace_name";
 
 fn from_row(r: &sqlx::postgres::PgRow) -> CacheObject {
@@ -108,7 +114,7 @@ fn from_row(r: &sqlx::postgres::PgRow) -> CacheObject {
         workspace_name: r
             .get::<Option<String>, _>("workspace_name")
             .unwrap_or_default(),
-        content: r.get("content"),
+        content: r.get::<Option<Value>, _>("content").unwrap_or(Value::Null),
     }
 }
 
@@ -238,7 +244,7 @@ pub async fn list(
     };
     let cond = if anchor.is_some() { cmp } else { "TRUE" };
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {COLUMNS} FROM cache_objects o WHERE $1::BOOL AND {OWNED_LIVE} AND {cond} \
+        "SELECT {LISTED} FROM cache_objects o WHERE $1::BOOL AND {OWNED_LIVE} AND {cond} \
          ORDER BY o.created_at {order}, o.id {order} LIMIT $4"
     )))
     .bind(true)
