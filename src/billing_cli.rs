@@ -74,6 +74,10 @@ pub struct PriceArgs {
     pub write_1h_bp: i32,
     #[arg(long, default_value_t = 1_000)]
     pub read_bp: i32,
+    /// Holding a cache object, per token and hour, as a multiplier of the input price in
+    /// basis points (10000 = the input price per token-hour).
+    #[arg(long, default_value_t = billing::prices::DEFAULT_STORAGE_HOUR_BP)]
+    pub storage_hour_bp: i32,
     #[arg(long, default_value = "USD")]
     pub currency: String,
     /// Custom rates for this tenant (name or id) instead of the list price.
@@ -226,6 +230,7 @@ async fn set_price(pool: &PgPool, args: PriceArgs) -> anyhow::Result<()> {
         write_5m_bp,
         write_1h_bp,
         read_bp,
+        storage_hour_bp,
         currency,
         tenant,
         backdate,
@@ -241,6 +246,7 @@ async fn set_price(pool: &PgPool, args: PriceArgs) -> anyhow::Result<()> {
                 cache_write_5m_bp: write_5m_bp,
                 cache_write_1h_bp: write_1h_bp,
                 cache_read_bp: read_bp,
+                cache_storage_hour_bp: storage_hour_bp,
             };
             let price = prices::TenantPrice {
                 tenant: id,
@@ -260,6 +266,7 @@ async fn set_price(pool: &PgPool, args: PriceArgs) -> anyhow::Result<()> {
                 cache_write_5m_bp: write_5m_bp,
                 cache_write_1h_bp: write_1h_bp,
                 cache_read_bp: read_bp,
+                cache_storage_hour_bp: storage_hour_bp,
             };
             prices::set_price(pool, &p, &actor, backdate, now).await?;
         }
@@ -273,7 +280,7 @@ async fn list_prices(pool: &PgPool) -> anyhow::Result<()> {
     for listed in prices::list_prices(pool).await? {
         let p = &listed.version;
         println!(
-            "{:<24} from {}  {} input {} output {} nano/token  5m ×{} 1h ×{} read ×{} (bp){}",
+            "{:<24} from {}  {} input {} output {} nano/token  5m ×{} 1h ×{} read ×{} storage ×{}/h (bp){}",
             p.model,
             p.effective_from,
             p.currency,
@@ -282,6 +289,7 @@ async fn list_prices(pool: &PgPool) -> anyhow::Result<()> {
             p.cache_write_5m_bp,
             p.cache_write_1h_bp,
             p.cache_read_bp,
+            p.cache_storage_hour_bp,
             listed
                 .retired_at
                 .map(|t| format!("  retired {t}"))

@@ -99,7 +99,8 @@ async fn seed_list_prices(
 
 /// The public side's admin console (admin and finance APIs, admin UI) with its cache view
 /// from `cache`, the rollups its views read kept current (the last two hours, every
-/// `admin.rollup_interval_secs`) and webhook deliveries sent, until `shutdown`.
+/// `admin.rollup_interval_secs`, with cache objects' storage metered on the same tick) and
+/// webhook deliveries sent, until `shutdown`.
 fn admin_console(
     config: &Config,
     pool: &PgPool,
@@ -115,6 +116,16 @@ fn admin_console(
             pool.clone(),
             Duration::from_secs(config.admin.rollup_interval_secs),
             chrono::TimeDelta::hours(2),
+            shutdown.clone(),
+        ),
+    );
+    // Cache objects' storage is metered on the same tick (every process of the public side
+    // may run it: objects are claimed with SKIP LOCKED and an hour is written once).
+    crate::spawn_loop(
+        "cache storage meter",
+        billing::storage::keep_metered(
+            pool.clone(),
+            Duration::from_secs(config.admin.rollup_interval_secs),
             shutdown.clone(),
         ),
     );

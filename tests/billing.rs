@@ -81,6 +81,7 @@ fn price(from: &str, input: i64, output: i64) -> PriceVersion {
         cache_write_5m_bp: 12_500,
         cache_write_1h_bp: 20_000,
         cache_read_bp: 1_000,
+        cache_storage_hour_bp: 10_000,
     }
 }
 
@@ -350,6 +351,7 @@ async fn usage_without_a_price_is_listed_and_flagged_but_never_finalized_as_free
         cache_write_5m_bp: 12_500,
         cache_write_1h_bp: 20_000,
         cache_read_bp: 1_000,
+        cache_storage_hour_bp: 10_000,
     };
     let price = prices::TenantPrice {
         tenant,
@@ -383,6 +385,7 @@ async fn shipped_list_prices_are_seeded_once_and_never_over_an_operators_price()
         cache_write_5m_bp: 12_500,
         cache_write_1h_bp: 20_000,
         cache_read_bp: 1_000,
+        cache_storage_hour_bp: 10_000,
     };
     prices::set_price(&pool, &own, "ops", true, NOW())
         .await
@@ -465,6 +468,7 @@ async fn the_month_overview_is_the_sum_of_the_dashboards_and_the_invoices_to_the
         cache_write_5m_bp: 12_345,
         cache_write_1h_bp: 19_999,
         cache_read_bp: 1_111,
+        cache_storage_hour_bp: 10_000,
         ..price(from, input, output)
     };
     for p in [
@@ -826,5 +830,300 @@ async fn the_usage_view_rates_a_mid_day_price_change_like_the_invoice() {
     .unwrap();
     assert_eq!(part.totals.tokens.requests, 2);
     assert_eq!(part.from, at("2026-10-10T09:00:00Z"));
+    drop_db(pool, name).await;
+}
+
+/// A tenant with a key and cache objects, as `POST /v1/caches` stores them.
+async fn objects_tenant(pool: &PgPool) -> (control::tenants::Tenant, cachet_common::ApiKeyId) {
+    let actor = control::tenants::Actor::cli("test");
+    let t = control::tenants::create_tenant(
+        pool,
+        &actor,
+        &format!("objects-{}", Uuid::new_v4().simple()),
+    )
+    .await
+    .unwrap();
+    let key = control::tenants::keys::create_key(pool, &actor, &t, "k", None)
+        .await
+        .unwrap();
+    (t, key.id)
+}
+
+async fn object(
+    pool: &PgPool,
+    t: &control::tenants::Tenant,
+    key: cachet_common::ApiKeyId,
+    tokens: i64,
+    created: &str,
+    expires: &str,
+) -> String {
+    let id = control::caches::new_id().unwrap();
+    control::caches::insert(
+        pool,
+        control::caches::NewObject {
+            id: &id,
+            scope: cachet_common::Scope {
+                tenant: t.id,
+                workspace: t.default_workspace,
+            },
+            key,
+            model: "sim-tiny",
+            content: &serde_json::json!({"messages": []}),
+            input_tokens: tokens,
+            display_name: None,
+            request_id: Uuid::now_v7(),
+            created_at: at(created),
+            expires_at: at(expires),
+        },
+    )
+    .await
+    .unwrap();
+    id
+}
+
+/// (hour, seconds) rows of an object's storage, in order.
+async fn held(pool: &PgPool, object: &str) -> Vec<(DateTime<Utc>, i32)> {
+    sqlx::query_as(
+        "SELECT hour_start, seconds FROM cache_storage_events WHERE object_id = $1 ORDER BY hour_start",
+    )
+    .bind(object)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn cache_objects_are_billed_by_the_hour_they_are_held_once_and_to_the_cent() {
+    use billing::storage::meter;
+    let (pool, _, name) = db().await;
+    prices::set_price(
+        &pool,
+        &price("2026-01-01T00:00:00Z", 3_000, 15_000),
+        "test",
+        true,
+        NOW(),
+    )
+    .await
+    .unwrap();
+    let (t, key) = objects_tenant(&pool).await;
+    let tenant = t.id.as_uuid();
+    // A day-long object of 1M tokens from 10:20; one of 200K tokens deleted after 90 minutes.
+    let day = object(
+        &pool,
+        &t,
+        key,
+        1_000_000,
+        "2026-10-03T10:20:00Z",
+        "2026-10-04T10:20:00Z",
+    )
+    .await;
+    let short = object(
+        &pool,
+        &t,
+        key,
+        200_000,
+        "2026-10-05T08:00:00Z",
+        "2026-10-06T08:00:00Z",
+    )
+    .await;
+    sqlx::query("UPDATE cache_objects SET deleted_at = $2 WHERE id = $1")
+        .bind(&short)
+        .bind(at("2026-10-05T09:30:00Z"))
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    // Before its first hour closes nothing is written; then every closed hour, once.
+    let r = meter(&pool, at("2026-10-03T10:59:00Z")).await.unwrap();
+    assert_eq!(r.rows, 0);
+    let r = meter(&pool, at("2026-10-03T12:00:30Z")).await.unwrap();
+    assert_eq!(r.rows, 2, "{r:?}");
+    assert_eq!(
+        held(&pool, &day).await,
+        vec![
+            (at("2026-10-03T10:00:00Z"), 2_400),
+            (at("2026-10-03T11:00:00Z"), 3_600)
+        ]
+    );
+    assert_eq!(
+        meter(&pool, at("2026-10-03T12:00:30Z")).await.unwrap().rows,
+        0
+    );
+    // Two meters racing (two processes) write each hour once.
+    let (a, b) = tokio::join!(
+        meter(&pool, at("2026-10-04T09:00:00Z")),
+        meter(&pool, at("2026-10-04T09:00:00Z"))
+    );
+    assert_eq!(a.unwrap().rows + b.unwrap().rows, 21);
+    // A watermark lost (a crash between the insert and its update) writes nothing twice.
+    sqlx::query("UPDATE cache_objects SET storage_metered_until = NULL WHERE id = $1")
+        .bind(&day)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        meter(&pool, at("2026-10-04T09:00:00Z")).await.unwrap().rows,
+        0
+    );
+    // After both ended: the expired one's last 20 minutes, the deleted one's 90 minutes.
+    meter(&pool, at("2026-11-01T00:00:00Z")).await.unwrap();
+    let rows = held(&pool, &day).await;
+    assert_eq!(rows.len(), 25);
+    assert_eq!(rows.last(), Some(&(at("2026-10-04T10:00:00Z"), 1_200)));
+    assert_eq!(rows.iter().map(|r| r.1 as i64).sum::<i64>(), 86_400);
+    assert_eq!(
+        held(&pool, &short).await,
+        vec![
+            (at("2026-10-05T08:00:00Z"), 3_600),
+            (at("2026-10-05T09:00:00Z"), 1_800)
+        ]
+    );
+    let m = meter(&pool, at("2026-11-02T00:00:00Z")).await.unwrap();
+    assert_eq!((m.objects, m.rows), (0, 0), "ended objects are done");
+
+    // The invoice, by hand: 1M × 24 h = 24M token-hours, 200K × 1.5 h = 0.3M, at $3/MTok
+    // × 1.0 an hour: $72 + $0.90.
+    let inv = invoice::refresh_draft(&pool, tenant, OCT(), "test")
+        .await
+        .unwrap();
+    let lines: Vec<(&str, Option<&str>, i64, i64)> = inv
+        .lines
+        .iter()
+        .map(|l| {
+            (
+                l.kind.as_str(),
+                l.token_class.as_deref(),
+                l.quantity,
+                l.amount_minor,
+            )
+        })
+        .collect();
+    assert_eq!(
+        lines,
+        vec![("storage", Some("cache_storage"), 24_300_000 * 3_600, 7_290)]
+    );
+    assert_eq!(inv.total_minor, 7_290);
+    assert!(
+        inv.lines[0].description.contains("24300000 token-hours"),
+        "{}",
+        inv.lines[0].description
+    );
+    let csv = invoice::invoice_csv(&inv);
+    assert!(csv.contains(",storage,sim-tiny,cache_storage,"), "{csv}");
+    // The dashboards rate the same hours to the same cent, and count them against savings.
+    let report = billing::dashboard::usage(
+        &pool,
+        &billing::dashboard::UsageQuery::tenant(
+            tenant,
+            at("2026-10-01T00:00:00Z"),
+            at("2026-11-01T00:00:00Z"),
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        report.totals.tokens.cache_storage_token_seconds,
+        24_300_000 * 3_600
+    );
+    assert_eq!(report.totals.cost_minor, 7_290);
+    assert_eq!(report.totals.saved_minor, -7_290);
+    assert_eq!(report.series.len(), 3, "three days with objects held");
+    let (_, spent) =
+        billing::dashboard::month_spend(&pool, tenant, None, at("2026-10-20T00:00:00Z"))
+            .await
+            .unwrap();
+    assert_eq!(spent, 7_290, "budgets count storage");
+
+    // A custom storage rate from the 5th halves the second object's hours.
+    prices::set_tenant_price(
+        &pool,
+        &prices::TenantPrice {
+            tenant,
+            model: "sim-tiny".into(),
+            effective_from: at("2026-10-05T00:00:00Z"),
+            rates: Rates {
+                input_nanos: 3_000,
+                output_nanos: 15_000,
+                cache_write_5m_bp: 12_500,
+                cache_write_1h_bp: 20_000,
+                cache_read_bp: 1_000,
+                cache_storage_hour_bp: 5_000,
+            },
+        },
+        "test",
+        true,
+        NOW(),
+    )
+    .await
+    .unwrap();
+    let inv = invoice::refresh_draft(&pool, tenant, OCT(), "test")
+        .await
+        .unwrap();
+    let amounts: Vec<(i64, i64)> = inv
+        .lines
+        .iter()
+        .map(|l| (l.quantity, l.amount_minor))
+        .collect();
+    assert_eq!(
+        amounts,
+        vec![(24_000_000 * 3_600, 7_200), (300_000 * 3_600, 45)]
+    );
+    assert!(inv.lines[1].description.contains("custom rate"));
+
+    // Reconciliation covers storage: the rows agree with the invoice, until an hour is
+    // written that the invoice does not bill.
+    let (from, to) = (at("2026-10-01T00:00:00Z"), at("2026-11-01T00:00:00Z"));
+    rollup::rollup(&pool, from, to).await.unwrap();
+    let r = rollup::reconcile(&pool, from, to).await.unwrap();
+    assert!(r.mismatches.is_empty(), "{:?}", r.mismatches);
+    let late = object(
+        &pool,
+        &t,
+        key,
+        10,
+        "2026-10-30T00:00:00Z",
+        "2026-10-30T00:10:00Z",
+    )
+    .await;
+    meter(&pool, at("2026-11-01T00:00:00Z")).await.unwrap();
+    assert_eq!(
+        held(&pool, &late).await,
+        vec![(at("2026-10-30T00:00:00Z"), 600)]
+    );
+    let r = rollup::reconcile(&pool, from, to).await.unwrap();
+    assert_eq!(r.mismatches.len(), 1, "{:?}", r.mismatches);
+    assert_eq!(
+        (
+            r.mismatches[0].class,
+            r.mismatches[0].ledger - r.mismatches[0].found
+        ),
+        ("cache_storage", 6_000)
+    );
+    // The ledger is append-only.
+    assert!(
+        sqlx::query("DELETE FROM cache_storage_events")
+            .execute(&pool)
+            .await
+            .is_err()
+    );
+    drop_db(pool, name).await;
+}
+
+#[tokio::test]
+async fn deleting_a_tenant_ends_its_objects_storage() {
+    let (pool, _, name) = db().await;
+    let (t, key) = objects_tenant(&pool).await;
+    let now = Utc::now();
+    let created = (now - chrono::TimeDelta::hours(3)).to_rfc3339();
+    let expires = (now + chrono::TimeDelta::hours(20)).to_rfc3339();
+    let id = object(&pool, &t, key, 1_000, &created, &expires).await;
+    control::tenants::delete_tenant(&pool, &control::tenants::Actor::cli("test"), t.id)
+        .await
+        .unwrap();
+    billing::storage::meter(&pool, Utc::now() + chrono::TimeDelta::seconds(1))
+        .await
+        .unwrap();
+    let total: i64 = held(&pool, &id).await.iter().map(|r| r.1 as i64).sum();
+    assert!((3 * 3_600 - 3..=3 * 3_600 + 1).contains(&total), "{total}");
     drop_db(pool, name).await;
 }

@@ -51,6 +51,7 @@ async fn fixture() -> Fixture {
             cache_write_5m_bp: 12_500,
             cache_write_1h_bp: 20_000,
             cache_read_bp: 1_000,
+            cache_storage_hour_bp: 10_000,
         },
         "test",
         true,

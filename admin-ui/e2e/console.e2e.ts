@@ -531,11 +531,13 @@ describe("the admin console", () => {
     await p.getByRole("button", { name: "Record the correction" }).click();
     await p.getByText("in the past: tick the correction box").waitFor();
     await p.getByLabel("In force from (UTC)").fill("2030-01-01T00:00");
+    await p.getByLabel("Cache object held, per hour (× input)").fill("0.5");
     await p.getByRole("button", { name: "Add price" }).click();
     await p.getByText(/^Price of sim-llama-8b from .* recorded\.$/).waitFor();
     const scheduled = p.locator('tr[data-state="scheduled"]', { hasText: "sim-llama-8b" });
     await scheduled.waitFor();
     expect(await scheduled.textContent()).toContain("0.250 USD");
+    expect(await scheduled.textContent()).toContain("0.50×");
     // A version scheduled by mistake is retired before it takes effect.
     await p.getByLabel("Model", { exact: true }).fill("sim-llama-8b");
     await p.getByLabel("In force from (UTC)").fill("2031-01-01T00:00");

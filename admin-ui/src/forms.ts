@@ -230,6 +230,7 @@ export interface NewPrice {
   cache_write_5m_bp: number;
   cache_write_1h_bp: number;
   cache_read_bp: number;
+  cache_storage_hour_bp: number;
   backdate: boolean;
 }
 
@@ -254,7 +255,7 @@ export function multiplierToBp(text: string): number | string {
 /** The price form (text inputs) → a version to add, or the errors by field. `now` decides
  * whether the date is in the past, which is a correction the user must confirm. */
 export function parsePrice(
-  f: { model: string; from: string; currency: string; input: string; output: string; w5: string; w1: string; read: string; backdate: boolean },
+  f: { model: string; from: string; currency: string; input: string; output: string; w5: string; w1: string; read: string; storage: string; backdate: boolean },
   now: Date,
 ): { value?: NewPrice; errors: Errors } {
   const errors: Errors = {};
@@ -278,6 +279,7 @@ export function parsePrice(
     cache_write_5m_bp: num("w5", multiplierToBp(f.w5)),
     cache_write_1h_bp: num("w1", multiplierToBp(f.w1)),
     cache_read_bp: num("read", multiplierToBp(f.read)),
+    cache_storage_hour_bp: num("storage", multiplierToBp(f.storage)),
     backdate: f.backdate && from < now,
   };
   return Object.keys(errors).length ? { errors } : { value, errors };

@@ -10,6 +10,8 @@ export interface PriceVersion {
   cache_write_5m_bp: number;
   cache_write_1h_bp: number;
   cache_read_bp: number;
+  /** Holding a cache object, per token and hour, × the input price (basis points). */
+  cache_storage_hour_bp: number;
   /** Withdrawn before it took effect: it never priced anything. */
   retired_at?: string | null;
   created_by?: string;

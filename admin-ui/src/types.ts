@@ -47,6 +47,8 @@ export interface UsagePoint {
   cache_write_1h_tokens: number;
   cache_read_tokens: number;
   output_tokens: number;
+  /** Cache objects held: tokens × seconds (their cost is in `cost_minor`). */
+  cache_storage_token_seconds: number;
   hit_ratio: number;
   cost_minor: number;
   cost_without_cache_minor: number;

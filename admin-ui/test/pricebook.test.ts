@@ -11,6 +11,7 @@ const v = (model: string, from: string): PriceVersion => ({
   cache_write_5m_bp: 12500,
   cache_write_1h_bp: 20000,
   cache_read_bp: 1000,
+  cache_storage_hour_bp: 10000,
 });
 
 describe("the price book", () => {
@@ -30,7 +31,7 @@ describe("the price book", () => {
   });
   it("asks before a date in the past, and sends exact integers", () => {
     const now = new Date("2026-11-26T00:00:00Z");
-    const form = { model: "sim-llama-8b", from: "2026-12-01T00:00", currency: "usd", input: "0.3", output: "0.6", w5: "1.25", w1: "2", read: "0.1", backdate: false };
+    const form = { model: "sim-llama-8b", from: "2026-12-01T00:00", currency: "usd", input: "0.3", output: "0.6", w5: "1.25", w1: "2", read: "0.1", storage: "0.5", backdate: false };
     expect(parsePrice(form, now)).toEqual({
       value: {
         model: "sim-llama-8b",
@@ -41,6 +42,7 @@ describe("the price book", () => {
         cache_write_5m_bp: 12500,
         cache_write_1h_bp: 20000,
         cache_read_bp: 1000,
+        cache_storage_hour_bp: 5000,
         backdate: false,
       },
       errors: {},
@@ -49,6 +51,7 @@ describe("the price book", () => {
     expect(parsePrice(past, now).errors.from).toMatch(/past/);
     expect(parsePrice({ ...past, backdate: true }, now).value?.backdate).toBe(true);
     expect(Object.keys(parsePrice({ ...form, model: "", input: "x" }, now).errors).sort()).toEqual(["input", "model"]);
+    expect(parsePrice({ ...form, storage: "-1" }, now).errors.storage).toMatch(/multiple/);
   });
   it("marks the version in force, the scheduled ones and the superseded ones per model", () => {
     const old = v("m", "1970-01-01T00:00:00Z");

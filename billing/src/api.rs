@@ -9,7 +9,8 @@
 //! | `tenant_admin` | its own tenant's usage and invoices (claim `tenant`); nothing else |
 //!
 //! Another tenant's invoice answers 404 to a tenant admin (its existence is not disclosed).
-//! Exports stream ledger rows as they are read (CSV per RFC 4180, JSON Lines, or CloudEvents
+//! Exports stream ledger rows (requests, or the storage ledger's hours of cache objects held)
+//! as they are read (CSV per RFC 4180, JSON Lines, or CloudEvents
 //! in JSON Lines), through a bounded channel: a month of millions of rows costs constant
 //! memory. Errors have the gateway's shape: `{"type":"error","error":{"type","message"}}`.
 
@@ -403,6 +404,10 @@ pub struct NewPrice {
     pub cache_write_1h_bp: i32,
     #[serde(default = "rd")]
     pub cache_read_bp: i32,
+    /// Holding a cache object, per token and hour, as a multiplier of the input price (basis
+    /// points; default 10000).
+    #[serde(default = "storage_hour")]
+    pub cache_storage_hour_bp: i32,
     /// A version dated in the past corrects prices in force (audited).
     #[serde(default)]
     pub backdate: bool,
@@ -419,6 +424,9 @@ fn w1() -> i32 {
 }
 fn rd() -> i32 {
     1_000
+}
+fn storage_hour() -> i32 {
+    prices::DEFAULT_STORAGE_HOUR_BP
 }
 
 /// Add a list-price version (platform admins only).
@@ -442,6 +450,7 @@ pub async fn add_price(
         cache_write_5m_bp: p.cache_write_5m_bp,
         cache_write_1h_bp: p.cache_write_1h_bp,
         cache_read_bp: p.cache_read_bp,
+        cache_storage_hour_bp: p.cache_storage_hour_bp,
     };
     prices::set_price(
         &s.pool,
@@ -562,6 +571,7 @@ impl LedgerRow {
             cache_write_1h_tokens: self.cache_write_1h_tokens,
             cache_read_tokens: self.cache_read_tokens,
             output_tokens: self.output_tokens,
+            cache_storage_token_seconds: 0,
         }
     }
 
@@ -629,47 +639,54 @@ pub fn encode_row(format: Format, r: &LedgerRow, out: &mut Vec<u8>) {
     }
 }
 
-/// Stream the ledger rows `filter` picks in `format`, in chunks of about 64 KiB through a
-/// bounded channel.
-pub fn export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body {
+/// A row an export streams: how it is encoded and rated.
+trait ExportRow: Send + Unpin + 'static + for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> {
+    /// The CSV header line (with its CRLF).
+    const CSV_HEADER: &'static str;
+    fn tenant(&self) -> Uuid;
+    /// Fill in the row's cost from its tenant's prices.
+    fn rate(&mut self, rater: &crate::dashboard::Rater);
+    fn encode(&self, format: Format, out: &mut Vec<u8>);
+}
+
+impl ExportRow for LedgerRow {
+    const CSV_HEADER: &'static str = CSV_HEADER;
+    fn tenant(&self) -> Uuid {
+        self.tenant_id
+    }
+    fn rate(&mut self, rater: &crate::dashboard::Rater) {
+        LedgerRow::rate(self, rater)
+    }
+    fn encode(&self, format: Format, out: &mut Vec<u8>) {
+        encode_row(format, self, out)
+    }
+}
+
+/// Stream the rows `query` yields in `format`, rated with each tenant's prices, in chunks of
+/// about 64 KiB through a bounded channel.
+fn stream_rows<R: ExportRow>(
+    pool: PgPool,
+    format: Format,
+    query: impl FnOnce(&PgPool) -> futures::stream::BoxStream<'_, Result<R, sqlx::Error>>
+    + Send
+    + 'static,
+) -> Body {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(4);
     tokio::spawn(async move {
         let mut buf: Vec<u8> = Vec::with_capacity(80 * 1024);
         if format == Format::Csv {
-            buf.extend_from_slice(CSV_HEADER.as_bytes());
+            buf.extend_from_slice(R::CSV_HEADER.as_bytes());
         }
         // Each tenant's prices, loaded once (an export spans few tenants next to its rows).
         let mut raters: HashMap<Uuid, crate::dashboard::Rater> = HashMap::new();
-        let mut rows = sqlx::query_as::<_, LedgerRow>(
-            r#"SELECT e.request_id, e.tenant_id, e.workspace_id, e.api_key_id, e.model,
-                      e.input_tokens, e.cache_write_5m_tokens, e.cache_write_1h_tokens,
-                      e.cache_read_tokens, e.output_tokens, e.status, e.started_at, e.finished_at,
-                      t.name AS tenant_name, w.name AS workspace_name, k.name AS api_key_name
-               FROM usage_events e
-               LEFT JOIN tenants t ON t.id = e.tenant_id
-               LEFT JOIN workspaces w ON w.id = e.workspace_id
-               LEFT JOIN api_keys k ON k.id = e.api_key_id
-               WHERE e.started_at >= $1 AND e.started_at < $2
-                 AND ($3::UUID IS NULL OR e.tenant_id = $3)
-                 AND ($4::UUID IS NULL OR e.workspace_id = $4)
-                 AND ($5::UUID IS NULL OR e.api_key_id = $5)
-                 AND ($6::TEXT IS NULL OR e.model = $6)
-               ORDER BY e.started_at, e.request_id"#,
-        )
-        .bind(filter.from)
-        .bind(filter.to)
-        .bind(filter.tenant)
-        .bind(filter.workspace)
-        .bind(filter.api_key)
-        .bind(filter.model.as_deref())
-        .fetch(&pool);
+        let mut rows = query(&pool);
         loop {
             match rows.try_next().await {
                 Ok(Some(mut r)) => {
                     if let std::collections::hash_map::Entry::Vacant(slot) =
-                        raters.entry(r.tenant_id)
+                        raters.entry(r.tenant())
                     {
-                        match crate::dashboard::Rater::load(&pool, r.tenant_id).await {
+                        match crate::dashboard::Rater::load(&pool, r.tenant()).await {
                             Ok(rater) => {
                                 slot.insert(rater);
                             }
@@ -682,10 +699,10 @@ pub fn export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body
                             }
                         }
                     }
-                    if let Some(rater) = raters.get(&r.tenant_id) {
+                    if let Some(rater) = raters.get(&r.tenant()) {
                         r.rate(rater);
                     }
-                    encode_row(format, &r, &mut buf);
+                    r.encode(format, &mut buf);
                     if buf.len() >= 64 * 1024 {
                         let chunk = bytes::Bytes::from(std::mem::replace(
                             &mut buf,
@@ -713,6 +730,154 @@ pub fn export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body
     Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
+/// Stream the ledger rows `filter` picks in `format`.
+pub fn export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body {
+    stream_rows::<LedgerRow>(pool, format, move |pool| {
+        sqlx::query_as::<_, LedgerRow>(
+            r#"SELECT e.request_id, e.tenant_id, e.workspace_id, e.api_key_id, e.model,
+                      e.input_tokens, e.cache_write_5m_tokens, e.cache_write_1h_tokens,
+                      e.cache_read_tokens, e.output_tokens, e.status, e.started_at, e.finished_at,
+                      t.name AS tenant_name, w.name AS workspace_name, k.name AS api_key_name
+               FROM usage_events e
+               LEFT JOIN tenants t ON t.id = e.tenant_id
+               LEFT JOIN workspaces w ON w.id = e.workspace_id
+               LEFT JOIN api_keys k ON k.id = e.api_key_id
+               WHERE e.started_at >= $1 AND e.started_at < $2
+                 AND ($3::UUID IS NULL OR e.tenant_id = $3)
+                 AND ($4::UUID IS NULL OR e.workspace_id = $4)
+                 AND ($5::UUID IS NULL OR e.api_key_id = $5)
+                 AND ($6::TEXT IS NULL OR e.model = $6)
+               ORDER BY e.started_at, e.request_id"#,
+        )
+        .bind(filter.from)
+        .bind(filter.to)
+        .bind(filter.tenant)
+        .bind(filter.workspace)
+        .bind(filter.api_key)
+        .bind(filter.model)
+        .fetch(pool)
+    })
+}
+
+const STORAGE_CSV_HEADER: &str = "object_id,hour_start,tenant_id,workspace_id,api_key_id,model,tokens,seconds,token_seconds,tenant_name,workspace_name,api_key_name,currency,cost_exact_nanos\r\n";
+
+/// An hour of a cache object held (the storage ledger, `cache_storage_events`), for exports:
+/// with the names of its tenant, workspace and key, and its cost at the prices in force at the
+/// hour's start (exact, in nano-units; `null` where no price covered the model).
+#[derive(Debug, Serialize, sqlx::FromRow)]
+pub struct StorageRow {
+    pub object_id: String,
+    pub hour_start: DateTime<Utc>,
+    pub tenant_id: Uuid,
+    pub workspace_id: Uuid,
+    pub api_key_id: Uuid,
+    pub model: String,
+    pub tokens: i64,
+    pub seconds: i32,
+    pub token_seconds: i64,
+    pub tenant_name: Option<String>,
+    pub workspace_name: Option<String>,
+    pub api_key_name: Option<String>,
+    #[sqlx(skip)]
+    pub currency: Option<String>,
+    #[sqlx(skip)]
+    pub cost_exact_nanos: Option<String>,
+}
+
+impl ExportRow for StorageRow {
+    const CSV_HEADER: &'static str = STORAGE_CSV_HEADER;
+    fn tenant(&self) -> Uuid {
+        self.tenant_id
+    }
+    fn rate(&mut self, rater: &crate::dashboard::Rater) {
+        let held = crate::dashboard::Tokens {
+            cache_storage_token_seconds: self.token_seconds,
+            ..Default::default()
+        };
+        let cost = rater.rate(&self.model, self.hour_start, &held);
+        self.currency = rater
+            .currency(&self.model, self.hour_start)
+            .map(str::to_string);
+        self.cost_exact_nanos = (cost.unpriced_tokens == 0).then(|| cost.actual.nanos_decimal());
+    }
+    fn encode(&self, format: Format, out: &mut Vec<u8>) {
+        use std::io::Write;
+        let hour = self
+            .hour_start
+            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        match format {
+            Format::Csv => {
+                let opt = |v: &Option<String>| csv_field(v.as_deref().unwrap_or("")).into_owned();
+                let _ = write!(
+                    out,
+                    "{},{},{},{},{},{},{},{},{},{},{},{},{},{}\r\n",
+                    self.object_id,
+                    hour,
+                    self.tenant_id,
+                    self.workspace_id,
+                    self.api_key_id,
+                    csv_field(&self.model),
+                    self.tokens,
+                    self.seconds,
+                    self.token_seconds,
+                    opt(&self.tenant_name),
+                    opt(&self.workspace_name),
+                    opt(&self.api_key_name),
+                    opt(&self.currency),
+                    opt(&self.cost_exact_nanos),
+                );
+            }
+            Format::Jsonl => {
+                let _ = serde_json::to_writer(&mut *out, self);
+                out.push(b'\n');
+            }
+            Format::Cloudevents => {
+                let ev = serde_json::json!({
+                    "specversion": "1.0",
+                    "type": "dev.cachet.cache_storage.v1",
+                    "source": "cachet/billing",
+                    // The ledger's key: one event per object and hour.
+                    "id": format!("{}/{hour}", self.object_id),
+                    "subject": self.tenant_id,
+                    "time": hour,
+                    "datacontenttype": "application/json",
+                    "data": self,
+                });
+                let _ = serde_json::to_writer(&mut *out, &ev);
+                out.push(b'\n');
+            }
+        }
+    }
+}
+
+/// Stream the storage rows `filter` picks (by the hour they cover) in `format`.
+pub fn storage_export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body {
+    stream_rows::<StorageRow>(pool, format, move |pool| {
+        sqlx::query_as::<_, StorageRow>(
+            r#"SELECT e.object_id, e.hour_start, e.tenant_id, e.workspace_id, e.api_key_id,
+                      e.model, e.tokens, e.seconds, e.tokens * e.seconds AS token_seconds,
+                      t.name AS tenant_name, w.name AS workspace_name, k.name AS api_key_name
+               FROM cache_storage_events e
+               LEFT JOIN tenants t ON t.id = e.tenant_id
+               LEFT JOIN workspaces w ON w.id = e.workspace_id
+               LEFT JOIN api_keys k ON k.id = e.api_key_id
+               WHERE e.hour_start >= $1 AND e.hour_start < $2
+                 AND ($3::UUID IS NULL OR e.tenant_id = $3)
+                 AND ($4::UUID IS NULL OR e.workspace_id = $4)
+                 AND ($5::UUID IS NULL OR e.api_key_id = $5)
+                 AND ($6::TEXT IS NULL OR e.model = $6)
+               ORDER BY e.hour_start, e.object_id"#,
+        )
+        .bind(filter.from)
+        .bind(filter.to)
+        .bind(filter.tenant)
+        .bind(filter.workspace)
+        .bind(filter.api_key)
+        .bind(filter.model)
+        .fetch(pool)
+    })
+}
+
 /// Ledger rows, streamed (finance and platform admins: any tenant; a tenant admin: its own).
 #[utoipa::path(get, path = "/v1/billing/exports/usage", tag = "billing", params(ExportQuery),
     responses((status = 200, description = "Rows as CSV, JSON Lines or CloudEvents JSON Lines"),
@@ -722,6 +887,30 @@ pub async fn export_usage(
     State(s): State<FinanceState>,
     caller: Caller,
     q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    export(s, caller, q, export_stream)
+}
+
+/// Hours of cache objects held (the storage ledger), streamed: one row per object and hour,
+/// picked by the hour's start (finance and platform admins: any tenant; a tenant admin: its
+/// own).
+#[utoipa::path(get, path = "/v1/billing/exports/storage", tag = "billing", params(ExportQuery),
+    responses((status = 200, description = "Rows as CSV, JSON Lines or CloudEvents JSON Lines"),
+              (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
+    security(("admin_jwt" = [])))]
+pub async fn export_storage(
+    State(s): State<FinanceState>,
+    caller: Caller,
+    q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    export(s, caller, q, storage_export_stream)
+}
+
+fn export(
+    s: FinanceState,
+    caller: Caller,
+    q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
+    stream: fn(PgPool, ExportFilter, Format) -> Body,
 ) -> Result<Response, ApiError> {
     let Query(q) = q?;
     // A tenant admin exports its own tenant's rows only (asking for another is refused).
@@ -742,7 +931,7 @@ pub async fn export_usage(
         api_key: q.api_key,
         model: q.model,
     };
-    let body = export_stream(s.pool.clone(), filter, q.format);
+    let body = stream(s.pool.clone(), filter, q.format);
     Ok(([(header::CONTENT_TYPE, content_type)], body).into_response())
 }
 
@@ -761,6 +950,7 @@ pub fn router(state: FinanceState) -> axum::Router {
             axum::routing::post(retire_price),
         )
         .route("/v1/billing/exports/usage", get(export_usage))
+        .route("/v1/billing/exports/storage", get(export_storage))
         .with_state(state)
 }
 

@@ -11,6 +11,11 @@
 //! cache write and read billed as plain input) minus what they cost: the read discount less the
 //! write premium. It is negative when writes are never read back.
 //!
+//! **Cache objects held** (`cache_storage_events`, [`crate::storage`]) are read per hour beside
+//! the rollups and rated at the price in force at each hour's start: their token-seconds are
+//! in `cache_storage_token_seconds` and their cost in `cost_minor`. They have no cost without
+//! the cache, so they count against what caching saved.
+//!
 //! **Hit ratio** is the share of prompt tokens served from the cache:
 //! `cache_read / (input + cache_write_5m + cache_write_1h + cache_read)`.
 
@@ -53,6 +58,8 @@ pub struct Tokens {
     pub cache_write_1h_tokens: i64,
     pub cache_read_tokens: i64,
     pub output_tokens: i64,
+    /// Cache objects held: tokens × seconds (÷ 3600 for token-hours).
+    pub cache_storage_token_seconds: i64,
 }
 
 impl Tokens {
@@ -63,6 +70,7 @@ impl Tokens {
         self.cache_write_1h_tokens += o.cache_write_1h_tokens;
         self.cache_read_tokens += o.cache_read_tokens;
         self.output_tokens += o.output_tokens;
+        self.cache_storage_token_seconds += o.cache_storage_token_seconds;
     }
 
     fn of(&self, class: TokenClass) -> i64 {
@@ -99,7 +107,8 @@ impl Tokens {
 pub struct Cost {
     pub actual: Exact,
     pub without_cache: Exact,
-    /// Tokens no price covered (rated as zero; shown so a missing price is never silent).
+    /// Tokens no price covered (rated as zero; shown so a missing price is never silent);
+    /// cache objects held count their token-hours, rounded up.
     pub unpriced_tokens: i64,
 }
 
@@ -172,6 +181,7 @@ fn rates_of(r: &sqlx::postgres::PgRow) -> Rates {
         cache_write_5m_bp: r.get("cache_write_5m_bp"),
         cache_write_1h_bp: r.get("cache_write_1h_bp"),
         cache_read_bp: r.get("cache_read_bp"),
+        cache_storage_hour_bp: r.get("cache_storage_hour_bp"),
     }
 }
 
@@ -181,7 +191,8 @@ impl Rater {
         let mut list: HashMap<String, Vec<(DateTime<Utc>, String, Rates)>> = HashMap::new();
         for r in sqlx::query(
             "SELECT model, effective_from, currency, input_nanos, output_nanos, cache_write_5m_bp, \
-             cache_write_1h_bp, cache_read_bp FROM price_book ORDER BY model, effective_from",
+             cache_write_1h_bp, cache_read_bp, cache_storage_hour_bp FROM price_book \
+             ORDER BY model, effective_from",
         )
         .fetch_all(pool)
         .await?
@@ -195,7 +206,8 @@ impl Rater {
         let mut custom: HashMap<String, Vec<(DateTime<Utc>, Rates)>> = HashMap::new();
         for r in sqlx::query(
             "SELECT model, effective_from, input_nanos, output_nanos, cache_write_5m_bp, \
-             cache_write_1h_bp, cache_read_bp FROM tenant_prices WHERE tenant_id = $1 \
+             cache_write_1h_bp, cache_read_bp, cache_storage_hour_bp FROM tenant_prices \
+             WHERE tenant_id = $1 \
              ORDER BY model, effective_from",
         )
         .bind(tenant)
@@ -253,7 +265,9 @@ impl Rater {
     pub fn rate(&self, model: &str, at: DateTime<Utc>, tokens: &Tokens) -> Cost {
         let Some(rates) = self.rates(model, at) else {
             return Cost {
-                unpriced_tokens: tokens.prompt_tokens() + tokens.output_tokens,
+                unpriced_tokens: tokens.prompt_tokens()
+                    + tokens.output_tokens
+                    + (tokens.cache_storage_token_seconds + 3599) / 3600,
                 ..Cost::default()
             };
         };
@@ -261,7 +275,8 @@ impl Rater {
         let actual = TokenClass::ALL
             .into_iter()
             .map(|c| Exact::usage(tokens.of(c), &rates, c, discount))
-            .sum();
+            .sum::<Exact>()
+            + Exact::storage(tokens.cache_storage_token_seconds, &rates, discount);
         let without_cache =
             Exact::usage(tokens.prompt_tokens(), &rates, TokenClass::Input, discount)
                 + Exact::usage(tokens.output_tokens, &rates, TokenClass::Output, discount);
@@ -423,14 +438,32 @@ pub async fn usage(pool: &PgPool, q: &UsageQuery) -> Result<UsageReport, Billing
     .bind(workspace)
     .fetch_all(pool)
     .await?;
+    // Cache objects held, per hour (the storage ledger is hourly already).
+    let storage = sqlx::query(
+        r#"
+        SELECT hour_start AS bucket_start, model, CASE WHEN $4 THEN api_key_id END AS api_key,
+               CASE WHEN $5 THEN workspace_id END AS workspace,
+               sum(tokens * seconds)::BIGINT AS token_seconds
+        FROM cache_storage_events
+        WHERE tenant_id = $1 AND hour_start >= $2 AND hour_start < $3
+          AND ($6::UUID IS NULL OR workspace_id = $6)
+        GROUP BY 1, 2, 3, 4
+        "#,
+    )
+    .bind(tenant)
+    .bind(from)
+    .bind(to)
+    .bind(group_by == GroupBy::ApiKey)
+    .bind(group_by == GroupBy::Workspace)
+    .bind(workspace)
+    .fetch_all(pool)
+    .await?;
 
     type Key = (DateTime<Utc>, Group);
     let mut buckets: BTreeMap<Key, (Tokens, Cost)> = BTreeMap::new();
     let mut totals = (Tokens::default(), Cost::default());
     let mut currencies: Vec<String> = Vec::new();
-    for r in rows {
-        let hour: DateTime<Utc> = r.get("bucket_start");
-        let model: String = r.get("model");
+    let usage = rows.into_iter().map(|r| {
         let tokens = Tokens {
             requests: r.get("requests"),
             input_tokens: r.get("input_tokens"),
@@ -438,7 +471,20 @@ pub async fn usage(pool: &PgPool, q: &UsageQuery) -> Result<UsageReport, Billing
             cache_write_1h_tokens: r.get("w1"),
             cache_read_tokens: r.get("rd"),
             output_tokens: r.get("output_tokens"),
+            cache_storage_token_seconds: 0,
         };
+        (r, tokens)
+    });
+    let held = storage.into_iter().map(|r| {
+        let tokens = Tokens {
+            cache_storage_token_seconds: r.get("token_seconds"),
+            ..Tokens::default()
+        };
+        (r, tokens)
+    });
+    for (r, tokens) in usage.chain(held) {
+        let hour: DateTime<Utc> = r.get("bucket_start");
+        let model: String = r.get("model");
         let cost = rater.rate(&model, hour, &tokens);
         if let Some(c) = rater.currency(&model, hour)
             && !currencies.iter().any(|x| x == c)
@@ -530,6 +576,7 @@ mod tests {
             cache_write_5m_bp: 12_500,
             cache_write_1h_bp: 20_000,
             cache_read_bp: 1_000,
+            cache_storage_hour_bp: 10_000,
         };
         let mut list = HashMap::new();
         list.insert(
@@ -563,7 +610,26 @@ mod tests {
             cache_write_1h_tokens: 1_000_000,
             cache_read_tokens: 1_000_000,
             output_tokens: 1_000_000,
+            cache_storage_token_seconds: 0,
         }
+    }
+
+    #[test]
+    fn objects_held_cost_what_they_are_held_and_save_nothing() {
+        // 1M tokens held two hours at $3/MTok × 1.0 an hour: $6, all of it against savings.
+        let held = Tokens {
+            cache_storage_token_seconds: 1_000_000 * 7_200,
+            ..Tokens::default()
+        };
+        let c = rater().rate("m", t("2026-02-01T00:00:00Z"), &held);
+        assert_eq!(c.actual.to_minor("USD"), 600);
+        assert_eq!(c.without_cache, Exact::ZERO);
+        assert_eq!(held.hit_ratio(), 0.0);
+        let none = rater().rate("other", t("2026-02-01T00:00:00Z"), &held);
+        assert_eq!(
+            (none.actual, none.unpriced_tokens),
+            (Exact::ZERO, 2_000_000)
+        );
     }
 
     #[test]

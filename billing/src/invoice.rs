@@ -5,6 +5,9 @@
 //! and the tenant's plan discount in force then. Each of the row's five token classes is
 //! priced exactly once. Rows are grouped by (model, price version, discount), so a line's
 //! quantity is a sum of ledger tokens and its amount one exact product (see [`crate::money`]).
+//! Cache objects held are rated the same way from the storage ledger
+//! (`cache_storage_events`, [`crate::storage`]): each hour at the version in force at its
+//! start, one `storage` line per group, its quantity in token-seconds.
 //!
 //! **Invoices.** One per tenant and calendar month (UTC). While the month's invoice is a
 //! draft it is recomputed from the ledger on demand ([`refresh_draft`]); [`finalize`] fixes
@@ -64,6 +67,8 @@ impl cachet_common::error::ServiceError for BillingError {
 #[serde(rename_all = "snake_case")]
 pub enum LineKind {
     Usage,
+    /// Cache objects held (token-seconds at a price per token-hour).
+    Storage,
     Reserved,
     Adjustment,
 }
@@ -72,6 +77,7 @@ impl LineKind {
     pub fn as_str(self) -> &'static str {
         match self {
             LineKind::Usage => "usage",
+            LineKind::Storage => "storage",
             LineKind::Reserved => "reserved",
             LineKind::Adjustment => "adjustment",
         }
@@ -84,7 +90,8 @@ pub struct Line {
     pub model: Option<String>,
     pub token_class: Option<String>,
     pub price_from: Option<DateTime<Utc>>,
-    /// Tokens (usage), GB-hours × 10⁹ bytes (reserved: bytes × hours), 1 (adjustment).
+    /// Tokens (usage), token-seconds (storage), GB-hours × 10⁹ bytes (reserved: bytes ×
+    /// hours), 1 (adjustment).
     pub quantity: i64,
     /// Exact amount in nano-units, before the line's one rounding.
     pub exact_nanos: String,
@@ -137,7 +144,17 @@ pub async fn compute(
 ) -> Result<Invoice, BillingError> {
     let (from, to) = month_bounds(month)?;
     let mut conn = pool.acquire().await?;
-    let (currency, mut lines) = usage_lines(&mut conn, tenant, from, to).await?;
+    let (usage_currency, mut lines) = usage_lines(&mut conn, tenant, from, to).await?;
+    let (currency, storage) = storage_lines(
+        &mut conn,
+        tenant,
+        from,
+        to,
+        usage_currency,
+        !lines.is_empty(),
+    )
+    .await?;
+    lines.extend(storage);
     lines.extend(reserved_lines(&mut conn, tenant, from, to, &currency).await?);
     lines.extend(adjustment_lines(&mut conn, tenant, from, &currency).await?);
     let existing: Option<(Uuid, String)> = sqlx::query_as(
@@ -233,6 +250,8 @@ async fn usage_lines(
             cache_write_5m_bp: g.get("w5"),
             cache_write_1h_bp: g.get("w1"),
             cache_read_bp: g.get("rd"),
+            // Usage lines price no storage ([`storage_lines`] do).
+            cache_storage_hour_bp: 0,
         };
         let discount: i32 = g.get("discount_bp");
         let custom: bool = g.get("custom");
@@ -374,12 +393,147 @@ pub fn invoice_csv(inv: &Invoice) -> String {
 pub fn unpriced_models(lines: &[Line]) -> Vec<String> {
     let mut models: Vec<String> = lines
         .iter()
-        .filter(|l| l.kind == LineKind::Usage && l.price_from.is_none())
+        .filter(|l| matches!(l.kind, LineKind::Usage | LineKind::Storage) && l.price_from.is_none())
         .filter_map(|l| l.model.clone())
         .collect();
     models.sort();
     models.dedup();
     models
+}
+
+/// The token class of storage lines (and of the storage ledger in exports and reconciliation).
+pub const STORAGE_CLASS: &str = "cache_storage";
+
+/// Cache objects held: one line per model × price version × discount in force at each
+/// storage hour's start, its quantity in token-seconds. Returns the invoice's currency: the
+/// usage lines' (`currency`, when there are any: `priced`), else the storage prices'.
+async fn storage_lines(
+    conn: &mut sqlx::PgConnection,
+    tenant: Uuid,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+    currency: String,
+    priced: bool,
+) -> Result<(String, Vec<Line>), BillingError> {
+    let groups = sqlx::query(
+        r#"
+        SELECT e.model,
+               COALESCE(tp.effective_from, p.effective_from) AS price_from,
+               (tp.tenant_id IS NOT NULL) AS custom,
+               COALESCE(p.currency, 'USD') AS currency,
+               COALESCE(tp.input_nanos, p.input_nanos) AS input_nanos,
+               COALESCE(tp.cache_storage_hour_bp, p.cache_storage_hour_bp) AS storage_bp,
+               COALESCE(pl.discount_bp, 0) AS discount_bp,
+               min(e.hour_start) AS first_at,
+               sum(e.tokens * e.seconds)::BIGINT AS token_seconds
+        FROM cache_storage_events e
+        LEFT JOIN LATERAL (
+            SELECT * FROM tenant_prices t
+            WHERE t.tenant_id = e.tenant_id AND t.model = e.model AND t.effective_from <= e.hour_start
+            ORDER BY t.effective_from DESC LIMIT 1) tp ON true
+        LEFT JOIN LATERAL (
+            SELECT * FROM price_book q
+            WHERE q.model = e.model AND q.effective_from <= e.hour_start
+            ORDER BY q.effective_from DESC LIMIT 1) p ON true
+        LEFT JOIN LATERAL (
+            SELECT * FROM tenant_plans x
+            WHERE x.tenant_id = e.tenant_id AND x.effective_from <= e.hour_start
+            ORDER BY x.effective_from DESC LIMIT 1) pl ON true
+        WHERE e.tenant_id = $1 AND e.hour_start >= $2 AND e.hour_start < $3
+        GROUP BY 1, 2, 3, 4, 5, 6, 7
+        ORDER BY 1, 2, 7
+        "#,
+    )
+    .bind(tenant)
+    .bind(from)
+    .bind(to)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut currencies: Vec<String> = if priced {
+        vec![currency.clone()]
+    } else {
+        Vec::new()
+    };
+    let mut lines = Vec::new();
+    for g in &groups {
+        let model: String = g.get("model");
+        let token_seconds: i64 = g.get("token_seconds");
+        let hours = format_token_hours(token_seconds);
+        let Some(price_from) = g.get::<Option<DateTime<Utc>>, _>("price_from") else {
+            let first_at: DateTime<Utc> = g.get("first_at");
+            lines.push(Line {
+                kind: LineKind::Storage,
+                model: Some(model.clone()),
+                token_class: Some(STORAGE_CLASS.into()),
+                price_from: None,
+                quantity: token_seconds,
+                exact_nanos: Exact::ZERO.nanos_decimal(),
+                amount_minor: 0,
+                description: format!(
+                    "{model} cache storage: {hours} token-hours with no price in force (from {}): not billed; add a price for {model}",
+                    first_at.format("%Y-%m-%d %H:%M UTC")
+                ),
+            });
+            continue;
+        };
+        let line_currency: String = g.get("currency");
+        if !currencies.contains(&line_currency) {
+            currencies.push(line_currency.clone());
+        }
+        let rates = Rates {
+            input_nanos: g.get("input_nanos"),
+            cache_storage_hour_bp: g.get("storage_bp"),
+            // Storage reads only the input price and its storage multiplier.
+            output_nanos: 0,
+            cache_write_5m_bp: 0,
+            cache_write_1h_bp: 0,
+            cache_read_bp: 0,
+        };
+        let discount: i32 = g.get("discount_bp");
+        let exact = Exact::storage(token_seconds, &rates, discount);
+        let bp = rates.cache_storage_hour_bp;
+        let mut description = format!(
+            "{model} cache storage: {hours} token-hours at {} nano/token × {}.{:04} per hour{}",
+            rates.input_nanos,
+            bp / 10_000,
+            bp % 10_000,
+            if g.get::<bool, _>("custom") {
+                " (custom rate)"
+            } else {
+                ""
+            }
+        );
+        if discount > 0 {
+            description.push_str(&format!(", {}.{:02}% off", discount / 100, discount % 100));
+        }
+        lines.push(Line {
+            kind: LineKind::Storage,
+            model: Some(model),
+            token_class: Some(STORAGE_CLASS.into()),
+            price_from: Some(price_from),
+            quantity: token_seconds,
+            exact_nanos: exact.nanos_decimal(),
+            amount_minor: exact.to_minor(&line_currency),
+            description,
+        });
+    }
+    if currencies.len() > 1 {
+        return Err(BillingError::MixedCurrency { tenant, currencies });
+    }
+    Ok((currencies.pop().unwrap_or(currency), lines))
+}
+
+/// Token-seconds as token-hours, to three decimals at most (`7200` → `2`, `5400` → `1.5`).
+pub fn format_token_hours(token_seconds: i64) -> String {
+    let milli = (token_seconds as i128 * 1000 + 1800) / 3600;
+    let (whole, frac) = (milli / 1000, milli % 1000);
+    if frac == 0 {
+        whole.to_string()
+    } else {
+        format!("{whole}.{frac:03}")
+            .trim_end_matches('0')
+            .to_string()
+    }
 }
 
 /// Reserved cache capacity: every whole hour of the month under each plan version.
@@ -694,6 +848,7 @@ pub async fn load(pool: &PgPool, id: Uuid) -> Result<Option<Invoice>, BillingErr
     .map(|r| Line {
         kind: match r.get::<String, _>("kind").as_str() {
             "usage" => LineKind::Usage,
+            "storage" => LineKind::Storage,
             "reserved" => LineKind::Reserved,
             _ => LineKind::Adjustment,
         },

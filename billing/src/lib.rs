@@ -14,7 +14,8 @@
 //! - [`money`]: exact amounts and the one rounding rule; [`prices`]: the versioned price
 //!   book, tenant custom rates and plans; [`invoice`]: rating the ledger into monthly
 //!   invoices (draft, finalized, adjustments); [`rollup`]: hourly/daily rollups and the
-//!   reconciliation of ledger, rollups and invoices (decision 0010).
+//!   reconciliation of ledger, rollups and invoices (decision 0010); [`storage`]: the hourly
+//!   meter of cache objects held (`cache_storage_events`, billed per token-hour).
 //!
 //! - [`dashboard`]: usage, cost and savings by cache over time from the rollups, and a
 //!   tenant's spend this month (the admin console and budget checks).
@@ -39,6 +40,7 @@ pub mod money;
 pub mod pdf;
 pub mod prices;
 pub mod rollup;
+pub mod storage;
 
 pub use meter::{Meter, MeterConfig, MeterError, MeterHandle, UsageEvent, UsageStatus};
 

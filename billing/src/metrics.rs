@@ -98,3 +98,10 @@ pub static JOURNAL_UNCOMMITTED: LazyLock<IntGauge> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static STORAGE_ROWS: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new(
+        "cachet_billing_storage_rows_total",
+        "Hours of cache-object storage written to the storage ledger",
+    )
+    .expect("metric"))
+});

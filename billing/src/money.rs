@@ -7,6 +7,11 @@
 //! `bytes × hours × nanos_per_GB_hour` atto. Nothing is rounded until an amount becomes an
 //! invoice line: then it is rounded **once, half away from zero, to the currency's minor
 //! unit** ([`Exact::to_minor`]). Totals are sums of rounded lines.
+//!
+//! One amount is not a whole number of atto: storage of cache objects ([`Exact::storage`]) is
+//! priced per token-hour and metered in token-seconds, so its product is divided by 3600 and
+//! rounded to the atto (10⁻¹⁸, half away from zero) before anything else; what reaches an
+//! invoice is still rounded once to the minor unit.
 
 use std::fmt;
 
@@ -68,6 +73,8 @@ pub struct Rates {
     pub cache_write_5m_bp: i32,
     pub cache_write_1h_bp: i32,
     pub cache_read_bp: i32,
+    /// Holding a cache object: a multiplier of the input price per token and hour held.
+    pub cache_storage_hour_bp: i32,
 }
 
 impl Rates {
@@ -91,6 +98,23 @@ impl Exact {
         let (nanos, bp) = rates.of(class);
         // nanos × bp/10⁴ × (10⁴ − d)/10⁴ nano-units = … × 10⁻¹⁷ units = … × 10 atto.
         Exact(tokens as i128 * nanos as i128 * bp as i128 * (10_000 - discount_bp as i128) * 10)
+    }
+
+    /// Cache objects held: `token_seconds` (tokens × seconds held) at `rates`' storage price
+    /// (the input price × `cache_storage_hour_bp` per token-hour), less `discount_bp`; the one
+    /// amount rounded to the atto (see the module's doc).
+    pub fn storage(token_seconds: i64, rates: &Rates, discount_bp: i32) -> Exact {
+        let per_hour = token_seconds as i128
+            * rates.input_nanos as i128
+            * rates.cache_storage_hour_bp as i128
+            * (10_000 - discount_bp as i128)
+            * 10;
+        let (q, r) = (per_hour / 3600, per_hour % 3600);
+        Exact(if 2 * r.abs() >= 3600 {
+            q + per_hour.signum()
+        } else {
+            q
+        })
     }
 
     /// Reserved capacity: `bytes` committed for `hours` at `nanos_per_gb_hour` (GB = 10⁹ B).
@@ -211,6 +235,7 @@ mod tests {
         cache_write_5m_bp: 12_500,
         cache_write_1h_bp: 20_000,
         cache_read_bp: 1_000,
+        cache_storage_hour_bp: 10_000,
     };
 
     proptest! {
@@ -277,6 +302,28 @@ mod tests {
             Exact::usage(1_000_000, &cheap, TokenClass::CacheRead, 0),
             million
         );
+    }
+
+    #[test]
+    fn storage_is_priced_per_token_hour_and_metered_per_second() {
+        // 1M tokens held a whole hour at $3/MTok × 1.0 per hour: $3; half an hour: $1.50.
+        let m = 1_000_000;
+        assert_eq!(Exact::storage(m * 3600, &SONNET, 0).to_minor("USD"), 300);
+        assert_eq!(Exact::storage(m * 1800, &SONNET, 0).to_minor("USD"), 150);
+        // A day of a 100K-token object at 0.5× with 10% off: 2.4M token-hours × $1.5/MTok × 0.9.
+        let half = Rates {
+            cache_storage_hour_bp: 5_000,
+            ..SONNET
+        };
+        let day = Exact::storage(100_000 * 86_400, &half, 1_000);
+        assert_eq!(day.nanos_decimal(), "3240000000.000000000");
+        // One token-second at 1 nano: 10⁹ / 3600 atto, rounded to the atto (277,777.7… → 277,778).
+        let tiny = Rates {
+            input_nanos: 1,
+            ..SONNET
+        };
+        assert_eq!(Exact::storage(1, &tiny, 0), Exact(277_778));
+        assert_eq!(Exact::storage(0, &SONNET, 0), Exact::ZERO);
     }
 
     #[test]

@@ -25,6 +25,8 @@ pub struct PriceVersion {
     pub cache_write_5m_bp: i32,
     pub cache_write_1h_bp: i32,
     pub cache_read_bp: i32,
+    /// Holding a cache object, per token and hour: a multiplier of `input_nanos`.
+    pub cache_storage_hour_bp: i32,
 }
 
 impl PriceVersion {
@@ -35,6 +37,7 @@ impl PriceVersion {
             cache_write_5m_bp: self.cache_write_5m_bp,
             cache_write_1h_bp: self.cache_write_1h_bp,
             cache_read_bp: self.cache_read_bp,
+            cache_storage_hour_bp: self.cache_storage_hour_bp,
         }
     }
 }
@@ -43,7 +46,8 @@ impl PriceVersion {
 pub const DEFAULTS_ACTOR: &str = "cachet-defaults";
 
 /// The list price Cachet ships for a model it serves: (input, output) in nano-units of USD
-/// per token, with the standard multipliers (1.25× 5m write, 2× 1h write, 0.1× read).
+/// per token, with the standard multipliers (1.25× 5m write, 2× 1h write, 0.1× read, and
+/// holding a cache object 1× per token-hour: [`DEFAULT_STORAGE_HOUR_BP`]).
 /// Seeded by [`ensure_list_defaults`] where a model has no list price at all; an operator's
 /// own price is never replaced, and a changed default here never reaches an install that
 /// already has a price for the model.
@@ -64,8 +68,15 @@ pub fn list_default(model: &str) -> Option<Rates> {
         cache_write_5m_bp: 12_500,
         cache_write_1h_bp: 20_000,
         cache_read_bp: 1_000,
+        cache_storage_hour_bp: DEFAULT_STORAGE_HOUR_BP,
     })
 }
+
+/// The storage price of a cache object, per token-hour, as a multiplier of the input price:
+/// an hour held costs what the token cost as input (the migration's column default too, so
+/// every version in the book has it). A day-long object of a model at $3/MTok costs $72 per
+/// MTok held, against $6 to write it for an hour.
+pub const DEFAULT_STORAGE_HOUR_BP: i32 = 10_000;
 
 /// Give each of `models` that has no list-price version at all its shipped default
 /// ([`list_default`]), in force from the epoch so no usage of it is ever unpriced. Returns
@@ -81,8 +92,8 @@ pub async fn ensure_list_defaults(
         };
         let done = sqlx::query(
             "INSERT INTO prices (model, effective_from, currency, input_nanos, output_nanos, \
-             cache_write_5m_bp, cache_write_1h_bp, cache_read_bp, created_by) \
-             SELECT $1, 'epoch', 'USD', $2, $3, $4, $5, $6, $7 \
+             cache_write_5m_bp, cache_write_1h_bp, cache_read_bp, cache_storage_hour_bp, created_by) \
+             SELECT $1, 'epoch', 'USD', $2, $3, $4, $5, $6, $8, $7 \
              WHERE NOT EXISTS (SELECT 1 FROM prices WHERE model = $1) \
              ON CONFLICT DO NOTHING",
         )
@@ -93,6 +104,7 @@ pub async fn ensure_list_defaults(
         .bind(r.cache_write_1h_bp)
         .bind(r.cache_read_bp)
         .bind(DEFAULTS_ACTOR)
+        .bind(r.cache_storage_hour_bp)
         .execute(pool)
         .await?;
         if done.rows_affected() == 1 {
@@ -135,6 +147,7 @@ fn check_rates(r: &Rates) -> Result<(), BillingError> {
         || r.cache_write_5m_bp < 0
         || r.cache_write_1h_bp < 0
         || r.cache_read_bp < 0
+        || r.cache_storage_hour_bp < 0
     {
         return Err(BillingError::Invalid("prices cannot be negative".into()));
     }
@@ -199,8 +212,9 @@ pub async fn set_price(
     let corrects = check_backdate(p.effective_from, now, backdate)?;
     sqlx::query(
         r#"INSERT INTO prices (model, effective_from, currency, input_nanos, output_nanos,
-               cache_write_5m_bp, cache_write_1h_bp, cache_read_bp, created_by)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"#,
+               cache_write_5m_bp, cache_write_1h_bp, cache_read_bp, cache_storage_hour_bp,
+               created_by)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10, $9)"#,
     )
     .bind(&p.model)
     .bind(p.effective_from)
@@ -211,6 +225,7 @@ pub async fn set_price(
     .bind(p.cache_write_1h_bp)
     .bind(p.cache_read_bp)
     .bind(actor)
+    .bind(p.cache_storage_hour_bp)
     .execute(pool)
     .await
     .map_err(|e| duplicate(e, &format!("model {}", p.model)))?;
@@ -255,8 +270,9 @@ pub async fn set_tenant_price(
     let corrects = check_backdate(effective_from, now, backdate)?;
     sqlx::query(
         r#"INSERT INTO tenant_prices (tenant_id, model, effective_from, input_nanos, output_nanos,
-               cache_write_5m_bp, cache_write_1h_bp, cache_read_bp, created_by)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"#,
+               cache_write_5m_bp, cache_write_1h_bp, cache_read_bp, cache_storage_hour_bp,
+               created_by)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10, $9)"#,
     )
     .bind(tenant)
     .bind(model)
@@ -267,6 +283,7 @@ pub async fn set_tenant_price(
     .bind(rates.cache_write_1h_bp)
     .bind(rates.cache_read_bp)
     .bind(actor)
+    .bind(rates.cache_storage_hour_bp)
     .execute(pool)
     .await
     .map_err(|e| duplicate(e, &format!("tenant {tenant} model {model}")))?;
@@ -281,7 +298,8 @@ pub async fn set_tenant_price(
         serde_json::json!({"tenant": tenant, "model": model, "effective_from": effective_from,
             "input_nanos": rates.input_nanos, "output_nanos": rates.output_nanos,
             "cache_write_5m_bp": rates.cache_write_5m_bp, "cache_write_1h_bp": rates.cache_write_1h_bp,
-            "cache_read_bp": rates.cache_read_bp}),
+            "cache_read_bp": rates.cache_read_bp,
+            "cache_storage_hour_bp": rates.cache_storage_hour_bp}),
     )
     .await
 }
@@ -354,7 +372,8 @@ pub struct ListedPrice {
 pub async fn list_prices(pool: &PgPool) -> Result<Vec<ListedPrice>, BillingError> {
     Ok(sqlx::query_as::<_, ListedPrice>(
         r#"SELECT p.model, p.effective_from, p.currency, p.input_nanos, p.output_nanos,
-                  p.cache_write_5m_bp, p.cache_write_1h_bp, p.cache_read_bp, p.created_by,
+                  p.cache_write_5m_bp, p.cache_write_1h_bp, p.cache_read_bp,
+                  p.cache_storage_hour_bp, p.created_by,
                   r.retired_at, r.retired_by
            FROM prices p LEFT JOIN price_retirements r
              ON r.model = p.model AND r.effective_from = p.effective_from

@@ -7,7 +7,8 @@
 //!
 //! [`reconcile`] proves, per tenant and token class, that the ledger, the hourly rollups,
 //! the daily rollups and the usage lines of stored invoices agree over a window of whole
-//! days; anything else is a [`Mismatch`].
+//! days, and that the storage ledger of cache objects (token-seconds, [`crate::storage`])
+//! agrees with the invoices' storage lines; anything else is a [`Mismatch`].
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -16,7 +17,7 @@ use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
-use crate::invoice::{BillingError, month_bounds};
+use crate::invoice::{BillingError, STORAGE_CLASS, month_bounds};
 use crate::money::TokenClass;
 
 /// A half-open interval of time.
@@ -103,11 +104,12 @@ pub async fn rollup(
 pub type Totals = BTreeMap<(Uuid, TokenClass), i64>;
 
 /// A disagreement found by [`reconcile`]: `source` (hourly rollups, daily rollups, or one
-/// month's invoice) says `found` tokens of a class where the ledger says `ledger`.
+/// month's invoice) says `found` tokens of a class (a [`TokenClass`], or
+/// [`STORAGE_CLASS`]'s token-seconds) where the ledger says `ledger`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mismatch {
     pub tenant: Uuid,
-    pub class: TokenClass,
+    pub class: &'static str,
     pub source: String,
     pub ledger: i64,
     pub found: i64,
@@ -119,7 +121,7 @@ impl fmt::Display for Mismatch {
             f,
             "tenant {} {:<15} {:<20} ledger {:>14}  found {:>14}  diff {:>+14}",
             self.tenant,
-            self.class.as_str(),
+            self.class,
             self.source,
             self.ledger,
             self.found,
@@ -191,7 +193,7 @@ fn compare(
             if l != o {
                 out.push(Mismatch {
                     tenant,
-                    class,
+                    class: class.as_str(),
                     source: source.to_string(),
                     ledger: l,
                     found: o,
@@ -274,13 +276,30 @@ pub async fn reconcile(
                 lines.insert((tenant, class), r.get("q"));
             }
         }
-        compare(
-            &mut mismatches,
-            &format!("invoice {}", month.format("%Y-%m")),
-            &month_ledger,
-            &lines,
-            &[tenant],
-        );
+        let source = format!("invoice {}", month.format("%Y-%m"));
+        compare(&mut mismatches, &source, &month_ledger, &lines, &[tenant]);
+        // Storage: the ledger's token-seconds of the month against the storage lines.
+        let (held, billed): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT coalesce(sum(tokens * seconds), 0)::BIGINT FROM cache_storage_events \
+                     WHERE tenant_id = $2 AND hour_start >= $3 AND hour_start < $4), \
+                    (SELECT coalesce(sum(quantity), 0)::BIGINT FROM invoice_lines \
+                     WHERE invoice_id = $1 AND kind = 'storage')",
+        )
+        .bind(id)
+        .bind(tenant)
+        .bind(m0)
+        .bind(m1)
+        .fetch_one(pool)
+        .await?;
+        if held != billed {
+            mismatches.push(Mismatch {
+                tenant,
+                class: STORAGE_CLASS,
+                source,
+                ledger: held,
+                found: billed,
+            });
+        }
     }
     Ok(Reconciliation {
         tenants: tenants.len(),

@@ -47,7 +47,7 @@ impl Modify for Security {
           billing::api::usage, billing::api::list_invoices, billing::api::get_invoice,
           billing::api::rate_invoice, billing::api::list_prices, billing::api::add_price,
           billing::api::retire_price,
-          billing::api::export_usage,
+          billing::api::export_usage, billing::api::export_storage,
           login::login, login::refresh, login::logout, login::me, login::list_users,
           login::create_user_handler, login::disable_user, login::unlock_user,
           passwords::change_own_password, passwords::reset_user_password,

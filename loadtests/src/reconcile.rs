@@ -36,6 +36,7 @@ impl Prices {
             cache_write_5m_bp: 12_500,
             cache_write_1h_bp: 20_000,
             cache_read_bp: 1_000,
+            cache_storage_hour_bp: billing::prices::DEFAULT_STORAGE_HOUR_BP,
         });
         Self {
             rates,
@@ -62,6 +63,7 @@ pub async fn price_book(
         cache_write_5m_bp: i32,
         cache_write_1h_bp: i32,
         cache_read_bp: i32,
+        cache_storage_hour_bp: i32,
     }
     let resp = client
         .get(format!("{}/v1/billing/prices", url.trim_end_matches('/')))
@@ -89,6 +91,7 @@ pub async fn price_book(
                 cache_write_5m_bp: p.cache_write_5m_bp,
                 cache_write_1h_bp: p.cache_write_1h_bp,
                 cache_read_bp: p.cache_read_bp,
+                cache_storage_hour_bp: p.cache_storage_hour_bp,
             },
             currency: p.currency,
             source: format!("price book, {model} from {}", p.effective_from.to_rfc3339()),

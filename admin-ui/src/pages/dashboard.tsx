@@ -173,6 +173,13 @@ function Usage({ view }: { view: UsageView }) {
         <Kpi label="Hit ratio" value={formatRatio(t.hit_ratio)} note="prompt tokens read from the cache" />
         <Kpi label="Cost" value={formatMoney(t.cost_minor, cur)} note={`${formatMoney(t.cost_without_cache_minor, cur)} without caching`} />
         <Kpi label="Saved by caching" value={formatMoney(t.saved_minor, cur)} note="net of the cache-write premium" />
+        {t.cache_storage_token_seconds > 0 && (
+          <Kpi
+            label="Cache objects held"
+            value={`${formatTokens(Math.round(t.cache_storage_token_seconds / 36) / 100)} token-h`}
+            note="billed by the hour, in Cost"
+          />
+        )}
       </div>
       {t.unpriced_tokens > 0 && (
         <p role="note">

@@ -1,7 +1,7 @@
 import { useState } from "preact/hooks";
 import { api, download, qs, type Me } from "../api";
 import { Confirm, ErrorBanner, Loading, Notice, Table, message, useAsync } from "../components/ui";
-import { formatExact, formatMoney, formatTime } from "../format";
+import { formatExact, formatMoney, formatTime, formatTokens } from "../format";
 import { dateRange } from "../forms";
 import type { Invoice, InvoiceSummary, Tenant, Workspace } from "../types";
 
@@ -143,6 +143,7 @@ interface TenantMonth {
   cache_write_1h_tokens: number;
   cache_read_tokens: number;
   output_tokens: number;
+  cache_storage_token_seconds: number;
   hit_ratio: number;
   currency: string;
   cost_minor: number;
@@ -202,13 +203,14 @@ function MonthOverview() {
               <th scope="col">Output</th>
               <th scope="col">Cost</th>
               <th scope="col">Saved</th>
+              <th scope="col" title="cache objects held, in token-hours (their cost is in Cost)">Objects held</th>
               <th scope="col">Budget</th>
             </tr>
           </thead>
           <tbody>
             {o.data?.data.length === 0 && (
               <tr>
-                <td colSpan={9}>No usage this month.</td>
+                <td colSpan={10}>No usage this month.</td>
               </tr>
             )}
             {o.data?.data.map((r) => (
@@ -224,6 +226,7 @@ function MonthOverview() {
                 <td>{r.output_tokens.toLocaleString("en-US")}</td>
                 <td>{formatMoney(r.cost_minor, r.currency)}</td>
                 <td>{formatMoney(r.saved_minor, r.currency)}</td>
+                <td>{r.cache_storage_token_seconds > 0 ? `${formatTokens(Math.round(r.cache_storage_token_seconds / 36) / 100)} token-h` : "–"}</td>
                 <td class={`budget-${r.budget_state}`}>
                   {r.budget_minor === null ? "–" : `${formatMoney(r.budget_minor, r.currency)} · ${r.budget_state}`}
                 </td>
@@ -240,7 +243,7 @@ function MonthOverview() {
                 <td colSpan={4} />
                 <td data-total={t.currency}>{formatMoney(t.cost_minor, t.currency)}</td>
                 <td>{formatMoney(t.saved_minor, t.currency)}</td>
-                <td />
+                <td colSpan={2} />
               </tr>
             ))}
           </tfoot>
@@ -257,6 +260,7 @@ function Exports({ tenant }: { tenant: string }) {
   const [to, setTo] = useState(today);
   const [model, setModel] = useState("");
   const [workspace, setWorkspace] = useState("");
+  const [ledger, setLedger] = useState<"usage" | "storage">("usage");
   const workspaces = useAsync(
     () =>
       tenant
@@ -274,7 +278,10 @@ function Exports({ tenant }: { tenant: string }) {
     try {
       const ext = format === "csv" ? "csv" : "jsonl";
       const filter = { tenant, model: model.trim(), workspace: tenant ? workspace : "" };
-      await download(`/v1/billing/exports/usage${qs({ ...r, ...filter, format })}`, `cachet-usage-${from}-${to}-${format}.${ext}`);
+      await download(
+        `/v1/billing/exports/${ledger}${qs({ ...r, ...filter, format })}`,
+        `cachet-${ledger}-${from}-${to}-${format}.${ext}`,
+      );
       setError(null);
     } catch (e) {
       setError(message(e));
@@ -285,9 +292,16 @@ function Exports({ tenant }: { tenant: string }) {
       <h2 id="exports-title">Usage exports</h2>
       <p>
         Every ledger row in the range ({tenant ? "the chosen tenant" : "all tenants"}), streamed, with the names of its tenant,
-        workspace and key and its exact cost.
+        workspace and key and its exact cost: one row per request, or one per cache object and hour it was held.
       </p>
       <div class="row">
+        <label for="exp-ledger">
+          Ledger
+          <select id="exp-ledger" value={ledger} onChange={(e) => setLedger(e.currentTarget.value as "usage" | "storage")}>
+            <option value="usage">requests (usage)</option>
+            <option value="storage">cache objects held (storage)</option>
+          </select>
+        </label>
         <label for="exp-from">
           From
           <input id="exp-from" type="date" value={from} onChange={(e) => setFrom(e.currentTarget.value)} />

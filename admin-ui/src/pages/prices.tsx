@@ -6,7 +6,7 @@ import { parsePrice } from "../forms";
 import { type PriceVersion, perMillion, priceStates, times } from "../pricebook";
 
 function AddPrice(props: { onAdded: (v: PriceVersion) => void }) {
-  const blank = { model: "", from: "", currency: "USD", input: "", output: "", w5: "1.25", w1: "2", read: "0.1", backdate: false };
+  const blank = { model: "", from: "", currency: "USD", input: "", output: "", w5: "1.25", w1: "2", read: "0.1", storage: "1", backdate: false };
   const [f, setF] = useState(blank);
   const [errors, setErrors] = useState<Record<string, string>>({});
   const [error, setError] = useState<string | null>(null);
@@ -48,6 +48,13 @@ function AddPrice(props: { onAdded: (v: PriceVersion) => void }) {
         <Field id="price-w5" label="5-minute cache write (× input)" value={f.w5} error={errors.w5} onInput={set("w5")} />
         <Field id="price-w1" label="1-hour cache write (× input)" value={f.w1} error={errors.w1} onInput={set("w1")} />
         <Field id="price-read" label="Cache read (× input)" value={f.read} error={errors.read} onInput={set("read")} />
+        <Field
+          id="price-storage"
+          label="Cache object held, per hour (× input)"
+          value={f.storage}
+          error={errors.storage}
+          onInput={set("storage")}
+        />
       </div>
       {past && (
         <label for="price-backdate">
@@ -101,13 +108,14 @@ export function PricesPage({ me }: { me: Me }) {
               <th scope="col">5m write</th>
               <th scope="col">1h write</th>
               <th scope="col">Read</th>
+              <th scope="col">Object held / h</th>
               {me.role === "platform_admin" && <th scope="col">Actions</th>}
             </tr>
           </thead>
           <tbody>
             {rows.length === 0 && (
               <tr>
-                <td colSpan={9}>No price yet.</td>
+                <td colSpan={10}>No price yet.</td>
               </tr>
             )}
             {rows.map((p) => (
@@ -124,6 +132,7 @@ export function PricesPage({ me }: { me: Me }) {
                 <td>{times(p.cache_write_5m_bp)}</td>
                 <td>{times(p.cache_write_1h_bp)}</td>
                 <td>{times(p.cache_read_bp)}</td>
+                <td>{times(p.cache_storage_hour_bp)}</td>
                 {me.role === "platform_admin" && (
                   <td>
                     {states.get(p) === "scheduled" && (

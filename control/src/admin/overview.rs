@@ -1,6 +1,6 @@
 //! Finance's month across tenants: for each tenant with usage in the month (or a budget), its
 //! name, requests, tokens by class, cost, savings and budget state, from the rollups and the
-//! same rating as each tenant's dashboard, so the rows are the dashboards' totals and their
+//! same rating as each tenant's dashboard (cache objects held included), so the rows are the dashboards' totals and their
 //! sum is the sum of the dashboards (per currency). As JSON, or CSV to download.
 
 use axum::extract::State;
@@ -41,6 +41,9 @@ pub struct TenantMonth {
     pub cache_write_1h_tokens: i64,
     pub cache_read_tokens: i64,
     pub output_tokens: i64,
+    /// Cache objects held: tokens × seconds (÷ 3600 for token-hours); their cost is in
+    /// `cost_minor`.
+    pub cache_storage_token_seconds: i64,
     pub hit_ratio: f64,
     pub currency: String,
     pub cost_minor: i64,
@@ -83,6 +86,8 @@ pub async fn month_overview(pool: &sqlx::PgPool, month: &str) -> Result<MonthOve
          FROM tenants t LEFT JOIN tenant_quotas q ON q.tenant_id = t.id \
          WHERE EXISTS (SELECT 1 FROM usage_rollups r WHERE r.tenant_id = t.id \
                        AND r.granularity = 'hour' AND r.bucket_start >= $1 AND r.bucket_start < $2) \
+            OR EXISTS (SELECT 1 FROM cache_storage_events s WHERE s.tenant_id = t.id \
+                       AND s.hour_start >= $1 AND s.hour_start < $2) \
             OR (q.monthly_budget_minor IS NOT NULL AND t.deleted_at IS NULL) \
          ORDER BY t.name, t.id",
     )
@@ -106,6 +111,7 @@ pub async fn month_overview(pool: &sqlx::PgPool, month: &str) -> Result<MonthOve
             cache_write_1h_tokens: p.tokens.cache_write_1h_tokens,
             cache_read_tokens: p.tokens.cache_read_tokens,
             output_tokens: p.tokens.output_tokens,
+            cache_storage_token_seconds: p.tokens.cache_storage_token_seconds,
             hit_ratio: p.hit_ratio,
             currency: r.currency,
             cost_minor: p.cost_minor,
@@ -145,7 +151,7 @@ pub async fn month_overview(pool: &sqlx::PgPool, month: &str) -> Result<MonthOve
 /// The header of the overview's CSV.
 pub const OVERVIEW_CSV_HEADER: &str = "tenant_id,tenant,state,requests,input_tokens,\
 cache_write_5m_tokens,cache_write_1h_tokens,cache_read_tokens,output_tokens,hit_ratio,currency,\
-cost,saved,unpriced_tokens,budget,budget_state\r\n";
+cost,saved,unpriced_tokens,budget,budget_state,cache_storage_token_seconds\r\n";
 
 /// The overview as CSV (RFC 4180): a row per tenant, amounts in major units.
 pub fn overview_csv(o: &MonthOverview) -> String {
@@ -153,7 +159,7 @@ pub fn overview_csv(o: &MonthOverview) -> String {
     for r in &o.data {
         let money = |m: i64| billing::money::format_minor(m, &r.currency);
         out.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{},{:.4},{},{},{},{},{},{}\r\n",
+            "{},{},{},{},{},{},{},{},{},{:.4},{},{},{},{},{},{},{}\r\n",
             r.tenant,
             billing::api::csv_field(&r.name),
             r.state,
@@ -170,6 +176,7 @@ pub fn overview_csv(o: &MonthOverview) -> String {
             r.unpriced_tokens,
             r.budget_minor.map(money).unwrap_or_default(),
             r.budget_state.as_str(),
+            r.cache_storage_token_seconds,
         ));
     }
     out

@@ -309,9 +309,10 @@ pub async fn set_suspended(
     get_tenant(pool, tenant).await
 }
 
-/// Delete a tenant: its keys are revoked, its tenant admins disabled (and logged out), and
-/// every node purges its cache on seeing the change; its ledger rows, invoices and audit rows
-/// stay. Its name may be used again.
+/// Delete a tenant: its keys are revoked, its tenant admins disabled (and logged out), its
+/// cache objects deleted (their storage stops being billed), and every node purges its cache
+/// on seeing the change; its ledger rows, invoices and audit rows stay. Its name may be used
+/// again.
 pub async fn delete_tenant(
     pool: &PgPool,
     actor: &Actor,
@@ -327,6 +328,13 @@ pub async fn delete_tenant(
         .bind(id)
         .execute(&mut *tx)
         .await?;
+    sqlx::query(
+        "UPDATE cache_objects SET deleted_at = now() WHERE tenant_id = $1 \
+         AND deleted_at IS NULL AND expires_at > now()",
+    )
+    .bind(id)
+    .execute(&mut *tx)
+    .await?;
     let revoked = sqlx::query(
         "UPDATE api_keys SET revoked_at = now() WHERE tenant_id = $1 AND revoked_at IS NULL",
     )
