@@ -674,6 +674,18 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
             None,
             [200, 200, 403],
         ),
+        (
+            "GET",
+            format!("/v1/billing/exports/storage?{range}&format=csv"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/billing/exports/storage?{range}&format=jsonl&tenant={o}"),
+            None,
+            [200, 200, 403],
+        ),
     ];
     let forged = Jwt::new(&[9u8; 40])
         .unwrap()

@@ -294,3 +294,129 @@ async fn exports_stream_csv_jsonl_and_cloudevents() {
     }
     f.app.stop().await;
 }
+
+#[tokio::test]
+async fn the_storage_ledger_exports_in_the_three_formats_and_a_tenant_admin_gets_its_own() {
+    let f = fixture().await;
+    let pool = sqlx::PgPool::connect(&f.app.db_url).await.unwrap();
+    let now = chrono::Utc::now();
+    let hour = chrono::DurationRound::duration_trunc(now, chrono::TimeDelta::hours(1)).unwrap();
+    // One object per tenant, held from 10 minutes past the hour three hours ago.
+    let created = hour - chrono::TimeDelta::minutes(170);
+    let mut objects = Vec::new();
+    for (tenant, tokens) in [(f.tenant, 1_000_i64), (f.other, 250)] {
+        let (key, workspace): (Uuid, Uuid) = sqlx::query_as(
+            "SELECT id, workspace_id FROM api_keys WHERE tenant_id = $1 ORDER BY created_at LIMIT 1",
+        )
+        .bind(tenant)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        let id = control::caches::new_id().unwrap();
+        control::caches::insert(
+            &pool,
+            control::caches::NewObject {
+                id: &id,
+                scope: cachet_common::Scope {
+                    tenant: cachet_common::TenantId(tenant),
+                    workspace: cachet_common::WorkspaceId(workspace),
+                },
+                key: cachet_common::ApiKeyId(key),
+                model: "sim-tiny",
+                content: &json!({"messages": []}),
+                input_tokens: tokens,
+                display_name: None,
+                request_id: Uuid::now_v7(),
+                created_at: created,
+                expires_at: now + chrono::TimeDelta::hours(20),
+            },
+        )
+        .await
+        .unwrap();
+        objects.push(id);
+    }
+    billing::storage::meter(&pool, now).await.unwrap();
+    pool.close().await;
+    let from = (now - chrono::Duration::days(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let to = (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let finance = token(Role::Finance, None);
+    let get = |format: &str, who: &str, extra: &str| {
+        let path =
+            format!("/v1/billing/exports/storage?from={from}&to={to}&format={format}{extra}")
+                .replace('+', "%2B");
+        let who = who.to_string();
+        let f = &f;
+        async move { call(f, "GET", &path, Some(&who), None).await }
+    };
+    // Three hours each: 50 minutes, then two whole hours.
+    let (s, csv) = get("csv", &finance, "").await;
+    assert_eq!(s, 200, "{csv}");
+    let lines: Vec<&str> = csv.split("\r\n").filter(|l| !l.is_empty()).collect();
+    assert!(
+        lines[0].starts_with("object_id,hour_start,tenant_id,"),
+        "{csv}"
+    );
+    assert_eq!(lines.len(), 1 + 6, "{csv}");
+    let seconds: Vec<&str> = lines[1..]
+        .iter()
+        .map(|l| l.split(',').nth(7).unwrap())
+        .collect();
+    assert_eq!(
+        seconds,
+        ["3000", "3000", "3600", "3600", "3600", "3600"],
+        "{csv}"
+    );
+    assert!(
+        lines[1..].iter().all(|l| l.split(',').count() == 14),
+        "{csv}"
+    );
+    let (s, jsonl) = get("jsonl", &finance, "").await;
+    assert_eq!(s, 200);
+    let rows: Vec<Value> = jsonl
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 6);
+    for r in &rows {
+        let (t, s) = (
+            r["tokens"].as_i64().unwrap(),
+            r["seconds"].as_i64().unwrap(),
+        );
+        assert_eq!(r["token_seconds"].as_i64(), Some(t * s));
+        assert_eq!(r["currency"], "USD");
+        // $3/MTok × 1.0 per hour: a token-second costs 3000/3600 nano.
+        let cost: f64 = r["cost_exact_nanos"].as_str().unwrap().parse().unwrap();
+        assert!(
+            (cost - (t * s) as f64 * 3_000.0 / 3_600.0).abs() < 1e-3,
+            "{r}"
+        );
+    }
+    let (s, ce) = get("cloudevents", &finance, "").await;
+    assert_eq!(s, 200);
+    for (line, row) in ce.lines().zip(&rows) {
+        let ev: Value = serde_json::from_str(line).unwrap();
+        assert_eq!(ev["type"], "dev.cachet.cache_storage.v1");
+        assert_eq!(
+            ev["id"],
+            json!(format!(
+                "{}/{}",
+                row["object_id"].as_str().unwrap(),
+                ev["time"].as_str().unwrap()
+            ))
+        );
+        assert_eq!(ev["data"], *row);
+    }
+    // A tenant admin exports its own tenant's hours only.
+    let own = token(Role::TenantAdmin, Some(f.tenant));
+    let (s, jsonl) = get("jsonl", &own, "").await;
+    assert_eq!(s, 200);
+    let mine: Vec<Value> = jsonl
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(mine.len(), 3);
+    assert!(mine.iter().all(|r| r["object_id"] == json!(objects[0])));
+    let (s, _) = get("jsonl", &own, &format!("&tenant={}", f.other)).await;
+    assert_eq!(s, 403);
+    f.app.stop().await;
+}
