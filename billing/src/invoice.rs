@@ -179,6 +179,25 @@ pub async fn compute(
     })
 }
 
+/// The joins that find, for each ledger row `e` at its instant `e.<at>`, the tenant's custom
+/// rate (`tp`), the list price (`p`, from `price_book`) and the plan (`pl`) in force then.
+fn prices_in_force(at: &str) -> String {
+    format!(
+        "LEFT JOIN LATERAL (
+            SELECT * FROM tenant_prices t
+            WHERE t.tenant_id = e.tenant_id AND t.model = e.model AND t.effective_from <= e.{at}
+            ORDER BY t.effective_from DESC LIMIT 1) tp ON true
+        LEFT JOIN LATERAL (
+            SELECT * FROM price_book q
+            WHERE q.model = e.model AND q.effective_from <= e.{at}
+            ORDER BY q.effective_from DESC LIMIT 1) p ON true
+        LEFT JOIN LATERAL (
+            SELECT * FROM tenant_plans x
+            WHERE x.tenant_id = e.tenant_id AND x.effective_from <= e.{at}
+            ORDER BY x.effective_from DESC LIMIT 1) pl ON true"
+    )
+}
+
 /// One line per model × price version × discount × token class, rated at the version in
 /// force at each row's start; the invoice's currency (one per tenant).
 async fn usage_lines(
@@ -188,7 +207,7 @@ async fn usage_lines(
     to: DateTime<Utc>,
 ) -> Result<(String, Vec<Line>), BillingError> {
     // One group per model × price version × discount in force at each row's start.
-    let groups = sqlx::query(
+    let groups = sqlx::query(sqlx::AssertSqlSafe(format!(
         r#"
         SELECT e.model,
                COALESCE(tp.effective_from, p.effective_from) AS price_from,
@@ -207,23 +226,13 @@ async fn usage_lines(
                sum(e.cache_read_tokens)::BIGINT AS read_tokens,
                sum(e.output_tokens)::BIGINT AS output_tokens
         FROM usage_events e
-        LEFT JOIN LATERAL (
-            SELECT * FROM tenant_prices t
-            WHERE t.tenant_id = e.tenant_id AND t.model = e.model AND t.effective_from <= e.started_at
-            ORDER BY t.effective_from DESC LIMIT 1) tp ON true
-        LEFT JOIN LATERAL (
-            SELECT * FROM price_book q
-            WHERE q.model = e.model AND q.effective_from <= e.started_at
-            ORDER BY q.effective_from DESC LIMIT 1) p ON true
-        LEFT JOIN LATERAL (
-            SELECT * FROM tenant_plans x
-            WHERE x.tenant_id = e.tenant_id AND x.effective_from <= e.started_at
-            ORDER BY x.effective_from DESC LIMIT 1) pl ON true
+        {PRICES_IN_FORCE}
         WHERE e.tenant_id = $1 AND e.started_at >= $2 AND e.started_at < $3
         GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
         ORDER BY 1, 2, 10
         "#,
-    )
+        PRICES_IN_FORCE = prices_in_force("started_at"),
+    )))
     .bind(tenant)
     .bind(from)
     .bind(to)
@@ -415,7 +424,7 @@ async fn storage_lines(
     currency: String,
     priced: bool,
 ) -> Result<(String, Vec<Line>), BillingError> {
-    let groups = sqlx::query(
+    let groups = sqlx::query(sqlx::AssertSqlSafe(format!(
         r#"
         SELECT e.model,
                COALESCE(tp.effective_from, p.effective_from) AS price_from,
@@ -427,23 +436,13 @@ async fn storage_lines(
                min(e.hour_start) AS first_at,
                sum(e.tokens * e.seconds)::BIGINT AS token_seconds
         FROM cache_storage_events e
-        LEFT JOIN LATERAL (
-            SELECT * FROM tenant_prices t
-            WHERE t.tenant_id = e.tenant_id AND t.model = e.model AND t.effective_from <= e.hour_start
-            ORDER BY t.effective_from DESC LIMIT 1) tp ON true
-        LEFT JOIN LATERAL (
-            SELECT * FROM price_book q
-            WHERE q.model = e.model AND q.effective_from <= e.hour_start
-            ORDER BY q.effective_from DESC LIMIT 1) p ON true
-        LEFT JOIN LATERAL (
-            SELECT * FROM tenant_plans x
-            WHERE x.tenant_id = e.tenant_id AND x.effective_from <= e.hour_start
-            ORDER BY x.effective_from DESC LIMIT 1) pl ON true
+        {PRICES_IN_FORCE}
         WHERE e.tenant_id = $1 AND e.hour_start >= $2 AND e.hour_start < $3
         GROUP BY 1, 2, 3, 4, 5, 6, 7
         ORDER BY 1, 2, 7
         "#,
-    )
+        PRICES_IN_FORCE = prices_in_force("hour_start"),
+    )))
     .bind(tenant)
     .bind(from)
     .bind(to)

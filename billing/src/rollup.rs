@@ -318,13 +318,7 @@ pub async fn keep_current(
     lookback: TimeDelta,
     stop: tokio_util::sync::CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled() => return,
-        }
+    crate::each_tick(every, stop, || async {
         let now = Utc::now();
         let started = std::time::Instant::now();
         match rollup(&pool, now - lookback, now).await {
@@ -340,5 +334,6 @@ pub async fn keep_current(
                 tracing::warn!(error = %e, "refreshing the rollups failed; retrying at the next tick")
             }
         }
-    }
+    })
+    .await
 }

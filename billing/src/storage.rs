@@ -109,13 +109,7 @@ pub async fn keep_metered(
     every: std::time::Duration,
     stop: tokio_util::sync::CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled() => return,
-        }
+    crate::each_tick(every, stop, || async {
         match meter(&pool, Utc::now()).await {
             Ok(r) if r.rows > 0 => {
                 tracing::debug!(objects = r.objects, rows = r.rows, "cache storage metered")
@@ -125,5 +119,6 @@ pub async fn keep_metered(
                 tracing::warn!(error = %e, "metering cache storage failed; retrying at the next tick")
             }
         }
-    }
+    })
+    .await
 }
