@@ -1127,3 +1127,47 @@ async fn deleting_a_tenant_ends_its_objects_storage() {
     assert!((3 * 3_600 - 3..=3 * 3_600 + 1).contains(&total), "{total}");
     drop_db(pool, name).await;
 }
+
+#[tokio::test]
+async fn an_extended_object_is_billed_to_its_new_expiry() {
+    use billing::storage::meter;
+    let (pool, _, name) = db().await;
+    let (t, key) = objects_tenant(&pool).await;
+    // Created at 00:30 for two hours; at 01:10 (its first hour metered) extended to 04:45.
+    let id = object(
+        &pool,
+        &t,
+        key,
+        4_000,
+        "2026-10-07T00:30:00Z",
+        "2026-10-07T02:30:00Z",
+    )
+    .await;
+    assert_eq!(
+        meter(&pool, at("2026-10-07T01:10:00Z")).await.unwrap().rows,
+        1
+    );
+    sqlx::query("UPDATE cache_objects SET expires_at = $2 WHERE id = $1")
+        .bind(&id)
+        .bind(at("2026-10-07T04:45:00Z"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    // Past its old expiry the meter follows the new one.
+    assert_eq!(
+        meter(&pool, at("2026-10-07T03:00:00Z")).await.unwrap().rows,
+        2
+    );
+    meter(&pool, at("2026-10-08T00:00:00Z")).await.unwrap();
+    assert_eq!(
+        held(&pool, &id).await,
+        vec![
+            (at("2026-10-07T00:00:00Z"), 1_800),
+            (at("2026-10-07T01:00:00Z"), 3_600),
+            (at("2026-10-07T02:00:00Z"), 3_600),
+            (at("2026-10-07T03:00:00Z"), 3_600),
+            (at("2026-10-07T04:00:00Z"), 2_700),
+        ]
+    );
+    drop_db(pool, name).await;
+}
