@@ -217,7 +217,8 @@ pub async fn run(
                     ..Default::default()
                 },
                 &background,
-            );
+            )
+            .await;
             None
         }
     };

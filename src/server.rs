@@ -151,16 +151,28 @@ fn admin_console(
     ))
 }
 
-/// Follow the administrative change feed for `targets` until `shutdown`.
-pub fn follow_changes(
+/// Follow the administrative change feed for `targets` until `shutdown`. The feed's position
+/// is fixed before this returns (and so before the process serves): a key cached before it
+/// would miss a change committed in between until the key cache's TTL. With Postgres down
+/// (5 s at most) the loop takes it from there.
+pub async fn follow_changes(
     config: &Config,
     pool: PgPool,
     targets: gateway::sync::Targets,
     shutdown: &CancellationToken,
 ) {
+    let mut follower = gateway::sync::Follower::default();
+    match tokio::time::timeout(Duration::from_secs(5), follower.step(&pool, &targets)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "the change feed's start failed; retrying in the background")
+        }
+        Err(_) => tracing::warn!("the change feed's start timed out; retrying in the background"),
+    }
     crate::spawn_loop(
         "change_feed",
         gateway::sync::run(
+            follower,
             pool,
             targets,
             gateway::sync::SyncConfig {
@@ -317,7 +329,7 @@ pub async fn start_api(
         redis,
         admin,
     )?;
-    follow_changes(&config, pool.clone(), state.sync_targets(), &shutdown);
+    follow_changes(&config, pool.clone(), state.sync_targets(), &shutdown).await;
     let inflight = state.inflight.clone();
     let app = gateway::router(state);
     crate::spawn_loop(
@@ -383,7 +395,7 @@ pub async fn start_router(
             shutdown.clone(),
         ),
     );
-    follow_changes(&config, pool.clone(), state.sync_targets(), &shutdown);
+    follow_changes(&config, pool.clone(), state.sync_targets(), &shutdown).await;
     let nodes = state.clone();
     let admin = admin_console(
         &config,

@@ -142,8 +142,13 @@ async fn apply_missed_purges(pool: &PgPool, fabric: &FabricClient) -> Result<(),
 }
 
 /// Follow the change feed until `stop`.
-pub async fn run(pool: PgPool, targets: Targets, config: SyncConfig, stop: CancellationToken) {
-    let mut follower = Follower::default();
+pub async fn run(
+    mut follower: Follower,
+    pool: PgPool,
+    targets: Targets,
+    config: SyncConfig,
+    stop: CancellationToken,
+) {
     let mut last_spend: Option<Instant> = None;
     let mut last_flush = Instant::now();
     let mut last_seed_sweep: Option<Instant> = None;
