@@ -732,23 +732,43 @@ fn stream_rows<R: ExportRow>(
 
 /// Stream the ledger rows `filter` picks in `format`.
 pub fn export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body {
-    stream_rows::<LedgerRow>(pool, format, move |pool| {
-        sqlx::query_as::<_, LedgerRow>(
-            r#"SELECT e.request_id, e.tenant_id, e.workspace_id, e.api_key_id, e.model,
-                      e.input_tokens, e.cache_write_5m_tokens, e.cache_write_1h_tokens,
-                      e.cache_read_tokens, e.output_tokens, e.status, e.started_at, e.finished_at,
-                      t.name AS tenant_name, w.name AS workspace_name, k.name AS api_key_name
-               FROM usage_events e
-               LEFT JOIN tenants t ON t.id = e.tenant_id
-               LEFT JOIN workspaces w ON w.id = e.workspace_id
-               LEFT JOIN api_keys k ON k.id = e.api_key_id
-               WHERE e.started_at >= $1 AND e.started_at < $2
-                 AND ($3::UUID IS NULL OR e.tenant_id = $3)
-                 AND ($4::UUID IS NULL OR e.workspace_id = $4)
-                 AND ($5::UUID IS NULL OR e.api_key_id = $5)
-                 AND ($6::TEXT IS NULL OR e.model = $6)
-               ORDER BY e.started_at, e.request_id"#,
-        )
+    let sql = export_sql(
+        "e.request_id, e.tenant_id, e.workspace_id, e.api_key_id, e.model, e.input_tokens, \
+         e.cache_write_5m_tokens, e.cache_write_1h_tokens, e.cache_read_tokens, \
+         e.output_tokens, e.status, e.started_at, e.finished_at",
+        "usage_events",
+        "started_at",
+        "e.started_at, e.request_id",
+    );
+    stream_rows::<LedgerRow>(pool, format, move |pool| fetch_filtered(pool, sql, filter))
+}
+
+/// The rows of `table` (as `e`) an export picks: `columns`, with the names of their tenant,
+/// workspace and key, by `at` within the filter's window and its other filters (binds
+/// [`fetch_filtered`] makes), in `order`.
+fn export_sql(columns: &str, table: &str, at: &str, order: &str) -> sqlx::AssertSqlSafe<String> {
+    sqlx::AssertSqlSafe(format!(
+        "SELECT {columns}, t.name AS tenant_name, w.name AS workspace_name, k.name AS api_key_name
+         FROM {table} e
+         LEFT JOIN tenants t ON t.id = e.tenant_id
+         LEFT JOIN workspaces w ON w.id = e.workspace_id
+         LEFT JOIN api_keys k ON k.id = e.api_key_id
+         WHERE e.{at} >= $1 AND e.{at} < $2
+           AND ($3::UUID IS NULL OR e.tenant_id = $3)
+           AND ($4::UUID IS NULL OR e.workspace_id = $4)
+           AND ($5::UUID IS NULL OR e.api_key_id = $5)
+           AND ($6::TEXT IS NULL OR e.model = $6)
+         ORDER BY {order}"
+    ))
+}
+
+/// The rows of an [`export_sql`] query with `filter` bound.
+fn fetch_filtered<R: ExportRow>(
+    pool: &PgPool,
+    sql: sqlx::AssertSqlSafe<String>,
+    filter: ExportFilter,
+) -> futures::stream::BoxStream<'_, Result<R, sqlx::Error>> {
+    sqlx::query_as::<_, R>(sql)
         .bind(filter.from)
         .bind(filter.to)
         .bind(filter.tenant)
@@ -756,7 +776,6 @@ pub fn export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body
         .bind(filter.api_key)
         .bind(filter.model)
         .fetch(pool)
-    })
 }
 
 const STORAGE_CSV_HEADER: &str = "object_id,hour_start,tenant_id,workspace_id,api_key_id,model,tokens,seconds,token_seconds,tenant_name,workspace_name,api_key_name,currency,cost_exact_nanos\r\n";
@@ -852,30 +871,14 @@ impl ExportRow for StorageRow {
 
 /// Stream the storage rows `filter` picks (by the hour they cover) in `format`.
 pub fn storage_export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body {
-    stream_rows::<StorageRow>(pool, format, move |pool| {
-        sqlx::query_as::<_, StorageRow>(
-            r#"SELECT e.object_id, e.hour_start, e.tenant_id, e.workspace_id, e.api_key_id,
-                      e.model, e.tokens, e.seconds, e.tokens * e.seconds AS token_seconds,
-                      t.name AS tenant_name, w.name AS workspace_name, k.name AS api_key_name
-               FROM cache_storage_events e
-               LEFT JOIN tenants t ON t.id = e.tenant_id
-               LEFT JOIN workspaces w ON w.id = e.workspace_id
-               LEFT JOIN api_keys k ON k.id = e.api_key_id
-               WHERE e.hour_start >= $1 AND e.hour_start < $2
-                 AND ($3::UUID IS NULL OR e.tenant_id = $3)
-                 AND ($4::UUID IS NULL OR e.workspace_id = $4)
-                 AND ($5::UUID IS NULL OR e.api_key_id = $5)
-                 AND ($6::TEXT IS NULL OR e.model = $6)
-               ORDER BY e.hour_start, e.object_id"#,
-        )
-        .bind(filter.from)
-        .bind(filter.to)
-        .bind(filter.tenant)
-        .bind(filter.workspace)
-        .bind(filter.api_key)
-        .bind(filter.model)
-        .fetch(pool)
-    })
+    let sql = export_sql(
+        "e.object_id, e.hour_start, e.tenant_id, e.workspace_id, e.api_key_id, e.model, \
+         e.tokens, e.seconds, e.tokens * e.seconds AS token_seconds",
+        "cache_storage_events",
+        "hour_start",
+        "e.hour_start, e.object_id",
+    );
+    stream_rows::<StorageRow>(pool, format, move |pool| fetch_filtered(pool, sql, filter))
 }
 
 /// Ledger rows, streamed (finance and platform admins: any tenant; a tenant admin: its own).
