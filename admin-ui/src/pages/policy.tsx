@@ -16,7 +16,9 @@ export function PolicyTab({ me, tenant }: { me: Me; tenant: Tenant }) {
     },
     [tenant.id],
   );
-  const [form, setForm] = useState<PolicyForm>({});
+  // Null until filled from the loaded policy: the fields show only then, so nothing typed
+  // in the first moments is overwritten when the loaded values arrive.
+  const [form, setForm] = useState<PolicyForm | null>(null);
   const [errors, setErrors] = useState<Record<string, string>>({});
   const [error, setError] = useState<string | null>(null);
   const [notice, setNotice] = useState<string | null>(null);
@@ -25,7 +27,7 @@ export function PolicyTab({ me, tenant }: { me: Me; tenant: Tenant }) {
     if (policy.data) setForm(policyForm(policy.data.p, policy.data.currency));
   }, [policy.data]);
   if (policy.error) return <ErrorBanner error={policy.error} />;
-  if (!policy.data) return <Loading what="the policy" />;
+  if (!policy.data || !form) return <Loading what="the policy" />;
   const { p, currency } = policy.data;
   const platform = me.role === "platform_admin";
   const editable = me.role !== "finance" && tenant.state !== "deleted";
