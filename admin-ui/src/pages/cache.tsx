@@ -219,7 +219,8 @@ function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (noti
         onClose={() => setDeleting(null)}
         onConfirm={async () => {
           await api("DELETE", `/v1/admin/tenants/${tenant.id}/cache/objects/${deleting!.id}`);
-          list.reload();
+          // The notice comes with the list that no longer has it.
+          await list.reload();
           props.onChange(`Cache object ${deleting!.id} deleted.`);
         }}
       />
