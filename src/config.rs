@@ -312,7 +312,8 @@ pub struct AdminSection {
     pub access_token_ttl_secs: u64,
     /// Lifetime of a login (refreshing does not extend it).
     pub session_ttl_secs: u64,
-    /// How often the usage rollups (what dashboards and budgets read) are brought up to date.
+    /// How often the usage rollups (what dashboards and budgets read) are brought up to date,
+    /// and cache objects' storage metered.
     pub rollup_interval_secs: u64,
     /// How often a process looks for administrative changes to apply.
     pub change_poll_ms: u64,
