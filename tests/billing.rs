@@ -874,6 +874,7 @@ async fn object(
             request_id: Uuid::now_v7(),
             created_at: at(created),
             expires_at: at(expires),
+            blocks: &[],
         },
     )
     .await

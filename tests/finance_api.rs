@@ -329,6 +329,7 @@ async fn the_storage_ledger_exports_in_the_three_formats_and_a_tenant_admin_gets
                 request_id: Uuid::now_v7(),
                 created_at: created,
                 expires_at: now + chrono::TimeDelta::hours(20),
+                blocks: &[],
             },
         )
         .await

@@ -13,7 +13,10 @@ use tokio::time::Instant;
 use crate::cluster::Cluster;
 use crate::keys::PrefixKeys;
 use crate::node::{FabricNode, MissReason, PrefixRead};
-use crate::store::{EntryKind, Holding, PutBlock, WriteRefused};
+use crate::store::{EntryKind, Holding, PutBlock, Released, WriteRefused};
+
+/// The name a lone node (`cachet serve`) goes by where nodes are named.
+pub const LOCAL_NODE: &str = "local";
 
 /// How long blocks pulled for an engine's own connector stay on the pulling node.
 pub const STAGED_TTL: Duration = Duration::from_secs(300);
@@ -277,6 +280,44 @@ impl FabricClient {
     pub fn purge_tenant_written_before(&self, tenant: TenantId, before_unix_ms: u64) -> usize {
         self.node
             .purge_tenant_written_before(tenant, before_unix_ms)
+    }
+
+    /// Release a deleted cache object's hold on `blocks` in this node's tiers (each with
+    /// until when other live objects of the scope hold it, Unix ms): see
+    /// [`crate::store::Store::release`]. Every node releases its own (the change feed tells
+    /// each one).
+    pub fn release(&self, scope: Scope, blocks: &[(BlockHash, Option<u64>)]) -> Released {
+        self.node.store().release(&scope, blocks, Instant::now())
+    }
+
+    /// This node's name in the cluster (`local` for a lone node).
+    pub fn node_id(&self) -> String {
+        match &self.cluster {
+            Some(c) => c.id().to_string(),
+            None => LOCAL_NODE.to_string(),
+        }
+    }
+
+    /// The nodes this one knows to be live (itself included).
+    pub fn live_nodes(&self) -> Vec<String> {
+        match &self.cluster {
+            Some(c) => {
+                let mut ids: Vec<String> = c
+                    .view()
+                    .membership
+                    .members()
+                    .iter()
+                    .map(|m| m.id.clone())
+                    .collect();
+                let me = c.id().to_string();
+                if !ids.contains(&me) {
+                    ids.push(me);
+                }
+                ids.sort();
+                ids
+            }
+            None => vec![LOCAL_NODE.to_string()],
+        }
     }
 
     /// This node's share of a cluster-wide tenant budget (all of it when not clustered).

@@ -11,10 +11,13 @@
 //! Each record is a fixed header with its own crc32c, then the data:
 //!
 //! ```text
-//! magic "CKV1" | header_crc:u32 | hash:32 | tenant:16 | workspace:16 | has_parent:u8
-//! | parent:32 | n_tokens:u32 | ttl_ms:u64 | expires_unix_ms:u64 | paid:u8 | data_crc:u32
-//! | len:u64 | data
+//! magic "CKV2" | header_crc:u32 | hash:32 | tenant:16 | workspace:16 | has_parent:u8
+//! | parent:32 | n_tokens:u32 | ttl_ms:u64 | expires_unix_ms:u64 | paid:u8
+//! | shared_ttl_ms:u64 | shared_until_unix_ms:u64 | data_crc:u32 | len:u64 | data
 //! ```
+//!
+//! (`shared_*`: the holds other than cache objects', what deleting an object brings the
+//! block back to.) Segments of the earlier format (`CKV1`, without them) are dropped at open.
 //!
 //! On open, every segment is scanned and the index rebuilt: a record whose data fails its
 //! crc is skipped (its header vouches for its length), a torn record or a corrupt header ends
@@ -51,7 +54,26 @@ pub struct TierBlock {
     /// survives a restart).
     pub expires_unix_ms: u64,
     pub paid: bool,
+    /// The holds other than cache objects': their TTL class and until when (ms since the
+    /// epoch) they keep the block (see [`crate::EntryKind::Object`]); `expires_unix_ms` is
+    /// the later of this and the objects' holds.
+    pub shared_ttl: Duration,
+    pub shared_until_unix_ms: u64,
     pub data: Bytes,
+}
+
+impl TierBlock {
+    /// The kind of hold a copy of this block elsewhere gets (see the store's handoff).
+    pub fn kind(&self) -> crate::EntryKind {
+        use crate::EntryKind;
+        if !self.paid {
+            EntryKind::BestEffort
+        } else if self.expires_unix_ms > self.shared_until_unix_ms + 1000 {
+            EntryKind::Object
+        } else {
+            EntryKind::Paid
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -255,9 +277,12 @@ impl TierStore for DramTier {
 
 /// A segment record: the magic, the header's crc32c, the header (its last 8 bytes: the data
 /// length), then the data.
-pub const MAGIC: &[u8; 4] = b"CKV1";
+pub const MAGIC: &[u8; 4] = b"CKV2";
+/// The magic of the records of the format before the shared hold was recorded: such a
+/// segment is dropped whole at open (a cache's content, computed again when needed).
+const OLD_MAGIC: &[u8; 4] = b"CKV1";
 /// Header bytes after the magic and the header crc.
-pub const HEADER: usize = 32 + 16 + 16 + 1 + 32 + 4 + 8 + 8 + 1 + 4 + 8;
+pub const HEADER: usize = 32 + 16 + 16 + 1 + 32 + 4 + 8 + 8 + 1 + 8 + 8 + 4 + 8;
 /// The magic and the header crc.
 pub const PREFIX: usize = 4 + 4;
 
@@ -310,6 +335,8 @@ fn encode_header(b: &TierBlock, data_crc: u32) -> BytesMut {
     h.put_u64_le(b.ttl.as_millis() as u64);
     h.put_u64_le(b.expires_unix_ms);
     h.put_u8(b.paid as u8);
+    h.put_u64_le(b.shared_ttl.as_millis() as u64);
+    h.put_u64_le(b.shared_until_unix_ms);
     h.put_u32_le(data_crc);
     h.put_u64_le(b.data.len() as u64);
     h
@@ -324,6 +351,8 @@ fn decode_header(mut h: &[u8]) -> (TierBlock, u32, u64) {
     let ttl = Duration::from_millis(h.get_u64_le());
     let expires_unix_ms = h.get_u64_le();
     let paid = h.get_u8() == 1;
+    let shared_ttl = Duration::from_millis(h.get_u64_le());
+    let shared_until_unix_ms = h.get_u64_le();
     let crc = h.get_u32_le();
     let len = h.get_u64_le();
     (
@@ -335,6 +364,8 @@ fn decode_header(mut h: &[u8]) -> (TierBlock, u32, u64) {
             ttl,
             expires_unix_ms,
             paid,
+            shared_ttl,
+            shared_until_unix_ms,
             data: Bytes::new(),
         },
         crc,
@@ -444,6 +475,12 @@ impl DiskTier {
         let size = file.metadata()?.len();
         let mut bytes = Vec::with_capacity(size as usize);
         file.read_to_end(&mut bytes)?;
+        if bytes.starts_with(OLD_MAGIC) {
+            tracing::info!(segment = %path.display(), "a segment of the earlier record format is dropped");
+            drop(file);
+            std::fs::remove_file(&path)?;
+            return Ok(());
+        }
         let (records, valid) = scan_segment(&bytes);
         let mut live = 0u64;
         for ScannedRecord {

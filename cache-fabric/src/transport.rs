@@ -8,7 +8,8 @@
 //! request  = op:u8 body                     response = status:u8 body
 //! HELLO  1 = token_len:u16 token             ok
 //! GET    2 = scope:32 n:u32 hash:32 × n      count:u32, count × (hash:32 n_tokens:u32 crc:u32 len:u64 data)
-//! PUT    3 = scope:32 ttl_ms:u64 kind:u8     ok | refused(reason:u8)   (kind | 0x80: replica)
+//! PUT    3 = scope:32 ttl_ms:u64 kind:u8     ok | refused(reason:u8)   (kind: 0 paid, 1 best
+//!                                                effort, 2 a cache object's; | 0x80: replica)
 //!            n_existing:u32 hash:32 × n
 //!            n_new:u32 (hash:32 parent:33 n_tokens:u32 crc:u32 len:u64 data) × n
 //! STRIPE 4 = scope:32 hash:32 index:u32      found:u8, n_tokens:u32 crc:u32 total:u64
@@ -440,6 +441,7 @@ async fn read_put<R: AsyncRead + Unpin>(s: &mut R, len: usize) -> std::io::Resul
     let kind = match kind & !REPLICA {
         0 => EntryKind::Paid,
         1 => EntryKind::BestEffort,
+        2 => EntryKind::Object,
         _ => return Err(bad("PUT entry kind")),
     };
     let n = head.get_u32_le() as usize;
@@ -916,6 +918,7 @@ impl Transport for TcpTransport {
             match e.kind {
                 EntryKind::Paid => 0,
                 EntryKind::BestEffort => 1,
+                EntryKind::Object => 2,
             } | if e.replica { REPLICA } else { 0 },
         );
         req.put_u32_le(e.existing.len() as u32);

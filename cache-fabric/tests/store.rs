@@ -785,10 +785,10 @@ async fn a_block_corrupted_on_disk_is_never_promoted_and_a_restart_recovers_the_
         }
     }
     // The node is gone (DRAM lost); a's blocks are on disk, its tail block demoted first.
-    // Flip a byte of that first record's data (after the 8-byte prefix and 130-byte header).
+    // Flip a byte of that first record's data (after the 8-byte prefix and the header).
     let seg = dir.0.join("seg-00000000.cachet");
     let mut bytes = std::fs::read(&seg).unwrap();
-    bytes[138] ^= 1;
+    bytes[cache_fabric::tier::PREFIX + cache_fabric::tier::HEADER] ^= 1;
     std::fs::write(&seg, bytes).unwrap();
     let (c, node) = disk_node(2, &dir.0);
     let r = c.read_prefix(s, &a, 8, now).await;
@@ -814,7 +814,7 @@ async fn a_block_found_corrupt_on_disk_is_remembered_for_healing() {
     // a went to disk, its tail first: flip a byte of that first record's data.
     let seg = dir.0.join("seg-00000000.cachet");
     let mut bytes = std::fs::read(&seg).unwrap();
-    bytes[138] ^= 1;
+    bytes[cache_fabric::tier::PREFIX + cache_fabric::tier::HEADER] ^= 1;
     std::fs::write(&seg, bytes).unwrap();
     assert_eq!(c.read_prefix(s, &a, 8, now).await.tokens, 4);
     let damaged = node.with_store(|st| st.take_damaged());
@@ -1049,4 +1049,117 @@ async fn tenant_stats_and_purge_cover_every_tier_and_only_that_tenant() {
     assert!(sa.top_prefixes.is_empty());
     assert_eq!(c.read_prefix(a, &ka, 16, now).await.tokens, 0);
     node.with_store(|s| s.check_invariants());
+}
+
+const OBJECT: EntryKind = EntryKind::Object;
+
+fn chain(k: &PrefixKeys, offset: usize) -> Vec<cachet_common::BlockHash> {
+    k.chain_to(offset).unwrap().iter().map(|l| l.hash).collect()
+}
+
+fn unix_ms_in(d: Duration) -> u64 {
+    (std::time::SystemTime::now() + d)
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// A cache object's hold is kept apart from the entries' holds: reads never extend it, and
+/// releasing it (the object deleted) drops every block nothing else holds, while a block a
+/// request's breakpoint also wrote stays only as long as that entry needs, and one another
+/// object holds stays until that object's expiry. A second release changes nothing.
+#[tokio::test(start_paused = true)]
+async fn releasing_an_objects_hold_frees_what_nothing_else_holds() {
+    let (c, node) = client(1 << 20);
+    let s = scope();
+    let t = toks(80, 16);
+    let k = keys(s, &t, &[4, 8, 16]);
+    let now = Instant::now();
+    // The object: 16 tokens (4 blocks) held a day.
+    write_whole(&c, s, &k, 16, 86_400, now, OBJECT).await.unwrap();
+    // A request wrote the first 8 tokens at a 5-minute breakpoint.
+    write_whole(&c, s, &k, 8, 300, now, PAID).await.unwrap();
+    // Another object holds the first block for 2 hours.
+    write_whole(&c, s, &k, 4, 7_200, now, OBJECT).await.unwrap();
+    tokio::time::advance(Duration::from_secs(60)).await;
+    assert_eq!(c.read_prefix(s, &k, 16, Instant::now()).await.tokens, 16);
+
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    let hashes = chain(&k, 16);
+    let other_until = unix_ms_in(Duration::from_secs(7_200 - 60));
+    let held: Vec<_> = hashes
+        .iter()
+        .enumerate()
+        .map(|(i, h)| (*h, (i == 0).then_some(other_until)))
+        .collect();
+    let r = c.release(s, &held);
+    assert_eq!((r.blocks_freed, r.bytes_freed), (2, 2 * block), "{r:?}");
+    assert_eq!((r.blocks_held, r.bytes_held), (2, 2 * block), "{r:?}");
+    node.with_store(|st| st.check_invariants());
+    assert_eq!(c.read_prefix(s, &k, 16, Instant::now()).await.tokens, 8);
+    assert_eq!(
+        c.miss_reason(s, &k, 16, Instant::now()).await,
+        MissReason::Removed(RemovalReason::Purged)
+    );
+    let again = c.release(s, &held);
+    assert_eq!((again.blocks_freed, again.blocks_held), (0, 2), "{again:?}");
+
+    // The request's entry lapses after its 5 minutes (read at 1 min: refreshed to 6), not
+    // the day the deleted object asked for; the other object's block stays its 2 hours.
+    tokio::time::advance(Duration::from_secs(400)).await;
+    assert_eq!(c.read_prefix(s, &k, 16, Instant::now()).await.tokens, 4);
+    tokio::time::advance(Duration::from_secs(7_200)).await;
+    assert_eq!(c.read_prefix(s, &k, 16, Instant::now()).await.tokens, 0);
+    node.with_store(|st| {
+        assert!(st.is_empty());
+        st.check_invariants();
+    });
+}
+
+/// Reads of an object's prefix do not extend its hold: it ends at the object's expiry.
+#[tokio::test(start_paused = true)]
+async fn reads_never_extend_an_objects_hold() {
+    let (c, _node) = client(1 << 20);
+    let s = scope();
+    let k = keys(s, &toks(81, 8), &[8]);
+    write_whole(&c, s, &k, 8, 600, Instant::now(), OBJECT)
+        .await
+        .unwrap();
+    tokio::time::advance(Duration::from_secs(500)).await;
+    assert_eq!(c.read_prefix(s, &k, 8, Instant::now()).await.tokens, 8);
+    tokio::time::advance(Duration::from_secs(101)).await;
+    assert_eq!(c.read_prefix(s, &k, 8, Instant::now()).await.tokens, 0);
+}
+
+/// On the disk tier: a released object's blocks go from disk too; what holds them besides
+/// the object survives a restart with the blocks (the record keeps it), so a release applied
+/// again after the restart (removals on disk are not persisted) frees the same blocks and
+/// keeps the same ones.
+#[tokio::test]
+async fn a_release_reaches_the_disk_tier_and_is_applied_again_after_a_restart() {
+    let dir = TempDir::new();
+    let s = scope();
+    let now = Instant::now();
+    let k = keys(s, &toks(82, 16), &[8, 16]);
+    let hashes = chain(&k, 16);
+    let blocks: Vec<_> = hashes.iter().map(|h| (*h, None)).collect();
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    {
+        // DRAM of four blocks: the object's go to disk when another entry is written.
+        let (c, node) = disk_node(4, &dir.0);
+        write_whole(&c, s, &k, 16, 86_400, now, OBJECT).await.unwrap();
+        write_whole(&c, s, &k, 8, 3_600, now, PAID).await.unwrap();
+        let other = keys(s, &toks(83, 16), &[16]);
+        write_whole(&c, s, &other, 16, 300, now, PAID).await.unwrap();
+        node.with_store(|st| assert_eq!(st.lower_tier_usage(), Some((4, 4 * block))));
+        let r = c.release(s, &blocks);
+        assert_eq!((r.bytes_freed, r.bytes_held), (2 * block, 2 * block), "{r:?}");
+        node.with_store(|st| st.check_invariants());
+        assert_eq!(c.read_prefix(s, &k, 16, now).await.tokens, 8);
+    }
+    let (c, node) = disk_node(4, &dir.0);
+    let r = c.release(s, &blocks);
+    assert_eq!(r.bytes_held, 2 * block, "{r:?}");
+    node.with_store(|st| st.check_invariants());
+    assert_eq!(c.read_prefix(s, &k, 16, now).await.tokens, 8);
 }

@@ -23,6 +23,8 @@ fn block(i: u64, size: usize, scope: Scope) -> TierBlock {
         ttl: Duration::from_secs(if i.is_multiple_of(2) { 300 } else { 3600 }),
         expires_unix_ms: 1_900_000_000_000 + i,
         paid: i.is_multiple_of(3),
+        shared_ttl: Duration::from_secs(300),
+        shared_until_unix_ms: 1_900_000_000_000 - i,
         data: Bytes::from(
             (0..size)
                 .map(|j| (j as u64 * 31 + i) as u8)

@@ -7,7 +7,10 @@
 //! an object of another tenant or workspace is "not found", never "forbidden", so ids leak
 //! nothing. An object past its expiry, or deleted, is not found either.
 
-use cachet_common::{ApiKeyId, Scope, TenantId, WorkspaceId};
+use std::collections::HashMap;
+
+use cache_fabric::Released;
+use cachet_common::{ApiKeyId, BlockHash, Scope, TenantId, WorkspaceId};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -130,14 +133,27 @@ pub struct NewObject<'a> {
     pub request_id: uuid::Uuid,
     pub created_at: DateTime<Utc>,
     pub expires_at: DateTime<Utc>,
+    /// The hashes of its prefix's blocks, in chain order (the tail of a partial last block
+    /// included): what a deletion releases on every node.
+    pub blocks: &'a [BlockHash],
+}
+
+fn hashes_to_bytes(blocks: &[BlockHash]) -> Option<Vec<u8>> {
+    (!blocks.is_empty()).then(|| blocks.iter().flat_map(|h| h.0).collect())
+}
+
+fn hashes_from_bytes(b: &[u8]) -> Vec<BlockHash> {
+    b.chunks_exact(32)
+        .map(|c| BlockHash(c.try_into().expect("32-byte chunks")))
+        .collect()
 }
 
 /// Store a new object.
 pub async fn insert(pool: &PgPool, o: NewObject<'_>) -> Result<CacheObject, AdminError> {
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO cache_objects AS o (id, tenant_id, workspace_id, api_key_id, model, content, \
-         input_tokens, display_name, request_id, created_at, expires_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING {COLUMNS}"
+         input_tokens, display_name, request_id, created_at, expires_at, block_hashes) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING {COLUMNS}"
     )))
     .bind(o.id)
     .bind(o.scope.tenant.as_uuid())
@@ -150,6 +166,7 @@ pub async fn insert(pool: &PgPool, o: NewObject<'_>) -> Result<CacheObject, Admi
     .bind(o.request_id)
     .bind(o.created_at)
     .bind(o.expires_at)
+    .bind(hashes_to_bytes(o.blocks))
     .fetch_one(pool)
     .await?;
     Ok(from_row(&row))
@@ -288,7 +305,8 @@ pub async fn set_expiry(
     row.map(|r| from_row(&r)).ok_or_else(|| not_found(id))
 }
 
-/// Delete the live object `id` of `owner`, with an audit entry (`cache_object.delete`).
+/// Delete the live object `id` of `owner`, with an audit entry ([`DELETE_ACTION`]): every
+/// process then releases its blocks (the row, with its block hashes, is the tombstone).
 pub async fn delete(
     pool: &PgPool,
     actor: &Actor,
@@ -315,7 +333,7 @@ pub async fn delete(
         actor,
         audit::Entry {
             tenant: Some(owner.tenant()),
-            action: "cache_object.delete",
+            action: DELETE_ACTION,
             target: Some(o.id.clone()),
             before: Some(json!({
                 "id": o.id, "model": o.model, "workspace_id": o.workspace.as_uuid(),
@@ -327,6 +345,151 @@ pub async fn delete(
     .await?;
     tx.commit().await?;
     Ok(o)
+}
+
+/// The audit action of an object's deletion: every process releases the object's blocks
+/// from its node when it sees it (`gateway::release`).
+pub const DELETE_ACTION: &str = "cache_object.delete";
+
+/// A deleted object whose blocks may still be held: what a node releases.
+#[derive(Clone, Debug)]
+pub struct Deleted {
+    pub id: String,
+    pub scope: Scope,
+    pub model: String,
+    pub blocks: Vec<BlockHash>,
+    pub expires_at: DateTime<Utc>,
+}
+
+const DELETED_COLUMNS: &str =
+    "id, tenant_id, workspace_id, model, block_hashes, expires_at FROM cache_objects";
+
+fn deleted_from_row(r: &sqlx::postgres::PgRow) -> Deleted {
+    Deleted {
+        id: r.get("id"),
+        scope: Scope {
+            tenant: TenantId(r.get("tenant_id")),
+            workspace: WorkspaceId(r.get("workspace_id")),
+        },
+        model: r.get("model"),
+        blocks: hashes_from_bytes(&r.get::<Vec<u8>, _>("block_hashes")),
+        expires_at: r.get("expires_at"),
+    }
+}
+
+/// The objects among `ids` that are deleted, not yet expired, and know their blocks.
+pub async fn deleted(pool: &PgPool, ids: &[String]) -> Result<Vec<Deleted>, AdminError> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {DELETED_COLUMNS} WHERE id = ANY($1) AND deleted_at IS NOT NULL \
+         AND expires_at > now() AND block_hashes IS NOT NULL"
+    )))
+    .bind(ids)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.iter().map(deleted_from_row).collect())
+}
+
+/// Every deleted object not yet expired that knows its blocks: the tombstones a node that
+/// was down applies at start (its disk tier may have kept their blocks).
+pub async fn deleted_unexpired(pool: &PgPool) -> Result<Vec<Deleted>, AdminError> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {DELETED_COLUMNS} WHERE deleted_at IS NOT NULL AND expires_at > now() \
+         AND block_hashes IS NOT NULL ORDER BY deleted_at"
+    )))
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.iter().map(deleted_from_row).collect())
+}
+
+/// Until when the other live objects of `d`'s scope and model hold each of `d`'s blocks
+/// (blocks none holds are absent). An object made before objects kept their blocks'
+/// hashes is taken to hold them all.
+pub async fn held_by_others(
+    pool: &PgPool,
+    d: &Deleted,
+) -> Result<HashMap<BlockHash, DateTime<Utc>>, AdminError> {
+    let rows = sqlx::query(
+        "SELECT block_hashes, expires_at FROM cache_objects WHERE tenant_id = $1 \
+         AND workspace_id = $2 AND model = $3 AND id <> $4 AND deleted_at IS NULL \
+         AND expires_at > now()",
+    )
+    .bind(d.scope.tenant.as_uuid())
+    .bind(d.scope.workspace.as_uuid())
+    .bind(&d.model)
+    .bind(&d.id)
+    .fetch_all(pool)
+    .await?;
+    let mine: std::collections::HashSet<BlockHash> = d.blocks.iter().copied().collect();
+    let mut held: HashMap<BlockHash, DateTime<Utc>> = HashMap::new();
+    for r in rows {
+        let until: DateTime<Utc> = r.get("expires_at");
+        let theirs = match r.get::<Option<Vec<u8>>, _>("block_hashes") {
+            Some(b) => hashes_from_bytes(&b),
+            None => d.blocks.clone(),
+        };
+        for h in theirs.into_iter().filter(|h| mine.contains(h)) {
+            let e = held.entry(h).or_insert(until);
+            *e = (*e).max(until);
+        }
+    }
+    Ok(held)
+}
+
+fn as_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// Record that `node` released object `id` (a second release adds what it freed then).
+pub async fn record_release(
+    pool: &PgPool,
+    id: &str,
+    node: &str,
+    r: Released,
+) -> Result<(), AdminError> {
+    sqlx::query(
+        "INSERT INTO cache_object_releases (object_id, node, blocks_freed, bytes_freed, \
+         blocks_held, bytes_held) VALUES ($1, $2, $3, $4, $5, $6) \
+         ON CONFLICT (object_id, node) DO UPDATE SET \
+         blocks_freed = cache_object_releases.blocks_freed + EXCLUDED.blocks_freed, \
+         bytes_freed = cache_object_releases.bytes_freed + EXCLUDED.bytes_freed, \
+         blocks_held = EXCLUDED.blocks_held, bytes_held = EXCLUDED.bytes_held, \
+         released_at = now()",
+    )
+    .bind(id)
+    .bind(node)
+    .bind(as_i64(r.blocks_freed))
+    .bind(as_i64(r.bytes_freed))
+    .bind(as_i64(r.blocks_held))
+    .bind(as_i64(r.bytes_held))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The nodes that released object `id` so far, with what each did.
+pub async fn releases(pool: &PgPool, id: &str) -> Result<Vec<(String, Released)>, AdminError> {
+    let rows = sqlx::query(
+        "SELECT node, blocks_freed, bytes_freed, blocks_held, bytes_held \
+         FROM cache_object_releases WHERE object_id = $1 ORDER BY node",
+    )
+    .bind(id)
+    .fetch_all(pool)
+    .await?;
+    let n = |r: &sqlx::postgres::PgRow, c: &str| r.get::<i64, _>(c).max(0) as u64;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            (
+                r.get("node"),
+                Released {
+                    blocks_freed: n(r, "blocks_freed"),
+                    bytes_freed: n(r, "bytes_freed"),
+                    blocks_held: n(r, "blocks_held"),
+                    bytes_held: n(r, "bytes_held"),
+                },
+            )
+        })
+        .collect())
 }
 
 /// The audit action of a purge: every process of the cluster drops the tenant's blocks from

@@ -8,11 +8,14 @@
 //!   tenant, new limits: the next request reads them again);
 //! - applies the tenant's cache policy to this process's fabric node (resident quota,
 //!   reservation, replication factor), or purges its blocks from every tier if it was deleted
-//!   or its cache was purged (`cache.purge`, the admin API's purge).
+//!   or its cache was purged (`cache.purge`, the admin API's purge);
+//! - releases a deleted cache object's blocks from this process's node
+//!   (`cache_object.delete`, [`crate::release`]).
 //!
 //! At start it applies every tenant's policy and purges every deleted tenant's blocks (what a
 //! node's disk tier kept from before a restart included), drops what the disk tier kept from
-//! before a cache purge of the last 30 days, then follows the feed from its end.
+//! before a cache purge of the last 30 days, releases every deleted cache object not yet
+//! expired, then follows the feed from its end.
 //!
 //! Ids of rows that commit late can be lower than ids already seen; each poll re-reads a
 //! window of the last [`OVERLAP`] ids and skips those it has applied, so a late row is still
@@ -192,6 +195,8 @@ pub struct Follower {
     high: i64,
     /// Ids applied within the overlap window.
     seen: BTreeSet<i64>,
+    /// Deleted cache objects seen on the feed and not yet released here.
+    unreleased: Vec<String>,
 }
 
 impl Follower {
@@ -221,18 +226,23 @@ impl Follower {
                     apply_fabric(f, id, &s).await;
                 }
                 apply_missed_purges(pool, f).await?;
+                let n = crate::release::release_missed(pool, f).await?;
+                if n > 0 {
+                    tracing::info!(objects = n, "released deleted cache objects' blocks at start");
+                }
             }
             self.started = true;
             return Ok(0);
         }
         let rows = sqlx::query(
-            "SELECT id, at, tenant_id, action FROM admin_audit WHERE id > $1 ORDER BY id",
+            "SELECT id, at, tenant_id, action, target FROM admin_audit WHERE id > $1 ORDER BY id",
         )
         .bind(self.high - OVERLAP)
         .fetch_all(pool)
         .await?;
         let mut tenants: BTreeSet<Uuid> = BTreeSet::new();
         let mut purged: BTreeSet<Uuid> = BTreeSet::new();
+        let mut deleted_objects: Vec<String> = Vec::new();
         let now = Utc::now();
         for r in &rows {
             let id: i64 = r.get("id");
@@ -251,6 +261,11 @@ impl Follower {
                 if action == control::caches::PURGE_ACTION {
                     purged.insert(t);
                 }
+                if action == control::caches::DELETE_ACTION
+                    && let Some(id) = r.get::<Option<String>, _>("target")
+                {
+                    deleted_objects.push(id);
+                }
             }
         }
         let floor = self.high - OVERLAP;
@@ -265,6 +280,14 @@ impl Follower {
                 let n = f.purge_tenant(TenantId(*t));
                 tracing::info!(tenant_id = %t, blocks = n, "purged a tenant's cache");
             }
+        }
+        // Kept until released: a poll that fails here (Postgres away) retries them.
+        self.unreleased.extend(deleted_objects);
+        if let Some(f) = &targets.fabric
+            && !self.unreleased.is_empty()
+        {
+            crate::release::release_ids(pool, f, &self.unreleased).await?;
+            self.unreleased.clear();
         }
         if let Some(f) = &targets.fabric
             && !tenants.is_empty()

@@ -25,12 +25,13 @@ impl Store {
         self.tombstones.get(hash).copied()
     }
 
+    /// Store a new block held for `ttl` until `expires_at`, `shared` the part of that hold
+    /// that is not a cache object's.
     pub(super) fn insert(
         &mut self,
         scope: &Scope,
         b: PutBlock,
-        ttl: Duration,
-        expires_at: Instant,
+        (ttl, expires_at, shared): (Duration, Instant, super::Shared),
         paid: bool,
         copy: super::Copy,
     ) {
@@ -75,6 +76,7 @@ impl Store {
                 replica,
                 extra,
                 reads: 0,
+                shared,
             },
         );
         metrics::BLOCKS_WRITTEN.inc();
@@ -85,13 +87,15 @@ impl Store {
 
     /// Mark used (a new eviction key); extend expiry to at least `expires_at` (within
     /// [`EXPIRY_SLACK`]) and the TTL class to at least `ttl`; `paid` marks it paid (a paid
-    /// block stays paid).
+    /// block stays paid); `shared`: the hold is not a cache object's (it extends the
+    /// block's shared hold too).
     pub(super) fn touch(
         &mut self,
         hash: &BlockHash,
         expires_at: Instant,
         ttl: Duration,
         paid: bool,
+        shared: bool,
     ) {
         let stored = self.blocks.len();
         let Some(b) = self.blocks.get_mut(hash) else {
@@ -129,6 +133,10 @@ impl Store {
             b.expires_at = expires_at;
         }
         b.ttl = b.ttl.max(ttl);
+        if shared {
+            b.shared.until = b.shared.until.max(expires_at);
+            b.shared.ttl = b.shared.ttl.max(ttl);
+        }
     }
 
     pub(super) fn purge_expired(&mut self, now: Instant) {
@@ -156,11 +164,7 @@ impl Store {
                 hash: *hash,
                 parent: b.parent,
                 remaining: b.expires_at.saturating_duration_since(Instant::now()),
-                kind: if b.paid {
-                    EntryKind::Paid
-                } else {
-                    EntryKind::BestEffort
-                },
+                kind: b.kind(),
             });
         }
         debug_assert!(
@@ -219,6 +223,97 @@ impl Store {
             }])
             .inc();
         self.publish_gauges(tenant);
+    }
+
+    /// Release a deleted cache object's hold on `blocks` of `scope`, each with until when
+    /// the scope's other live objects still hold it (Unix ms; `None`: none does). A block
+    /// nothing else holds is dropped from every tier; one still held keeps only what its
+    /// other holds need (the entries written at breakpoints and reads kept apart in
+    /// [`super::Shared`], and the other objects). Extra copies of blocks other nodes own go
+    /// either way: their owners decide. Applying a release again changes nothing more.
+    pub fn release(
+        &mut self,
+        scope: &Scope,
+        blocks: &[(BlockHash, Option<u64>)],
+        now: Instant,
+    ) -> Released {
+        let wall = unix_ms();
+        let mut out = Released::default();
+        for &(hash, kept) in blocks {
+            let kept = kept.filter(|&k| k > wall);
+            if let Some(b) = self.blocks.get(&hash).filter(|b| b.scope == *scope) {
+                let others = kept.map(|k| now + Duration::from_millis(k - wall));
+                let until = others.map_or(b.shared.until, |k| k.max(b.shared.until));
+                let len = b.data.len() as u64;
+                if b.extra || until <= now {
+                    self.forget(&hash, RemovalReason::Purged, false);
+                    out.blocks_freed += 1;
+                    out.bytes_freed += len;
+                } else {
+                    self.shorten(&hash, until);
+                    out.blocks_held += 1;
+                    out.bytes_held += len;
+                }
+            }
+            out += self.release_lower(scope, &hash, kept, wall);
+        }
+        out
+    }
+
+    /// [`Store::release`] of one block in the tier below DRAM.
+    fn release_lower(
+        &mut self,
+        scope: &Scope,
+        hash: &BlockHash,
+        kept: Option<u64>,
+        wall: u64,
+    ) -> Released {
+        let mut out = Released::default();
+        let Some(tier) = self.lower.as_mut().filter(|t| t.contains(hash)) else {
+            return out;
+        };
+        match tier.get(hash) {
+            Ok(Some(mut tb)) if tb.scope == *scope => {
+                let until = kept.unwrap_or(0).max(tb.shared_until_unix_ms);
+                let len = tb.data.len() as u64;
+                if until <= wall {
+                    tier.remove(hash);
+                    out.blocks_freed += 1;
+                    out.bytes_freed += len;
+                } else {
+                    if until < tb.expires_unix_ms {
+                        tb.expires_unix_ms = until;
+                        if let Err(e) = tier.put(tb) {
+                            tracing::warn!(block = %hash, error = %e, "rewriting a released block's expiry failed; it is dropped");
+                            tier.remove(hash);
+                        }
+                    }
+                    out.blocks_held += 1;
+                    out.bytes_held += len;
+                }
+            }
+            Ok(_) => return out,
+            Err(e) => {
+                tracing::warn!(block = %hash, error = %e, "reading a released block failed; it is dropped");
+                tier.remove(hash);
+            }
+        }
+        if !self.blocks.contains_key(hash) && !self.lower.as_ref().is_some_and(|t| t.contains(hash)) {
+            self.emit(StoreEvent::Removed(*hash));
+        }
+        out
+    }
+
+    /// Bring a block's expiry forward to `until` (a hold on it was released).
+    fn shorten(&mut self, hash: &BlockHash, until: Instant) {
+        let Some(b) = self.blocks.get_mut(hash) else {
+            return;
+        };
+        if until < b.expires_at {
+            self.expiry.remove(&(b.expires_at, *hash));
+            self.expiry.insert((until, *hash));
+            b.expires_at = until;
+        }
     }
 
     /// What `tenant` holds on this node: bytes per tier, blocks lost by reason, and its `top`

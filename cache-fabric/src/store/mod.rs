@@ -117,6 +117,18 @@ pub enum EntryKind {
     Paid,
     /// Automatic caching: best effort, admitted and evicted by the eviction policy.
     BestEffort,
+    /// A cache object's hold: paid, kept until the object's expiry, never refreshed by
+    /// reads, and released when the object is deleted ([`Store::release`]). The other
+    /// holds of its blocks (entries written at breakpoints, reads) are kept apart, so a
+    /// release brings each block back to what they alone need.
+    Object,
+}
+
+impl EntryKind {
+    /// Whether blocks held so are kept from capacity eviction for their TTL.
+    pub fn is_paid(self) -> bool {
+        self != EntryKind::BestEffort
+    }
 }
 
 /// Why an entry write was refused; such a write is not billed as one.
@@ -193,6 +205,71 @@ struct Block {
     extra: bool,
     /// Prefix reads that ended at this block (the tenant's most-read prefixes).
     reads: u32,
+    /// The holds other than cache objects' ([`EntryKind::Object`]): what deleting an
+    /// object brings the block back to.
+    shared: Shared,
+}
+
+/// The holds of a block other than cache objects': their longest TTL class (reads refresh
+/// by it) and until when they keep the block (`expires_at` is the later of this and the
+/// objects' holds).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shared {
+    pub ttl: Duration,
+    pub until: Instant,
+}
+
+impl Shared {
+    /// The shared part of a write held for `ttl` until `expires` as `kind`: none for an
+    /// object's hold.
+    fn of(kind: EntryKind, ttl: Duration, expires: Instant, now: Instant) -> Self {
+        match kind {
+            EntryKind::Object => Shared {
+                ttl: Duration::ZERO,
+                until: now,
+            },
+            _ => Shared {
+                ttl,
+                until: expires,
+            },
+        }
+    }
+}
+
+/// What releasing a deleted cache object's blocks did on one node ([`Store::release`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    /// Blocks (and their bytes) dropped from every tier: nothing else held them.
+    pub blocks_freed: u64,
+    pub bytes_freed: u64,
+    /// Blocks (and bytes) still held by other entries of the scope, now only as long as
+    /// those need.
+    pub blocks_held: u64,
+    pub bytes_held: u64,
+}
+
+impl std::ops::AddAssign for Released {
+    fn add_assign(&mut self, o: Self) {
+        self.blocks_freed += o.blocks_freed;
+        self.bytes_freed += o.bytes_freed;
+        self.blocks_held += o.blocks_held;
+        self.bytes_held += o.bytes_held;
+    }
+}
+
+impl Block {
+    /// The kind of hold a copy of this block elsewhere gets (a handoff, a damaged block
+    /// fetched again): a cache object's when an object's hold outlasts the others (a
+    /// release there then drops it whole), else the entries'.
+    fn kind(&self) -> EntryKind {
+        if !self.paid {
+            EntryKind::BestEffort
+        } else if self.expires_at > self.shared.until + EXPIRY_SLACK {
+            EntryKind::Object
+        } else {
+            EntryKind::Paid
+        }
+    }
 }
 
 /// A stored block as [`Store::handoff`] lists it.
@@ -422,8 +499,8 @@ impl Store {
                 n_tokens: block.n_tokens,
                 data: block.data.clone(),
             };
-            let ttl = block.ttl;
-            self.touch(hash, now + ttl, ttl, false);
+            let ttl = block.shared.ttl;
+            self.touch(hash, now + ttl, ttl, false, true);
             out.push(fetched);
         }
         metrics::BLOCK_READS
@@ -494,8 +571,8 @@ impl Store {
             },
             block.checksum,
         );
-        let ttl = block.ttl;
-        self.touch(hash, now + ttl, ttl, false);
+        let ttl = block.shared.ttl;
+        self.touch(hash, now + ttl, ttl, false, true);
         metrics::BLOCK_READS.with_label_values(&["hit"]).inc();
         Some(out)
     }
@@ -669,12 +746,13 @@ impl Store {
             }
         }
         let expires = now + ttl;
-        let paid = kind == EntryKind::Paid;
+        let paid = kind.is_paid();
+        let shared = kind != EntryKind::Object;
         for h in existing {
             if !extra {
                 self.unmark_extra(h);
             }
-            self.touch(h, expires, ttl, paid);
+            self.touch(h, expires, ttl, paid, shared);
         }
         let mut inserted: Vec<BlockHash> = Vec::new();
         for b in new {
@@ -683,7 +761,7 @@ impl Store {
                     if !extra {
                         self.unmark_extra(&b.hash);
                     }
-                    self.touch(&b.hash, expires, ttl, paid);
+                    self.touch(&b.hash, expires, ttl, paid, shared);
                     continue;
                 }
                 // Expired blocks were purged above, so this one is live under another scope.
@@ -704,7 +782,8 @@ impl Store {
                 return Err(refused(WriteRefused::MissingParent));
             }
             inserted.push(b.hash);
-            self.insert(scope, b, ttl, expires, paid, copy);
+            let held = Shared::of(kind, ttl, expires, now);
+            self.insert(scope, b, (ttl, expires, held), paid, copy);
         }
         Ok(())
     }

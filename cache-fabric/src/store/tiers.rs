@@ -88,7 +88,11 @@ impl Store {
         } else {
             super::Copy::Own
         };
-        self.insert(scope, put, tb.ttl, now + remaining, tb.paid, copy);
+        let shared = super::Shared {
+            ttl: tb.shared_ttl,
+            until: now + Duration::from_millis(tb.shared_until_unix_ms.saturating_sub(wall)),
+        };
+        self.insert(scope, put, (tb.ttl, now + remaining, shared), tb.paid, copy);
         metrics::TIER_MOVES.with_label_values(&["promoted"]).inc();
         self.lower_reads += 1;
         None
@@ -123,11 +127,7 @@ impl Store {
                 },
                 ttl: b.ttl,
                 remaining: b.expires_at.saturating_duration_since(now),
-                kind: if b.paid {
-                    EntryKind::Paid
-                } else {
-                    EntryKind::BestEffort
-                },
+                kind: b.kind(),
             })
             .collect()
     }
@@ -164,16 +164,13 @@ impl Store {
             match tier.get(h) {
                 Ok(Some(tb)) if tb.expires_unix_ms > wall => {
                     bytes += tb.data.len() as u64;
+                    let kind = tb.kind();
                     out.push(Handoff {
                         scope: tb.scope,
                         block: PutBlock::new(tb.hash, tb.parent, tb.n_tokens, tb.data),
                         ttl: tb.ttl,
                         remaining: Duration::from_millis(tb.expires_unix_ms - wall),
-                        kind: if tb.paid {
-                            EntryKind::Paid
-                        } else {
-                            EntryKind::BestEffort
-                        },
+                        kind,
                     });
                 }
                 Ok(_) => {}
@@ -207,15 +204,19 @@ impl Store {
         let (Some(b), Some(tier)) = (self.blocks.get(hash), self.lower.as_mut()) else {
             return false;
         };
-        let remaining = b.expires_at.saturating_duration_since(Instant::now());
+        let now = Instant::now();
+        let wall = unix_ms();
+        let at = |i: Instant| wall + i.saturating_duration_since(now).as_millis() as u64;
         let demoted = TierBlock {
             hash: *hash,
             scope: b.scope,
             parent: b.parent,
             n_tokens: b.n_tokens,
             ttl: b.ttl,
-            expires_unix_ms: unix_ms() + remaining.as_millis() as u64,
+            expires_unix_ms: at(b.expires_at),
             paid: b.paid,
+            shared_ttl: b.shared.ttl,
+            shared_until_unix_ms: at(b.shared.until),
             data: b.data.clone(),
         };
         match tier.put(demoted) {

@@ -20,7 +20,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use cache_fabric::{EntryKind, FabricClient, Holding, PrefixKeys, WriteRefused};
-use cachet_common::{RequestId, Scope, Ttl};
+use cachet_common::{BlockHash, RequestId, Scope, Ttl};
 use chrono::{DateTime, Utc};
 use control::caches::{self as store, CacheObject};
 use control::tenants::{Actor, AdminError, Principal};
@@ -30,6 +30,7 @@ use sqlx::PgPool;
 use utoipa::ToSchema;
 
 use crate::AppState;
+use crate::release;
 use crate::api::handlers::{self, Shaped};
 use crate::api::types::ErrorBody;
 use crate::api::validate::{self, BlockRef, Breakpoint};
@@ -95,6 +96,16 @@ pub struct DeletedCacheObject {
     /// Always `cache_object_deleted`.
     #[serde(rename = "type")]
     pub kind: &'static str,
+    /// Bytes of the object's blocks dropped from every tier of the nodes that have released
+    /// it (no other entry of the workspace held them).
+    pub bytes_freed: u64,
+    /// Bytes of its blocks those nodes still hold for other entries of the workspace (a
+    /// request that wrote the same prefix at a breakpoint, another object), now only as long
+    /// as those need.
+    pub bytes_held: u64,
+    /// Live nodes that had not released it when this answer was sent: each does when the
+    /// change feed reaches it, or at its next start (empty when every node has).
+    pub nodes_pending: Vec<String>,
 }
 
 /// A request's use of a cache object: the breakpoint at the object's end.
@@ -122,6 +133,7 @@ fn object_breakpoint(location: &str, end: BlockRef, hold: Duration) -> Breakpoin
         ttl: Ttl::OneHour,
         automatic: false,
         hold: Some(hold),
+        object: true,
     }
 }
 
@@ -508,7 +520,7 @@ async fn hold_entry(
 ) -> Result<(), WriteRefused> {
     let holding = Holding {
         ttl: hold,
-        kind: EntryKind::Paid,
+        kind: EntryKind::Object,
     };
     fabric
         .write_entry(
@@ -625,6 +637,11 @@ async fn create_inner(
             .await
             .map_err(|r| refusal(Some(r.as_str())))?;
     }
+    let blocks: Vec<BlockHash> = keys
+        .as_ref()
+        .and_then(|k| k.chain_to(offset))
+        .map(|links| links.iter().map(|l| l.hash).collect())
+        .unwrap_or_default();
     let id = store::new_id().map_err(|e| store_error("making a cache object id failed", e))?;
     crate::metrics::CACHE_OBJECT_OPS
         .with_label_values(&["created"])
@@ -642,6 +659,7 @@ async fn create_inner(
             request_id: rid.0,
             created_at: started_at,
             expires_at,
+            blocks: &blocks,
         },
     )
     .await
@@ -839,15 +857,42 @@ pub async fn delete_cache(
         crate::metrics::CACHE_OBJECT_OPS
             .with_label_values(&["deleted"])
             .inc();
+        let outcome = released(&state, &o.id).await;
         Ok(DeletedCacheObject {
             id: o.id,
             kind: "cache_object_deleted",
+            bytes_freed: outcome.released.bytes_freed,
+            bytes_held: outcome.released.bytes_held,
+            nodes_pending: outcome.pending,
         })
     }
     .await;
     match r {
         Ok(d) => axum::Json(d).into_response(),
         Err(e) => e.with_request_id(rid).into_response(),
+    }
+}
+
+/// Release a just-deleted object here at once, then wait for the other live nodes (the
+/// change feed tells them). The deletion is committed whatever happens here: a failure is
+/// logged and shows as nodes pending.
+async fn released(state: &AppState, id: &str) -> release::Outcome {
+    let ids = [id.to_string()];
+    let local = async {
+        for d in store::deleted(&state.pool, &ids).await? {
+            release::release(&state.pool, &state.fabric, &d).await?;
+        }
+        release::await_releases(&state.pool, &state.fabric, id, release::RELEASE_WAIT).await
+    };
+    match local.await {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::warn!(cache_object = %id, error = %e, "releasing a deleted cache object's blocks failed here; the change feed retries it");
+            release::Outcome {
+                pending: state.fabric.live_nodes(),
+                ..Default::default()
+            }
+        }
     }
 }
 

@@ -34,6 +34,9 @@ pub struct Breakpoint {
     /// Kept this long instead of the TTL class's duration (OpenAI's 24-hour retention, billed
     /// as a 1h write); `None` for every Messages breakpoint.
     pub hold: Option<std::time::Duration>,
+    /// A cache object's own breakpoint: its write is the object's hold, released when the
+    /// object is deleted ([`cache_fabric::EntryKind::Object`]).
+    pub object: bool,
 }
 
 impl Breakpoint {
@@ -578,6 +581,7 @@ fn breakpoints(w: &Walk, top: &Map<String, Value>) -> Result<Vec<Breakpoint>, Ap
                 ttl,
                 automatic,
                 hold: None,
+                object: false,
             })
         })
         .collect())

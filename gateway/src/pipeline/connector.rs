@@ -147,7 +147,7 @@ pub(super) fn connector_entries(
                 // In a cluster its owners get copies too, off the answer's path.
                 let (fabric, keys, scope, start) =
                     (w.state.fabric.clone(), k.clone(), w.scope, w.start);
-                let (ttl, kind) = (pl.bp.held_for(), entry_kind(pl.bp.automatic));
+                let (ttl, kind) = (pl.bp.held_for(), entry_kind(&pl.bp));
                 rt.spawn(tracing::Instrument::in_current_span(async move {
                     if let Err(r) = fabric
                         .replicate_written(scope, &keys, aligned, ttl, start, kind)
@@ -179,6 +179,7 @@ mod tests {
                 ttl,
                 automatic,
                 hold: None,
+                object: false,
             },
             offset,
             cacheable: true,

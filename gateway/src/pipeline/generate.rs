@@ -337,7 +337,7 @@ pub(super) async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usa
                     &blocks,
                     Holding {
                         ttl: pl.bp.held_for(),
-                        kind: entry_kind(pl.bp.automatic),
+                        kind: entry_kind(&pl.bp),
                     },
                     w.start,
                 )
@@ -372,9 +372,12 @@ pub(super) fn breakpoint_report(
     }
 }
 
-/// Automatic caching's entries are best effort; explicit breakpoints are paid for.
-pub(super) fn entry_kind(automatic: bool) -> EntryKind {
-    if automatic {
+/// Automatic caching's entries are best effort; explicit breakpoints are paid for; a cache
+/// object's breakpoint is the object's hold (released when it is deleted).
+pub(super) fn entry_kind(bp: &crate::api::validate::Breakpoint) -> EntryKind {
+    if bp.object {
+        EntryKind::Object
+    } else if bp.automatic {
         EntryKind::BestEffort
     } else {
         EntryKind::Paid

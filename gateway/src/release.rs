@@ -1,0 +1,113 @@
+//! Releasing deleted cache objects' blocks: what makes `DELETE /v1/caches/{id}` free the
+//! object's KV on every node and tier (decision 0027, (d)).
+//!
+//! A deleted object's row keeps the hashes of its blocks; that row is the tombstone. Every
+//! process with a fabric node releases it from its own node ([`release`]): each block goes
+//! from every tier unless another entry of the scope still holds it — the entries written at
+//! breakpoints and reads, which the store keeps apart from objects' holds, and the other live
+//! objects, whose hashes Postgres has — and then keeps only what those need. Each release is
+//! recorded per node (`cache_object_releases`), which is how the deletion's answer knows when
+//! every live node has done it ([`await_releases`]).
+//!
+//! A node learns of a deletion from the change feed (`cache_object.delete` audit rows,
+//! [`crate::sync`]); the node that answers the `DELETE` releases at once. A node that was
+//! down applies every deleted, unexpired object at start, before it serves or re-announces
+//! what its disk tier kept ([`release_missed`]). Releasing twice changes nothing more.
+
+use std::time::Duration;
+
+use cache_fabric::{FabricClient, Released};
+use cachet_common::BlockHash;
+use control::caches::{self as store, Deleted};
+use control::tenants::AdminError;
+use sqlx::PgPool;
+
+use crate::metrics;
+
+/// How long a deletion waits for every live node to release the object before answering
+/// with those still pending (they release it from the change feed, or at their next start).
+pub const RELEASE_WAIT: Duration = Duration::from_secs(10);
+
+/// Release `d` from this process's node and record it.
+pub async fn release(
+    pool: &PgPool,
+    fabric: &FabricClient,
+    d: &Deleted,
+) -> Result<Released, AdminError> {
+    let held = store::held_by_others(pool, d).await?;
+    let blocks: Vec<(BlockHash, Option<u64>)> = d
+        .blocks
+        .iter()
+        .map(|h| {
+            let until = held.get(h).map(|t| t.timestamp_millis().max(0) as u64);
+            (*h, until)
+        })
+        .collect();
+    let r = fabric.release(d.scope, &blocks);
+    store::record_release(pool, &d.id, &fabric.node_id(), r).await?;
+    metrics::CACHE_RELEASED_BYTES
+        .with_label_values(&["freed"])
+        .inc_by(r.bytes_freed);
+    metrics::CACHE_RELEASED_BYTES
+        .with_label_values(&["held"])
+        .inc_by(r.bytes_held);
+    tracing::info!(tenant_id = %d.scope.tenant, cache_object = %d.id, bytes_freed = r.bytes_freed,
+        bytes_held = r.bytes_held, "released a deleted cache object's blocks");
+    Ok(r)
+}
+
+/// Release the deleted objects among `ids` (the change feed's deletions).
+pub async fn release_ids(
+    pool: &PgPool,
+    fabric: &FabricClient,
+    ids: &[String],
+) -> Result<(), AdminError> {
+    for d in store::deleted(pool, ids).await? {
+        release(pool, fabric, &d).await?;
+    }
+    Ok(())
+}
+
+/// At start: release every deleted object not yet expired (this node may have been down
+/// when it was deleted, and its disk tier keeps what it held then).
+pub async fn release_missed(pool: &PgPool, fabric: &FabricClient) -> Result<usize, AdminError> {
+    let missed = store::deleted_unexpired(pool).await?;
+    for d in &missed {
+        release(pool, fabric, d).await?;
+    }
+    Ok(missed.len())
+}
+
+/// What a deletion's answer reports: the sum over the nodes that released the object.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub released: Released,
+    /// Live nodes that had not released it yet.
+    pub pending: Vec<String>,
+}
+
+/// Wait (up to `wait`) until every live node has released object `id`.
+pub async fn await_releases(
+    pool: &PgPool,
+    fabric: &FabricClient,
+    id: &str,
+    wait: Duration,
+) -> Result<Outcome, AdminError> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let done = store::releases(pool, id).await?;
+        let pending: Vec<String> = fabric
+            .live_nodes()
+            .into_iter()
+            .filter(|n| !done.iter().any(|(d, _)| d == n))
+            .collect();
+        if pending.is_empty() || tokio::time::Instant::now() >= deadline {
+            let mut released = Released::default();
+            for (_, r) in done {
+                released += r;
+            }
+            return Ok(Outcome { released, pending });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
