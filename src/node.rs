@@ -97,6 +97,9 @@ pub async fn run(
     // Stopped in order at shutdown: the API, then the membership, then the rest.
     let leave = CancellationToken::new();
     let background = CancellationToken::new();
+    // Tombstones first: what the disk tier kept of a purged cache or a deleted cache object
+    // goes before the node announces or serves anything.
+    apply_tombstones(&config, FabricClient::clustered(node.clone(), cluster.clone())).await;
     let (sink, rx) = events::channel(65_536);
     node.set_event_sink(sink);
     // What survived a restart in the disk tier is announced again.
@@ -246,6 +249,30 @@ pub async fn run(
     serving.abort();
     let _ = tokio::time::timeout(Duration::from_millis(500), publisher).await;
     Ok(())
+}
+
+/// Apply the purges and cache-object deletions this node missed while it was down to what
+/// its disk tier kept (5 s at most with Postgres away: the change feed's first step applies
+/// them again once it can).
+async fn apply_tombstones(config: &Config, fabric: FabricClient) {
+    let pool = match sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy(&config.database_url)
+    {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!(error = %e, "database_url; tombstones wait for the change feed");
+            return;
+        }
+    };
+    let applied = gateway::sync::apply_tombstones(&pool, &fabric);
+    match tokio::time::timeout(Duration::from_secs(5), applied).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "applying tombstones at start failed; the change feed retries"),
+        Err(_) => tracing::warn!("applying tombstones at start timed out; the change feed retries"),
+    }
+    pool.close().await;
 }
 
 /// Turn on RDMA as `fabric.rdma_device` says: export a registered pool for peers' READs and

@@ -912,3 +912,180 @@ async fn a_cache_object_outlives_the_node_that_computed_it() {
     common::drop_db(db_url.rsplit('/').next().unwrap()).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The stored block hashes of object `id` (the chain its deletion releases).
+async fn object_blocks(pool: &sqlx::PgPool, id: &str) -> Vec<BlockHash> {
+    let bytes: Vec<u8> =
+        sqlx::query_scalar("SELECT block_hashes FROM cache_objects WHERE id = $1")
+            .bind(id)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    bytes
+        .chunks_exact(32)
+        .map(|c| BlockHash(c.try_into().unwrap()))
+        .collect()
+}
+
+/// Issue 27's cluster acceptance, second half: deleting an object whose content nothing
+/// else holds leaves none of its blocks on any node or tier — the nodes' DRAM is kept small,
+/// so most of the object's replicas live on their disk tiers — and a node that was killed
+/// (`kill -9`) before the delete, whose disk tier still has its blocks, drops them when it
+/// restarts, before it serves them (its release, recorded at start, freed them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deleted_object_leaves_no_block_on_any_node_even_one_down_during_the_delete() {
+    let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
+    let dir = std::env::temp_dir().join(&prefix);
+    let (pool, db_url, tenant, key) = tenant_db("release-tenant").await;
+    let env: Vec<(&'static str, String)> = vec![
+        ("DATABASE_URL", db_url.clone()),
+        ("CACHET_ENGINE", "sim".into()),
+        ("CACHET_SIM_TIME_SCALE", "0".into()),
+        // Eight blocks of sim-tiny's KV: the object's replicas go to the disk tier.
+        ("CACHET_DRAM_CAPACITY_BYTES", "16384".into()),
+    ];
+    let mut nodes: std::collections::HashMap<String, Node> = ["n1", "n2", "n3"]
+        .iter()
+        .map(|id| {
+            (
+                id.to_string(),
+                start_node_with(id, &prefix, &dir, &env, true),
+            )
+        })
+        .collect();
+    let gw = start_gateway(&prefix, &env);
+    let http = reqwest::Client::new();
+    wait_for_nodes(&http, &gw, 3).await;
+
+    let system: String = (0..300).map(|i| format!("d{i} ")).collect();
+    let resp = http
+        .post(format!("{}/v1/caches", gw.url))
+        .header("x-api-key", &key)
+        .json(&serde_json::json!({"model": "sim-tiny", "system": system, "ttl": "2h"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let obj: serde_json::Value = resp.json().await.unwrap();
+    let id = obj["id"].as_str().unwrap().to_string();
+    let scope = Scope {
+        tenant: tenant.id,
+        workspace: tenant.default_workspace,
+    };
+    let hashes = object_blocks(&pool, &id).await;
+    // The stored chain is the one a request sending the same content computes.
+    let as_request = serde_json::json!({"model": "sim-tiny", "max_tokens": 1,
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": "q"}]});
+    let computed = block_hashes(&as_request, scope);
+    assert!(hashes.len() > 10, "{} blocks", hashes.len());
+    assert_eq!(hashes[..hashes.len() - 1], computed[..hashes.len() - 1]);
+    let all: Vec<(String, String)> = nodes
+        .iter()
+        .map(|(id, n)| (id.clone(), n.addr.clone()))
+        .collect();
+    let addrs: Vec<&str> = all.iter().map(|(_, a)| a.as_str()).collect();
+    wait_until(
+        "the object's blocks on two nodes each",
+        Duration::from_secs(20),
+        async || {
+            for h in &hashes {
+                if copies(&addrs, scope, *h).await < 2 {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+
+    // The node holding the most of it goes down.
+    let mut held = Vec::new();
+    for (id, a) in &all {
+        let mut n = 0;
+        for h in &hashes {
+            n += copies(&[a.as_str()], scope, *h).await;
+        }
+        held.push((n, id.clone()));
+    }
+    held.sort();
+    let (n_victim, victim) = held.pop().unwrap();
+    assert!(n_victim > 0);
+    let mut gone = nodes.remove(&victim).unwrap();
+    gone.child.kill().unwrap();
+    gone.child.wait().unwrap();
+    wait_for_nodes(&http, &gw, 2).await;
+
+    let resp = http
+        .delete(format!("{}/v1/caches/{id}", gw.url))
+        .header("x-api-key", &key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let deleted: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(deleted["type"], "cache_object_deleted", "{deleted}");
+    assert!(deleted["bytes_freed"].as_u64().unwrap() > 0, "{deleted}");
+    assert_eq!(deleted["bytes_held"], 0, "{deleted}");
+    assert_eq!(deleted["nodes_pending"], serde_json::json!([]), "{deleted}");
+    let live: Vec<&str> = all
+        .iter()
+        .filter(|(id, _)| *id != victim)
+        .map(|(_, a)| a.as_str())
+        .collect();
+    for h in &hashes {
+        assert_eq!(copies(&live, scope, *h).await, 0, "block {h} still held");
+    }
+    let released_by = |node: String| {
+        let pool = pool.clone();
+        let id = id.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT bytes_freed FROM cache_object_releases WHERE object_id = $1 AND node = $2",
+            )
+            .bind(id)
+            .bind(node)
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(released_by(victim.clone()).await, None, "the victim was down");
+
+    // Back with its disk tier: the tombstone is applied before it serves.
+    let back = start_node_with(&victim, &prefix, &dir, &env, true);
+    let freed = released_by(victim.clone()).await;
+    assert!(
+        freed.is_some_and(|b| b > 0),
+        "the restarted node freed what its disk kept: {freed:?}"
+    );
+    for h in &hashes {
+        assert_eq!(
+            copies(&[back.addr.as_str()], scope, *h).await,
+            0,
+            "block {h} on the restarted node"
+        );
+    }
+    nodes.insert(victim, back);
+    wait_for_nodes(&http, &gw, 3).await;
+    for h in &hashes {
+        assert_eq!(copies(&addrs_of(&nodes), scope, *h).await, 0);
+    }
+    // Using it is a 404; the same content sent with a breakpoint is computed again.
+    let use_it = serde_json::json!({"model": "sim-tiny", "max_tokens": 1, "cached_content": id,
+        "messages": [{"role": "user", "content": "q"}]});
+    let (s, _, r) = post(&http, &gw.url, &key, &use_it, false).await;
+    assert_eq!(s, 404, "{r}");
+    let (s, _, r) = post(&http, &gw.url, &key, &as_request, false).await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["usage"]["cache_read_input_tokens"], 0, "{r}");
+    drop(nodes);
+    drop(gw);
+    pool.close().await;
+    common::drop_db(db_url.rsplit('/').next().unwrap()).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn addrs_of(nodes: &std::collections::HashMap<String, Node>) -> Vec<&str> {
+    nodes.values().map(|n| n.addr.as_str()).collect()
+}

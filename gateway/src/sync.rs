@@ -144,6 +144,18 @@ async fn apply_missed_purges(pool: &PgPool, fabric: &FabricClient) -> Result<(),
     Ok(())
 }
 
+/// At start: what this node's tiers kept of a cache purge or a deleted cache object it
+/// missed while it was down goes (a node applies this before it announces or serves what
+/// its disk tier kept; the feed's first step applies it again, which changes nothing).
+pub async fn apply_tombstones(pool: &PgPool, fabric: &FabricClient) -> Result<(), AdminError> {
+    apply_missed_purges(pool, fabric).await?;
+    let n = crate::release::release_missed(pool, fabric).await?;
+    if n > 0 {
+        tracing::info!(objects = n, "released deleted cache objects' blocks at start");
+    }
+    Ok(())
+}
+
 /// Follow the change feed until `stop`.
 pub async fn run(
     mut follower: Follower,
@@ -225,11 +237,7 @@ impl Follower {
                 for (id, s) in load_states(pool, None).await? {
                     apply_fabric(f, id, &s).await;
                 }
-                apply_missed_purges(pool, f).await?;
-                let n = crate::release::release_missed(pool, f).await?;
-                if n > 0 {
-                    tracing::info!(objects = n, "released deleted cache objects' blocks at start");
-                }
+                apply_tombstones(pool, f).await?;
             }
             self.started = true;
             return Ok(0);
