@@ -324,7 +324,18 @@ async fn an_object_is_created_used_by_id_on_both_wires_listed_extended_and_delet
     )
     .await;
     assert_eq!(s, 200, "{d}");
-    assert_eq!(d, json!({"id": id, "type": "cache_object_deleted"}));
+    assert_eq!(d["id"], id.as_str());
+    assert_eq!(d["type"], "cache_object_deleted");
+    // Every byte of it accounted for on the one node there is (128 bytes of KV a token):
+    // freed, or still held by the entries the requests above wrote (automatic caching
+    // covered the object's blocks with the rest of their prompts).
+    let (freed, held) = (
+        d["bytes_freed"].as_u64().unwrap(),
+        d["bytes_held"].as_u64().unwrap(),
+    );
+    assert_eq!(freed + held, tokens * 128, "{d}");
+    assert!(freed > 0, "the object's own last partial block: {d}");
+    assert_eq!(d["nodes_pending"], json!([]), "{d}");
     let (s, _) = call(
         &app,
         reqwest::Method::GET,
@@ -598,5 +609,60 @@ async fn a_purge_missed_while_down_is_applied_to_the_disk_tier_at_restart() {
     assert_eq!(left, 0, "the purged blocks came back from disk");
     shutdown.cancel();
     running.wait().await.unwrap();
+    app.stop().await;
+}
+
+/// A deleted object's blocks that a request's own breakpoint also wrote stay, for that
+/// entry's TTL: the deletion says how many bytes it freed and how many are still held, and
+/// the request's prefix is still read from the cache.
+#[tokio::test]
+async fn deleting_an_object_keeps_what_another_entry_holds() {
+    let app = TestApp::start().await;
+    let key = app.key.clone();
+    let system = words("h", 200);
+    let (s, obj) = call(
+        &app,
+        reqwest::Method::POST,
+        "/v1/caches",
+        &key,
+        Some(&json!({"model": "sim-tiny", "ttl": "1h", "system": system})),
+    )
+    .await;
+    assert_eq!(s, 200, "{obj}");
+    let id = obj["id"].as_str().unwrap().to_string();
+    let tokens = obj["input_tokens"].as_u64().unwrap();
+    // A request continues the object's content and writes its own 5m breakpoint further on:
+    // the object's blocks are part of that entry too.
+    let longer = json!({
+        "model": "sim-tiny", "max_tokens": 1, "system": system,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": words("q", 80), "cache_control": {"type": "ephemeral"}}]}],
+    });
+    let (s, _, r) = app.post("/v1/messages", &key, &longer).await;
+    assert_eq!(s, 200, "{r}");
+    assert!(r["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["usage"]["cache_creation_input_tokens"].as_u64().unwrap() > 0, "{r}");
+
+    let (s, d) = call(
+        &app,
+        reqwest::Method::DELETE,
+        &format!("/v1/caches/{id}"),
+        &key,
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{d}");
+    let held = d["bytes_held"].as_u64().unwrap();
+    let freed = d["bytes_freed"].as_u64().unwrap();
+    // sim-tiny: 128 bytes of KV a token; only a partial last block (the object's own tail)
+    // can be freed.
+    assert_eq!(held + freed, tokens * 128, "{d}");
+    assert!(held >= (tokens / 16) * 16 * 128, "{d}");
+    let (s, _, r) = app.post("/v1/messages", &key, &longer).await;
+    assert_eq!(s, 200, "{r}");
+    assert!(
+        r["usage"]["cache_read_input_tokens"].as_u64().unwrap() >= (tokens / 16) * 16,
+        "the request's own entry still reads: {r}"
+    );
     app.stop().await;
 }
