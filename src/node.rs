@@ -99,7 +99,11 @@ pub async fn run(
     let background = CancellationToken::new();
     // Tombstones first: what the disk tier kept of a purged cache or a deleted cache object
     // goes before the node announces or serves anything.
-    apply_tombstones(&config, FabricClient::clustered(node.clone(), cluster.clone())).await;
+    apply_tombstones(
+        &config,
+        FabricClient::clustered(node.clone(), cluster.clone()),
+    )
+    .await;
     let (sink, rx) = events::channel(65_536);
     node.set_event_sink(sink);
     // What survived a restart in the disk tier is announced again.
@@ -269,7 +273,9 @@ async fn apply_tombstones(config: &Config, fabric: FabricClient) {
     let applied = gateway::sync::apply_tombstones(&pool, &fabric);
     match tokio::time::timeout(Duration::from_secs(5), applied).await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, "applying tombstones at start failed; the change feed retries"),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "applying tombstones at start failed; the change feed retries")
+        }
         Err(_) => tracing::warn!("applying tombstones at start timed out; the change feed retries"),
     }
     pool.close().await;

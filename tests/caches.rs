@@ -640,8 +640,14 @@ async fn deleting_an_object_keeps_what_another_entry_holds() {
     });
     let (s, _, r) = app.post("/v1/messages", &key, &longer).await;
     assert_eq!(s, 200, "{r}");
-    assert!(r["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0, "{r}");
-    assert!(r["usage"]["cache_creation_input_tokens"].as_u64().unwrap() > 0, "{r}");
+    assert!(
+        r["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0,
+        "{r}"
+    );
+    assert!(
+        r["usage"]["cache_creation_input_tokens"].as_u64().unwrap() > 0,
+        "{r}"
+    );
 
     let (s, d) = call(
         &app,

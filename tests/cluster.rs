@@ -915,12 +915,11 @@ async fn a_cache_object_outlives_the_node_that_computed_it() {
 
 /// The stored block hashes of object `id` (the chain its deletion releases).
 async fn object_blocks(pool: &sqlx::PgPool, id: &str) -> Vec<BlockHash> {
-    let bytes: Vec<u8> =
-        sqlx::query_scalar("SELECT block_hashes FROM cache_objects WHERE id = $1")
-            .bind(id)
-            .fetch_one(pool)
-            .await
-            .unwrap();
+    let bytes: Vec<u8> = sqlx::query_scalar("SELECT block_hashes FROM cache_objects WHERE id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap();
     bytes
         .chunks_exact(32)
         .map(|c| BlockHash(c.try_into().unwrap()))
@@ -1050,7 +1049,11 @@ async fn a_deleted_object_leaves_no_block_on_any_node_even_one_down_during_the_d
             .unwrap()
         }
     };
-    assert_eq!(released_by(victim.clone()).await, None, "the victim was down");
+    assert_eq!(
+        released_by(victim.clone()).await,
+        None,
+        "the victim was down"
+    );
 
     // Back with its disk tier: the tombstone is applied before it serves.
     let back = start_node_with(&victim, &prefix, &dir, &env, true);

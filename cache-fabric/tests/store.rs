@@ -1076,7 +1076,9 @@ async fn releasing_an_objects_hold_frees_what_nothing_else_holds() {
     let k = keys(s, &t, &[4, 8, 16]);
     let now = Instant::now();
     // The object: 16 tokens (4 blocks) held a day.
-    write_whole(&c, s, &k, 16, 86_400, now, OBJECT).await.unwrap();
+    write_whole(&c, s, &k, 16, 86_400, now, OBJECT)
+        .await
+        .unwrap();
     // A request wrote the first 8 tokens at a 5-minute breakpoint.
     write_whole(&c, s, &k, 8, 300, now, PAID).await.unwrap();
     // Another object holds the first block for 2 hours.
@@ -1147,13 +1149,21 @@ async fn a_release_reaches_the_disk_tier_and_is_applied_again_after_a_restart() 
     {
         // DRAM of four blocks: the object's go to disk when another entry is written.
         let (c, node) = disk_node(4, &dir.0);
-        write_whole(&c, s, &k, 16, 86_400, now, OBJECT).await.unwrap();
+        write_whole(&c, s, &k, 16, 86_400, now, OBJECT)
+            .await
+            .unwrap();
         write_whole(&c, s, &k, 8, 3_600, now, PAID).await.unwrap();
         let other = keys(s, &toks(83, 16), &[16]);
-        write_whole(&c, s, &other, 16, 300, now, PAID).await.unwrap();
+        write_whole(&c, s, &other, 16, 300, now, PAID)
+            .await
+            .unwrap();
         node.with_store(|st| assert_eq!(st.lower_tier_usage(), Some((4, 4 * block))));
         let r = c.release(s, &blocks);
-        assert_eq!((r.bytes_freed, r.bytes_held), (2 * block, 2 * block), "{r:?}");
+        assert_eq!(
+            (r.bytes_freed, r.bytes_held),
+            (2 * block, 2 * block),
+            "{r:?}"
+        );
         node.with_store(|st| st.check_invariants());
         assert_eq!(c.read_prefix(s, &k, 16, now).await.tokens, 8);
     }

@@ -151,7 +151,10 @@ pub async fn apply_tombstones(pool: &PgPool, fabric: &FabricClient) -> Result<()
     apply_missed_purges(pool, fabric).await?;
     let n = crate::release::release_missed(pool, fabric).await?;
     if n > 0 {
-        tracing::info!(objects = n, "released deleted cache objects' blocks at start");
+        tracing::info!(
+            objects = n,
+            "released deleted cache objects' blocks at start"
+        );
     }
     Ok(())
 }

@@ -61,7 +61,11 @@ def test_create_use_by_id_list_extend_delete(client):
         client.patch(f"/v1/caches/{obj['id']}", body={"ttl": "30d"}, cast_to=object)
 
     gone = client.delete(f"/v1/caches/{obj['id']}", cast_to=object)
-    assert gone == {"id": obj["id"], "type": "cache_object_deleted"}
+    assert (gone["id"], gone["type"]) == (obj["id"], "cache_object_deleted")
+    # Every byte of the object's KV is accounted for: freed, or held by the request above
+    # that sent the same content with its own breakpoint; every node has released it.
+    assert gone["bytes_freed"] + gone["bytes_held"] > 0
+    assert gone["nodes_pending"] == []
     with pytest.raises(anthropic.NotFoundError):
         client.get(f"/v1/caches/{obj['id']}", cast_to=object)
     with pytest.raises(anthropic.NotFoundError, match=obj["id"]):

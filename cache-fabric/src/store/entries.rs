@@ -298,7 +298,8 @@ impl Store {
                 tier.remove(hash);
             }
         }
-        if !self.blocks.contains_key(hash) && !self.lower.as_ref().is_some_and(|t| t.contains(hash)) {
+        if !self.blocks.contains_key(hash) && !self.lower.as_ref().is_some_and(|t| t.contains(hash))
+        {
             self.emit(StoreEvent::Removed(*hash));
         }
         out

@@ -30,11 +30,11 @@ use sqlx::PgPool;
 use utoipa::ToSchema;
 
 use crate::AppState;
-use crate::release;
 use crate::api::handlers::{self, Shaped};
 use crate::api::types::ErrorBody;
 use crate::api::validate::{self, BlockRef, Breakpoint};
 use crate::error::{ApiError, ErrorCode};
+use crate::release;
 
 /// The request field naming an object, and the location its breakpoint reports.
 pub const CACHED_CONTENT: &str = "cached_content";
