@@ -171,6 +171,11 @@ pub async fn run(
         ),
     );
     crate::spawn_loop(
+        "write_through",
+        node.clone()
+            .run_write_through(crate::server::WRITE_THROUGH_EVERY, background.clone()),
+    );
+    crate::spawn_loop(
         "repairs",
         cluster
             .clone()

@@ -267,6 +267,11 @@ pub async fn start(
     shutdown: CancellationToken,
 ) -> anyhow::Result<Running> {
     let node = config.fabric.node(&config.data_dir.join("fabric-disk"))?;
+    crate::spawn_loop(
+        "write_through",
+        node.clone()
+            .run_write_through(WRITE_THROUGH_EVERY, shutdown.clone()),
+    );
     if !config.fabric.listen.is_empty() {
         // For an engine's own KV connector beside this process (vLLM's).
         let token = crate::config::cluster_token()?;
@@ -283,6 +288,9 @@ pub async fn start(
     let gateway_config = config.gateway();
     start_api(config, gateway_config, listener, shutdown, node, fabric).await
 }
+
+/// How often a node copies the long holds written since to the tier below.
+pub const WRITE_THROUGH_EVERY: Duration = Duration::from_millis(50);
 
 /// Start the API (engines, meter, gateway) on `listener` over a given fabric node and
 /// client: the all-in-one service's, or a cluster node's.

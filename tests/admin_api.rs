@@ -495,6 +495,12 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
             [404, 403, 404],
         ),
         (
+            "PATCH",
+            format!("/v1/admin/tenants/{t}/cache/objects/cache_000000000000000000000000"),
+            Some(json!({"ttl": "2h"})),
+            [404, 403, 404],
+        ),
+        (
             "POST",
             format!("/v1/admin/tenants/{t}/cache/purge"),
             None,
@@ -2365,6 +2371,43 @@ async fn a_tenant_admin_lists_deletes_and_purges_cache_objects() {
     assert_eq!(list["data"][0]["workspace_name"], "default");
     assert_eq!(list["data"][0]["display_name"], "two");
 
+    // Extended from its hour to 20 hours: the row and the fabric's hold follow; past the
+    // tenant's maximum (a day by default), or without a lifetime, it is a 400.
+    let patch = |body: Value| {
+        let (a, ta, id) = (&a, &ta, &ids[1]);
+        async move {
+            a.call(
+                "PATCH",
+                &format!("/v1/admin/tenants/{t}/cache/objects/{id}"),
+                Some(ta.as_str()),
+                Some(body),
+            )
+            .await
+        }
+    };
+    let (s, e) = patch(json!({"ttl": "20h"})).await;
+    assert_eq!(s, 200, "{e}");
+    let left = e["expires_at"]
+        .as_str()
+        .unwrap()
+        .parse::<chrono::DateTime<chrono::Utc>>()
+        .unwrap()
+        - chrono::Utc::now();
+    assert!(left > chrono::TimeDelta::hours(19), "{e}");
+    let (s, e) = patch(json!({"ttl": "30d"})).await;
+    assert_eq!(s, 400, "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_cache_ttl_secs"),
+        "{e}"
+    );
+    let (s, e) = patch(json!({})).await;
+    assert_eq!(s, 400, "{e}");
+    let (s, e) = patch(json!({"ttl": "1h", "model": "x"})).await;
+    assert_eq!(s, 400, "{e}");
+
     let (s, d) = a
         .call(
             "DELETE",
@@ -2392,6 +2435,18 @@ async fn a_tenant_admin_lists_deletes_and_purges_cache_objects() {
         r["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0,
         "{r}"
     );
+    // The extension reached the fabric: the object's prefix is held for its 20 hours.
+    let ttl_left = a
+        .app
+        .running()
+        .node
+        .tenant_stats(cachet_common::TenantId(t), 10)
+        .top_prefixes
+        .iter()
+        .map(|p| p.ttl_left_ms)
+        .max()
+        .unwrap_or(0);
+    assert!(ttl_left > 19 * 3600 * 1000, "{ttl_left} ms left");
     let held = |a: &Admin| {
         a.app
             .running()

@@ -672,3 +672,102 @@ async fn deleting_an_object_keeps_what_another_entry_holds() {
     );
     app.stop().await;
 }
+
+/// Stop `app`'s server and start it again on the same database and data directory (its disk
+/// tier reloaded), `tweak` applied to the config as at the first start.
+async fn restart(app: &mut TestApp, tweak: fn(&mut cachet::config::Config)) {
+    app.shutdown.cancel();
+    app.running.take().unwrap().wait().await.unwrap();
+    let mut config = cachet::config::Config {
+        database_url: app.db_url.clone(),
+        redis_url: common::REDIS.into(),
+        data_dir: app.data_dir.0.clone(),
+        ..Default::default()
+    };
+    config.engine.kind = "sim".into();
+    config.engine.sim_time_scale = 0.0;
+    config.admin.change_poll_ms = 200;
+    tweak(&mut config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let running = cachet::server::start(config, listener, shutdown.clone())
+        .await
+        .unwrap();
+    app.url = format!("http://{}", running.addr);
+    app.running = Some(running);
+    app.shutdown = shutdown;
+}
+
+/// Issue 27: "the 24h retention survives a node restart on the disk tier". A cache object and
+/// a Chat Completions prefix kept with `prompt_cache_retention: "24h"` are written through to
+/// the disk tier as they are written (DRAM here is large: nothing is evicted), so after a
+/// restart, whose DRAM starts empty, both are read from the cache, not computed again.
+#[tokio::test]
+async fn long_retention_survives_a_restart_on_the_disk_tier() {
+    fn disk(c: &mut cachet::config::Config) {
+        c.fabric.disk_capacity_bytes = 64 << 20;
+    }
+    let mut app = TestApp::start_with(common::Options {
+        tweak: disk,
+        ..Default::default()
+    })
+    .await;
+    let key = app.key.clone();
+    let (s, obj) = call(
+        &app,
+        reqwest::Method::POST,
+        "/v1/caches",
+        &key,
+        Some(&json!({"model": "sim-tiny", "system": words("r", 300), "ttl": "24h"})),
+    )
+    .await;
+    assert_eq!(s, 200, "{obj}");
+    let tokens = obj["input_tokens"].as_u64().unwrap();
+    let chat = json!({
+        "model": "sim-tiny", "max_tokens": 1, "prompt_cache_retention": "24h",
+        "messages": [{"role": "system", "content": words("c", 300)},
+                     {"role": "user", "content": "hello"}],
+    });
+    let (s, _, r) = app.post("/v1/chat/completions", &key, &chat).await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(
+        r["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{r}"
+    );
+    // The node's writer copies them within moments.
+    let mut backlog = usize::MAX;
+    for _ in 0..100 {
+        backlog = app
+            .running()
+            .node
+            .with_store(|st| st.write_through_backlog());
+        if backlog == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(backlog, 0);
+
+    restart(&mut app, disk).await;
+    assert_eq!(
+        app.running().node.with_store(|st| st.len()),
+        0,
+        "DRAM starts empty"
+    );
+    let by_id = json!({"model": "sim-tiny", "max_tokens": 1, "cached_content": obj["id"],
+        "messages": [{"role": "user", "content": "and now?"}]});
+    let (s, _, a) = app.post("/v1/messages", &key, &by_id).await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(a["usage"]["cache_read_input_tokens"], tokens, "{a}");
+    assert_eq!(a["cachet"]["cached_content"]["status"], "read", "{a}");
+    let (s, _, r) = app.post("/v1/chat/completions", &key, &chat).await;
+    assert_eq!(s, 200, "{r}");
+    assert!(
+        r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{r}"
+    );
+    app.stop().await;
+}

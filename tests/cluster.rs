@@ -74,6 +74,7 @@ async fn a_node_process_serves_announces_publishes_and_leaves() {
             ttl: Duration::from_secs(300),
             kind: EntryKind::Paid,
             replica: false,
+            handoff: false,
         },
     )
     .await

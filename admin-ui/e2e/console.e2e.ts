@@ -589,7 +589,7 @@ describe("the admin console", () => {
     await shot(p, "21-alerts");
   });
 
-  it("lets a tenant admin list cache objects, delete one and purge the whole cache", async () => {
+  it("lets a tenant admin list cache objects, extend one, delete one and purge the whole cache", async () => {
     // Another tenant's admin, so that nothing earlier in the story (acme's limits and budget)
     // stands in the way of the traffic.
     const root = await token("root", ROOT_PASSWORD);
@@ -631,6 +631,15 @@ describe("the admin console", () => {
     expect(await row(made[0]).textContent()).toContain("handbook");
     expect(await row(made[0]).textContent()).toContain("default");
     await shot(p, "22-cache-objects");
+    // Extended to a day from now: the API key sees the new expiry too.
+    await p.getByRole("button", { name: `Extend ${made[1].id}` }).click();
+    await p.getByLabel("Held until, from now").selectOption("24h");
+    await p.getByRole("button", { name: "Extend", exact: true }).click();
+    await p.getByText(`Cache object ${made[1].id} now expires`).waitFor();
+    const extended = await client.get<{ expires_at: string }>(`/v1/caches/${made[1].id}`);
+    const left = Date.parse(extended.expires_at) - Date.now();
+    expect(left).toBeGreaterThan(23 * 3600_000);
+    expect(left).toBeLessThanOrEqual(24 * 3600_000);
     await p.getByRole("button", { name: `Delete ${made[0].id}` }).click();
     await p.getByRole("button", { name: "Delete", exact: true }).click();
     await p.getByText(`Cache object ${made[0].id} deleted.`).waitFor();

@@ -72,7 +72,7 @@ impl FabricClient {
             if tail.offset <= upto
                 && tail.offset > best
                 && tail.offset / b <= full
-                && store.contains(&scope, &tail.hash, now)
+                && store.has(&scope, &[tail.hash], now)[0]
             {
                 best = tail.offset;
                 break;
@@ -215,6 +215,29 @@ impl FabricClient {
             "fabric entry written"
         );
         written
+    }
+
+    /// Hold blocks already stored (a cache object's, by their hashes) as `holding` says, on
+    /// this node and, in a cluster, on their owners: an extension of their hold. Blocks no
+    /// longer stored are skipped (a request naming the object computes them again).
+    pub async fn hold_blocks(
+        &self,
+        scope: Scope,
+        hashes: &[BlockHash],
+        holding: Holding,
+    ) -> Result<(), WriteRefused> {
+        let Holding { ttl, kind } = holding;
+        let now = Instant::now();
+        match &self.cluster {
+            Some(c) => {
+                c.write_entry(scope, hashes, Vec::new(), ttl, now, kind)
+                    .await
+            }
+            None => self
+                .node
+                .store()
+                .put_replica(&scope, hashes, Vec::new(), ttl, now, kind),
+        }
     }
 
     /// Explain a miss at `offset` (the first block of its chain that is not stored).

@@ -591,6 +591,7 @@ impl Cluster {
                     ttl,
                     kind,
                     replica: true,
+                    handoff: false,
                 });
                 match block {
                     Some(b) => e.new.push(b.clone()),
@@ -722,6 +723,7 @@ impl Cluster {
                         ttl: h.remaining.max(Duration::from_secs(1)),
                         kind: h.kind,
                         replica: true,
+                        handoff: true,
                     };
                     let outcome = match self.transport.put_entry(addr, &entry).await {
                         Ok(Ok(())) => {

@@ -118,7 +118,7 @@ pub static TIER_MOVES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     reg(IntCounterVec::new(
         Opts::new(
             "cachet_fabric_tier_moves_total",
-            "Blocks moved between DRAM and the lower (disk) tier: demoted, promoted, and failures",
+            "Blocks moved between DRAM and the lower (disk) tier: demoted, promoted, read_through, written_through (long holds copied as they are written), and failures",
         ),
         &["move"],
     )

@@ -191,7 +191,37 @@ impl FabricNode {
     pub fn with_store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {
         f(&mut self.store())
     }
+
+    /// Copy long holds to the tier below as they are written ([`Store::write_through`]),
+    /// [`WRITE_THROUGH_BATCH`] bytes per hold of the store's lock, off the async threads,
+    /// until `stop`.
+    pub async fn run_write_through(
+        self: Arc<Self>,
+        every: std::time::Duration,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = stop.cancelled() => return,
+            }
+            loop {
+                let node = self.clone();
+                let written = tokio::task::spawn_blocking(move || {
+                    node.with_store(|s| s.write_through(WRITE_THROUGH_BATCH))
+                })
+                .await
+                .unwrap_or(0);
+                if written == 0 || stop.is_cancelled() {
+                    break;
+                }
+            }
+        }
+    }
 }
+
+/// Bytes written through to the tier below per hold of the store's lock.
+pub const WRITE_THROUGH_BATCH: u64 = 8 << 20;
 
 /// The result of a prefix read.
 #[derive(Clone, Debug, Default)]

@@ -135,6 +135,11 @@ pub struct TenantCacheStats {
     pub top_prefixes: Vec<PrefixStat>,
     /// Nodes that answered.
     pub nodes: u32,
+    /// Bytes of distinct blocks, summed over the nodes: a block in several tiers of a node
+    /// (a long hold written through to disk) counts once; copies on several nodes each
+    /// count (replicas).
+    #[serde(default)]
+    pub distinct_bytes: u64,
 }
 
 impl TenantCacheStats {
@@ -166,6 +171,7 @@ impl TenantCacheStats {
             .sort_by(|a, b| b.reads.cmp(&a.reads).then_with(|| a.hash.cmp(&b.hash)));
         self.top_prefixes.truncate(top);
         self.nodes += other.nodes;
+        self.distinct_bytes += other.distinct_bytes;
     }
 
     /// Bytes in every tier.
@@ -204,6 +210,7 @@ mod tests {
             },
             top_prefixes: vec![prefix("aa", 5), prefix("bb", 1)],
             nodes: 1,
+            distinct_bytes: 20,
         };
         let b = TenantCacheStats {
             tiers: vec![
@@ -225,6 +232,7 @@ mod tests {
             },
             top_prefixes: vec![prefix("bb", 7), prefix("cc", 2)],
             nodes: 1,
+            distinct_bytes: 35,
         };
         a.merge(b, 2);
         assert_eq!(a.total_bytes(), 60);
@@ -238,5 +246,6 @@ mod tests {
             .collect();
         assert_eq!(top, vec![("bb", 8), ("aa", 5)]);
         assert_eq!(a.nodes, 2);
+        assert_eq!(a.distinct_bytes, 55);
     }
 }

@@ -9,7 +9,8 @@
 //! HELLO  1 = token_len:u16 token             ok
 //! GET    2 = scope:32 n:u32 hash:32 × n      count:u32, count × (hash:32 n_tokens:u32 crc:u32 len:u64 data)
 //! PUT    3 = scope:32 ttl_ms:u64 kind:u8     ok | refused(reason:u8)   (kind: 0 paid, 1 best
-//!                                                effort, 2 a cache object's; | 0x80: replica)
+//!                                                effort, 2 a cache object's; | 0x80: replica;
+//!                                                | 0x40: a handoff of held blocks)
 //!            n_existing:u32 hash:32 × n
 //!            n_new:u32 (hash:32 parent:33 n_tokens:u32 crc:u32 len:u64 data) × n
 //! STRIPE 4 = scope:32 hash:32 index:u32      found:u8, n_tokens:u32 crc:u32 total:u64
@@ -82,6 +83,10 @@ pub struct RemoteEntry {
     /// Stored as a replica by an owner ([`crate::store::Store::put_replica`]): parents may
     /// live elsewhere and `existing` blocks the node lacks are skipped.
     pub replica: bool,
+    /// A copy of blocks another node already held (a repair or a drain), not a new write: a
+    /// block a deleted cache object released here lately is not taken back
+    /// ([`crate::store::Store::put_handoff`]).
+    pub handoff: bool,
 }
 
 /// How blocks move between nodes. One contract test suite runs against every implementation.
@@ -131,6 +136,8 @@ const OP_REPORT: u8 = 10;
 const MAX_TOP: usize = 1000;
 /// Flag in PUT's kind byte: store as a replica.
 const REPLICA: u8 = 0x80;
+/// Flag in PUT's kind byte: a handoff (repair, drain) of blocks another node held.
+const HANDOFF: u8 = 0x40;
 const OK: u8 = 0;
 const DENIED: u8 = 1;
 const REFUSED: u8 = 2;
@@ -375,7 +382,9 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
                 let entry = put.ok_or_else(|| bad("malformed PUT"))?;
                 let now = tokio::time::Instant::now();
                 let r = node.with_store(|st| {
-                    let put = if entry.replica {
+                    let put = if entry.handoff {
+                        Store::put_handoff
+                    } else if entry.replica {
                         Store::put_replica
                     } else {
                         Store::put_entry
@@ -438,7 +447,8 @@ async fn read_put<R: AsyncRead + Unpin>(s: &mut R, len: usize) -> std::io::Resul
     let ttl = Duration::from_millis(head.get_u64_le());
     let kind = head.get_u8();
     let replica = kind & REPLICA != 0;
-    let kind = match kind & !REPLICA {
+    let handoff = kind & HANDOFF != 0;
+    let kind = match kind & !(REPLICA | HANDOFF) {
         0 => EntryKind::Paid,
         1 => EntryKind::BestEffort,
         2 => EntryKind::Object,
@@ -479,6 +489,7 @@ async fn read_put<R: AsyncRead + Unpin>(s: &mut R, len: usize) -> std::io::Resul
         ttl,
         kind,
         replica,
+        handoff,
     })
 }
 
@@ -919,7 +930,8 @@ impl Transport for TcpTransport {
                 EntryKind::Paid => 0,
                 EntryKind::BestEffort => 1,
                 EntryKind::Object => 2,
-            } | if e.replica { REPLICA } else { 0 },
+            } | if e.replica { REPLICA } else { 0 }
+                | if e.handoff { HANDOFF } else { 0 },
         );
         req.put_u32_le(e.existing.len() as u32);
         for h in &e.existing {

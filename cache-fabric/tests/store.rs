@@ -1105,6 +1105,25 @@ async fn releasing_an_objects_hold_frees_what_nothing_else_holds() {
     );
     let again = c.release(s, &held);
     assert_eq!((again.blocks_freed, again.blocks_held), (0, 2), "{again:?}");
+    // A peer's repair that read a freed block before its own release does not bring it
+    // back; a new write of it (an object created again) does.
+    let freed: Vec<PutBlock> = blocks_to(&k, 16).into_iter().skip(2).collect();
+    let day = Duration::from_secs(86_400);
+    node.with_store(|st| {
+        let t = Instant::now();
+        st.put_handoff(&s, &[], freed.clone(), day, t, OBJECT)
+            .unwrap();
+        assert!(
+            !st.contains(&s, &freed[0].hash, t),
+            "a handoff is not taken back"
+        );
+        st.put_replica(&s, &[], freed.clone(), day, t, OBJECT)
+            .unwrap();
+        assert!(st.contains(&s, &freed[0].hash, t), "a new write is");
+        let r = st.release(&s, &held, t);
+        assert_eq!(r.blocks_freed, 2, "{r:?}");
+        st.check_invariants();
+    });
 
     // The request's entry lapses after its 5 minutes (read at 1 min: refreshed to 6), not
     // the day the deleted object asked for; the other object's block stays its 2 hours.
@@ -1172,4 +1191,76 @@ async fn a_release_reaches_the_disk_tier_and_is_applied_again_after_a_restart() 
     assert_eq!(r.bytes_held, 2 * block, "{r:?}");
     node.with_store(|st| st.check_invariants());
     assert_eq!(c.read_prefix(s, &k, 16, now).await.tokens, 8);
+}
+
+/// Long holds — a cache object's, any write held past an hour (OpenAI's 24h retention) —
+/// are copied to the disk tier as they are written, not only when DRAM pressure evicts them,
+/// and their disk copies stay when a read brings them back to DRAM: a restart keeps them. A
+/// 5-minute entry is not copied (a restart loses it, as before).
+#[tokio::test]
+async fn long_holds_are_written_through_to_disk_and_survive_restarts() {
+    let dir = TempDir::new();
+    let s = scope();
+    let now = Instant::now();
+    let obj = keys(s, &toks(90, 8), &[8]);
+    let day = keys(s, &toks(91, 8), &[8]);
+    let short = keys(s, &toks(92, 8), &[8]);
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    {
+        let (c, node) = disk_node(16, &dir.0);
+        write_whole(&c, s, &obj, 8, 600, now, OBJECT).await.unwrap();
+        write_whole(&c, s, &day, 8, 86_400, now, PAID)
+            .await
+            .unwrap();
+        write_whole(&c, s, &short, 8, 300, now, PAID).await.unwrap();
+        node.with_store(|st| {
+            assert_eq!(st.write_through_backlog(), 4);
+            assert_eq!(
+                st.lower_tier_usage(),
+                Some((0, 0)),
+                "nothing until the writer runs"
+            );
+            assert_eq!(
+                st.write_through(block),
+                block,
+                "a batch stops at its budget"
+            );
+            assert_eq!(st.write_through(u64::MAX), 3 * block);
+            assert_eq!(st.write_through(u64::MAX), 0);
+            assert_eq!(st.lower_tier_usage(), Some((4, 4 * block)));
+            assert_eq!(st.len(), 6, "the DRAM copies stay");
+            // The tenant's cache view counts a block in both tiers once.
+            let stats = st.tenant_stats(s.tenant, now, 1);
+            assert_eq!(stats.total_bytes(), 10 * block);
+            assert_eq!(stats.distinct_bytes, 6 * block);
+            st.check_invariants();
+        });
+    }
+    for restart in 1..=2 {
+        let (c, node) = disk_node(16, &dir.0);
+        assert_eq!(
+            c.read_prefix(s, &obj, 8, now).await.tokens,
+            8,
+            "restart {restart}"
+        );
+        assert_eq!(
+            c.read_prefix(s, &day, 8, now).await.tokens,
+            8,
+            "restart {restart}"
+        );
+        assert_eq!(
+            c.read_prefix(s, &short, 8, now).await.tokens,
+            0,
+            "restart {restart}"
+        );
+        node.with_store(|st| {
+            assert_eq!(st.len(), 4, "promoted to DRAM");
+            assert_eq!(
+                st.lower_tier_usage(),
+                Some((4, 4 * block)),
+                "and kept on disk"
+            );
+            st.check_invariants();
+        });
+    }
 }

@@ -73,6 +73,7 @@ fn entry(scope: Scope, blocks: &[PutBlock], kind: EntryKind) -> RemoteEntry {
         ttl: Duration::from_secs(300),
         kind,
         replica: false,
+        handoff: false,
     }
 }
 
@@ -194,6 +195,7 @@ async fn contract<T: Transport>(t: &T, addr: &str, node: &FabricNode) {
     );
     let replica = RemoteEntry {
         replica: true,
+        handoff: false,
         existing: vec![mid[0].hash],
         ..entry(s, &mid[2..], EntryKind::Paid)
     };
@@ -204,6 +206,7 @@ async fn contract<T: Transport>(t: &T, addr: &str, node: &FabricNode) {
     // The parent arriving later adopts its children: the chain is whole again.
     let parents = RemoteEntry {
         replica: true,
+        handoff: false,
         ..entry(s, &mid[..2], EntryKind::Paid)
     };
     assert_eq!(t.put_entry(addr, &parents).await.unwrap(), Ok(()));

@@ -8,12 +8,13 @@
 //! nothing. An object past its expiry, or deleted, is not found either.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use cache_fabric::Released;
 use cachet_common::{ApiKeyId, BlockHash, Scope, TenantId, WorkspaceId};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 use sqlx::{PgPool, Row};
 use utoipa::ToSchema;
 
@@ -58,6 +59,15 @@ pub const ID_PREFIX: &str = "cache_";
 /// Random base62 characters after the prefix.
 const ID_CHARS: usize = 24;
 
+impl CacheObject {
+    pub fn scope(&self) -> Scope {
+        Scope {
+            tenant: self.tenant,
+            workspace: self.workspace,
+        }
+    }
+}
+
 /// A fresh object id: `cache_` and 24 random base62 characters (about 143 bits).
 pub fn new_id() -> Result<String, AdminError> {
     crate::tenants::keys::random_id(ID_PREFIX, ID_CHARS)
@@ -67,6 +77,103 @@ pub fn new_id() -> Result<String, AdminError> {
 pub fn is_object_id(id: &str) -> bool {
     id.strip_prefix(ID_PREFIX)
         .is_some_and(|r| r.len() == ID_CHARS && r.bytes().all(|b| b.is_ascii_alphanumeric()))
+}
+
+/// The shortest time an object is held.
+pub const MIN_TTL: Duration = Duration::from_secs(300);
+
+/// How long an object is held, as asked.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Lifetime {
+    Ttl(Duration),
+    Until(DateTime<Utc>),
+}
+
+impl Lifetime {
+    /// From a body's `ttl` or `expires_at` (one of them at most; `default` without either).
+    pub fn from_body(
+        top: &Map<String, Value>,
+        default: Option<Duration>,
+    ) -> Result<Self, AdminError> {
+        let get = |k: &str| top.get(k).filter(|v| !v.is_null());
+        match (get("ttl"), get("expires_at")) {
+            (Some(_), Some(_)) => Err(AdminError::Invalid("ttl, expires_at: give one of them, not both".into())),
+            (Some(t), None) => parse_ttl(t).map(Lifetime::Ttl),
+            (None, Some(e)) => e
+                .as_str()
+                .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
+                .map(|t| Lifetime::Until(t.with_timezone(&Utc)))
+                .ok_or_else(|| {
+                    AdminError::Invalid("expires_at: must be a date and time in RFC 3339, such as 2026-12-01T00:00:00Z".into())
+                }),
+            (None, None) => default
+                .map(Lifetime::Ttl)
+                .ok_or_else(|| AdminError::Invalid("ttl: give a new ttl or expires_at".into())),
+        }
+    }
+
+    /// The expiry, from `now`, within 5 minutes and `max`.
+    pub fn expires_at(
+        self,
+        now: DateTime<Utc>,
+        max: Duration,
+    ) -> Result<DateTime<Utc>, AdminError> {
+        let (field, at) = match self {
+            Lifetime::Ttl(d) => (
+                "ttl",
+                chrono::Duration::from_std(d)
+                    .ok()
+                    .and_then(|d| now.checked_add_signed(d))
+                    // Past any maximum: refused below.
+                    .unwrap_or(DateTime::<Utc>::MAX_UTC),
+            ),
+            Lifetime::Until(t) => ("expires_at", t),
+        };
+        let held = (at - now).to_std().unwrap_or(Duration::ZERO);
+        if held < MIN_TTL {
+            return Err(AdminError::Invalid(format!(
+                "{field}: a cache object is held for at least 5 minutes (300s)"
+            )));
+        }
+        if held > max + Duration::from_secs(1) {
+            return Err(AdminError::Invalid(format!(
+                "{field}: a cache object is held for at most {}s, this organization's maximum (its policy's max_cache_ttl_secs)",
+                max.as_secs()
+            )));
+        }
+        Ok(at)
+    }
+}
+
+/// `"300s"`, `"2.5s"`, `"30m"`, `"24h"`, `"7d"`, or a whole number of seconds.
+pub fn parse_ttl(v: &Value) -> Result<Duration, AdminError> {
+    let bad = || {
+        AdminError::Invalid(
+            "ttl: must be a duration such as \"300s\", \"30m\", \"24h\" or \"7d\", or a whole number of seconds"
+                .into(),
+        )
+    };
+    if let Some(n) = v.as_u64() {
+        return Ok(Duration::from_secs(n));
+    }
+    let s = v.as_str().ok_or_else(bad)?.trim();
+    let unit = match s.chars().last() {
+        Some('s') => 1.0,
+        Some('m') => 60.0,
+        Some('h') => 3600.0,
+        Some('d') => 86_400.0,
+        _ => return Err(bad()),
+    };
+    let n = &s[..s.len() - 1];
+    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return Err(bad());
+    }
+    let n: f64 = n.parse().map_err(|_| bad())?;
+    let secs = n * unit;
+    if !secs.is_finite() || secs > 1e10 {
+        return Err(bad());
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 /// A live cache object.
@@ -92,15 +199,19 @@ pub struct CacheObject {
     /// in a [`list`], which never reads it (an object's content can be megabytes).
     #[serde(skip)]
     pub content: Value,
+    /// The hashes of its blocks (empty in a [`list`], and for objects made before they were
+    /// kept).
+    #[serde(skip)]
+    pub blocks: Vec<BlockHash>,
 }
 
 /// An object's columns, its content included (one object: get, extend, delete).
 const COLUMNS: &str = "o.id, o.tenant_id, o.workspace_id, o.model, o.content, o.input_tokens, \
-    o.display_name, o.created_at, o.expires_at, \
+    o.display_name, o.created_at, o.expires_at, o.block_hashes, \
     (SELECT w.name FROM workspaces w WHERE w.id = o.workspace_id) AS workspace_name";
 /// The same without the content (lists).
 const LISTED: &str = "o.id, o.tenant_id, o.workspace_id, o.model, NULL::JSONB AS content, \
-    o.input_tokens, o.display_name, o.created_at, o.expires_at, \
+    o.input_tokens, o.display_name, o.created_at, o.expires_at, NULL::BYTEA AS block_hashes, \
     (SELECT w.name FROM workspaces w WHERE w.id = o.workspace_id) AS workspace_name";
 
 fn from_row(r: &sqlx::postgres::PgRow) -> CacheObject {
@@ -118,6 +229,10 @@ fn from_row(r: &sqlx::postgres::PgRow) -> CacheObject {
             .get::<Option<String>, _>("workspace_name")
             .unwrap_or_default(),
         content: r.get::<Option<Value>, _>("content").unwrap_or(Value::Null),
+        blocks: r
+            .get::<Option<Vec<u8>>, _>("block_hashes")
+            .map(|b| hashes_from_bytes(&b))
+            .unwrap_or_default(),
     }
 }
 
@@ -529,6 +644,65 @@ pub async fn purge(pool: &PgPool, actor: &Actor, tenant: TenantId) -> Result<u64
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ttls_read_as_durations_or_seconds() {
+        for (v, secs) in [
+            (json!("300s"), 300.0),
+            (json!("2.5s"), 2.5),
+            (json!("30m"), 1800.0),
+            (json!("24h"), 86_400.0),
+            (json!("7d"), 604_800.0),
+            (json!(600), 600.0),
+        ] {
+            assert_eq!(parse_ttl(&v).unwrap().as_secs_f64(), secs, "{v}");
+        }
+        for v in [
+            json!("5"),
+            json!("h"),
+            json!("-5m"),
+            json!("1e9d"),
+            json!(-3),
+            json!(true),
+            json!("5 m"),
+        ] {
+            assert!(parse_ttl(&v).is_err(), "{v}");
+        }
+    }
+
+    #[test]
+    fn lifetimes_stay_between_five_minutes_and_the_tenants_maximum() {
+        let now = Utc::now();
+        let day = Duration::from_secs(86_400);
+        assert!(
+            Lifetime::Ttl(Duration::from_secs(299))
+                .expires_at(now, day)
+                .is_err()
+        );
+        assert!(
+            Lifetime::Ttl(Duration::from_secs(300))
+                .expires_at(now, day)
+                .is_ok()
+        );
+        assert!(Lifetime::Ttl(day).expires_at(now, day).is_ok());
+        let e = Lifetime::Ttl(day * 2).expires_at(now, day).unwrap_err();
+        assert!(
+            Lifetime::Ttl(Duration::from_secs(u64::MAX))
+                .expires_at(now, day)
+                .is_err()
+        );
+        assert!(e.to_string().contains("max_cache_ttl_secs"), "{e}");
+        let past = now - chrono::Duration::minutes(1);
+        assert!(Lifetime::Until(past).expires_at(now, day).is_err());
+        let e = Lifetime::from_body(
+            json!({"ttl": "1h", "expires_at": "2030-01-01T00:00:00Z"})
+                .as_object()
+                .unwrap(),
+            None,
+        )
+        .unwrap_err();
+        assert!(e.to_string().starts_with("ttl, expires_at"), "{e}");
+    }
 
     #[test]
     fn ids_are_prefixed_base62_and_checked_by_shape() {

@@ -59,7 +59,7 @@ impl Modify for Security {
           overview::overview, workspaces::list_workspaces, workspaces::create_workspace,
           workspaces::get_workspace, workspaces::update_workspace, workspaces::archive_workspace,
           webhooks::list_endpoints, webhooks::create_endpoint, webhooks::disable_endpoint,
-          webhooks::list_deliveries, admin_caches::list_objects, admin_caches::delete_object,
+          webhooks::list_deliveries, admin_caches::list_objects, admin_caches::delete_object, admin_caches::extend_object,
           admin_caches::purge),
     components(schemas(billing::api::Format)),
     modifiers(&Security),

@@ -91,6 +91,7 @@ pub async fn transfer_bench(
         ttl: Duration::from_secs(3600),
         kind: EntryKind::Paid,
         replica: false,
+        handoff: false,
     };
     for &n in stripes {
         let mut t = TcpTransport::new(token.clone());

@@ -28,7 +28,8 @@ export function CacheTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolean
       <h2 id="cache-title">Cache</h2>
       <p>
         {formatBytes(v.total_bytes)} held on {v.nodes} node{v.nodes === 1 ? "" : "s"}
-        {v.quota_bytes !== null ? ` of a ${formatBytes(v.quota_bytes)} quota` : " (no quota)"}
+        {v.nodes > 1 ? " (each node's copy counted)" : ""}
+        {v.quota_bytes !== null ? ` of a ${formatBytes(v.quota_bytes)} quota (one copy of each block)` : " (no quota)"}
         {v.reserved_bytes !== null ? `, ${formatBytes(v.reserved_bytes)} reserved` : ""}.{" "}
         <button type="button" class="secondary outline" onClick={() => c.reload()}>
           Refresh
@@ -158,7 +159,15 @@ export function CacheTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolean
   );
 }
 
-/** The tenant's cache objects (`POST /v1/caches`), newest first, each deletable. */
+/** How long an extended object is held, from now. */
+const EXTEND_CHOICES: [string, string][] = [
+  ["1h", "1 hour"],
+  ["24h", "24 hours"],
+  ["7d", "7 days"],
+  ["30d", "30 days"],
+];
+
+/** The tenant's cache objects (`POST /v1/caches`), newest first, each extendable and deletable. */
 function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (notice: string) => void }) {
   const { tenant } = props;
   const list = useAsync(
@@ -166,6 +175,8 @@ function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (noti
     [tenant.id],
   );
   const [deleting, setDeleting] = useState<CacheObject | null>(null);
+  const [extending, setExtending] = useState<CacheObject | null>(null);
+  const [ttl, setTtl] = useState(EXTEND_CHOICES[0][0]);
   if (list.error) return <ErrorBanner error={list.error} />;
   if (!list.data) return <Loading what="cache objects" />;
   const objects = list.data.data;
@@ -201,6 +212,9 @@ function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (noti
               <td>{formatTime(o.expires_at)}</td>
               {props.canEdit && (
                 <td>
+                  <button type="button" class="secondary" aria-label={`Extend ${o.id}`} onClick={() => setExtending(o)}>
+                    Extend
+                  </button>{" "}
                   <button type="button" class="danger" aria-label={`Delete ${o.id}`} onClick={() => setDeleting(o)}>
                     Delete
                   </button>
@@ -210,6 +224,32 @@ function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (noti
           ))}
         </tbody>
       </Table>
+      <Confirm
+        open={extending !== null}
+        title={`Extend ${extending?.display_name ?? extending?.id ?? ""}`}
+        body={
+          <label>
+            Held until, from now
+            <select value={ttl} onChange={(e) => setTtl((e.target as HTMLSelectElement).value)}>
+              {EXTEND_CHOICES.map(([v, label]) => (
+                <option key={v} value={v}>
+                  {label}
+                </option>
+              ))}
+            </select>
+            <small>Within the tenant's longest cache object lifetime (its policy). Storage is billed by the hour held.</small>
+          </label>
+        }
+        action="Extend"
+        onClose={() => setExtending(null)}
+        onConfirm={async () => {
+          const o = await api<CacheObject>("PATCH", `/v1/admin/tenants/${tenant.id}/cache/objects/${extending!.id}`, {
+            ttl,
+          });
+          await list.reload();
+          props.onChange(`Cache object ${o.id} now expires ${formatTime(o.expires_at)}.`);
+        }}
+      />
       <Confirm
         open={deleting !== null}
         title={`Delete ${deleting?.display_name ?? deleting?.id ?? ""}?`}

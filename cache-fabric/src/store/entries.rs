@@ -241,6 +241,8 @@ impl Store {
         let mut out = Released::default();
         for &(hash, kept) in blocks {
             let kept = kept.filter(|&k| k > wall);
+            self.mark_released(hash, now);
+            let before = out;
             if let Some(b) = self.blocks.get(&hash).filter(|b| b.scope == *scope) {
                 let others = kept.map(|k| now + Duration::from_millis(k - wall));
                 let until = others.map_or(b.shared.until, |k| k.max(b.shared.until));
@@ -255,7 +257,11 @@ impl Store {
                     out.bytes_held += len;
                 }
             }
-            out += self.release_lower(scope, &hash, kept, wall);
+            // A block in both tiers (a long hold written through) counts once.
+            let below = self.release_lower(scope, &hash, kept, wall);
+            if out == before {
+                out += below;
+            }
         }
         out
     }
@@ -366,6 +372,7 @@ impl Store {
                 ))
             })
             .collect();
+        let mut distinct_bytes = dram.bytes;
         let mut tiers = vec![dram];
         if let Some(t) = &self.lower {
             let (blocks, bytes) = t.tenant_usage(tenant);
@@ -374,12 +381,26 @@ impl Store {
                 blocks: blocks as u64,
                 bytes,
             });
+            // Written-through copies of blocks DRAM holds too count once.
+            distinct_bytes += t
+                .inventory()
+                .into_iter()
+                .filter(|(h, owner, _)| {
+                    *owner == tenant
+                        && !self
+                            .blocks
+                            .get(h)
+                            .is_some_and(|b| b.scope.tenant == tenant && b.expires_at > now)
+                })
+                .map(|(_, _, bytes)| bytes)
+                .sum::<u64>();
         }
         TenantCacheStats {
             tiers,
             evictions: self.removals.get(&tenant).copied().unwrap_or_default(),
             top_prefixes,
             nodes: 1,
+            distinct_bytes,
         }
     }
 

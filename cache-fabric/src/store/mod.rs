@@ -375,6 +375,30 @@ pub struct Store {
     /// Blocks still ranked under the adaptive policy's previous setting, re-ranked a batch
     /// at a time ([`REKEY_BATCH`]) so a move never holds the store for long.
     stale_keys: Vec<BlockHash>,
+    /// Blocks of long holds to copy to the tier below while they stay in DRAM
+    /// ([`Store::write_through`]), in the order written, each once.
+    through: VecDeque<BlockHash>,
+    through_queued: BlockSet,
+    /// Blocks a deleted cache object released here lately, and when: a handoff of one of
+    /// them (a peer's repair that read it before its own release) is not taken back.
+    released: BlockMap<Instant>,
+    released_order: VecDeque<BlockHash>,
+}
+
+/// How long a released block refuses handoffs: longer than a repair round takes.
+pub const RELEASED_WINDOW: Duration = Duration::from_secs(600);
+/// Released blocks remembered at most (the oldest are forgotten past this).
+const RELEASED: usize = 65_536;
+
+/// Holds longer than this (and every cache object's) are written through to a tier below
+/// that keeps paid blocks, so that a restart keeps them: an hour is the longest TTL class a
+/// request's breakpoint has; longer holds are OpenAI's 24h retention (automatic caching's,
+/// so best effort, billed as a 1h write) and cache objects.
+pub const WRITE_THROUGH_OVER: Duration = Duration::from_secs(3600);
+
+/// Whether a write held so is copied to the tier below as soon as it is written.
+pub fn writes_through(kind: EntryKind, ttl: Duration) -> bool {
+    kind == EntryKind::Object || ttl > WRITE_THROUGH_OVER
 }
 
 /// Blocks re-ranked per store operation after the adaptive policy moves.
@@ -406,6 +430,10 @@ impl Store {
             removals: HashMap::new(),
             lower_reads: 0,
             stale_keys: Vec::new(),
+            through: VecDeque::new(),
+            through_queued: BlockSet::default(),
+            released: BlockMap::default(),
+            released_order: VecDeque::new(),
         }
     }
 
@@ -645,6 +673,48 @@ impl Store {
         self.put_each(scope, &[], new, terms, now)
     }
 
+    /// Store blocks another node held, handed over by a repair or a drain ([`Store::put_replica`]
+    /// semantics), except those a deleted cache object released here within
+    /// [`RELEASED_WINDOW`]: the peer read them before its own release, and taking them back
+    /// would hold the deleted object's blocks again.
+    pub fn put_handoff(
+        &mut self,
+        scope: &Scope,
+        existing: &[BlockHash],
+        new: Vec<PutBlock>,
+        ttl: Duration,
+        now: Instant,
+        kind: EntryKind,
+    ) -> Result<(), WriteRefused> {
+        let released = |s: &Self, h: &BlockHash| {
+            s.released
+                .get(h)
+                .is_some_and(|at| now.saturating_duration_since(*at) < RELEASED_WINDOW)
+        };
+        let existing: Vec<BlockHash> = existing
+            .iter()
+            .filter(|h| !released(self, h))
+            .copied()
+            .collect();
+        let new: Vec<PutBlock> = new
+            .into_iter()
+            .filter(|b| !released(self, &b.hash))
+            .collect();
+        self.put_replica(scope, &existing, new, ttl, now, kind)
+    }
+
+    /// Remember that a deleted object released `hash` (see [`Store::put_handoff`]).
+    pub(super) fn mark_released(&mut self, hash: BlockHash, now: Instant) {
+        if self.released.insert(hash, now).is_none() {
+            if self.released_order.len() >= RELEASED
+                && let Some(old) = self.released_order.pop_front()
+            {
+                self.released.remove(&old);
+            }
+            self.released_order.push_back(hash);
+        }
+    }
+
     fn put_each(
         &mut self,
         scope: &Scope,
@@ -748,6 +818,12 @@ impl Store {
         let expires = now + ttl;
         let paid = kind.is_paid();
         let shared = kind != EntryKind::Object;
+        if !self.released.is_empty() {
+            // Written again: no longer a released block.
+            for h in existing.iter().chain(new.iter().map(|b| &b.hash)) {
+                self.released.remove(h);
+            }
+        }
         for h in existing {
             if !extra {
                 self.unmark_extra(h);
@@ -784,6 +860,13 @@ impl Store {
             inserted.push(b.hash);
             let held = Shared::of(kind, ttl, expires, now);
             self.insert(scope, b, (ttl, expires, held), paid, copy);
+        }
+        if writes_through(kind, ttl) && self.lower.as_ref().is_some_and(|t| t.keeps_paid()) {
+            for h in existing.iter().chain(&inserted) {
+                if self.through_queued.insert(*h) {
+                    self.through.push_back(*h);
+                }
+            }
         }
         Ok(())
     }

@@ -77,7 +77,11 @@ impl Store {
                 });
             }
         }
-        if let Some(tier) = self.lower.as_mut() {
+        // A long hold's disk copy stays (written through: it is what a restart keeps).
+        let long = super::writes_through(tb.kind(), tb.ttl);
+        if let Some(tier) = self.lower.as_mut()
+            && !long
+        {
             tier.remove(hash);
         }
         let remaining = Duration::from_millis(tb.expires_unix_ms - wall);
@@ -198,16 +202,13 @@ impl Store {
         }
     }
 
-    /// Copy a stored block to the lower tier (with its remaining TTL and paid flag); whether
-    /// the tier took it.
-    pub(super) fn demote(&mut self, hash: &BlockHash) -> bool {
-        let (Some(b), Some(tier)) = (self.blocks.get(hash), self.lower.as_mut()) else {
-            return false;
-        };
+    /// A stored block as the tier below keeps it (its holds as wall-clock times).
+    fn tier_block(&self, hash: &BlockHash) -> Option<TierBlock> {
+        let b = self.blocks.get(hash)?;
         let now = Instant::now();
         let wall = unix_ms();
         let at = |i: Instant| wall + i.saturating_duration_since(now).as_millis() as u64;
-        let demoted = TierBlock {
+        Some(TierBlock {
             hash: *hash,
             scope: b.scope,
             parent: b.parent,
@@ -218,6 +219,63 @@ impl Store {
             shared_ttl: b.shared.ttl,
             shared_until_unix_ms: at(b.shared.until),
             data: b.data.clone(),
+        })
+    }
+
+    /// Copy blocks of long holds ([`super::writes_through`]) to the tier below while they
+    /// stay in DRAM, up to about `budget` bytes (a call holds the store for that much disk
+    /// writing; the node's writer calls again until nothing is left). Returns the bytes
+    /// written. A restart then finds them in the tier below.
+    pub fn write_through(&mut self, budget: u64) -> u64 {
+        let mut written = 0u64;
+        while written < budget {
+            let Some(h) = self.through.pop_front() else {
+                break;
+            };
+            self.through_queued.remove(&h);
+            let Some(tb) = self.tier_block(&h) else {
+                continue;
+            };
+            if tb.expires_unix_ms <= unix_ms() {
+                continue;
+            }
+            let len = tb.data.len() as u64;
+            let Some(tier) = self.lower.as_mut() else {
+                self.through.clear();
+                self.through_queued.clear();
+                break;
+            };
+            match tier.put(tb) {
+                Ok(()) => {
+                    written += len;
+                    metrics::TIER_MOVES
+                        .with_label_values(&["written_through"])
+                        .inc();
+                }
+                Err(e) => {
+                    tracing::warn!(block = %h, error = %e, "writing a long hold through to the tier below failed");
+                    metrics::TIER_MOVES
+                        .with_label_values(&["write_through_failed"])
+                        .inc();
+                }
+            }
+        }
+        written
+    }
+
+    /// Blocks waiting to be written through.
+    pub fn write_through_backlog(&self) -> usize {
+        self.through.len()
+    }
+
+    /// Copy a stored block to the lower tier (with its remaining TTL and paid flag); whether
+    /// the tier took it.
+    pub(super) fn demote(&mut self, hash: &BlockHash) -> bool {
+        let Some(demoted) = self.tier_block(hash) else {
+            return false;
+        };
+        let Some(tier) = self.lower.as_mut() else {
+            return false;
         };
         match tier.put(demoted) {
             Ok(()) => {

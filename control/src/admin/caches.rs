@@ -11,8 +11,26 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
-use super::{Access, Admin, AdminPath, AdminQuery, AdminState};
-use crate::caches::{self, CacheObject, Owner, Page};
+use std::time::Duration;
+
+use cache_fabric::transport::{RemoteEntry, Transport};
+use cache_fabric::{EntryKind, Holding};
+use serde_json::{Map, Value};
+
+use super::{Access, Admin, AdminJson, AdminPath, AdminQuery, AdminState, CacheSource};
+use crate::caches::{self, CacheObject, Lifetime, Owner, Page};
+use crate::tenants::policy;
+
+/// A new lifetime for an object: one of `ttl` (`"30m"`, `"24h"`, `"7d"`, or seconds) and
+/// `expires_at` (RFC 3339), counted from now, between 5 minutes and the tenant's
+/// `max_cache_ttl_secs`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExtendCacheObject {
+    #[schema(value_type = Option<String>)]
+    pub ttl: Option<Value>,
+    pub expires_at: Option<String>,
+}
 
 /// A cache object as a tenant admin sees it: with its workspace.
 #[derive(Serialize, ToSchema)]
@@ -114,6 +132,90 @@ pub async fn delete_object(
     )
     .await?;
     Ok(axum::Json(o.into()))
+}
+
+/// Give one of a tenant's cache objects a new expiry (from now, within the tenant's
+/// `max_cache_ttl_secs`); the fabric holds its blocks until then on every node that has
+/// them.
+#[utoipa::path(patch, path = "/v1/admin/tenants/{id}/cache/objects/{object}", tag = "admin",
+    params(("id" = Uuid, Path, description = "Tenant id"), ("object" = String, Path, description = "Cache object id")),
+    request_body = ExtendCacheObject,
+    responses((status = 200, body = AdminCacheObject), (status = 400, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)),
+    security(("admin_jwt" = [])))]
+pub async fn extend_object(
+    State(state): State<AdminState>,
+    admin: Admin,
+    AdminPath((id, object)): AdminPath<(Uuid, String)>,
+    AdminJson(body): AdminJson<ExtendCacheObject>,
+) -> Result<axum::Json<AdminCacheObject>, ApiError> {
+    admin.tenant(id, Access::Write)?;
+    let tenant = TenantId(id);
+    let mut top = Map::new();
+    if let Some(t) = body.ttl {
+        top.insert("ttl".into(), t);
+    }
+    if let Some(e) = body.expires_at {
+        top.insert("expires_at".into(), Value::String(e));
+    }
+    let max = policy::get_policy(&state.pool, tenant)
+        .await?
+        .max_cache_ttl_secs;
+    let now = Utc::now();
+    let expires_at = Lifetime::from_body(&top, None)?
+        .expires_at(now, Duration::from_secs(max.max(300) as u64))?;
+    let o = caches::set_expiry(
+        &state.pool,
+        Owner::Tenant(tenant, None),
+        &object,
+        expires_at,
+    )
+    .await?;
+    let hold = (expires_at - now).to_std().unwrap_or(caches::MIN_TTL);
+    hold_object(&state.cache, &o, hold).await;
+    Ok(axum::Json(o.into()))
+}
+
+/// Hold an extended object's blocks on every node that has them (best effort: a block that
+/// is gone is computed again by the next request naming the object).
+async fn hold_object(source: &CacheSource, o: &CacheObject, hold: Duration) {
+    if o.blocks.is_empty() {
+        return;
+    }
+    let holding = Holding {
+        ttl: hold,
+        kind: EntryKind::Object,
+    };
+    match source {
+        CacheSource::Local(f) => {
+            if let Err(r) = f.hold_blocks(o.scope(), &o.blocks, holding).await {
+                tracing::info!(cache_object = %o.id, reason = r.as_str(),
+                    "an extended cache object's KV is not held; the next use recomputes it");
+            }
+        }
+        CacheSource::Cluster { transport, nodes } => {
+            let entry = RemoteEntry {
+                scope: o.scope(),
+                existing: o.blocks.clone(),
+                new: Vec::new(),
+                ttl: hold,
+                kind: EntryKind::Object,
+                replica: true,
+                handoff: false,
+            };
+            let asks = nodes().into_iter().map(|addr| {
+                let (t, entry) = (transport.clone(), &entry);
+                async move {
+                    let r = tokio::time::timeout(Duration::from_secs(2), t.put_entry(&addr, entry)).await;
+                    if !matches!(r, Ok(Ok(Ok(())))) {
+                        tracing::warn!(node = %addr, cache_object = %o.id,
+                            "extending a cache object's hold on a node failed; its next use there recomputes it");
+                    }
+                }
+            });
+            futures::future::join_all(asks).await;
+        }
+    }
 }
 
 #[derive(Serialize, ToSchema)]

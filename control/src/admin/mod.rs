@@ -354,7 +354,7 @@ pub fn routes(state: AdminState) -> Router {
         )
         .route(
             "/v1/admin/tenants/{id}/cache/objects/{object}",
-            delete(caches::delete_object),
+            delete(caches::delete_object).patch(caches::extend_object),
         )
         .route("/v1/admin/tenants/{id}/cache/purge", post(caches::purge))
         .route("/v1/admin/overview", get(overview::overview))

@@ -221,7 +221,8 @@ pub struct CacheView {
     /// The tenant's resident-bytes quota (one copy of each block), if any.
     pub quota_bytes: Option<i64>,
     pub reserved_bytes: Option<i64>,
-    /// Bytes held, every tier and node together.
+    /// Bytes held, every node together: each block once per node (a block in DRAM and on
+    /// disk counts once); a block's replicas on several nodes each count.
     pub total_bytes: u64,
     #[serde(flatten)]
     pub stats: TenantCacheStats,
@@ -246,7 +247,7 @@ pub async fn cache(
     Ok(axum::Json(CacheView {
         quota_bytes: p.cache_resident_bytes,
         reserved_bytes: p.reserved_cache_bytes,
-        total_bytes: stats.total_bytes(),
+        total_bytes: stats.distinct_bytes,
         stats,
         unreachable_nodes,
     }))

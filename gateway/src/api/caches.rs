@@ -22,7 +22,7 @@ use axum::response::{IntoResponse, Response};
 use cache_fabric::{EntryKind, FabricClient, Holding, PrefixKeys, WriteRefused};
 use cachet_common::{BlockHash, RequestId, Scope, Ttl};
 use chrono::{DateTime, Utc};
-use control::caches::{self as store, CacheObject};
+use control::caches::{self as store, CacheObject, Lifetime, MIN_TTL};
 use control::tenants::{Actor, AdminError, Principal};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
@@ -38,8 +38,6 @@ use crate::release;
 
 /// The request field naming an object, and the location its breakpoint reports.
 pub const CACHED_CONTENT: &str = "cached_content";
-/// The shortest an object is held.
-pub const MIN_TTL: Duration = Duration::from_secs(300);
 /// How long an object is held when its creation names no TTL.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(3600);
 /// Objects per page when a list names no limit.
@@ -135,6 +133,11 @@ fn object_breakpoint(location: &str, end: BlockRef, hold: Duration) -> Breakpoin
         hold: Some(hold),
         object: true,
     }
+}
+
+/// A TTL or expiry the client got wrong (a 400 naming the field).
+fn lifetime_error(e: AdminError) -> ApiError {
+    ApiError::from_service("reading a cache object's lifetime", &e)
 }
 
 fn store_error(context: &str, e: AdminError) -> ApiError {
@@ -323,96 +326,6 @@ fn strip_markers(content: &mut Map<String, Value>) {
     }
 }
 
-/// How long an object is held, as asked.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Lifetime {
-    Ttl(Duration),
-    Until(DateTime<Utc>),
-}
-
-impl Lifetime {
-    /// From a body's `ttl` or `expires_at` (one of them at most; `default` without either).
-    fn from_body(top: &Map<String, Value>, default: Option<Duration>) -> Result<Self, ApiError> {
-        let get = |k: &str| top.get(k).filter(|v| !v.is_null());
-        match (get("ttl"), get("expires_at")) {
-            (Some(_), Some(_)) => Err(ApiError::invalid(
-                "ttl, expires_at: give one of them, not both",
-            )),
-            (Some(t), None) => parse_ttl(t).map(Lifetime::Ttl),
-            (None, Some(e)) => e
-                .as_str()
-                .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
-                .map(|t| Lifetime::Until(t.with_timezone(&Utc)))
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        "expires_at: must be a date and time in RFC 3339, such as 2026-12-01T00:00:00Z",
-                    )
-                }),
-            (None, None) => default
-                .map(Lifetime::Ttl)
-                .ok_or_else(|| ApiError::invalid("ttl: give a new ttl or expires_at")),
-        }
-    }
-
-    /// The expiry, from `now`, within 5 minutes and `max`.
-    fn expires_at(self, now: DateTime<Utc>, max: Duration) -> Result<DateTime<Utc>, ApiError> {
-        let (field, at) = match self {
-            Lifetime::Ttl(d) => (
-                "ttl",
-                chrono::Duration::from_std(d)
-                    .ok()
-                    .and_then(|d| now.checked_add_signed(d))
-                    // Past any maximum: refused below.
-                    .unwrap_or(DateTime::<Utc>::MAX_UTC),
-            ),
-            Lifetime::Until(t) => ("expires_at", t),
-        };
-        let held = (at - now).to_std().unwrap_or(Duration::ZERO);
-        if held < MIN_TTL {
-            return Err(ApiError::invalid(format!(
-                "{field}: a cache object is held for at least 5 minutes (300s)"
-            )));
-        }
-        if held > max + Duration::from_secs(1) {
-            return Err(ApiError::invalid(format!(
-                "{field}: a cache object is held for at most {}s, this organization's maximum (its policy's max_cache_ttl_secs)",
-                max.as_secs()
-            )));
-        }
-        Ok(at)
-    }
-}
-
-/// `"300s"`, `"2.5s"`, `"30m"`, `"24h"`, `"7d"`, or a whole number of seconds.
-fn parse_ttl(v: &Value) -> Result<Duration, ApiError> {
-    let bad = || {
-        ApiError::invalid(
-            "ttl: must be a duration such as \"300s\", \"30m\", \"24h\" or \"7d\", or a whole number of seconds",
-        )
-    };
-    if let Some(n) = v.as_u64() {
-        return Ok(Duration::from_secs(n));
-    }
-    let s = v.as_str().ok_or_else(bad)?.trim();
-    let unit = match s.chars().last() {
-        Some('s') => 1.0,
-        Some('m') => 60.0,
-        Some('h') => 3600.0,
-        Some('d') => 86_400.0,
-        _ => return Err(bad()),
-    };
-    let n = &s[..s.len() - 1];
-    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
-        return Err(bad());
-    }
-    let n: f64 = n.parse().map_err(|_| bad())?;
-    let secs = n * unit;
-    if !secs.is_finite() || secs > 1e10 {
-        return Err(bad());
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
 /// A creation body, read: the model, the content (markers removed), the lifetime, the name.
 struct Asked {
     model: String,
@@ -473,7 +386,7 @@ fn parse_create(body: &[u8]) -> Result<Asked, ApiError> {
     Ok(Asked {
         model,
         content: Value::Object(content),
-        lifetime: Lifetime::from_body(&top, Some(DEFAULT_TTL))?,
+        lifetime: Lifetime::from_body(&top, Some(DEFAULT_TTL)).map_err(lifetime_error)?,
         display_name,
     })
 }
@@ -585,7 +498,10 @@ async fn create_inner(
     let principal = state.auth.authenticate(headers).await?;
     let asked = parse_create(&body)?;
     drop(body);
-    let expires_at = asked.lifetime.expires_at(started_at, max_ttl(&principal))?;
+    let expires_at = asked
+        .lifetime
+        .expires_at(started_at, max_ttl(&principal))
+        .map_err(lifetime_error)?;
     if !principal.policy.allow_1h_ttl {
         return Err(ApiError::new(
             ErrorCode::Permission,
@@ -801,7 +717,9 @@ async fn update_inner(
             "{k}: Extra inputs are not permitted (an object's content cannot change; create another)"
         )));
     }
-    let expires_at = Lifetime::from_body(top, None)?.expires_at(now, max_ttl(&principal))?;
+    let expires_at = Lifetime::from_body(top, None)
+        .and_then(|l| l.expires_at(now, max_ttl(&principal)))
+        .map_err(lifetime_error)?;
     let scope = scope_of(&principal);
     let current = store::get(&state.pool, scope, id)
         .await
@@ -899,65 +817,6 @@ async fn released(state: &AppState, id: &str) -> release::Outcome {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn ttls_read_as_durations_or_seconds() {
-        for (v, secs) in [
-            (json!("300s"), 300.0),
-            (json!("2.5s"), 2.5),
-            (json!("30m"), 1800.0),
-            (json!("24h"), 86_400.0),
-            (json!("7d"), 604_800.0),
-            (json!(600), 600.0),
-        ] {
-            assert_eq!(parse_ttl(&v).unwrap().as_secs_f64(), secs, "{v}");
-        }
-        for v in [
-            json!("5"),
-            json!("h"),
-            json!("-5m"),
-            json!("1e9d"),
-            json!(-3),
-            json!(true),
-            json!("5 m"),
-        ] {
-            assert!(parse_ttl(&v).is_err(), "{v}");
-        }
-    }
-
-    #[test]
-    fn lifetimes_stay_between_five_minutes_and_the_tenants_maximum() {
-        let now = Utc::now();
-        let day = Duration::from_secs(86_400);
-        assert!(
-            Lifetime::Ttl(Duration::from_secs(299))
-                .expires_at(now, day)
-                .is_err()
-        );
-        assert!(
-            Lifetime::Ttl(Duration::from_secs(300))
-                .expires_at(now, day)
-                .is_ok()
-        );
-        assert!(Lifetime::Ttl(day).expires_at(now, day).is_ok());
-        let e = Lifetime::Ttl(day * 2).expires_at(now, day).unwrap_err();
-        assert!(
-            Lifetime::Ttl(Duration::from_secs(u64::MAX))
-                .expires_at(now, day)
-                .is_err()
-        );
-        assert!(e.message.contains("max_cache_ttl_secs"), "{}", e.message);
-        let past = now - chrono::Duration::minutes(1);
-        assert!(Lifetime::Until(past).expires_at(now, day).is_err());
-        let e = Lifetime::from_body(
-            json!({"ttl": "1h", "expires_at": "2030-01-01T00:00:00Z"})
-                .as_object()
-                .unwrap(),
-            None,
-        )
-        .unwrap_err();
-        assert!(e.message.starts_with("ttl, expires_at"), "{}", e.message);
-    }
 
     #[test]
     fn an_objects_end_is_its_last_content_block() {
