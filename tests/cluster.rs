@@ -824,6 +824,26 @@ async fn admin_changes_reach_every_node_of_a_cluster() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Nodes n1, n2 and n3 (each with its API) and a routing gateway, all seen live.
+async fn three_nodes_and_a_gateway(
+    prefix: &str,
+    dir: &std::path::Path,
+    env: &[(&'static str, String)],
+) -> (
+    std::collections::HashMap<String, Node>,
+    Gateway,
+    reqwest::Client,
+) {
+    let nodes = ["n1", "n2", "n3"]
+        .iter()
+        .map(|id| (id.to_string(), start_node_with(id, prefix, dir, env, true)))
+        .collect();
+    let gw = start_gateway(prefix, env);
+    let http = reqwest::Client::new();
+    wait_for_nodes(&http, &gw, 3).await;
+    (nodes, gw, http)
+}
+
 /// Issue 27's cluster acceptance, first half: a cache object created through the routing
 /// gateway is held on its owners, and after the node that computed it is killed (`kill -9`)
 /// a request naming it through the gateway still reads every token of it from the replicas.
@@ -837,18 +857,7 @@ async fn a_cache_object_outlives_the_node_that_computed_it() {
         ("CACHET_ENGINE", "sim".into()),
         ("CACHET_SIM_TIME_SCALE", "0".into()),
     ];
-    let mut nodes: std::collections::HashMap<String, Node> = ["n1", "n2", "n3"]
-        .iter()
-        .map(|id| {
-            (
-                id.to_string(),
-                start_node_with(id, &prefix, &dir, &env, true),
-            )
-        })
-        .collect();
-    let gw = start_gateway(&prefix, &env);
-    let http = reqwest::Client::new();
-    wait_for_nodes(&http, &gw, 3).await;
+    let (mut nodes, gw, http) = three_nodes_and_a_gateway(&prefix, &dir, &env).await;
 
     let system: String = (0..300).map(|i| format!("o{i} ")).collect();
     let resp = http
@@ -944,18 +953,7 @@ async fn a_deleted_object_leaves_no_block_on_any_node_even_one_down_during_the_d
         // Eight blocks of sim-tiny's KV: the object's replicas go to the disk tier.
         ("CACHET_DRAM_CAPACITY_BYTES", "16384".into()),
     ];
-    let mut nodes: std::collections::HashMap<String, Node> = ["n1", "n2", "n3"]
-        .iter()
-        .map(|id| {
-            (
-                id.to_string(),
-                start_node_with(id, &prefix, &dir, &env, true),
-            )
-        })
-        .collect();
-    let gw = start_gateway(&prefix, &env);
-    let http = reqwest::Client::new();
-    wait_for_nodes(&http, &gw, 3).await;
+    let (mut nodes, gw, http) = three_nodes_and_a_gateway(&prefix, &dir, &env).await;
 
     let system: String = (0..300).map(|i| format!("d{i} ")).collect();
     let resp = http
