@@ -411,7 +411,7 @@ pub async fn start_router(
         &shutdown,
         control::admin::CacheSource::Cluster {
             transport: Arc::new(cache_fabric::transport::TcpTransport::new(token)),
-            nodes: Arc::new(move || nodes.fabric_addrs()),
+            nodes: Arc::new(move || nodes.fabric_members()),
         },
     )?;
     let app = gateway::routing::router(state, Some(admin));

@@ -2417,6 +2417,13 @@ async fn a_tenant_admin_lists_deletes_and_purges_cache_objects() {
         )
         .await;
     assert_eq!(s, 200, "{d}");
+    // Released on the one node there is before the answer: what it freed or still holds.
+    assert_eq!(d["id"], ids[0].as_str(), "{d}");
+    assert!(
+        d["bytes_freed"].as_u64().unwrap() + d["bytes_held"].as_u64().unwrap() > 0,
+        "{d}"
+    );
+    assert_eq!(d["nodes_pending"], json!([]), "{d}");
     let use_it = |id: &str| {
         json!({"model": "sim-tiny", "max_tokens": 2, "cached_content": id,
                "messages": [{"role": "user", "content": "hi"}]})

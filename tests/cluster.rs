@@ -852,10 +852,12 @@ async fn a_cache_object_outlives_the_node_that_computed_it() {
     let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
     let dir = std::env::temp_dir().join(&prefix);
     let (pool, db_url, tenant, key) = tenant_db("objects-tenant").await;
+    const SECRET: &str = "cluster-objects-secret-of-at-least-32-bytes";
     let env: Vec<(&'static str, String)> = vec![
         ("DATABASE_URL", db_url.clone()),
         ("CACHET_ENGINE", "sim".into()),
         ("CACHET_SIM_TIME_SCALE", "0".into()),
+        ("CACHET_ADMIN_JWT_SECRET", SECRET.to_string()),
     ];
     let (mut nodes, gw, http) = three_nodes_and_a_gateway(&prefix, &dir, &env).await;
 
@@ -916,6 +918,55 @@ async fn a_cache_object_outlives_the_node_that_computed_it() {
         "{r}"
     );
     assert_eq!(r["cachet"]["cached_content"]["status"], "read", "{r}");
+
+    // A tenant admin, through the routing gateway's admin API: extended to 20 hours (held on
+    // every node by its block hashes; tests/admin_api.rs checks the hold on one node), then
+    // deleted, every live node releasing it before the answer.
+    let admin = identity::Jwt::new(SECRET.as_bytes())
+        .unwrap()
+        .issue(
+            "test",
+            identity::Role::TenantAdmin,
+            Some(tenant.id.as_uuid()),
+            Duration::from_secs(600),
+        )
+        .unwrap();
+    let object = format!(
+        "{}/v1/admin/tenants/{}/cache/objects/{}",
+        gw.url,
+        tenant.id,
+        obj["id"].as_str().unwrap()
+    );
+    let r = http
+        .patch(&object)
+        .bearer_auth(&admin)
+        .json(&serde_json::json!({"ttl": "20h"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let e: serde_json::Value = r.json().await.unwrap();
+    let left = e["expires_at"]
+        .as_str()
+        .unwrap()
+        .parse::<chrono::DateTime<chrono::Utc>>()
+        .unwrap()
+        - chrono::Utc::now();
+    assert!(left > chrono::TimeDelta::hours(19), "{e}");
+    let r = http
+        .delete(&object)
+        .bearer_auth(&admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let d: serde_json::Value = r.json().await.unwrap();
+    assert!(d["bytes_freed"].as_u64().unwrap() > 0, "{d}");
+    assert_eq!(d["nodes_pending"], serde_json::json!([]), "{d}");
+    let live = addrs_of(&nodes);
+    for h in &hashes {
+        assert_eq!(copies(&live, scope, *h).await, 0, "block {h} still held");
+    }
     drop(nodes);
     drop(gw);
     pool.close().await;

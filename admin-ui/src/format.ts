@@ -129,3 +129,11 @@ export function formatLimit(v: number | null | undefined, unit = ""): string {
   if (v === null || v === undefined) return "no limit";
   return `${v.toLocaleString("en-US")}${unit ? ` ${unit}` : ""}`;
 }
+
+/** What releasing a deleted object's blocks did, in words. */
+export function releasedText(d: { bytes_freed: number; bytes_held: number; nodes_pending: string[] }): string {
+  const held = d.bytes_held > 0 ? `; ${formatBytes(d.bytes_held)} still held by other cached prefixes` : "";
+  const pending =
+    d.nodes_pending.length > 0 ? ` ${d.nodes_pending.join(", ")} will release it when it catches up.` : "";
+  return `${formatBytes(d.bytes_freed)} freed${held}.${pending}`;
+}

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { formatBytes, formatDuration, formatExact, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../src/format";
+import { formatBytes, formatDuration, formatExact, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, releasedText } from "../src/format";
 
 describe("money", () => {
   it("formats an invoice line's exact amount with its sub-cent digits, in integers only", () => {
@@ -78,5 +78,14 @@ describe("other units", () => {
     expect(formatTime(null)).toBe("–");
     expect(formatLimit(null)).toBe("no limit");
     expect(formatLimit(600, "requests")).toBe("600 requests");
+  });
+});
+
+describe("a cache object's deletion", () => {
+  it("says what was freed, what other prefixes still hold, and which nodes have yet to release it", () => {
+    expect(releasedText({ bytes_freed: 2048, bytes_held: 0, nodes_pending: [] })).toBe(`${formatBytes(2048)} freed.`);
+    expect(releasedText({ bytes_freed: 0, bytes_held: 4096, nodes_pending: ["n2"] })).toBe(
+      `${formatBytes(0)} freed; ${formatBytes(4096)} still held by other cached prefixes. n2 will release it when it catches up.`,
+    );
   });
 });

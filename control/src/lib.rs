@@ -20,5 +20,6 @@ pub mod admin;
 pub mod alerts;
 pub mod caches;
 pub mod metrics;
+pub mod release;
 pub mod tenants;
 pub mod webhooks;

@@ -43,3 +43,17 @@ pub static BUDGET_ALERTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     let _ = prometheus::default_registry().register(Box::new(c.clone()));
     c
 });
+
+pub static CACHE_RELEASED_BYTES: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    let c = IntCounterVec::new(
+        Opts::new(
+            "cachet_control_cache_released_bytes_total",
+            "Bytes of deleted cache objects' blocks this process's node released: freed (no \
+             other entry held them) or held (another entry of the scope still does)",
+        ),
+        &["outcome"],
+    )
+    .expect("metric");
+    let _ = prometheus::default_registry().register(Box::new(c.clone()));
+    c
+});

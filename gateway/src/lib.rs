@@ -28,7 +28,6 @@ pub mod error;
 pub mod metrics;
 pub mod openapi;
 pub mod pipeline;
-pub mod release;
 pub mod render;
 pub mod routing;
 pub mod server;

@@ -55,17 +55,6 @@ pub static PROMPT_TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
-pub static CACHE_RELEASED_BYTES: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    reg(IntCounterVec::new(
-        Opts::new(
-            "cachet_gateway_cache_released_bytes_total",
-            "Bytes of deleted cache objects' blocks this process's node released: freed (no \
-             other entry held them) or held (another entry of the scope still does)",
-        ),
-        &["outcome"],
-    )
-    .expect("metric"))
-});
 pub static CACHE_OBJECT_OPS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     reg(IntCounterVec::new(
         Opts::new(

@@ -206,11 +206,16 @@ impl RouterInner {
 
     /// The fabric addresses of the cluster's live members.
     pub fn fabric_addrs(&self) -> Vec<String> {
+        self.fabric_members().into_iter().map(|(_, a)| a).collect()
+    }
+
+    /// The members' ids and fabric addresses.
+    pub fn fabric_members(&self) -> Vec<(String, String)> {
         self.members
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .map(|r| r.addr.clone())
+            .map(|r| (r.id.clone(), r.addr.clone()))
             .collect()
     }
 

@@ -10,7 +10,7 @@
 //!   reservation, replication factor), or purges its blocks from every tier if it was deleted
 //!   or its cache was purged (`cache.purge`, the admin API's purge);
 //! - releases a deleted cache object's blocks from this process's node
-//!   (`cache_object.delete`, [`crate::release`]).
+//!   (`cache_object.delete`, [`control::release`]).
 //!
 //! At start it applies every tenant's policy and purges every deleted tenant's blocks (what a
 //! node's disk tier kept from before a restart included), drops what the disk tier kept from
@@ -149,7 +149,7 @@ async fn apply_missed_purges(pool: &PgPool, fabric: &FabricClient) -> Result<(),
 /// its disk tier kept; the feed's first step applies it again, which changes nothing).
 pub async fn apply_tombstones(pool: &PgPool, fabric: &FabricClient) -> Result<(), AdminError> {
     apply_missed_purges(pool, fabric).await?;
-    let n = crate::release::release_missed(pool, fabric).await?;
+    let n = control::release::release_missed(pool, fabric).await?;
     if n > 0 {
         tracing::info!(
             objects = n,
@@ -297,7 +297,7 @@ impl Follower {
         if let Some(f) = &targets.fabric
             && !self.unreleased.is_empty()
         {
-            crate::release::release_ids(pool, f, &self.unreleased).await?;
+            control::release::release_ids(pool, f, &self.unreleased).await?;
             self.unreleased.clear();
         }
         if let Some(f) = &targets.fabric

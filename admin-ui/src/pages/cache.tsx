@@ -1,7 +1,7 @@
 import { useState } from "preact/hooks";
 import { api } from "../api";
 import { Confirm, ErrorBanner, Loading, Notice, Table, useAsync } from "../components/ui";
-import { formatBytes, formatDuration, formatTime, formatTokens } from "../format";
+import { formatBytes, formatDuration, formatTime, formatTokens, releasedText } from "../format";
 import type { CacheObject, CacheView, Tenant } from "../types";
 
 const REASONS: [string, string][] = [
@@ -258,10 +258,13 @@ function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (noti
         danger
         onClose={() => setDeleting(null)}
         onConfirm={async () => {
-          await api("DELETE", `/v1/admin/tenants/${tenant.id}/cache/objects/${deleting!.id}`);
+          const d = await api<{ bytes_freed: number; bytes_held: number; nodes_pending: string[] }>(
+            "DELETE",
+            `/v1/admin/tenants/${tenant.id}/cache/objects/${deleting!.id}`,
+          );
           // The notice comes with the list that no longer has it.
           await list.reload();
-          props.onChange(`Cache object ${deleting!.id} deleted.`);
+          props.onChange(`Cache object ${deleting!.id} deleted. ${releasedText(d)}`);
         }}
       />
     </>

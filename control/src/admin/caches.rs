@@ -19,6 +19,7 @@ use serde_json::{Map, Value};
 
 use super::{Access, Admin, AdminJson, AdminPath, AdminQuery, AdminState, CacheSource};
 use crate::caches::{self, CacheObject, Lifetime, Owner, Page};
+use crate::release;
 use crate::tenants::policy;
 
 /// A new lifetime for an object: one of `ttl` (`"30m"`, `"24h"`, `"7d"`, or seconds) and
@@ -116,13 +117,13 @@ pub async fn list_objects(
 /// Delete one of a tenant's cache objects: requests naming it get 404 from then on.
 #[utoipa::path(delete, path = "/v1/admin/tenants/{id}/cache/objects/{object}", tag = "admin",
     params(("id" = Uuid, Path, description = "Tenant id"), ("object" = String, Path, description = "Cache object id")),
-    responses((status = 200, body = AdminCacheObject), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)),
+    responses((status = 200, body = AdminDeletedObject), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn delete_object(
     State(state): State<AdminState>,
     admin: Admin,
     AdminPath((id, object)): AdminPath<(Uuid, String)>,
-) -> Result<axum::Json<AdminCacheObject>, ApiError> {
+) -> Result<axum::Json<AdminDeletedObject>, ApiError> {
     admin.tenant(id, Access::Write)?;
     let o = caches::delete(
         &state.pool,
@@ -131,7 +132,32 @@ pub async fn delete_object(
         &object,
     )
     .await?;
-    Ok(axum::Json(o.into()))
+    let local = match &state.cache {
+        CacheSource::Local(f) => Some(f),
+        CacheSource::Cluster { .. } => None,
+    };
+    let outcome =
+        release::released_everywhere(&state.pool, local, || state.cache.live_nodes(), &o.id).await;
+    Ok(axum::Json(AdminDeletedObject {
+        bytes_freed: outcome.released.bytes_freed,
+        bytes_held: outcome.released.bytes_held,
+        nodes_pending: outcome.pending,
+        object: o.into(),
+    }))
+}
+
+/// A deleted object, with what releasing its blocks did (as the API's deletion answers).
+#[derive(Serialize, ToSchema)]
+pub struct AdminDeletedObject {
+    #[serde(flatten)]
+    pub object: AdminCacheObject,
+    /// Bytes of its blocks dropped from every tier of the nodes that have released it.
+    pub bytes_freed: u64,
+    /// Bytes of its blocks those nodes still hold for other entries of its workspace.
+    pub bytes_held: u64,
+    /// Live nodes that had not released it when this answer was sent (each does from its
+    /// change feed, or at its next start).
+    pub nodes_pending: Vec<String>,
 }
 
 /// Give one of a tenant's cache objects a new expiry (from now, within the tenant's
@@ -193,7 +219,7 @@ async fn hold_object(source: &CacheSource, o: &CacheObject, hold: Duration) {
                     "an extended cache object's KV is not held; the next use recomputes it");
             }
         }
-        CacheSource::Cluster { transport, nodes } => {
+        CacheSource::Cluster { transport, .. } => {
             let entry = RemoteEntry {
                 scope: o.scope(),
                 existing: o.blocks.clone(),
@@ -203,7 +229,7 @@ async fn hold_object(source: &CacheSource, o: &CacheObject, hold: Duration) {
                 replica: true,
                 handoff: false,
             };
-            let asks = nodes().into_iter().map(|addr| {
+            let asks = source.addrs().into_iter().map(|addr| {
                 let (t, entry) = (transport.clone(), &entry);
                 async move {
                     let r = tokio::time::timeout(Duration::from_secs(2), t.put_entry(&addr, entry)).await;

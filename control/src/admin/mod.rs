@@ -57,9 +57,27 @@ pub enum CacheSource {
     /// Every node of a cluster, asked over the fabric transport (`cachet router`).
     Cluster {
         transport: Arc<TcpTransport>,
-        /// The nodes' fabric addresses now.
-        nodes: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
+        /// The nodes now: (id, fabric address).
+        nodes: Arc<dyn Fn() -> Vec<(String, String)> + Send + Sync>,
     },
+}
+
+impl CacheSource {
+    /// The fabric nodes' addresses.
+    pub fn addrs(&self) -> Vec<String> {
+        match self {
+            CacheSource::Local(_) => Vec::new(),
+            CacheSource::Cluster { nodes, .. } => nodes().into_iter().map(|(_, a)| a).collect(),
+        }
+    }
+
+    /// The live fabric nodes' ids (what a deletion waits on).
+    pub fn live_nodes(&self) -> Vec<String> {
+        match self {
+            CacheSource::Local(f) => f.live_nodes(),
+            CacheSource::Cluster { nodes, .. } => nodes().into_iter().map(|(id, _)| id).collect(),
+        }
+    }
 }
 
 /// Admin console settings.

@@ -258,8 +258,8 @@ pub async fn cache(
 pub async fn tenant_cache(source: &CacheSource, tenant: TenantId) -> (TenantCacheStats, u32) {
     match source {
         CacheSource::Local(f) => (f.tenant_stats(tenant, TOP_PREFIXES), 0),
-        CacheSource::Cluster { transport, nodes } => {
-            let asks = nodes().into_iter().map(|addr| {
+        CacheSource::Cluster { transport, .. } => {
+            let asks = source.addrs().into_iter().map(|addr| {
                 let t = transport.clone();
                 async move {
                     let r = tokio::time::timeout(

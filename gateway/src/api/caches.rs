@@ -23,6 +23,7 @@ use cache_fabric::{EntryKind, FabricClient, Holding, PrefixKeys, WriteRefused};
 use cachet_common::{BlockHash, RequestId, Scope, Ttl};
 use chrono::{DateTime, Utc};
 use control::caches::{self as store, CacheObject, Lifetime, MIN_TTL};
+use control::release;
 use control::tenants::{Actor, AdminError, Principal};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
@@ -34,7 +35,6 @@ use crate::api::handlers::{self, Shaped};
 use crate::api::types::ErrorBody;
 use crate::api::validate::{self, BlockRef, Breakpoint};
 use crate::error::{ApiError, ErrorCode};
-use crate::release;
 
 /// The request field naming an object, and the location its breakpoint reports.
 pub const CACHED_CONTENT: &str = "cached_content";
@@ -775,7 +775,14 @@ pub async fn delete_cache(
         crate::metrics::CACHE_OBJECT_OPS
             .with_label_values(&["deleted"])
             .inc();
-        let outcome = released(&state, &o.id).await;
+        let fabric = state.fabric.clone();
+        let outcome = release::released_everywhere(
+            &state.pool,
+            Some(&state.fabric),
+            move || fabric.live_nodes(),
+            &o.id,
+        )
+        .await;
         Ok(DeletedCacheObject {
             id: o.id,
             kind: "cache_object_deleted",
@@ -788,29 +795,6 @@ pub async fn delete_cache(
     match r {
         Ok(d) => axum::Json(d).into_response(),
         Err(e) => e.with_request_id(rid).into_response(),
-    }
-}
-
-/// Release a just-deleted object here at once, then wait for the other live nodes (the
-/// change feed tells them). The deletion is committed whatever happens here: a failure is
-/// logged and shows as nodes pending.
-async fn released(state: &AppState, id: &str) -> release::Outcome {
-    let ids = [id.to_string()];
-    let local = async {
-        for d in store::deleted(&state.pool, &ids).await? {
-            release::release(&state.pool, &state.fabric, &d).await?;
-        }
-        release::await_releases(&state.pool, &state.fabric, id, release::RELEASE_WAIT).await
-    };
-    match local.await {
-        Ok(o) => o,
-        Err(e) => {
-            tracing::warn!(cache_object = %id, error = %e, "releasing a deleted cache object's blocks failed here; the change feed retries it");
-            release::Outcome {
-                pending: state.fabric.live_nodes(),
-                ..Default::default()
-            }
-        }
     }
 }
 

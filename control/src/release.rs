@@ -10,7 +10,8 @@
 //! every live node has done it ([`await_releases`]).
 //!
 //! A node learns of a deletion from the change feed (`cache_object.delete` audit rows,
-//! [`crate::sync`]); the node that answers the `DELETE` releases at once. A node that was
+//! `gateway::sync`); the process that answers the `DELETE` (the API's, or the admin API's)
+//! releases at once when it has a node. A node that was
 //! down applies every deleted, unexpired object at start, before it serves or re-announces
 //! what its disk tier kept ([`release_missed`]). Releasing twice changes nothing more.
 
@@ -18,11 +19,11 @@ use std::time::Duration;
 
 use cache_fabric::{FabricClient, Released};
 use cachet_common::BlockHash;
-use control::caches::{self as store, Deleted};
-use control::tenants::AdminError;
 use sqlx::PgPool;
 
+use crate::caches::{self as store, Deleted};
 use crate::metrics;
+use crate::tenants::AdminError;
 
 /// How long a deletion waits for every live node to release the object before answering
 /// with those still pending (they release it from the change feed, or at their next start).
@@ -86,18 +87,17 @@ pub struct Outcome {
     pub pending: Vec<String>,
 }
 
-/// Wait (up to `wait`) until every live node has released object `id`.
+/// Wait (up to `wait`) until every node `live` names has released object `id`.
 pub async fn await_releases(
     pool: &PgPool,
-    fabric: &FabricClient,
+    live: impl Fn() -> Vec<String>,
     id: &str,
     wait: Duration,
 ) -> Result<Outcome, AdminError> {
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         let done = store::releases(pool, id).await?;
-        let pending: Vec<String> = fabric
-            .live_nodes()
+        let pending: Vec<String> = live()
             .into_iter()
             .filter(|n| !done.iter().any(|(d, _)| d == n))
             .collect();
@@ -109,5 +109,37 @@ pub async fn await_releases(
             return Ok(Outcome { released, pending });
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A just-deleted object, released here at once (`fabric`: this process's node, if it has
+/// one), then waited for on every node `live` names (the change feed tells the others). The
+/// deletion is committed whatever happens here: a failure is logged and shows as nodes
+/// pending.
+pub async fn released_everywhere(
+    pool: &PgPool,
+    fabric: Option<&FabricClient>,
+    live: impl Fn() -> Vec<String>,
+    id: &str,
+) -> Outcome {
+    let ids = [id.to_string()];
+    let attempt = async {
+        if let Some(f) = fabric {
+            for d in store::deleted(pool, &ids).await? {
+                release(pool, f, &d).await?;
+            }
+        }
+        await_releases(pool, &live, id, RELEASE_WAIT).await
+    };
+    match attempt.await {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::warn!(cache_object = %id, error = %e,
+                "releasing a deleted cache object's blocks failed here; the change feed retries it");
+            Outcome {
+                pending: live(),
+                ..Default::default()
+            }
+        }
     }
 }
