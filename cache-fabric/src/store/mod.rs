@@ -396,6 +396,10 @@ const RELEASED: usize = 65_536;
 /// so best effort, billed as a 1h write) and cache objects.
 pub const WRITE_THROUGH_OVER: Duration = Duration::from_secs(3600);
 
+/// Blocks waiting to be written through at most (32 bytes each); past it, long holds are
+/// not copied until the writer catches up.
+const THROUGH_BACKLOG: usize = 1 << 20;
+
 /// Whether a write held so is copied to the tier below as soon as it is written.
 pub fn writes_through(kind: EntryKind, ttl: Duration) -> bool {
     kind == EntryKind::Object || ttl > WRITE_THROUGH_OVER
@@ -863,6 +867,13 @@ impl Store {
         }
         if writes_through(kind, ttl) && self.lower.as_ref().is_some_and(|t| t.keeps_paid()) {
             for h in existing.iter().chain(&inserted) {
+                if self.through.len() >= THROUGH_BACKLOG {
+                    // No writer keeps up (or none runs): these stay in DRAM only, as before.
+                    metrics::TIER_MOVES
+                        .with_label_values(&["write_through_skipped"])
+                        .inc();
+                    break;
+                }
                 if self.through_queued.insert(*h) {
                     self.through.push_back(*h);
                 }
