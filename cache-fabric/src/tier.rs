@@ -111,6 +111,21 @@ pub trait TierStore: Send {
     fn put(&mut self, block: TierBlock) -> Result<(), TierError>;
     /// A stored block, its bytes verified; `Corrupt` (and the block dropped) on a mismatch.
     fn get(&mut self, hash: &BlockHash) -> Result<Option<TierBlock>, TierError>;
+    /// A block's record without its bytes (`data` empty) and the bytes' length: what
+    /// deciding about it needs, without reading a large block. By default the whole block
+    /// is read.
+    fn meta(&mut self, hash: &BlockHash) -> Result<Option<(TierBlock, u64)>, TierError> {
+        Ok(self.get(hash)?.map(|b| {
+            let len = b.data.len() as u64;
+            (
+                TierBlock {
+                    data: Bytes::new(),
+                    ..b
+                },
+                len,
+            )
+        }))
+    }
     fn remove(&mut self, hash: &BlockHash) -> bool;
     fn contains(&self, hash: &BlockHash) -> bool;
     /// Every stored block's hash (re-announcing and handing off what a node holds).
@@ -742,6 +757,26 @@ impl TierStore for DiskTier {
         }
         block.data = data;
         Ok(Some(block))
+    }
+
+    fn meta(&mut self, hash: &BlockHash) -> Result<Option<(TierBlock, u64)>, TierError> {
+        let Some(l) = self.index.get(hash).copied() else {
+            return Ok(None);
+        };
+        let (file, _, _) = self
+            .segments
+            .get(&l.segment)
+            .expect("indexed segment is open");
+        let mut raw = vec![0u8; PREFIX + HEADER];
+        file.read_exact_at(&mut raw, l.offset)?;
+        let header = &raw[PREFIX..];
+        let hcrc = u32::from_le_bytes(raw[4..8].try_into().expect("4"));
+        let (block, _, len) = decode_header(header);
+        if checksum(header) != hcrc || len != l.len || block.hash != *hash {
+            self.remove(hash);
+            return Err(TierError::Corrupt(*hash));
+        }
+        Ok(Some((block, len)))
     }
 
     fn remove(&mut self, hash: &BlockHash) -> bool {

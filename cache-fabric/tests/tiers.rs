@@ -46,6 +46,17 @@ fn contract<T: TierStore>(t: &mut T, corrupt: impl Fn(&mut T, &BlockHash)) {
         "bytes and metadata round-trip"
     );
     assert_eq!(t.used_bytes(), 1024);
+    // Its record alone, without reading the bytes where the tier can.
+    let (meta, len) = t.meta(&b.hash).unwrap().unwrap();
+    assert_eq!(len, 1024);
+    assert_eq!(
+        meta,
+        TierBlock {
+            data: Bytes::new(),
+            ..b.clone()
+        }
+    );
+    assert!(t.meta(&block(99, 1, s).hash).unwrap().is_none());
     // Replacing a block does not double-count it.
     t.put(b.clone()).unwrap();
     assert_eq!((t.len(), t.used_bytes()), (1, 1024));

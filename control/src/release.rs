@@ -44,7 +44,14 @@ pub async fn release(
             (*h, until)
         })
         .collect();
-    let r = fabric.release(d.scope, &blocks);
+    // Under the store's lock, reading the tier below: off the async threads.
+    let (f, scope) = (fabric.clone(), d.scope);
+    let r = tokio::task::spawn_blocking(move || f.release(scope, &blocks))
+        .await
+        .unwrap_or_else(|e| {
+            tracing::error!(error = %e, "releasing blocks panicked");
+            Released::default()
+        });
     store::record_release(pool, &d.id, &fabric.node_id(), r).await?;
     metrics::CACHE_RELEASED_BYTES
         .with_label_values(&["freed"])

@@ -278,18 +278,24 @@ impl Store {
         let Some(tier) = self.lower.as_mut().filter(|t| t.contains(hash)) else {
             return out;
         };
-        match tier.get(hash) {
-            Ok(Some(mut tb)) if tb.scope == *scope => {
-                let until = kept.unwrap_or(0).max(tb.shared_until_unix_ms);
-                let len = tb.data.len() as u64;
+        // The record's header decides; the bytes are read only to rewrite a shorter expiry.
+        match tier.meta(hash) {
+            Ok(Some((meta, len))) if meta.scope == *scope => {
+                let until = kept.unwrap_or(0).max(meta.shared_until_unix_ms);
                 if until <= wall {
                     tier.remove(hash);
                     out.blocks_freed += 1;
                     out.bytes_freed += len;
                 } else {
-                    if until < tb.expires_unix_ms {
-                        tb.expires_unix_ms = until;
-                        if let Err(e) = tier.put(tb) {
+                    if until < meta.expires_unix_ms {
+                        let rewritten = tier.get(hash).and_then(|b| match b {
+                            Some(tb) => tier.put(TierBlock {
+                                expires_unix_ms: until,
+                                ..tb
+                            }),
+                            None => Ok(()),
+                        });
+                        if let Err(e) = rewritten {
                             tracing::warn!(block = %hash, error = %e, "rewriting a released block's expiry failed; it is dropped");
                             tier.remove(hash);
                         }
