@@ -229,7 +229,7 @@ impl Store {
     /// the scope's other live objects still hold it (Unix ms; `None`: none does). A block
     /// nothing else holds is dropped from every tier; one still held keeps only what its
     /// other holds need (the entries written at breakpoints and reads kept apart in
-    /// [`super::Shared`], and the other objects). Extra copies of blocks other nodes own go
+    /// `Shared`, and the other objects). Extra copies of blocks other nodes own go
     /// either way: their owners decide. Applying a release again changes nothing more.
     pub fn release(
         &mut self,
