@@ -718,6 +718,19 @@ impl DiskTier {
     }
 }
 
+impl DiskTier {
+    /// The first `bytes` of the record at `l` (its prefix and header, or all of it).
+    fn read_record(&self, l: Loc, bytes: usize) -> std::io::Result<Vec<u8>> {
+        let (file, _, _) = self
+            .segments
+            .get(&l.segment)
+            .expect("indexed segment is open");
+        let mut raw = vec![0u8; bytes];
+        file.read_exact_at(&mut raw, l.offset)?;
+        Ok(raw)
+    }
+}
+
 impl TierStore for DiskTier {
     fn put(&mut self, block: TierBlock) -> Result<(), TierError> {
         let len = block.data.len() as u64;
@@ -736,12 +749,7 @@ impl TierStore for DiskTier {
         let Some(l) = self.index.get(hash).copied() else {
             return Ok(None);
         };
-        let (file, _, _) = self
-            .segments
-            .get(&l.segment)
-            .expect("indexed segment is open");
-        let mut raw = vec![0u8; PREFIX + HEADER + l.len as usize];
-        file.read_exact_at(&mut raw, l.offset)?;
+        let raw = self.read_record(l, PREFIX + HEADER + l.len as usize)?;
         let header = &raw[PREFIX..PREFIX + HEADER];
         let hcrc = u32::from_le_bytes(raw[4..8].try_into().expect("4"));
         let header_ok = checksum(header) == hcrc;
@@ -763,12 +771,7 @@ impl TierStore for DiskTier {
         let Some(l) = self.index.get(hash).copied() else {
             return Ok(None);
         };
-        let (file, _, _) = self
-            .segments
-            .get(&l.segment)
-            .expect("indexed segment is open");
-        let mut raw = vec![0u8; PREFIX + HEADER];
-        file.read_exact_at(&mut raw, l.offset)?;
+        let raw = self.read_record(l, PREFIX + HEADER)?;
         let header = &raw[PREFIX..];
         let hcrc = u32::from_le_bytes(raw[4..8].try_into().expect("4"));
         let (block, _, len) = decode_header(header);
