@@ -32,7 +32,9 @@ run-vllm: services model build-release admin-ui
 
 ## The full suite: formatting, lints, Rust tests, docs, the anthropic SDK tests, the admin
 ## UI's unit tests and its end-to-end suite in Chromium.
-test: services model lint rust-test rdma-test doc sdk-test vllm-test api-fuzz fuzz-slice bench-slice ui-test e2e
+TEST_STEPS := services model lint rust-test rdma-test doc sdk-test vllm-test api-fuzz fuzz-slice bench-slice ui-test e2e
+test:
+	@MAKE="$(MAKE)" scripts/steps.sh $(TEST_STEPS)
 
 services:
 	@scripts/services.sh
