@@ -1,5 +1,5 @@
 //! Compressed KV on the real SmolLM2 model: quality against f32 KV on a fixed set of 50
-//! prompts, and identical answers with and without a cached prefix for every dtype.
+//! prompts (16 in the suite; `CACHET_KV_QUALITY_PROMPTS=50` for all), and identical answers with and without a cached prefix for every dtype.
 //! Skipped with a message when the model file is absent outside CI; in CI that fails.
 //!
 //! The figures (agreement and log-prob difference per dtype) print with `--nocapture`;
@@ -71,6 +71,17 @@ const QUESTIONS: [&str; 50] = [
 /// Tokens of each answer.
 const CONTINUATION: usize = 8;
 
+/// How many of [`QUESTIONS`] the quality check scores: `CACHET_KV_QUALITY_PROMPTS` (all 50
+/// for the figures in docs/benchmarks.md), else the first 16 — the suite's slice, since each
+/// prompt is scored seven times on the real model.
+fn quality_prompts() -> usize {
+    std::env::var("CACHET_KV_QUALITY_PROMPTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16)
+        .clamp(1, QUESTIONS.len())
+}
+
 fn render(e: &ReferenceEngine, q: &str, system: &str) -> engine::Rendered {
     e.render(&Prompt {
         tools: vec![],
@@ -93,7 +104,8 @@ fn compressed_kv_agrees_with_f32_on_fifty_prompts() {
     let Some(base) = engine() else { return };
     let e = &base.with_kv_dtype(KvDtype::F32);
     // Each prompt with f32's greedy answer appended, and where scoring starts.
-    let texts: Vec<(Vec<u32>, usize)> = QUESTIONS
+    let prompts = quality_prompts();
+    let texts: Vec<(Vec<u32>, usize)> = QUESTIONS[..prompts]
         .iter()
         .map(|q| {
             let r = render(e, q, "You are a helpful assistant.");
@@ -133,7 +145,7 @@ fn compressed_kv_agrees_with_f32_on_fifty_prompts() {
             "{d}\t{}\t{agreement:.4} ({agree}/{total})\t{mean:.4}\t{max:.4}",
             ed.info().kv.bytes_per_token()
         );
-        assert!(total >= 50 * CONTINUATION, "{total} positions");
+        assert!(total >= prompts * CONTINUATION, "{total} positions");
         // Acceptance: 99% for 16-bit, 97% for 8-bit (int8). FP8 E4M3 keeps 3 mantissa bits,
         // whatever its scale: on this small model it stays above 93% and is offered for
         // larger ones (decision 0019); its floor here guards against regressions.
