@@ -23,6 +23,8 @@ DRAM=${BENCH_DRAM:-4294967296}
 export DATABASE_URL=$PG/$DB
 export CACHET_ENGINE=sim CACHET_LISTEN=127.0.0.1:18096 CACHET_SIM_TIME_SCALE=${BENCH_TIME_SCALE:-1}
 export CACHET_DATA_DIR=$OUT/data RUST_LOG=warn CACHET_KV_BUDGET_BYTES=$BUDGET CACHET_DRAM_CAPACITY_BYTES=$DRAM
+# DRAM only unless BENCH_DISK says otherwise: the figures are peak RSS against DRAM and KV bounds.
+export CACHET_DISK_CAPACITY_BYTES=${BENCH_DISK:-0}
 cleanup() {
   kill "${SERVE_PID:-}" "${SAMPLER:-}" 2>/dev/null || true
   wait 2>/dev/null || true

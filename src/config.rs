@@ -107,9 +107,12 @@ pub struct FabricSection {
     /// `frequency`, `frequency:<horizon factor>` or `lru`. Explicit-breakpoint entries are never evicted
     /// for capacity.
     pub eviction: String,
-    /// Bytes of the local-disk tier under `data_dir/fabric-disk`; 0 turns it off. DRAM
-    /// evictions are demoted there and promoted back on a read.
-    pub disk_capacity_bytes: u64,
+    /// Bytes of the local-disk tier under `data_dir/fabric-disk`; 0 turns it off; unset
+    /// (the default): a quarter of the free space there, at most 16 GiB, none under 64 MiB,
+    /// and none when `gpu_capacity_bytes` is set ([`FabricSection::disk_bytes`]). DRAM
+    /// evictions are demoted there and promoted back on a read; long holds (cache objects,
+    /// retention past an hour) are written through so a restart keeps them.
+    pub disk_capacity_bytes: Option<u64>,
     /// Bytes of GPU memory (device 0) used as the tier under DRAM instead of the disk; 0
     /// turns it off. Needs a build with the `cuda` feature and a GPU.
     pub gpu_capacity_bytes: u64,
@@ -136,8 +139,29 @@ impl FabricSection {
             .map_err(|e| anyhow::anyhow!("fabric.eviction: {e}"))
     }
 
-    /// This process's fabric node: DRAM, plus the disk tier in `disk_dir` when
-    /// `disk_capacity_bytes` is set.
+    /// The disk tier's capacity in `disk_dir`: `disk_capacity_bytes` where set (0: none).
+    /// Unset, none when the GPU tier is the one under DRAM; else a quarter of the space
+    /// free there (counting what the tier already holds as free), at most
+    /// [`DEFAULT_DISK_MAX`], and none when that is under [`DEFAULT_DISK_MIN`] (or the free
+    /// space cannot be read).
+    pub fn disk_bytes(&self, disk_dir: &std::path::Path) -> u64 {
+        match self.disk_capacity_bytes {
+            Some(b) => b,
+            None if self.gpu_capacity_bytes > 0 => 0,
+            None => {
+                let free = free_bytes(disk_dir).unwrap_or(0) + dir_bytes(disk_dir);
+                let quarter = (free / 4).min(DEFAULT_DISK_MAX);
+                if quarter < DEFAULT_DISK_MIN {
+                    0
+                } else {
+                    quarter
+                }
+            }
+        }
+    }
+
+    /// This process's fabric node: DRAM, plus the disk tier in `disk_dir`
+    /// ([`FabricSection::disk_bytes`]) or GPU memory.
     pub fn node(
         &self,
         disk_dir: &std::path::Path,
@@ -149,7 +173,14 @@ impl FabricSection {
         let node = if self.gpu_capacity_bytes > 0 {
             gpu_node(config, self.gpu_capacity_bytes)?
         } else {
-            match self.disk_capacity_bytes {
+            let disk = self.disk_bytes(disk_dir);
+            tracing::info!(
+                dir = %disk_dir.display(),
+                bytes = disk,
+                configured = self.disk_capacity_bytes.is_some(),
+                "fabric disk tier"
+            );
+            match disk {
                 0 => cache_fabric::FabricNode::new(config),
                 cap => cache_fabric::FabricNode::with_disk(config, disk_dir, cap)
                     .with_context(|| format!("opening the disk tier in {}", disk_dir.display()))?,
@@ -158,6 +189,45 @@ impl FabricSection {
         node.set_receive_budget(self.receive_budget_bytes);
         Ok(node)
     }
+}
+
+/// The most the disk tier takes by default (`fabric.disk_capacity_bytes` unset).
+pub const DEFAULT_DISK_MAX: u64 = 16 << 30;
+
+/// Below this, the default is no disk tier: too little room to hold long retention.
+pub const DEFAULT_DISK_MIN: u64 = 64 << 20;
+
+/// Bytes free to an unprivileged writer on the filesystem holding `path` (or its nearest
+/// existing ancestor: the tier's directory is made when it opens).
+fn free_bytes(path: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let existing = path.ancestors().find(|p| p.exists())?;
+    let c = std::ffi::CString::new(existing.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `c` is a NUL-terminated path and `st` points to writable memory of the size
+    // statvfs fills; it is read only when the call succeeds.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled the struct.
+    let st = unsafe { st.assume_init() };
+    // fsblkcnt_t and c_ulong are u64 on 64-bit Linux, narrower elsewhere.
+    #[allow(clippy::unnecessary_cast)]
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// Bytes of the files directly in `dir` (what the disk tier holds already; 0 if none).
+fn dir_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 #[cfg(feature = "cuda")]
@@ -377,7 +447,7 @@ impl Default for FabricSection {
         Self {
             dram_capacity_bytes: 1 << 30,
             eviction: "adaptive".into(),
-            disk_capacity_bytes: 0,
+            disk_capacity_bytes: None,
             gpu_capacity_bytes: 0,
             rdma_device: "auto".into(),
             rdma_pool_bytes: 256 << 20,
@@ -448,6 +518,23 @@ where
     Ok(())
 }
 
+/// [`env_parse`] for a setting that may be left unset: `auto` (or empty) unsets it.
+fn env_parse_optional<T: std::str::FromStr>(name: &str, into: &mut Option<T>) -> anyhow::Result<()>
+where
+    T::Err: std::fmt::Display,
+{
+    if let Ok(v) = std::env::var(name) {
+        *into = match v.trim() {
+            "" | "auto" => None,
+            v => Some(
+                v.parse()
+                    .map_err(|e| anyhow::anyhow!("environment variable {name}={v:?}: {e}"))?,
+            ),
+        };
+    }
+    Ok(())
+}
+
 impl Config {
     /// Defaults, then the file (if any), then the environment; validated.
     pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
@@ -475,7 +562,7 @@ impl Config {
             &mut self.fabric.dram_capacity_bytes,
         )?;
         env_parse("CACHET_FABRIC_EVICTION", &mut self.fabric.eviction)?;
-        env_parse(
+        env_parse_optional(
             "CACHET_DISK_CAPACITY_BYTES",
             &mut self.fabric.disk_capacity_bytes,
         )?;
@@ -588,7 +675,7 @@ impl Config {
                 "fabric.rdma_pool_bytes must be positive (fabric.rdma_device = \"off\" turns RDMA off)"
             );
         }
-        if *disk_capacity_bytes > 0 && *gpu_capacity_bytes > 0 {
+        if disk_capacity_bytes.is_some_and(|d| d > 0) && *gpu_capacity_bytes > 0 {
             bail!(
                 "fabric.disk_capacity_bytes and fabric.gpu_capacity_bytes are both set: a node has one tier under DRAM"
             );
@@ -851,6 +938,41 @@ mod tests {
         let c: Config = toml::from_str("[fabric]\nrdma_device = \"mlx5_0\"").unwrap();
         c.validate().unwrap();
         assert_eq!(Config::default().fabric.rdma_device, "auto");
+    }
+
+    /// Unset, the disk tier is on by default (a quarter of the free space, within bounds),
+    /// off where the GPU tier is the one under DRAM; set, it is what it says (0: off).
+    #[test]
+    fn the_disk_tier_is_on_by_default_and_explicit_when_set() {
+        let dir = std::env::temp_dir();
+        let c = Config::default();
+        assert_eq!(c.fabric.disk_capacity_bytes, None);
+        let free = free_bytes(&dir).expect("the temp dir's free space");
+        let auto = c
+            .fabric
+            .disk_bytes(&dir.join("no-such-dir").join("fabric-disk"));
+        let expect = (free / 4).min(DEFAULT_DISK_MAX);
+        if expect >= DEFAULT_DISK_MIN {
+            // Free space moves while other processes write: within 1%.
+            assert!(
+                auto.abs_diff(expect) <= expect / 100 + (1 << 20),
+                "{auto} vs {expect}"
+            );
+        } else {
+            assert_eq!(auto, 0);
+        }
+        let c: Config = toml::from_str("[fabric]\ndisk_capacity_bytes = 0").unwrap();
+        assert_eq!(c.fabric.disk_bytes(&dir), 0);
+        let c: Config = toml::from_str("[fabric]\ndisk_capacity_bytes = 12345").unwrap();
+        assert_eq!(c.fabric.disk_bytes(&dir), 12345);
+        // The GPU tier set and the disk left unset: no disk, and no conflict.
+        let c: Config = toml::from_str("[fabric]\ngpu_capacity_bytes = 1048576").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.fabric.disk_bytes(&dir), 0);
+        // Both set explicitly: refused (below).
+        let c: Config =
+            toml::from_str("[fabric]\ndisk_capacity_bytes = 0\ngpu_capacity_bytes = 1").unwrap();
+        c.validate().unwrap();
     }
 
     #[test]

@@ -123,7 +123,9 @@ pub async fn run(
         addr: args.advertise.clone().unwrap_or_else(|| addr.clone()),
         rack: args.rack.clone(),
         dram_capacity_bytes: config.fabric.dram_capacity_bytes,
-        disk_capacity_bytes: config.fabric.disk_capacity_bytes,
+        disk_capacity_bytes: config
+            .fabric
+            .disk_bytes(&config.data_dir.join("fabric-disk")),
         epoch,
         dram_used_bytes: 0,
         api_addr: args.api_advertise.clone().or_else(|| api_addr.clone()),

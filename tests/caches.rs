@@ -520,7 +520,7 @@ async fn a_purge_missed_while_down_is_applied_to_the_disk_tier_at_restart() {
         // A small DRAM tier over a disk tier: the object's blocks are demoted to disk.
         tweak: |c| {
             c.fabric.dram_capacity_bytes = 256 << 10;
-            c.fabric.disk_capacity_bytes = 64 << 20;
+            c.fabric.disk_capacity_bytes = Some(64 << 20);
         },
         ..Default::default()
     })
@@ -592,7 +592,7 @@ async fn a_purge_missed_while_down_is_applied_to_the_disk_tier_at_restart() {
     config.engine.sim_time_scale = 0.0;
     config.admin.change_poll_ms = 200;
     config.fabric.dram_capacity_bytes = 256 << 10;
-    config.fabric.disk_capacity_bytes = 64 << 20;
+    config.fabric.disk_capacity_bytes = Some(64 << 20);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let shutdown = tokio_util::sync::CancellationToken::new();
     let running = cachet::server::start(config, listener, shutdown.clone())
@@ -705,7 +705,7 @@ async fn restart(app: &mut TestApp, tweak: fn(&mut cachet::config::Config)) {
 #[tokio::test]
 async fn long_retention_survives_a_restart_on_the_disk_tier() {
     fn disk(c: &mut cachet::config::Config) {
-        c.fabric.disk_capacity_bytes = 64 << 20;
+        c.fabric.disk_capacity_bytes = Some(64 << 20);
     }
     let mut app = TestApp::start_with(common::Options {
         tweak: disk,

@@ -58,6 +58,8 @@ fn start_serve_with(db_url: &str, data_dir: &Path, time_scale: &str) -> (Serve, 
             "CACHET_DRAM_CAPACITY_BYTES",
             (CAPACITY_BLOCKS * BLOCK_TOKENS * 131_072).to_string(),
         )
+        // DRAM only: the simulated ratio beside it is of one cache of this capacity.
+        .env("CACHET_DISK_CAPACITY_BYTES", "0")
         .env("CACHET_ADMIN_JWT_SECRET", JWT_SECRET)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

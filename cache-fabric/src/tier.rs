@@ -148,6 +148,24 @@ pub trait TierStore: Send {
             .filter(|(_, t, _)| *t == tenant)
             .fold((0, 0), |(n, bytes), (_, _, len)| (n + 1, bytes + len))
     }
+    /// Bytes each tenant holds here (the fair share across tiers). By default from the
+    /// inventory.
+    fn usage_by_tenant(&self) -> HashMap<TenantId, u64> {
+        let mut out = HashMap::new();
+        for (_, t, len) in self.inventory() {
+            *out.entry(t).or_insert(0) += len;
+        }
+        out
+    }
+    /// `tenant`'s blocks in the order they should give way when the tenant holds more than
+    /// its fair share: by default in inventory order.
+    fn tenant_victims(&self, tenant: TenantId) -> Vec<BlockHash> {
+        self.inventory()
+            .into_iter()
+            .filter(|(_, t, _)| *t == tenant)
+            .map(|(h, _, _)| h)
+            .collect()
+    }
     /// Drop every block of `tenant` (its tenant was deleted); the hashes dropped.
     fn remove_tenant(&mut self, tenant: TenantId) -> Vec<BlockHash> {
         let gone: Vec<BlockHash> = self
@@ -335,6 +353,19 @@ pub struct DiskTier {
     /// Bytes of paid blocks in the index (expired or not): an upper bound of what making
     /// room must keep, so the exact count is only taken when this bound leaves no room.
     paid_bytes: u64,
+    /// Bytes in the index per tenant (the fair share across tiers reads it on every write
+    /// a full node refuses otherwise).
+    tenant_used: HashMap<TenantId, u64>,
+}
+
+/// Take `len` bytes off `tenant`'s count, forgetting a tenant that holds none.
+fn untally(counts: &mut HashMap<TenantId, u64>, tenant: TenantId, len: u64) {
+    if let Some(b) = counts.get_mut(&tenant) {
+        *b -= len;
+        if *b == 0 {
+            counts.remove(&tenant);
+        }
+    }
 }
 
 fn segment_path(dir: &Path, id: u64) -> PathBuf {
@@ -465,6 +496,7 @@ impl DiskTier {
             segments: BTreeMap::new(),
             used: 0,
             paid_bytes: 0,
+            tenant_used: HashMap::new(),
         };
         for id in ids {
             tier.recover_segment(id)?;
@@ -523,6 +555,7 @@ impl DiskTier {
                 },
             ) {
                 self.used -= old.len;
+                self.untally(old.tenant, old.len);
                 if old.paid_until_ms > 0 {
                     self.paid_bytes -= old.len;
                 }
@@ -533,6 +566,7 @@ impl DiskTier {
                 }
             }
             self.used += len;
+            *self.tenant_used.entry(block.scope.tenant).or_insert(0) += len;
             if paid_until(&block) > 0 {
                 self.paid_bytes += len;
             }
@@ -614,15 +648,21 @@ impl DiskTier {
         Ok(())
     }
 
+    fn untally(&mut self, tenant: TenantId, len: u64) {
+        untally(&mut self.tenant_used, tenant, len);
+    }
+
     fn drop_segment(&mut self, id: u64) -> Result<(), TierError> {
         self.segments.remove(&id);
         let (mut freed, mut paid) = (0, 0);
+        let tenant_used = &mut self.tenant_used;
         self.index.retain(|_, l| {
             if l.segment == id {
                 freed += l.len;
                 if l.paid_until_ms > 0 {
                     paid += l.len;
                 }
+                untally(tenant_used, l.tenant, l.len);
                 false
             } else {
                 true
@@ -700,6 +740,7 @@ impl DiskTier {
         *written += record;
         *live += len;
         self.used += len;
+        *self.tenant_used.entry(block.scope.tenant).or_insert(0) += len;
         if paid_until(&block) > 0 {
             self.paid_bytes += len;
         }
@@ -787,6 +828,7 @@ impl TierStore for DiskTier {
             return false;
         };
         self.used -= l.len;
+        self.untally(l.tenant, l.len);
         if l.paid_until_ms > 0 {
             self.paid_bytes -= l.len;
         }
@@ -827,6 +869,33 @@ impl TierStore for DiskTier {
             .iter()
             .map(|(h, l)| (*h, l.tenant, l.len))
             .collect()
+    }
+
+    fn usage_by_tenant(&self) -> HashMap<TenantId, u64> {
+        debug_assert_eq!(
+            self.tenant_used.values().sum::<u64>(),
+            self.used,
+            "per-tenant byte count"
+        );
+        self.tenant_used.clone()
+    }
+
+    fn tenant_usage(&self, tenant: TenantId) -> (usize, u64) {
+        let n = self.index.values().filter(|l| l.tenant == tenant).count();
+        (n, self.tenant_used.get(&tenant).copied().unwrap_or(0))
+    }
+
+    /// Blocks past their paid expiry (or never paid) first, then the paid ones that expire
+    /// soonest: what the tenant paid least to keep.
+    fn tenant_victims(&self, tenant: TenantId) -> Vec<BlockHash> {
+        let mut mine: Vec<(u64, BlockHash)> = self
+            .index
+            .iter()
+            .filter(|(_, l)| l.tenant == tenant)
+            .map(|(h, l)| (l.paid_until_ms, *h))
+            .collect();
+        mine.sort_unstable();
+        mine.into_iter().map(|(_, h)| h).collect()
     }
 
     fn remove_tenant_written_before(

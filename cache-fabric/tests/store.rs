@@ -508,6 +508,69 @@ async fn a_tenant_over_its_fair_share_gives_way_to_another_tenants_writes() {
     assert_eq!(c2.read_prefix(a, &ka2, 16, now).await.tokens, 16);
 }
 
+/// With a disk tier, the fair share is of DRAM and disk together: one tenant's paid entries
+/// fill both, and another tenant writing within its share makes it give way — its DRAM
+/// leaves first, then (nothing of it left in DRAM) its disk blocks, so that paid leaves can
+/// move down — counted as quota evictions. The writer never goes past its own share.
+#[tokio::test]
+async fn a_tenant_over_its_fair_share_of_dram_and_disk_gives_way() {
+    let dir = TempDir::new();
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    let node = FabricNode::with_disk(
+        NodeConfig {
+            dram_capacity_bytes: 2 * block,
+            eviction: EvictionPolicy::DEFAULT,
+        },
+        &dir.0,
+        6 * block,
+    )
+    .unwrap();
+    let c = FabricClient::local(node.clone());
+    let (a, b) = (scope(), scope());
+    let now = Instant::now();
+    let tier_blocks = |t: cachet_common::TenantId| -> u64 {
+        node.tenant_stats(t, 0)
+            .tiers
+            .iter()
+            .map(|u| u.bytes)
+            .sum::<u64>()
+            / block
+    };
+    // Alone, a holds the whole node: 2 blocks in DRAM, 6 moved to disk.
+    for i in 0..8 {
+        let k = keys(a, &toks(200 + i, B), &[B]);
+        write_whole(&c, a, &k, B, 300, now, PAID).await.unwrap();
+    }
+    assert_eq!(
+        node.with_store(|st| st.lower_tier_usage()),
+        Some((6, 6 * block))
+    );
+    assert_eq!(tier_blocks(a.tenant), 8);
+    // b writes four blocks, its share of the 8: a gives way, two blocks from DRAM, then two
+    // from disk (DRAM then full of b's paid blocks, which move down).
+    let mut kb = Vec::new();
+    for i in 0..4 {
+        let k = keys(b, &toks(300 + i, B), &[B]);
+        write_whole(&c, b, &k, B, 300, now, PAID).await.unwrap();
+        kb.push(k);
+    }
+    assert_eq!(tier_blocks(a.tenant), 4);
+    assert_eq!(tier_blocks(b.tenant), 4);
+    assert_eq!(node.tenant_stats(a.tenant, 0).evictions.evicted_quota, 4);
+    // A fifth would put b over its share: refused, and a keeps its share.
+    let k5 = keys(b, &toks(304, B), &[B]);
+    assert_eq!(
+        write_whole(&c, b, &k5, B, 300, now, PAID).await,
+        Err(WriteRefused::Capacity)
+    );
+    assert_eq!(tier_blocks(a.tenant), 4);
+    // Everything b paid for is readable, from whichever tier holds it.
+    for k in &kb {
+        assert_eq!(c.read_prefix(b, k, B, now).await.tokens, B);
+    }
+    node.with_store(|st| st.check_invariants());
+}
+
 #[tokio::test]
 async fn best_effort_blocks_go_before_paid_ones_whatever_their_recency() {
     let (c, node) = client(4 * (B * BYTES_PER_TOKEN) as u64);
@@ -869,8 +932,10 @@ proptest! {
         });
     }
     /// With a disk tier under DRAM, a paid entry that was written stays readable, whole, for
-    /// its TTL, whatever other tenants write: DRAM pressure only moves it to disk, and the
-    /// disk tier never drops it to make room. Capacities and invariants hold throughout.
+    /// its TTL, whatever other tenants write — DRAM pressure only moves it to disk, and the
+    /// disk tier never drops it to make room — unless its tenant held more than its fair
+    /// share of the two and gave way to another's write: every such loss is counted as a
+    /// quota eviction of its tenant. Capacities and invariants hold throughout.
     #[test]
     fn paid_entries_stay_readable_for_their_ttl_across_dram_and_disk(
         ops in proptest::collection::vec((0usize..3, 0u32..10, 1usize..6, any::<bool>()), 1..40),
@@ -887,7 +952,8 @@ proptest! {
             .unwrap();
             let c = FabricClient::local(node.clone());
             let scopes: Vec<Scope> = (0..3).map(|_| scope()).collect();
-            let mut paid: Vec<(Scope, PrefixKeys, usize, Instant)> = Vec::new();
+            let mut paid: Vec<(Scope, PrefixKeys, usize, Instant, u64)> = Vec::new();
+            let gave_way = |s: &Scope| node.tenant_stats(s.tenant, 0).evictions.evicted_quota;
             for (who, seed, len, is_paid) in ops {
                 let s = scopes[who];
                 let n = len * B;
@@ -898,19 +964,26 @@ proptest! {
                 let ttl = Duration::from_secs(300);
                 let kind = if is_paid { PAID } else { AUTO };
                 if c.write_entry(s, &k, n, &new, Holding { ttl, kind }, now).await.is_ok() && is_paid {
-                    paid.push((s, k, n, now + ttl));
+                    paid.push((s, k, n, now + ttl, gave_way(&s)));
                 }
                 tokio::time::advance(Duration::from_secs(20)).await;
                 let now = Instant::now();
-                for (s, k, n, expires) in &paid {
-                    if now + Duration::from_secs(2) < *expires {
-                        let r = c.read_prefix(*s, k, *n, now).await;
-                        assert_eq!(r.tokens, *n, "a paid entry was lost before its TTL");
-                        for (got, want) in r.blocks.iter().zip(blocks_to(k, *n)) {
-                            assert_eq!(got.data, want.data);
-                        }
+                let mut kept = Vec::new();
+                for (s, k, n, expires, given) in paid {
+                    if now + Duration::from_secs(2) >= expires {
+                        continue;
+                    }
+                    let r = c.read_prefix(s, &k, n, now).await;
+                    for (got, want) in r.blocks.iter().zip(blocks_to(&k, n)) {
+                        assert_eq!(got.data, want.data);
+                    }
+                    if r.tokens == n {
+                        kept.push((s, k, n, expires, given));
+                    } else {
+                        assert!(gave_way(&s) > given, "a paid entry was lost before its TTL, and not to the fair share");
                     }
                 }
+                paid = kept;
                 node.with_store(|st| {
                     st.check_invariants();
                     assert!(st.used_bytes() <= 8 * block);

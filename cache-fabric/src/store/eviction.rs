@@ -25,17 +25,20 @@ impl Store {
     /// tenants whose plan sets a quota, or a reservation that covers what they hold. Only a
     /// writer that stays within its own share after the write may make others give way (a
     /// tenant never loses its paid blocks to its own writes). `None` on a node with one tenant.
+    /// Where the tier below keeps paid blocks, the share is of DRAM and that tier together
+    /// (paid entries move down under DRAM pressure, so a tenant can fill both).
     pub(super) fn over_fair_share(&self, writer: TenantId, incoming: u64) -> Option<TenantId> {
-        let mut tenants = self.tenant_bytes.iter().filter(|(_, b)| **b > 0).count();
-        if self.tenant_bytes(writer) == 0 {
+        let (capacity, held) = self.fair_share_usage();
+        let held_by = |t: TenantId| held.get(&t).copied().unwrap_or(0);
+        let mut tenants = held.values().filter(|b| **b > 0).count();
+        if held_by(writer) == 0 {
             tenants += 1;
         }
-        let share = self.limits.capacity_bytes / tenants.max(1) as u64;
-        if self.tenant_bytes(writer) + incoming > share {
+        let share = capacity / tenants.max(1) as u64;
+        if held_by(writer) + incoming > share {
             return None;
         }
-        self.tenant_bytes
-            .iter()
+        held.iter()
             .filter(|(t, b)| {
                 **t != writer
                     && **b > share
@@ -44,6 +47,55 @@ impl Store {
             })
             .max_by_key(|(_, b)| **b)
             .map(|(t, _)| *t)
+    }
+
+    /// What the fair share divides, and what each tenant holds of it: DRAM, plus the tier
+    /// below where it keeps paid blocks. Read only when a full node has nothing else to give.
+    fn fair_share_usage(&self) -> (u64, HashMap<TenantId, u64>) {
+        let mut held = self.tenant_bytes.clone();
+        let mut capacity = self.limits.capacity_bytes;
+        if let Some(tier) = self.lower.as_ref().filter(|t| t.keeps_paid()) {
+            capacity += tier.capacity_bytes();
+            for (t, b) in tier.usage_by_tenant() {
+                *held.entry(t).or_insert(0) += b;
+            }
+        }
+        (capacity, held)
+    }
+
+    /// Make DRAM room by taking from `over`, a tenant over its fair share: its
+    /// lowest-ranked DRAM leaf; or, where it holds none that can go and the tier below keeps
+    /// paid blocks, its blocks there (those it paid least to keep first) until a paid leaf
+    /// can move down. Whether room was made.
+    pub(super) fn give_way(&mut self, over: TenantId, pinned: &BlockSet) -> bool {
+        if self.evict_one(Some(over), pinned, RemovalReason::Quota) {
+            return true;
+        }
+        let Some(victims) = self
+            .lower
+            .as_ref()
+            .filter(|t| t.keeps_paid())
+            .map(|t| t.tenant_victims(over))
+        else {
+            return false;
+        };
+        for h in victims {
+            if !self.lower.as_mut().is_some_and(|t| t.remove(&h)) {
+                continue;
+            }
+            if !self.blocks.contains_key(&h) {
+                self.emit(StoreEvent::Removed(h));
+            }
+            self.removals
+                .entry(over)
+                .or_default()
+                .count(RemovalReason::Quota, false);
+            metrics::EVICTIONS.with_label_values(&["quota"]).inc();
+            if self.demote_paid(pinned) {
+                return true;
+            }
+        }
+        false
     }
 
     /// The best-effort leaf capacity eviction takes next: the lowest-ranked one that is not

@@ -18,10 +18,11 @@
 //! forces them out. When nothing best-effort is left to take, DRAM pressure *demotes* paid
 //! leaves to a lower tier that keeps paid blocks until they expire (the disk tier,
 //! [`TierStore::keeps_paid`]), least recently used first; a write that still cannot find room
-//! is refused (and not billed). A node with no such tier applies a default quota instead:
-//! a tenant with no quota of its own holding more than its *fair share* (the capacity split
-//! evenly between the tenants resident on the node) gives way, its leaves paid or not, to a
-//! tenant writing within its share — so one tenant cannot lock the others out for an hour.
+//! is refused (and not billed) unless a default quota applies: a tenant with no quota of its
+//! own holding more than its *fair share* (the capacity split evenly between the tenants
+//! resident on the node; with a tier below that keeps paid blocks, the capacity of DRAM and
+//! that tier together) gives way, its blocks paid or not, to a tenant writing within its
+//! share — so one tenant cannot lock the others out for an hour, or a day.
 //!
 //! Time is `tokio::time::Instant`, passed in by the caller (the request's start time), so
 //! TTL behaviour is testable with paused time.
@@ -806,16 +807,12 @@ impl Store {
             if self.evict_one(None, &pinned, RemovalReason::Capacity) {
                 continue;
             }
-            // Nothing best-effort left and no tier below that keeps paid blocks: another
-            // tenant holding more than its fair share gives way (its default quota), so one
-            // tenant's paid writes cannot lock everyone else out of the node for their TTL.
-            // (With such a tier, paid blocks move there instead and keep their TTL.)
-            let over = if self.lower.as_ref().is_some_and(|t| t.keeps_paid()) {
-                None
-            } else {
-                self.over_fair_share(tenant, incoming)
-            };
-            if !over.is_some_and(|t| self.evict_one(Some(t), &pinned, RemovalReason::Quota)) {
+            // Nothing best-effort left and no room below for paid blocks: another tenant
+            // holding more than its fair share (of DRAM and the tier below) gives way (its
+            // default quota), so one tenant's paid writes cannot lock everyone else out of
+            // the node for their TTL.
+            let over = self.over_fair_share(tenant, incoming);
+            if !over.is_some_and(|t| self.give_way(t, &pinned)) {
                 return Err(refused(WriteRefused::Capacity));
             }
         }
