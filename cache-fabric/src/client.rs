@@ -80,8 +80,13 @@ impl FabricClient {
         }
         let links = keys.chain_to(best).unwrap_or_default();
         let hashes: Vec<BlockHash> = links.iter().map(|l| l.hash).collect();
-        let blocks = store.get_chain(&scope, &hashes, now);
+        let read = store.read_chain(&scope, &hashes, now);
         drop(store);
+        // Checksums are verified outside the lock: the store is shared by every request.
+        let (blocks, corrupt) = read.verify();
+        if let Some(hash) = corrupt {
+            self.node.store().drop_corrupt(&hash);
+        }
         PrefixRead::new(links, blocks)
     }
 

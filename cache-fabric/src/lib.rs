@@ -59,7 +59,7 @@ pub use node::{DEFAULT_RECEIVE_BYTES, FabricNode, MissReason, NodeConfig, Prefix
 pub use policy::EvictionPolicy;
 pub use reports::ConnectorReport;
 pub use stats::RemovalReason;
-pub use store::{EntryKind, FetchedBlock, Holding, PutBlock, Released, WriteRefused};
+pub use store::{ChainRead, EntryKind, FetchedBlock, Holding, PutBlock, Released, WriteRefused};
 
 /// Wall-clock milliseconds since the Unix epoch: expiries that outlive the process (disk
 /// tier) and event times compared across processes (block events).

@@ -309,16 +309,20 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
                 }
                 let chain: Vec<BlockHash> = (0..n).map(|_| get_hash(&mut f)).collect();
                 let now = tokio::time::Instant::now();
-                let blocks = node.with_store(|st| st.get_chain(&scope, &chain, now));
+                let read = node.with_store(|st| st.read_chain(&scope, &chain, now));
+                let (blocks, corrupt) = read.verify_with_checksums();
+                if let Some(hash) = corrupt {
+                    node.with_store(|st| st.drop_corrupt(&hash));
+                }
                 let mut head = BytesMut::with_capacity(5 + blocks.len() * 48);
                 head.put_u8(OK);
                 head.put_u32_le(blocks.len() as u32);
                 s.write_all(&head).await?;
-                for b in blocks {
+                for (b, crc) in blocks {
                     let mut h = BytesMut::with_capacity(48);
                     h.put_slice(&b.hash.0);
                     h.put_u32_le(b.n_tokens);
-                    h.put_u32_le(checksum(&b.data));
+                    h.put_u32_le(crc);
                     h.put_u64_le(b.data.len() as u64);
                     s.write_all(&h).await?;
                     s.write_all(&b.data).await?;

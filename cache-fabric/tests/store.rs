@@ -422,6 +422,40 @@ async fn a_flipped_bit_is_detected_and_the_block_never_served() {
 }
 
 #[tokio::test]
+async fn checksums_are_verified_after_the_read_and_only_a_corrupt_block_is_dropped() {
+    let (c, node) = client(1 << 20);
+    let s = scope();
+    let t = toks(8, 12);
+    let k = keys(s, &t, &[12]);
+    let now = Instant::now();
+    write_whole(&c, s, &k, 12, 300, now, PAID).await.unwrap();
+    assert!(node.with_store(|st| st.corrupt_for_test(&k.blocks[1])));
+    // Read under the lock, verified after it: the corrupt block and those after it are not
+    // returned, and it is named.
+    let read = node.with_store(|st| st.read_chain(&s, &k.blocks, now));
+    let (blocks, corrupt) = read.verify();
+    assert_eq!(blocks.len(), 1);
+    assert_eq!(blocks[0].hash, k.blocks[0]);
+    assert_eq!(corrupt, Some(k.blocks[1]));
+    // Dropping checks again under the lock: a sound block (replaced since the read, say)
+    // stays; the corrupt one goes, as corrupt.
+    node.with_store(|st| st.drop_corrupt(&k.blocks[0]));
+    node.with_store(|st| st.drop_corrupt(&k.blocks[1]));
+    assert_eq!(c.read_prefix(s, &k, 12, now).await.tokens, 4);
+    assert_eq!(
+        c.miss_reason(s, &k, 12, now).await,
+        MissReason::Removed(RemovalReason::Corrupt)
+    );
+    // What a peer is sent: each block with the checksum its bytes were verified against.
+    let read = node.with_store(|st| st.read_chain(&s, &k.blocks[..1], now));
+    let (with, corrupt) = read.verify_with_checksums();
+    assert_eq!(corrupt, None);
+    assert_eq!(with.len(), 1);
+    assert_eq!(with[0].1, cache_fabric::checksum(&with[0].0.data));
+    node.with_store(|st| st.check_invariants());
+}
+
+#[tokio::test]
 async fn tail_hits_are_exact_at_boundaries() {
     let (c, _) = client(1 << 20);
     let s = scope();

@@ -83,6 +83,56 @@ pub struct FetchedBlock {
     pub data: Bytes,
 }
 
+/// Blocks read by [`Store::read_chain`], their checksums not yet verified.
+#[must_use = "verify the blocks before using them"]
+pub struct ChainRead {
+    /// Each block with the checksum to verify (`None`: verified as the lower tier read it).
+    blocks: Vec<(FetchedBlock, Option<u32>)>,
+}
+
+impl ChainRead {
+    /// The blocks up to the first whose bytes fail their checksum, and that block's hash:
+    /// the caller drops it from the store ([`Store::drop_corrupt`]). Corrupt bytes are never
+    /// returned.
+    pub fn verify(self) -> (Vec<FetchedBlock>, Option<BlockHash>) {
+        let (blocks, corrupt) = self.checked();
+        (blocks.into_iter().map(|(b, _)| b).collect(), corrupt)
+    }
+
+    /// [`ChainRead::verify`], each block with its verified checksum (what a peer is sent,
+    /// so that serving a block costs one pass over its bytes, not two).
+    pub fn verify_with_checksums(self) -> (Vec<(FetchedBlock, u32)>, Option<BlockHash>) {
+        let (blocks, corrupt) = self.checked();
+        let with = blocks
+            .into_iter()
+            .map(|(b, crc)| {
+                let crc = crc.unwrap_or_else(|| checksum(&b.data));
+                (b, crc)
+            })
+            .collect();
+        (with, corrupt)
+    }
+
+    /// The blocks up to the first corrupt one, each with its checksum (`None` for those the
+    /// lower tier verified as it read them), and the corrupt one's hash.
+    fn checked(self) -> (Vec<(FetchedBlock, Option<u32>)>, Option<BlockHash>) {
+        let mut out = Vec::with_capacity(self.blocks.len());
+        let mut corrupt = None;
+        for (block, crc) in self.blocks {
+            if crc.is_some_and(|c| checksum(&block.data) != c) {
+                metrics::BLOCK_READS.with_label_values(&["corrupt"]).inc();
+                corrupt = Some(block.hash);
+                break;
+            }
+            out.push((block, crc));
+        }
+        metrics::BLOCK_READS
+            .with_label_values(&["hit"])
+            .inc_by(out.len() as u64);
+        (out, corrupt)
+    }
+}
+
 /// Which copy of its blocks a write stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Copy {
@@ -500,6 +550,18 @@ impl Store {
         chain: &[BlockHash],
         now: Instant,
     ) -> Vec<FetchedBlock> {
+        let (blocks, corrupt) = self.read_chain(scope, chain, now).verify();
+        if let Some(hash) = corrupt {
+            self.drop_corrupt(&hash);
+        }
+        blocks
+    }
+
+    /// [`Store::get_chain`] in two halves, so that the checksums (a pass over every byte
+    /// read) are verified after the store's lock is released: read the blocks and refresh
+    /// their TTLs here, then [`ChainRead::verify`] them, then [`Store::drop_corrupt`] the
+    /// block that failed, if one did.
+    pub fn read_chain(&mut self, scope: &Scope, chain: &[BlockHash], now: Instant) -> ChainRead {
         self.purge_expired(now);
         let capacity = self.capacity_blocks();
         if self.ranking.observe_chain(chain, capacity) {
@@ -513,7 +575,8 @@ impl Store {
                 if let Some(read_through) =
                     self.promote(scope, hash, Some(parent), &chain[..i], now)
                 {
-                    out.push(read_through);
+                    // The lower tier verified it as it read it.
+                    out.push((read_through, None));
                     continue;
                 }
             }
@@ -521,30 +584,35 @@ impl Store {
                 metrics::BLOCK_READS.with_label_values(&["miss"]).inc();
                 break;
             };
-            if checksum(&block.data) != block.checksum {
-                metrics::BLOCK_READS.with_label_values(&["corrupt"]).inc();
-                tracing::error!(block = %hash, "checksum mismatch on read; dropping block");
-                self.remove(hash, RemovalReason::Corrupt);
-                break;
-            }
             let fetched = FetchedBlock {
                 hash: *hash,
                 n_tokens: block.n_tokens,
                 data: block.data.clone(),
             };
+            let crc = block.checksum;
             let ttl = block.shared.ttl;
             self.touch(hash, now + ttl, ttl, false, true);
-            out.push(fetched);
+            out.push((fetched, Some(crc)));
         }
-        metrics::BLOCK_READS
-            .with_label_values(&["hit"])
-            .inc_by(out.len() as u64);
-        if let Some(last) = out.last()
+        if let Some((last, _)) = out.last()
             && let Some(b) = self.blocks.get_mut(&last.hash)
         {
             b.reads = b.reads.saturating_add(1);
         }
-        out
+        ChainRead { blocks: out }
+    }
+
+    /// Remove `hash` if its stored bytes fail their checksum (a reader found them corrupt
+    /// outside the lock; the block may have been replaced since).
+    pub fn drop_corrupt(&mut self, hash: &BlockHash) {
+        let corrupt = self
+            .blocks
+            .get(hash)
+            .is_some_and(|b| checksum(&b.data) != b.checksum);
+        if corrupt {
+            tracing::error!(block = %hash, "checksum mismatch on read; dropping block");
+            self.remove(hash, RemovalReason::Corrupt);
+        }
     }
 
     /// One block by hash, whatever its parent (a replica, or a tail), checksum verified and

@@ -103,6 +103,22 @@ pub(super) struct Finished {
     pub(super) last: Option<Event>,
 }
 
+impl Finished {
+    /// Generation failed inside Cachet (a panic): a 500, and a failed usage row.
+    pub(super) fn internal_failure(cause: impl std::fmt::Display) -> Self {
+        Self {
+            unserved: false,
+            usage: TokenUsage::default(),
+            output: 0,
+            status: UsageStatus::Failed,
+            last: Some(Event::Error(ApiError::internal(
+                "generation task failed",
+                cause,
+            ))),
+        }
+    }
+}
+
 /// Everything the blocking part of a request needs.
 pub(super) struct Work {
     pub(super) state: AppState,

@@ -212,8 +212,8 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
     };
     let meter = Meter {
         request_id,
-        principal: &principal,
-        model: &plan.info.id,
+        principal: principal.clone(),
+        model: plan.info.id.clone(),
         started_at,
     };
     let work = Work {
@@ -245,13 +245,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         coalesced_from: found.coalesced_from,
         diagnosis,
     };
-    let done = generate_off_runtime(work).await;
-    record_finished(
-        &state,
-        meter.event(done.usage, done.output, done.status),
-        done.unserved,
-    )
-    .await;
+    let done = generate_off_runtime(work, meter).await;
     if let Some(last) = done.last {
         let _ = tx.send(last);
     }
@@ -574,42 +568,70 @@ async fn take_worker(
 }
 
 /// Prefill, fabric writes (async calls driven with `block_on`), usage and `message_start`,
-/// then decoding, on one blocking thread: one hand-off, not three. The blocking thread and
-/// the tasks it spawns log in this request's span too.
-async fn generate_off_runtime(work: Work) -> Finished {
-    metrics::ENGINE_INFLIGHT.inc();
+/// decoding, then the usage event's journal fsync, on one blocking thread: one hand-off,
+/// not four (the fsync on a runtime worker would hand its core to another thread and back).
+/// The engine worker is free again before the fsync. The blocking thread and the tasks it
+/// spawns log in this request's span too.
+async fn generate_off_runtime(work: Work, meter: Meter) -> Finished {
+    let inflight = Generating::start();
     let rt = tokio::runtime::Handle::current();
     let span = tracing::Span::current();
-    let outcome = tokio::task::spawn_blocking(move || span.in_scope(|| generate(work, &rt))).await;
-    metrics::ENGINE_INFLIGHT.dec();
-    outcome.unwrap_or_else(|e| Finished {
-        unserved: false,
-        usage: TokenUsage::default(),
-        output: 0,
-        status: UsageStatus::Failed,
-        last: Some(Event::Error(ApiError::internal(
-            "generation task failed",
-            e,
-        ))),
-    })
+    let state = work.state.clone();
+    let finish = move || {
+        // A panic in generation still answers (500) and records its (failed) usage.
+        let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| generate(work, &rt)))
+            .unwrap_or_else(|panic| Finished::internal_failure(panic_message(panic.as_ref())));
+        drop(inflight);
+        let ev = meter.event(done.usage, done.output, done.status);
+        rt.block_on(record_finished(&state, ev, done.unserved));
+        done
+    };
+    match tokio::task::spawn_blocking(move || span.in_scope(finish)).await {
+        Ok(done) => done,
+        Err(e) => Finished::internal_failure(e),
+    }
+}
+
+/// `cachet_gateway_engine_inflight` while a generation runs, however its thread ends.
+struct Generating;
+
+impl Generating {
+    fn start() -> Self {
+        metrics::ENGINE_INFLIGHT.inc();
+        Self
+    }
+}
+
+impl Drop for Generating {
+    fn drop(&mut self) {
+        metrics::ENGINE_INFLIGHT.dec();
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
 }
 
 /// The usage event of this request, as the meter records it.
-struct Meter<'a> {
+struct Meter {
     request_id: RequestId,
-    principal: &'a Principal,
-    model: &'a str,
+    principal: Arc<Principal>,
+    model: String,
     started_at: DateTime<Utc>,
 }
 
-impl Meter<'_> {
+impl Meter {
     fn event(&self, u: TokenUsage, output: u64, status: UsageStatus) -> UsageEvent {
         UsageEvent {
             request_id: self.request_id,
             tenant_id: self.principal.tenant,
             workspace_id: self.principal.workspace,
             api_key_id: self.principal.key_id,
-            model: self.model.to_string(),
+            model: self.model.clone(),
             input_tokens: u.input,
             cache_write_5m_tokens: u.write_5m,
             cache_write_1h_tokens: u.write_1h,
