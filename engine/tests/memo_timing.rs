@@ -52,10 +52,15 @@ fn another_tenants_text_renders_no_faster_than_unseen_text() {
             let y = timed(&e, &unseen);
             cross.push((timed(&e, &seen_by_b), y));
         }
-        // Control: A's own repeat, against fresh text of A's.
+        // Control: A's own repeat, against fresh text of A's, the best of three of each (three
+        // different fresh texts), so that a loaded machine's noise does not hide the memo.
         let again = prompt(seen, a);
-        let fresh = prompt(text(i, "f"), a);
-        same.push((timed(&e, &again), timed(&e, &fresh)));
+        let best_again = (0..3).map(|_| timed(&e, &again)).min().expect("three");
+        let best_fresh = (0..3)
+            .map(|k| timed(&e, &prompt(text(i, &format!("f{k}-")), a)))
+            .min()
+            .expect("three");
+        same.push((best_again, best_fresh));
     }
     let (c, s) = (faster(&cross), faster(&same));
     eprintln!(
