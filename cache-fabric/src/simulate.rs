@@ -135,12 +135,19 @@ impl SimResult {
 
 /// A uniformly distributed block hash for a trace id in a scope (the store and the frequency
 /// sketch expect SHA-256 output; the service puts the scope in every block's hash too).
-fn block_hash(scope: u32, id: u64) -> BlockHash {
+///
+/// The key covers the block's token count, as the service's does (a breakpoint inside a
+/// block is a tail entry keyed over its partial tokens): a prompt's partial last block is
+/// its own entry, and a later prompt with that block whole does not read it. A trace may give
+/// the partial and the whole block one id (the synthetic chat turns do), but only the tokens
+/// an earlier request computed can be read.
+fn block_hash(scope: u32, id: u64, tokens: u32) -> BlockHash {
     let mut h = Sha256::new();
     h.update(id.to_le_bytes());
     if scope > 0 {
         h.update(scope.to_le_bytes());
     }
+    h.update(tokens.to_le_bytes());
     BlockHash(h.finalize().into())
 }
 
@@ -210,7 +217,8 @@ pub fn replay_sized(
         let chain: Vec<BlockHash> = req
             .blocks
             .iter()
-            .map(|&id| block_hash(req.scope, id))
+            .zip(&req.block_tokens)
+            .map(|(&id, &tokens)| block_hash(req.scope, id, tokens))
             .collect();
         let lower_before = store.lower_tier_reads();
         let hits = store.get_chain(&scope, &chain, now).len();
@@ -294,6 +302,30 @@ mod tests {
         assert_eq!((r.blocks, r.hit_blocks), (12, 5));
         assert_eq!((r.tokens, r.hit_tokens), (120, 50));
         assert!((r.token_hit_ratio() - 50.0 / 120.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_partial_block_is_read_only_by_a_prompt_that_ends_there_too() {
+        let req = |blocks: Vec<u64>, block_tokens: Vec<u32>| SimRequest {
+            blocks,
+            block_tokens,
+            scope: 0,
+            cacheable: true,
+        };
+        let trace = vec![
+            // A turn ends 30 tokens into block 2.
+            req(vec![0, 1, 2], vec![64, 64, 30]),
+            // The next turn has block 2 whole: [0, 1] are hits, block 2's 34 more tokens were
+            // never computed, so it is no hit (nor is anything after it).
+            req(vec![0, 1, 2, 3], vec![64, 64, 64, 10]),
+            // The first prompt again: all three, its partial block included.
+            req(vec![0, 1, 2], vec![64, 64, 30]),
+            // The second again: all four.
+            req(vec![0, 1, 2, 3], vec![64, 64, 64, 10]),
+        ];
+        let r = replay_requests(&trace, 100, EvictionPolicy::Lru);
+        assert_eq!(r.hit_blocks, 2 + 3 + 4, "{r:?}");
+        assert_eq!(r.hit_tokens, 128 + 158 + 202, "{r:?}");
     }
 
     #[test]

@@ -302,6 +302,52 @@ async fn extra_copies_go_before_any_owned_block_and_an_owner_write_keeps_them() 
     node.with_store(|st| st.check_invariants());
 }
 
+/// A writer keeps its whole chain: the blocks it owns and extra copies of those other nodes
+/// own, interleaved. The extra copies go first when room is needed, also from the middle of
+/// the chain (their owners hold them); the owned blocks under them stay.
+#[tokio::test]
+async fn extra_copies_inside_a_chain_go_before_the_owned_blocks_under_them() {
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    let (c, node) = client(6 * block);
+    let s = scope();
+    let now = Instant::now();
+    let ttl = Duration::from_secs(300);
+    let chain = keys(s, &toks(1, 4 * B), &[4 * B]);
+    let (mut owned, mut extra) = (Vec::new(), Vec::new());
+    for (i, b) in blocks_to(&chain, 4 * B).into_iter().enumerate() {
+        if i % 2 == 1 {
+            owned.push(b)
+        } else {
+            extra.push(b)
+        }
+    }
+    let (owned_hashes, extra_hashes): (Vec<_>, Vec<_>) = (
+        owned.iter().map(|b| b.hash).collect(),
+        extra.iter().map(|b| b.hash).collect(),
+    );
+    // As `Cluster::write_entry` stores them: the owned blocks, then the extra copies.
+    node.with_store(|st| st.put_replica(&s, &[], owned, ttl, now, AUTO))
+        .unwrap();
+    node.with_store(|st| st.put_extra(&s, extra, ttl, now))
+        .unwrap();
+    node.with_store(|st| st.check_invariants());
+    // Four more blocks on a node with room for six: both extra copies go, no owned block.
+    let other = keys(s, &toks(2, 4 * B), &[4 * B]);
+    write_whole(&c, s, &other, 4 * B, 300, now, AUTO)
+        .await
+        .unwrap();
+    node.with_store(|st| {
+        st.check_invariants();
+        for h in &owned_hashes {
+            assert!(st.contains(&s, h, now), "an owned block was evicted");
+        }
+        for h in &extra_hashes {
+            assert!(!st.contains(&s, h, now), "an extra copy was kept");
+        }
+    });
+    assert_eq!(c.read_prefix(s, &other, 4 * B, now).await.tokens, 4 * B);
+}
+
 /// The last replica of a popular block is sticky: capacity eviction takes every colder
 /// leaf first, even newer ones; an extra copy never is; and once the block's uses fade it is
 /// an ordinary leaf again.
@@ -1028,8 +1074,8 @@ proptest! {
     }
 
     /// Owners receive chains in pieces (replica writes without parents, parents later,
-    /// ordinary writes over them): child counts and orphan counts stay exact, so eviction
-    /// still takes only leaves, and capacity and quota bounds hold.
+    /// ordinary writes over them): child counts and orphan counts stay exact (eviction
+    /// takes leaves, and extra copies wherever they sit), and capacity and quota bounds hold.
     #[test]
     fn replica_writes_in_any_order_keep_invariants_and_bounds(
         ops in proptest::collection::vec((0usize..2, 0u32..8, 1usize..12, any::<u16>(), any::<bool>()), 1..60),

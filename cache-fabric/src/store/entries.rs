@@ -55,6 +55,9 @@ impl Store {
         if children == 0 {
             self.set_leaf(scope.tenant, key, b.hash, paid, extra);
         }
+        if extra && !paid {
+            self.extras.insert((key, b.hash));
+        }
         self.expiry.insert((expires_at, b.hash));
         self.used_bytes += len;
         *self.tenant_bytes.entry(scope.tenant).or_default() += len;
@@ -107,19 +110,19 @@ impl Store {
         b.key = key;
         b.last_use = self.clock;
         b.paid |= paid;
+        // The eviction sets, updated in place (fields, not methods: `b` is still borrowed).
+        if b.extra && self.extras.remove(&(old_key, *hash)) && !b.paid {
+            self.extras.insert((key, *hash));
+        }
         if b.children == 0 {
-            // The leaf sets, updated in place (fields, not methods: `b` is still borrowed).
             self.leaves.remove(&(old_key, *hash));
-            self.extra_leaves.remove(&(old_key, *hash));
             self.sticky_leaves.remove(&(old_key, *hash));
             self.paid_leaves.remove(&(old_key, *hash));
             if b.paid {
                 self.paid_leaves.insert((key, *hash));
             } else {
                 self.leaves.insert((key, *hash));
-                if b.extra {
-                    self.extra_leaves.insert((key, *hash));
-                } else if popular(&self.ranking, hash) {
+                if !b.extra && popular(&self.ranking, hash) {
                     self.sticky_leaves.insert((key, *hash));
                 }
             }
@@ -178,6 +181,7 @@ impl Store {
         self.expiry.remove(&(b.expires_at, *hash));
         let tenant = b.scope.tenant;
         self.unset_leaf(tenant, b.key, *hash);
+        self.extras.remove(&(b.key, *hash));
         let len = b.data.len() as u64;
         self.used_bytes -= len;
         if let Some(tb) = self.tenant_bytes.get_mut(&tenant) {
@@ -466,9 +470,7 @@ impl Store {
             self.paid_leaves.insert((key, hash));
         } else {
             self.leaves.insert((key, hash));
-            if extra {
-                self.extra_leaves.insert((key, hash));
-            } else if self.is_sticky(&hash) {
+            if !extra && self.is_sticky(&hash) {
                 self.sticky_leaves.insert((key, hash));
             }
         }
@@ -484,8 +486,9 @@ impl Store {
             && b.extra
         {
             b.extra = false;
-            let key = b.key;
-            if self.extra_leaves.remove(&(key, *hash)) && self.is_sticky(hash) {
+            let (key, leaf, paid) = (b.key, b.children == 0, b.paid);
+            self.extras.remove(&(key, *hash));
+            if leaf && !paid && self.is_sticky(hash) {
                 self.sticky_leaves.insert((key, *hash));
             }
         }
@@ -493,7 +496,6 @@ impl Store {
 
     pub(super) fn unset_leaf(&mut self, tenant: TenantId, key: u64, hash: BlockHash) {
         self.leaves.remove(&(key, hash));
-        self.extra_leaves.remove(&(key, hash));
         self.sticky_leaves.remove(&(key, hash));
         self.paid_leaves.remove(&(key, hash));
         if let Some(set) = self.tenant_leaves.get_mut(&tenant) {
@@ -580,12 +582,12 @@ impl Store {
         }
         assert_eq!(orphans, self.orphans, "orphan counts");
         let extra: BTreeSet<(u64, BlockHash)> = self
-            .leaves
+            .blocks
             .iter()
-            .filter(|(_, h)| self.blocks.get(h).is_some_and(|b| b.extra))
-            .copied()
+            .filter(|(_, b)| b.extra && !b.paid)
+            .map(|(h, b)| (b.key, *h))
             .collect();
-        assert_eq!(extra, self.extra_leaves, "extra leaves");
+        assert_eq!(extra, self.extras, "extra copies");
         let paid: BTreeSet<(u64, BlockHash)> = self
             .blocks
             .iter()
@@ -598,10 +600,7 @@ impl Store {
                 self.leaves.contains(l),
                 "a sticky leaf is an evictable leaf"
             );
-            assert!(
-                !self.extra_leaves.contains(l),
-                "an extra copy is never sticky"
-            );
+            assert!(!self.extras.contains(l), "an extra copy is never sticky");
         }
         assert_eq!(
             self.leaves.len(),

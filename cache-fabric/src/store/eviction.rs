@@ -100,12 +100,12 @@ impl Store {
 
     /// The best-effort leaf capacity eviction takes next: the lowest-ranked one that is not
     /// pinned and whose removal keeps its tenant at or above its reservation.
-    /// Extra copies of blocks other nodes own go first, whatever their rank; popular owner
-    /// copies go last.
+    /// Extra copies of blocks other nodes own go first, whatever their rank and wherever
+    /// they sit in a chain; popular owner copies go last.
     pub(super) fn capacity_victim(&self, pinned: &BlockSet) -> Option<(u64, BlockHash)> {
         let takeable =
             |(_, h): &&(u64, BlockHash)| !pinned.contains(h) && self.reservation_allows(h);
-        self.extra_leaves
+        self.extras
             .iter()
             .find(takeable)
             .or_else(|| {
@@ -181,6 +181,9 @@ impl Store {
             }
             if leaf {
                 self.unset_leaf(tenant, old, hash);
+            }
+            if self.extras.remove(&(old, hash)) {
+                self.extras.insert((key, hash));
             }
             if let Some(b) = self.blocks.get_mut(&hash) {
                 b.key = key;

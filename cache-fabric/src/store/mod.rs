@@ -9,7 +9,8 @@
 //! Eviction order, when room is needed: expired blocks first; then, for a tenant over its
 //! quota, that tenant's own leaves (paid or not); then, for node capacity, the leaves of
 //! *best-effort* entries (automatic caching) by the [`policy`](crate::policy)'s key: extra
-//! copies of blocks other nodes own first, then ordinary leaves, and *popular* leaves last
+//! copies of blocks other nodes own first (any of them, not only leaves: an owner holds the
+//! block, so a gap here costs a pull, never a hit), then ordinary leaves, and *popular* leaves last
 //! (an owner's copy of a block used at least [`STICKY_USES`] times recently, by the frequency
 //! policy's estimate: with the extra copies gone first, it is the block's last replica, and
 //! it stays while anything colder can go; it loses that standing once its uses fade). Blocks of
@@ -396,8 +397,12 @@ pub struct Store {
     tenant_reserved: HashMap<TenantId, u64>,
     /// Leaves that capacity eviction may take (not paid), by key.
     leaves: BTreeSet<(u64, BlockHash)>,
-    /// The subset of `leaves` that are extra copies: taken first.
-    extra_leaves: BTreeSet<(u64, BlockHash)>,
+    /// Extra copies of blocks other nodes own (not paid), leaves or not, by key: capacity
+    /// eviction takes them first, wherever they sit in a chain. Their owners hold the chain,
+    /// and a read here pulls a block it lacks from them; an extra copy kept only because an
+    /// owned block under it was still wanted would hold capacity that a whole chain's
+    /// worth of owned blocks could use.
+    extras: BTreeSet<(u64, BlockHash)>,
     /// The subset of `leaves` that are popular owner copies: taken last.
     sticky_leaves: BTreeSet<(u64, BlockHash)>,
     /// Leaves of paid entries: demoted (never dropped) when nothing else can make room.
@@ -469,7 +474,7 @@ impl Store {
             tenant_quota: HashMap::new(),
             tenant_reserved: HashMap::new(),
             leaves: BTreeSet::new(),
-            extra_leaves: BTreeSet::new(),
+            extras: BTreeSet::new(),
             sticky_leaves: BTreeSet::new(),
             paid_leaves: BTreeSet::new(),
             tenant_leaves: HashMap::new(),
@@ -729,8 +734,8 @@ impl Store {
     }
 
     /// Store extra copies of blocks this node does not own (a writer's own copies, hot
-    /// blocks it reads often): replicas, best effort, and the first leaves capacity eviction
-    /// takes. An owner's write of the same block later makes it an ordinary one.
+    /// blocks it reads often): replicas, best effort, and the first blocks capacity eviction
+    /// takes (wherever they sit in a chain). An owner's write of the same block later makes it an ordinary one.
     pub fn put_extra(
         &mut self,
         scope: &Scope,
