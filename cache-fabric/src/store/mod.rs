@@ -10,8 +10,8 @@
 //! quota, that tenant's own leaves (paid or not); then, for node capacity, the leaves of
 //! *best-effort* entries (automatic caching) by the [`policy`](crate::policy)'s key: extra
 //! copies of blocks other nodes own first (any of them, not only leaves: an owner holds the
-//! block, so a gap here costs a pull, never a hit), then ordinary leaves, and *popular* leaves last
-//! (an owner's copy of a block used at least [`STICKY_USES`] times recently, by the frequency
+//! block, so a gap here costs a pull, never a hit), then ordinary leaves, and *popular*
+//! leaves last (an owner's copy of a block used at least [`STICKY_USES`] times recently, by the frequency
 //! policy's estimate: with the extra copies gone first, it is the block's last replica, and
 //! it stays while anything colder can go; it loses that standing once its uses fade). Blocks of
 //! *paid* entries (explicit breakpoints, billed as cache writes) are never dropped for another
@@ -735,7 +735,8 @@ impl Store {
 
     /// Store extra copies of blocks this node does not own (a writer's own copies, hot
     /// blocks it reads often): replicas, best effort, and the first blocks capacity eviction
-    /// takes (wherever they sit in a chain). An owner's write of the same block later makes it an ordinary one.
+    /// takes (wherever they sit in a chain). An owner's write of the same block later makes
+    /// it an ordinary one.
     pub fn put_extra(
         &mut self,
         scope: &Scope,

@@ -570,8 +570,8 @@ async fn take_worker(
 /// Prefill, fabric writes (async calls driven with `block_on`), usage and `message_start`,
 /// decoding, then the usage event's journal fsync, on one blocking thread: one hand-off
 /// there and back (an fsync on a runtime worker would also hand that worker's core to
-/// another thread while it waits). The engine worker is free again before the fsync. The blocking thread and the tasks it
-/// spawns log in this request's span too.
+/// another thread while it waits). The engine worker is free again before the fsync. The
+/// blocking thread and the tasks it spawns log in this request's span too.
 async fn generate_off_runtime(work: Work, meter: Meter) -> Finished {
     let inflight = Generating::start();
     let rt = tokio::runtime::Handle::current();
