@@ -9,7 +9,7 @@ PY=$(scripts/vllm-env.sh)
 scripts/vllm-model.sh "$PY" >/dev/null
 export CACHET_BIN=${CACHET_BIN:-${CARGO_TARGET_DIR:-target}/debug/cachet}
 export CACHET_VLLM_TEST_LOGS=${CACHET_VLLM_TEST_LOGS:-$(mktemp -d)}
-if ! "$PY" -m unittest -v tests/vllm/test_vllm.py; then
+if ! "$PY" -m unittest -v tests/vllm/test_transfer.py tests/vllm/test_vllm.py; then
   echo "vllm-test: logs in $CACHET_VLLM_TEST_LOGS" >&2
   for f in "$CACHET_VLLM_TEST_LOGS"/*.log; do
     echo "==== $f (last 40 lines)" >&2

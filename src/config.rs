@@ -131,9 +131,24 @@ pub struct FabricSection {
     /// (default): not opened (`CACHET_FABRIC_LISTEN`). A cluster node always serves its
     /// fabric port (`cachet node --listen`).
     pub listen: String,
+    /// The Unix socket an engine on this host (vLLM's KV connector) reaches the node on,
+    /// and with it the node's shared-memory arena, where its blocks are loaded and saved in
+    /// place (decision 0029): empty (default) is `data_dir/fabric.sock`, `off` turns the
+    /// same-host path off (connectors use the TCP port). `cachet serve` opens it when
+    /// `listen` is set; a cluster node always (`CACHET_FABRIC_SOCKET`).
+    pub local_socket: String,
 }
 
 impl FabricSection {
+    /// Where the node's Unix socket for engines on its host is (`None`: turned off).
+    pub fn local_socket_path(&self, data_dir: &std::path::Path) -> Option<std::path::PathBuf> {
+        match self.local_socket.as_str() {
+            "off" => None,
+            "" => Some(data_dir.join("fabric.sock")),
+            p => Some(p.into()),
+        }
+    }
+
     pub fn eviction(&self) -> anyhow::Result<cache_fabric::EvictionPolicy> {
         cache_fabric::EvictionPolicy::parse(&self.eviction)
             .map_err(|e| anyhow::anyhow!("fabric.eviction: {e}"))
@@ -453,6 +468,7 @@ impl Default for FabricSection {
             rdma_pool_bytes: 256 << 20,
             receive_budget_bytes: cache_fabric::DEFAULT_RECEIVE_BYTES,
             listen: String::new(),
+            local_socket: String::new(),
         }
     }
 }
@@ -577,6 +593,7 @@ impl Config {
             &mut self.fabric.receive_budget_bytes,
         )?;
         env_parse("CACHET_FABRIC_LISTEN", &mut self.fabric.listen)?;
+        env_parse("CACHET_FABRIC_SOCKET", &mut self.fabric.local_socket)?;
         if let Ok(url) = std::env::var("CACHET_VLLM_URL")
             && !url.is_empty()
         {
@@ -663,7 +680,18 @@ impl Config {
             rdma_pool_bytes,
             receive_budget_bytes,
             listen: _,
+            local_socket: _,
         } = fabric;
+        if let Some(path) = fabric.local_socket_path(data_dir) {
+            // sun_path holds 108 bytes with its NUL.
+            let len = path.as_os_str().len();
+            if len > 107 {
+                bail!(
+                    "fabric.local_socket {} is {len} bytes long; a Unix socket's path holds at most 107 (set a shorter fabric.local_socket, or \"off\")",
+                    path.display()
+                );
+            }
+        }
         if *receive_budget_bytes == 0 {
             bail!("fabric.receive_budget_bytes must be positive");
         }

@@ -82,6 +82,9 @@ pub async fn run(
         .map(|l| l.local_addr().map(|a| a.to_string()))
         .transpose()?;
     let node = config.fabric.node(&config.data_dir.join("fabric-disk"))?;
+    // The engine beside this node (vLLM's connector) loads and saves through shared memory;
+    // the socket goes when this function returns.
+    let _local = crate::server::open_local(&config, &node, &token)?;
     let cluster = Cluster::new(
         args.id.clone(),
         node.clone(),

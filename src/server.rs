@@ -249,6 +249,8 @@ pub struct Running {
     pub meter: MeterHandle,
     /// Prefills in flight and the prefill rates measured here (a node announces them).
     pub inflight: gateway::coalesce::Inflight,
+    /// The node's Unix socket for an engine beside it, if open (removed when dropped).
+    local: Option<cache_fabric::local::LocalServer>,
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
@@ -272,9 +274,11 @@ pub async fn start(
         node.clone()
             .run_write_through(WRITE_THROUGH_EVERY, shutdown.clone()),
     );
+    let mut local = None;
     if !config.fabric.listen.is_empty() {
         // For an engine's own KV connector beside this process (vLLM's).
         let token = crate::config::cluster_token()?;
+        local = open_local(&config, &node, &token)?;
         let l = tokio::net::TcpListener::bind(&config.fabric.listen)
             .await
             .with_context(|| format!("binding fabric.listen {}", config.fabric.listen))?;
@@ -286,7 +290,25 @@ pub async fn start(
     }
     let fabric = FabricClient::local(node.clone());
     let gateway_config = config.gateway();
-    start_api(config, gateway_config, listener, shutdown, node, fabric).await
+    let mut running = start_api(config, gateway_config, listener, shutdown, node, fabric).await?;
+    running.local = local;
+    Ok(running)
+}
+
+/// The node's Unix socket and shared-memory arena for an engine on this host
+/// (`fabric.local_socket`), unless turned off. Open it before the node stores anything.
+pub fn open_local(
+    config: &Config,
+    node: &Arc<FabricNode>,
+    token: &Arc<str>,
+) -> anyhow::Result<Option<cache_fabric::local::LocalServer>> {
+    let Some(path) = config.fabric.local_socket_path(&config.data_dir) else {
+        tracing::info!("the same-host path is off (fabric.local_socket); engines use TCP");
+        return Ok(None);
+    };
+    let server = cache_fabric::local::serve_local(&path, node.clone(), token.clone())
+        .with_context(|| format!("opening fabric.local_socket {}", path.display()))?;
+    Ok(Some(server))
 }
 
 /// How often a node copies the long holds written since to the tier below.
@@ -356,6 +378,7 @@ pub async fn start_api(
     });
     tracing::info!(%addr, "cachet serving");
     Ok(Running {
+        local: None,
         addr,
         pool,
         node,

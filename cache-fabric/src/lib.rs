@@ -29,14 +29,17 @@
 //! What it is not: it never sees prompts or text, only token-block hashes and opaque KV bytes
 //! with a checksum; it knows nothing of billing or HTTP.
 
+pub mod arena;
 pub mod client;
 pub mod cluster;
 pub mod events;
+pub mod extents;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod index;
 pub mod integrity;
 pub mod keys;
+pub mod local;
 pub mod membership;
 pub mod metrics;
 pub mod node;

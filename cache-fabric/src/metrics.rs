@@ -196,3 +196,37 @@ pub static PULL_BYTES_PER_SEC: LazyLock<Gauge> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static ARENA_BYTES: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new(
+            "cachet_fabric_arena_bytes",
+            "The same-host shared-memory arena: its capacity, bytes allocated (stored, leased or reserved), bytes leased to engines' loads, bytes reserved by engines' saves not yet committed",
+        ),
+        &["state"],
+    )
+    .expect("metric"))
+});
+pub static LOCAL_OPS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    reg(IntCounterVec::new(
+        Opts::new(
+            "cachet_fabric_local_ops_total",
+            "Same-host engine operations on the node's Unix socket, by op (lease, release, reserve, commit, abort) and result (ok, refused, corrupt, dropped: undone because the engine went away)",
+        ),
+        &["op", "result"],
+    )
+    .expect("metric"))
+});
+pub static LOCAL_CONNECTIONS: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_fabric_local_connections",
+        "Engine connections open on the node's Unix socket",
+    )
+    .expect("metric"))
+});
+pub static ARENA_STAGED_BYTES: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new(
+        "cachet_fabric_arena_staged_bytes_total",
+        "Bytes of blocks copied into the arena for an engine's load (blocks a peer, the disk tier or an in-process engine had put on the heap)",
+    )
+    .expect("metric"))
+});

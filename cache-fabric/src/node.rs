@@ -57,6 +57,10 @@ pub struct FabricNode {
     /// The registered pool peers READ this node's blocks from (feature `rdma`).
     #[cfg(feature = "rdma")]
     rdma: std::sync::OnceLock<Arc<crate::rdma::Export>>,
+    /// The shared-memory arena engines on this host map ([`crate::arena`]), once opened.
+    arena: std::sync::OnceLock<crate::arena::Arena>,
+    /// Where this node's Unix socket for engines on its host is ([`crate::local`]).
+    local_socket: std::sync::OnceLock<std::path::PathBuf>,
 }
 
 impl FabricNode {
@@ -95,7 +99,41 @@ impl FabricNode {
             reports: crate::reports::Reports::default(),
             #[cfg(feature = "rdma")]
             rdma: std::sync::OnceLock::new(),
+            arena: std::sync::OnceLock::new(),
+            local_socket: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Open the shared-memory arena engines on this host map, as large as the DRAM tier
+    /// (its pages are taken as they are first written); the arena already open if there is
+    /// one. Open it before the node stores anything: from then on, what the arena holds
+    /// outside the store counts against the DRAM capacity.
+    pub fn open_arena(&self) -> std::io::Result<crate::arena::Arena> {
+        if let Some(a) = self.arena.get() {
+            return Ok(a.clone());
+        }
+        let mut store = self.store();
+        if let Some(a) = self.arena.get() {
+            return Ok(a.clone());
+        }
+        let arena = crate::arena::Arena::new(store.capacity_bytes())?;
+        store.set_arena(arena.clone());
+        let _ = self.arena.set(arena.clone());
+        Ok(arena)
+    }
+
+    /// The shared-memory arena, if it is open.
+    pub fn arena(&self) -> Option<&crate::arena::Arena> {
+        self.arena.get()
+    }
+
+    pub(crate) fn set_local_socket(&self, path: std::path::PathBuf) {
+        let _ = self.local_socket.set(path);
+    }
+
+    /// The Unix socket engines on this host reach the node on, if it serves one.
+    pub fn local_socket(&self) -> Option<std::path::PathBuf> {
+        self.local_socket.get().cloned()
     }
 
     /// Serve RDMA reads of this node's blocks from `export` (once; later calls are

@@ -12,8 +12,8 @@
 //!   ([`Export`], answered by [`serve`]), the reader pulls them with coalesced READs and verifies each checksum;
 //!   [`pull::RdmaTransport`] is the [`Transport`](crate::transport::Transport) that reads this
 //!   way and uses TCP for everything else and whenever RDMA fails.
-//! - [`PoolAllocator`]: placement of blocks in a node's registered memory pool (first fit over
-//!   a free list, neighbours merged on free), so peers can read them with one-sided READs.
+//! - The registered pool's blocks are placed by [`ExtentAllocator`] (first fit, neighbours
+//!   merged on free), so peers can read them with one-sided READs.
 //! - [`coalesce`]: KVDirect's coalescing: the blocks a reader wants from one peer, sorted by
 //!   their offsets in that peer's pool, merged into as few READs as possible (adjacent or
 //!   overlapping regions, up to a size limit per READ).
@@ -26,10 +26,11 @@ pub mod pull;
 pub mod serve;
 pub mod verbs;
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use cachet_common::BlockHash;
+
+pub use crate::extents::ExtentAllocator;
 
 use verbs::{Device, Region};
 
@@ -64,70 +65,6 @@ pub fn probe() -> Availability {
                 })
                 .collect(),
         },
-    }
-}
-
-/// Offsets of blocks in a registered pool of `capacity` bytes: first fit, freed neighbours
-/// merged, so a pool does not fragment into unusable slivers.
-#[derive(Clone, Debug)]
-pub struct PoolAllocator {
-    capacity: u64,
-    /// Free extents: offset → length, never adjacent to each other.
-    free: BTreeMap<u64, u64>,
-    used: u64,
-}
-
-impl PoolAllocator {
-    pub fn new(capacity: u64) -> Self {
-        let mut free = BTreeMap::new();
-        if capacity > 0 {
-            free.insert(0, capacity);
-        }
-        Self {
-            capacity,
-            free,
-            used: 0,
-        }
-    }
-
-    pub fn used(&self) -> u64 {
-        self.used
-    }
-
-    pub fn capacity(&self) -> u64 {
-        self.capacity
-    }
-
-    /// Room for `len` bytes, or `None` if no free extent is large enough.
-    pub fn alloc(&mut self, len: u64) -> Option<u64> {
-        if len == 0 {
-            return None;
-        }
-        let (&off, &extent) = self.free.iter().find(|(_, l)| **l >= len)?;
-        self.free.remove(&off);
-        if extent > len {
-            self.free.insert(off + len, extent - len);
-        }
-        self.used += len;
-        Some(off)
-    }
-
-    /// Give back `len` bytes at `off` (as returned by [`PoolAllocator::alloc`]).
-    pub fn free(&mut self, off: u64, len: u64) {
-        debug_assert!(off + len <= self.capacity);
-        let (mut start, mut end) = (off, off + len);
-        if let Some((&p, &pl)) = self.free.range(..off).next_back()
-            && p + pl == off
-        {
-            self.free.remove(&p);
-            start = p;
-        }
-        if let Some(&nl) = self.free.get(&end) {
-            self.free.remove(&end);
-            end += nl;
-        }
-        self.free.insert(start, end - start);
-        self.used -= len;
     }
 }
 
@@ -177,7 +114,7 @@ pub fn coalesce(wanted: &[Wanted], max_read: u64) -> Vec<Read> {
 pub struct Export {
     pub(crate) device: Arc<Device>,
     pub(crate) pool: Region,
-    pub(crate) alloc: Mutex<PoolAllocator>,
+    pub(crate) alloc: Mutex<ExtentAllocator>,
 }
 
 impl Export {
@@ -185,7 +122,7 @@ impl Export {
     pub fn new(device: Arc<Device>, bytes: usize) -> std::io::Result<Arc<Export>> {
         let pool = Region::new(&device, bytes)?;
         Ok(Arc::new(Export {
-            alloc: Mutex::new(PoolAllocator::new(pool.len() as u64)),
+            alloc: Mutex::new(ExtentAllocator::new(pool.len() as u64)),
             device,
             pool,
         }))
@@ -265,31 +202,6 @@ mod tests {
     }
 
     proptest! {
-        /// Allocations never overlap, stay inside the pool, and freeing everything gives the
-        /// whole pool back as one extent.
-        #[test]
-        fn pool_allocations_never_overlap(ops in proptest::collection::vec((1u64..5000, any::<bool>()), 1..200)) {
-            let mut pool = PoolAllocator::new(64 * 1024);
-            let mut live: Vec<(u64, u64)> = Vec::new();
-            for (len, free_one) in ops {
-                if free_one && !live.is_empty() {
-                    let (o, l) = live.swap_remove(len as usize % live.len());
-                    pool.free(o, l);
-                } else if let Some(o) = pool.alloc(len) {
-                    prop_assert!(o + len <= pool.capacity());
-                    for &(lo, ll) in &live {
-                        prop_assert!(o + len <= lo || lo + ll <= o, "overlap");
-                    }
-                    live.push((o, len));
-                }
-                prop_assert_eq!(pool.used(), live.iter().map(|(_, l)| l).sum::<u64>());
-            }
-            for (o, l) in live.drain(..) {
-                pool.free(o, l);
-            }
-            prop_assert_eq!(pool.alloc(64 * 1024), Some(0));
-        }
-
         /// Coalesced reads cover exactly the wanted blocks, each once, within the limit.
         #[test]
         fn coalesced_reads_cover_every_block(regions in proptest::collection::vec((0u64..64, 1u64..8), 1..40)) {

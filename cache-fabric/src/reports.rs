@@ -32,6 +32,23 @@ pub struct ConnectorReport {
 }
 
 impl ConnectorReport {
+    /// A REPORT body (`tag:16 local:u32 loaded:u32 failed:u32`): the request's tag and
+    /// its report, or `None` when the body is not exactly that.
+    pub fn decode(mut f: impl bytes::Buf) -> Option<(u128, ConnectorReport)> {
+        if f.remaining() != 28 {
+            return None;
+        }
+        let tag = f.get_u128();
+        Some((
+            tag,
+            ConnectorReport {
+                local_tokens: f.get_u32_le(),
+                loaded_tokens: f.get_u32_le(),
+                failed_tokens: f.get_u32_le(),
+            },
+        ))
+    }
+
     /// Prompt tokens the engine did not prefill.
     pub fn cached_tokens(&self) -> usize {
         (self.local_tokens + self.loaded_tokens) as usize

@@ -18,7 +18,13 @@
 //! HAS    5 = scope:32 n:u32 hash:32 × n      n × held:u8
 //! REPORT 10 = tag:16 local:u32 loaded:u32     ok
 //!            failed:u32
+//! WHERE  11 =                                ok path_len:u16 path   (the node's Unix socket for
+//!                                                engines on its host, empty if none)
 //! ```
+//!
+//! An engine on the node's own host uses the node's Unix socket instead ([`crate::local`]):
+//! the same frames, the shared-memory arena's descriptor with HELLO's answer, and leases and
+//! reservations of the arena's blocks in place of GET's and PUT's bytes.
 //!
 //! HAS has no side effect (TTLs are refreshed by GET, when blocks are really read). REPORT is
 //! what an engine's own KV connector (`connectors/vllm/`) says about one request's prefill
@@ -43,11 +49,14 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::integrity::checksum;
 use crate::node::FabricNode;
+use crate::reports::ConnectorReport;
 use crate::stats::TenantCacheStats;
 use crate::store::{EntryKind, FetchedBlock, PutBlock, Store, WriteRefused};
 #[cfg(feature = "rdma")]
 use crate::wire::{OP_RDMA_CONNECT, OP_RDMA_DONE, OP_RDMA_GET};
-use crate::wire::{PARENT_LEN, SCOPE_LEN, get_hash, get_parent, get_scope, put_parent, put_scope};
+use crate::wire::{
+    PARENT_LEN, SCOPE_LEN, get_chain, get_hash, get_parent, get_scope, put_parent, put_scope,
+};
 
 /// Why a transfer failed (the caller recomputes; it never fails a request).
 #[derive(Debug, thiserror::Error)]
@@ -123,28 +132,30 @@ pub trait Transport: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Result<(), WriteRefused>, TransportError>> + Send;
 }
 
-const OP_HELLO: u8 = 1;
+pub(crate) const OP_HELLO: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_PUT: u8 = 3;
 const OP_STRIPE: u8 = 4;
-const OP_HAS: u8 = 5;
+pub(crate) const OP_HAS: u8 = 5;
 /// A tenant's cache on this node (the admin console's cache view), as JSON.
 const OP_STATS: u8 = 9;
 /// An engine connector's report on one request (see [`crate::reports`]).
-const OP_REPORT: u8 = 10;
+pub(crate) const OP_REPORT: u8 = 10;
+/// Where the node's Unix socket for engines on its host is ([`crate::local`]), if it has one.
+const OP_WHERE: u8 = 11;
 /// Most prefixes a STATS answer lists.
 const MAX_TOP: usize = 1000;
 /// Flag in PUT's kind byte: store as a replica.
 const REPLICA: u8 = 0x80;
 /// Flag in PUT's kind byte: a handoff (repair, drain) of blocks another node held.
 const HANDOFF: u8 = 0x40;
-const OK: u8 = 0;
-const DENIED: u8 = 1;
-const REFUSED: u8 = 2;
+pub(crate) const OK: u8 = 0;
+pub(crate) const DENIED: u8 = 1;
+pub(crate) const REFUSED: u8 = 2;
 /// Largest request frame a node accepts (a PUT carries block data).
 const MAX_FRAME: usize = 1 << 30;
 
-fn refused_code(r: WriteRefused) -> u8 {
+pub(crate) fn refused_code(r: WriteRefused) -> u8 {
     match r {
         WriteRefused::Quota => 1,
         WriteRefused::Capacity => 2,
@@ -201,7 +212,7 @@ async fn read_uninit<R: AsyncRead + Unpin>(
 }
 
 /// Constant-time comparison (the token is a secret).
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -299,15 +310,7 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
                 s.write_all(&out).await?;
             }
             OP_GET => {
-                if f.remaining() < 36 {
-                    return Err(bad("short GET"));
-                }
-                let scope = get_scope(&mut f);
-                let n = f.get_u32_le() as usize;
-                if f.remaining() != n * 32 {
-                    return Err(bad("GET hash count"));
-                }
-                let chain: Vec<BlockHash> = (0..n).map(|_| get_hash(&mut f)).collect();
+                let (scope, chain) = get_chain(&mut f).ok_or_else(|| bad("malformed GET"))?;
                 let now = tokio::time::Instant::now();
                 let read = node.with_store(|st| st.read_chain(&scope, &chain, now));
                 let (blocks, corrupt) = read.verify_with_checksums();
@@ -366,20 +369,16 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
                 }
             }
             OP_HAS => {
-                if f.remaining() < 36 {
-                    return Err(bad("short HAS"));
-                }
-                let scope = get_scope(&mut f);
-                let n = f.get_u32_le() as usize;
-                if f.remaining() != n * 32 {
-                    return Err(bad("HAS hash count"));
-                }
-                let hashes: Vec<BlockHash> = (0..n).map(|_| get_hash(&mut f)).collect();
-                let now = tokio::time::Instant::now();
-                let held = node.with_store(|st| st.has(&scope, &hashes, now));
-                let mut out = BytesMut::with_capacity(1 + n);
+                let (scope, hashes) = get_chain(&mut f).ok_or_else(|| bad("malformed HAS"))?;
+                s.write_all(&has_answer(node, &scope, &hashes)).await?;
+            }
+            OP_WHERE => {
+                let path = node.local_socket().unwrap_or_default();
+                let path = path.as_os_str().as_encoded_bytes();
+                let mut out = BytesMut::with_capacity(3 + path.len());
                 out.put_u8(OK);
-                out.extend(held.into_iter().map(u8::from));
+                out.put_u16_le(path.len() as u16);
+                out.put_slice(path);
                 s.write_all(&out).await?;
             }
             OP_PUT => {
@@ -409,15 +408,8 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
                 }
             }
             OP_REPORT => {
-                if f.remaining() != 28 {
-                    return Err(bad("REPORT length"));
-                }
-                let tag = f.get_u128();
-                let report = crate::reports::ConnectorReport {
-                    local_tokens: f.get_u32_le(),
-                    loaded_tokens: f.get_u32_le(),
-                    failed_tokens: f.get_u32_le(),
-                };
+                let (tag, report) =
+                    ConnectorReport::decode(f).ok_or_else(|| bad("REPORT length"))?;
                 node.reports().put(tag, report);
                 s.write_all(&[OK]).await?;
             }
@@ -438,6 +430,16 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
             _ => return Err(bad("unknown op")),
         }
     }
+}
+
+/// The answer to HAS: `ok` and whether each of `hashes` is held (TCP and the Unix socket).
+pub(crate) fn has_answer(node: &FabricNode, scope: &Scope, hashes: &[BlockHash]) -> BytesMut {
+    let now = tokio::time::Instant::now();
+    let held = node.with_store(|st| st.has(scope, hashes, now));
+    let mut out = BytesMut::with_capacity(1 + held.len());
+    out.put_u8(OK);
+    out.extend(held.into_iter().map(u8::from));
+    out
 }
 
 /// A PUT's body (the `len` bytes after its op), read from the stream piece by piece so that

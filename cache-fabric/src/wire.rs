@@ -15,6 +15,15 @@ pub(crate) const OP_RDMA_GET: u8 = 7;
 #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
 pub(crate) const OP_RDMA_DONE: u8 = 8;
 
+/// Ops an engine beside the node sends on its Unix socket only ([`crate::local`]): a
+/// load's lease of blocks in the shared-memory arena and its end, a save's reservation of
+/// room there, its commit and its abort.
+pub(crate) const OP_LEASE: u8 = 12;
+pub(crate) const OP_RELEASE: u8 = 13;
+pub(crate) const OP_RESERVE: u8 = 14;
+pub(crate) const OP_COMMIT: u8 = 15;
+pub(crate) const OP_ABORT: u8 = 16;
+
 /// Bytes of an encoded [`Scope`].
 pub const SCOPE_LEN: usize = 32;
 /// Bytes of an encoded optional parent (flag + hash).
@@ -62,6 +71,20 @@ pub fn get_parent(b: &mut impl Buf) -> Option<BlockHash> {
     let present = b.get_u8() == 1;
     let h = get_hash(b);
     present.then_some(h)
+}
+
+/// A scope and a chain of hashes (`scope:32 n:u32 hash:32 × n`, the body of GET, HAS and
+/// LEASE), or `None` when the body is not exactly that.
+pub fn get_chain(b: &mut impl Buf) -> Option<(Scope, Vec<BlockHash>)> {
+    if b.remaining() < SCOPE_LEN + 4 {
+        return None;
+    }
+    let scope = get_scope(b);
+    let n = b.get_u32_le() as usize;
+    if b.remaining() != n.checked_mul(32)? {
+        return None;
+    }
+    Some((scope, (0..n).map(|_| get_hash(b)).collect()))
 }
 
 #[cfg(test)]

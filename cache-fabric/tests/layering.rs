@@ -1,11 +1,43 @@
 //! The fabric's layering, checked on its sources: node ← transport ← cluster ← client, the
-//! tiers below the store, block integrity below both. A `use` that points up the stack (or
+//! tiers below the store, block integrity below both; the shared-memory arena (and the
+//! extent allocator it shares with RDMA) below the store, and the same-host server
+//! (`local`) beside the transport, above the node. A `use` that points up the stack (or
 //! makes a circle) fails here, before it tangles the crate again.
 
 use std::path::Path;
 
 /// Modules a file may not name (`crate::<module>`), outside comments.
 const FORBIDDEN: &[(&str, &[&str])] = &[
+    (
+        "extents.rs",
+        &[
+            "arena",
+            "store",
+            "node",
+            "transport",
+            "local",
+            "cluster",
+            "client",
+            "rdma",
+        ],
+    ),
+    (
+        "arena.rs",
+        &[
+            "store",
+            "node",
+            "transport",
+            "local",
+            "cluster",
+            "client",
+            "rdma",
+        ],
+    ),
+    (
+        "store/arena.rs",
+        &["node", "transport", "local", "cluster", "client", "rdma"],
+    ),
+    ("local.rs", &["cluster", "client", "rdma"]),
     (
         "integrity.rs",
         &[
@@ -32,12 +64,13 @@ const FORBIDDEN: &[(&str, &[&str])] = &[
     ),
     (
         "store/mod.rs",
-        &["node", "transport", "cluster", "client", "rdma"],
+        &["node", "transport", "local", "cluster", "client", "rdma"],
     ),
     (
         "node.rs",
         &[
             "transport",
+            "local",
             "cluster",
             "client",
             "rdma::pull",
@@ -49,7 +82,10 @@ const FORBIDDEN: &[(&str, &[&str])] = &[
         "rdma/serve.rs",
         &["transport", "cluster", "client", "rdma::pull"],
     ),
-    ("transport.rs", &["cluster", "client", "rdma::pull"]),
+    (
+        "transport.rs",
+        &["local", "cluster", "client", "rdma::pull"],
+    ),
     ("rdma/pull.rs", &["cluster", "client"]),
     ("cluster.rs", &["client"]),
 ];

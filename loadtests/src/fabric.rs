@@ -5,6 +5,43 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+/// A fabric node with no cluster around it: TCP on `listen`, the same-host path at `socket`
+/// (none if empty), until the process is stopped.
+pub async fn standalone_node(listen: &str, socket: &str, dram_bytes: u64) -> anyhow::Result<()> {
+    use cache_fabric::{EvictionPolicy, FabricNode, NodeConfig};
+    let token = std::env::var("CACHET_CLUSTER_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
+        .context("CACHET_CLUSTER_TOKEN must be set")?;
+    if dram_bytes == 0 {
+        bail!("--dram-bytes must be positive");
+    }
+    let node = FabricNode::new(NodeConfig {
+        dram_capacity_bytes: dram_bytes,
+        eviction: EvictionPolicy::Lru,
+    });
+    let token: std::sync::Arc<str> = token.into();
+    let _local = if socket.is_empty() {
+        None
+    } else {
+        let server =
+            cache_fabric::local::serve_local(socket.as_ref(), node.clone(), token.clone())?;
+        println!("socket {}", server.path().display());
+        Some(server)
+    };
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding {listen}"))?;
+    println!("listening on {}", listener.local_addr()?);
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    tokio::select! {
+        _ = cache_fabric::transport::serve_tcp(listener, node, token) => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    Ok(())
+}
+
 /// Node→node transfer of one large block over loopback: the fabric's TCP transport (pull,
 /// checksum verified) vs a plain tokio socket copy of the same bytes vs Redis SET/GET.
 pub async fn transfer_bench(

@@ -113,6 +113,20 @@ pub enum Command {
         #[arg(long, default_value_t = 2000)]
         lookups: usize,
     },
+    /// A fabric node alone (no Redis, no Postgres): its TCP wire on --listen and, unless
+    /// --socket is empty, the same-host path (Unix socket and shared-memory arena) there;
+    /// the cluster token from CACHET_CLUSTER_TOKEN. Prints its addresses, serves until
+    /// stopped. For the KV data-path benchmark (loadtests/kv_data_path.py) and the vLLM
+    /// connector's transfer tests.
+    FabricNode {
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: String,
+        #[arg(long, default_value = "")]
+        socket: String,
+        /// The DRAM tier's capacity (and the arena's size).
+        #[arg(long, default_value_t = 1 << 30)]
+        dram_bytes: u64,
+    },
     /// Block events from a node's store through a Redis Stream into a follower's prefix
     /// index: events/s and index staleness (event time → applied).
     Events {
@@ -299,6 +313,11 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             rate,
             redis_url,
         } => fabric::events_bench(blocks, rate, &redis_url).await,
+        Command::FabricNode {
+            listen,
+            socket,
+            dram_bytes,
+        } => fabric::standalone_node(&listen, &socket, dram_bytes).await,
         Command::SimulateCache(a) => simulate::run(&a),
         Command::Replay(a) => {
             let r = replay::run(*a).await?;

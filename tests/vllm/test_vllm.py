@@ -152,14 +152,18 @@ class Procs:
             self.kill(p, signal.SIGTERM)
 
 
-def start_vllm(procs: Procs, name: str, port: int, fabric_port: int, cpus: str | None = None):
+def start_vllm(procs: Procs, name: str, port: int, fabric_port: int, cpus: str | None = None,
+               args: str | None = None, env: dict | None = None):
     env = {
         "CACHET_CLUSTER_TOKEN": TOKEN,
         # Lets the test empty vLLM's own prefix cache (POST /reset_prefix_cache), loopback only.
         "VLLM_SERVER_DEV_MODE": "1",
+        **(env or {}),
     }
     if cpus is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    if args is not None:
+        env["CACHET_VLLM_ARGS"] = args
     p, log = procs.start(
         name, [os.path.join(ROOT, "scripts", "vllm-serve.sh"), str(port), f"127.0.0.1:{fabric_port}"], env
     )
@@ -465,6 +469,109 @@ class SingleInstance(unittest.TestCase):
         text3, usage3, _ = messages(self.base, self.key_a)
         self.assertEqual(text3, text)
         self.assertGreater(usage3["cache_read_input_tokens"], 0)
+
+
+def preemptions(port: int) -> float:
+    return metric(port, "vllm:num_preemptions_total")
+
+
+class Preemption(unittest.TestCase):
+    """vLLM short of KV blocks preempts requests whose prefixes the connector loaded: a
+    preempted request is scheduled again from scratch, and its prefix must be loaded again
+    into its new blocks (or recomputed), never left as whatever those blocks held."""
+
+    # Four ~1.6K-token prompts (12 full blocks each), 240 tokens of answer each: 14 blocks a
+    # request, 56 for the four at once, in a KV cache of 40 blocks.
+    BLOCKS = 40
+    MAX_TOKENS = 240
+
+    @classmethod
+    def setUpClass(cls):
+        have_prerequisites()
+        cls.procs = Procs()
+        cls.db = f"cachet_vllm_preempt_{os.getpid()}"
+        cls.db_url = f"{PG}/{cls.db}"
+        cls.api_port, cls.fabric_port, cls.vllm_port = free_port(), free_port(), free_port()
+        _, cfg = config_file(
+            "cachet-vllm-preempt-",
+            f'listen = "127.0.0.1:{cls.api_port}"\n'
+            f'database_url = "{cls.db_url}"\n'
+            'redis_url = ""\n'
+            f'[fabric]\nlisten = "127.0.0.1:{cls.fabric_port}"\n'
+            '[engine]\nkind = "sim"\n'
+            f'[[engine.vllm]]\nurl = "http://127.0.0.1:{cls.vllm_port}"\n',
+        )
+        cls.env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
+        cls.vllm, cls.vllm_log = start_vllm(
+            cls.procs, "vllm-preempt", cls.vllm_port, cls.fabric_port,
+            args=f"--num-gpu-blocks-override {cls.BLOCKS} --max-model-len 4096 --max-num-seqs 4",
+        )
+        cachet(["migrate"], cls.env)
+        cls.tenant, cls.key = new_tenant(cls.env, "tenant-preempt")
+        cls.serve, cls.serve_log = cls.procs.start("serve-preempt", [BIN, "serve"], cls.env)
+        cls.base = f"http://127.0.0.1:{cls.api_port}"
+        wait_until("cachet serve", lambda: http("GET", f"{cls.base}/healthz", timeout=2)[0] == 200, 60,
+                   cls.serve, cls.serve_log)
+        wait_vllm(cls.vllm, cls.vllm_log, cls.vllm_port)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.procs.stop_all()
+        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {cls.db} WITH (FORCE)"],
+                       capture_output=True)
+
+    PROMPTS = [
+        ("You are the archivist of a harbour town. Ships, cargo, tides and the names of captains "
+         "fill the ledgers you keep, year after year, in careful handwriting. ") * 14,
+        ("You teach chemistry to first-year students. Explain reactions, bonds, acids and bases "
+         "with small experiments that can be done safely in a classroom. ") * 14,
+        ("You plan train journeys across the mountains. Timetables, connections, seat "
+         "reservations and the views from each valley are what travellers ask about. ") * 13,
+        ("You are a gardener writing a monthly column. Soil, seeds, pruning, compost and the "
+         "patience that every garden asks of the people who tend it. ") * 14,
+    ]
+    QUESTION = "Tell me a long and detailed story that uses what you know."
+
+    def ask(self, system: str) -> tuple[str, dict]:
+        text, usage, _ = messages(self.base, self.key, system=system, question=self.QUESTION,
+                                  max_tokens=self.MAX_TOKENS)
+        return text, usage
+
+    def test_7_preempted_requests_answer_as_alone(self):
+        """(item 1) every answer under preemption equals the same request's lone answer"""
+        alone = []
+        for system in self.PROMPTS:
+            text, usage = self.ask(system)
+            self.assertGreaterEqual(usage["cache_creation_input_tokens"], 10 * 128, usage)
+            alone.append(text)
+        # vLLM's own cache emptied: every prefix comes from the fabric through the connector.
+        reset_vllm_cache(self.vllm_port)
+        before_pre, before_ext = preemptions(self.vllm_port), external_hits(self.vllm_port)
+        results: list = [None] * len(self.PROMPTS)
+
+        def run(i: int) -> None:
+            try:
+                results[i] = self.ask(self.PROMPTS[i])
+            except BaseException as e:  # surfaced below
+                results[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(self.PROMPTS))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        pre = preemptions(self.vllm_port) - before_pre
+        self.assertGreater(pre, 0, "vLLM never preempted: the test proves nothing")
+        self.assertGreater(external_hits(self.vllm_port) - before_ext, 0, "nothing loaded from the fabric")
+        for i, ((text, usage), lone) in enumerate(zip(results, alone)):
+            if text != lone:
+                at = next((k for k, (a, b) in enumerate(zip(text, lone)) if a != b), min(len(text), len(lone)))
+                self.fail(f"prompt {i}: answer under preemption differs from its lone answer at "
+                          f"character {at} ({pre:.0f} preemptions)")
+            self.assertGreater(usage["cache_read_input_tokens"], 0, usage)
 
 
 class TwoInstances(unittest.TestCase):

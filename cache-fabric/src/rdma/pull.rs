@@ -13,7 +13,7 @@
 //!
 //! A serving node with an [`Export`](super::Export) answers ([`super::serve`]) `RGET` by reading the blocks from its store
 //! (mode 0: the longest prefix of a chain; mode 1: one block by hash), checksums verified,
-//! and staging them in its registered pool ([`PoolAllocator`]); the reader posts one READ
+//! and staging them in its registered pool ([`ExtentAllocator`](crate::extents::ExtentAllocator)); the reader posts one READ
 //! per run of adjacent blocks ([`coalesce`]), split at the port's message limit, into its
 //! own registered region, verifies each block's crc32c, and releases the lease with `RDONE`.
 //! Leases die with their connection: the queue pair is destroyed first, then the extents

@@ -60,6 +60,9 @@ impl Store {
         }
         self.expiry.insert((expires_at, b.hash));
         self.used_bytes += len;
+        if self.arena.as_ref().is_some_and(|a| a.holds(&b.data)) {
+            self.arena_bytes += crate::arena::footprint(b.data.len());
+        }
         *self.tenant_bytes.entry(scope.tenant).or_default() += len;
         self.tombstones.remove(&b.hash);
         self.blocks.insert(
@@ -184,6 +187,9 @@ impl Store {
         self.extras.remove(&(b.key, *hash));
         let len = b.data.len() as u64;
         self.used_bytes -= len;
+        if self.arena.as_ref().is_some_and(|a| a.holds(&b.data)) {
+            self.arena_bytes -= crate::arena::footprint(b.data.len());
+        }
         if let Some(tb) = self.tenant_bytes.get_mut(&tenant) {
             *tb -= len;
         }
@@ -527,7 +533,7 @@ impl Store {
             return false;
         }
         v[0] ^= 1;
-        b.data = Bytes::from(v);
+        self.replace_data(hash, Bytes::from(v));
         true
     }
 
@@ -574,6 +580,15 @@ impl Store {
             }
         }
         assert_eq!(used, self.used_bytes);
+        if let Some(a) = &self.arena {
+            let in_arena: u64 = self
+                .blocks
+                .values()
+                .filter(|b| a.holds(&b.data))
+                .map(|b| crate::arena::footprint(b.data.len()))
+                .sum();
+            assert_eq!(in_arena, self.arena_bytes, "arena bytes");
+        }
         let mut orphans: BlockMap<u32> = BlockMap::default();
         for b in self.blocks.values() {
             if let Some(p) = b.parent.filter(|p| !self.blocks.contains_key(p)) {

@@ -34,6 +34,7 @@
 //! stats), `tiers` (demotion and promotion with the tier below, handoff); this file holds
 //! the types and the read and write API.
 
+mod arena;
 mod entries;
 mod eviction;
 mod tiers;
@@ -114,6 +115,23 @@ impl ChainRead {
         (with, corrupt)
     }
 
+    /// The blocks unverified, each with the checksum its reader verifies as it copies the
+    /// bytes (an engine on the node's host reading them in the shared-memory arena: one
+    /// pass over the bytes on their way to it, not two). A block the lower tier verified as
+    /// it read it has its checksum computed here.
+    pub fn for_reader(self) -> Vec<(FetchedBlock, u32)> {
+        metrics::BLOCK_READS
+            .with_label_values(&["hit"])
+            .inc_by(self.blocks.len() as u64);
+        self.blocks
+            .into_iter()
+            .map(|(b, crc)| {
+                let crc = crc.unwrap_or_else(|| checksum(&b.data));
+                (b, crc)
+            })
+            .collect()
+    }
+
     /// The blocks up to the first corrupt one, each with its checksum (`None` for those the
     /// lower tier verified as it read them), and the corrupt one's hash.
     fn checked(self) -> (Vec<(FetchedBlock, Option<u32>)>, Option<BlockHash>) {
@@ -152,6 +170,17 @@ struct Terms {
     ttl: Duration,
     kind: EntryKind,
     copy: Copy,
+    checksums: Checksums,
+}
+
+/// Whether a write's checksums are checked against its bytes under the store's lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Checksums {
+    /// Sent by the writer: verified before anything is stored.
+    Verify,
+    /// Computed from these very bytes by the caller, outside the lock (a committed
+    /// reservation in the arena, [`Store::commit_reserved`]).
+    Computed,
 }
 
 /// How long an entry's blocks are held and of which kind (an entry write's terms).
@@ -439,6 +468,14 @@ pub struct Store {
     /// them (a peer's repair that read it before its own release) is not taken back.
     released: BlockMap<Instant>,
     released_order: VecDeque<BlockHash>,
+    /// The same-host arena, where the node has one: what it holds outside the store
+    /// (leased blocks evicted since, reservations) counts against the capacity.
+    arena: Option<crate::arena::Arena>,
+    /// Bytes of the arena that stored blocks take ([`crate::arena::footprint`]s).
+    arena_bytes: u64,
+    /// Bytes reserved per tenant for writes not yet committed ([`Store::reserve`]): they
+    /// count against the tenant's quota like stored bytes.
+    pending: HashMap<TenantId, u64>,
 }
 
 /// How long a released block refuses handoffs: longer than a repair round takes.
@@ -494,6 +531,9 @@ impl Store {
             through_queued: BlockSet::default(),
             released: BlockMap::default(),
             released_order: VecDeque::new(),
+            arena: None,
+            arena_bytes: 0,
+            pending: HashMap::new(),
         }
     }
 
@@ -516,6 +556,32 @@ impl Store {
 
     pub fn used_bytes(&self) -> u64 {
         self.used_bytes
+    }
+
+    /// The DRAM tier's capacity.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.limits.capacity_bytes
+    }
+
+    /// What capacity eviction keeps under the capacity: the stored bytes, plus what the
+    /// arena holds outside the store (blocks leased to an engine and evicted since,
+    /// reservations not yet committed).
+    pub fn occupied_bytes(&self) -> u64 {
+        let outside = self
+            .arena
+            .as_ref()
+            .map_or(0, |a| a.used().saturating_sub(self.arena_bytes));
+        self.used_bytes + outside
+    }
+
+    /// The bytes a new block adds to [`Store::occupied_bytes`] when stored: none for one
+    /// already in the arena (a committed reservation is counted since it was reserved).
+    fn new_memory(&self, data: &[u8]) -> u64 {
+        if self.arena.as_ref().is_some_and(|a| a.holds(data)) {
+            0
+        } else {
+            data.len() as u64
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -703,6 +769,7 @@ impl Store {
             ttl,
             kind,
             copy: Copy::Own,
+            checksums: Checksums::Verify,
         };
         self.put(scope, existing, new, terms, now)
     }
@@ -729,6 +796,7 @@ impl Store {
             ttl,
             kind,
             copy: Copy::Replica,
+            checksums: Checksums::Verify,
         };
         self.put_each(scope, existing, new, terms, now)
     }
@@ -748,6 +816,7 @@ impl Store {
             ttl,
             kind: EntryKind::BestEffort,
             copy: Copy::Extra,
+            checksums: Checksums::Verify,
         };
         self.put_each(scope, &[], new, terms, now)
     }
@@ -819,7 +888,12 @@ impl Store {
         terms: Terms,
         now: Instant,
     ) -> Result<(), WriteRefused> {
-        let Terms { ttl, kind, copy } = terms;
+        let Terms {
+            ttl,
+            kind,
+            copy,
+            checksums,
+        } = terms;
         let (replica, extra) = (copy != Copy::Own, copy == Copy::Extra);
         self.purge_expired(now);
         self.rekey_some(REKEY_BATCH);
@@ -834,10 +908,8 @@ impl Store {
         } else {
             existing
         };
-        for b in &new {
-            if checksum(&b.data) != b.checksum {
-                return Err(refused(WriteRefused::Corrupt));
-            }
+        if checksums == Checksums::Verify && new.iter().any(|b| checksum(&b.data) != b.checksum) {
+            return Err(refused(WriteRefused::Corrupt));
         }
         if existing.iter().any(|h| !self.contains(scope, h, now)) {
             return Err(refused(WriteRefused::MissingParent));
@@ -847,22 +919,14 @@ impl Store {
             .chain(new.iter().map(|b| &b.hash))
             .copied()
             .collect();
-        let incoming: u64 = new
-            .iter()
-            .filter(|b| !self.blocks.contains_key(&b.hash))
-            .map(|b| b.data.len() as u64)
-            .sum();
+        let fresh = || new.iter().filter(|b| !self.blocks.contains_key(&b.hash));
+        let incoming: u64 = fresh().map(|b| b.data.len() as u64).sum();
+        let incoming_memory: u64 = fresh().map(|b| self.new_memory(&b.data)).sum();
         let tenant = scope.tenant;
-        if let Some(&quota) = self.tenant_quota.get(&tenant) {
-            while self.tenant_bytes(tenant) + incoming > quota {
-                if !self.evict_one(Some(tenant), &pinned, RemovalReason::Quota) {
-                    return Err(refused(WriteRefused::Quota));
-                }
-            }
-        }
+        self.fit_quota(tenant, incoming, &pinned)?;
         if kind == EntryKind::BestEffort
             && self.ranking.admits_selectively()
-            && self.used_bytes + incoming > self.limits.capacity_bytes
+            && self.occupied_bytes() + incoming_memory > self.limits.capacity_bytes
             && let Some(first) = new.iter().find(|b| !self.blocks.contains_key(&b.hash))
         {
             let candidate =
@@ -877,19 +941,7 @@ impl Store {
                 return Err(refused(WriteRefused::NotAdmitted));
             }
         }
-        while self.used_bytes + incoming > self.limits.capacity_bytes {
-            if self.evict_one(None, &pinned, RemovalReason::Capacity) {
-                continue;
-            }
-            // Nothing best-effort left and no room below for paid blocks: another tenant
-            // holding more than its fair share (of DRAM and the tier below) gives way (its
-            // default quota), so one tenant's paid writes cannot lock everyone else out of
-            // the node for their TTL.
-            let over = self.over_fair_share(tenant, incoming);
-            if !over.is_some_and(|t| self.give_way(t, &pinned)) {
-                return Err(refused(WriteRefused::Capacity));
-            }
-        }
+        self.fit_capacity(tenant, incoming_memory, &pinned)?;
         let expires = now + ttl;
         let paid = kind.is_paid();
         let shared = kind != EntryKind::Object;
@@ -948,6 +1000,52 @@ impl Store {
                 if self.through_queued.insert(*h) {
                     self.through.push_back(*h);
                 }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Store {
+    /// Evict `tenant`'s own leaves (never one of `pinned`) until `incoming` more bytes fit
+    /// its quota, counting its reservations not yet committed; `Quota` when they cannot.
+    fn fit_quota(
+        &mut self,
+        tenant: TenantId,
+        incoming: u64,
+        pinned: &BlockSet,
+    ) -> Result<(), WriteRefused> {
+        let Some(&quota) = self.tenant_quota.get(&tenant) else {
+            return Ok(());
+        };
+        let pending = self.pending.get(&tenant).copied().unwrap_or(0);
+        while self.tenant_bytes(tenant) + pending + incoming > quota {
+            if !self.evict_one(Some(tenant), pinned, RemovalReason::Quota) {
+                return Err(refused(WriteRefused::Quota));
+            }
+        }
+        Ok(())
+    }
+
+    /// Make room for `incoming` more bytes under the node's capacity: best-effort leaves
+    /// by the policy, then (nothing best-effort left, no room below for paid blocks) a
+    /// tenant over its fair share gives way; `Capacity` when nothing can.
+    fn fit_capacity(
+        &mut self,
+        tenant: TenantId,
+        incoming: u64,
+        pinned: &BlockSet,
+    ) -> Result<(), WriteRefused> {
+        while self.occupied_bytes() + incoming > self.limits.capacity_bytes {
+            if self.evict_one(None, pinned, RemovalReason::Capacity) {
+                continue;
+            }
+            // Another tenant holding more than its fair share (of DRAM and the tier below)
+            // gives way (its default quota), so one tenant's paid writes cannot lock
+            // everyone else out of the node for their TTL.
+            let over = self.over_fair_share(tenant, incoming);
+            if !over.is_some_and(|t| self.give_way(t, pinned)) {
+                return Err(refused(WriteRefused::Capacity));
             }
         }
         Ok(())

@@ -64,7 +64,7 @@ impl Store {
         let len = tb.data.len() as u64;
         let mut pinned: BlockSet = pinned.iter().copied().collect();
         pinned.insert(*hash);
-        while self.used_bytes + len > self.limits.capacity_bytes {
+        while self.occupied_bytes() + len > self.limits.capacity_bytes {
             if !self.evict_one(None, &pinned, RemovalReason::Capacity) {
                 metrics::TIER_MOVES
                     .with_label_values(&["read_through"])

@@ -7,7 +7,10 @@ Loaded by vLLM with
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"fabric_addr": "127.0.0.1:7400"}}'
 
-and the node's cluster token in the environment (`CACHET_CLUSTER_TOKEN`).
+and the node's cluster token in the environment (`CACHET_CLUSTER_TOKEN`). Other keys of
+`kv_connector_extra_config`: `shared_memory` (default true; false, or the environment's
+`CACHET_SHARED_MEMORY=0`, moves KV over TCP even beside the node), `fabric_socket` (the
+node's Unix socket; by default the node says where it is).
 
 The connector acts only on requests whose `kv_transfer_params` carry a `cachet` object, which
 the Cachet gateway sets: the tenant scope, one block key per full vLLM block of the prompt,
@@ -16,10 +19,13 @@ node, and the key space (dtype, layout and block size the keys were computed for
 Cachet's own (cache-fabric/src/keys.rs): the connector never hashes tokens itself.
 
 Scheduler side: how many leading blocks the node holds (HAS: no TTL refresh), which vLLM
-blocks to fill, which newly computed blocks to save once each write boundary is computed.
-Worker side: GET the blocks (TTLs refreshed; every crc32c verified) and copy them into the
-paged KV before the forward pass; after it, PUT the new blocks of each boundary. A block that
-cannot be loaded (missing, corrupt, wrong size, node down) is reported through
+blocks to fill, which newly computed blocks to save once each write boundary is computed; a
+preempted request that comes back has its prefix planned for loading again. Worker side:
+the data path is `transfer.py` (no vLLM there): before the forward pass the blocks are loaded
+into the paged KV (from the node's shared-memory arena when it is on this host, else over
+TCP; every crc32c verified once); after it the new blocks of each write boundary are saved
+(reserved in the arena, filled, committed; or PUT over TCP). A block that cannot be loaded
+(missing, corrupt, wrong size, node down) is reported through
 `get_block_ids_with_load_errors`, so vLLM recomputes it; the node is told (REPORT) how many
 tokens the request really did not prefill, which is what the gateway bills as a cache read.
 """
@@ -44,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .fabric import KIND_BEST_EFFORT, KIND_PAID, FabricConnection, FabricError, scope_bytes
+from .transfer import KVTransfer, LayoutError, PagedKV
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -132,7 +139,11 @@ class ReqState:
     # Blocks stored by this request's writes so far, and the next write to plan.
     saved_upto: int = 0
     next_write: int = 0
+    # The load for the current scheduling of the request is planned (reset on preemption).
     reported: bool = False
+    # Preempted at least once: loads are planned again on resumption, but the first load's
+    # figures are what the node was told (the gateway bills them).
+    resumed: bool = False
 
 
 @dataclass
@@ -142,6 +153,9 @@ class LoadWork:
     local_tokens: int
     # (key, vLLM block id) in chain order.
     blocks: list[tuple[bytes, int]]
+    # Whether the node is told what loaded (a preempted request's reload is not: the gateway
+    # bills the first load).
+    report: bool = True
 
 
 @dataclass
@@ -164,6 +178,14 @@ def _layer_order(name: str) -> tuple:
     return tuple(int(n) if n.isdigit() else n for n in re.split(r"(\d+)", name))
 
 
+def _flag(value: Any, default: bool) -> bool:
+    if value is None:
+        return default
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "off", "no")
+    return bool(value)
+
+
 class CachetConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -176,6 +198,11 @@ class CachetConnector(KVConnectorBase_V1):
         addr = extra.get("fabric_addr") or os.environ.get("CACHET_FABRIC_ADDR", "127.0.0.1:7400")
         token = os.environ.get(extra.get("token_env", "CACHET_CLUSTER_TOKEN"), "")
         self._fabric = FabricConnection(addr, token)
+        self._addr, self._token = addr, token
+        self._shared_memory = _flag(os.environ.get("CACHET_SHARED_MEMORY"), _flag(extra.get("shared_memory"), True))
+        self._socket_path = extra.get("fabric_socket") or os.environ.get("CACHET_FABRIC_SOCKET") or None
+        # Each load and save logged with its size and speed (the benchmarks read them).
+        self._log_transfers = _flag(os.environ.get("CACHET_TRANSFER_LOG"), False)
         self._block_size = vllm_config.cache_config.block_size
         layout = getattr(kv_cache_config, "kv_cache_layout", None) or "LBHNC"
         model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
@@ -184,9 +211,7 @@ class CachetConnector(KVConnectorBase_V1):
         )
         self._reqs: dict[str, ReqState] = {}
         # Worker side.
-        self._layers: list[torch.Tensor] = []
-        self._block_dim = 0
-        self._block_bytes = 0
+        self._transfer: KVTransfer | None = None
         self._load_errors: set[int] = set()
         logger.info("cachet: connector (%s) on fabric node %s, key space %s", role.name, addr, self._space)
 
@@ -198,8 +223,14 @@ class CachetConnector(KVConnectorBase_V1):
             return 0, False
         bs = self._block_size
         prompt_len = len(request.prompt_token_ids or [])
-        st = ReqState(params, prompt_len, local=num_computed_tokens)
-        self._reqs[request.request_id] = st
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = ReqState(params, prompt_len, local=num_computed_tokens)
+            self._reqs[request.request_id] = st
+        else:
+            # Preempted and scheduled again from scratch (vLLM freed its blocks): its prefix
+            # is loaded again, planned afresh; what it saved and what it reported stay.
+            st.local, st.resumed, st.reported = num_computed_tokens, True, False
         # vLLM computes at least the prompt's last token itself.
         loadable = min(len(params.keys), (prompt_len - 1) // bs)
         try:
@@ -214,7 +245,8 @@ class CachetConnector(KVConnectorBase_V1):
         st = self._reqs.get(request.request_id)
         if st is not None:
             st.planned = num_external_tokens
-            st.loaded = num_external_tokens
+            if not st.resumed:
+                st.loaded = num_external_tokens
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = CachetMetadata()
@@ -224,34 +256,50 @@ class CachetConnector(KVConnectorBase_V1):
             if st is None or st.reported:
                 continue
             st.block_ids = list(new.block_ids[0])
-            first = st.local // bs
-            last = (st.local + st.planned) // bs
-            st.load_block_ids = st.block_ids[first:last]
-            meta.loads.append(
-                LoadWork(
-                    st.params.tag,
-                    st.params.scope,
-                    st.local,
-                    [(st.params.keys[i], st.block_ids[i]) for i in range(first, last)],
-                )
-            )
-            st.reported = True
+            self._plan_load(st, meta)
             end = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             self._plan_saves(st, end, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
-            if st is None or st.next_write >= len(st.params.writes):
+            if st is None:
                 continue
             new_ids = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
             if new_ids is not None:
-                if req_id in cached.resumed_req_ids:
+                if resumed:
                     st.block_ids = list(new_ids[0])
                 else:
                     st.block_ids.extend(new_ids[0])
+            if resumed and not st.reported:
+                # A preempted request comes back among the cached requests with new blocks
+                # and `num_computed_tokens` counting the tokens this connector promised
+                # (scheduler.py: a resumed request's prefix is looked up again): they must
+                # be loaded into its new blocks before this step runs, or vLLM attends to
+                # blocks nobody filled.
+                self._plan_load(st, meta)
+            if st.next_write >= len(st.params.writes):
+                continue
             end = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan_saves(st, end, meta)
         return meta
+
+    def _plan_load(self, st: ReqState, meta: CachetMetadata) -> None:
+        """The blocks the node holds past vLLM's own prefix hit, into the request's blocks."""
+        bs = self._block_size
+        first = st.local // bs
+        last = (st.local + st.planned) // bs
+        st.load_block_ids = st.block_ids[first:last]
+        meta.loads.append(
+            LoadWork(
+                st.params.tag,
+                st.params.scope,
+                st.local,
+                [(st.params.keys[i], st.block_ids[i]) for i in range(first, last)],
+                report=not st.resumed,
+            )
+        )
+        st.reported = True
 
     def _plan_saves(self, st: ReqState, computed_end: int, meta: CachetMetadata) -> None:
         """The writes whose blocks are all computed once this step runs: each is one entry,
@@ -283,6 +331,8 @@ class CachetConnector(KVConnectorBase_V1):
         if not bad:
             return
         for st in self._reqs.values():
+            if st.resumed:
+                continue
             for i, b in enumerate(st.load_block_ids):
                 if b in bad:
                     st.loaded = min(st.loaded, i * self._block_size)
@@ -306,67 +356,33 @@ class CachetConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         names = sorted(kv_caches, key=_layer_order)
-        self._layers = [kv_caches[n] for n in names]
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config else None
-        t = self._layers[0]
-        dims = [d for d, n in enumerate(t.shape) if n == num_blocks] if num_blocks else [0]
-        self._block_dim = dims[0] if dims else 0
-        self._block_bytes = sum(
-            layer.select(self._block_dim, 0).numel() * layer.element_size() for layer in self._layers
+        try:
+            kv = PagedKV([kv_caches[n] for n in names], num_blocks)
+        except LayoutError as e:
+            # A clear refusal at start, not wrong bytes later.
+            raise RuntimeError(
+                f"cachet: vLLM's KV cache (layout {self._space}) cannot be loaded or saved in place: {e}"
+            ) from e
+        self._transfer = KVTransfer(
+            kv, self._addr, self._token, block_tokens=self._block_size,
+            shared_memory=self._shared_memory, socket_path=self._socket_path, logger=logger,
         )
-        logger.info(
-            "cachet: %d KV layers, each %s (%s), block dim %d: %d bytes a block",
-            len(self._layers),
-            tuple(t.shape),
-            t.dtype,
-            self._block_dim,
-            self._block_bytes,
-        )
+        logger.info("cachet: %s; shared memory %s", kv.describe(), "allowed" if self._shared_memory else "off")
 
-    def _block_bytes_of(self, block_id: int) -> memoryview:
-        """One vLLM block of every layer, layers in model order: one copy out of the pool."""
-        parts = [
-            layer.select(self._block_dim, block_id).contiguous().view(-1).view(torch.uint8)
-            for layer in self._layers
-        ]
-        return memoryview(torch.cat(parts).numpy())
-
-    def _write_block(self, block_id: int, data: memoryview) -> None:
-        # `data` is the receive buffer itself (writable): viewed, not copied.
-        src = torch.frombuffer(data, dtype=torch.uint8)
-        off = 0
-        for layer in self._layers:
-            dst = layer.select(self._block_dim, block_id)
-            n = dst.numel() * dst.element_size()
-            dst.copy_(src[off : off + n].view(dst.dtype).view(dst.shape))
-            off += n
+    def _log(self, msg: str, *args) -> None:
+        (logger.info if self._log_transfers else logger.debug)(msg, *args)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, CachetMetadata):
+        if not isinstance(meta, CachetMetadata) or self._transfer is None:
             return
         bs = self._block_size
         for work in meta.loads:
             ok = 0
-            started = time.perf_counter()
             if work.blocks:
-                try:
-                    got = self._fabric.get(work.scope, [k for k, _ in work.blocks])
-                except FabricError as e:
-                    logger.warning("cachet: load failed (%s); recomputing", e)
-                    got = []
-                for blk, (_, block_id) in zip(got, work.blocks):
-                    if len(blk.data) != self._block_bytes or blk.n_tokens != bs:
-                        logger.warning(
-                            "cachet: block of %d bytes / %d tokens, expected %d / %d; recomputing",
-                            len(blk.data),
-                            blk.n_tokens,
-                            self._block_bytes,
-                            bs,
-                        )
-                        break
-                    self._write_block(block_id, blk.data)
-                    ok += 1
+                done = self._transfer.load(work.scope, [k for k, _ in work.blocks], [b for _, b in work.blocks])
+                ok = done.blocks
                 failed = [b for _, b in work.blocks[ok:]]
                 if failed:
                     logger.warning(
@@ -377,16 +393,16 @@ class CachetConnector(KVConnectorBase_V1):
                         len(failed),
                     )
                     self._load_errors.update(failed)
-            if work.blocks:
-                logger.debug(
-                    "cachet: loaded %d of %d blocks (%.1f MB) in %.1f ms",
-                    ok,
-                    len(work.blocks),
-                    ok * self._block_bytes / 1e6,
-                    (time.perf_counter() - started) * 1e3,
-                )
+                if ok:
+                    mb = ok * self._transfer.kv.block_bytes / 1e6
+                    self._log(
+                        "cachet: loaded %d blocks (%.1f MB) in %.2f ms over %s (%.2f GB/s)",
+                        ok, mb, done.seconds * 1e3, done.mode, mb / 1e3 / max(done.seconds, 1e-9),
+                    )
+            if not work.report:
+                continue
             try:
-                self._fabric.report(work.tag, work.local_tokens, ok * bs, (len(work.blocks) - ok) * bs)
+                self._transfer.report(work.tag, work.local_tokens, ok * bs, (len(work.blocks) - ok) * bs)
             except FabricError as e:
                 logger.warning("cachet: could not report request %s (%s)", work.tag, e)
 
@@ -399,28 +415,19 @@ class CachetConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         meta = self._get_connector_metadata()
-        if not isinstance(meta, CachetMetadata):
+        if not isinstance(meta, CachetMetadata) or self._transfer is None:
             return
-        bs = self._block_size
         for work in meta.saves:
             started = time.perf_counter()
-            new = [
-                (k, parent, bs, self._block_bytes, lambda b=b: self._block_bytes_of(b))
-                for k, parent, b in work.blocks
-            ]
-            try:
-                refused = self._fabric.put(work.scope, work.ttl_ms, work.kind, work.existing, new)
-            except FabricError as e:
-                logger.warning("cachet: save failed (%s); the prefix stays uncached", e)
-                continue
+            refused = self._transfer.save(work.scope, work.ttl_ms, work.kind, work.existing, work.blocks)
             if refused:
-                logger.info("cachet: node refused %d blocks: %s", len(new), refused)
+                logger.info("cachet: node did not store %d blocks: %s", len(work.blocks), refused)
             else:
-                logger.debug(
-                    "cachet: saved %d blocks (%.1f MB) in %.1f ms",
-                    len(new),
-                    len(new) * self._block_bytes / 1e6,
-                    (time.perf_counter() - started) * 1e3,
+                secs = time.perf_counter() - started
+                mb = len(work.blocks) * self._transfer.kv.block_bytes / 1e6
+                self._log(
+                    "cachet: saved %d blocks (%.1f MB) in %.2f ms over %s (%.2f GB/s)",
+                    len(work.blocks), mb, secs * 1e3, self._transfer.mode, mb / 1e3 / max(secs, 1e-9),
                 )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -429,3 +436,5 @@ class CachetConnector(KVConnectorBase_V1):
 
     def shutdown(self):
         self._fabric.close()
+        if self._transfer is not None:
+            self._transfer.close()
