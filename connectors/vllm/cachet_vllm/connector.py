@@ -224,12 +224,14 @@ class CachetConnector(KVConnectorBase_V1):
         bs = self._block_size
         prompt_len = len(request.prompt_token_ids or [])
         st = self._reqs.get(request.request_id)
-        if st is None:
+        if st is None or not st.reported:
+            # New, or asked again because the last step had no room to schedule it.
             st = ReqState(params, prompt_len, local=num_computed_tokens)
             self._reqs[request.request_id] = st
         else:
-            # Preempted and scheduled again from scratch (vLLM freed its blocks): its prefix
-            # is loaded again, planned afresh; what it saved and what it reported stay.
+            # Its load ran, then vLLM preempted it and schedules it again from scratch (its
+            # blocks were freed): the prefix is loaded again, planned afresh; what it saved
+            # and what the node was told stay.
             st.local, st.resumed, st.reported = num_computed_tokens, True, False
         # vLLM computes at least the prompt's last token itself.
         loadable = min(len(params.keys), (prompt_len - 1) // bs)
