@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `make bench-vllm`: TTFT of vLLM's CPU build with a prefix its KV connector loads vs
-# recomputed, at 1K / 4K / 7K prompt tokens (BENCH_SIZES), for Cachet's connector, no
-# connector (the connector's cost on a miss) and vLLM's own offloading connector, in one run
-# (loadtests/vllm_bench.py). Needs Postgres; about 10 minutes on 2 cores.
+# recomputed, at 1K / 4K / 7K prompt tokens (BENCH_SIZES), for Cachet's connector through the
+# node's shared memory and over TCP, vLLM's own prefix-cache hit, no connector (the
+# connector's cost on a miss) and vLLM's own offloading connector, with the loads' speed
+# beside a plain copy and a crc32c pass of the same bytes, in one run
+# (loadtests/vllm_bench.py). Needs Postgres; about 12 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(scripts/vllm-env.sh)

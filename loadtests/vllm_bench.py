@@ -1,13 +1,17 @@
 """TTFT of vLLM (CPU build) with a prefix loaded by a KV connector vs recomputed, at several
-prompt lengths, in one run: Cachet's connector behind `cachet serve`, vLLM with no connector
-behind `cachet serve` (the connector's cost on a request that hits nothing), and vLLM's own
-offloading connector (or, if it does not run on the CPU backend, its example file connector)
-on the same prompts. Run by loadtests/vllm-bench.sh (`make bench-vllm`); prints a Markdown
-table for docs/benchmarks.md.
+prompt lengths, in one run: Cachet's connector behind `cachet serve` loading through the
+node's shared memory and, with shared memory turned off, over TCP; vLLM's own prefix-cache hit
+(the floor: nothing loaded at all); vLLM with no connector behind `cachet serve` (the
+connector's cost on a request that hits nothing); and vLLM's own offloading connector (or, if
+it does not run on the CPU backend, its example file connector) on the same prompts. Beside
+them, the load's speed inside the connector (its own log) against a plain torch copy and one
+crc32c pass of the same bytes on this machine. Run by loadtests/vllm-bench.sh
+(`make bench-vllm`); prints Markdown tables for docs/benchmarks.md.
 
-Each "hit" runs after vLLM's own prefix cache is emptied (POST /reset_prefix_cache), so the
-prefix can only come from the connector; vLLM's counters confirm how many prompt tokens came
-from it.
+Each "loaded" request runs after vLLM's own prefix cache is emptied (POST
+/reset_prefix_cache), so the prefix can only come from the connector; vLLM's counters confirm
+how many prompt tokens came from it. "vLLM's own hit" is the same request once more without
+emptying it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -92,9 +97,41 @@ def ttft_direct(port: int, system: str) -> float:
     return time.perf_counter() - start
 
 
+def copy_and_checksum(nbytes: int, runs: int = 5) -> tuple[float, float]:
+    """Seconds for a plain torch copy and one crc32c pass of `nbytes` on this machine (best
+    of `runs`, pages touched first)."""
+    import crc32c
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    view = memoryview(src.numpy())
+
+    def best(f):
+        out = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - start)
+        return min(out)
+
+    return best(lambda: dst.copy_(src)), best(lambda: crc32c.crc32c(view))
+
+
+LOADED = re.compile(r"cachet: loaded (\d+) blocks \(([\d.]+) MB\) in ([\d.]+) ms over (\w+)")
+
+
+def loads_logged(log: str, since: int) -> list[tuple[int, float, float, str]]:
+    """(blocks, MB, ms, mode) of the loads the connector logged past byte `since` of its log."""
+    with open(log) as f:
+        f.seek(since)
+        return [(int(m[1]), float(m[2]), float(m[3]), m[4]) for m in LOADED.finditer(f.read())]
+
+
 def main() -> None:
     procs = t.Procs()
-    out = []
+    out = {}
     db = f"cachet_vllm_bench_{os.getpid()}"
     try:
         api, fabric, vport = t.free_port(), t.free_port(), t.free_port()
@@ -113,7 +150,7 @@ def main() -> None:
         prompts = {n: prompt_text(n, n) for n in SIZES}
         rows = {n: {} for n in SIZES}
 
-        def vllm(name: str, connector: str):
+        def vllm(name: str, connector: str, extra_env: dict | None = None):
             os.environ["CACHET_VLLM_CONNECTOR"] = connector
             # Whole prompts in one step, for every connector alike (vLLM's example connector
             # saves only a request's first chunk and fails to load a longer prompt).
@@ -121,24 +158,34 @@ def main() -> None:
             # Every core, explicitly: vLLM's automatic binding reserves a core for itself
             # without a connector and not with one, which would compare 1 core with 2.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
-            p, log = t.start_vllm(procs, name, vport, fabric)
+            p, log = t.start_vllm(procs, name, vport, fabric, env={"CACHET_TRANSFER_LOG": "1", **(extra_env or {})})
             t.wait_vllm(p, log, vport)
             ttft_direct(vport, prompt_text(200, 0))  # warm-up: first-request costs stay out
             return p, log
 
-        # 1. Cachet's connector.
-        p, _ = vllm("bench-vllm-cachet", "on")
-        _, key = t.new_tenant(env, "bench-cachet")
-        for n, text in prompts.items():
-            miss, u = ttft_cachet(base, key, text)
-            t.reset_vllm_cache(vport)
-            before = t.external_hits(vport)
-            hit, u2 = ttft_cachet(base, key, text)
-            rows[n]["tokens"] = u["input_tokens"] + u["cache_creation_input_tokens"] + u["cache_read_input_tokens"]
-            rows[n]["cachet_miss"], rows[n]["cachet_hit"] = miss, hit
-            rows[n]["cachet_read"] = u2["cache_read_input_tokens"]
-            rows[n]["cachet_external"] = t.external_hits(vport) - before
-        t.Procs.kill(p)
+        # 1. Cachet's connector through shared memory, then over TCP (shared memory off).
+        for label, extra in (("shm", {}), ("tcp", {"CACHET_SHARED_MEMORY": "0"})):
+            p, log = vllm(f"bench-vllm-cachet-{label}", "on", extra)
+            _, key = t.new_tenant(env, f"bench-cachet-{label}")
+            for n, text in prompts.items():
+                miss, u = ttft_cachet(base, key, text)
+                t.reset_vllm_cache(vport)
+                before = t.external_hits(vport)
+                mark = os.path.getsize(log)
+                hit, u2 = ttft_cachet(base, key, text)
+                loads = loads_logged(log, mark)
+                if label == "shm":
+                    # The same request again, vLLM's own prefix cache holding it: no load at all.
+                    own, _ = ttft_cachet(base, key, text)
+                    rows[n]["own_hit"] = own
+                    rows[n]["tokens"] = (u["input_tokens"] + u["cache_creation_input_tokens"]
+                                         + u["cache_read_input_tokens"])
+                    rows[n]["cachet_miss"] = miss
+                    rows[n]["cachet_read"] = u2["cache_read_input_tokens"]
+                rows[n][f"{label}_hit"] = hit
+                rows[n][f"{label}_external"] = t.external_hits(vport) - before
+                rows[n][f"{label}_loads"] = loads
+            t.Procs.kill(p)
         # 2. No connector (the same gateway, keys and all): the connector's cost on a miss.
         p, _ = vllm("bench-vllm-plain", "off")
         _, key = t.new_tenant(env, "bench-plain")
@@ -184,19 +231,36 @@ def main() -> None:
     other = out.pop("other")
     err = out.pop("offloading_error", None)
     other_err = out.pop("other_error", None)
-    print(f"| prompt tokens | Cachet: recomputed (ms) | Cachet: loaded (ms) | loaded / recomputed "
-          f"| tokens loaded (vLLM counter) | no connector (ms) | connector cost on a miss "
-          f"| {other}: recomputed (ms) | {other}: loaded (ms) | {other}: loaded / recomputed |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
+    print(f"| prompt tokens | recomputed (ms) | loaded, shared memory (ms) | loaded, TCP (ms) "
+          f"| vLLM's own hit (ms) | shared memory / own hit | tokens loaded (vLLM counter) "
+          f"| no connector (ms) | connector cost on a miss | {other}: recomputed (ms) | {other}: loaded (ms) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in SIZES:
         r = out[n]
         print(
-            f"| {r['tokens']} | {r['cachet_miss'] * 1e3:.0f} | {r['cachet_hit'] * 1e3:.0f} "
-            f"| {r['cachet_hit'] / r['cachet_miss']:.1%} | {r['cachet_read']} ({r['cachet_external']:.0f}) "
-            f"| {r['plain_miss'] * 1e3:.0f} | {r['cachet_miss'] / r['plain_miss'] - 1:+.1%} "
-            + (f"| {r['other_miss'] * 1e3:.0f} | {r['other_hit'] * 1e3:.0f} | {r['other_hit'] / r['other_miss']:.1%} |"
-               if "other_miss" in r else "| – | – | – |")
+            f"| {r['tokens']} | {ms(r['cachet_miss'])} | {ms(r['shm_hit'])} | {ms(r['tcp_hit'])} "
+            f"| {ms(r['own_hit'])} | {r['shm_hit'] / r['own_hit']:.2f}× "
+            f"| {r['cachet_read']} ({r['shm_external']:.0f}, {r['tcp_external']:.0f}) "
+            f"| {ms(r['plain_miss'])} | {r['cachet_miss'] / r['plain_miss'] - 1:+.1%} "
+            + (f"| {ms(r['other_miss'])} | {ms(r['other_hit'])} |" if "other_miss" in r else "| – | – |")
         )
+    print("\nThe loads inside the connector (its log), beside a plain torch copy and one crc32c pass "
+          "of the same bytes on this machine:\n")
+    print("| prompt tokens | MB loaded | shared memory (ms) | GB/s | TCP (ms) | GB/s | torch copy (ms) "
+          "| crc32c (ms) | shared memory / (copy + crc32c) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n in SIZES:
+        r = out[n]
+        shm = [x for x in r["shm_loads"] if x[3] == "shm"]
+        tcp = [x for x in r["tcp_loads"] if x[3] == "tcp"]
+        if not shm or not tcp:
+            print(f"| {r['tokens']} | – | loads not logged: {r['shm_loads']} {r['tcp_loads']} |")
+            continue
+        mb, shm_ms, tcp_ms = shm[0][1], sum(x[2] for x in shm), sum(x[2] for x in tcp)
+        copy_s, crc_s = copy_and_checksum(int(mb * 1e6))
+        print(f"| {r['tokens']} | {mb:.1f} | {shm_ms:.1f} | {mb / shm_ms:.2f} | {tcp_ms:.1f} | {mb / tcp_ms:.2f} "
+              f"| {copy_s * 1e3:.1f} | {crc_s * 1e3:.1f} | {(copy_s + crc_s) * 1e3 / shm_ms:.0%} |")
     if err:
         print(f"\nOffloadingConnector did not start on the CPU backend: `{err}`")
     if other_err:

@@ -73,6 +73,11 @@ const MAX_FRAME: usize = 64 << 20;
 const LEASED_LEN: usize = 32 + 4 + 4 + 8 + 8;
 /// RELEASE's "no block was corrupt".
 const NONE_CORRUPT: u32 = u32::MAX;
+/// Leases one connection may hold at once. The connector holds one at a time (it releases a
+/// load's lease before the next load); a byte bound would cut a long prefix's load short on
+/// a node with little DRAM, while what a lease holds outside the store already counts
+/// against the capacity.
+const MAX_LEASES: usize = 16;
 
 /// A node's Unix socket for engines on its host; the socket file is removed when dropped.
 pub struct LocalServer {
@@ -270,8 +275,6 @@ struct Conn {
     leases: HashMap<u64, Lease>,
     reservations: HashMap<u64, Reservation>,
     next_id: u64,
-    /// Bytes of the arena this connection's leases hold.
-    leased: u64,
 }
 
 fn bad(what: &str) -> std::io::Error {
@@ -286,14 +289,7 @@ impl Conn {
             leases: HashMap::new(),
             reservations: HashMap::new(),
             next_id: 1,
-            leased: 0,
         }
-    }
-
-    /// The most one connection may hold leased at once: half the arena, so an engine that
-    /// stops releasing cannot hold all of it (its loads past this are recomputed).
-    fn lease_limit(&self) -> u64 {
-        self.arena.capacity() / 2
     }
 
     fn serve(&mut self, mut s: UnixStream, token: &str) -> std::io::Result<()> {
@@ -378,14 +374,16 @@ impl Conn {
             .for_reader();
         let mut leased: Vec<(BlockHash, u32, u32, Bytes)> = Vec::with_capacity(read.len());
         let mut room = 0;
+        if self.leases.len() >= MAX_LEASES {
+            // An engine releases each load's lease before its next: one that does not is
+            // stuck or faulty, and is given nothing more to hold.
+            metrics::LOCAL_OPS
+                .with_label_values(&["lease", "over_limit"])
+                .inc();
+            return lease_answer(0, &[], &self.arena);
+        }
         for (b, crc) in read {
             let need = footprint(b.data.len());
-            if self.leased + room + need > self.lease_limit() {
-                metrics::LOCAL_OPS
-                    .with_label_values(&["lease", "over_limit"])
-                    .inc();
-                break;
-            }
             let data = if self.arena.holds(&b.data) {
                 b.data
             } else {
@@ -398,19 +396,8 @@ impl Conn {
             leased.push((b.hash, b.n_tokens, crc, data));
         }
         let id = self.id();
-        let mut out = BytesMut::with_capacity(13 + leased.len() * LEASED_LEN);
-        out.put_u8(OK);
-        out.put_u64_le(id);
-        out.put_u32_le(leased.len() as u32);
-        for (hash, n_tokens, crc, data) in &leased {
-            out.put_slice(&hash.0);
-            out.put_u32_le(*n_tokens);
-            out.put_u32_le(*crc);
-            out.put_u64_le(self.arena.offset_of(data).unwrap_or(u64::MAX));
-            out.put_u64_le(data.len() as u64);
-        }
+        let out = lease_answer(id, &leased, &self.arena);
         if !leased.is_empty() {
-            self.leased += room;
             metrics::ARENA_BYTES
                 .with_label_values(&["leased"])
                 .add(room as i64);
@@ -440,7 +427,6 @@ impl Conn {
             .leases
             .remove(&id)
             .ok_or_else(|| bad("RELEASE of an unknown lease"))?;
-        self.leased -= lease.room;
         let result = if corrupt == NONE_CORRUPT {
             "ok"
         } else {
@@ -592,6 +578,22 @@ impl Conn {
         }
         Ok(out)
     }
+}
+
+/// LEASE's answer: the lease's id and where each block lies.
+fn lease_answer(id: u64, leased: &[(BlockHash, u32, u32, Bytes)], arena: &Arena) -> BytesMut {
+    let mut out = BytesMut::with_capacity(13 + leased.len() * LEASED_LEN);
+    out.put_u8(OK);
+    out.put_u64_le(id);
+    out.put_u32_le(leased.len() as u32);
+    for (hash, n_tokens, crc, data) in leased {
+        out.put_slice(&hash.0);
+        out.put_u32_le(*n_tokens);
+        out.put_u32_le(*crc);
+        out.put_u64_le(arena.offset_of(data).unwrap_or(u64::MAX));
+        out.put_u64_le(data.len() as u64);
+    }
+    out
 }
 
 /// Each block's checksum, computed on up to as many threads as the machine has cores for

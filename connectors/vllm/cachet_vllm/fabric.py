@@ -352,6 +352,12 @@ class LocalConnection(_Connection):
                 raise FabricError(f"{self._path} sent no arena")
             (size,) = struct.unpack_from("<Q", data, 1)
             self.arena = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                # Huge pages where the host allows them for shared memory (as the node asks).
+                try:
+                    self.arena.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass
         except (FabricError, OSError, ValueError) as e:
             s.close()
             raise e if isinstance(e, FabricError) else FabricError(f"mapping the arena: {e}") from e

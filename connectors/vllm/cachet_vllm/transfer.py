@@ -128,17 +128,26 @@ class PagedKV:
 
     def scatter(self, run: torch.Tensor, stride: int, block_ids: list[int]) -> None:
         """Copy the blocks of `run` (a uint8 CPU tensor, block j at `j * stride` bytes) into
-        the KV blocks `block_ids`: one indexed copy per layer. On a device, `run` first
-        goes over in one transfer, then each layer's copy runs there; the caller
-        synchronizes before it lets `run`'s memory go."""
+        the KV blocks `block_ids`. On a device, `run` first goes over in one transfer, then
+        one indexed copy per layer runs there (`index_copy_`); the caller synchronizes
+        before it lets `run`'s memory go. On the CPU, where `index_copy_` moves element by
+        element at about half a plain copy's speed, each stretch of consecutive block ids
+        is one strided copy per layer (one per layer in all when vLLM gave the request
+        consecutive blocks, as it does from a fresh free list)."""
         k = len(block_ids)
         if k == 0:
             return
         if self.device.type != "cpu":
             run = run[: k * stride].to(self.device, non_blocking=True)
-        ids = self._ids(block_ids)
+            ids = self._ids(block_ids)
+            for l, src in self._layer_slices(run, stride, k):
+                self._views[l].index_copy_(1, ids, src)
+            return
+        stretches = _stretches(block_ids)
         for l, src in self._layer_slices(run, stride, k):
-            self._views[l].index_copy_(1, ids, src)
+            dst = self._views[l]
+            for j, b, n in stretches:
+                dst[:, b : b + n].copy_(src[:, j : j + n])
 
     def gather(self, run: torch.Tensor, stride: int, block_ids: list[int]) -> None:
         """Copy the KV blocks `block_ids` into `run` (a uint8 CPU tensor, block j at
@@ -158,6 +167,17 @@ class PagedKV:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _stretches(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index in the list, first id, count) of each stretch of consecutive ids."""
+    out: list[tuple[int, int, int]] = []
+    for j, b in enumerate(block_ids):
+        if out and out[-1][1] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((j, b, 1))
+    return out
 
 
 @dataclass
@@ -380,26 +400,28 @@ class KVTransfer:
         return local.commit(rid)
 
     def _save_tcp(self, scope, ttl_ms, kind, existing, blocks) -> str | None:
+        """PUT the entry in parts of at most `TCP_STAGING_BYTES` (a node takes frames of up
+        to 1 GiB; an 8K-token prefix of an 8B model is that much): each part's blocks
+        gathered into one staging buffer, the parts before it named as existing. A part
+        refused stops the save; the parts stored stay, a valid shorter entry."""
         per = max(1, TCP_STAGING_BYTES // self._stride)
         staging = bytearray(min(len(blocks), per) * self._stride)
         run = torch.frombuffer(staging, dtype=torch.uint8)
         view = memoryview(staging)
-        ids = [b for _, _, b in blocks]
-        staged = [-1]
-
-        def make(i: int):
-            def block() -> memoryview:
-                start = i - i % per
-                if staged[0] != start:
-                    self.kv.gather(run, self._stride, ids[start : start + per])
-                    staged[0] = start
-                j = i - start
-                return view[j * self._stride : j * self._stride + self.kv.block_bytes]
-
-            return block
-
-        new = [(k, parent, self.block_tokens, self.kv.block_bytes, make(i)) for i, (k, parent, _) in enumerate(blocks)]
-        return self._tcp.put(scope, ttl_ms, kind, existing, new)
+        held = list(existing)
+        for start in range(0, len(blocks), per):
+            part = blocks[start : start + per]
+            self.kv.gather(run, self._stride, [b for _, _, b in part])
+            new = [
+                (k, parent, self.block_tokens, self.kv.block_bytes,
+                 lambda j=j: view[j * self._stride : j * self._stride + self.kv.block_bytes])
+                for j, (k, parent, _) in enumerate(part)
+            ]
+            refused = self._tcp.put(scope, ttl_ms, kind, held, new)
+            if refused:
+                return refused
+            held.extend(k for k, _, _ in part)
+        return None
 
     # -- the rest --------------------------------------------------------------------------
 
