@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 
 # (api-fuzz, fuzz-api: schemathesis against a real server; fuzz-slice, fuzz: cargo fuzz;
 # chaos: faults under load)
-.PHONY: vllm-test run-vllm bench-vllm bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
+.PHONY: vllm-test run-vllm bench-vllm bench-kv-path bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
 
 UI := admin-ui
 
@@ -78,14 +78,22 @@ rust-test: build
 rdma-test:
 	scripts/rdma-vm.sh
 
-## vLLM behind Cachet, end to end, against real vLLM CPU servers with Cachet's KV connector
+## vLLM behind Cachet, end to end, against real vLLM CPU servers with Cachet's KV connector, and
+## the connector's data path alone against a real node
 ## (the pinned environment and the converted model are made once and reused).
 vllm-test: services model build
 	CACHET_BIN=$(TARGET)/debug/cachet scripts/vllm-test.sh
 
-## TTFT with a connector-loaded prefix vs recomputed on vLLM CPU (docs/benchmarks.md).
+## TTFT with a connector-loaded prefix (shared memory, TCP) vs recomputed, vLLM's own hit and
+## its example connector, on vLLM CPU (docs/benchmarks.md).
 bench-vllm: services model
 	loadtests/vllm-bench.sh
+
+## The KV data path alone at Llama-3-8B's geometry (an 8K prefix, 1 GiB) into CPU tensors,
+## beside a plain copy and a crc32c pass of the same bytes (docs/benchmarks.md).
+bench-kv-path: build-release
+	$$(scripts/vllm-env.sh) loadtests/kv_data_path.py --geometry llama3-8b --tokens 8192
+	$$(scripts/vllm-env.sh) loadtests/kv_data_path.py --geometry smollm2 --tokens 6912
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: tests/sdk/requirements.txt

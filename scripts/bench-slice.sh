@@ -35,6 +35,9 @@ CACHET_BIN=$BIN BENCH_TIME_SCALE=0 BENCH_KV_BUDGET=536870912 BENCH_DRAM=53687091
 step "a 3-node cluster: peak RSS and hit ratio beside the simulation (loadtests/cluster.sh 2 1)"
 CACHET_BIN=$BIN BENCH_TIME_SCALE=0 BENCH_TURN_BLOCKS=4 BENCH_KV_BUDGET=268435456 BENCH_DRAM=268435456 loadtests/cluster.sh 2 1
 
+step "the KV data path alone (loadtests/kv_data_path.py, two blocks)"
+"$(scripts/vllm-env.sh)" loadtests/kv_data_path.py --geometry smollm2 --tokens 256 --runs 1 --bin "$BIN"
+
 step "a cache object against resending its content (loadtests/cache-objects.sh 1)"
 CACHET_BIN=$BIN BENCH_MODEL=sim-tiny BENCH_OBJECT_WORDS=400 BENCH_TIME_SCALE=0 loadtests/cache-objects.sh 1
 

@@ -306,6 +306,10 @@ pub struct VllmUpstream {
     pub model: String,
     /// The vLLM server's base URL.
     pub url: String,
+    /// More vLLM servers of the same model beside this node (one per GPU, say): a request
+    /// goes to the least busy of `url` and these, and a prefix one of them saved, the others
+    /// load from the node's shared memory. `CACHET_VLLM_URL` takes them comma-separated.
+    pub instances: Vec<String>,
     /// The name vLLM serves the model under (`--served-model-name`).
     pub served_model: String,
     /// vLLM's KV block size (`--block-size`, a multiple of 32 on its CPU backend).
@@ -321,6 +325,7 @@ impl Default for VllmUpstream {
         Self {
             model: "smollm2-135m-instruct-vllm".into(),
             url: String::new(),
+            instances: Vec::new(),
             served_model: "smollm2".into(),
             block_size: 128,
             max_model_len: 8192,
@@ -333,7 +338,10 @@ impl VllmUpstream {
     pub fn engine_config(&self, model_path: &Path) -> engine::vllm::VllmConfig {
         engine::vllm::VllmConfig {
             id: self.model.clone(),
-            url: self.url.clone(),
+            urls: std::iter::once(&self.url)
+                .chain(&self.instances)
+                .cloned()
+                .collect(),
             served_model: self.served_model.clone(),
             block_size: self.block_size,
             context_window: self.max_model_len,
@@ -594,15 +602,17 @@ impl Config {
         )?;
         env_parse("CACHET_FABRIC_LISTEN", &mut self.fabric.listen)?;
         env_parse("CACHET_FABRIC_SOCKET", &mut self.fabric.local_socket)?;
-        if let Ok(url) = std::env::var("CACHET_VLLM_URL")
-            && !url.is_empty()
+        if let Ok(urls) = std::env::var("CACHET_VLLM_URL")
+            && !urls.is_empty()
         {
+            let mut urls = urls.split(',').map(|u| u.trim().to_string());
             let up = VllmUpstream {
-                url,
+                url: urls.next().unwrap_or_default(),
+                instances: urls.collect(),
                 ..VllmUpstream::default()
             };
             match self.engine.vllm.iter_mut().find(|v| v.model == up.model) {
-                Some(v) => v.url = up.url,
+                Some(v) => (v.url, v.instances) = (up.url, up.instances),
                 None => self.engine.vllm.push(up),
             }
         }
@@ -728,6 +738,7 @@ impl Config {
             let VllmUpstream {
                 model,
                 url,
+                instances,
                 served_model,
                 block_size,
                 max_model_len,
@@ -736,8 +747,11 @@ impl Config {
             if model.is_empty() || served_model.is_empty() {
                 bail!("engine.vllm[{i}]: model and served_model must be set");
             }
-            if !url.starts_with("http://") {
-                bail!("engine.vllm[{i}].url must be an http:// URL (got {url:?})");
+            if let Some(bad) = std::iter::once(url)
+                .chain(instances)
+                .find(|u| !u.starts_with("http://"))
+            {
+                bail!("engine.vllm[{i}]: url and instances must be http:// URLs (got {bad:?})");
             }
             if *block_size == 0 || !block_size.is_multiple_of(32) {
                 bail!("engine.vllm[{i}].block_size must be a positive multiple of 32");

@@ -13,6 +13,8 @@
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -30,8 +32,11 @@ use crate::{
 pub struct VllmConfig {
     /// The model id clients name (`GET /v1/models`).
     pub id: String,
-    /// The vLLM server's base URL (`http://127.0.0.1:8100`).
-    pub url: String,
+    /// The base URLs of the vLLM servers that serve this model beside one fabric node
+    /// (`http://127.0.0.1:8100`; one per GPU, say): each generation goes to the one with
+    /// the fewest in flight (turn by turn among equals), and to the next when one cannot be
+    /// reached. Their connectors share the node's cache: a prefix one saved, another loads.
+    pub urls: Vec<String>,
     /// The model name vLLM serves (`--served-model-name`).
     pub served_model: String,
     /// vLLM's KV block size (`--block-size`; its CPU backend wants multiples of 32).
@@ -56,15 +61,37 @@ pub struct VllmEngine {
     info: ModelInfo,
     chat: ChatRenderer,
     client: reqwest::Client,
-    completions: String,
+    instances: Vec<Instance>,
+    /// Where the next choice among equally busy instances starts (turn by turn).
+    turn: AtomicUsize,
     served_model: String,
     eos_id: u32,
     rt: tokio::runtime::Handle,
 }
 
+/// One vLLM server of a model, and the generations it is serving.
+struct Instance {
+    completions: String,
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// A generation's count on its instance, given back when the generation ends.
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl VllmEngine {
     /// `rt` drives the HTTP calls the engine's blocking methods make.
     pub fn new(config: VllmConfig, rt: tokio::runtime::Handle) -> Result<Self, EngineError> {
+        if config.urls.is_empty() {
+            return Err(EngineError::Internal(
+                "a vLLM model needs a server URL".into(),
+            ));
+        }
         if config.block_size == 0 || !config.block_size.is_multiple_of(32) {
             return Err(EngineError::Internal(format!(
                 "vLLM block size {} is not a positive multiple of 32",
@@ -100,7 +127,15 @@ impl VllmEngine {
             info,
             chat,
             client,
-            completions: format!("{}/v1/completions", config.url.trim_end_matches('/')),
+            instances: config
+                .urls
+                .iter()
+                .map(|u| Instance {
+                    completions: format!("{}/v1/completions", u.trim_end_matches('/')),
+                    in_flight: Arc::default(),
+                })
+                .collect(),
+            turn: AtomicUsize::new(0),
             served_model: config.served_model,
             rt,
         })
@@ -162,6 +197,45 @@ fn unavailable(e: reqwest::Error) -> EngineError {
     EngineError::Unavailable(format!("vLLM: {e}"))
 }
 
+/// Instances in the order to try them, given how many generations each has in flight: the
+/// least busy first, equals from `turn` on (so they take turns).
+fn try_order(in_flight: &[usize], turn: usize) -> Vec<usize> {
+    let n = in_flight.len();
+    let mut order: Vec<usize> = (0..n).map(|i| (turn + i) % n).collect();
+    order.sort_by_key(|&i| in_flight[i]);
+    order
+}
+
+impl VllmEngine {
+    /// The instances in the order to try them: fewest generations in flight first, equals
+    /// taken turn by turn.
+    fn order(&self) -> Vec<usize> {
+        let busy: Vec<usize> = self
+            .instances
+            .iter()
+            .map(|i| i.in_flight.load(Ordering::Relaxed))
+            .collect();
+        try_order(&busy, self.turn.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Send a completion to the least busy instance that can be reached (the next one when
+    /// a connection fails: nothing was computed there).
+    async fn send(&self, body: &Value) -> Result<(reqwest::Response, InFlight), EngineError> {
+        let mut last = None;
+        for i in self.order() {
+            let inst = &self.instances[i];
+            inst.in_flight.fetch_add(1, Ordering::Relaxed);
+            let held = InFlight(inst.in_flight.clone());
+            match self.client.post(&inst.completions).json(body).send().await {
+                Ok(resp) => return Ok((resp, held)),
+                Err(e) if e.is_connect() => last = Some(e),
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+        Err(unavailable(last.expect("at least one instance")))
+    }
+}
+
 impl crate::Engine for VllmEngine {
     fn info(&self) -> &ModelInfo {
         &self.info
@@ -190,13 +264,7 @@ impl crate::Engine for VllmEngine {
         let rt = self.rt.clone();
         let eos = (!req.sampling.ignore_eos).then_some(self.eos_id);
         self.rt.block_on(async {
-            let resp = self
-                .client
-                .post(&self.completions)
-                .json(&body)
-                .send()
-                .await
-                .map_err(unavailable)?;
+            let (resp, in_flight) = self.send(&body).await?;
             let status = resp.status();
             if !status.is_success() {
                 let text = resp.text().await.unwrap_or_default();
@@ -208,6 +276,7 @@ impl crate::Engine for VllmEngine {
                 });
             }
             let mut g = VllmGeneration {
+                _in_flight: in_flight,
                 stream: Box::pin(resp.bytes_stream()),
                 buf: BytesMut::new(),
                 pending: VecDeque::new(),
@@ -225,6 +294,7 @@ impl crate::Engine for VllmEngine {
 type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
 
 struct VllmGeneration {
+    _in_flight: InFlight,
     stream: ByteStream,
     buf: BytesMut,
     pending: VecDeque<Token>,
@@ -330,6 +400,7 @@ mod tests {
             .map(|c| Ok(Bytes::copy_from_slice(c)))
             .collect();
         VllmGeneration {
+            _in_flight: InFlight(Arc::new(AtomicUsize::new(1))),
             stream: Box::pin(futures::stream::iter(chunks)),
             buf: BytesMut::new(),
             pending: VecDeque::new(),
@@ -337,6 +408,15 @@ mod tests {
             eos: Some(2),
             rt: tokio::runtime::Handle::current(),
         }
+    }
+
+    #[test]
+    fn the_least_busy_instance_goes_first_and_equals_take_turns() {
+        assert_eq!(try_order(&[2, 0, 1], 0), vec![1, 2, 0]);
+        assert_eq!(try_order(&[0, 0], 0), vec![0, 1]);
+        assert_eq!(try_order(&[0, 0], 1), vec![1, 0]);
+        assert_eq!(try_order(&[0, 0, 0], 5), vec![2, 0, 1]);
+        assert_eq!(try_order(&[3], 7), vec![0]);
     }
 
     #[tokio::test]

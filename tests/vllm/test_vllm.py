@@ -17,7 +17,18 @@ What it proves, each against real processes (Postgres, Redis, `cachet`, vLLM):
 (d) two instances, each with its own Cachet node: a prefix written by one is read by the
     other;
 (e) vLLM killed mid-request: the client gets a clear error, the ledger one row, and the
-    next request is served by the other instance.
+    next request is served by the other instance;
+(g) the same-host path (the node's Unix socket and shared-memory arena), which the
+    connector uses by default: a byte flipped in a block in the arena is caught (recomputed,
+    not billed); vLLM killed while it holds a lease, or while a save it reserved is being
+    filled, leaves nothing behind (the node's arena metrics back where they were, no block
+    of the unfinished save visible); the node restarted under a running vLLM (the first
+    request recomputes, the next load through shared memory again); two vLLM instances of
+    one model beside one node read each other's prefixes from the one arena;
+(h) the same answers and loads with shared memory turned off (TCP), where a block corrupted
+    on the wire is caught;
+(i) vLLM short of KV blocks preempts requests whose prefixes the connector loaded: every
+    answer equals the same request's answer alone.
 
 Outside CI a missing prerequisite skips loudly; in CI it fails.
 """
@@ -25,6 +36,7 @@ Outside CI a missing prerequisite skips loudly; in CI it fails.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -112,6 +124,20 @@ def metric(port: int, name: str, labels: str = "") -> float:
         if line.startswith(name + "{") and labels in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def cachet_metric(base: str, name: str, labels: str = "") -> float:
+    """One of Cachet's own Prometheus series (summed over those that match `labels`)."""
+    _, _, text = http("GET", f"{base}/metrics")
+    total = 0.0
+    for line in text.decode().splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def arena(base: str, state: str) -> float:
+    return cachet_metric(base, "cachet_fabric_arena_bytes", f'state="{state}"')
 
 
 def external_hits(port: int) -> float:
@@ -312,6 +338,99 @@ class CorruptingProxy:
         c.close()
 
 
+class LocalProxy:
+    """Between a connector and its node's Unix socket: passes frames both ways, the arena's
+    descriptor included (which it maps too). When told to, it flips one byte of the first
+    block of the next LEASE answer in the arena itself (a block corrupted at rest, after the
+    node's commit), or holds the node's next answer to an op (LEASE, RESERVE) and never
+    passes it on, so the engine is caught holding what the node granted."""
+
+    # How many bytes the node answers to each op, given the request.
+    def __init__(self, node_socket: str):
+        self.node_socket = node_socket
+        self.path = os.path.join(tempfile.mkdtemp(prefix="cachet-local-proxy-"), "proxy.sock")
+        self.corrupt_next_lease = threading.Event()
+        self.corrupted = 0
+        self.hold_op: int | None = None
+        self.holding = threading.Event()
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(self.path)
+        self.sock.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(c,), daemon=True).start()
+
+    @staticmethod
+    def _exact(s, n):
+        return CorruptingProxy._recv_exact(s, n)
+
+    def _frame(self, s) -> bytes:
+        head = self._exact(s, 4)
+        return head + self._exact(s, int.from_bytes(head, "little"))
+
+    def _answer(self, u, body: bytes) -> bytes:
+        op = body[0]
+        status = self._exact(u, 1)
+        if op == 5:  # HAS: one byte a hash
+            return status + self._exact(u, int.from_bytes(body[33:37], "little"))
+        if op == 12:  # LEASE
+            head = self._exact(u, 12)
+            return status + head + self._exact(u, 56 * int.from_bytes(head[8:12], "little"))
+        if op == 14:  # RESERVE: offsets of its new blocks, or a refusal
+            if status[0] == 0:
+                n_existing = int.from_bytes(body[42:46], "little")
+                at = 46 + 32 * n_existing
+                return status + self._exact(u, 8 + 8 * int.from_bytes(body[at:at + 4], "little"))
+            return status + self._exact(u, 1)
+        if op == 15 and status[0] != 0:  # COMMIT refused: its reason
+            return status + self._exact(u, 1)
+        return status
+
+    def _relay(self, c):
+        u = socket.socket(socket.AF_UNIX)
+        mapped = None
+        try:
+            u.connect(self.node_socket)
+            u.sendall(self._frame(c))
+            data, fds, _, _ = socket.recv_fds(u, 9, 1)
+            while data[:1] == b"\x00" and len(data) < 9:
+                data += u.recv(9 - len(data))
+            if fds:
+                mapped = mmap.mmap(fds[0], int.from_bytes(data[1:9], "little"))
+            socket.send_fds(c, [data], fds)
+            for fd in fds:
+                os.close(fd)
+            while True:
+                body = self._frame(c)
+                u.sendall(body)
+                answer = self._answer(u, body[4:])
+                op = body[4]
+                if op == self.hold_op:
+                    self.hold_op = None
+                    self.holding.set()
+                    c.recv(1)  # until the engine goes away
+                    return
+                if op == 12 and answer[0] == 0 and self.corrupt_next_lease.is_set() and mapped is not None:
+                    count = int.from_bytes(answer[9:13], "little")
+                    if count:
+                        self.corrupt_next_lease.clear()
+                        offset = int.from_bytes(answer[13 + 40 : 13 + 48], "little")
+                        mapped[offset + 4096] ^= 0xFF
+                        self.corrupted += 1
+                c.sendall(answer)
+        except OSError:
+            pass
+        finally:
+            c.close()
+            u.close()
+
+
 def config_file(prefix: str, body: str) -> tuple[str, str]:
     """A fresh data directory and a cachet.toml in it: `body` after its data_dir line."""
     data = tempfile.mkdtemp(prefix=prefix)
@@ -330,19 +449,24 @@ def have_prerequisites() -> None:
     )
 
 
-class SingleInstance(unittest.TestCase):
-    """`cachet serve` with one vLLM server beside it."""
+class OneNode:
+    """`cachet serve` with one vLLM server beside it; the connector reaches the node's TCP
+    port through a `CorruptingProxy` and its Unix socket through a `LocalProxy`. A mixin of
+    the test classes below (not a test class itself)."""
+
+    SHARED_MEMORY = True
+    NAME = "single"
 
     @classmethod
     def setUpClass(cls):
         have_prerequisites()
         cls.procs = Procs()
-        cls.db = f"cachet_vllm_test_{os.getpid()}"
+        cls.db = f"cachet_vllm_test_{cls.NAME}_{os.getpid()}"
         cls.db_url = f"{PG}/{cls.db}"
         cls.api_port, cls.fabric_port, cls.vllm_port = free_port(), free_port(), free_port()
         cls.proxy = CorruptingProxy(cls.fabric_port)
-        _, cfg = config_file(
-            "cachet-vllm-serve-",
+        cls.data, cfg = config_file(
+            f"cachet-vllm-{cls.NAME}-",
             f'listen = "127.0.0.1:{cls.api_port}"\n'
             f'database_url = "{cls.db_url}"\n'
             'redis_url = ""\n'
@@ -350,17 +474,30 @@ class SingleInstance(unittest.TestCase):
             '[engine]\nkind = "sim"\n'
             f'[[engine.vllm]]\nurl = "http://127.0.0.1:{cls.vllm_port}"\n',
         )
+        cls.local = LocalProxy(os.path.join(cls.data, "fabric.sock"))
         cls.env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
-        # vLLM first (it takes ~30 s); its connector reaches the node through the proxy.
-        cls.vllm, cls.vllm_log = start_vllm(cls.procs, "vllm-single", cls.vllm_port, cls.proxy.port)
+        # vLLM first (it takes ~30 s); its connector reaches the node through the proxies.
+        cls.start_vllm("")
         cachet(["migrate"], cls.env)
         cls.tenant_a, cls.key_a = new_tenant(cls.env, "tenant-a")
         cls.tenant_b, cls.key_b = new_tenant(cls.env, "tenant-b")
-        cls.serve, cls.serve_log = cls.procs.start("serve", [BIN, "serve"], cls.env)
+        cls.start_serve()
+        wait_vllm(cls.vllm, cls.vllm_log, cls.vllm_port)
+
+    @classmethod
+    def start_vllm(cls, suffix: str) -> None:
+        cls.vllm, cls.vllm_log = start_vllm(
+            cls.procs, f"vllm-{cls.NAME}{suffix}", cls.vllm_port, cls.proxy.port,
+            env={"CACHET_FABRIC_SOCKET": cls.local.path, "CACHET_TRANSFER_LOG": "1",
+                 "CACHET_SHARED_MEMORY": "1" if cls.SHARED_MEMORY else "0"},
+        )
+
+    @classmethod
+    def start_serve(cls, suffix: str = "") -> None:
+        cls.serve, cls.serve_log = cls.procs.start(f"serve-{cls.NAME}{suffix}", [BIN, "serve"], cls.env)
         cls.base = f"http://127.0.0.1:{cls.api_port}"
         wait_until("cachet serve", lambda: http("GET", f"{cls.base}/healthz", timeout=2)[0] == 200, 60,
                    cls.serve, cls.serve_log)
-        wait_vllm(cls.vllm, cls.vllm_log, cls.vllm_port)
 
     @classmethod
     def tearDownClass(cls):
@@ -378,8 +515,10 @@ class SingleInstance(unittest.TestCase):
         )
         return [tuple(r.split("|")) for r in rows.splitlines() if r]
 
-    def test_1_same_answer_and_external_hits(self):
-        """(a)"""
+    def leases(self) -> float:
+        return cachet_metric(self.base, "cachet_fabric_local_ops_total", 'op="lease",result="ok"')
+
+    def check_same_answer_and_external_hits(self):
         own = vllm_chat(self.vllm_port)
         text, usage, _ = messages(self.base, self.key_a)
         self.assertEqual(text, own, "Cachet's greedy answer differs from vLLM's own")
@@ -398,13 +537,23 @@ class SingleInstance(unittest.TestCase):
         rows = self.ledger(self.tenant_a)
         self.assertEqual(int(rows[-1][2]), written, f"the ledger bills the read: {rows}")
 
+
+
+class SingleInstance(OneNode, unittest.TestCase):
+    """The connector beside its node, through shared memory (the default)."""
+
+    def test_1_same_answer_and_external_hits(self):
+        """(a), the prefix loaded through the node's shared memory"""
+        leases = self.leases()
+        self.check_same_answer_and_external_hits()
+        self.assertGreater(self.leases(), leases, "the load went through the arena")
+
     def test_2_restart_loads_from_the_fabric(self):
         """(b), and the OpenAI wire streamed"""
         text, usage, _ = messages(self.base, self.key_a)  # written (or read) before the restart
         Procs.kill(self.vllm)
-        cls = type(self)
-        cls.vllm, cls.vllm_log = start_vllm(self.procs, "vllm-single-restarted", self.vllm_port, self.proxy.port)
-        wait_vllm(cls.vllm, cls.vllm_log, self.vllm_port)
+        type(self).start_vllm("-restarted")
+        wait_vllm(self.vllm, self.vllm_log, self.vllm_port)
         self.assertEqual(external_hits(self.vllm_port), 0)
         text2, usage2, _ = messages(self.base, self.key_a)
         self.assertEqual(text2, text)
@@ -454,8 +603,108 @@ class SingleInstance(unittest.TestCase):
             self.assertEqual(r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, True,
                              "B's second request reads B's own prefix")
 
+    def test_4_a_byte_flipped_in_the_arena_is_recomputed(self):
+        """(g) a block corrupted at rest in the arena: caught, recomputed, not billed"""
+        text, _, _ = messages(self.base, self.key_a)
+        reset_vllm_cache(self.vllm_port)
+        before = self.local.corrupted
+        self.local.corrupt_next_lease.set()
+        text2, usage2, _ = messages(self.base, self.key_a)
+        self.assertEqual(self.local.corrupted, before + 1, "the proxy corrupted a block in the arena")
+        self.assertEqual(text2, text, "a corrupted block changed the answer")
+        self.assertEqual(usage2["cache_read_input_tokens"], 0, f"a corrupted block was billed as read: {usage2}")
+        self.assertGreater(cachet_metric(self.base, "cachet_fabric_local_ops_total", 'result="corrupt"'), 0)
+        # The node dropped the block; the request computed and saved it again; the next
+        # request loads it intact.
+        reset_vllm_cache(self.vllm_port)
+        text3, usage3, _ = messages(self.base, self.key_a)
+        self.assertEqual(text3, text)
+        self.assertGreater(usage3["cache_read_input_tokens"], 0)
+
+    def test_8_vllm_killed_holding_a_lease(self):
+        """(g) vLLM killed mid-load: no lease left, the arena as it was"""
+        messages(self.base, self.key_a)  # the prefix is stored
+        reset_vllm_cache(self.vllm_port)
+        allocated = arena(self.base, "allocated")
+        self.local.hold_op = 12
+        threading.Thread(target=lambda: http(
+            "POST", f"{self.base}/v1/messages",
+            {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}],
+             "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]},
+            {"x-api-key": self.key_a, "anthropic-version": "2023-06-01"}), daemon=True).start()
+        self.assertTrue(self.local.holding.wait(120), "the load never leased")
+        self.local.holding.clear()
+        self.assertGreater(arena(self.base, "leased"), 0, "the lease shows while vLLM holds it")
+        Procs.kill(self.vllm)
+        wait_until("the dead engine's lease freed", lambda: arena(self.base, "leased") == 0, 10)
+        self.assertEqual(arena(self.base, "allocated"), allocated, "the arena holds what it held before")
+        type(self).start_vllm("-after-kill-1")
+        wait_vllm(self.vllm, self.vllm_log, self.vllm_port)
+
+    def test_9_vllm_killed_filling_a_save(self):
+        """(g) a save interrupted by a kill: no half-written block visible, its room freed"""
+        system = "You catalogue the minerals of a small museum, one drawer at a time. " * 18
+        allocated = arena(self.base, "allocated")
+        dropped = cachet_metric(self.base, "cachet_fabric_local_ops_total", 'op="reserve",result="dropped"')
+        self.local.hold_op = 14
+        threading.Thread(target=lambda: http(
+            "POST", f"{self.base}/v1/messages",
+            {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}],
+             "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]},
+            {"x-api-key": self.key_b, "anthropic-version": "2023-06-01"}), daemon=True).start()
+        self.assertTrue(self.local.holding.wait(120), "the save never reserved")
+        self.local.holding.clear()
+        self.assertGreater(arena(self.base, "reserved"), 0, "the reservation shows while vLLM fills it")
+        Procs.kill(self.vllm)
+        wait_until("the dead engine's reservation freed", lambda: arena(self.base, "reserved") == 0, 10)
+        self.assertEqual(arena(self.base, "allocated"), allocated)
+        self.assertEqual(cachet_metric(self.base, "cachet_fabric_local_ops_total",
+                                       'op="reserve",result="dropped"'), dropped + 1)
+        type(self).start_vllm("-after-kill-2")
+        wait_vllm(self.vllm, self.vllm_log, self.vllm_port)
+        # Nothing of the unfinished save is readable: the same request reads nothing.
+        own = vllm_chat(self.vllm_port, system=system)
+        reset_vllm_cache(self.vllm_port)
+        text, usage, _ = messages(self.base, self.key_b, system=system)
+        self.assertEqual(text, own)
+        self.assertEqual(usage["cache_read_input_tokens"], 0, usage)
+
+    def test_99_node_restarted_under_a_running_vllm(self):
+        """(g) loads fall back to recompute, then resume through shared memory"""
+        text, _, _ = messages(self.base, self.key_a)
+        Procs.kill(self.serve)
+        type(self).start_serve("-restarted")
+        # vLLM's connections to the old node are gone: the first request after the restart
+        # is computed (the node lost its DRAM blocks anyway), answers the same, and saves.
+        reset_vllm_cache(self.vllm_port)
+        text1, usage1, _ = messages(self.base, self.key_a)
+        self.assertEqual(text1, text)
+        self.assertEqual(usage1["cache_read_input_tokens"], 0, usage1)
+        leases = self.leases()
+        deadline, read = time.time() + 60, 0
+        while time.time() < deadline and not read:
+            reset_vllm_cache(self.vllm_port)
+            text2, usage2, _ = messages(self.base, self.key_a)
+            self.assertEqual(text2, text)
+            read = usage2["cache_read_input_tokens"]
+        self.assertGreater(read, 0, "loads never resumed after the node's restart")
+        self.assertGreater(self.leases(), leases, "the loads resumed through shared memory")
+
+
+class SingleInstanceTCP(OneNode, unittest.TestCase):
+    """The same with shared memory turned off (`CACHET_SHARED_MEMORY=0`): blocks over TCP."""
+
+    SHARED_MEMORY = False
+    NAME = "tcp"
+
+    def test_1_same_answer_and_external_hits(self):
+        """(h) (a) over TCP"""
+        leases = self.leases()
+        self.check_same_answer_and_external_hits()
+        self.assertEqual(self.leases(), leases, "shared memory was turned off")
+
     def test_4_corrupt_block_recomputed(self):
-        """(f)"""
+        """(h) (f) a block corrupted on the wire"""
         text, _, _ = messages(self.base, self.key_a)
         reset_vllm_cache(self.vllm_port)
         before = self.proxy.corrupted
@@ -575,6 +824,106 @@ class Preemption(unittest.TestCase):
                 self.fail(f"prompt {i}: answer under preemption differs from its lone answer at "
                           f"character {at} ({pre:.0f} preemptions)")
             self.assertGreater(usage["cache_read_input_tokens"], 0, usage)
+
+
+class SharedArena(unittest.TestCase):
+    """One model served by two vLLM servers beside one node (`instances`: one per GPU on a
+    real host, one core each here): both connectors map the node's one arena, and a prefix
+    one instance saved, the other loads from it."""
+
+    @classmethod
+    def setUpClass(cls):
+        have_prerequisites()
+        cls.procs = Procs()
+        cls.db = f"cachet_vllm_shared_{os.getpid()}"
+        cls.db_url = f"{PG}/{cls.db}"
+        cls.api_port, cls.fabric_port = free_port(), free_port()
+        cls.ports = [free_port(), free_port()]
+        _, cfg = config_file(
+            "cachet-vllm-shared-",
+            f'listen = "127.0.0.1:{cls.api_port}"\n'
+            f'database_url = "{cls.db_url}"\n'
+            'redis_url = ""\n'
+            f'[fabric]\nlisten = "127.0.0.1:{cls.fabric_port}"\n'
+            '[engine]\nkind = "sim"\n'
+            f'[[engine.vllm]]\nurl = "http://127.0.0.1:{cls.ports[0]}"\n'
+            f'instances = ["http://127.0.0.1:{cls.ports[1]}"]\n',
+        )
+        cls.env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
+        cls.vllms = [
+            start_vllm(cls.procs, f"vllm-shared-{i}", port, cls.fabric_port,
+                       cpus=str(i % max(1, os.cpu_count() or 1)), env={"CACHET_TRANSFER_LOG": "1"})
+            for i, port in enumerate(cls.ports)
+        ]
+        cachet(["migrate"], cls.env)
+        cls.tenant, cls.key = new_tenant(cls.env, "tenant-shared")
+        cls.serve, cls.serve_log = cls.procs.start("serve-shared", [BIN, "serve"], cls.env)
+        cls.base = f"http://127.0.0.1:{cls.api_port}"
+        wait_until("cachet serve", lambda: http("GET", f"{cls.base}/healthz", timeout=2)[0] == 200, 60,
+                   cls.serve, cls.serve_log)
+        for (p, log), port in zip(cls.vllms, cls.ports):
+            wait_vllm(p, log, port)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.procs.stop_all()
+        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {cls.db} WITH (FORCE)"],
+                       capture_output=True)
+
+    SYSTEMS = [
+        "You keep the lighthouse log of a northern island: weather, ships and lamp hours. " * 16,
+        "You answer questions about the bus timetable of a small town and its villages. " * 16,
+    ]
+
+    def served(self) -> list[float]:
+        return [metric(port, "vllm:request_success_total") for port in self.ports]
+
+    def test_1_a_prefix_one_instance_saved_the_other_loads(self):
+        """(g) two vLLM instances on one node share one arena"""
+        own = vllm_chat(self.ports[0], system=self.SYSTEMS[0])
+        before = self.served()
+        text, usage, _ = messages(self.base, self.key, system=self.SYSTEMS[0])
+        written = usage["cache_creation_input_tokens"]
+        self.assertGreater(written, 0, usage)
+        first = next(i for i, (a, b) in enumerate(zip(before, self.served())) if b > a)
+        other = 1 - first
+        # The next request goes to the instance that is not busy and took no turn yet.
+        ext = external_hits(self.ports[other])
+        text2, usage2, _ = messages(self.base, self.key, system=self.SYSTEMS[0])
+        self.assertEqual(self.served()[other] - before[other], 1, "the second request went to the other instance")
+        self.assertEqual((text, text2), (own, own))
+        self.assertEqual(usage2["cache_read_input_tokens"], written, usage2)
+        self.assertEqual(external_hits(self.ports[other]) - ext, written,
+                         "the other instance loaded the prefix through its connector")
+        self.assertEqual(cachet_metric(self.base, "cachet_fabric_local_connections"), 2,
+                         "both workers hold the node's socket (and its arena)")
+
+    def test_2_both_instances_load_at_once(self):
+        """(g) concurrent loads from one arena on two instances: every answer as alone"""
+        alone = [messages(self.base, self.key, system=sy)[0] for sy in self.SYSTEMS]
+        for port in self.ports:
+            reset_vllm_cache(port)
+        ext = [external_hits(port) for port in self.ports]
+        results: list = [None] * 4
+
+        def run(i: int) -> None:
+            try:
+                results[i] = messages(self.base, self.key, system=self.SYSTEMS[i % 2])
+            except BaseException as e:
+                results[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for i, r in enumerate(results):
+            if isinstance(r, BaseException):
+                raise r
+            self.assertEqual(r[0], alone[i % 2])
+            self.assertGreater(r[1]["cache_read_input_tokens"], 0, r[1])
+        self.assertTrue(all(external_hits(port) > e for port, e in zip(self.ports, ext)),
+                        "both instances loaded from the arena")
 
 
 class TwoInstances(unittest.TestCase):

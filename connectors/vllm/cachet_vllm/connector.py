@@ -148,6 +148,7 @@ class ReqState:
 
 @dataclass
 class LoadWork:
+    req_id: str
     tag: uuid.UUID
     scope: bytes
     local_tokens: int
@@ -160,6 +161,7 @@ class LoadWork:
 
 @dataclass
 class SaveWork:
+    req_id: str
     scope: bytes
     ttl_ms: int
     kind: int
@@ -213,6 +215,9 @@ class CachetConnector(KVConnectorBase_V1):
         # Worker side.
         self._transfer: KVTransfer | None = None
         self._load_errors: set[int] = set()
+        # Requests whose load failed in this step: what the step computes for them sits on
+        # top of blocks that were never filled, so none of it is saved.
+        self._failed_loads: set[str] = set()
         logger.info("cachet: connector (%s) on fabric node %s, key space %s", role.name, addr, self._space)
 
     # ==== scheduler side =====================================================================
@@ -258,9 +263,9 @@ class CachetConnector(KVConnectorBase_V1):
             if st is None or st.reported:
                 continue
             st.block_ids = list(new.block_ids[0])
-            self._plan_load(st, meta)
+            self._plan_load(new.req_id, st, meta)
             end = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            self._plan_saves(st, end, meta)
+            self._plan_saves(new.req_id, st, end, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -279,14 +284,14 @@ class CachetConnector(KVConnectorBase_V1):
                 # (scheduler.py: a resumed request's prefix is looked up again): they must
                 # be loaded into its new blocks before this step runs, or vLLM attends to
                 # blocks nobody filled.
-                self._plan_load(st, meta)
+                self._plan_load(req_id, st, meta)
             if st.next_write >= len(st.params.writes):
                 continue
             end = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            self._plan_saves(st, end, meta)
+            self._plan_saves(req_id, st, end, meta)
         return meta
 
-    def _plan_load(self, st: ReqState, meta: CachetMetadata) -> None:
+    def _plan_load(self, req_id: str, st: ReqState, meta: CachetMetadata) -> None:
         """The blocks the node holds past vLLM's own prefix hit, into the request's blocks."""
         bs = self._block_size
         first = st.local // bs
@@ -294,6 +299,7 @@ class CachetConnector(KVConnectorBase_V1):
         st.load_block_ids = st.block_ids[first:last]
         meta.loads.append(
             LoadWork(
+                req_id,
                 st.params.tag,
                 st.params.scope,
                 st.local,
@@ -303,7 +309,7 @@ class CachetConnector(KVConnectorBase_V1):
         )
         st.reported = True
 
-    def _plan_saves(self, st: ReqState, computed_end: int, meta: CachetMetadata) -> None:
+    def _plan_saves(self, req_id: str, st: ReqState, computed_end: int, meta: CachetMetadata) -> None:
         """The writes whose blocks are all computed once this step runs: each is one entry,
         its blocks past what the node already holds (or this request already stored)."""
         p = st.params
@@ -319,6 +325,7 @@ class CachetConnector(KVConnectorBase_V1):
                 continue
             meta.saves.append(
                 SaveWork(
+                    req_id,
                     p.scope,
                     w.ttl_ms,
                     w.kind,
@@ -332,12 +339,19 @@ class CachetConnector(KVConnectorBase_V1):
         bad = connector_output.invalid_block_ids
         if not bad:
             return
+        bs = self._block_size
         for st in self._reqs.values():
-            if st.resumed:
-                continue
             for i, b in enumerate(st.load_block_ids):
                 if b in bad:
-                    st.loaded = min(st.loaded, i * self._block_size)
+                    if not st.resumed:
+                        st.loaded = min(st.loaded, i * bs)
+                    # vLLM computes the blocks from this one again: the node lacks them (a
+                    # corrupt block was dropped, a missing one is gone), and the worker did
+                    # not save what this step computed on top of them; the writes are
+                    # planned again from here and save the blocks once they are recomputed.
+                    st.held = min(st.held, st.local // bs + i)
+                    st.saved_upto = min(st.saved_upto, st.held)
+                    st.next_write = 0
                     break
 
     def request_finished(self, request: "Request", block_ids: list[int]):
@@ -395,6 +409,7 @@ class CachetConnector(KVConnectorBase_V1):
                         len(failed),
                     )
                     self._load_errors.update(failed)
+                    self._failed_loads.add(work.req_id)
                 if ok:
                     mb = ok * self._transfer.kv.block_bytes / 1e6
                     self._log(
@@ -419,7 +434,12 @@ class CachetConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, CachetMetadata) or self._transfer is None:
             return
+        failed, self._failed_loads = self._failed_loads, set()
         for work in meta.saves:
+            if work.req_id in failed:
+                logger.info("cachet: not saving %d blocks computed after a failed load; "
+                            "they are saved once vLLM computes them again", len(work.blocks))
+                continue
             started = time.perf_counter()
             refused = self._transfer.save(work.scope, work.ttl_ms, work.kind, work.existing, work.blocks)
             if refused:
