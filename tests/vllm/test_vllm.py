@@ -729,13 +729,13 @@ class Preemption(unittest.TestCase):
     preempted request is scheduled again from scratch, and its prefix must be loaded again
     into its new blocks (or recomputed), never left as whatever those blocks held."""
 
-    # Four ~1.6K-token prompts (12 full blocks each), 600 tokens of answer each: 17 blocks a
-    # request, 68 for the four at once, in a KV cache of 40 blocks. Three fit at first; as
-    # they grow, vLLM preempts one, and the two left take its freed blocks (the prompt's
+    # Three ~1.6K-token prompts (12 full blocks each), 450 tokens of answer each: 16 blocks a
+    # request, 48 for the three at once, in a KV cache of 40 blocks. All three fit at first;
+    # as they grow, vLLM preempts one, and the two left take its freed blocks (the prompt's
     # last ones among them), so when it is scheduled again its own prefix cache no longer
     # has its whole prompt and the connector loads the rest.
     BLOCKS = 40
-    MAX_TOKENS = 600
+    MAX_TOKENS = 450
 
     @classmethod
     def setUpClass(cls):
@@ -777,8 +777,6 @@ class Preemption(unittest.TestCase):
          "fill the ledgers you keep, year after year, in careful handwriting. ") * 46,
         ("You teach chemistry to first-year students. Explain reactions, bonds, acids and bases "
          "with small experiments that can be done safely in a classroom. ") * 50,
-        ("You plan train journeys across the mountains. Timetables, connections, seat "
-         "reservations and the views from each valley are what travellers ask about. ") * 46,
         ("You are a gardener writing a monthly column. Soil, seeds, pruning, compost and the "
          "patience that every garden asks of the people who tend it. ") * 48,
     ]
