@@ -950,6 +950,44 @@ mod tests {
     }
 
     #[test]
+    fn the_local_socket_defaults_to_the_data_dir_and_can_be_turned_off() {
+        let dir = std::path::Path::new("/var/lib/cachet");
+        let c = Config::default();
+        assert_eq!(
+            c.fabric.local_socket_path(dir),
+            Some(dir.join("fabric.sock"))
+        );
+        let c: Config = toml::from_str("[fabric]\nlocal_socket = \"off\"").unwrap();
+        assert_eq!(c.fabric.local_socket_path(dir), None);
+        let c: Config = toml::from_str("[fabric]\nlocal_socket = \"/run/c.sock\"").unwrap();
+        assert_eq!(c.fabric.local_socket_path(dir), Some("/run/c.sock".into()));
+        let long = format!("[fabric]\nlocal_socket = \"/{}\"", "x".repeat(120));
+        let c: Config = toml::from_str(&long).unwrap();
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("at most 107")
+        );
+    }
+
+    #[test]
+    fn a_vllm_model_may_have_several_instances() {
+        let c: Config = toml::from_str(
+            "[engine]\nmodel_path = \"m.gguf\"\n[[engine.vllm]]\nurl = \"http://a:1\"\ninstances = [\"http://b:2\"]",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        let e = c.engine.vllm[0].engine_config(std::path::Path::new("m.gguf"));
+        assert_eq!(e.urls, vec!["http://a:1", "http://b:2"]);
+        let c: Config = toml::from_str(
+            "[engine]\nmodel_path = \"m.gguf\"\n[[engine.vllm]]\nurl = \"http://a:1\"\ninstances = [\"b:2\"]",
+        )
+        .unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("http://"));
+    }
+
+    #[test]
     fn unknown_fields_and_bad_values_are_rejected() {
         assert!(toml::from_str::<Config>("lisen = \"x\"").is_err());
         let c: Config = toml::from_str("[engine]\nkind = \"gpt\"").unwrap();

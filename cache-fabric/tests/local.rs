@@ -356,6 +356,11 @@ fn a_reserved_write_is_invisible_until_committed_then_leased_in_place() {
         );
     }
     e.release(lease, None);
+    // A lease that found nothing holds nothing; releasing it is harmless.
+    let (empty, none) = e.lease(scope(), &[h(1)]);
+    assert!(none.is_empty(), "another scope reads nothing");
+    e.release(empty, None);
+    assert_eq!(e.has(s, &[h(1)]), vec![true], "the connection goes on");
     n.with_store(|st| st.check_invariants());
 }
 

@@ -321,6 +321,8 @@ class KVTransfer:
 
     def _load_shared(self, local: LocalConnection, scope: bytes, keys: list[bytes], block_ids: list[int]) -> Loaded:
         lease, got = local.lease(scope, keys)
+        if not got:
+            return Loaded(0, "shm")
         n = self._usable(got, keys)
         blocks = got[:n]
         bad = [None]
