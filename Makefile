@@ -93,7 +93,7 @@ bench-vllm: services model
 ## beside a plain copy and a crc32c pass of the same bytes (docs/benchmarks.md).
 bench-kv-path: build-release
 	$$(scripts/vllm-env.sh) loadtests/kv_data_path.py --geometry llama3-8b --tokens 8192
-	$$(scripts/vllm-env.sh) loadtests/kv_data_path.py --geometry smollm2 --tokens 6912
+	$$(scripts/vllm-env.sh) loadtests/kv_data_path.py --geometry smollm2 --tokens 6912 --runs 7
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: tests/sdk/requirements.txt

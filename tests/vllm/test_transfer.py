@@ -32,21 +32,15 @@ import torch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "connectors", "vllm"))
+sys.path.insert(0, ROOT)
 
 from cachet_vllm.fabric import FabricConnection, LocalConnection  # noqa: E402
+from tests.vllm.test_vllm import need  # noqa: E402  (skips loudly outside CI, fails in it)
 from cachet_vllm.transfer import KVTransfer, LayoutError, PagedKV  # noqa: E402
 
 BIN = os.path.abspath(os.environ.get("CACHET_BIN", os.path.join(ROOT, "target", "debug", "cachet")))
 TOKEN = "transfer-test-" + uuid.uuid4().hex[:8]
 BLOCK_TOKENS = 16
-
-
-def need(cond: bool, why: str) -> None:
-    if cond:
-        return
-    if os.environ.get("CI"):
-        raise AssertionError(f"CI must have this: {why}")
-    raise unittest.SkipTest(why)
 
 
 class Node:

@@ -621,17 +621,21 @@ class SingleInstance(OneNode, unittest.TestCase):
         self.assertEqual(text3, text)
         self.assertGreater(usage3["cache_read_input_tokens"], 0)
 
+    def ask_in_background(self, key: str, system: str) -> None:
+        """A request whose vLLM the test kills: its answer (an error) is not waited for."""
+        threading.Thread(target=lambda: http(
+            "POST", f"{self.base}/v1/messages",
+            {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}],
+             "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]},
+            {"x-api-key": key, "anthropic-version": "2023-06-01"}), daemon=True).start()
+
     def test_8_vllm_killed_holding_a_lease(self):
         """(g) vLLM killed mid-load: no lease left, the arena as it was"""
         messages(self.base, self.key_a)  # the prefix is stored
         reset_vllm_cache(self.vllm_port)
         allocated = arena(self.base, "allocated")
         self.local.hold_op = 12
-        threading.Thread(target=lambda: http(
-            "POST", f"{self.base}/v1/messages",
-            {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}],
-             "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]},
-            {"x-api-key": self.key_a, "anthropic-version": "2023-06-01"}), daemon=True).start()
+        self.ask_in_background(self.key_a, SYSTEM)
         self.assertTrue(self.local.holding.wait(120), "the load never leased")
         self.local.holding.clear()
         self.assertGreater(arena(self.base, "leased"), 0, "the lease shows while vLLM holds it")
@@ -647,11 +651,7 @@ class SingleInstance(OneNode, unittest.TestCase):
         allocated = arena(self.base, "allocated")
         dropped = cachet_metric(self.base, "cachet_fabric_local_ops_total", 'op="reserve",result="dropped"')
         self.local.hold_op = 14
-        threading.Thread(target=lambda: http(
-            "POST", f"{self.base}/v1/messages",
-            {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}],
-             "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]},
-            {"x-api-key": self.key_b, "anthropic-version": "2023-06-01"}), daemon=True).start()
+        self.ask_in_background(self.key_b, system)
         self.assertTrue(self.local.holding.wait(120), "the save never reserved")
         self.local.holding.clear()
         self.assertGreater(arena(self.base, "reserved"), 0, "the reservation shows while vLLM fills it")

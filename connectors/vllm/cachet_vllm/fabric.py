@@ -176,6 +176,20 @@ class _Connection:
                     raise
                 raise FabricError(f"fabric call failed: {e}") from e
 
+    def _stored(self, op: str):
+        """An answer reader for a write: None when stored, else the node's reason."""
+
+        def answer(s):
+            status = self._recv_exact(s, 1)[0]
+            if status == OK:
+                return None
+            if status == REFUSED:
+                code = self._recv_exact(s, 1)[0]
+                return REFUSALS.get(code, f"refused ({code})")
+            raise FabricError(f"{op} answered status {status}")
+
+        return answer
+
     # -- operations both wires have ---------------------------------------------------------
 
     def has(self, scope: bytes, hashes: list[bytes]) -> list[bool]:
@@ -309,16 +323,7 @@ class FabricConnection(_Connection):
                 yield h + flag + struct.pack("<IIQ", n_tokens, checksum(data), length)
                 yield data
 
-        def answer(s):
-            status = self._recv_exact(s, 1)[0]
-            if status == OK:
-                return None
-            if status == REFUSED:
-                code = self._recv_exact(s, 1)[0]
-                return REFUSALS.get(code, f"refused ({code})")
-            raise FabricError(f"PUT answered status {status}")
-
-        return self._call(parts(), answer, total)
+        return self._call(parts(), self._stored("PUT"), total)
 
 
 class LocalConnection(_Connection):
@@ -433,16 +438,7 @@ class LocalConnection(_Connection):
         """Store the reserved blocks (filled by the caller): None, or the node's reason for
         refusing (the room is given back either way)."""
 
-        def answer(s):
-            status = self._recv_exact(s, 1)[0]
-            if status == OK:
-                return None
-            if status == REFUSED:
-                code = self._recv_exact(s, 1)[0]
-                return REFUSALS.get(code, f"refused ({code})")
-            raise FabricError(f"COMMIT answered status {status}")
-
-        return self._call([struct.pack("<BQ", OP_COMMIT, reservation)], answer)
+        return self._call([struct.pack("<BQ", OP_COMMIT, reservation)], self._stored("COMMIT"))
 
     def abort(self, reservation: int) -> None:
         self._call([struct.pack("<BQ", OP_ABORT, reservation)], self._ok("ABORT"))
