@@ -78,6 +78,8 @@ const NONE_CORRUPT: u32 = u32::MAX;
 /// a node with little DRAM, while what a lease holds outside the store already counts
 /// against the capacity.
 const MAX_LEASES: usize = 16;
+/// How long a new connection may take to say HELLO.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A node's Unix socket for engines on its host; the socket file is removed when dropped.
 pub struct LocalServer {
@@ -293,7 +295,11 @@ impl Conn {
     }
 
     fn serve(&mut self, mut s: UnixStream, token: &str) -> std::io::Result<()> {
+        // A process that connects and says nothing does not keep a thread for long; an
+        // engine that said HELLO may then be idle for as long as it likes.
+        s.set_read_timeout(Some(HELLO_TIMEOUT))?;
         let mut hello = read_frame(&mut s)?;
+        s.set_read_timeout(None)?;
         if hello.remaining() < 3 || hello.get_u8() != OP_HELLO {
             return Err(bad("first frame is not HELLO"));
         }
@@ -367,13 +373,6 @@ impl Conn {
 
     /// The longest stored prefix of `chain`, each block in the arena and leased.
     fn lease(&mut self, scope: Scope, chain: &[BlockHash]) -> BytesMut {
-        let now = tokio::time::Instant::now();
-        let read = self
-            .node
-            .with_store(|st| st.read_chain(&scope, chain, now))
-            .for_reader();
-        let mut leased: Vec<(BlockHash, u32, u32, Bytes)> = Vec::with_capacity(read.len());
-        let mut room = 0;
         if self.leases.len() >= MAX_LEASES {
             // An engine releases each load's lease before its next: one that does not is
             // stuck or faulty, and is given nothing more to hold.
@@ -382,6 +381,13 @@ impl Conn {
                 .inc();
             return lease_answer(0, &[], &self.arena);
         }
+        let now = tokio::time::Instant::now();
+        let read = self
+            .node
+            .with_store(|st| st.read_chain(&scope, chain, now))
+            .for_reader();
+        let mut leased: Vec<(BlockHash, u32, u32, Bytes)> = Vec::with_capacity(read.len());
+        let mut room = 0;
         for (b, crc) in read {
             let need = footprint(b.data.len());
             let data = if self.arena.holds(&b.data) {

@@ -530,3 +530,28 @@ fn an_engine_that_goes_away_leaves_no_lease_and_no_reservation() {
     });
     n.with_store(|st| st.check_invariants());
 }
+
+#[test]
+fn an_engine_that_never_releases_is_given_no_more_than_sixteen_leases() {
+    let dir = TempDir::new();
+    let n = node(4 << 20);
+    let server = serve(&n, &dir);
+    let mut e = Engine::connect(&server);
+    let s = scope();
+    let (id, off) = e.reserve(s, &[], &[(h(1), None, 8 * KIB)]).unwrap();
+    fill(&mut e, off[0], 8 * KIB, 5);
+    e.commit(id).unwrap();
+    let held: Vec<u64> = (0..16)
+        .map(|_| {
+            let (lease, blocks) = e.lease(s, &[h(1)]);
+            assert_eq!(blocks.len(), 1);
+            lease
+        })
+        .collect();
+    let (_, none) = e.lease(s, &[h(1)]);
+    assert!(none.is_empty(), "a seventeenth lease is refused");
+    e.release(held[0], None);
+    let (again, blocks) = e.lease(s, &[h(1)]);
+    assert_eq!(blocks.len(), 1, "one released, one more granted");
+    e.release(again, None);
+}
