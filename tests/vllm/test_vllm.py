@@ -827,7 +827,9 @@ class Preemption(unittest.TestCase):
 class SharedArena(unittest.TestCase):
     """One model served by two vLLM servers beside one node (`instances`: one per GPU on a
     real host, one core each here): both connectors map the node's one arena, and a prefix
-    one instance saved, the other loads from it."""
+    one instance saved, the other loads from it. Their loads are copied layer by layer beside
+    the forward pass (`CACHET_OVERLAP_LOADS=1`, the default with the KV on a GPU), so that
+    path runs here too."""
 
     @classmethod
     def setUpClass(cls):
@@ -850,7 +852,8 @@ class SharedArena(unittest.TestCase):
         cls.env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
         cls.vllms = [
             start_vllm(cls.procs, f"vllm-shared-{i}", port, cls.fabric_port,
-                       cpus=str(i % max(1, os.cpu_count() or 1)), env={"CACHET_TRANSFER_LOG": "1"})
+                       cpus=str(i % max(1, os.cpu_count() or 1)),
+                       env={"CACHET_TRANSFER_LOG": "1", "CACHET_OVERLAP_LOADS": "1"})
             for i, port in enumerate(cls.ports)
         ]
         cachet(["migrate"], cls.env)

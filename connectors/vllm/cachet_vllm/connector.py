@@ -10,7 +10,9 @@ Loaded by vLLM with
 and the node's cluster token in the environment (`CACHET_CLUSTER_TOKEN`). Other keys of
 `kv_connector_extra_config`: `shared_memory` (default true; false, or the environment's
 `CACHET_SHARED_MEMORY=0`, moves KV over TCP even beside the node), `fabric_socket` (the
-node's Unix socket; by default the node says where it is).
+node's Unix socket; by default the node says where it is), `overlap_loads` (`auto`: loads
+through shared memory are copied layer by layer beside the forward pass where the KV is on a
+device, before it on the CPU; `true` / `false`; or `CACHET_OVERLAP_LOADS`).
 
 The connector acts only on requests whose `kv_transfer_params` carry a `cachet` object, which
 the Cachet gateway sets: the tenant scope, one block key per full vLLM block of the prompt,
@@ -21,9 +23,11 @@ Cachet's own (cache-fabric/src/keys.rs): the connector never hashes tokens itsel
 Scheduler side: how many leading blocks the node holds (HAS: no TTL refresh), which vLLM
 blocks to fill, which newly computed blocks to save once each write boundary is computed; a
 preempted request that comes back has its prefix planned for loading again. Worker side:
-the data path is `transfer.py` (no vLLM there): before the forward pass the blocks are loaded
-into the paged KV (from the node's shared-memory arena when it is on this host, else over
-TCP; every crc32c verified once); after it the new blocks of each write boundary are saved
+the data path is `transfer.py` (no vLLM there): the blocks are loaded into the paged KV (from
+the node's shared-memory arena when it is on this host: leased before the forward pass and
+copied layer by layer beside it, each attention layer waiting for its own; else over TCP
+before the forward pass; every crc32c verified once); after it the new blocks of each write
+boundary are saved
 (reserved in the arena, filled, committed; or PUT over TCP). A block that cannot be loaded
 (missing, corrupt, wrong size, node down) is reported through
 `get_block_ids_with_load_errors`, so vLLM recomputes it; the node is told (REPORT) how many
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -50,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .fabric import KIND_BEST_EFFORT, KIND_PAID, FabricConnection, FabricError, scope_bytes
-from .transfer import KVTransfer, LayoutError, PagedKV
+from .transfer import KVTransfer, LayoutError, Loaded, PagedKV, PendingLoad
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -203,6 +208,11 @@ class CachetConnector(KVConnectorBase_V1):
         self._addr, self._token = addr, token
         self._shared_memory = _flag(os.environ.get("CACHET_SHARED_MEMORY"), _flag(extra.get("shared_memory"), True))
         self._socket_path = extra.get("fabric_socket") or os.environ.get("CACHET_FABRIC_SOCKET") or None
+        # Loads through shared memory copied layer by layer beside the forward pass: by
+        # default where the KV is on a device (copy engines beside the compute), not on the CPU.
+        overlap = os.environ.get("CACHET_OVERLAP_LOADS") or extra.get("overlap_loads")
+        self._overlap_setting = None if overlap in (None, "auto") else _flag(overlap, False)
+        self._overlap = False
         # Each load and save logged with its size and speed (the benchmarks read them).
         self._log_transfers = _flag(os.environ.get("CACHET_TRANSFER_LOG"), False)
         self._block_size = vllm_config.cache_config.block_size
@@ -218,6 +228,13 @@ class CachetConnector(KVConnectorBase_V1):
         # Requests whose load failed in this step: what the step computes for them sits on
         # top of blocks that were never filled, so none of it is saved.
         self._failed_loads: set[str] = set()
+        # This step's loads through shared memory, copied layer by layer beside the forward
+        # pass: the copier thread, one event a layer, and whether a copy failed.
+        self._pending: list[tuple[LoadWork, PendingLoad]] = []
+        self._copier: threading.Thread | None = None
+        self._layers_copied: list[threading.Event] = []
+        self._copy_failed = False
+        self._layer_index: dict[str, int] = {}
         logger.info("cachet: connector (%s) on fabric node %s, key space %s", role.name, addr, self._space)
 
     # ==== scheduler side =====================================================================
@@ -384,47 +401,117 @@ class CachetConnector(KVConnectorBase_V1):
             kv, self._addr, self._token, block_tokens=self._block_size,
             shared_memory=self._shared_memory, socket_path=self._socket_path, logger=logger,
         )
-        logger.info("cachet: %s; shared memory %s", kv.describe(), "allowed" if self._shared_memory else "off")
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._overlap = self._overlap_setting if self._overlap_setting is not None else kv.device.type != "cpu"
+        logger.info(
+            "cachet: %s; shared memory %s; loads %s the forward pass",
+            kv.describe(), "allowed" if self._shared_memory else "off",
+            "overlap" if self._overlap else "precede",
+        )
 
     def _log(self, msg: str, *args) -> None:
         (logger.info if self._log_transfers else logger.debug)(msg, *args)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Start this step's loads. Over TCP a load is done here, and through shared memory
+        too where copies and the forward pass share the CPU's cores (measured: overlapping
+        them there gains nothing, docs/benchmarks.md). With the KV on a device (or
+        `overlap_loads` on), the blocks are leased here and copied layer by layer on a
+        thread, beside the forward pass: each attention layer waits for its own layer
+        (`wait_for_layer_load`), and the step's end (`wait_for_save`) waits for the
+        checksums and settles the loads."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, CachetMetadata) or self._transfer is None:
             return
-        bs = self._block_size
         for work in meta.loads:
-            ok = 0
-            if work.blocks:
-                done = self._transfer.load(work.scope, [k for k, _ in work.blocks], [b for _, b in work.blocks])
-                ok = done.blocks
-                failed = [b for _, b in work.blocks[ok:]]
-                if failed:
-                    logger.warning(
-                        "cachet: %d of %d blocks loaded (the rest missing, corrupt or unreachable); "
-                        "vLLM recomputes %d",
-                        ok,
-                        len(work.blocks),
-                        len(failed),
-                    )
-                    self._load_errors.update(failed)
-                    self._failed_loads.add(work.req_id)
-                if ok:
-                    mb = ok * self._transfer.kv.block_bytes / 1e6
+            if not work.blocks:
+                self._settle(work, None)
+                continue
+            started = self._transfer.begin_load(
+                work.scope, [k for k, _ in work.blocks], [b for _, b in work.blocks]
+            )
+            if isinstance(started, PendingLoad) and not self._overlap:
+                started.copy_layers(range(self._transfer.kv.layers))
+                self._settle(work, started.finish())
+            elif isinstance(started, PendingLoad):
+                self._pending.append((work, started))
+            else:
+                self._settle(work, started)
+        if self._pending:
+            self._layers_copied = [threading.Event() for _ in range(self._transfer.kv.layers)]
+            self._copier = threading.Thread(target=self._copy_layers, daemon=True)
+            self._copier.start()
+
+    def _copy_layers(self) -> None:
+        """The pending loads' copies, one layer at a time in model order, each layer
+        signalled as soon as it is in the KV. A failure signals every layer (nothing
+        waits forever) and fails the loads."""
+        try:
+            for l, done in enumerate(self._layers_copied):
+                for _, pending in self._pending:
+                    pending.copy_layers(range(l, l + 1))
+                done.set()
+        except BaseException as e:  # the loads are recomputed; nothing may hang the step
+            logger.warning("cachet: copying loaded KV failed (%s); recomputing", e)
+            self._copy_failed = True
+            for done in self._layers_copied:
+                done.set()
+
+    def _finish_loads(self) -> None:
+        """The step's end: every pending load's copies and checksums done, its lease
+        released, its outcome settled."""
+        if self._copier is not None:
+            self._copier.join()
+            self._copier = None
+        pending, self._pending = self._pending, []
+        failed, self._copy_failed = self._copy_failed, False
+        for work, p in pending:
+            done = p.finish(copied=not failed)
+            done.mode = "shm beside the forward pass (lease to release)"
+            self._settle(work, done)
+        self._layers_copied = []
+
+    def _settle(self, work: LoadWork, done: "Loaded | None") -> None:
+        """A load's outcome: its failed blocks reported to vLLM (recomputed), the node told
+        what loaded."""
+        bs = self._block_size
+        ok = 0
+        if work.blocks and done is not None:
+            ok = done.blocks
+            failed = [b for _, b in work.blocks[ok:]]
+            if failed:
+                logger.warning(
+                    "cachet: %d of %d blocks loaded (the rest missing, corrupt or unreachable); "
+                    "vLLM recomputes %d",
+                    ok,
+                    len(work.blocks),
+                    len(failed),
+                )
+                self._load_errors.update(failed)
+                self._failed_loads.add(work.req_id)
+            if ok:
+                mb = ok * self._transfer.kv.block_bytes / 1e6
+                if "beside" not in done.mode:
                     self._log(
                         "cachet: loaded %d blocks (%.1f MB) in %.2f ms over %s (%.2f GB/s)",
                         ok, mb, done.seconds * 1e3, done.mode, mb / 1e3 / max(done.seconds, 1e-9),
                     )
-            if not work.report:
-                continue
-            try:
-                self._transfer.report(work.tag, work.local_tokens, ok * bs, (len(work.blocks) - ok) * bs)
-            except FabricError as e:
-                logger.warning("cachet: could not report request %s (%s)", work.tag, e)
+                else:
+                    self._log("cachet: loaded %d blocks (%.1f MB) over %s, %.2f ms", ok, mb, done.mode,
+                              done.seconds * 1e3)
+        if not work.report:
+            return
+        try:
+            self._transfer.report(work.tag, work.local_tokens, ok * bs, (len(work.blocks) - ok) * bs)
+        except FabricError as e:
+            logger.warning("cachet: could not report request %s (%s)", work.tag, e)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if not self._layers_copied:
+            return
+        i = self._layer_index.get(layer_name)
+        if i is not None:
+            self._layers_copied[i].wait()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
         # Blocks are saved whole (every layer) in wait_for_save, once the step has run.
@@ -434,6 +521,7 @@ class CachetConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, CachetMetadata) or self._transfer is None:
             return
+        self._finish_loads()
         failed, self._failed_loads = self._failed_loads, set()
         for work in meta.saves:
             if work.req_id in failed:
@@ -453,6 +541,9 @@ class CachetConnector(KVConnectorBase_V1):
                 )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        # Normally settled by wait_for_save already; not when vLLM defers that (a draft
+        # model's forward), and these errors are due now.
+        self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 

@@ -118,33 +118,34 @@ class PagedKV:
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
-    def _layer_slices(self, run: torch.Tensor, stride: int, k: int):
+    def _layer_slices(self, run: torch.Tensor, stride: int, k: int, layers: range | None = None):
         """Layer l of the k blocks of `run` (block j at `j * stride` bytes) as [outer, k,
-        inner] elements of the copy dtype, each a view of `run`."""
+        inner] elements of the copy dtype, each a view of `run` (every layer, or `layers`)."""
         blocks = run[: k * stride].view(k, stride)
-        for l in range(self.layers):
+        for l in layers if layers is not None else range(self.layers):
             part = blocks[:, l * self.layer_bytes : (l + 1) * self.layer_bytes]
             yield l, part.view(self._cdt).view(k, self._outer, self._inner).transpose(0, 1)
 
-    def scatter(self, run: torch.Tensor, stride: int, block_ids: list[int]) -> None:
+    def scatter(self, run: torch.Tensor, stride: int, block_ids: list[int], layers: range | None = None) -> None:
         """Copy the blocks of `run` (a uint8 CPU tensor, block j at `j * stride` bytes) into
         the KV blocks `block_ids`. On a device, `run` first goes over in one transfer, then
         one indexed copy per layer runs there (`index_copy_`); the caller synchronizes
         before it lets `run`'s memory go. On the CPU, where `index_copy_` moves element by
         element at about half a plain copy's speed, each stretch of consecutive block ids
         is one strided copy per layer (one per layer in all when vLLM gave the request
-        consecutive blocks, as it does from a fresh free list)."""
+        consecutive blocks, as it does from a fresh free list). `layers`: only those layers (a
+        load that overlaps the forward pass copies them in the order the model reads them)."""
         k = len(block_ids)
         if k == 0:
             return
         if self.device.type != "cpu":
             run = run[: k * stride].to(self.device, non_blocking=True)
             ids = self._ids(block_ids)
-            for l, src in self._layer_slices(run, stride, k):
+            for l, src in self._layer_slices(run, stride, k, layers):
                 self._views[l].index_copy_(1, ids, src)
             return
         stretches = _stretches(block_ids)
-        for l, src in self._layer_slices(run, stride, k):
+        for l, src in self._layer_slices(run, stride, k, layers):
             dst = self._views[l]
             for j, b, n in stretches:
                 dst[:, b : b + n].copy_(src[:, j : j + n])
@@ -209,6 +210,51 @@ def _first_corrupt(view: memoryview, blocks: list[Leased], out: list) -> None:
         if checksum(view[b.offset : b.offset + b.length]) != b.crc:
             out[0] = i
             return
+
+
+class PendingLoad:
+    """A load through shared memory under way: its blocks leased, their checksums being
+    checked on a thread, its copies made layer by layer by whoever holds it."""
+
+    def __init__(self, transfer: "KVTransfer", local: LocalConnection, lease: int, blocks: list[Leased],
+                 block_ids: list[int], started: float):
+        self._t = transfer
+        self._local = local
+        self._lease = lease
+        self._started = started
+        self.blocks = len(blocks)
+        self._bad = [None]
+        self._checker = threading.Thread(
+            target=_first_corrupt, args=(memoryview(transfer._arena_map), blocks, self._bad), daemon=True
+        )
+        self._checker.start()
+        offsets = [b.offset for b in blocks]
+        self._runs = [(transfer._arena[offsets[start]:], block_ids[start : start + count])
+                      for start, count in _runs(offsets, transfer._stride)]
+
+    def copy_layers(self, layers: range) -> None:
+        for run, ids in self._runs:
+            self._t.kv.scatter(run, self._t._stride, ids, layers)
+
+    def finish(self, copied: bool = True) -> Loaded:
+        """Wait for the checksums (and the device's copies), then end the lease: how many
+        leading blocks are in the KV, verified. `copied=False`: the copies did not all run,
+        nothing counts as loaded."""
+        t = self._t
+        self._checker.join()
+        try:
+            t.kv.synchronize()
+        finally:
+            bad = self._bad[0]
+            try:
+                self._local.release(self._lease, bad)
+            except FabricError as e:
+                t._drop_local(e)
+        if bad is not None:
+            t._log.warning("cachet: block %d of a load failed its checksum in the arena; the node drops it and "
+                           "vLLM recomputes from there", bad)
+        n = 0 if not copied else bad if bad is not None else self.blocks
+        return Loaded(n, "shm", corrupt=bad is not None, seconds=time.perf_counter() - self._started)
 
 
 class KVTransfer:
@@ -289,13 +335,27 @@ class KVTransfer:
     def load(self, scope: bytes, keys: list[bytes], block_ids: list[int]) -> Loaded:
         """Load the blocks `keys` into the KV blocks `block_ids` (same order): how many
         leading ones are there, checksums verified. Never raises for the node's sake."""
+        pending = self.begin_load(scope, keys, block_ids)
+        if isinstance(pending, Loaded):
+            return pending
+        pending.copy_layers(range(self.kv.layers))
+        return pending.finish()
+
+    def begin_load(self, scope: bytes, keys: list[bytes], block_ids: list[int]) -> "Loaded | PendingLoad":
+        """Start a load: through shared memory, the blocks are leased and their checksums
+        checked on a thread, and the copies are left to the caller, layer by layer
+        (`PendingLoad.copy_layers`, then `finish`), so they can run beside the forward pass;
+        over TCP (or with nothing to load) the load is done here, whole."""
         started = time.perf_counter()
         if not keys:
             return Loaded(0, "none")
         local = self._local_conn()
         try:
             if local is not None:
-                done = self._load_shared(local, scope, keys, block_ids)
+                lease, got = local.lease(scope, keys)
+                if got:
+                    return PendingLoad(self, local, lease, got[: self._usable(got, keys)], block_ids, started)
+                done = Loaded(0, "shm")
             else:
                 done = self._load_tcp(scope, keys, block_ids)
         except FabricError as e:
@@ -318,32 +378,6 @@ class KVTransfer:
                 break
             n += 1
         return n
-
-    def _load_shared(self, local: LocalConnection, scope: bytes, keys: list[bytes], block_ids: list[int]) -> Loaded:
-        lease, got = local.lease(scope, keys)
-        if not got:
-            return Loaded(0, "shm")
-        n = self._usable(got, keys)
-        blocks = got[:n]
-        bad = [None]
-        try:
-            checker = threading.Thread(target=_first_corrupt, args=(memoryview(self._arena_map), blocks, bad))
-            checker.start()
-            try:
-                offsets = [b.offset for b in blocks]
-                for start, count in _runs(offsets, self._stride):
-                    run = self._arena[offsets[start] :]
-                    self.kv.scatter(run, self._stride, block_ids[start : start + count])
-                self.kv.synchronize()
-            finally:
-                checker.join()
-        finally:
-            local.release(lease, bad[0])
-        if bad[0] is not None:
-            self._log.warning("cachet: block %d of a load failed its checksum in the arena; the node drops it and "
-                        "vLLM recomputes from there", bad[0])
-            return Loaded(bad[0], "shm", corrupt=True)
-        return Loaded(n, "shm")
 
     def _load_tcp(self, scope: bytes, keys: list[bytes], block_ids: list[int]) -> Loaded:
         per = max(1, TCP_STAGING_BYTES // self._stride)
