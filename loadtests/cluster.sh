@@ -68,7 +68,15 @@ for _ in $(seq 300); do
   sleep 0.1
 done
 curl -sf http://127.0.0.1:18097/readyz >/dev/null || { echo "cluster: the gateway is not ready" >&2; cat "$OUT/gw.log" >&2; exit 1; }
-rss() { awk '/VmRSS/ {print int($2/1024)}' "/proc/$1/status" 2>/dev/null || echo 0; }
+rss() { awk '/VmRSS/ {print int($2/1024)}' "/proc/$1/status" 2>/dev/null; }
+# A node that died fails the run (its RSS would otherwise read as nothing).
+alive() {
+  local n
+  for n in 0 1 2; do
+    kill -0 "${NODES[$n]}" 2>/dev/null \
+      || { echo "cluster: node n$((n + 1)) died" >&2; tail -20 "$OUT/n$((n + 1)).log" >&2; exit 1; }
+  done
+}
 SIM=$((3 * DRAM / REPLICAS))
 echo "# $(date -u +%FT%TZ) $(nproc) cores; ${SECS}s per rate; workload $WORKLOAD; 3 nodes, each: KV budget $((BUDGET >> 20)) MiB, DRAM tier $((DRAM >> 20)) MiB; $REPLICAS replicas; simulated at $((SIM >> 20)) MiB; idle RSS $(rss "${NODES[0]}")/$(rss "${NODES[1]}")/$(rss "${NODES[2]}") MiB"
 printf 'rate/s\tok\t529\tother errors\tTTFT p50 ms\tTTFT p99 ms\thit ratio\tsimulated\tpeak RSS n1/n2/n3 MiB\n'
@@ -78,10 +86,11 @@ for rate in "${RATES[@]}"; do
   $BIN loadtest replay --url http://127.0.0.1:18097 --api-key "$KEY" --model sim-llama-8b \
     --workload "$WORKLOAD" --turn-blocks "${BENCH_TURN_BLOCKS:-120}" --block-tokens 256 --max-output-tokens 8 \
     --rate "$rate" --duration "$SECS" --drain-secs 120 --simulate-capacity-bytes "$SIM" \
-    --out "$OUT/r$rate" --quiet >/dev/null
+    --max-error-rate 1 --out "$OUT/r$rate" --quiet >/dev/null
   kill "$SAMPLER" 2>/dev/null || true
   wait "$SAMPLER" 2>/dev/null || true
   SAMPLER=
+  alive
   peaks=$(for n in 0 1 2; do sort -n "$OUT/rss$n" | tail -1; done | paste -sd/)
   python3 - "$OUT/r$rate/summary.json" "$rate" "$peaks" <<'PY'
 import json, sys
@@ -89,6 +98,8 @@ s = json.load(open(sys.argv[1]))
 st = s.get("statuses", {})
 r529 = int(st.get("529", 0))
 other = s["errors"] - r529
+if other:
+    sys.exit(f"errors other than 529 at rate {sys.argv[2]}: {s['error_kinds']}")
 sim = (s.get("simulated") or {}).get("token_hit_ratio")
 sim = f"{sim:.3f}" if sim is not None else "-"
 print(f"{sys.argv[2]}\t{s['ok']}\t{r529}\t{other}\t{s['ttft'].get('p50_ms', 0):.0f}\t{s['ttft'].get('p99_ms', 0):.0f}\t{s['hit_ratio']:.3f}\t{sim}\t{sys.argv[3]}")

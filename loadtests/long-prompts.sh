@@ -7,6 +7,11 @@
 # Everything runs on 127.0.0.1 and stops by itself.
 #
 #   loadtests/long-prompts.sh [seconds per rate] [rates…]     (CACHET_BIN=… for another build)
+#   BENCH_DEFAULTS=1   the server at its own defaults (KV budget a quarter of the machine, 1 GiB
+#                      DRAM tier, the disk tier): peak RSS must stay within the bounds it
+#                      reports (cachet_memory_bound_bytes) + 5% (BENCH_RSS_MAX_PCT), else the
+#                      run fails (make bench-memory)
+#   BENCH_TRACE=FILE   replay a Mooncake-format trace instead of the RAG workload
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-30}
@@ -18,13 +23,18 @@ BIN=${CACHET_BIN:-${CARGO_TARGET_DIR:-target}/release/cachet}
 PG=${BENCH_PG:-postgres://postgres@127.0.0.1:5432}
 DB=cachet_bench_long_$$
 OUT=$(mktemp -d)
-BUDGET=${BENCH_KV_BUDGET:-4294967296}
-DRAM=${BENCH_DRAM:-4294967296}
 export DATABASE_URL=$PG/$DB
 export CACHET_ENGINE=sim CACHET_LISTEN=127.0.0.1:18096 CACHET_SIM_TIME_SCALE=${BENCH_TIME_SCALE:-1}
-export CACHET_DATA_DIR=$OUT/data RUST_LOG=warn CACHET_KV_BUDGET_BYTES=$BUDGET CACHET_DRAM_CAPACITY_BYTES=$DRAM
-# DRAM only unless BENCH_DISK says otherwise: the figures are peak RSS against DRAM and KV bounds.
-export CACHET_DISK_CAPACITY_BYTES=${BENCH_DISK:-0}
+export CACHET_DATA_DIR=$OUT/data RUST_LOG=warn
+if [ "${BENCH_DEFAULTS:-0}" = 1 ]; then
+  RSS_MAX_PCT=${BENCH_RSS_MAX_PCT:-105}
+else
+  RSS_MAX_PCT=${BENCH_RSS_MAX_PCT:-}
+  export CACHET_KV_BUDGET_BYTES=${BENCH_KV_BUDGET:-4294967296}
+  export CACHET_DRAM_CAPACITY_BYTES=${BENCH_DRAM:-4294967296}
+  # DRAM only unless BENCH_DISK says otherwise: the figures are peak RSS against DRAM and KV bounds.
+  export CACHET_DISK_CAPACITY_BYTES=${BENCH_DISK:-0}
+fi
 cleanup() {
   kill "${SERVE_PID:-}" "${SAMPLER:-}" 2>/dev/null || true
   wait 2>/dev/null || true
@@ -38,25 +48,45 @@ KEY=$($BIN admin key create --tenant long 2>/dev/null)
 $BIN serve >/dev/null 2>"$OUT/serve.log" & SERVE_PID=$!
 for _ in $(seq 100); do curl -sf http://127.0.0.1:18096/readyz >/dev/null && break; sleep 0.1; done
 rss() { awk '/VmRSS/ {print int($2/1024)}' "/proc/$SERVE_PID/status"; }
-echo "# $(date -u +%FT%TZ) $(nproc) cores; ${SECS}s per rate; KV budget $((BUDGET >> 20)) MiB, DRAM tier $((DRAM >> 20)) MiB; idle RSS $(rss) MiB"
-printf 'rate/s\tok\t529\tother errors\tTTFT p50 ms\tTTFT p99 ms\thit ratio\tpeak RSS MiB\n'
+# The bounds the server itself reports, by setting.
+bound() { curl -sf http://127.0.0.1:18096/metrics | awk -v s="$1" '$1 == "cachet_memory_bound_bytes{setting=\""s"\"}" {print int($2/1048576)}'; }
+BOUNDS=$(curl -sf http://127.0.0.1:18096/metrics | awk '/^cachet_memory_bound_bytes\{/ {s += $2} END {print int(s/1048576)}')
+[ "${BOUNDS:-0}" -gt 0 ] || { echo "long-prompts: the server reports no memory bounds" >&2; exit 1; }
+echo "# $(date -u +%FT%TZ) $(nproc) cores; ${SECS}s per rate; KV budget $(bound engine.kv_budget_bytes) MiB, DRAM tier $(bound fabric.dram_capacity_bytes) MiB, disk tier ${CACHET_DISK_CAPACITY_BYTES:-default}; bounds in all $BOUNDS MiB; idle RSS $(rss) MiB"
+printf 'rate/s\tok\t529\tother errors\tTTFT p50 ms\tTTFT p99 ms\thit ratio\tpeak RSS MiB\tof the bounds\n'
+WORST=0
+# What is replayed: the RAG workload, or a Mooncake-format trace (BENCH_TRACE=file, its own
+# 512-token blocks; its timestamps are ignored for the rate).
+if [ -n "${BENCH_TRACE:-}" ]; then
+  SOURCE=(--trace "$BENCH_TRACE")
+else
+  SOURCE=(--workload rag --turn-blocks 120 --block-tokens 256)
+fi
 for rate in "${RATES[@]}"; do
   : >"$OUT/rss"
   (while kill -0 "$SERVE_PID" 2>/dev/null; do rss >>"$OUT/rss"; sleep 0.2; done) & SAMPLER=$!
   $BIN loadtest replay --url http://127.0.0.1:18096 --api-key "$KEY" --model sim-llama-8b \
-    --workload rag --turn-blocks 120 --block-tokens 256 --max-output-tokens 8 \
-    --rate "$rate" --duration "$SECS" --drain-secs 120 --out "$OUT/r$rate" --quiet >/dev/null
+    "${SOURCE[@]}" --max-output-tokens 8 \
+    --rate "$rate" --duration "$SECS" --drain-secs 120 --max-error-rate 1 --out "$OUT/r$rate" --quiet >/dev/null
   kill "$SAMPLER" 2>/dev/null || true
   wait "$SAMPLER" 2>/dev/null || true
   SAMPLER=
   peak=$(sort -n "$OUT/rss" | tail -1)
-  python3 - "$OUT/r$rate/summary.json" "$rate" "$peak" <<'PY'
+  [ "$peak" -gt "$WORST" ] && WORST=$peak
+  python3 - "$OUT/r$rate/summary.json" "$rate" "$peak" "$BOUNDS" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
 st = s.get("statuses", {})
 r529 = int(st.get("529", 0))
 other = s["errors"] - r529
-print(f"{sys.argv[2]}\t{s['ok']}\t{r529}\t{other}\t{s['ttft'].get('p50_ms', 0):.0f}\t{s['ttft'].get('p99_ms', 0):.0f}\t{s['hit_ratio']:.3f}\t{sys.argv[3]}")
+if other:
+    sys.exit(f"errors other than 529 at rate {sys.argv[2]}: {s['error_kinds']}")
+print(f"{sys.argv[2]}\t{s['ok']}\t{r529}\t{other}\t{s['ttft'].get('p50_ms', 0):.0f}\t{s['ttft'].get('p99_ms', 0):.0f}\t{s['hit_ratio']:.3f}\t{sys.argv[3]}\t{100 * int(sys.argv[3]) / int(sys.argv[4]):.0f}%")
 PY
 done
-kill -0 "$SERVE_PID" && echo "server alive after the run; RSS now $(rss) MiB"
+kill -0 "$SERVE_PID" || { echo "long-prompts: the server died during the run" >&2; tail -20 "$OUT/serve.log" >&2; exit 1; }
+echo "server alive after the run; RSS now $(rss) MiB"
+if [ -n "$RSS_MAX_PCT" ] && [ $((WORST * 100)) -gt $((BOUNDS * RSS_MAX_PCT)) ]; then
+  echo "long-prompts: peak RSS $WORST MiB is over ${RSS_MAX_PCT}% of the bounds ($BOUNDS MiB)" >&2
+  exit 1
+fi

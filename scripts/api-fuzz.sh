@@ -34,6 +34,13 @@ pid=$!
 for _ in $(seq 100); do curl -sf "127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
 token=$(curl -sf -X POST "127.0.0.1:$port/v1/admin/login" -H 'content-type: application/json' \
   -d "{\"username\":\"fuzz-root\",\"password\":\"$pw\"}" | python3 -c 'import sys,json; print(json.load(sys.stdin)["access_token"])')
+# Both credentials work before anything is fuzzed: a broken key or token would fuzz only
+# the 401 path.
+[ -n "$key" ] && [ -n "$token" ] || { echo "api-fuzz: no key or admin token" >&2; exit 1; }
+code=$(curl -s -o /dev/null -w '%{http_code}' "127.0.0.1:$port/v1/models" -H "x-api-key: $key" -H "anthropic-version: 2023-06-01")
+[ "$code" = 200 ] || { echo "api-fuzz: the API key is refused ($code)" >&2; exit 1; }
+code=$(curl -s -o /dev/null -w '%{http_code}' "127.0.0.1:$port/v1/admin/tenants" -H "Authorization: Bearer $token")
+[ "$code" = 200 ] || { echo "api-fuzz: the admin token is refused ($code)" >&2; exit 1; }
 
 run() {
   "$st" run openapi/openapi.json --url "http://127.0.0.1:$port" --checks not_a_server_error \

@@ -431,8 +431,15 @@ async fn recover(
     let RecoverArgs { data_dir } = args;
     let mut meter = config.meter();
     meter.spool_path = data_dir.join(&config.meter.spool_file);
+    // Into the database the files belong to, never another (decision 0030), and never while
+    // a process still runs on that directory.
+    meter.foreign = billing::database::Foreign::Refuse;
+    let _held = crate::dirlock::hold_all(
+        &crate::dirlock::meter_dirs(&data_dir, &meter.spool_path),
+        "billing recover",
+    )?;
     let stop = tokio_util::sync::CancellationToken::new();
-    let (handle, task) = billing::Meter::start(pool.clone(), meter, stop.clone())?;
+    let (handle, task) = billing::Meter::start(pool.clone(), meter, stop.clone()).await?;
     let settled = handle.settled(std::time::Duration::from_secs(60)).await;
     stop.cancel();
     task.await.context("the meter stopped")?;

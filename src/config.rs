@@ -932,6 +932,7 @@ impl Config {
             spool_path: self.spool_path(),
             retry_interval: Duration::from_millis(self.meter.retry_interval_ms),
             linger: Duration::from_millis(self.meter.linger_ms),
+            foreign: billing::database::Foreign::KeepAside,
         }
     }
 }

@@ -5,6 +5,7 @@ pub mod admin_cli;
 pub mod billing_cli;
 pub mod cli_time;
 pub mod config;
+pub mod dirlock;
 pub mod memory;
 pub mod node;
 pub mod server;

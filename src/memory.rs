@@ -14,6 +14,8 @@ use crate::config::Config;
 /// One bounded consumer: the setting(s) that bound it, and its bound in bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bound {
+    /// The setting that bounds it (the `setting` label of `cachet_memory_bound_bytes`).
+    pub setting: &'static str,
     pub what: String,
     pub bytes: u64,
 }
@@ -53,10 +55,12 @@ pub fn kv_budget_bytes(config: &Config) -> u64 {
 pub fn bounds(config: &Config, engines: bool) -> Vec<Bound> {
     let mut out = vec![
         Bound {
+            setting: "fabric.dram_capacity_bytes",
             what: "fabric.dram_capacity_bytes (the fabric's DRAM tier)".into(),
             bytes: config.fabric.dram_capacity_bytes,
         },
         Bound {
+            setting: "fabric.receive_budget_bytes",
             what: "fabric.receive_budget_bytes (peers' writes being received)".into(),
             bytes: config.fabric.receive_budget_bytes,
         },
@@ -65,6 +69,7 @@ pub fn bounds(config: &Config, engines: bool) -> Vec<Bound> {
         return out;
     }
     out.push(Bound {
+        setting: "engine.kv_budget_bytes",
         what: "engine.kv_budget_bytes (KV between engine and fabric)".into(),
         bytes: kv_budget_bytes(config),
     });
@@ -77,6 +82,7 @@ pub fn bounds(config: &Config, engines: bool) -> Vec<Bound> {
         let workers = config.engine.workers;
         let generations = workers + gateway::engines::parked_max(workers);
         out.push(Bound {
+            setting: "engine.workers",
             what: format!(
                 "engine.workers × the reference model's working KV (({workers} + {} waiting \
                  for their turn) × {} MiB)",
@@ -86,11 +92,26 @@ pub fn bounds(config: &Config, engines: bool) -> Vec<Bound> {
             bytes: generations as u64 * per_generation,
         });
         out.push(Bound {
+            setting: "engine.model",
             what: "the reference model's weights (f32)".into(),
             bytes: 600 << 20,
         });
     }
+    // Every served model keeps a tokenization memo: the sims always, the reference engine
+    // and each vLLM upstream (its chat renderer) when configured.
+    let models = engine::sim::SimProfile::all().len()
+        + usize::from(config.engine.kind == "reference")
+        + config.engine.vllm.len();
     out.push(Bound {
+        setting: "engine.memo",
+        what: format!(
+            "the tokenization memos ({models} models × {} MiB)",
+            engine::memo::MODEL_MEMO_BYTES >> 20
+        ),
+        bytes: (models * engine::memo::MODEL_MEMO_BYTES) as u64,
+    });
+    out.push(Bound {
+        setting: "meter.queue_capacity",
         what: "meter.queue_capacity (usage events waiting for Postgres)".into(),
         bytes: config.meter.queue_capacity as u64 * 512,
     });
@@ -98,13 +119,29 @@ pub fn bounds(config: &Config, engines: bool) -> Vec<Bound> {
 }
 
 /// Refuse a configuration whose bounds exceed what the machine can give, unless overcommit
-/// is allowed.
+/// is allowed; say what they are (the log at start, `cachet_memory_bound_bytes`).
 pub fn check(config: &Config, engines: bool) -> anyhow::Result<()> {
+    let bounds = bounds(config, engines);
+    for b in &bounds {
+        gateway::metrics::MEMORY_BOUND_BYTES
+            .with_label_values(&[b.setting])
+            .set(b.bytes as i64);
+    }
+    let sum: u64 = bounds.iter().map(|b| b.bytes).sum();
+    tracing::info!(
+        total = %gateway::budget::human(sum),
+        bounds = %bounds
+            .iter()
+            .map(|b| format!("{} {}", b.setting, gateway::budget::human(b.bytes)))
+            .collect::<Vec<_>>()
+            .join(", "),
+        "memory bounds"
+    );
     let Some(machine) = machine_bytes() else {
         tracing::warn!("cannot read the machine's memory; memory bounds not checked");
         return Ok(());
     };
-    check_against(&bounds(config, engines), machine, config.memory_overcommit)
+    check_against(&bounds, machine, config.memory_overcommit)
 }
 
 fn check_against(bounds: &[Bound], machine: u64, overcommit: bool) -> anyhow::Result<()> {
@@ -194,6 +231,7 @@ mod tests {
 
     fn b(bytes: u64) -> Bound {
         Bound {
+            setting: "test",
             what: format!("setting.{bytes}"),
             bytes,
         }

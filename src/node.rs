@@ -65,6 +65,11 @@ pub async fn run(
     }
     // Each node keeps its own disk tier and usage spool, even when nodes share a data_dir.
     config.data_dir = config.data_dir.join(format!("node-{}", args.id));
+    // One owner per directory (its disk tier, socket and usage files), until this returns.
+    let _held = crate::dirlock::hold_all(
+        &crate::dirlock::meter_dirs(&config.data_dir, &config.spool_path()),
+        &format!("node {}", args.id),
+    )?;
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("binding the fabric port {}", args.listen))?;

@@ -251,6 +251,8 @@ pub struct Running {
     pub inflight: gateway::coalesce::Inflight,
     /// The node's Unix socket for an engine beside it, if open (removed when dropped).
     local: Option<cache_fabric::local::LocalServer>,
+    /// The data directory and spool directory held (`crate::dirlock`) until the service ends.
+    held: Vec<crate::dirlock::DirLock>,
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
@@ -268,6 +270,11 @@ pub async fn start(
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Running> {
+    // One owner per directory: before anything in it is read or written.
+    let held = crate::dirlock::hold_all(
+        &crate::dirlock::meter_dirs(&config.data_dir, &config.spool_path()),
+        "serve",
+    )?;
     let node = config.fabric.node(&config.data_dir.join("fabric-disk"))?;
     crate::spawn_loop(
         "write_through",
@@ -292,6 +299,7 @@ pub async fn start(
     let gateway_config = config.gateway();
     let mut running = start_api(config, gateway_config, listener, shutdown, node, fabric).await?;
     running.local = local;
+    running.held = held;
     Ok(running)
 }
 
@@ -336,7 +344,7 @@ pub async fn start_api(
         .acquire_timeout(Duration::from_secs(2))
         .connect_lazy(&config.database_url)?;
     let meter_stop = CancellationToken::new();
-    let (meter, meter_task) = Meter::start(meter_pool, config.meter(), meter_stop.clone())?;
+    let (meter, meter_task) = Meter::start(meter_pool, config.meter(), meter_stop.clone()).await?;
     let redis = (!config.redis_url.is_empty()).then_some(config.redis_url.as_str());
     // A cluster node's API is internal (cluster token only): the admin console and the
     // rollups belong to the public side, `serve` or the cluster's gateway.
@@ -379,6 +387,7 @@ pub async fn start_api(
     tracing::info!(%addr, "cachet serving");
     Ok(Running {
         local: None,
+        held: Vec::new(),
         addr,
         pool,
         node,

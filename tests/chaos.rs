@@ -3,7 +3,9 @@
 //!
 //! `kill -9` mid-load: every request a client saw answered has exactly one ledger row once
 //! the server is back on the same data directory, including the streams the kill cut after
-//! their `200` (recorded `failed`, from the open-stream journal).
+//! their `200` (recorded `failed` with the prompt usage they were told, from the open-stream
+//! journal), and no row for a request no client was given unless its client was waiting for
+//! headers when the kill came.
 
 mod common;
 
@@ -112,16 +114,18 @@ async fn one_request(
             Err(_) => break,
         }
     }
-    if !text.contains("event: message_stop") {
-        return answer(Seen::Cut, None);
-    }
-    // Input counts come in `message_start`, the output count in `message_delta`.
     let events: Vec<serde_json::Value> = text
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter_map(|d| serde_json::from_str(d).ok())
         .collect();
     let start = events.iter().find(|e| e["type"] == "message_start");
+    if !text.contains("event: message_stop") {
+        // What the stream's start told the client: its prompt usage, no output yet.
+        let usage = start.and_then(|s| usage_of(&s["message"]["usage"], &0.into()));
+        return answer(Seen::Cut, usage);
+    }
+    // Input counts come in `message_start`, the output count in `message_delta`.
     let delta = events.iter().find(|e| e["type"] == "message_delta");
     let usage = start
         .zip(delta)
@@ -147,6 +151,24 @@ async fn chaos_db() -> (String, String, sqlx::PgPool, String) {
     (db_name, db_url, pool, key)
 }
 
+/// The ledger's token counts of some requests: (uncached input, cache writes, cache reads,
+/// output) by request id.
+async fn ledger_tokens(pool: &sqlx::PgPool, ids: &[RequestId]) -> HashMap<RequestId, Usage> {
+    let ids: Vec<uuid::Uuid> = ids.iter().map(|id| id.0).collect();
+    sqlx::query_as::<_, (uuid::Uuid, i64, i64, i64, i64)>(
+        "SELECT request_id, input_tokens, cache_write_5m_tokens + cache_write_1h_tokens, \
+                cache_read_tokens, output_tokens \
+         FROM usage_events WHERE request_id = ANY($1)",
+    )
+    .bind(&ids)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(id, i, w, r, o)| (RequestId(id), [i, w, r, o]))
+    .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kill_9_of_serve_mid_load_loses_no_ledger_row() {
     let (db_name, db_url, pool, key) = chaos_db().await;
@@ -155,20 +177,33 @@ async fn kill_9_of_serve_mid_load_loses_no_ledger_row() {
     let env = [("CACHET_SIM_TIME_SCALE", "1")];
     let serve = start_serve(&db_url, &dir.0, &env);
 
-    let seen: Arc<Mutex<Vec<(RequestId, Seen)>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<Answer>>> = Arc::default();
+    // When each client sent its last request, the one that got no headers.
+    let headless: Arc<Mutex<Vec<Instant>>> = Arc::default();
     let stop_at = Instant::now() + Duration::from_millis(2500);
-    let mut clients = Vec::new();
-    for c in 0..10 {
-        let (url, key, seen) = (serve.url.clone(), key.clone(), seen.clone());
-        clients.push(tokio::spawn(async move {
+    let clients = 10;
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let (url, key, seen, headless) = (
+            serve.url.clone(),
+            key.clone(),
+            seen.clone(),
+            headless.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
             let http = reqwest::Client::new();
             let mut n = 0;
             while Instant::now() < stop_at {
                 n += 1;
                 // Two clients in ten ask for a whole body, the rest stream.
+                let sent = Instant::now();
                 match one_request(&http, &url, &key, c >= 2, c * 1000 + n).await {
-                    Some(a) => seen.lock().unwrap().push((a.id, a.seen)),
-                    None => break, // the server is gone
+                    Some(a) => seen.lock().unwrap().push(a),
+                    None => {
+                        // The server is gone.
+                        headless.lock().unwrap().push(sent);
+                        break;
+                    }
                 }
             }
         }));
@@ -177,43 +212,95 @@ async fn kill_9_of_serve_mid_load_loses_no_ledger_row() {
     let mut serve = serve;
     serve.child.kill().unwrap(); // SIGKILL: no drain, no shutdown hook
     serve.child.wait().unwrap();
-    for c in clients {
-        c.await.unwrap();
+    let killed = Instant::now();
+    for t in tasks {
+        t.await.unwrap();
     }
     let seen = seen.lock().unwrap().clone();
-    let complete = seen.iter().filter(|(_, s)| *s == Seen::Complete).count();
-    let cut = seen.iter().filter(|(_, s)| *s == Seen::Cut).count();
-    eprintln!("before the kill: {complete} complete answers, {cut} streams cut by it");
+    // Requests in flight without their headers when the kill came (those sent after it found
+    // no server and cannot have a row).
+    let headless = headless
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|sent| **sent < killed)
+        .count();
+    let complete = seen.iter().filter(|a| a.seen == Seen::Complete).count();
+    let cut: Vec<&Answer> = seen.iter().filter(|a| a.seen == Seen::Cut).collect();
+    eprintln!(
+        "before the kill: {complete} complete answers, {} streams cut by it, {headless} requests in flight without headers",
+        cut.len()
+    );
     assert!(complete >= 10, "the load ran ({complete} answers)");
     assert!(
-        cut >= 1,
+        !cut.is_empty(),
         "the kill landed mid-stream (else this checks nothing new)"
     );
 
     // Back on the same data directory: the spool and the open-stream journal replay.
     let again = start_serve(&db_url, &dir.0, &env);
-    let rows = ledger_settled(&pool, &seen).await;
+    let answered: Vec<(RequestId, Seen)> = seen.iter().map(|a| (a.id, a.seen)).collect();
+    let rows = ledger_settled(&pool, &answered).await;
     drop(again);
-    for (id, s) in &seen {
-        match s {
-            Seen::Complete => assert_eq!(
+    for (id, s) in &answered {
+        if *s == Seen::Complete {
+            assert_eq!(
                 rows.get(id).map(String::as_str),
                 Some("completed"),
                 "{id}: answered in full, so its row is there and completed"
-            ),
-            Seen::Cut => assert!(
-                rows.contains_key(id),
-                "{id}: a stream answered 200 and cut by the kill has its row"
-            ),
-            Seen::NotAnswered => {}
+            );
         }
     }
-    // One row per request by the ledger's key; no row for an id no client was given.
-    let given: std::collections::HashSet<_> = seen.iter().map(|(id, _)| *id).collect();
+    // A cut stream's row is `failed`, with the prompt usage its `message_start` told the
+    // client and no output (what the open-stream journal held), unless the kill came after
+    // its end was durable and before its last bytes reached the client: then `completed`.
+    let tokens = ledger_tokens(&pool, &cut.iter().map(|a| a.id).collect::<Vec<_>>()).await;
+    let mut finished_unseen = 0;
+    for a in &cut {
+        let told = a
+            .usage
+            .expect("a cut stream's message_start arrived with its 200");
+        let row = tokens.get(&a.id).unwrap_or_else(|| {
+            panic!(
+                "{}: a stream answered 200 and cut by the kill has its row",
+                a.id
+            )
+        });
+        match rows[&a.id].as_str() {
+            "failed" => assert_eq!(
+                *row, told,
+                "{}: the cut stream's row is its prompt usage",
+                a.id
+            ),
+            "completed" => {
+                finished_unseen += 1;
+                assert_eq!(
+                    row[..3],
+                    told[..3],
+                    "{}: the prompt usage it was told",
+                    a.id
+                );
+                assert!(row[3] > 0, "{}: a finished stream has its output", a.id);
+            }
+            other => panic!("{}: a cut stream recorded {other}", a.id),
+        }
+    }
+    // One row per request by the ledger's key. A row for an id no client was given is only
+    // possible for a request in flight without its headers when the kill came (its usage
+    // durable, its answer not sent): at most one per client that saw no headers.
+    let given: std::collections::HashSet<_> = seen.iter().map(|a| a.id).collect();
     let unknown = rows.keys().filter(|id| !given.contains(id)).count();
     eprintln!(
-        "ledger: {} rows; {unknown} for requests whose headers never reached a client",
+        "ledger: {} rows; {finished_unseen} cut streams had finished; {unknown} rows for requests whose headers never reached a client",
         rows.len()
+    );
+    assert!(
+        unknown <= headless,
+        "{unknown} rows for ids no client was given, but only {headless} requests were in flight without headers at the kill"
+    );
+    assert!(
+        finished_unseen < cut.len(),
+        "every cut stream had finished: the kill never cut one mid-generation"
     );
     pool.close().await;
     common::drop_db(&db_name).await;

@@ -293,7 +293,8 @@ async fn conductor_rate(http: &reqwest::Client, gw: &str, node: &str, model: &st
 
 /// An idle cluster admits a 32K-token prompt at the defaults (no configured rate refuses it),
 /// and when the node's engine becomes 10× slower the gateway's estimate follows what the node
-/// measures within a few requests.
+/// measures within a few requests. No figure of this machine's speed is assumed: the slower
+/// estimate is judged against the first one, measured in the same run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_conductor_admits_an_idle_cluster_and_learns_the_prefill_rate() {
     let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
@@ -329,7 +330,8 @@ async fn the_conductor_admits_an_idle_cluster_and_learns_the_prefill_rate() {
                 .unwrap_or(0.0);
             // Probe a request so the gauge is refreshed with what the node announced.
             let _ = post(&http, &gw.url, &key, &uncached(1, 200)).await;
-            fast > 0.0 && (fast - 1e6 / 60.0).abs() / (1e6 / 60.0) < 0.5
+            // Learned, whatever this machine's speed: what follows is judged against it.
+            fast > 0.0
         },
     )
     .await;

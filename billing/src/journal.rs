@@ -149,7 +149,7 @@ fn segments_on_disk(dir: &Path, stem: &str) -> std::io::Result<Vec<(u64, PathBuf
     Ok(found)
 }
 
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 

@@ -8,6 +8,9 @@
 //!   `usage_events` with `ON CONFLICT DO NOTHING` on the request id, and appends batches to a
 //!   local spool file while Postgres is unreachable, replaying it when Postgres returns.
 //!
+//! - [`database`]: the database's identity, and the meter's directory marked with it: files
+//!   of another database are kept aside, never replayed here (decision 0030).
+//!
 //! - [`event`]: the usage event and its JSON Lines form in every local file of events (below
 //!   the meter, its journal and its open-stream intents, which all read it).
 //!
@@ -30,6 +33,7 @@
 pub mod api;
 pub mod csv;
 pub mod dashboard;
+pub mod database;
 pub mod event;
 mod intents;
 pub mod invoice;

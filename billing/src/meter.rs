@@ -43,6 +43,8 @@ pub struct MeterConfig {
     /// After the first event of a batch, wait this long for more before committing: bounds
     /// the commit rate (and Postgres CPU) at high load for a small delay in durability.
     pub linger: Duration,
+    /// What to do with another database's files in the spool's directory (decision 0030).
+    pub foreign: crate::database::Foreign,
 }
 
 impl MeterConfig {
@@ -53,6 +55,7 @@ impl MeterConfig {
             spool_path,
             retry_interval: Duration::from_millis(500),
             linger: Duration::from_millis(2),
+            foreign: crate::database::Foreign::KeepAside,
         }
     }
 }
@@ -61,6 +64,8 @@ impl MeterConfig {
 pub enum MeterError {
     #[error("spool i/o failed: {0}")]
     Spool(#[from] std::io::Error),
+    #[error(transparent)]
+    Directory(#[from] crate::database::ClaimError),
 }
 
 impl cachet_common::error::ServiceError for MeterError {
@@ -339,12 +344,17 @@ pub struct Meter {
 
 impl Meter {
     /// Start the meter; it stops (after draining and committing or spooling everything)
-    /// when `shutdown` is cancelled.
-    pub fn start(
+    /// when `shutdown` is cancelled. Its directory is first made this database's
+    /// ([`crate::database::claim`]): another database's files are never replayed here.
+    pub async fn start(
         pool: PgPool,
         config: MeterConfig,
         shutdown: CancellationToken,
     ) -> Result<(MeterHandle, tokio::task::JoinHandle<()>), MeterError> {
+        let database = crate::database::identity(&pool)
+            .await
+            .map_err(crate::database::ClaimError::Identity)?;
+        crate::database::claim(&config.spool_path, database, config.foreign)?;
         let spool = Arc::new(Spool::open(config.spool_path.clone())?);
         // What the last run left, into the spool (replayed idempotently like any spooled
         // event): first the events it journaled (answered, maybe not yet inserted), then the

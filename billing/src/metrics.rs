@@ -31,6 +31,14 @@ pub static BATCH_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     )
     .expect("metric"))
 });
+pub static KEPT_ASIDE: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "cachet_billing_meter_kept_aside",
+        "Directories of another database's usage files kept aside in the meter's directory, \
+         waiting to be recovered into their database (decision 0030)",
+    )
+    .expect("metric"))
+});
 pub static SPOOL_EVENTS: LazyLock<IntGauge> = LazyLock::new(|| {
     reg(IntGauge::new(
         "cachet_billing_meter_spooled_events",

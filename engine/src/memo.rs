@@ -13,6 +13,11 @@ use sha2::{Digest, Sha256};
 
 use crate::metrics;
 
+/// Bytes of tokens each model's tokenization memo keeps (the sim engines', the chat
+/// renderer's of the reference engine and of every vLLM upstream): a bound the serving
+/// process counts among its memory bounds.
+pub const MODEL_MEMO_BYTES: usize = 64 << 20;
+
 /// Segments shorter than this are cheaper to tokenize than to look up.
 const MIN_MEMO_BYTES: usize = 256;
 

@@ -166,7 +166,7 @@ impl SimEngine {
         Self {
             profile,
             time_scale: time_scale.max(0.0),
-            memo: SegmentMemo::new(MEMO_BYTES),
+            memo: SegmentMemo::new(crate::memo::MODEL_MEMO_BYTES),
         }
     }
 
@@ -187,9 +187,6 @@ impl SimEngine {
 /// whitespace runs and single other characters each become one token.
 /// The longest text one sim token covers (a whitespace run; a word piece is at most 7 bytes).
 pub const MAX_TOKEN_BYTES: usize = 16;
-
-/// Bytes of tokens a sim engine's tokenization memo keeps.
-const MEMO_BYTES: usize = 64 << 20;
 
 pub fn tokenize(text: &str) -> Vec<u32> {
     let mut out = Vec::with_capacity(text.len() / 4 + 1);

@@ -357,6 +357,19 @@ pub static KV_BUDGET_TOTAL: LazyLock<IntGauge> = LazyLock::new(|| {
     .expect("valid metric"))
 });
 
+/// The serving process's configured memory bounds, one series a setting: their sum is what
+/// the process's RSS should stay within (the binary's `memory::check` sets them at start).
+pub static MEMORY_BOUND_BYTES: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new(
+            "cachet_memory_bound_bytes",
+            "Configured memory bounds of this process, by the setting that bounds each consumer",
+        ),
+        &["setting"],
+    )
+    .expect("valid metric"))
+});
+
 pub static KV_BUDGET_USED: LazyLock<IntGauge> = LazyLock::new(|| {
     reg(IntGauge::new(
         "cachet_gateway_kv_budget_used_bytes",

@@ -84,7 +84,8 @@ pub async fn ingest(
         pool.clone(),
         MeterConfig::with_spool(dir.join("spool.jsonl")),
         stop.clone(),
-    )?;
+    )
+    .await?;
     let dups = n * dup_percent / 100;
     let started = Instant::now();
     let per = n.div_ceil(producers.max(1));

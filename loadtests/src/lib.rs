@@ -78,6 +78,10 @@ pub enum Command {
         /// A name for the target in the output.
         #[arg(long, default_value = "cachet")]
         label: String,
+        /// Exit non-zero when more than this share of a run's requests failed (or none
+        /// succeeded).
+        #[arg(long, default_value_t = 0.01)]
+        max_error_rate: f64,
     },
     /// Replay a Mooncake-format trace (`{"hash_ids": [...]}` per line) through the fabric's
     /// own eviction and admission code, without an engine, and print the prefix hit ratio of
@@ -237,8 +241,10 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             prompt_tokens,
             max_tokens,
             label,
+            max_error_rate,
         } => {
             http::check_loopback(&url)?;
+            check_rate_arg(max_error_rate)?;
             let body = http::hit_body(&model, prompt_tokens, max_tokens);
             let client = reqwest::Client::builder()
                 .pool_max_idle_per_host(256)
@@ -258,6 +264,12 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
                     "{label}\tconcurrency={c}\trequests={}\terrors={}\trps={:.0}\tp50_ms={:.3}\tp99_ms={:.3}",
                     r.ok, r.errors, r.rps, r.p50_ms, r.p99_ms
                 );
+                within_error_rate(
+                    r.ok + r.errors,
+                    r.errors,
+                    max_error_rate,
+                    &format!("{label} at concurrency {c}"),
+                )?;
             }
             Ok(())
         }
@@ -320,11 +332,18 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
         } => fabric::standalone_node(&listen, &socket, dram_bytes).await,
         Command::SimulateCache(a) => simulate::run(&a),
         Command::Replay(a) => {
+            let max_error_rate = a.max_error_rate;
             let r = replay::run(*a).await?;
             if !r.ok {
                 bail!("the ledger does not match what the clients saw (see above)");
             }
-            Ok(())
+            let count = |k: &str| r.summary[k].as_u64().unwrap_or(0);
+            within_error_rate(
+                count("done"),
+                count("errors"),
+                max_error_rate,
+                &r.summary["error_kinds"].to_string(),
+            )
         }
         Command::Sweep(a) => {
             if !sweep::run(*a).await? {
@@ -386,5 +405,50 @@ mod tests {
     fn the_command_line_is_consistent() {
         use clap::CommandFactory;
         Cli::command().debug_assert();
+    }
+}
+
+/// `--max-error-rate` is a share of requests.
+pub(crate) fn check_rate_arg(rate: f64) -> anyhow::Result<()> {
+    if !(0.0..=1.0).contains(&rate) {
+        bail!("--max-error-rate must be between 0 and 1 (a share of the requests)");
+    }
+    Ok(())
+}
+
+/// A run whose share of failed requests is past `max` (or that answered nothing) fails, so
+/// a benchmark against a broken server cannot pass for a fast one.
+fn within_error_rate(done: u64, errors: u64, max: f64, what: &str) -> anyhow::Result<()> {
+    if done == errors {
+        bail!("no request succeeded ({errors} failed): {what}");
+    }
+    let rate = errors as f64 / done as f64;
+    if rate > max {
+        bail!(
+            "{errors} of {done} requests failed ({:.1}%), over --max-error-rate {max}: {what}",
+            rate * 100.0
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod error_rate_tests {
+    use super::*;
+
+    #[test]
+    fn a_run_fails_past_its_error_rate_or_with_no_success() {
+        assert!(within_error_rate(100, 5, 0.05, "").is_ok());
+        assert!(within_error_rate(100, 6, 0.05, "").is_err());
+        assert!(
+            within_error_rate(0, 0, 1.0, "").is_err(),
+            "nothing answered"
+        );
+        assert!(
+            within_error_rate(10, 10, 1.0, "").is_err(),
+            "every request failed"
+        );
+        assert!(within_error_rate(10, 9, 1.0, "").is_ok());
+        assert!(check_rate_arg(1.5).is_err() && check_rate_arg(-0.1).is_err());
     }
 }

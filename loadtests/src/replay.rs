@@ -130,6 +130,11 @@ pub struct ReplayArgs {
     /// show the simulated hit ratio beside the measured one (`256M`, `4GiB`, …).
     #[arg(long, value_parser = crate::simulate::parse_bytes)]
     pub simulate_capacity_bytes: Option<u64>,
+    /// Exit non-zero when more than this share of the answered requests failed (refusals
+    /// such as 529 included) or when none was answered; 1 fails only a run with no answer.
+    /// The report is written either way.
+    #[arg(long, default_value_t = 0.05)]
+    pub max_error_rate: f64,
 }
 
 /// A moment of the run to show on its plots.
@@ -207,6 +212,7 @@ impl ReplayArgs {
         if self.duration.is_some_and(|d| !(d.is_finite() && d > 0.0)) {
             bail!("--duration must be a positive number of seconds");
         }
+        crate::check_rate_arg(self.max_error_rate)?;
         Ok(())
     }
 }

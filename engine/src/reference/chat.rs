@@ -14,9 +14,6 @@ use super::{MODEL_SHA256, hex_digest, missing};
 use crate::memo::SegmentMemo;
 use crate::{EngineError, ModelInfo, Prompt, Rendered};
 
-/// Bytes of tokens the tokenization memo keeps.
-const MEMO_BYTES: usize = 64 << 20;
-
 pub struct ChatRenderer {
     tokenizer: Arc<GgufTokenizer>,
     template: ChatTemplate,
@@ -38,7 +35,7 @@ impl ChatRenderer {
         Ok(Self {
             tokenizer: Arc::new(tokenizer),
             template: ChatTemplate::new(&template_src)?,
-            memo: SegmentMemo::new(MEMO_BYTES),
+            memo: SegmentMemo::new(crate::memo::MODEL_MEMO_BYTES),
         })
     }
 
