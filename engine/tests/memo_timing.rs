@@ -68,10 +68,11 @@ fn another_tenants_text_renders_no_faster_than_unseen_text() {
         c * 100.0,
         s * 100.0
     );
-    // The control only has to show the memo is visible: 75% of 200 pairs is seven standard
-    // deviations above chance, and leaves room for a loaded machine (CI saw 86%).
+    // The control only has to show the memo is visible: 65% of 200 pairs is four standard
+    // deviations above chance (3.5 points each), and leaves a loaded 2-core machine room (CI
+    // saw 86%; a control that fails says the test could not see a hit, not that one leaked).
     assert!(
-        s > 0.75,
+        s > 0.65,
         "the memo must make a tenant's own repeat faster ({s})"
     );
     assert!(
