@@ -41,8 +41,11 @@ fi
 
 echo "== building the transport contract and cluster tests with the rdma feature"
 # CACHET_RDMA_TEST_BINS: the test binaries to run, already built (space-separated).
+# Built with the features `make rust-test` builds the fabric's feature tests with (cuda and
+# rdma: CUDA is loaded at run time, never linked), so the transport binary and the crate are
+# built once for both; nothing here touches a GPU.
 bins=${CACHET_RDMA_TEST_BINS:-}
-[ -n "$bins" ] || bins=$(cargo test -p cache-fabric --features rdma --locked --test transport \
+[ -n "$bins" ] || bins=$(cargo test -p cache-fabric --features cuda,rdma --locked --test transport \
         --test cluster --no-run --message-format=json 2>/dev/null |
       python3 -c 'import json,sys
 for l in sys.stdin:

@@ -534,14 +534,18 @@ async fn workspace(pool: &PgPool, actor: &Actor, command: WorkspaceCommand) -> a
         } => {
             let id = TenantId(tenant_id(pool, &tenant).await?);
             let w = workspaces::find_workspace(pool, id, &workspace).await?;
+            let patch = limits.patch(rename);
             let w = workspaces::update_workspace(
                 pool,
                 actor,
                 id,
                 cachet_common::WorkspaceId(w.id),
-                &limits.patch(rename),
+                &patch,
             )
             .await?;
+            if patch.touches_budget() {
+                control::alerts::check_now(pool, id.as_uuid()).await;
+            }
             print_json(&w)?;
         }
         WorkspaceCommand::Archive {
@@ -702,6 +706,9 @@ async fn policy_cmd(pool: &PgPool, actor: &Actor, command: PolicyCommand) -> any
                 policy::PatchedBy::Platform,
             )
             .await?;
+            if patch.touches_budget() {
+                control::alerts::check_now(pool, id).await;
+            }
             print_json(&p)?;
         }
     }

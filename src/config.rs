@@ -920,7 +920,7 @@ impl Config {
             internal_token: None,
             resume_grace: Duration::from_secs(self.cluster.resume_grace_secs),
             coalesce: self.gateway.coalesce,
-            kv_budget_bytes: crate::memory::kv_budget_bytes(self),
+            kv_budget_bytes: self.kv_budget_bytes(),
             kv_budget_wait: Duration::from_millis(self.engine.kv_budget_wait_ms),
         }
     }
@@ -933,6 +933,31 @@ impl Config {
             retry_interval: Duration::from_millis(self.meter.retry_interval_ms),
             linger: Duration::from_millis(self.meter.linger_ms),
             foreign: billing::database::Foreign::KeepAside,
+        }
+    }
+}
+
+/// The machine's memory: the lesser of physical memory and this process's cgroup limit.
+pub fn machine_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let total = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())?
+        * 1024;
+    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    Some(cgroup.map_or(total, |c| c.min(total)))
+}
+
+impl Config {
+    /// The KV budget this configuration asks for: `engine.kv_budget_bytes`, or a quarter of
+    /// the machine's memory when it is 0 (1 GiB if the machine's memory cannot be read).
+    pub fn kv_budget_bytes(&self) -> u64 {
+        match self.engine.kv_budget_bytes {
+            0 => machine_bytes().map_or(1 << 30, |m| m / 4),
+            b => b,
         }
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::bail;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Config;
+use crate::config::{Config, machine_bytes};
 
 /// One bounded consumer: the setting(s) that bound it, and its bound in bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,29 +26,6 @@ const REFERENCE_CONTEXT: u64 = 8192;
 /// What a process may use of the machine's memory for its bounded consumers; the rest is
 /// for the code, stacks, sockets and the allocator's own overhead.
 const USABLE_SHARE: f64 = 0.9;
-
-/// The machine's memory: the lesser of physical memory and this process's cgroup limit.
-pub fn machine_bytes() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let total = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())?
-        * 1024;
-    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    Some(cgroup.map_or(total, |c| c.min(total)))
-}
-
-/// The KV budget a configuration asks for: `engine.kv_budget_bytes`, or a quarter of the
-/// machine's memory when it is 0 (1 GiB if the machine's memory cannot be read).
-pub fn kv_budget_bytes(config: &Config) -> u64 {
-    match config.engine.kv_budget_bytes {
-        0 => machine_bytes().map_or(1 << 30, |m| m / 4),
-        b => b,
-    }
-}
 
 /// The bounded consumers of a process with this configuration (`engines`: whether it runs
 /// engines and the API, as `serve` and a node with `--api-listen` do).
@@ -71,7 +48,7 @@ pub fn bounds(config: &Config, engines: bool) -> Vec<Bound> {
     out.push(Bound {
         setting: "engine.kv_budget_bytes",
         what: "engine.kv_budget_bytes (KV between engine and fabric)".into(),
-        bytes: kv_budget_bytes(config),
+        bytes: config.kv_budget_bytes(),
     });
     if config.engine.kind == "reference" {
         // Each reference generation keeps its whole context's KV in f32 while it runs

@@ -30,6 +30,7 @@ use sqlx::{PgPool, Row};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
+use cachet_common::TenantId;
 use cachet_common::error::{ApiError, ErrorBody, ErrorCode};
 use identity::{AdminAuth, Claims, Role};
 
@@ -68,7 +69,11 @@ impl FromRequestParts<FinanceState> for Caller {
         parts: &mut Parts,
         state: &FinanceState,
     ) -> Result<Self, Self::Rejection> {
-        Ok(Caller(state.auth.authenticate(&parts.headers).await?))
+        let claims = state.auth.authenticate(&parts.headers).await?;
+        if let Some(t) = claims.tenant {
+            cachet_common::span::record_tenant(TenantId(t), None);
+        }
+        Ok(Caller(claims))
     }
 }
 
@@ -82,13 +87,20 @@ impl Caller {
     }
 
     /// A tenant filter allowed for this caller (a tenant admin is confined to its own).
+    /// The request's span names the tenant it reads.
     fn tenant_filter(&self, asked: Option<Uuid>) -> Result<Option<Uuid>, ApiError> {
-        match (self.scope(), asked) {
-            (None, a) => Ok(a),
-            (Some(own), None) => Ok(Some(own)),
-            (Some(own), Some(a)) if a == own => Ok(Some(own)),
-            (Some(_), Some(_)) => Err(forbidden("a tenant admin reads only its own tenant")),
+        let tenant = match (self.scope(), asked) {
+            (None, a) => a,
+            (Some(own), None) => Some(own),
+            (Some(own), Some(a)) if a == own => Some(own),
+            (Some(_), Some(_)) => {
+                return Err(forbidden("a tenant admin reads only its own tenant"));
+            }
+        };
+        if let Some(t) = tenant {
+            cachet_common::span::record_tenant(TenantId(t), None);
         }
+        Ok(tenant)
     }
 
     fn require(&self, roles: &[Role]) -> Result<(), ApiError> {
@@ -289,7 +301,10 @@ pub async fn get_invoice(
     let Path(id) = id?;
     let Query(q) = q?;
     let inv = match invoice::load(&s.pool, id).await? {
-        Some(inv) if caller.scope().is_none_or(|t| t == inv.tenant_id) => inv,
+        Some(inv) if caller.scope().is_none_or(|t| t == inv.tenant_id) => {
+            cachet_common::span::record_tenant(TenantId(inv.tenant_id), None);
+            inv
+        }
         _ => return Err(not_found("no such invoice")),
     };
     match q.format.as_deref().unwrap_or("json") {

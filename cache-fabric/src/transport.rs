@@ -263,22 +263,14 @@ fn bad(what: &str) -> std::io::Error {
 
 /// Serve one peer's connection (any byte stream: a TCP connection in [`serve_tcp`]) until it
 /// closes or sends something malformed, which ends the connection with an error and never
-/// takes the node down.
+/// takes the node down. Each request frame runs in a span of its own (`peer_request`: a
+/// request id of its own, the op, and the tenant its scope names).
 pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
     mut s: S,
     node: &FabricNode,
     token: &str,
 ) -> std::io::Result<()> {
-    let mut hello = read_frame(&mut s).await?;
-    if hello.remaining() < 3 || hello.get_u8() != OP_HELLO {
-        return Err(bad("first frame is not HELLO"));
-    }
-    let n = hello.get_u16_le() as usize;
-    if hello.remaining() != n || !same_secret(&hello, token.as_bytes()) {
-        s.write_all(&[DENIED]).await?;
-        return Err(bad("wrong cluster token"));
-    }
-    s.write_all(&[OK]).await?;
+    greet(&mut s, token).await?;
     #[cfg(feature = "rdma")]
     let mut rdma = node.rdma_export().map(crate::rdma::serve::ServerConn::new);
     loop {
@@ -290,7 +282,7 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
         // A PUT's blocks are read one by one into buffers of their own; other frames whole.
         // A PUT waits for room in the node's receive budget before it reads its blocks, and
         // holds it until they are stored.
-        let (mut f, put, _receiving) = if op == OP_PUT {
+        let (f, put, _receiving) = if op == OP_PUT {
             let room = node.receiving(len - 1).await;
             (
                 Bytes::new(),
@@ -300,136 +292,221 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
         } else {
             (read_bytes(&mut s, len - 1).await?, None, None)
         };
-        match op {
-            #[cfg(feature = "rdma")]
-            op @ (OP_RDMA_CONNECT | OP_RDMA_GET | OP_RDMA_DONE) => {
-                let Some(conn) = rdma.as_mut() else {
-                    return Err(bad("this node exports no RDMA pool"));
-                };
-                let out = conn.handle(op, f, node).await?;
-                s.write_all(&out).await?;
-            }
-            OP_GET => {
-                let (scope, chain) = get_chain(&mut f).ok_or_else(|| bad("malformed GET"))?;
-                let now = tokio::time::Instant::now();
-                let read = node.with_store(|st| st.read_chain(&scope, &chain, now));
-                let (blocks, corrupt) = read.verify_with_checksums();
-                if let Some(hash) = corrupt {
-                    node.with_store(|st| st.drop_corrupt(&hash));
-                }
-                let mut head = BytesMut::with_capacity(5 + blocks.len() * 48);
-                head.put_u8(OK);
-                head.put_u32_le(blocks.len() as u32);
-                s.write_all(&head).await?;
-                for (b, crc) in blocks {
-                    let mut h = BytesMut::with_capacity(48);
-                    h.put_slice(&b.hash.0);
-                    h.put_u32_le(b.n_tokens);
-                    h.put_u32_le(crc);
-                    h.put_u64_le(b.data.len() as u64);
-                    s.write_all(&h).await?;
-                    s.write_all(&b.data).await?;
-                }
-            }
-            OP_STRIPE => {
-                if f.remaining() != 72 {
-                    return Err(bad("STRIPE length"));
-                }
-                let scope = get_scope(&mut f);
-                let hash = get_hash(&mut f);
-                let (index, count) = (f.get_u32_le() as u64, f.get_u32_le() as u64);
-                if count == 0 || index >= count {
-                    return Err(bad("STRIPE index"));
-                }
-                let now = tokio::time::Instant::now();
-                // Unverified here: the receiver checks the whole block end to end.
-                let block = node.with_store(|st| st.get_for_transfer(&scope, &hash, now));
-                let mut h = BytesMut::with_capacity(40);
-                match block {
-                    None => {
-                        h.put_u8(OK);
-                        h.put_u8(0);
-                        s.write_all(&h).await?;
-                    }
-                    Some((b, crc)) => {
-                        let total = b.data.len() as u64;
-                        let per = total.div_ceil(count);
-                        let lo = (index * per).min(total);
-                        let hi = ((index + 1) * per).min(total);
-                        h.put_u8(OK);
-                        h.put_u8(1);
-                        h.put_u32_le(b.n_tokens);
-                        h.put_u32_le(crc);
-                        h.put_u64_le(total);
-                        h.put_u64_le(lo);
-                        h.put_u64_le(hi - lo);
-                        s.write_all(&h).await?;
-                        s.write_all(&b.data[lo as usize..hi as usize]).await?;
-                    }
-                }
-            }
-            OP_HAS => {
-                let (scope, hashes) = get_chain(&mut f).ok_or_else(|| bad("malformed HAS"))?;
-                s.write_all(&has_answer(node, &scope, &hashes)).await?;
-            }
-            OP_WHERE => {
-                let path = node.local_socket().unwrap_or_default();
-                let path = path.as_os_str().as_encoded_bytes();
-                let mut out = BytesMut::with_capacity(3 + path.len());
-                out.put_u8(OK);
-                out.put_u16_le(path.len() as u16);
-                out.put_slice(path);
-                s.write_all(&out).await?;
-            }
-            OP_PUT => {
-                let entry = put.ok_or_else(|| bad("malformed PUT"))?;
-                let now = tokio::time::Instant::now();
-                let r = node.with_store(|st| {
-                    let put = if entry.handoff {
-                        Store::put_handoff
-                    } else if entry.replica {
-                        Store::put_replica
-                    } else {
-                        Store::put_entry
+        let span = tracing::info_span!(
+            "peer_request",
+            request_id = %cachet_common::RequestId::new(),
+            op = op_name(op),
+            tenant_id = tracing::field::Empty,
+        );
+        let served = async {
+            match op {
+                #[cfg(feature = "rdma")]
+                op @ (OP_RDMA_CONNECT | OP_RDMA_GET | OP_RDMA_DONE) => {
+                    let Some(conn) = rdma.as_mut() else {
+                        return Err(bad("this node exports no RDMA pool"));
                     };
-                    put(
-                        st,
-                        &entry.scope,
-                        &entry.existing,
-                        entry.new,
-                        entry.ttl,
-                        now,
-                        entry.kind,
-                    )
-                });
-                match r {
-                    Ok(()) => s.write_all(&[OK]).await?,
-                    Err(e) => s.write_all(&[REFUSED, refused_code(e)]).await?,
+                    let out = conn.handle(op, f, node).await?;
+                    s.write_all(&out).await
                 }
-            }
-            OP_REPORT => {
-                let (tag, report) =
-                    ConnectorReport::decode(f).ok_or_else(|| bad("REPORT length"))?;
-                node.reports().put(tag, report);
-                s.write_all(&[OK]).await?;
-            }
-            OP_STATS => {
-                if f.remaining() != 18 {
-                    return Err(bad("STATS length"));
+                OP_GET => serve_get(&mut s, node, f).await,
+                OP_STRIPE => serve_stripe(&mut s, node, f).await,
+                OP_HAS => {
+                    let mut f = f;
+                    let (scope, hashes) = get_chain(&mut f).ok_or_else(|| bad("malformed HAS"))?;
+                    for_tenant(scope.tenant);
+                    s.write_all(&has_answer(node, &scope, &hashes)).await
                 }
-                let tenant = TenantId(uuid::Uuid::from_u128(f.get_u128_le()));
-                let top = (f.get_u16_le() as usize).min(MAX_TOP);
-                let stats = node.tenant_stats(tenant, top);
-                let json = serde_json::to_vec(&stats).map_err(|e| bad(&e.to_string()))?;
-                let mut out = BytesMut::with_capacity(5 + json.len());
-                out.put_u8(OK);
-                out.put_u32_le(json.len() as u32);
-                out.put_slice(&json);
-                s.write_all(&out).await?;
-            }
-            _ => return Err(bad("unknown op")),
+                OP_WHERE => {
+                    let path = node.local_socket().unwrap_or_default();
+                    let path = path.as_os_str().as_encoded_bytes();
+                    let mut out = BytesMut::with_capacity(3 + path.len());
+                    out.put_u8(OK);
+                    out.put_u16_le(path.len() as u16);
+                    out.put_slice(path);
+                    s.write_all(&out).await
+                }
+                OP_PUT => serve_put(&mut s, node, put).await,
+                OP_REPORT => {
+                    let (tag, report) =
+                        ConnectorReport::decode(f).ok_or_else(|| bad("REPORT length"))?;
+                    node.reports().put(tag, report);
+                    s.write_all(&[OK]).await
+                }
+                OP_STATS => serve_stats(&mut s, node, f).await,
+                _ => Err(bad("unknown op")),
+            }?;
+            tracing::debug!("peer request served");
+            Ok::<_, std::io::Error>(())
+        };
+        tracing::Instrument::instrument(served, span).await?;
+    }
+}
+
+/// HELLO with the cluster token, answered OK, or DENIED and the connection ended.
+async fn greet<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, token: &str) -> std::io::Result<()> {
+    let mut hello = read_frame(s).await?;
+    if hello.remaining() < 3 || hello.get_u8() != OP_HELLO {
+        return Err(bad("first frame is not HELLO"));
+    }
+    let n = hello.get_u16_le() as usize;
+    if hello.remaining() != n || !same_secret(&hello, token.as_bytes()) {
+        s.write_all(&[DENIED]).await?;
+        return Err(bad("wrong cluster token"));
+    }
+    s.write_all(&[OK]).await
+}
+
+/// A request op's name in its span.
+fn op_name(op: u8) -> &'static str {
+    match op {
+        OP_GET => "get",
+        OP_PUT => "put",
+        OP_STRIPE => "stripe",
+        OP_HAS => "has",
+        OP_WHERE => "where",
+        OP_REPORT => "report",
+        OP_STATS => "stats",
+        crate::wire::OP_RDMA_CONNECT => "rdma_connect",
+        crate::wire::OP_RDMA_GET => "rdma_get",
+        crate::wire::OP_RDMA_DONE => "rdma_done",
+        _ => "unknown",
+    }
+}
+
+/// The tenant a peer's request acts for, on its span.
+fn for_tenant(tenant: TenantId) {
+    tracing::Span::current().record("tenant_id", tracing::field::display(tenant));
+}
+
+/// GET: the longest held prefix of a chain, each block verified, with its checksum.
+async fn serve_get<S: AsyncWrite + Unpin>(
+    s: &mut S,
+    node: &FabricNode,
+    mut f: Bytes,
+) -> std::io::Result<()> {
+    let (scope, chain) = get_chain(&mut f).ok_or_else(|| bad("malformed GET"))?;
+    for_tenant(scope.tenant);
+    let now = tokio::time::Instant::now();
+    let read = node.with_store(|st| st.read_chain(&scope, &chain, now));
+    let (blocks, corrupt) = read.verify_with_checksums();
+    if let Some(hash) = corrupt {
+        node.with_store(|st| st.drop_corrupt(&hash));
+    }
+    let mut head = BytesMut::with_capacity(5 + blocks.len() * 48);
+    head.put_u8(OK);
+    head.put_u32_le(blocks.len() as u32);
+    s.write_all(&head).await?;
+    for (b, crc) in blocks {
+        let mut h = BytesMut::with_capacity(48);
+        h.put_slice(&b.hash.0);
+        h.put_u32_le(b.n_tokens);
+        h.put_u32_le(crc);
+        h.put_u64_le(b.data.len() as u64);
+        s.write_all(&h).await?;
+        s.write_all(&b.data).await?;
+    }
+    Ok(())
+}
+
+/// STRIPE: one stripe of one block (pulls of large blocks striped over connections).
+async fn serve_stripe<S: AsyncWrite + Unpin>(
+    s: &mut S,
+    node: &FabricNode,
+    mut f: Bytes,
+) -> std::io::Result<()> {
+    if f.remaining() != 72 {
+        return Err(bad("STRIPE length"));
+    }
+    let scope = get_scope(&mut f);
+    for_tenant(scope.tenant);
+    let hash = get_hash(&mut f);
+    let (index, count) = (f.get_u32_le() as u64, f.get_u32_le() as u64);
+    if count == 0 || index >= count {
+        return Err(bad("STRIPE index"));
+    }
+    let now = tokio::time::Instant::now();
+    // Unverified here: the receiver checks the whole block end to end.
+    let block = node.with_store(|st| st.get_for_transfer(&scope, &hash, now));
+    let mut h = BytesMut::with_capacity(40);
+    match block {
+        None => {
+            h.put_u8(OK);
+            h.put_u8(0);
+            s.write_all(&h).await?;
+        }
+        Some((b, crc)) => {
+            let total = b.data.len() as u64;
+            let per = total.div_ceil(count);
+            let lo = (index * per).min(total);
+            let hi = ((index + 1) * per).min(total);
+            h.put_u8(OK);
+            h.put_u8(1);
+            h.put_u32_le(b.n_tokens);
+            h.put_u32_le(crc);
+            h.put_u64_le(total);
+            h.put_u64_le(lo);
+            h.put_u64_le(hi - lo);
+            s.write_all(&h).await?;
+            s.write_all(&b.data[lo as usize..hi as usize]).await?;
         }
     }
+    Ok(())
+}
+
+/// PUT: an entry, a replica or a handoff stored, or refused with the reason.
+async fn serve_put<S: AsyncWrite + Unpin>(
+    s: &mut S,
+    node: &FabricNode,
+    put: Option<RemoteEntry>,
+) -> std::io::Result<()> {
+    let entry = put.ok_or_else(|| bad("malformed PUT"))?;
+    for_tenant(entry.scope.tenant);
+    let now = tokio::time::Instant::now();
+    let r = node.with_store(|st| {
+        let put = if entry.handoff {
+            Store::put_handoff
+        } else if entry.replica {
+            Store::put_replica
+        } else {
+            Store::put_entry
+        };
+        put(
+            st,
+            &entry.scope,
+            &entry.existing,
+            entry.new,
+            entry.ttl,
+            now,
+            entry.kind,
+        )
+    });
+    match r {
+        Ok(()) => s.write_all(&[OK]).await?,
+        Err(e) => s.write_all(&[REFUSED, refused_code(e)]).await?,
+    }
+    Ok(())
+}
+
+/// STATS: a tenant's cache on this node, as JSON.
+async fn serve_stats<S: AsyncWrite + Unpin>(
+    s: &mut S,
+    node: &FabricNode,
+    mut f: Bytes,
+) -> std::io::Result<()> {
+    if f.remaining() != 18 {
+        return Err(bad("STATS length"));
+    }
+    let tenant = TenantId(uuid::Uuid::from_u128(f.get_u128_le()));
+    for_tenant(tenant);
+    let top = (f.get_u16_le() as usize).min(MAX_TOP);
+    let stats = node.tenant_stats(tenant, top);
+    let json = serde_json::to_vec(&stats).map_err(|e| bad(&e.to_string()))?;
+    let mut out = BytesMut::with_capacity(5 + json.len());
+    out.put_u8(OK);
+    out.put_u32_le(json.len() as u32);
+    out.put_slice(&json);
+    s.write_all(&out).await?;
+    Ok(())
 }
 
 /// The answer to HAS: `ok` and whether each of `hashes` is held (TCP and the Unix socket).

@@ -6,6 +6,8 @@
 //! crate's errors speak.
 
 pub mod error;
+#[cfg(feature = "http")]
+pub mod span;
 
 use std::fmt;
 use std::str::FromStr;

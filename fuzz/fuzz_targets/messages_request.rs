@@ -10,7 +10,7 @@ use cachet_common::{Scope, TenantId, WorkspaceId};
 use engine::Engine;
 use engine::Prompt;
 use engine::sim::{SimEngine, SimProfile};
-use gateway::api::validate::{self, Breakpoint, ModelLimits};
+use gateway::wire::validate::{self, Breakpoint, ModelLimits};
 use gateway::error::ApiError;
 use libfuzzer_sys::fuzz_target;
 

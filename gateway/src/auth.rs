@@ -121,6 +121,7 @@ impl Authenticator {
             ));
         };
         let p = self.resolve(&tenants::hash_secret(&secret)).await?;
+        cachet_common::span::record_tenant(p.tenant, Some(p.workspace));
         let now = Utc::now();
         let p = usable(p, now)?;
         self.used

@@ -9,12 +9,12 @@ use cachet_common::Scope;
 use engine::{Engine, EngineError, Prompt, PromptMessage, Rendered, Role};
 use serde_json::{Value, json};
 
-use crate::api::types::{
-    ContentBlock, InputMessage, MessageContent, MessageRole, SystemPrompt, Tool,
-};
-use crate::api::validate::Breakpoint;
 use crate::error::ApiError;
 use crate::usage::{self, Placed};
+use crate::wire::types::{
+    ContentBlock, InputMessage, MessageContent, MessageRole, SystemPrompt, Tool,
+};
+use crate::wire::validate::Breakpoint;
 
 fn tool_text(t: &Tool) -> String {
     json!({"name": t.name, "description": t.description, "input_schema": t.input_schema})
@@ -134,7 +134,7 @@ pub fn prepare(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::validate::{self, ModelLimits};
+    use crate::wire::validate::{self, ModelLimits};
     use cachet_common::{TenantId, WorkspaceId};
     use engine::sim::{SimEngine, SimProfile};
     use proptest::prelude::*;

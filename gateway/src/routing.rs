@@ -23,13 +23,13 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get};
+use axum::{Extension, Router};
 use cache_fabric::events::Follower;
 use cache_fabric::index::PrefixIndex;
 use cache_fabric::membership;
@@ -42,7 +42,8 @@ use crate::auth::Authenticator;
 use crate::conductor::{Candidate, CostModel, Demand, Refusal};
 use crate::engines::EnginePool;
 use crate::error::{ApiError, ErrorCode};
-use crate::{CLUSTER_TOKEN_HEADER, REQUEST_ID_HEADER, metrics};
+use crate::metrics;
+use crate::state::{CLUSTER_TOKEN_HEADER, REQUEST_ID_HEADER};
 
 mod relay;
 
@@ -330,7 +331,7 @@ async fn demand(
     body: &Bytes,
 ) -> Result<Standing, ApiError> {
     let principal = state.auth.authenticate(headers).await?;
-    let crate::api::handlers::Shaped {
+    let crate::api::stages::Shaped {
         engine, prepared, ..
     } = crate::api::handlers::prepare_messages(
         &state.engines,
@@ -430,15 +431,15 @@ impl Drop for Computing<'_> {
 
 async fn messages(
     State(state): State<RouterState>,
+    Extension(rid): Extension<RequestId>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let rid = RequestId::new();
-    let body = match crate::api::handlers::body_bytes(body) {
+    let body = match crate::api::stages::body_bytes(body) {
         Ok(b) => b,
         Err(e) => return e.with_request_id(rid).into_response(),
     };
-    let standing = match crate::api::handlers::check_version(&headers) {
+    let standing = match crate::api::stages::check_version(&headers) {
         Ok(()) => demand(&state, &headers, &body).await,
         Err(e) => Err(e),
     };
@@ -454,12 +455,12 @@ async fn messages(
 /// (the same prefix, the same nodes), forwarded as sent to the node's own endpoint.
 async fn chat(
     State(state): State<RouterState>,
+    Extension(rid): Extension<RequestId>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let rid = RequestId::new();
     let routed = async {
-        let body = crate::api::handlers::body_bytes(body)?;
+        let body = crate::api::stages::body_bytes(body)?;
         let principal = state.auth.authenticate(&headers).await?;
         let (messages, opts) = crate::api::openai::to_messages(
             &body,
@@ -582,7 +583,11 @@ fn rank<'a>(
 /// Requests that need no routing decision (token counting, model listing) go to the least
 /// busy node.
 async fn passthrough(State(state): State<RouterState>, req: Request) -> Response {
-    let rid = RequestId::new();
+    let rid = req
+        .extensions()
+        .get::<RequestId>()
+        .copied()
+        .unwrap_or_default();
     let path = req
         .uri()
         .path_and_query()
@@ -1043,6 +1048,23 @@ async fn readyz(State(state): State<RouterState>) -> Response {
         .into_response()
 }
 
+/// Every request on the router gets its id here and runs in its span
+/// (`cachet_common::span`); the id is the one forwarded to the node, so both processes'
+/// lines carry it.
+async fn edge(mut req: Request, next: axum::middleware::Next) -> Response {
+    let rid = RequestId::new();
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("unmatched", |m| m.as_str())
+        .to_string();
+    req.extensions_mut().insert(rid);
+    let span = cachet_common::span::request(rid, req.method().as_str(), &route);
+    let resp = tracing::Instrument::instrument(next.run(req), span.clone()).await;
+    span.in_scope(|| tracing::debug!(status = resp.status().as_u16(), "http request answered"));
+    resp
+}
+
 /// The routing gateway's routes, with the admin and finance APIs and the admin UI when
 /// `admin` is given.
 pub fn router(state: RouterState, admin: Option<control::admin::AdminState>) -> Router {
@@ -1067,6 +1089,7 @@ pub fn router(state: RouterState, admin: Option<control::admin::AdminState>) -> 
         .fallback(crate::not_found)
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn(crate::error::observed))
+        .layer(axum::middleware::from_fn(edge))
 }
 
 /// Serve until `shutdown`, then finish in-flight requests.

@@ -63,7 +63,7 @@ impl Caller {
                 .get(hyper::header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "))
-                .is_some_and(|v| crate::same_secret(v.trim().as_bytes(), t.as_bytes())),
+                .is_some_and(|v| crate::state::same_secret(v.trim().as_bytes(), t.as_bytes())),
             None => self.peer.ip().is_loopback(),
         }
     }

@@ -15,8 +15,8 @@ use cachet_common::Ttl;
 use engine::Rendered;
 use serde_json::{Value, json};
 
-use crate::api::types::{CacheCreation, Usage};
-use crate::api::validate::{BlockRef, Breakpoint};
+use crate::wire::types::{CacheCreation, Usage};
+use crate::wire::validate::{BlockRef, Breakpoint};
 
 /// A breakpoint at its token offset.
 #[derive(Clone, Debug, PartialEq, Eq)]

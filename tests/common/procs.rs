@@ -105,6 +105,18 @@ pub fn start_node_with(
     env: &[(&str, String)],
     api: bool,
 ) -> Node {
+    start_node_logging(id, prefix, data_dir, env, api, log_to(&format!("{id}.log")))
+}
+
+/// [`start_node_with`] with its log (stderr) going to `log`.
+pub fn start_node_logging(
+    id: &str,
+    prefix: &str,
+    data_dir: &std::path::Path,
+    env: &[(&str, String)],
+    api: bool,
+    log: Stdio,
+) -> Node {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachet"));
     cmd.args([
         "node",
@@ -120,7 +132,7 @@ pub fn start_node_with(
     .env("CACHET_DATA_DIR", data_dir)
     .env("CACHET_DISK_CAPACITY_BYTES", "1048576")
     .stdout(Stdio::piped())
-    .stderr(log_to(&format!("{id}.log")));
+    .stderr(log);
     if api {
         cmd.args(["--api-listen", "127.0.0.1:0"]);
     }
@@ -164,13 +176,18 @@ impl Drop for Gateway {
 }
 
 pub fn start_gateway(prefix: &str, env: &[(&str, String)]) -> Gateway {
+    start_gateway_logging(prefix, env, log_to(&format!("gateway-{prefix}.log")))
+}
+
+/// [`start_gateway`] with its log (stderr) going to `log`.
+pub fn start_gateway_logging(prefix: &str, env: &[(&str, String)], log: Stdio) -> Gateway {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachet"));
     cmd.args(["router", "--redis-prefix", prefix])
         .env("CACHET_CLUSTER_TOKEN", TOKEN)
         .env("REDIS_URL", REDIS)
         .env("CACHET_LISTEN", "127.0.0.1:0")
         .stdout(Stdio::piped())
-        .stderr(log_to(&format!("gateway-{prefix}.log")));
+        .stderr(log);
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -234,8 +251,8 @@ pub fn block_hashes(body: &serde_json::Value, scope: Scope) -> Vec<BlockHash> {
     use engine::Engine;
     let engine = engine::sim::SimEngine::new(engine::sim::SimProfile::tiny(), 0.0);
     let bytes = serde_json::to_vec(body).unwrap();
-    let (req, bps) = gateway::api::validate::messages_request(&bytes, |_| {
-        Some(gateway::api::validate::ModelLimits {
+    let (req, bps) = gateway::wire::validate::messages_request(&bytes, |_| {
+        Some(gateway::wire::validate::ModelLimits {
             max_output_tokens: engine.info().max_output_tokens,
         })
     })

@@ -401,7 +401,11 @@ pub async fn patch_policy(
         } else {
             policy::PatchedBy::TenantAdmin
         };
-        policy::patch_policy(&state.pool, &admin.actor, TenantId(id), &patch, by).await?
+        let p = policy::patch_policy(&state.pool, &admin.actor, TenantId(id), &patch, by).await?;
+        if patch.touches_budget() {
+            crate::alerts::check_now(&state.pool, id).await;
+        }
+        p
     }))
 }
 

@@ -41,7 +41,7 @@ use axum::routing::{get, post};
 use billing::api::FinanceState;
 use cache_fabric::FabricClient;
 use cache_fabric::transport::TcpTransport;
-use cachet_common::RequestId;
+use cachet_common::{RequestId, TenantId};
 use identity::{AdminAuth, Claims, Role};
 use serde::de::DeserializeOwned;
 use sqlx::PgPool;
@@ -161,6 +161,9 @@ impl FromRequestParts<AdminState> for Admin {
         state: &AdminState,
     ) -> Result<Self, Self::Rejection> {
         let claims = state.finance.auth.authenticate(&parts.headers).await?;
+        if let Some(t) = claims.tenant {
+            cachet_common::span::record_tenant(TenantId(t), None);
+        }
         let actor = Actor {
             name: if claims.sid.is_some() {
                 format!("user:{}", claims.sub)
@@ -205,9 +208,17 @@ impl Admin {
         }
     }
 
-    /// Whether the caller may use `tenant` as `access` says. A tenant admin asking about
-    /// another tenant is told it does not exist.
+    /// Whether the caller may use `tenant` as `access` says (the request's span then names
+    /// it). A tenant admin asking about another tenant is told it does not exist.
     pub fn tenant(&self, tenant: Uuid, access: Access) -> Result<(), ApiError> {
+        let allowed = self.may_use(tenant, access);
+        if allowed.is_ok() {
+            cachet_common::span::record_tenant(TenantId(tenant), None);
+        }
+        allowed
+    }
+
+    fn may_use(&self, tenant: Uuid, access: Access) -> Result<(), ApiError> {
         match (self.claims.role, access) {
             (Role::PlatformAdmin, _) => Ok(()),
             (Role::TenantAdmin, Access::Read | Access::Write)

@@ -115,16 +115,18 @@ pub async fn update_workspace(
     AdminJson(patch): AdminJson<WorkspacePatch>,
 ) -> Result<axum::Json<WorkspaceInfo>, ApiError> {
     admin.tenant(id, Access::Write)?;
-    Ok(axum::Json(
-        workspaces::update_workspace(
-            &state.pool,
-            &admin.actor,
-            TenantId(id),
-            WorkspaceId(ws),
-            &patch,
-        )
-        .await?,
-    ))
+    let w = workspaces::update_workspace(
+        &state.pool,
+        &admin.actor,
+        TenantId(id),
+        WorkspaceId(ws),
+        &patch,
+    )
+    .await?;
+    if patch.touches_budget() {
+        crate::alerts::check_now(&state.pool, id).await;
+    }
+    Ok(axum::Json(w))
 }
 
 /// Archive a workspace: its keys are revoked, its usage stays. Final.

@@ -217,6 +217,13 @@ pub struct PolicyPatch {
 }
 
 impl PolicyPatch {
+    /// Whether the patch changes the monthly budget or its alert threshold.
+    pub fn touches_budget(&self) -> bool {
+        self.monthly_budget_minor.is_some() || self.budget_alert_percent.is_some()
+    }
+}
+
+impl PolicyPatch {
     /// Fields only a platform admin may change, named if this patch touches one.
     pub fn platform_fields(&self) -> Vec<&'static str> {
         let mut out = Vec::new();
@@ -344,7 +351,9 @@ pub enum PatchedBy {
     TenantAdmin,
 }
 
-/// Apply `patch` to a tenant's policy.
+/// Apply `patch` to a tenant's policy. When [`PolicyPatch::touches_budget`], the caller
+/// checks the tenant's budget alerts next (`alerts::check_now`, a layer above the tenants),
+/// so a budget lowered below what was spent alerts now, not at the next request.
 pub async fn patch_policy(
     pool: &PgPool,
     actor: &Actor,
@@ -404,10 +413,6 @@ pub async fn patch_policy(
     )
     .await?;
     tx.commit().await?;
-    if patch.monthly_budget_minor.is_some() || patch.budget_alert_percent.is_some() {
-        // A budget lowered below what was spent alerts now, not at the next request.
-        crate::alerts::check_now(pool, tenant).await;
-    }
     Ok(after)
 }
 

@@ -82,6 +82,13 @@ pub struct WorkspacePatch {
 }
 
 impl WorkspacePatch {
+    /// Whether the patch changes the workspace's monthly budget.
+    pub fn touches_budget(&self) -> bool {
+        self.monthly_budget_minor.is_some()
+    }
+}
+
+impl WorkspacePatch {
     /// `limits` with this patch applied, validated.
     pub fn apply(&self, mut l: WorkspaceLimits) -> Result<WorkspaceLimits, AdminError> {
         set(&mut l.requests_per_minute, self.requests_per_minute);
@@ -315,9 +322,6 @@ pub async fn update_workspace(
     )
     .await?;
     tx.commit().await?;
-    if patch.monthly_budget_minor.is_some() {
-        crate::alerts::check_now(pool, tenant.as_uuid()).await;
-    }
     get_workspace(pool, tenant, workspace).await
 }
 

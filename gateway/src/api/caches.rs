@@ -20,7 +20,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use cache_fabric::{EntryKind, FabricClient, Holding, PrefixKeys, WriteRefused};
-use cachet_common::{BlockHash, RequestId, Scope, Ttl};
+use cachet_common::{BlockHash, RequestId, Scope};
 use chrono::{DateTime, Utc};
 use control::caches::{self as store, CacheObject, Lifetime, MIN_TTL};
 use control::release;
@@ -30,14 +30,12 @@ use serde_json::{Map, Value, json};
 use sqlx::PgPool;
 use utoipa::ToSchema;
 
-use crate::AppState;
-use crate::api::handlers::{self, Shaped};
-use crate::api::types::ErrorBody;
-use crate::api::validate::{self, BlockRef, Breakpoint};
+use crate::api::stages::{self, ObjectUse, Shaped, object_breakpoint};
 use crate::error::{ApiError, ErrorCode};
+use crate::state::AppState;
+use crate::wire::types::{CACHED_CONTENT, ErrorBody};
+use crate::wire::validate::{self, BlockRef};
 
-/// The request field naming an object, and the location its breakpoint reports.
-pub const CACHED_CONTENT: &str = "cached_content";
 /// How long an object is held when its creation names no TTL.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(3600);
 /// Objects per page when a list names no limit.
@@ -104,35 +102,6 @@ pub struct DeletedCacheObject {
     /// Live nodes that had not released it when this answer was sent: each does when the
     /// change feed reaches it, or at its next start (empty when every node has).
     pub nodes_pending: Vec<String>,
-}
-
-/// A request's use of a cache object: the breakpoint at the object's end.
-#[derive(Clone, Debug)]
-pub(crate) struct ObjectUse {
-    pub id: String,
-    pub input_tokens: u64,
-    end: BlockRef,
-    /// Until the object expires: how long a rewrite of its prefix is held.
-    hold: Duration,
-}
-
-impl ObjectUse {
-    /// The breakpoint at the object's end: a read when its KV is cached, else a 1h-class
-    /// write held until the object expires.
-    pub fn breakpoint(&self) -> Breakpoint {
-        object_breakpoint(CACHED_CONTENT, self.end, self.hold)
-    }
-}
-
-fn object_breakpoint(location: &str, end: BlockRef, hold: Duration) -> Breakpoint {
-    Breakpoint {
-        location: location.into(),
-        block: end,
-        ttl: Ttl::OneHour,
-        automatic: false,
-        hold: Some(hold),
-        object: true,
-    }
 }
 
 /// A TTL or expiry the client got wrong (a 400 naming the field).
@@ -404,16 +373,15 @@ async fn shape(
     body.insert("max_tokens".into(), json!(0));
     body.entry("messages").or_insert_with(|| json!([]));
     let bytes = serde_json::to_vec(&body).expect("a JSON value serializes");
-    let (req, _) = validate::object_content(&bytes, |m| handlers::model_limits(engines, m))?;
+    let (req, _) = validate::object_content(&bytes, |m| stages::model_limits(engines, m))?;
     let end = end_of(content).ok_or_else(|| {
         ApiError::invalid(
             "messages: a cache object needs content: tools, a system prompt or messages, ending in a content block",
         )
     })?;
-    let large = bytes.len() > handlers::INLINE_RENDER_BYTES;
+    let large = bytes.len() > stages::INLINE_RENDER_BYTES;
     let bp = object_breakpoint("content", end, hold);
-    let (engine, prepared) =
-        handlers::render_for(engines, principal, &req, vec![bp], large).await?;
+    let (engine, prepared) = stages::render_for(engines, principal, &req, vec![bp], large).await?;
     Ok(Shaped {
         req,
         engine,
@@ -494,7 +462,7 @@ async fn create_inner(
 ) -> Result<CacheObject, ApiError> {
     let start = tokio::time::Instant::now();
     let started_at = Utc::now();
-    let body = handlers::body_bytes(body)?;
+    let body = stages::body_bytes(body)?;
     let principal = state.auth.authenticate(headers).await?;
     let asked = parse_create(&body)?;
     drop(body);
@@ -528,17 +496,17 @@ async fn create_inner(
     }
     let offset = end.offset;
     let keys = shaped.prepared.keys.clone();
-    let started = handlers::start_generation(
+    let started = stages::start_generation(
         state,
         rid,
         principal.clone(),
         shaped,
-        handlers::Asked::default(),
+        stages::Asked::default(),
         (start, started_at),
     )
     .await?;
     let mut rx = started.rx;
-    handlers::collect_answer(&mut rx).await?;
+    stages::collect_answer(&mut rx).await?;
     let bp = started.report.breakpoints.first();
     if !bp.is_some_and(|b| matches!(b.status.as_str(), "written" | "read" | "coalesced")) {
         crate::metrics::CACHE_OBJECT_OPS
@@ -699,7 +667,7 @@ async fn update_inner(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<CacheObject, ApiError> {
     let now = Utc::now();
-    let body = handlers::body_bytes(body)?;
+    let body = stages::body_bytes(body)?;
     let principal = state.auth.authenticate(headers).await?;
     let v: Value = serde_json::from_slice(&body).map_err(|e| {
         ApiError::invalid(format!(

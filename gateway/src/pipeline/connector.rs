@@ -1,7 +1,7 @@
 //! Engines with their own KV connector (vLLM): the keys, writes and tag sent with the
 //! request, and the entries and usage read back from the connector's report.
 
-use super::generate::{Prefilled, Work, breakpoint_report, entry_kind, usage_and_report};
+use super::work::{Prefilled, Work, breakpoint_report, entry_kind, usage_and_report};
 use super::*;
 
 /// The keys, writes and tag an engine's own connector needs for this request.
@@ -169,7 +169,7 @@ pub(super) fn connector_entries(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::validate::{BlockRef, Breakpoint};
+    use crate::wire::validate::{BlockRef, Breakpoint};
 
     fn placed(offset: usize, ttl: Ttl, automatic: bool) -> usage::Placed {
         usage::Placed {

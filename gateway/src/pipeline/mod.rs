@@ -24,20 +24,22 @@ use engine::{
 };
 use tokio::sync::mpsc;
 
-use crate::AppState;
 use crate::admission::{Ask, Decision, RateHeaders};
-use crate::api::types::{BreakpointReport, CacheReport, Usage};
 use crate::coalesce::{Claim, Leader, Waited};
 use crate::diagnostics;
 use crate::error::{ApiError, ErrorCode};
 use crate::metrics;
 use crate::render::Prepared;
+use crate::state::AppState;
 use crate::usage::{self, TokenUsage};
+use crate::wire::types::{BreakpointReport, CacheReport, Usage};
 use control::tenants::Principal;
-use generate::{Finished, Work, generate};
+use generate::{Finished, generate};
+use work::Work;
 
 mod connector;
 mod generate;
+mod work;
 
 pub struct Job {
     pub request_id: RequestId,
@@ -86,13 +88,9 @@ pub enum Event {
 /// a connection that stops taking bytes altogether.
 pub fn spawn(state: AppState, job: Job) -> mpsc::UnboundedReceiver<Event> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let span = tracing::info_span!(
-        "request",
-        request_id = %job.request_id,
-        tenant_id = %job.principal.tenant,
-        workspace_id = %job.principal.workspace,
-        model = %job.engine.info().id,
-    );
+    // A child of the request's span (request id, tenant, workspace), which the task
+    // outlives when the client goes away.
+    let span = tracing::info_span!("pipeline", model = %job.engine.info().id);
     tokio::spawn(tracing::Instrument::instrument(drive(state, job, tx), span));
     rx
 }

@@ -11,8 +11,8 @@
 use cachet_common::Ttl;
 use serde_json::{Map, Value};
 
-use crate::api::types::{CountTokensRequest, MessagesRequest};
 use crate::error::ApiError;
+use crate::wire::types::{CountTokensRequest, MessagesRequest};
 
 /// Which content block a breakpoint marks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

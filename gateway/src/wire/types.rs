@@ -1,10 +1,13 @@
 //! Wire types of the Anthropic-compatible API. Requests are validated as JSON first
-//! (`api::validate`, for exact error texts) and then deserialized into these types; responses
+//! (`wire::validate`, for exact error texts) and then deserialized into these types; responses
 //! are serialized from them. The OpenAPI spec is generated from them.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
+
+/// The request field naming a cache object, and the location its breakpoint reports.
+pub const CACHED_CONTENT: &str = "cached_content";
 
 /// `{"type":"ephemeral","ttl":"5m"|"1h"}`.
 #[derive(Clone, Debug, Deserialize, Serialize, ToSchema, PartialEq, Eq)]
