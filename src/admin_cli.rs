@@ -368,11 +368,10 @@ async fn tenant_id(pool: &PgPool, name_or_id: &str) -> anyhow::Result<Uuid> {
 }
 
 async fn user_id(pool: &PgPool, username: &str) -> anyhow::Result<Uuid> {
-    sqlx::query_scalar("SELECT id FROM admin_users WHERE username = $1")
-        .bind(username)
-        .fetch_optional(pool)
+    Ok(control::admin::login::find_user(pool, username)
         .await?
-        .with_context(|| format!("no user {username}"))
+        .with_context(|| format!("no user {username}"))?
+        .id)
 }
 
 fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {

@@ -681,206 +681,13 @@ impl Config {
         if data_dir.as_os_str().is_empty() {
             bail!("data_dir must not be empty");
         }
-        let FabricSection {
-            dram_capacity_bytes,
-            eviction: _,
-            disk_capacity_bytes,
-            gpu_capacity_bytes,
-            rdma_device,
-            rdma_pool_bytes,
-            receive_budget_bytes,
-            listen: _,
-            local_socket: _,
-        } = fabric;
-        if let Some(path) = fabric.local_socket_path(data_dir) {
-            // sun_path holds 108 bytes with its NUL.
-            let len = path.as_os_str().len();
-            if len > 107 {
-                bail!(
-                    "fabric.local_socket {} is {len} bytes long; a Unix socket's path holds at most 107 (set a shorter fabric.local_socket, or \"off\")",
-                    path.display()
-                );
-            }
-        }
-        if *receive_budget_bytes == 0 {
-            bail!("fabric.receive_budget_bytes must be positive");
-        }
-        if rdma_device.is_empty() {
-            bail!("fabric.rdma_device must be auto, off, or a device name");
-        }
-        if *rdma_pool_bytes == 0 {
-            bail!(
-                "fabric.rdma_pool_bytes must be positive (fabric.rdma_device = \"off\" turns RDMA off)"
-            );
-        }
-        if disk_capacity_bytes.is_some_and(|d| d > 0) && *gpu_capacity_bytes > 0 {
-            bail!(
-                "fabric.disk_capacity_bytes and fabric.gpu_capacity_bytes are both set: a node has one tier under DRAM"
-            );
-        }
-        if *dram_capacity_bytes == 0 {
-            bail!("fabric.dram_capacity_bytes must be positive");
-        }
-        fabric.eviction()?;
-        let EngineSection {
-            kind,
-            model_path,
-            sim_time_scale,
-            sim_answer_tokens: _,
-            kv_dtype: _,
-            workers,
-            queue: _,
-            kv_budget_bytes: _,
-            kv_budget_wait_ms,
-            vllm,
-        } = engine;
-        for (i, v) in vllm.iter().enumerate() {
-            let VllmUpstream {
-                model,
-                url,
-                instances,
-                served_model,
-                block_size,
-                max_model_len,
-                read_timeout_secs,
-            } = v;
-            if model.is_empty() || served_model.is_empty() {
-                bail!("engine.vllm[{i}]: model and served_model must be set");
-            }
-            if let Some(bad) = std::iter::once(url)
-                .chain(instances)
-                .find(|u| !u.starts_with("http://"))
-            {
-                bail!("engine.vllm[{i}]: url and instances must be http:// URLs (got {bad:?})");
-            }
-            if *block_size == 0 || !block_size.is_multiple_of(32) {
-                bail!("engine.vllm[{i}].block_size must be a positive multiple of 32");
-            }
-            if *max_model_len == 0 || *read_timeout_secs == 0 {
-                bail!("engine.vllm[{i}]: max_model_len and read_timeout_secs must be positive");
-            }
-            if vllm[..i].iter().any(|o| o.model == *model) {
-                bail!("engine.vllm[{i}]: model {model:?} is listed twice");
-            }
-        }
-        if !vllm.is_empty() && model_path.as_os_str().is_empty() {
-            bail!("engine.model_path must be set: vLLM models render prompts with its tokenizer");
-        }
-        engine.kv_dtype()?;
-        if kind != "sim" && kind != "reference" {
-            bail!("engine.kind: {kind:?} is not an engine; available: reference, sim");
-        }
-        if kind == "reference" && model_path.as_os_str().is_empty() {
-            bail!("engine.model_path must be set for the reference engine");
-        }
-        if !(sim_time_scale.is_finite() && *sim_time_scale >= 0.0) {
-            bail!("engine.sim_time_scale must be a finite number >= 0");
-        }
-        if *workers == 0 {
-            bail!("engine.workers must be positive");
-        }
-        if *kv_budget_wait_ms == 0 {
-            bail!("engine.kv_budget_wait_ms must be positive");
-        }
-        let GatewaySection {
-            max_body_bytes,
-            auth_cache_ttl_secs: _,
-            redis_timeout_ms,
-            header_read_timeout_secs,
-            body_read_timeout_secs,
-            write_stall_timeout_secs,
-            max_connections,
-            max_connections_per_client: _,
-            coalesce: _,
-        } = gateway;
-        if *header_read_timeout_secs == 0
-            || *body_read_timeout_secs == 0
-            || *write_stall_timeout_secs == 0
-        {
-            bail!("gateway.*_timeout_secs must be positive");
-        }
-        if *max_connections == 0 {
-            bail!("gateway.max_connections must be positive");
-        }
-        if *max_body_bytes < 1024 {
-            bail!("gateway.max_body_bytes must be at least 1024");
-        }
-        if *redis_timeout_ms == 0 {
-            bail!("gateway.redis_timeout_ms must be positive");
-        }
-        let MeterSection {
-            batch_max,
-            queue_capacity,
-            retry_interval_ms,
-            linger_ms,
-            spool_file,
-        } = meter;
-        if *linger_ms > 1000 {
-            bail!("meter.linger_ms must be at most 1000");
-        }
-        if *batch_max == 0 || *queue_capacity == 0 || *retry_interval_ms == 0 {
-            bail!(
-                "meter.batch_max, meter.queue_capacity and meter.retry_interval_ms must be positive"
-            );
-        }
-        if spool_file.as_os_str().is_empty() {
-            bail!("meter.spool_file must not be empty");
-        }
-        let ClusterSection {
-            group_size,
-            replicas,
-            prefill_tokens_per_sec,
-            transfer_bytes_per_sec,
-            ttft_slo_ms,
-            resume_grace_secs: _,
-        } = cluster;
-        if *group_size == 0 || *replicas == 0 || replicas > group_size {
-            bail!("cluster.replicas must be between 1 and cluster.group_size");
-        }
-        if *prefill_tokens_per_sec == 0 || *transfer_bytes_per_sec == 0 || *ttft_slo_ms == 0 {
-            bail!(
-                "cluster.prefill_tokens_per_sec, cluster.transfer_bytes_per_sec and \
-                 cluster.ttft_slo_ms must be positive"
-            );
-        }
-        let LogSection { format } = log;
-        if format != "text" && format != "json" {
-            bail!("log.format must be text or json");
-        }
-        let AdminSection {
-            ui_dir: _,
-            access_token_ttl_secs,
-            session_ttl_secs,
-            rollup_interval_secs,
-            change_poll_ms,
-            spend_refresh_secs,
-            webhook_retry_base_ms,
-            webhook_max_attempts,
-            webhook_allow_private_addresses: _,
-        } = admin;
-        if !(60..=86_400).contains(access_token_ttl_secs) {
-            bail!("admin.access_token_ttl_secs must be between 60 and 86400");
-        }
-        if session_ttl_secs < access_token_ttl_secs {
-            bail!("admin.session_ttl_secs must be at least admin.access_token_ttl_secs");
-        }
-        if *rollup_interval_secs == 0 || *rollup_interval_secs > 3600 {
-            bail!("admin.rollup_interval_secs must be between 1 and 3600");
-        }
-        if !(50..=5000).contains(change_poll_ms) {
-            bail!(
-                "admin.change_poll_ms must be between 50 and 5000 (changes must apply within seconds)"
-            );
-        }
-        if *spend_refresh_secs == 0 || *spend_refresh_secs > 3600 {
-            bail!("admin.spend_refresh_secs must be between 1 and 3600");
-        }
-        if !(100..=3_600_000).contains(webhook_retry_base_ms) {
-            bail!("admin.webhook_retry_base_ms must be between 100 and 3600000");
-        }
-        if !(1..=30).contains(webhook_max_attempts) {
-            bail!("admin.webhook_max_attempts must be between 1 and 30");
-        }
+        fabric.validate(data_dir)?;
+        engine.validate()?;
+        gateway.validate()?;
+        meter.validate()?;
+        cluster.validate()?;
+        log.validate()?;
+        admin.validate()?;
         Ok(())
     }
 
@@ -934,6 +741,255 @@ impl Config {
             linger: Duration::from_millis(self.meter.linger_ms),
             foreign: billing::database::Foreign::KeepAside,
         }
+    }
+}
+
+impl FabricSection {
+    /// The fabric's settings, with the data directory its socket path derives from.
+    fn validate(&self, data_dir: &std::path::Path) -> anyhow::Result<()> {
+        let FabricSection {
+            dram_capacity_bytes,
+            eviction: _,
+            disk_capacity_bytes,
+            gpu_capacity_bytes,
+            rdma_device,
+            rdma_pool_bytes,
+            receive_budget_bytes,
+            listen: _,
+            local_socket: _,
+        } = self;
+        if let Some(path) = self.local_socket_path(data_dir) {
+            // sun_path holds 108 bytes with its NUL.
+            let len = path.as_os_str().len();
+            if len > 107 {
+                bail!(
+                    "fabric.local_socket {} is {len} bytes long; a Unix socket's path holds at most 107 (set a shorter fabric.local_socket, or \"off\")",
+                    path.display()
+                );
+            }
+        }
+        if *receive_budget_bytes == 0 {
+            bail!("fabric.receive_budget_bytes must be positive");
+        }
+        if rdma_device.is_empty() {
+            bail!("fabric.rdma_device must be auto, off, or a device name");
+        }
+        if *rdma_pool_bytes == 0 {
+            bail!(
+                "fabric.rdma_pool_bytes must be positive (fabric.rdma_device = \"off\" turns RDMA off)"
+            );
+        }
+        if disk_capacity_bytes.is_some_and(|d| d > 0) && *gpu_capacity_bytes > 0 {
+            bail!(
+                "fabric.disk_capacity_bytes and fabric.gpu_capacity_bytes are both set: a node has one tier under DRAM"
+            );
+        }
+        if *dram_capacity_bytes == 0 {
+            bail!("fabric.dram_capacity_bytes must be positive");
+        }
+        self.eviction()?;
+        Ok(())
+    }
+}
+
+impl EngineSection {
+    /// The engines' settings: the kind, the model, the workers, every vLLM upstream.
+    fn validate(&self) -> anyhow::Result<()> {
+        let EngineSection {
+            kind,
+            model_path,
+            sim_time_scale,
+            sim_answer_tokens: _,
+            kv_dtype: _,
+            workers,
+            queue: _,
+            kv_budget_bytes: _,
+            kv_budget_wait_ms,
+            vllm,
+        } = self;
+        for (i, v) in vllm.iter().enumerate() {
+            let VllmUpstream {
+                model,
+                url,
+                instances,
+                served_model,
+                block_size,
+                max_model_len,
+                read_timeout_secs,
+            } = v;
+            if model.is_empty() || served_model.is_empty() {
+                bail!("engine.vllm[{i}]: model and served_model must be set");
+            }
+            if let Some(bad) = std::iter::once(url)
+                .chain(instances)
+                .find(|u| !u.starts_with("http://"))
+            {
+                bail!("engine.vllm[{i}]: url and instances must be http:// URLs (got {bad:?})");
+            }
+            if *block_size == 0 || !block_size.is_multiple_of(32) {
+                bail!("engine.vllm[{i}].block_size must be a positive multiple of 32");
+            }
+            if *max_model_len == 0 || *read_timeout_secs == 0 {
+                bail!("engine.vllm[{i}]: max_model_len and read_timeout_secs must be positive");
+            }
+            if vllm[..i].iter().any(|o| o.model == *model) {
+                bail!("engine.vllm[{i}]: model {model:?} is listed twice");
+            }
+        }
+        if !vllm.is_empty() && model_path.as_os_str().is_empty() {
+            bail!("engine.model_path must be set: vLLM models render prompts with its tokenizer");
+        }
+        self.kv_dtype()?;
+        if kind != "sim" && kind != "reference" {
+            bail!("engine.kind: {kind:?} is not an engine; available: reference, sim");
+        }
+        if kind == "reference" && model_path.as_os_str().is_empty() {
+            bail!("engine.model_path must be set for the reference engine");
+        }
+        if !(sim_time_scale.is_finite() && *sim_time_scale >= 0.0) {
+            bail!("engine.sim_time_scale must be a finite number >= 0");
+        }
+        if *workers == 0 {
+            bail!("engine.workers must be positive");
+        }
+        if *kv_budget_wait_ms == 0 {
+            bail!("engine.kv_budget_wait_ms must be positive");
+        }
+        Ok(())
+    }
+}
+
+impl GatewaySection {
+    /// The HTTP edge's settings: timeouts, connections, body size.
+    fn validate(&self) -> anyhow::Result<()> {
+        let GatewaySection {
+            max_body_bytes,
+            auth_cache_ttl_secs: _,
+            redis_timeout_ms,
+            header_read_timeout_secs,
+            body_read_timeout_secs,
+            write_stall_timeout_secs,
+            max_connections,
+            max_connections_per_client: _,
+            coalesce: _,
+        } = self;
+        if *header_read_timeout_secs == 0
+            || *body_read_timeout_secs == 0
+            || *write_stall_timeout_secs == 0
+        {
+            bail!("gateway.*_timeout_secs must be positive");
+        }
+        if *max_connections == 0 {
+            bail!("gateway.max_connections must be positive");
+        }
+        if *max_body_bytes < 1024 {
+            bail!("gateway.max_body_bytes must be at least 1024");
+        }
+        if *redis_timeout_ms == 0 {
+            bail!("gateway.redis_timeout_ms must be positive");
+        }
+        Ok(())
+    }
+}
+
+impl MeterSection {
+    /// The meter's settings: batches, queue, retries, the spool.
+    fn validate(&self) -> anyhow::Result<()> {
+        let MeterSection {
+            batch_max,
+            queue_capacity,
+            retry_interval_ms,
+            linger_ms,
+            spool_file,
+        } = self;
+        if *linger_ms > 1000 {
+            bail!("meter.linger_ms must be at most 1000");
+        }
+        if *batch_max == 0 || *queue_capacity == 0 || *retry_interval_ms == 0 {
+            bail!(
+                "meter.batch_max, meter.queue_capacity and meter.retry_interval_ms must be positive"
+            );
+        }
+        if spool_file.as_os_str().is_empty() {
+            bail!("meter.spool_file must not be empty");
+        }
+        Ok(())
+    }
+}
+
+impl ClusterSection {
+    /// The cluster's settings: shard groups, replicas, the conductor's rates and SLO.
+    fn validate(&self) -> anyhow::Result<()> {
+        let ClusterSection {
+            group_size,
+            replicas,
+            prefill_tokens_per_sec,
+            transfer_bytes_per_sec,
+            ttft_slo_ms,
+            resume_grace_secs: _,
+        } = self;
+        if *group_size == 0 || *replicas == 0 || replicas > group_size {
+            bail!("cluster.replicas must be between 1 and cluster.group_size");
+        }
+        if *prefill_tokens_per_sec == 0 || *transfer_bytes_per_sec == 0 || *ttft_slo_ms == 0 {
+            bail!(
+                "cluster.prefill_tokens_per_sec, cluster.transfer_bytes_per_sec and \
+                 cluster.ttft_slo_ms must be positive"
+            );
+        }
+        Ok(())
+    }
+}
+
+impl LogSection {
+    /// The log's settings.
+    fn validate(&self) -> anyhow::Result<()> {
+        let LogSection { format } = self;
+        if format != "text" && format != "json" {
+            bail!("log.format must be text or json");
+        }
+        Ok(())
+    }
+}
+
+impl AdminSection {
+    /// The admin console's settings: token and session lifetimes, loops, webhooks.
+    fn validate(&self) -> anyhow::Result<()> {
+        let AdminSection {
+            ui_dir: _,
+            access_token_ttl_secs,
+            session_ttl_secs,
+            rollup_interval_secs,
+            change_poll_ms,
+            spend_refresh_secs,
+            webhook_retry_base_ms,
+            webhook_max_attempts,
+            webhook_allow_private_addresses: _,
+        } = self;
+        if !(60..=86_400).contains(access_token_ttl_secs) {
+            bail!("admin.access_token_ttl_secs must be between 60 and 86400");
+        }
+        if session_ttl_secs < access_token_ttl_secs {
+            bail!("admin.session_ttl_secs must be at least admin.access_token_ttl_secs");
+        }
+        if *rollup_interval_secs == 0 || *rollup_interval_secs > 3600 {
+            bail!("admin.rollup_interval_secs must be between 1 and 3600");
+        }
+        if !(50..=5000).contains(change_poll_ms) {
+            bail!(
+                "admin.change_poll_ms must be between 50 and 5000 (changes must apply within seconds)"
+            );
+        }
+        if *spend_refresh_secs == 0 || *spend_refresh_secs > 3600 {
+            bail!("admin.spend_refresh_secs must be between 1 and 3600");
+        }
+        if !(100..=3_600_000).contains(webhook_retry_base_ms) {
+            bail!("admin.webhook_retry_base_ms must be between 100 and 3600000");
+        }
+        if !(1..=30).contains(webhook_max_attempts) {
+            bail!("admin.webhook_max_attempts must be between 1 and 30");
+        }
+        Ok(())
     }
 }
 

@@ -124,12 +124,7 @@ async fn main() -> anyhow::Result<()> {
             let id =
                 id.unwrap_or_else(|| format!("node-{}", listen.rsplit(':').next().unwrap_or("0")));
             let stop = CancellationToken::new();
-            let s = stop.clone();
-            tokio::spawn(async move {
-                wait_for_signal().await;
-                tracing::info!("shutting down");
-                s.cancel();
-            });
+            cancel_on_signal(stop.clone());
             cachet::node::run(
                 config,
                 cachet::node::NodeArgs {
@@ -153,11 +148,7 @@ async fn main() -> anyhow::Result<()> {
             let (addr, task) =
                 server::start_router(config, listener, shutdown.clone(), redis_prefix).await?;
             println!("gateway listening on {addr}");
-            tokio::spawn(async move {
-                wait_for_signal().await;
-                tracing::info!("shutting down");
-                shutdown.cancel();
-            });
+            cancel_on_signal(shutdown);
             task.await.context("gateway task panicked")?
         }
         Command::Serve => {
@@ -167,12 +158,7 @@ async fn main() -> anyhow::Result<()> {
             let shutdown = CancellationToken::new();
             let running = server::start(config, listener, shutdown.clone()).await?;
             println!("serving on {}", running.addr);
-            let stop = shutdown.clone();
-            tokio::spawn(async move {
-                wait_for_signal().await;
-                tracing::info!("shutting down");
-                stop.cancel();
-            });
+            cancel_on_signal(shutdown);
             running.wait().await
         }
         Command::Billing { command } => {
@@ -181,17 +167,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Migrate => {
             let pool = server::connect_and_migrate(&config.database_url, 2).await?;
-            println!("migrations applied");
-            let seeded =
-                billing::prices::ensure_list_defaults(&pool, billing::prices::DEFAULT_MODELS)
-                    .await?;
-            if !seeded.is_empty() {
-                println!(
-                    "list prices seeded (shipped defaults): {}",
-                    seeded.join(", ")
-                );
-            }
-            Ok(())
+            migrate(&pool).await
         }
         Command::Admin { command } => {
             let pool = server::connect_and_migrate(&config.database_url, 2).await?;
@@ -199,41 +175,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Demo { key_file } => {
             let pool = server::connect_and_migrate(&config.database_url, 2).await?;
-            // A stored key is reused only if this database still knows it (the file outlives
-            // a dropped database or another DATABASE_URL).
-            let stored = std::fs::read_to_string(&key_file)
-                .ok()
-                .map(|s| s.trim().to_string())
-                .filter(|s| !s.is_empty());
-            let live = match &stored {
-                Some(s) => control::tenants::key_is_live(&pool, s).await?,
-                None => false,
-            };
-            let secret = match stored {
-                Some(s) if live => s,
-                _ => {
-                    let actor = control::tenants::Actor::cli_user();
-                    let t = match control::tenants::find_tenant(&pool, "demo").await? {
-                        Some(t) => t,
-                        None => control::tenants::create_tenant(&pool, &actor, "demo").await?,
-                    };
-                    let k = control::tenants::create_key(&pool, &actor, &t, "demo", None).await?;
-                    if let Some(dir) = key_file.parent() {
-                        std::fs::create_dir_all(dir)?;
-                    }
-                    std::fs::write(&key_file, format!("{}\n", k.secret))?;
-                    #[cfg(unix)]
-                    {
-                        use std::os::unix::fs::PermissionsExt;
-                        std::fs::set_permissions(
-                            &key_file,
-                            std::fs::Permissions::from_mode(0o600),
-                        )?;
-                    }
-                    k.secret
-                }
-            };
-            println!("{secret}");
+            println!("{}", demo_key(&pool, &key_file).await?);
             Ok(())
         }
         Command::Openapi => {
@@ -242,6 +184,61 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Loadtest { .. } => unreachable!("handled above"),
     }
+}
+
+/// `cachet migrate`: the schema applied (by the caller's connect), then the list prices Cachet
+/// ships seeded where none is set.
+async fn migrate(pool: &sqlx::PgPool) -> anyhow::Result<()> {
+    println!("migrations applied");
+    let seeded =
+        billing::prices::ensure_list_defaults(pool, billing::prices::DEFAULT_MODELS).await?;
+    if !seeded.is_empty() {
+        println!(
+            "list prices seeded (shipped defaults): {}",
+            seeded.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// `cachet demo`: the demo tenant's API key, kept in `key_file` (mode 600). A stored key is
+/// reused only if this database still knows it (the file outlives a dropped database or
+/// another DATABASE_URL).
+async fn demo_key(pool: &sqlx::PgPool, key_file: &std::path::Path) -> anyhow::Result<String> {
+    let stored = std::fs::read_to_string(key_file)
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty());
+    if let Some(s) = stored
+        && control::tenants::key_is_live(pool, &s).await?
+    {
+        return Ok(s);
+    }
+    let actor = control::tenants::Actor::cli_user();
+    let t = match control::tenants::find_tenant(pool, "demo").await? {
+        Some(t) => t,
+        None => control::tenants::create_tenant(pool, &actor, "demo").await?,
+    };
+    let k = control::tenants::create_key(pool, &actor, &t, "demo", None).await?;
+    if let Some(dir) = key_file.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(key_file, format!("{}\n", k.secret))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(key_file, std::fs::Permissions::from_mode(0o600))?;
+    }
+    Ok(k.secret)
+}
+
+/// Cancel `token` on SIGINT or SIGTERM.
+fn cancel_on_signal(token: CancellationToken) {
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("shutting down");
+        token.cancel();
+    });
 }
 
 /// SIGINT or SIGTERM.

@@ -70,22 +70,7 @@ pub async fn run(
         &crate::dirlock::meter_dirs(&config.data_dir, &config.spool_path()),
         &format!("node {}", args.id),
     )?;
-    let listener = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .with_context(|| format!("binding the fabric port {}", args.listen))?;
-    let addr = listener.local_addr()?.to_string();
-    let api_listener = match &args.api_listen {
-        Some(a) => Some(
-            tokio::net::TcpListener::bind(a)
-                .await
-                .with_context(|| format!("binding the API port {a}"))?,
-        ),
-        None => None,
-    };
-    let api_addr = api_listener
-        .as_ref()
-        .map(|l| l.local_addr().map(|a| a.to_string()))
-        .transpose()?;
+    let ports = Ports::bind(&args).await?;
     let node = config.fabric.node(&config.data_dir.join("fabric-disk"))?;
     // The engine beside this node (vLLM's connector) loads and saves through shared memory;
     // the socket goes when this function returns.
@@ -97,14 +82,7 @@ pub async fn run(
         config.cluster.fabric(),
     );
     rdma(&config.fabric, &node, &cluster)?;
-    let epoch = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_millis() as u64;
-
     let conn = crate::server::cluster_redis(&config.redis_url).await?;
-    // Stopped in order at shutdown: the API, then the membership, then the rest.
-    let leave = CancellationToken::new();
-    let background = CancellationToken::new();
     // Tombstones first: what the disk tier kept of a purged cache or a deleted cache object
     // goes before the node announces or serves anything.
     apply_tombstones(
@@ -112,139 +90,30 @@ pub async fn run(
         FabricClient::clustered(node.clone(), cluster.clone()),
     )
     .await;
-    let (sink, rx) = events::channel(65_536);
-    node.set_event_sink(sink);
-    // What survived a restart in the disk tier is announced again.
-    node.with_store(|s| s.announce_held());
-    let publisher = crate::spawn_loop(
-        "block_events",
-        events::publish(
-            conn.clone(),
-            format!("{}:blocks", args.redis_prefix),
-            args.id.clone(),
-            rx,
-            1_000_000,
-        ),
-    );
-    let record = NodeRecord {
-        id: args.id.clone(),
-        addr: args.advertise.clone().unwrap_or_else(|| addr.clone()),
-        rack: args.rack.clone(),
-        dram_capacity_bytes: config.fabric.dram_capacity_bytes,
-        disk_capacity_bytes: config
-            .fabric
-            .disk_bytes(&config.data_dir.join("fabric-disk")),
-        epoch,
-        dram_used_bytes: 0,
-        api_addr: args.api_advertise.clone().or_else(|| api_addr.clone()),
-        ..Default::default()
-    };
-    // Announced and with a first view before it serves anything: its first writes already
-    // go to their owners.
-    let mut c = conn.clone();
-    membership::announce(&mut c, &args.redis_prefix, &record)
-        .await
-        .context("announcing the node in Redis")?;
-    cluster
-        .refresh(&mut c, &args.redis_prefix)
-        .await
-        .context("reading the cluster membership")?;
-    let n = node.clone();
-    // What the node measures goes out with every heartbeat: its engines' prefill rates (once
-    // its API runs) and its pull bandwidth, the routing gateway's learned estimates.
-    let measured: Arc<std::sync::OnceLock<gateway::coalesce::Inflight>> = Arc::default();
-    let (m, cl) = (measured.clone(), cluster.clone());
-    let heartbeat = crate::spawn_loop(
-        "heartbeat",
-        membership::heartbeat(
-            conn.clone(),
-            args.redis_prefix.clone(),
-            move || NodeRecord {
-                dram_used_bytes: n.with_store(|s| s.used_bytes()),
-                prefill_tokens_per_sec: m
-                    .get()
-                    .map(|i| i.prefill_tokens_per_sec())
-                    .unwrap_or_default(),
-                pull_bytes_per_sec: cl.pull_bytes_per_sec(),
-                ..record.clone()
-            },
-            leave.clone(),
-        ),
-    );
-    crate::spawn_loop(
-        "membership",
-        cluster.clone().follow_membership(
-            conn.clone(),
-            args.redis_prefix.clone(),
-            MEMBERSHIP_POLL,
-            background.clone(),
-        ),
-    );
-    crate::spawn_loop(
-        "write_through",
-        node.clone()
-            .run_write_through(crate::server::WRITE_THROUGH_EVERY, background.clone()),
-    );
-    crate::spawn_loop(
-        "repairs",
-        cluster
-            .clone()
-            .run_repairs(REPAIR_RETRY, background.clone()),
-    );
-    // Blocks dropped as corrupt are fetched again from another owner.
-    crate::spawn_loop(
-        "healing",
-        cluster
-            .clone()
-            .run_healing(Duration::from_secs(1), background.clone()),
-    );
+    let publisher = publish_events(&conn, &args, &node);
+    let record = record(&config, &args, &ports)?;
+    announce(&conn, &args.redis_prefix, &record, &cluster).await?;
+    let loops = Loops::spawn(&conn, &args.redis_prefix, &node, &cluster, record);
     let serving = crate::spawn_loop(
         "fabric_serve",
-        serve_tcp(listener, node.clone(), token.clone()),
+        serve_tcp(ports.fabric, node.clone(), token.clone()),
     );
-    println!("node {} listening on {addr}", args.id);
-
+    println!("node {} listening on {}", args.id, ports.addr);
     let api_stop = CancellationToken::new();
-    let api = match api_listener {
+    let api = match ports.api {
         Some(l) => {
-            let mut gw = config.gateway();
-            gw.internal_token = Some(token.clone());
             let fabric = FabricClient::clustered(node.clone(), cluster.clone());
-            let running = crate::server::start_api(
-                config.clone(),
-                gw,
-                l,
-                api_stop.clone(),
-                node.clone(),
-                fabric,
-            )
-            .await?;
+            let running = start_api_half(&config, &token, l, &api_stop, &node, fabric).await?;
             println!("node {} api on {}", args.id, running.addr);
-            let _ = measured.set(running.inflight.clone());
+            let _ = loops.measured.set(running.inflight.clone());
             Some(running)
         }
         None => {
-            // A storage-only node still applies tenants' cache policy and purges deleted
-            // tenants (the API half does it for a node that has one).
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(2)
-                .acquire_timeout(Duration::from_secs(2))
-                .connect_lazy(&config.database_url)
-                .context("database_url")?;
-            crate::server::follow_changes(
-                &config,
-                pool,
-                gateway::sync::Targets {
-                    fabric: Some(FabricClient::clustered(node.clone(), cluster.clone())),
-                    ..Default::default()
-                },
-                &background,
-            )
-            .await;
+            let fabric = FabricClient::clustered(node.clone(), cluster.clone());
+            follow_changes_alone(&config, fabric, &loops.background).await?;
             None
         }
     };
-
     stop.cancelled().await;
     // 1. No new requests; those in flight finish and their usage is committed.
     api_stop.cancel();
@@ -253,20 +122,249 @@ pub async fn run(
     {
         tracing::error!(error = %e, "the node's API stopped with an error");
     }
-    // 2. Leave the membership, so readers and gateways stop counting on this node.
-    leave.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(2), heartbeat).await;
-    // 3. Hand every block to its owners in the cluster without this node.
-    let report = cluster.drain().await;
-    tracing::info!(
-        missing = report.missing,
-        pushed = report.pushed,
-        failed = report.failed,
-        "drained"
-    );
-    background.cancel();
+    loops.leave_and_drain(&cluster).await;
     serving.abort();
     let _ = tokio::time::timeout(Duration::from_millis(500), publisher).await;
+    Ok(())
+}
+
+/// The node's ports, bound before anything else starts: the fabric's, and the API's when it
+/// runs one, with the addresses they got.
+struct Ports {
+    fabric: tokio::net::TcpListener,
+    addr: String,
+    api: Option<tokio::net::TcpListener>,
+    api_addr: Option<String>,
+}
+
+impl Ports {
+    async fn bind(args: &NodeArgs) -> anyhow::Result<Self> {
+        let fabric = tokio::net::TcpListener::bind(&args.listen)
+            .await
+            .with_context(|| format!("binding the fabric port {}", args.listen))?;
+        let addr = fabric.local_addr()?.to_string();
+        let api = match &args.api_listen {
+            Some(a) => Some(
+                tokio::net::TcpListener::bind(a)
+                    .await
+                    .with_context(|| format!("binding the API port {a}"))?,
+            ),
+            None => None,
+        };
+        let api_addr = api
+            .as_ref()
+            .map(|l| l.local_addr().map(|a| a.to_string()))
+            .transpose()?;
+        Ok(Self {
+            fabric,
+            addr,
+            api,
+            api_addr,
+        })
+    }
+}
+
+/// The node's block events, from its store to the cluster's stream in Redis (what survived a
+/// restart in the disk tier is announced again).
+fn publish_events(
+    conn: &redis::aio::ConnectionManager,
+    args: &NodeArgs,
+    node: &Arc<cache_fabric::FabricNode>,
+) -> tokio::task::JoinHandle<()> {
+    let (sink, rx) = events::channel(65_536);
+    node.set_event_sink(sink);
+    node.with_store(|s| s.announce_held());
+    crate::spawn_loop(
+        "block_events",
+        events::publish(
+            conn.clone(),
+            format!("{}:blocks", args.redis_prefix),
+            args.id.clone(),
+            rx,
+            1_000_000,
+        ),
+    )
+}
+
+/// The node's membership record: its addresses (announced or bound), rack, capacities, and
+/// this life's epoch.
+fn record(config: &Config, args: &NodeArgs, ports: &Ports) -> anyhow::Result<NodeRecord> {
+    let epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis() as u64;
+    Ok(NodeRecord {
+        id: args.id.clone(),
+        addr: args.advertise.clone().unwrap_or_else(|| ports.addr.clone()),
+        rack: args.rack.clone(),
+        dram_capacity_bytes: config.fabric.dram_capacity_bytes,
+        disk_capacity_bytes: config
+            .fabric
+            .disk_bytes(&config.data_dir.join("fabric-disk")),
+        epoch,
+        dram_used_bytes: 0,
+        api_addr: args
+            .api_advertise
+            .clone()
+            .or_else(|| ports.api_addr.clone()),
+        ..Default::default()
+    })
+}
+
+/// Announced and with a first view before it serves anything: its first writes already go to
+/// their owners.
+async fn announce(
+    conn: &redis::aio::ConnectionManager,
+    prefix: &str,
+    record: &NodeRecord,
+    cluster: &Cluster,
+) -> anyhow::Result<()> {
+    let mut c = conn.clone();
+    membership::announce(&mut c, prefix, record)
+        .await
+        .context("announcing the node in Redis")?;
+    cluster
+        .refresh(&mut c, prefix)
+        .await
+        .context("reading the cluster membership")?;
+    Ok(())
+}
+
+/// The node's loops and the tokens that stop them in order at shutdown: the heartbeat
+/// (`leave`) before the rest (`background`).
+struct Loops {
+    heartbeat: tokio::task::JoinHandle<()>,
+    leave: CancellationToken,
+    background: CancellationToken,
+    /// What the node's API measures (its prefill rates), once it runs: sent with every
+    /// heartbeat, with the pull bandwidth, as the routing gateway's learned estimates.
+    measured: Arc<std::sync::OnceLock<gateway::coalesce::Inflight>>,
+}
+
+impl Loops {
+    /// Heartbeats, the membership followed, write-through, repairs, and healing (blocks
+    /// dropped as corrupt fetched again from another owner).
+    fn spawn(
+        conn: &redis::aio::ConnectionManager,
+        prefix: &str,
+        node: &Arc<cache_fabric::FabricNode>,
+        cluster: &Arc<Cluster>,
+        record: NodeRecord,
+    ) -> Self {
+        let (leave, background) = (CancellationToken::new(), CancellationToken::new());
+        let measured: Arc<std::sync::OnceLock<gateway::coalesce::Inflight>> = Arc::default();
+        let (n, m, cl) = (node.clone(), measured.clone(), cluster.clone());
+        let heartbeat = crate::spawn_loop(
+            "heartbeat",
+            membership::heartbeat(
+                conn.clone(),
+                prefix.to_string(),
+                move || NodeRecord {
+                    dram_used_bytes: n.with_store(|s| s.used_bytes()),
+                    prefill_tokens_per_sec: m
+                        .get()
+                        .map(|i| i.prefill_tokens_per_sec())
+                        .unwrap_or_default(),
+                    pull_bytes_per_sec: cl.pull_bytes_per_sec(),
+                    ..record.clone()
+                },
+                leave.clone(),
+            ),
+        );
+        crate::spawn_loop(
+            "membership",
+            cluster.clone().follow_membership(
+                conn.clone(),
+                prefix.to_string(),
+                MEMBERSHIP_POLL,
+                background.clone(),
+            ),
+        );
+        crate::spawn_loop(
+            "write_through",
+            node.clone()
+                .run_write_through(crate::server::WRITE_THROUGH_EVERY, background.clone()),
+        );
+        crate::spawn_loop(
+            "repairs",
+            cluster
+                .clone()
+                .run_repairs(REPAIR_RETRY, background.clone()),
+        );
+        crate::spawn_loop(
+            "healing",
+            cluster
+                .clone()
+                .run_healing(Duration::from_secs(1), background.clone()),
+        );
+        Self {
+            heartbeat,
+            leave,
+            background,
+            measured,
+        }
+    }
+
+    /// Leave the membership, so readers and gateways stop counting on this node; then hand
+    /// every block to its owners in the cluster without it, and stop the rest.
+    async fn leave_and_drain(self, cluster: &Cluster) {
+        self.leave.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.heartbeat).await;
+        let report = cluster.drain().await;
+        tracing::info!(
+            missing = report.missing,
+            pushed = report.pushed,
+            failed = report.failed,
+            "drained"
+        );
+        self.background.cancel();
+    }
+}
+
+/// The node's API: the engines and the pipeline for requests a gateway routes here (cluster
+/// token required).
+async fn start_api_half(
+    config: &Config,
+    token: &Arc<str>,
+    listener: tokio::net::TcpListener,
+    stop: &CancellationToken,
+    node: &Arc<cache_fabric::FabricNode>,
+    fabric: FabricClient,
+) -> anyhow::Result<crate::server::Running> {
+    let mut gw = config.gateway();
+    gw.internal_token = Some(token.clone());
+    crate::server::start_api(
+        config.clone(),
+        gw,
+        listener,
+        stop.clone(),
+        node.clone(),
+        fabric,
+    )
+    .await
+}
+
+/// A storage-only node still applies tenants' cache policy and purges deleted tenants (the
+/// API half does it for a node that has one).
+async fn follow_changes_alone(
+    config: &Config,
+    fabric: FabricClient,
+    background: &CancellationToken,
+) -> anyhow::Result<()> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy(&config.database_url)
+        .context("database_url")?;
+    crate::server::follow_changes(
+        config,
+        pool,
+        gateway::sync::Targets {
+            fabric: Some(fabric),
+            ..Default::default()
+        },
+        background,
+    )
+    .await;
     Ok(())
 }
 

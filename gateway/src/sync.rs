@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use cache_fabric::FabricClient;
 use cachet_common::TenantId;
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
-use sqlx::{PgPool, Row};
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -42,7 +42,7 @@ use crate::admission::{Admission, Spend, Spender};
 use crate::auth::Authenticator;
 use crate::metrics;
 use control::tenants::policy::{self, Policy};
-use control::tenants::{AdminError, keys};
+use control::tenants::{AdminError, audit, keys, workspaces};
 
 /// Ids re-read behind the highest seen (rows that committed out of id order).
 pub const OVERLAP: i64 = 256;
@@ -125,16 +125,10 @@ async fn apply_fabric(fabric: &FabricClient, tenant: Uuid, s: &TenantState) {
 /// before one (this node was down when it was applied) is dropped; what was written after it
 /// stays.
 async fn apply_missed_purges(pool: &PgPool, fabric: &FabricClient) -> Result<(), AdminError> {
-    let rows = sqlx::query(
-        "SELECT tenant_id, max(at) AS at FROM admin_audit WHERE action = $1 \
-         AND tenant_id IS NOT NULL AND at > now() - interval '30 days' GROUP BY tenant_id",
-    )
-    .bind(control::caches::PURGE_ACTION)
-    .fetch_all(pool)
-    .await?;
-    for r in rows {
-        let tenant = TenantId(r.get("tenant_id"));
-        let at: DateTime<Utc> = r.get("at");
+    let purges =
+        audit::last_taken(pool, control::caches::PURGE_ACTION, TimeDelta::days(30)).await?;
+    for (tenant, at) in purges {
+        let tenant = TenantId(tenant);
         let n = fabric.purge_tenant_written_before(tenant, at.timestamp_millis().max(0) as u64);
         if n > 0 {
             tracing::info!(tenant_id = %tenant, blocks = n, purged_at = %at,
@@ -220,22 +214,15 @@ impl Follower {
         if !self.started {
             // The feed's end first, then the full state: a change between the two is
             // applied twice, never missed.
-            self.high = sqlx::query_scalar("SELECT COALESCE(max(id), 0) FROM admin_audit")
-                .fetch_one(pool)
-                .await?;
+            self.high = audit::feed_end(pool).await?;
             // Rows already in the overlap window are the past the full state below covers:
             // seen, so the first poll does not re-apply them (it used to drop every cached key
             // of the tenants changed last, which during a Postgres outage refused them).
             // Rows that commit later with lower ids are not among these and still apply.
-            self.seen = sqlx::query_scalar::<_, i64>(
-                "SELECT id FROM admin_audit WHERE id > $1 AND id <= $2",
-            )
-            .bind(self.high - OVERLAP)
-            .bind(self.high)
-            .fetch_all(pool)
-            .await?
-            .into_iter()
-            .collect();
+            self.seen = audit::feed_ids(pool, self.high - OVERLAP, self.high)
+                .await?
+                .into_iter()
+                .collect();
             if let Some(f) = &targets.fabric {
                 for (id, s) in load_states(pool, None).await? {
                     apply_fabric(f, id, &s).await;
@@ -245,35 +232,28 @@ impl Follower {
             self.started = true;
             return Ok(0);
         }
-        let rows = sqlx::query(
-            "SELECT id, at, tenant_id, action, target FROM admin_audit WHERE id > $1 ORDER BY id",
-        )
-        .bind(self.high - OVERLAP)
-        .fetch_all(pool)
-        .await?;
+        let rows = audit::feed_after(pool, self.high - OVERLAP).await?;
         let mut tenants: BTreeSet<Uuid> = BTreeSet::new();
         let mut purged: BTreeSet<Uuid> = BTreeSet::new();
         let mut deleted_objects: Vec<String> = Vec::new();
         let now = Utc::now();
-        for r in &rows {
-            let id: i64 = r.get("id");
+        for r in rows {
+            let (id, action) = (r.id, r.action);
             if id <= self.high - OVERLAP || !self.seen.insert(id) {
                 continue;
             }
             self.high = self.high.max(id);
-            let action: String = r.get("action");
-            let at: DateTime<Utc> = r.get("at");
-            metrics::ADMIN_CHANGE_LAG.observe((now - at).num_milliseconds().max(0) as f64 / 1e3);
+            metrics::ADMIN_CHANGE_LAG.observe((now - r.at).num_milliseconds().max(0) as f64 / 1e3);
             metrics::ADMIN_CHANGES_APPLIED
                 .with_label_values(&[action.split('.').next().unwrap_or("other")])
                 .inc();
-            if let Some(t) = r.get::<Option<Uuid>, _>("tenant_id") {
+            if let Some(t) = r.tenant {
                 tenants.insert(t);
                 if action == control::caches::PURGE_ACTION {
                     purged.insert(t);
                 }
                 if action == control::caches::DELETE_ACTION
-                    && let Some(id) = r.get::<Option<String>, _>("target")
+                    && let Some(id) = r.target
                 {
                     deleted_objects.push(id);
                 }
@@ -323,14 +303,7 @@ async fn refresh_spend(
     if served.is_empty() {
         return Ok(());
     }
-    let budgeted: Vec<Uuid> = sqlx::query_scalar(
-        "SELECT tenant_id FROM tenant_quotas WHERE monthly_budget_minor IS NOT NULL \
-         AND tenant_id = ANY($1) UNION SELECT tenant_id FROM workspaces \
-         WHERE monthly_budget_minor IS NOT NULL AND archived_at IS NULL AND tenant_id = ANY($1)",
-    )
-    .bind(&served)
-    .fetch_all(pool)
-    .await?;
+    let budgeted = workspaces::with_budgets(pool, &served).await?;
     let now = Utc::now();
     let (_, resets_at) = billing::dashboard::month_of(now);
     for tenant in budgeted {
@@ -363,30 +336,16 @@ async fn flush(pool: &PgPool, targets: &Targets) {
             let hour = Utc::now()
                 .duration_trunc(TimeDelta::hours(1))
                 .unwrap_or_else(|_| Utc::now());
-            let mut tenants = Vec::new();
-            let mut keys_ = Vec::new();
-            let mut limits = Vec::new();
-            let mut counts = Vec::new();
-            for (t, k, l, n) in refusals {
-                tenants.push(t.as_uuid());
-                keys_.push(k.as_uuid());
-                limits.push(l.to_string());
-                counts.push(n as i64);
-            }
-            let r = sqlx::query(
-                "INSERT INTO admission_refusals (tenant_id, bucket_start, api_key_id, limit_name, refusals) \
-                 SELECT t, $1, k, l, n FROM UNNEST($2::UUID[], $3::UUID[], $4::TEXT[], $5::BIGINT[]) AS u(t, k, l, n) \
-                 ON CONFLICT (tenant_id, bucket_start, limit_name, api_key_id) \
-                 DO UPDATE SET refusals = admission_refusals.refusals + EXCLUDED.refusals",
-            )
-            .bind(hour)
-            .bind(&tenants)
-            .bind(&keys_)
-            .bind(&limits)
-            .bind(&counts)
-            .execute(pool)
-            .await;
-            if let Err(e) = r {
+            let refusals: Vec<policy::Refusal> = refusals
+                .into_iter()
+                .map(|(t, k, limit, count)| policy::Refusal {
+                    tenant: t.as_uuid(),
+                    key: k.as_uuid(),
+                    limit,
+                    count,
+                })
+                .collect();
+            if let Err(e) = policy::record_refusals(pool, hour, &refusals).await {
                 tracing::warn!(error = %e, "recording refusal counts failed; they are dropped");
             }
         }

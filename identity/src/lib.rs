@@ -2,8 +2,8 @@
 //!
 //! Exposes [`Role`], the token [`Claims`], [`Jwt`] (signs and checks HS256 tokens with the
 //! secret from `CACHET_ADMIN_JWT_SECRET`) and [`AdminAuth`], which authenticates a request's
-//! `Authorization: Bearer` token and, for a token of an admin session, checks the session
-//! is still live. It sits below both billing (the finance API) and the control plane (the
+//! `Authorization: Bearer` token and, for a token of an admin session, asks the control
+//! plane whether the session is still live ([`Sessions`]). It reads no table. It sits below both billing (the finance API) and the control plane (the
 //! admin API), which share these tokens; it is not where users, logins or sessions are
 //! managed (that is the control plane).
 
@@ -14,7 +14,6 @@ use cachet_common::error::{ApiError, ErrorCode, ServiceError};
 use chrono::Utc;
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
-use sqlx::PgPool;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
@@ -73,8 +72,9 @@ pub enum IdentityError {
     /// The admin APIs are off (no secret configured).
     #[error("the admin and finance APIs are off: set CACHET_ADMIN_JWT_SECRET")]
     Off,
+    /// The sessions could not be read (their store's error, said).
     #[error("database: {0}")]
-    Db(#[from] sqlx::Error),
+    Db(String),
 }
 
 impl ServiceError for IdentityError {
@@ -171,10 +171,21 @@ impl Jwt {
     }
 }
 
+/// Whether an admin session (a token's `sid`) is still live: not logged out, not expired, its
+/// user not disabled. The sessions and users are the control plane's (its tables, its
+/// logins); identity only asks, through this.
+pub trait Sessions: Send + Sync {
+    fn live(
+        &self,
+        sid: Uuid,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<bool, IdentityError>> + Send + '_>>;
+}
+
 /// Authenticates admin requests. Cheap to clone.
 #[derive(Clone)]
 pub struct AdminAuth {
-    pub pool: PgPool,
+    /// Asked about tokens that belong to an admin session.
+    pub sessions: Arc<dyn Sessions>,
     /// `None`: the admin and finance APIs are off.
     pub jwt: Option<Arc<Jwt>>,
 }
@@ -196,19 +207,12 @@ impl AdminAuth {
                 )
             })?;
         let claims = jwt.check(token.trim())?;
-        if let Some(sid) = claims.sid {
-            let live: Option<bool> = sqlx::query_scalar(
-                "SELECT s.revoked_at IS NULL AND s.expires_at > now() AND u.disabled_at IS NULL \
-                 FROM admin_sessions s JOIN admin_users u ON u.id = s.user_id WHERE s.id = $1",
-            )
-            .bind(sid)
-            .fetch_optional(&self.pool)
-            .await?;
-            if live != Some(true) {
-                return Err(IdentityError::Unauthenticated(
-                    "this admin session has ended: log in again".into(),
-                ));
-            }
+        if let Some(sid) = claims.sid
+            && !self.sessions.live(sid).await?
+        {
+            return Err(IdentityError::Unauthenticated(
+                "this admin session has ended: log in again".into(),
+            ));
         }
         Ok(claims)
     }

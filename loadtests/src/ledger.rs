@@ -224,7 +224,7 @@ pub async fn export(url: &str, rows: usize) -> anyhow::Result<()> {
     let app = billing::api::router(billing::api::FinanceState {
         pool: pool.clone(),
         auth: identity::AdminAuth {
-            pool: pool.clone(),
+            sessions: std::sync::Arc::new(control::admin::login::SessionStore(pool.clone())),
             jwt: Some(std::sync::Arc::new(jwt)),
         },
     });

@@ -215,6 +215,42 @@ pub async fn get_user(pool: &PgPool, id: Uuid) -> Result<User, AdminError> {
     .ok_or_else(|| AdminError::NotFound(format!("user {id}")))
 }
 
+/// The admin sessions in Postgres, as [`identity::AdminAuth`] asks about them: live while not
+/// logged out, not expired, and their user not disabled.
+pub struct SessionStore(pub PgPool);
+
+impl identity::Sessions for SessionStore {
+    fn live(
+        &self,
+        sid: Uuid,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<bool, identity::IdentityError>> + Send + '_>,
+    > {
+        Box::pin(async move {
+            let live: Option<bool> = sqlx::query_scalar(
+                "SELECT s.revoked_at IS NULL AND s.expires_at > now() AND u.disabled_at IS NULL \
+                 FROM admin_sessions s JOIN admin_users u ON u.id = s.user_id WHERE s.id = $1",
+            )
+            .bind(sid)
+            .fetch_optional(&self.0)
+            .await
+            .map_err(|e| identity::IdentityError::Db(e.to_string()))?;
+            Ok(live == Some(true))
+        })
+    }
+}
+
+/// The user named `username`, if any.
+pub async fn find_user(pool: &PgPool, username: &str) -> Result<Option<User>, AdminError> {
+    Ok(sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {USER_COLUMNS} FROM admin_users WHERE username = $1"
+    )))
+    .bind(username)
+    .fetch_optional(pool)
+    .await?
+    .map(|r| user_row(&r)))
+}
+
 /// Users, of one tenant or all.
 pub async fn users(pool: &PgPool, tenant: Option<Uuid>) -> Result<Vec<User>, AdminError> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(

@@ -129,7 +129,7 @@ pub fn state(
         finance: FinanceState {
             pool: pool.clone(),
             auth: AdminAuth {
-                pool: pool.clone(),
+                sessions: Arc::new(login::SessionStore(pool.clone())),
                 jwt,
             },
         },

@@ -207,3 +207,73 @@ pub fn stream(
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
+/// One change as the change feed reads it: every process applies the audit log's new rows
+/// to what it holds (cached keys, the fabric's policy, purges, released objects).
+#[derive(Debug, Clone)]
+pub struct FeedRow {
+    pub id: i64,
+    pub at: DateTime<Utc>,
+    pub tenant: Option<Uuid>,
+    pub action: String,
+    pub target: Option<String>,
+}
+
+/// The feed's end: the highest id written so far (0 on an empty log).
+pub async fn feed_end(pool: &PgPool) -> Result<i64, AdminError> {
+    Ok(
+        sqlx::query_scalar("SELECT COALESCE(max(id), 0) FROM admin_audit")
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+/// The ids in `(after, upto]` already written.
+pub async fn feed_ids(pool: &PgPool, after: i64, upto: i64) -> Result<Vec<i64>, AdminError> {
+    Ok(
+        sqlx::query_scalar("SELECT id FROM admin_audit WHERE id > $1 AND id <= $2")
+            .bind(after)
+            .bind(upto)
+            .fetch_all(pool)
+            .await?,
+    )
+}
+
+/// Every row after `after`, in id order.
+pub async fn feed_after(pool: &PgPool, after: i64) -> Result<Vec<FeedRow>, AdminError> {
+    let rows = sqlx::query(
+        "SELECT id, at, tenant_id, action, target FROM admin_audit WHERE id > $1 ORDER BY id",
+    )
+    .bind(after)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|r| FeedRow {
+            id: r.get("id"),
+            at: r.get("at"),
+            tenant: r.get("tenant_id"),
+            action: r.get("action"),
+            target: r.get("target"),
+        })
+        .collect())
+}
+
+/// For each tenant, the last time within `within` that `action` was taken on it.
+pub async fn last_taken(
+    pool: &PgPool,
+    action: &str,
+    within: chrono::TimeDelta,
+) -> Result<Vec<(Uuid, DateTime<Utc>)>, AdminError> {
+    let rows = sqlx::query(
+        "SELECT tenant_id, max(at) AS at FROM admin_audit WHERE action = $1 \
+         AND tenant_id IS NOT NULL AND at > now() - $2::interval GROUP BY tenant_id",
+    )
+    .bind(action)
+    .bind(format!("{} seconds", within.num_seconds()))
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|r| (r.get("tenant_id"), r.get("at")))
+        .collect())
+}

@@ -370,6 +370,18 @@ pub async fn archive_workspace(
     get_workspace(pool, tenant, workspace).await
 }
 
+/// Which of `among` have a monthly budget: their own or one of their live workspaces'.
+pub async fn with_budgets(pool: &PgPool, among: &[Uuid]) -> Result<Vec<Uuid>, AdminError> {
+    Ok(sqlx::query_scalar(
+        "SELECT tenant_id FROM tenant_quotas WHERE monthly_budget_minor IS NOT NULL \
+         AND tenant_id = ANY($1) UNION SELECT tenant_id FROM workspaces \
+         WHERE monthly_budget_minor IS NOT NULL AND archived_at IS NULL AND tenant_id = ANY($1)",
+    )
+    .bind(among)
+    .fetch_all(pool)
+    .await?)
+}
+
 /// The workspaces of `tenant` with a monthly budget (for the budget check of admission).
 pub async fn budgeted(
     pool: &PgPool,
