@@ -69,11 +69,7 @@ impl FromRequestParts<FinanceState> for Caller {
         parts: &mut Parts,
         state: &FinanceState,
     ) -> Result<Self, Self::Rejection> {
-        let claims = state.auth.authenticate(&parts.headers).await?;
-        if let Some(t) = claims.tenant {
-            cachet_common::span::record_tenant(TenantId(t), None);
-        }
-        Ok(Caller(claims))
+        Ok(Caller(state.auth.authenticate(&parts.headers).await?))
     }
 }
 

@@ -481,10 +481,9 @@ async fn serve_put<S: AsyncWrite + Unpin>(
         )
     });
     match r {
-        Ok(()) => s.write_all(&[OK]).await?,
-        Err(e) => s.write_all(&[REFUSED, refused_code(e)]).await?,
+        Ok(()) => s.write_all(&[OK]).await,
+        Err(e) => s.write_all(&[REFUSED, refused_code(e)]).await,
     }
-    Ok(())
 }
 
 /// STATS: a tenant's cache on this node, as JSON.

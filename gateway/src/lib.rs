@@ -55,7 +55,7 @@ pub use crate::state::{
 /// Every response gets a `request-id`; every request its span (`cachet_common::span`: the
 /// request id now, the tenant once auth resolves it) and metrics. Behind a routing gateway,
 /// a request without the cluster token is refused here.
-async fn request_context(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+async fn request_context(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let mut rid = None;
     if let Some(token) = &state.config.internal_token
         && req.uri().path() != "/healthz"
@@ -79,16 +79,9 @@ async fn request_context(State(state): State<AppState>, mut req: Request, next: 
             .and_then(|v| v.parse::<RequestId>().ok());
     }
     let rid = rid.unwrap_or_default();
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|m| m.as_str().to_string())
-        .unwrap_or_else(|| "unmatched".into());
-    req.extensions_mut().insert(rid);
-    let span = cachet_common::span::request(rid, req.method().as_str(), &route);
+    let route = route_of(&req);
     let started = Instant::now();
-    let mut resp = tracing::Instrument::instrument(next.run(req), span.clone()).await;
-    span.in_scope(|| tracing::debug!(status = resp.status().as_u16(), "http request answered"));
+    let mut resp = in_request_span(rid, &route, req, next).await;
     metrics::HTTP_SECONDS
         .with_label_values(&[&route])
         .observe(started.elapsed().as_secs_f64());
@@ -105,6 +98,30 @@ async fn request_context(State(state): State<AppState>, mut req: Request, next: 
     if let Ok(v) = HeaderValue::from_str(&rid.to_string()) {
         resp.headers_mut().insert("request-id", v);
     }
+    resp
+}
+
+/// A request's route as its router matched it (`unmatched`: a fallback answers it).
+fn route_of(req: &Request) -> String {
+    req.extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", |m| m.as_str())
+        .to_string()
+}
+
+/// The rest of the stack, run in the request's span (`cachet_common::span`) with `rid` in the
+/// request's extensions; what it answered is said in the span (debug). The edge of every
+/// process that serves HTTP: `serve`, a node's API, the router.
+pub(crate) async fn in_request_span(
+    rid: RequestId,
+    route: &str,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    req.extensions_mut().insert(rid);
+    let span = cachet_common::span::request(rid, req.method().as_str(), route);
+    let resp = tracing::Instrument::instrument(next.run(req), span.clone()).await;
+    span.in_scope(|| tracing::debug!(status = resp.status().as_u16(), "http request answered"));
     resp
 }
 

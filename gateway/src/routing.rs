@@ -1051,18 +1051,9 @@ async fn readyz(State(state): State<RouterState>) -> Response {
 /// Every request on the router gets its id here and runs in its span
 /// (`cachet_common::span`); the id is the one forwarded to the node, so both processes'
 /// lines carry it.
-async fn edge(mut req: Request, next: axum::middleware::Next) -> Response {
-    let rid = RequestId::new();
-    let route = req
-        .extensions()
-        .get::<axum::extract::MatchedPath>()
-        .map_or("unmatched", |m| m.as_str())
-        .to_string();
-    req.extensions_mut().insert(rid);
-    let span = cachet_common::span::request(rid, req.method().as_str(), &route);
-    let resp = tracing::Instrument::instrument(next.run(req), span.clone()).await;
-    span.in_scope(|| tracing::debug!(status = resp.status().as_u16(), "http request answered"));
-    resp
+async fn edge(req: Request, next: axum::middleware::Next) -> Response {
+    let route = crate::route_of(&req);
+    crate::in_request_span(RequestId::new(), &route, req, next).await
 }
 
 /// The routing gateway's routes, with the admin and finance APIs and the admin UI when

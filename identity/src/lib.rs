@@ -193,6 +193,7 @@ pub struct AdminAuth {
 impl AdminAuth {
     /// A valid token in `Authorization: Bearer`, and, when it belongs to an admin session, a
     /// session that is neither logged out, expired, nor of a disabled user.
+    /// A token naming a tenant names it on the request's span (`cachet_common::span`).
     pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Claims, IdentityError> {
         let Some(jwt) = &self.jwt else {
             return Err(IdentityError::Off);
@@ -207,6 +208,9 @@ impl AdminAuth {
                 )
             })?;
         let claims = jwt.check(token.trim())?;
+        if let Some(t) = claims.tenant {
+            cachet_common::span::record_tenant(cachet_common::TenantId(t), None);
+        }
         if let Some(sid) = claims.sid
             && !self.sessions.live(sid).await?
         {

@@ -161,9 +161,6 @@ impl FromRequestParts<AdminState> for Admin {
         state: &AdminState,
     ) -> Result<Self, Self::Rejection> {
         let claims = state.finance.auth.authenticate(&parts.headers).await?;
-        if let Some(t) = claims.tenant {
-            cachet_common::span::record_tenant(TenantId(t), None);
-        }
         let actor = Actor {
             name: if claims.sid.is_some() {
                 format!("user:{}", claims.sub)

@@ -266,10 +266,10 @@ pub async fn last_taken(
 ) -> Result<Vec<(Uuid, DateTime<Utc>)>, AdminError> {
     let rows = sqlx::query(
         "SELECT tenant_id, max(at) AS at FROM admin_audit WHERE action = $1 \
-         AND tenant_id IS NOT NULL AND at > now() - $2::interval GROUP BY tenant_id",
+         AND tenant_id IS NOT NULL AND at > now() - $2 * interval '1 second' GROUP BY tenant_id",
     )
     .bind(action)
-    .bind(format!("{} seconds", within.num_seconds()))
+    .bind(within.num_seconds() as f64)
     .fetch_all(pool)
     .await?;
     Ok(rows
