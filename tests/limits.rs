@@ -261,8 +261,13 @@ fn gauge(metrics: &str, name: &str) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn streams_cancelled_mid_way_release_everything_they_held() {
     let app = TestApp::start_with(Options {
-        // Real decode speed (2 ms a token): the streams are mid-answer when dropped.
+        // Real decode speed (2 ms a token) and answers of the whole max_tokens (0.8 s): the
+        // streams are mid-answer when dropped, however late a loaded machine runs the client
+        // (a sim answer of its own length, 12 to 31 words, could end before the hang-up).
         sim_time_scale: 1.0,
+        tweak: |c| {
+            c.engine.sim_answer_tokens = 400;
+        },
         ..Default::default()
     })
     .await;
