@@ -173,8 +173,13 @@ async fn ledger_tokens(pool: &sqlx::PgPool, ids: &[RequestId]) -> HashMap<Reques
 async fn kill_9_of_serve_mid_load_loses_no_ledger_row() {
     let (db_name, db_url, pool, key) = chaos_db().await;
     let dir = common::tempdir::Dir::new();
-    // Real decode time (2 ms a token), so streams are in flight when the kill lands.
-    let env = [("CACHET_SIM_TIME_SCALE", "1")];
+    // Real decode time (2 ms a token) and answers of 150 tokens (0.3 s), so streams are
+    // mid-generation when the kill lands (a sim answer of its own length, 12 to 31 words, is
+    // over in ~60 ms: one run's three cut streams had all finished).
+    let env = [
+        ("CACHET_SIM_TIME_SCALE", "1"),
+        ("CACHET_SIM_ANSWER_TOKENS", "150"),
+    ];
     let serve = start_serve(&db_url, &dir.0, &env);
 
     let seen: Arc<Mutex<Vec<Answer>>> = Arc::default();
