@@ -542,13 +542,26 @@ pub struct ExportFilter {
     pub model: Option<String>,
 }
 
-const CSV_HEADER: &str = "request_id,tenant_id,workspace_id,api_key_id,model,input_tokens,cache_write_5m_tokens,cache_write_1h_tokens,cache_read_tokens,output_tokens,status,started_at,finished_at,tenant_name,workspace_name,api_key_name,currency,cost_exact_nanos\r\n";
-
 pub use crate::csv::field as csv_field;
 
-/// A ledger row for exports, with the names of its tenant, workspace and key, and its cost:
-/// the row rated at its own start time with the tenant's prices, exact (in nano-units, as
-/// invoice lines carry it; `null` where no price covered the model).
+/// What every exported row carries after its own columns: the names of its tenant, workspace
+/// and key, and its cost: the row rated at its own start time with the tenant's prices, exact
+/// (in nano-units, as invoice lines carry it; `null` where no price covered the model).
+#[derive(Debug, Serialize, sqlx::FromRow)]
+pub struct Named {
+    pub tenant_name: Option<String>,
+    pub workspace_name: Option<String>,
+    pub api_key_name: Option<String>,
+    #[sqlx(skip)]
+    pub currency: Option<String>,
+    #[sqlx(skip)]
+    pub cost_exact_nanos: Option<String>,
+}
+
+/// The CSV columns of [`Named`], last in every export's header.
+const NAMED_CSV_COLUMNS: &str = "tenant_name,workspace_name,api_key_name,currency,cost_exact_nanos";
+
+/// A ledger row for exports.
 #[derive(Debug, Serialize, sqlx::FromRow)]
 pub struct LedgerRow {
     pub request_id: Uuid,
@@ -564,18 +577,41 @@ pub struct LedgerRow {
     pub status: String,
     pub started_at: DateTime<Utc>,
     pub finished_at: DateTime<Utc>,
-    pub tenant_name: Option<String>,
-    pub workspace_name: Option<String>,
-    pub api_key_name: Option<String>,
-    #[sqlx(skip)]
-    pub currency: Option<String>,
-    #[sqlx(skip)]
-    pub cost_exact_nanos: Option<String>,
+    #[serde(flatten)]
+    #[sqlx(flatten)]
+    pub named: Named,
 }
 
-impl LedgerRow {
-    fn tokens(&self) -> crate::dashboard::Tokens {
-        crate::dashboard::Tokens {
+/// A row an export streams: its own columns, what it is rated on, and its event; the one
+/// writer ([`encode`]) and the one stream ([`stream_rows`]) do the rest.
+trait ExportRow:
+    Serialize + Send + Unpin + 'static + for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>
+{
+    /// The row's own CSV columns ([`NAMED_CSV_COLUMNS`] follow).
+    const CSV_COLUMNS: &'static str;
+    /// Its CloudEvents type.
+    const EVENT_TYPE: &'static str;
+    fn named(&mut self) -> &mut Named;
+    fn tenant(&self) -> Uuid;
+    /// What it is rated on: the model, when, and what was metered.
+    fn metered(&self) -> (&str, DateTime<Utc>, crate::dashboard::Tokens);
+    /// Its own CSV fields, in [`Self::CSV_COLUMNS`]' order, each followed by a comma.
+    fn write_csv(&self, out: &mut Vec<u8>);
+    /// Its CloudEvents id and time.
+    fn event(&self) -> (String, String);
+}
+
+impl ExportRow for LedgerRow {
+    const CSV_COLUMNS: &'static str = "request_id,tenant_id,workspace_id,api_key_id,model,input_tokens,cache_write_5m_tokens,cache_write_1h_tokens,cache_read_tokens,output_tokens,status,started_at,finished_at";
+    const EVENT_TYPE: &'static str = "dev.cachet.usage.v1";
+    fn named(&mut self) -> &mut Named {
+        &mut self.named
+    }
+    fn tenant(&self) -> Uuid {
+        self.tenant_id
+    }
+    fn metered(&self) -> (&str, DateTime<Utc>, crate::dashboard::Tokens) {
+        let tokens = crate::dashboard::Tokens {
             requests: 1,
             input_tokens: self.input_tokens,
             cache_write_5m_tokens: self.cache_write_5m_tokens,
@@ -583,93 +619,84 @@ impl LedgerRow {
             cache_read_tokens: self.cache_read_tokens,
             output_tokens: self.output_tokens,
             cache_storage_token_seconds: 0,
-        }
+        };
+        (&self.model, self.started_at, tokens)
     }
-
-    /// Fill in the row's cost from its tenant's prices.
-    fn rate(&mut self, rater: &crate::dashboard::Rater) {
-        let cost = rater.rate(&self.model, self.started_at, &self.tokens());
-        self.currency = rater
-            .currency(&self.model, self.started_at)
-            .map(str::to_string);
-        self.cost_exact_nanos = (cost.unpriced_tokens == 0).then(|| cost.actual.nanos_decimal());
+    fn write_csv(&self, out: &mut Vec<u8>) {
+        use std::io::Write;
+        let _ = write!(
+            out,
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},",
+            self.request_id,
+            self.tenant_id,
+            self.workspace_id,
+            self.api_key_id,
+            csv_field(&self.model),
+            self.input_tokens,
+            self.cache_write_5m_tokens,
+            self.cache_write_1h_tokens,
+            self.cache_read_tokens,
+            self.output_tokens,
+            self.status,
+            micros(self.started_at),
+            micros(self.finished_at),
+        );
+    }
+    fn event(&self) -> (String, String) {
+        (self.request_id.to_string(), micros(self.started_at))
     }
 }
 
-/// Append one row in `format` to `out`.
-pub fn encode_row(format: Format, r: &LedgerRow, out: &mut Vec<u8>) {
-    use std::io::Write;
+fn micros(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+}
+
+/// Fill in a row's cost from its tenant's prices.
+fn rate<R: ExportRow>(r: &mut R, rater: &crate::dashboard::Rater) {
+    let (model, at, metered) = r.metered();
+    let cost = rater.rate(model, at, &metered);
+    let currency = rater.currency(model, at).map(str::to_string);
+    let named = r.named();
+    named.currency = currency;
+    named.cost_exact_nanos = (cost.unpriced_tokens == 0).then(|| cost.actual.nanos_decimal());
+}
+
+/// The export writer: one row in `format` appended to `out`.
+fn encode<R: ExportRow>(format: Format, r: &mut R, out: &mut Vec<u8>) {
     match format {
         Format::Csv => {
-            fn opt(v: &Option<String>) -> std::borrow::Cow<'_, str> {
-                csv_field(v.as_deref().unwrap_or(""))
-            }
-            let _ = write!(
-                out,
-                "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\r\n",
-                r.request_id,
-                r.tenant_id,
-                r.workspace_id,
-                r.api_key_id,
-                csv_field(&r.model),
-                r.input_tokens,
-                r.cache_write_5m_tokens,
-                r.cache_write_1h_tokens,
-                r.cache_read_tokens,
-                r.output_tokens,
-                r.status,
-                r.started_at
-                    .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-                r.finished_at
-                    .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-                opt(&r.tenant_name),
-                opt(&r.workspace_name),
-                opt(&r.api_key_name),
-                opt(&r.currency),
-                opt(&r.cost_exact_nanos),
-            );
+            r.write_csv(out);
+            let n = r.named();
+            let fields = [
+                &n.tenant_name,
+                &n.workspace_name,
+                &n.api_key_name,
+                &n.currency,
+                &n.cost_exact_nanos,
+            ]
+            .map(|v| csv_field(v.as_deref().unwrap_or("")).into_owned());
+            out.extend_from_slice(fields.join(",").as_bytes());
+            out.extend_from_slice(b"\r\n");
         }
         Format::Jsonl => {
             let _ = serde_json::to_writer(&mut *out, r);
             out.push(b'\n');
         }
         Format::Cloudevents => {
+            let (id, time) = r.event();
             let ev = serde_json::json!({
                 "specversion": "1.0",
-                "type": "dev.cachet.usage.v1",
+                "type": R::EVENT_TYPE,
                 "source": "cachet/billing",
-                "id": r.request_id,
-                "subject": r.tenant_id,
-                "time": r.started_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                "id": id,
+                "subject": r.tenant(),
+                "time": time,
                 "datacontenttype": "application/json",
                 "data": r,
             });
             let _ = serde_json::to_writer(&mut *out, &ev);
             out.push(b'\n');
         }
-    }
-}
-
-/// A row an export streams: how it is encoded and rated.
-trait ExportRow: Send + Unpin + 'static + for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> {
-    /// The CSV header line (with its CRLF).
-    const CSV_HEADER: &'static str;
-    fn tenant(&self) -> Uuid;
-    /// Fill in the row's cost from its tenant's prices.
-    fn rate(&mut self, rater: &crate::dashboard::Rater);
-    fn encode(&self, format: Format, out: &mut Vec<u8>);
-}
-
-impl ExportRow for LedgerRow {
-    const CSV_HEADER: &'static str = CSV_HEADER;
-    fn tenant(&self) -> Uuid {
-        self.tenant_id
-    }
-    fn rate(&mut self, rater: &crate::dashboard::Rater) {
-        LedgerRow::rate(self, rater)
-    }
-    fn encode(&self, format: Format, out: &mut Vec<u8>) {
-        encode_row(format, self, out)
     }
 }
 
@@ -686,7 +713,7 @@ fn stream_rows<R: ExportRow>(
     tokio::spawn(async move {
         let mut buf: Vec<u8> = Vec::with_capacity(80 * 1024);
         if format == Format::Csv {
-            buf.extend_from_slice(R::CSV_HEADER.as_bytes());
+            buf.extend_from_slice(format!("{},{NAMED_CSV_COLUMNS}\r\n", R::CSV_COLUMNS).as_bytes());
         }
         // Each tenant's prices, loaded once (an export spans few tenants next to its rows).
         let mut raters: HashMap<Uuid, crate::dashboard::Rater> = HashMap::new();
@@ -711,9 +738,9 @@ fn stream_rows<R: ExportRow>(
                         }
                     }
                     if let Some(rater) = raters.get(&r.tenant()) {
-                        r.rate(rater);
+                        rate(&mut r, rater);
                     }
-                    r.encode(format, &mut buf);
+                    encode(format, &mut r, &mut buf);
                     if buf.len() >= 64 * 1024 {
                         let chunk = bytes::Bytes::from(std::mem::replace(
                             &mut buf,
@@ -789,11 +816,7 @@ fn fetch_filtered<R: ExportRow>(
         .fetch(pool)
 }
 
-const STORAGE_CSV_HEADER: &str = "object_id,hour_start,tenant_id,workspace_id,api_key_id,model,tokens,seconds,token_seconds,tenant_name,workspace_name,api_key_name,currency,cost_exact_nanos\r\n";
-
-/// An hour of a cache object held (the storage ledger, `cache_storage_events`), for exports:
-/// with the names of its tenant, workspace and key, and its cost at the prices in force at the
-/// hour's start (exact, in nano-units; `null` where no price covered the model).
+/// An hour of a cache object held (the storage ledger, `cache_storage_events`), for exports.
 #[derive(Debug, Serialize, sqlx::FromRow)]
 pub struct StorageRow {
     pub object_id: String,
@@ -805,78 +828,54 @@ pub struct StorageRow {
     pub tokens: i64,
     pub seconds: i32,
     pub token_seconds: i64,
-    pub tenant_name: Option<String>,
-    pub workspace_name: Option<String>,
-    pub api_key_name: Option<String>,
-    #[sqlx(skip)]
-    pub currency: Option<String>,
-    #[sqlx(skip)]
-    pub cost_exact_nanos: Option<String>,
+    #[serde(flatten)]
+    #[sqlx(flatten)]
+    pub named: Named,
+}
+
+impl StorageRow {
+    fn hour(&self) -> String {
+        self.hour_start
+            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    }
 }
 
 impl ExportRow for StorageRow {
-    const CSV_HEADER: &'static str = STORAGE_CSV_HEADER;
+    const CSV_COLUMNS: &'static str =
+        "object_id,hour_start,tenant_id,workspace_id,api_key_id,model,tokens,seconds,token_seconds";
+    const EVENT_TYPE: &'static str = "dev.cachet.cache_storage.v1";
+    fn named(&mut self) -> &mut Named {
+        &mut self.named
+    }
     fn tenant(&self) -> Uuid {
         self.tenant_id
     }
-    fn rate(&mut self, rater: &crate::dashboard::Rater) {
+    fn metered(&self) -> (&str, DateTime<Utc>, crate::dashboard::Tokens) {
         let held = crate::dashboard::Tokens {
             cache_storage_token_seconds: self.token_seconds,
             ..Default::default()
         };
-        let cost = rater.rate(&self.model, self.hour_start, &held);
-        self.currency = rater
-            .currency(&self.model, self.hour_start)
-            .map(str::to_string);
-        self.cost_exact_nanos = (cost.unpriced_tokens == 0).then(|| cost.actual.nanos_decimal());
+        (&self.model, self.hour_start, held)
     }
-    fn encode(&self, format: Format, out: &mut Vec<u8>) {
+    fn write_csv(&self, out: &mut Vec<u8>) {
         use std::io::Write;
-        let hour = self
-            .hour_start
-            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-        match format {
-            Format::Csv => {
-                let opt = |v: &Option<String>| csv_field(v.as_deref().unwrap_or("")).into_owned();
-                let _ = write!(
-                    out,
-                    "{},{},{},{},{},{},{},{},{},{},{},{},{},{}\r\n",
-                    self.object_id,
-                    hour,
-                    self.tenant_id,
-                    self.workspace_id,
-                    self.api_key_id,
-                    csv_field(&self.model),
-                    self.tokens,
-                    self.seconds,
-                    self.token_seconds,
-                    opt(&self.tenant_name),
-                    opt(&self.workspace_name),
-                    opt(&self.api_key_name),
-                    opt(&self.currency),
-                    opt(&self.cost_exact_nanos),
-                );
-            }
-            Format::Jsonl => {
-                let _ = serde_json::to_writer(&mut *out, self);
-                out.push(b'\n');
-            }
-            Format::Cloudevents => {
-                let ev = serde_json::json!({
-                    "specversion": "1.0",
-                    "type": "dev.cachet.cache_storage.v1",
-                    "source": "cachet/billing",
-                    // The ledger's key: one event per object and hour.
-                    "id": format!("{}/{hour}", self.object_id),
-                    "subject": self.tenant_id,
-                    "time": hour,
-                    "datacontenttype": "application/json",
-                    "data": self,
-                });
-                let _ = serde_json::to_writer(&mut *out, &ev);
-                out.push(b'\n');
-            }
-        }
+        let _ = write!(
+            out,
+            "{},{},{},{},{},{},{},{},{},",
+            self.object_id,
+            self.hour(),
+            self.tenant_id,
+            self.workspace_id,
+            self.api_key_id,
+            csv_field(&self.model),
+            self.tokens,
+            self.seconds,
+            self.token_seconds,
+        );
+    }
+    fn event(&self) -> (String, String) {
+        // The ledger's key: one event per object and hour.
+        (format!("{}/{}", self.object_id, self.hour()), self.hour())
     }
 }
 

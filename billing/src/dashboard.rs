@@ -366,98 +366,10 @@ pub async fn usage(pool: &PgPool, q: &UsageQuery) -> Result<UsageReport, Billing
         group_by,
         workspace,
     } = *q;
-    if to <= from {
-        return Err(BillingError::Invalid("`to` must be after `from`".into()));
-    }
-    if (to - from) > TimeDelta::days(400) {
-        return Err(BillingError::Invalid(
-            "a usage window may span at most 400 days".into(),
-        ));
-    }
-    // Whole hours covering the window: the rollups' resolution.
-    let hour = TimeDelta::hours(1);
-    let from = bucket_of(from, Granularity::Hour);
-    let to = match bucket_of(to, Granularity::Hour) {
-        t if t == to => t,
-        t => t + hour,
-    };
+    let (from, to) = whole_hours(from, to)?;
     let rater = Rater::load(pool, tenant).await?;
-    // Daily buckets read the daily rollups (24× fewer rows) for every whole day in the window
-    // whose prices do not change during it; the window's partial days and days with a price
-    // change inside them read the hourly ones, so every row is still rated at its own hour.
-    let day = TimeDelta::days(1);
-    let (whole_from, whole_to) = match granularity {
-        Granularity::Day => {
-            let f = bucket_of(from, Granularity::Day);
-            let f = if f == from { f } else { f + day };
-            (f, bucket_of(to, Granularity::Day).max(f))
-        }
-        Granularity::Hour => (from, from),
-    };
-    let dirty: Vec<DateTime<Utc>> = rater
-        .changes()
-        .filter(|t| *t > whole_from && *t < whole_to)
-        .filter(|t| *t != bucket_of(*t, Granularity::Day))
-        .map(|t| bucket_of(t, Granularity::Day))
-        .collect();
-    // A key's workspace is where its usage goes: the key table is read only when a report
-    // splits or filters by workspace.
-    let (ws, ws_join) = if group_by == GroupBy::Workspace || workspace.is_some() {
-        (
-            "k.workspace_id",
-            "LEFT JOIN api_keys k ON k.id = r.api_key_id",
-        )
-    } else {
-        ("NULL::UUID", "")
-    };
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        r#"
-        SELECT bucket_start, model, CASE WHEN $4 THEN api_key_id END AS api_key,
-               CASE WHEN $8 THEN {ws} END AS workspace,
-               sum(requests)::BIGINT AS requests, sum(input_tokens)::BIGINT AS input_tokens,
-               sum(cache_write_5m_tokens)::BIGINT AS w5, sum(cache_write_1h_tokens)::BIGINT AS w1,
-               sum(cache_read_tokens)::BIGINT AS rd, sum(output_tokens)::BIGINT AS output_tokens
-        FROM usage_rollups r {ws_join}
-        WHERE r.tenant_id = $1 AND ($9::UUID IS NULL OR {ws} = $9) AND (
-              (granularity = 'day' AND bucket_start >= $5 AND bucket_start < $6
-               AND NOT (bucket_start = ANY($7)))
-           OR (granularity = 'hour' AND bucket_start >= $2 AND bucket_start < $3
-               AND (bucket_start < $5 OR bucket_start >= $6
-                    OR date_trunc('day', bucket_start, 'UTC') = ANY($7))))
-        GROUP BY 1, 2, 3, 4
-        "#
-    )))
-    .bind(tenant)
-    .bind(from)
-    .bind(to)
-    .bind(group_by == GroupBy::ApiKey)
-    .bind(whole_from)
-    .bind(whole_to)
-    .bind(&dirty)
-    .bind(group_by == GroupBy::Workspace)
-    .bind(workspace)
-    .fetch_all(pool)
-    .await?;
-    // Cache objects held, per hour (the storage ledger is hourly already).
-    let storage = sqlx::query(
-        r#"
-        SELECT hour_start AS bucket_start, model, CASE WHEN $4 THEN api_key_id END AS api_key,
-               CASE WHEN $5 THEN workspace_id END AS workspace,
-               sum(tokens * seconds)::BIGINT AS token_seconds
-        FROM cache_storage_events
-        WHERE tenant_id = $1 AND hour_start >= $2 AND hour_start < $3
-          AND ($6::UUID IS NULL OR workspace_id = $6)
-        GROUP BY 1, 2, 3, 4
-        "#,
-    )
-    .bind(tenant)
-    .bind(from)
-    .bind(to)
-    .bind(group_by == GroupBy::ApiKey)
-    .bind(group_by == GroupBy::Workspace)
-    .bind(workspace)
-    .fetch_all(pool)
-    .await?;
+    let rows = rolled_up(pool, q, &rater, from, to).await?;
+    let storage = storage_held(pool, q, from, to).await?;
 
     type Key = (DateTime<Utc>, Group);
     let mut buckets: BTreeMap<Key, (Tokens, Cost)> = BTreeMap::new();
@@ -524,6 +436,131 @@ pub async fn usage(pool: &PgPool, q: &UsageQuery) -> Result<UsageReport, Billing
         currency,
         series,
     })
+}
+
+/// The whole hours covering `[from, to)` (the rollups' resolution), for a window of at most
+/// 400 days.
+fn whole_hours(
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Result<(DateTime<Utc>, DateTime<Utc>), BillingError> {
+    if to <= from {
+        return Err(BillingError::Invalid("`to` must be after `from`".into()));
+    }
+    if (to - from) > TimeDelta::days(400) {
+        return Err(BillingError::Invalid(
+            "a usage window may span at most 400 days".into(),
+        ));
+    }
+    let hour = TimeDelta::hours(1);
+    let from = bucket_of(from, Granularity::Hour);
+    let to = match bucket_of(to, Granularity::Hour) {
+        t if t == to => t,
+        t => t + hour,
+    };
+    Ok((from, to))
+}
+
+/// The rollup rows of the usage `q` asks for over the whole hours `[from, to)`, summed per
+/// hour or day, model, and key or workspace where it splits by them.
+async fn rolled_up(
+    pool: &PgPool,
+    q: &UsageQuery,
+    rater: &Rater,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Result<Vec<sqlx::postgres::PgRow>, BillingError> {
+    let UsageQuery {
+        tenant,
+        granularity,
+        group_by,
+        workspace,
+        ..
+    } = *q;
+    // Daily buckets read the daily rollups (24× fewer rows) for every whole day in the window
+    // whose prices do not change during it; the window's partial days and days with a price
+    // change inside them read the hourly ones, so every row is still rated at its own hour.
+    let day = TimeDelta::days(1);
+    let (whole_from, whole_to) = match granularity {
+        Granularity::Day => {
+            let f = bucket_of(from, Granularity::Day);
+            let f = if f == from { f } else { f + day };
+            (f, bucket_of(to, Granularity::Day).max(f))
+        }
+        Granularity::Hour => (from, from),
+    };
+    let dirty: Vec<DateTime<Utc>> = rater
+        .changes()
+        .filter(|t| *t > whole_from && *t < whole_to)
+        .filter(|t| *t != bucket_of(*t, Granularity::Day))
+        .map(|t| bucket_of(t, Granularity::Day))
+        .collect();
+    // A key's workspace is where its usage goes: the key table is read only when a report
+    // splits or filters by workspace.
+    let (ws, ws_join) = if group_by == GroupBy::Workspace || workspace.is_some() {
+        (
+            "k.workspace_id",
+            "LEFT JOIN api_keys k ON k.id = r.api_key_id",
+        )
+    } else {
+        ("NULL::UUID", "")
+    };
+    Ok(sqlx::query(sqlx::AssertSqlSafe(format!(
+        r#"
+        SELECT bucket_start, model, CASE WHEN $4 THEN api_key_id END AS api_key,
+               CASE WHEN $8 THEN {ws} END AS workspace,
+               sum(requests)::BIGINT AS requests, sum(input_tokens)::BIGINT AS input_tokens,
+               sum(cache_write_5m_tokens)::BIGINT AS w5, sum(cache_write_1h_tokens)::BIGINT AS w1,
+               sum(cache_read_tokens)::BIGINT AS rd, sum(output_tokens)::BIGINT AS output_tokens
+        FROM usage_rollups r {ws_join}
+        WHERE r.tenant_id = $1 AND ($9::UUID IS NULL OR {ws} = $9) AND (
+              (granularity = 'day' AND bucket_start >= $5 AND bucket_start < $6
+               AND NOT (bucket_start = ANY($7)))
+           OR (granularity = 'hour' AND bucket_start >= $2 AND bucket_start < $3
+               AND (bucket_start < $5 OR bucket_start >= $6
+                    OR date_trunc('day', bucket_start, 'UTC') = ANY($7))))
+        GROUP BY 1, 2, 3, 4
+        "#
+    )))
+    .bind(tenant)
+    .bind(from)
+    .bind(to)
+    .bind(group_by == GroupBy::ApiKey)
+    .bind(whole_from)
+    .bind(whole_to)
+    .bind(&dirty)
+    .bind(group_by == GroupBy::Workspace)
+    .bind(workspace)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// Cache objects held over `[from, to)`, per hour (the storage ledger is hourly already).
+async fn storage_held(
+    pool: &PgPool,
+    q: &UsageQuery,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Result<Vec<sqlx::postgres::PgRow>, BillingError> {
+    Ok(sqlx::query(
+        r#"
+        SELECT hour_start AS bucket_start, model, CASE WHEN $4 THEN api_key_id END AS api_key,
+               CASE WHEN $5 THEN workspace_id END AS workspace,
+               sum(tokens * seconds)::BIGINT AS token_seconds
+        FROM cache_storage_events
+        WHERE tenant_id = $1 AND hour_start >= $2 AND hour_start < $3
+          AND ($6::UUID IS NULL OR workspace_id = $6)
+        GROUP BY 1, 2, 3, 4
+        "#,
+    )
+    .bind(q.tenant)
+    .bind(from)
+    .bind(to)
+    .bind(q.group_by == GroupBy::ApiKey)
+    .bind(q.group_by == GroupBy::Workspace)
+    .bind(q.workspace)
+    .fetch_all(pool)
+    .await?)
 }
 
 /// The calendar month (UTC) holding `now`: its start and the start of the next.

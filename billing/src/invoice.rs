@@ -239,67 +239,130 @@ async fn usage_lines(
     .fetch_all(&mut *conn)
     .await?;
 
-    let mut currencies: Vec<String> = Vec::new();
+    let (currency, lines) = rate_groups(
+        tenant,
+        LineKind::Usage,
+        &groups,
+        Vec::new(),
+        |g, discount| {
+            // Usage lines price no storage ([`storage_lines`] do).
+            let rates = discount.map(|_| Rates {
+                input_nanos: g.get("input_nanos"),
+                output_nanos: g.get("output_nanos"),
+                cache_write_5m_bp: g.get("w5"),
+                cache_write_1h_bp: g.get("w1"),
+                cache_read_bp: g.get("rd"),
+                cache_storage_hour_bp: 0,
+            });
+            TokenClass::ALL
+                .into_iter()
+                .map(|class| (class, class_tokens(g, class)))
+                .filter(|(_, tokens)| *tokens != 0)
+                .map(|(class, tokens)| {
+                    let ((nanos, bp), exact) = match (&rates, discount) {
+                        (Some(r), Some(d)) => (r.of(class), Exact::usage(tokens, r, class, d)),
+                        _ => ((0, 0), Exact::ZERO),
+                    };
+                    Charge {
+                        token_class: class.as_str(),
+                        label: class.to_string(),
+                        quantity: tokens,
+                        amount: format!("{tokens} tokens"),
+                        nanos,
+                        bp,
+                        per: "",
+                        exact,
+                    }
+                })
+                .collect()
+        },
+    )?;
+    Ok((currency.unwrap_or_else(|| "USD".to_string()), lines))
+}
+
+/// One charge of a group of ledger rows: a token class's quantity and what it costs.
+struct Charge {
+    token_class: &'static str,
+    /// The charge as a line's description names it (`input`, `cache storage`).
+    label: String,
+    quantity: i64,
+    /// The quantity as the description says it (`12 tokens`, `1.5 token-hours`).
+    amount: String,
+    /// The rate: nano-units per token, its multiplier in basis points, and what it is per.
+    nanos: i64,
+    bp: i32,
+    per: &'static str,
+    /// Zero where no price is in force.
+    exact: Exact,
+}
+
+/// The rating loop, for every kind of metered line: each group (one model × price version ×
+/// discount in force at its rows' start, in `groups`' columns `model`, `price_from`, `custom`,
+/// `currency`, `discount_bp`, `first_at`) as a line per charge that `charges` reads off it,
+/// given the group's discount (`None` where no price is in force). Rating never stops for a
+/// missing price: such usage is listed, billed at zero, and the invoice names the model
+/// (`Invoice::unpriced`) so finance is told. Returns the one currency the priced lines (and
+/// `currencies`, those already in the invoice) are in.
+fn rate_groups(
+    tenant: Uuid,
+    kind: LineKind,
+    groups: &[sqlx::postgres::PgRow],
+    mut currencies: Vec<String>,
+    charges: impl Fn(&sqlx::postgres::PgRow, Option<i32>) -> Vec<Charge>,
+) -> Result<(Option<String>, Vec<Line>), BillingError> {
     let mut lines = Vec::new();
-    for g in &groups {
+    for g in groups {
         let model: String = g.get("model");
+        let line = |c: &Charge, price_from, exact: Exact, currency: &str, description| Line {
+            kind,
+            model: Some(model.clone()),
+            token_class: Some(c.token_class.to_string()),
+            price_from,
+            quantity: c.quantity,
+            exact_nanos: exact.nanos_decimal(),
+            amount_minor: exact.to_minor(currency),
+            description,
+        };
         let Some(price_from) = g.get::<Option<DateTime<Utc>>, _>("price_from") else {
-            // Rating never stops for a missing price: the usage is listed, billed at zero,
-            // and the invoice names the model (`Invoice::unpriced`) so finance is told.
-            lines.extend(unpriced_lines(&model, g));
+            let first_at: DateTime<Utc> = g.get("first_at");
+            for c in charges(g, None) {
+                let description = format!(
+                    "{model} {}: {} with no price in force (from {}): not billed; add a price for {model}",
+                    c.label,
+                    c.amount,
+                    first_at.format("%Y-%m-%d %H:%M UTC")
+                );
+                lines.push(line(&c, None, Exact::ZERO, "USD", description));
+            }
             continue;
         };
         let currency: String = g.get("currency");
         if !currencies.contains(&currency) {
             currencies.push(currency.clone());
         }
-        let rates = Rates {
-            input_nanos: g.get("input_nanos"),
-            output_nanos: g.get("output_nanos"),
-            cache_write_5m_bp: g.get("w5"),
-            cache_write_1h_bp: g.get("w1"),
-            cache_read_bp: g.get("rd"),
-            // Usage lines price no storage ([`storage_lines`] do).
-            cache_storage_hour_bp: 0,
-        };
         let discount: i32 = g.get("discount_bp");
         let custom: bool = g.get("custom");
-        for class in TokenClass::ALL {
-            let tokens = class_tokens(g, class);
-            if tokens == 0 {
-                continue;
-            }
-            let exact = Exact::usage(tokens, &rates, class, discount);
-            let (nanos, bp) = rates.of(class);
+        for c in charges(g, Some(discount)) {
             let mut description = format!(
-                "{model} {class}: {tokens} tokens at {nanos} nano/token × {}.{:04}{}",
-                bp / 10_000,
-                bp % 10_000,
+                "{model} {}: {} at {} nano/token × {}.{:04}{}{}",
+                c.label,
+                c.amount,
+                c.nanos,
+                c.bp / 10_000,
+                c.bp % 10_000,
+                c.per,
                 if custom { " (custom rate)" } else { "" }
             );
             if discount > 0 {
                 description.push_str(&format!(", {}.{:02}% off", discount / 100, discount % 100));
             }
-            lines.push((
-                Some(currency.clone()),
-                Line {
-                    kind: LineKind::Usage,
-                    model: Some(model.clone()),
-                    token_class: Some(class.as_str().to_string()),
-                    price_from: Some(price_from),
-                    quantity: tokens,
-                    exact_nanos: exact.nanos_decimal(),
-                    amount_minor: exact.to_minor(&currency),
-                    description,
-                },
-            ));
+            lines.push(line(&c, Some(price_from), c.exact, &currency, description));
         }
     }
     if currencies.len() > 1 {
         return Err(BillingError::MixedCurrency { tenant, currencies });
     }
-    let currency = currencies.pop().unwrap_or_else(|| "USD".to_string());
-    Ok((currency, lines.into_iter().map(|(_, l)| l).collect()))
+    Ok((currencies.pop(), lines))
 }
 
 /// The token class columns of a usage group.
@@ -310,39 +373,6 @@ fn class_tokens(g: &sqlx::postgres::PgRow, class: TokenClass) -> i64 {
         TokenClass::CacheWrite1h => "w1_tokens",
         TokenClass::CacheRead => "read_tokens",
         TokenClass::Output => "output_tokens",
-    })
-}
-
-/// Usage of `model` no price covered (no list price and no custom rate in force at the
-/// rows' start): one zero line per token class, saying so.
-fn unpriced_lines(
-    model: &str,
-    g: &sqlx::postgres::PgRow,
-) -> impl Iterator<Item = (Option<String>, Line)> + use<> {
-    let model = model.to_string();
-    let first_at: DateTime<Utc> = g.get("first_at");
-    let counts: Vec<(TokenClass, i64)> = TokenClass::ALL
-        .into_iter()
-        .map(|c| (c, class_tokens(g, c)))
-        .filter(|(_, n)| *n > 0)
-        .collect();
-    counts.into_iter().map(move |(class, tokens)| {
-        (
-            None,
-            Line {
-                kind: LineKind::Usage,
-                model: Some(model.clone()),
-                token_class: Some(class.as_str().to_string()),
-                price_from: None,
-                quantity: tokens,
-                exact_nanos: Exact::from_minor(0, "USD").nanos_decimal(),
-                amount_minor: 0,
-                description: format!(
-                    "{model} {class}: {tokens} tokens with no price in force (from {}): not billed; add a price for {model}",
-                    first_at.format("%Y-%m-%d %H:%M UTC")
-                ),
-            },
-        )
     })
 }
 
@@ -448,78 +478,48 @@ async fn storage_lines(
     .bind(to)
     .fetch_all(&mut *conn)
     .await?;
-    let mut currencies: Vec<String> = if priced {
+    let currencies = if priced {
         vec![currency.clone()]
     } else {
         Vec::new()
     };
-    let mut lines = Vec::new();
-    for g in &groups {
-        let model: String = g.get("model");
-        let token_seconds: i64 = g.get("token_seconds");
-        let hours = format_token_hours(token_seconds);
-        let Some(price_from) = g.get::<Option<DateTime<Utc>>, _>("price_from") else {
-            let first_at: DateTime<Utc> = g.get("first_at");
-            lines.push(Line {
-                kind: LineKind::Storage,
-                model: Some(model.clone()),
-                token_class: Some(STORAGE_CLASS.into()),
-                price_from: None,
-                quantity: token_seconds,
-                exact_nanos: Exact::ZERO.nanos_decimal(),
-                amount_minor: 0,
-                description: format!(
-                    "{model} cache storage: {hours} token-hours with no price in force (from {}): not billed; add a price for {model}",
-                    first_at.format("%Y-%m-%d %H:%M UTC")
-                ),
-            });
-            continue;
-        };
-        let line_currency: String = g.get("currency");
-        if !currencies.contains(&line_currency) {
-            currencies.push(line_currency.clone());
-        }
-        let rates = Rates {
-            input_nanos: g.get("input_nanos"),
-            cache_storage_hour_bp: g.get("storage_bp"),
+    let (in_force, lines) = rate_groups(
+        tenant,
+        LineKind::Storage,
+        &groups,
+        currencies,
+        |g, discount| {
+            let token_seconds: i64 = g.get("token_seconds");
             // Storage reads only the input price and its storage multiplier.
-            output_nanos: 0,
-            cache_write_5m_bp: 0,
-            cache_write_1h_bp: 0,
-            cache_read_bp: 0,
-        };
-        let discount: i32 = g.get("discount_bp");
-        let exact = Exact::storage(token_seconds, &rates, discount);
-        let bp = rates.cache_storage_hour_bp;
-        let mut description = format!(
-            "{model} cache storage: {hours} token-hours at {} nano/token × {}.{:04} per hour{}",
-            rates.input_nanos,
-            bp / 10_000,
-            bp % 10_000,
-            if g.get::<bool, _>("custom") {
-                " (custom rate)"
-            } else {
-                ""
-            }
-        );
-        if discount > 0 {
-            description.push_str(&format!(", {}.{:02}% off", discount / 100, discount % 100));
-        }
-        lines.push(Line {
-            kind: LineKind::Storage,
-            model: Some(model),
-            token_class: Some(STORAGE_CLASS.into()),
-            price_from: Some(price_from),
-            quantity: token_seconds,
-            exact_nanos: exact.nanos_decimal(),
-            amount_minor: exact.to_minor(&line_currency),
-            description,
-        });
-    }
-    if currencies.len() > 1 {
-        return Err(BillingError::MixedCurrency { tenant, currencies });
-    }
-    Ok((currencies.pop().unwrap_or(currency), lines))
+            let rates = discount.map(|_| Rates {
+                input_nanos: g.get("input_nanos"),
+                cache_storage_hour_bp: g.get("storage_bp"),
+                output_nanos: 0,
+                cache_write_5m_bp: 0,
+                cache_write_1h_bp: 0,
+                cache_read_bp: 0,
+            });
+            let (nanos, bp, exact) = match (&rates, discount) {
+                (Some(r), Some(d)) => (
+                    r.input_nanos,
+                    r.cache_storage_hour_bp,
+                    Exact::storage(token_seconds, r, d),
+                ),
+                _ => (0, 0, Exact::ZERO),
+            };
+            vec![Charge {
+                token_class: STORAGE_CLASS,
+                label: "cache storage".into(),
+                quantity: token_seconds,
+                amount: format!("{} token-hours", format_token_hours(token_seconds)),
+                nanos,
+                bp,
+                per: " per hour",
+                exact,
+            }]
+        },
+    )?;
+    Ok((in_force.unwrap_or(currency), lines))
 }
 
 /// Token-seconds as token-hours, to three decimals at most (`7200` → `2`, `5400` → `1.5`).

@@ -144,33 +144,8 @@ fn rule(c: &mut Content, y: f32) {
 
 /// The invoice of `tenant_name` as a PDF document.
 pub fn invoice_pdf(inv: &Invoice, tenant_name: &str) -> Vec<u8> {
-    let rows: Vec<Row> = inv
-        .lines
-        .iter()
-        .enumerate()
-        .map(|(i, l)| Row {
-            number: (i + 1).to_string(),
-            description: wrap(&l.description, COLS[1] - 2),
-            quantity: l.quantity.to_string(),
-            amount: l.exact_nanos.parse::<Exact>().map_or_else(
-                |_| format_minor(l.amount_minor, &inv.currency),
-                |e| exact_major(e, &inv.currency),
-            ),
-        })
-        .collect();
-    // Paginate: the first page starts below the header, later ones near the top.
-    let mut pages: Vec<Vec<&Row>> = vec![Vec::new()];
-    let mut y = HEIGHT - 210.0;
-    for r in &rows {
-        if y - r.height() < BOTTOM && !pages.last().is_some_and(|p| p.is_empty()) {
-            pages.push(Vec::new());
-            y = HEIGHT - 110.0;
-        }
-        y -= r.height();
-        if let Some(p) = pages.last_mut() {
-            p.push(r);
-        }
-    }
+    let rows = rows_of(inv);
+    let pages = paginate(&rows);
     let n = pages.len();
     let month = inv.period_start.format("%Y-%m").to_string();
 
@@ -220,109 +195,10 @@ pub fn invoice_pdf(inv: &Invoice, tenant_name: &str) -> Vec<u8> {
         page.finish();
 
         let mut c = Content::new();
-        let mut y = HEIGHT - MARGIN - 10.0;
-        if i == 0 {
-            text(&mut c, SANS_BOLD, 18.0, MARGIN, y, "Invoice");
-            text(
-                &mut c,
-                SANS,
-                10.0,
-                WIDTH - MARGIN - 150.0,
-                y + 4.0,
-                "Cachet prompt caching",
-            );
-            y -= 28.0;
-            let when =
-                |t: chrono::DateTime<chrono::Utc>| t.format("%Y-%m-%d %H:%M UTC").to_string();
-            let facts = [
-                ("Billed to", tenant_name.to_string()),
-                ("Period", format!("{month} (UTC calendar month)")),
-                ("Status", inv.status.clone()),
-                ("Invoice", inv.id.to_string()),
-                ("Rated at", when(inv.rated_at)),
-                (
-                    "Finalized at",
-                    inv.finalized_at
-                        .map_or_else(|| "not yet (draft)".to_string(), when),
-                ),
-            ];
-            for (k, v) in facts {
-                text(&mut c, SANS_BOLD, 10.0, MARGIN, y, k);
-                text(&mut c, SANS, 10.0, MARGIN + 80.0, y, &v);
-                y -= 14.0;
-            }
-            y -= 12.0;
-        } else {
-            text(
-                &mut c,
-                SANS_BOLD,
-                11.0,
-                MARGIN,
-                y,
-                &format!("Invoice {month} for {tenant_name} (continued)"),
-            );
-            y -= 30.0;
-        }
-        let amount_head = format!("Amount ({})", inv.currency);
-        text(
-            &mut c,
-            MONO_BOLD,
-            SIZE,
-            MARGIN,
-            y,
-            &row_text(["#", "Description", "Quantity", &amount_head]),
-        );
-        rule(&mut c, y - 4.0);
-        y -= LEADING + 4.0;
-        for r in page_rows {
-            for (j, d) in r.description.iter().enumerate() {
-                let cells = if j == 0 {
-                    [
-                        r.number.as_str(),
-                        d.as_str(),
-                        r.quantity.as_str(),
-                        r.amount.as_str(),
-                    ]
-                } else {
-                    ["", d.as_str(), "", ""]
-                };
-                text(&mut c, MONO, SIZE, MARGIN, y, &row_text(cells));
-                y -= LEADING;
-            }
-        }
+        let mut y = heading(&mut c, inv, tenant_name, &month, i == 0);
+        y = table(&mut c, page_rows, &inv.currency, y);
         if i + 1 == n {
-            rule(&mut c, y + LEADING - 4.0);
-            y -= 6.0;
-            let total = format!(
-                "Total {} {}",
-                format_minor(inv.total_minor, &inv.currency),
-                inv.currency
-            );
-            text(
-                &mut c,
-                SANS_BOLD,
-                12.0,
-                WIDTH - MARGIN - 0.6 * 12.0 * total.len() as f32,
-                y,
-                &total,
-            );
-            y -= 18.0;
-            let mut notes = vec![
-                "Line amounts are exact as rated; the total is their exact sum, rounded once."
-                    .to_string(),
-            ];
-            if !inv.unpriced.is_empty() {
-                notes.push(format!(
-                    "Usage of {} had no price in force and is listed at zero.",
-                    inv.unpriced.join(", ")
-                ));
-            }
-            for note in notes {
-                for l in wrap(&note, 100) {
-                    text(&mut c, SANS, 8.0, MARGIN, y, &l);
-                    y -= 11.0;
-                }
-            }
+            totals(&mut c, inv, y);
         }
         text(
             &mut c,
@@ -335,6 +211,155 @@ pub fn invoice_pdf(inv: &Invoice, tenant_name: &str) -> Vec<u8> {
         pdf.stream(content_id, &c.finish());
     }
     pdf.finish()
+}
+
+/// The invoice's lines as table rows: descriptions wrapped, amounts exact as rated.
+fn rows_of(inv: &Invoice) -> Vec<Row> {
+    inv.lines
+        .iter()
+        .enumerate()
+        .map(|(i, l)| Row {
+            number: (i + 1).to_string(),
+            description: wrap(&l.description, COLS[1] - 2),
+            quantity: l.quantity.to_string(),
+            amount: l.exact_nanos.parse::<Exact>().map_or_else(
+                |_| format_minor(l.amount_minor, &inv.currency),
+                |e| exact_major(e, &inv.currency),
+            ),
+        })
+        .collect()
+}
+
+/// Rows into pages: the first page starts below the header, later ones near the top.
+fn paginate(rows: &[Row]) -> Vec<Vec<&Row>> {
+    let mut pages: Vec<Vec<&Row>> = vec![Vec::new()];
+    let mut y = HEIGHT - 210.0;
+    for r in rows {
+        if y - r.height() < BOTTOM && !pages.last().is_some_and(|p| p.is_empty()) {
+            pages.push(Vec::new());
+            y = HEIGHT - 110.0;
+        }
+        y -= r.height();
+        if let Some(p) = pages.last_mut() {
+            p.push(r);
+        }
+    }
+    pages
+}
+
+/// A page's heading (the invoice's facts on the first page, a continuation line on the
+/// others); where the table starts.
+fn heading(c: &mut Content, inv: &Invoice, tenant_name: &str, month: &str, first: bool) -> f32 {
+    let mut y = HEIGHT - MARGIN - 10.0;
+    if first {
+        text(c, SANS_BOLD, 18.0, MARGIN, y, "Invoice");
+        text(
+            c,
+            SANS,
+            10.0,
+            WIDTH - MARGIN - 150.0,
+            y + 4.0,
+            "Cachet prompt caching",
+        );
+        y -= 28.0;
+        let when = |t: chrono::DateTime<chrono::Utc>| t.format("%Y-%m-%d %H:%M UTC").to_string();
+        let facts = [
+            ("Billed to", tenant_name.to_string()),
+            ("Period", format!("{month} (UTC calendar month)")),
+            ("Status", inv.status.clone()),
+            ("Invoice", inv.id.to_string()),
+            ("Rated at", when(inv.rated_at)),
+            (
+                "Finalized at",
+                inv.finalized_at
+                    .map_or_else(|| "not yet (draft)".to_string(), when),
+            ),
+        ];
+        for (k, v) in facts {
+            text(c, SANS_BOLD, 10.0, MARGIN, y, k);
+            text(c, SANS, 10.0, MARGIN + 80.0, y, &v);
+            y -= 14.0;
+        }
+        y -= 12.0;
+    } else {
+        text(
+            c,
+            SANS_BOLD,
+            11.0,
+            MARGIN,
+            y,
+            &format!("Invoice {month} for {tenant_name} (continued)"),
+        );
+        y -= 30.0;
+    }
+    y
+}
+
+/// The line table's head and `rows` from `y` down; where it ends.
+fn table(c: &mut Content, rows: &[&Row], currency: &str, mut y: f32) -> f32 {
+    let amount_head = format!("Amount ({currency})");
+    text(
+        c,
+        MONO_BOLD,
+        SIZE,
+        MARGIN,
+        y,
+        &row_text(["#", "Description", "Quantity", &amount_head]),
+    );
+    rule(c, y - 4.0);
+    y -= LEADING + 4.0;
+    for r in rows {
+        for (j, d) in r.description.iter().enumerate() {
+            let cells = if j == 0 {
+                [
+                    r.number.as_str(),
+                    d.as_str(),
+                    r.quantity.as_str(),
+                    r.amount.as_str(),
+                ]
+            } else {
+                ["", d.as_str(), "", ""]
+            };
+            text(c, MONO, SIZE, MARGIN, y, &row_text(cells));
+            y -= LEADING;
+        }
+    }
+    y
+}
+
+/// The last page's total and notes, below the table.
+fn totals(c: &mut Content, inv: &Invoice, mut y: f32) {
+    rule(c, y + LEADING - 4.0);
+    y -= 6.0;
+    let total = format!(
+        "Total {} {}",
+        format_minor(inv.total_minor, &inv.currency),
+        inv.currency
+    );
+    text(
+        c,
+        SANS_BOLD,
+        12.0,
+        WIDTH - MARGIN - 0.6 * 12.0 * total.len() as f32,
+        y,
+        &total,
+    );
+    y -= 18.0;
+    let mut notes = vec![
+        "Line amounts are exact as rated; the total is their exact sum, rounded once.".to_string(),
+    ];
+    if !inv.unpriced.is_empty() {
+        notes.push(format!(
+            "Usage of {} had no price in force and is listed at zero.",
+            inv.unpriced.join(", ")
+        ));
+    }
+    for note in notes {
+        for l in wrap(&note, 100) {
+            text(c, SANS, 8.0, MARGIN, y, &l);
+            y -= 11.0;
+        }
+    }
 }
 
 #[cfg(test)]

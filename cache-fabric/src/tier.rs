@@ -199,16 +199,27 @@ pub trait TierStore: Send {
     }
 }
 
-/// The DRAM tier as a plain tier: blocks in memory, oldest inserted dropped first when full.
-pub struct DramTier {
-    blocks: HashMap<BlockHash, (u64, TierBlock, u32)>,
+/// What the plain tiers (DRAM, the GPU's memory) share: their blocks by hash, each with its
+/// crc32c and its place in insertion order, within a capacity in bytes; when full, the oldest
+/// inserted goes first. `V` is where a tier keeps a block's bytes.
+pub struct Held<V> {
+    blocks: HashMap<BlockHash, Slot<V>>,
     order: BTreeMap<u64, BlockHash>,
     seq: u64,
     used: u64,
     capacity: u64,
 }
 
-impl DramTier {
+/// One block held: where its bytes are, their length, its tenant and its crc32c.
+pub struct Slot<V> {
+    seq: u64,
+    pub len: u64,
+    pub tenant: TenantId,
+    pub crc: u32,
+    pub value: V,
+}
+
+impl<V> Held<V> {
     pub fn new(capacity: u64) -> Self {
         Self {
             blocks: HashMap::new(),
@@ -219,17 +230,143 @@ impl DramTier {
         }
     }
 
+    /// Make room for a block of `size` bytes under `hash`: its old copy and then the oldest
+    /// blocks go; a block larger than the whole tier is refused.
+    pub fn make_room(&mut self, hash: &BlockHash, size: u64) -> Result<(), TierError> {
+        if size > self.capacity {
+            return Err(TierError::TooLarge {
+                size,
+                capacity: self.capacity,
+            });
+        }
+        self.remove(hash);
+        while self.used + size > self.capacity {
+            let Some((_, h)) = self.order.pop_first() else {
+                break;
+            };
+            if let Some(b) = self.blocks.remove(&h) {
+                self.used -= b.len;
+            }
+        }
+        Ok(())
+    }
+
+    /// Hold a block (after [`Held::make_room`]), newest in order.
+    pub fn insert(&mut self, hash: BlockHash, tenant: TenantId, len: u64, crc: u32, value: V) {
+        self.seq += 1;
+        self.order.insert(self.seq, hash);
+        self.used += len;
+        let slot = Slot {
+            seq: self.seq,
+            len,
+            tenant,
+            crc,
+            value,
+        };
+        self.blocks.insert(hash, slot);
+    }
+
+    pub fn get(&self, hash: &BlockHash) -> Option<&Slot<V>> {
+        self.blocks.get(hash)
+    }
+
+    pub fn get_mut(&mut self, hash: &BlockHash) -> Option<&mut Slot<V>> {
+        self.blocks.get_mut(hash)
+    }
+
+    pub fn remove(&mut self, hash: &BlockHash) -> bool {
+        match self.blocks.remove(hash) {
+            Some(b) => {
+                self.order.remove(&b.seq);
+                self.used -= b.len;
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn contains(&self, hash: &BlockHash) -> bool {
+        self.blocks.contains_key(hash)
+    }
+    pub fn hashes(&self) -> Vec<BlockHash> {
+        self.blocks.keys().copied().collect()
+    }
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+    pub fn used_bytes(&self) -> u64 {
+        self.used
+    }
+    pub fn capacity_bytes(&self) -> u64 {
+        self.capacity
+    }
+    pub fn inventory(&self) -> Vec<(BlockHash, TenantId, u64)> {
+        self.blocks
+            .iter()
+            .map(|(h, b)| (*h, b.tenant, b.len))
+            .collect()
+    }
+}
+
+/// The [`TierStore`] methods a plain tier answers from its [`Held`] bookkeeping (field
+/// `held`), by name.
+macro_rules! held_bookkeeping {
+    ($name:literal) => {
+        fn remove(&mut self, hash: &BlockHash) -> bool {
+            self.held.remove(hash)
+        }
+        fn contains(&self, hash: &BlockHash) -> bool {
+            self.held.contains(hash)
+        }
+        fn hashes(&self) -> Vec<BlockHash> {
+            self.held.hashes()
+        }
+        fn len(&self) -> usize {
+            self.held.len()
+        }
+        fn used_bytes(&self) -> u64 {
+            self.held.used_bytes()
+        }
+        fn capacity_bytes(&self) -> u64 {
+            self.held.capacity_bytes()
+        }
+        fn name(&self) -> &'static str {
+            $name
+        }
+        fn inventory(&self) -> Vec<(BlockHash, TenantId, u64)> {
+            self.held.inventory()
+        }
+    };
+}
+#[cfg(feature = "cuda")]
+pub(crate) use held_bookkeeping;
+
+/// The DRAM tier as a plain tier: blocks in memory, oldest inserted dropped first when full.
+pub struct DramTier {
+    held: Held<TierBlock>,
+}
+
+impl DramTier {
+    pub fn new(capacity: u64) -> Self {
+        Self {
+            held: Held::new(capacity),
+        }
+    }
+
     /// Test hook: flip a bit of a stored block.
     #[doc(hidden)]
     pub fn corrupt_for_test(&mut self, hash: &BlockHash) -> bool {
-        let Some((_, b, _)) = self.blocks.get_mut(hash) else {
+        let Some(b) = self.held.get_mut(hash) else {
             return false;
         };
-        let mut v = b.data.to_vec();
+        let mut v = b.value.data.to_vec();
         if let Some(x) = v.first_mut() {
             *x ^= 1;
         }
-        b.data = Bytes::from(v);
+        b.value.data = Bytes::from(v);
         true
     }
 }
@@ -237,75 +374,25 @@ impl DramTier {
 impl TierStore for DramTier {
     fn put(&mut self, block: TierBlock) -> Result<(), TierError> {
         let size = block.data.len() as u64;
-        if size > self.capacity {
-            return Err(TierError::TooLarge {
-                size,
-                capacity: self.capacity,
-            });
-        }
-        self.remove(&block.hash);
-        while self.used + size > self.capacity {
-            let Some((_, h)) = self.order.pop_first() else {
-                break;
-            };
-            if let Some((_, b, _)) = self.blocks.remove(&h) {
-                self.used -= b.data.len() as u64;
-            }
-        }
-        self.seq += 1;
-        self.order.insert(self.seq, block.hash);
-        self.used += size;
+        self.held.make_room(&block.hash, size)?;
         let crc = checksum(&block.data);
-        self.blocks.insert(block.hash, (self.seq, block, crc));
+        self.held
+            .insert(block.hash, block.scope.tenant, size, crc, block);
         Ok(())
     }
 
     fn get(&mut self, hash: &BlockHash) -> Result<Option<TierBlock>, TierError> {
-        let Some((_, b, crc)) = self.blocks.get(hash) else {
+        let Some(b) = self.held.get(hash) else {
             return Ok(None);
         };
-        if checksum(&b.data) != *crc {
-            self.remove(hash);
+        if checksum(&b.value.data) != b.crc {
+            self.held.remove(hash);
             return Err(TierError::Corrupt(*hash));
         }
-        Ok(Some(b.clone()))
+        Ok(Some(b.value.clone()))
     }
 
-    fn remove(&mut self, hash: &BlockHash) -> bool {
-        match self.blocks.remove(hash) {
-            Some((seq, b, _)) => {
-                self.order.remove(&seq);
-                self.used -= b.data.len() as u64;
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn contains(&self, hash: &BlockHash) -> bool {
-        self.blocks.contains_key(hash)
-    }
-    fn hashes(&self) -> Vec<BlockHash> {
-        self.blocks.keys().copied().collect()
-    }
-    fn len(&self) -> usize {
-        self.blocks.len()
-    }
-    fn used_bytes(&self) -> u64 {
-        self.used
-    }
-    fn capacity_bytes(&self) -> u64 {
-        self.capacity
-    }
-    fn name(&self) -> &'static str {
-        "dram"
-    }
-    fn inventory(&self) -> Vec<(BlockHash, TenantId, u64)> {
-        self.blocks
-            .iter()
-            .map(|(h, (_, b, _))| (*h, b.scope.tenant, b.data.len() as u64))
-            .collect()
-    }
+    held_bookkeeping!("dram");
 }
 
 /// A segment record: the magic, the header's crc32c, the header (its last 8 bytes: the data

@@ -120,13 +120,12 @@ pub async fn record(
                 role: None,
                 request_id: None,
             },
-            audit::Entry {
-                tenant: Some(s.tenant),
-                action: "budget.alert",
-                target: Some(s.workspace.unwrap_or(s.tenant).to_string()),
-                before: None,
-                after: Some(data),
-            },
+            audit::Entry::new(
+                "budget.alert",
+                Some(s.tenant),
+                s.workspace.unwrap_or(s.tenant),
+            )
+            .after(data),
         )
         .await?;
         webhooks::enqueue(&mut tx, s.tenant, &id, EVENT_TYPE, &event).await?;

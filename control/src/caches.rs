@@ -443,22 +443,7 @@ pub async fn delete(
     .fetch_optional(&mut *tx)
     .await?;
     let o = row.map(|r| from_row(&r)).ok_or_else(|| not_found(id))?;
-    audit::record(
-        &mut tx,
-        actor,
-        audit::Entry {
-            tenant: Some(owner.tenant()),
-            action: DELETE_ACTION,
-            target: Some(o.id.clone()),
-            before: Some(json!({
-                "id": o.id, "model": o.model, "workspace_id": o.workspace.as_uuid(),
-                "input_tokens": o.input_tokens, "expires_at": o.expires_at,
-            })),
-            after: None,
-        },
-    )
-    .await?;
-    tx.commit().await?;
+    audit::commit(tx, actor, audit::Entry::new(DELETE_ACTION, Some(owner.tenant()), o.id.clone()).before(json!({ "id": o.id, "model": o.model, "workspace_id": o.workspace.as_uuid(), "input_tokens": o.input_tokens, "expires_at": o.expires_at, }))).await?;
     Ok(o)
 }
 
@@ -625,19 +610,13 @@ pub async fn purge(pool: &PgPool, actor: &Actor, tenant: TenantId) -> Result<u64
     .execute(&mut *tx)
     .await?
     .rows_affected();
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(tenant.as_uuid()),
-            action: PURGE_ACTION,
-            target: Some(tenant.as_uuid().to_string()),
-            before: None,
-            after: Some(json!({"cache_objects_deleted": deleted})),
-        },
+        audit::Entry::new(PURGE_ACTION, Some(tenant.as_uuid()), tenant.as_uuid())
+            .after(json!({"cache_objects_deleted": deleted})),
     )
     .await?;
-    tx.commit().await?;
     Ok(deleted)
 }
 

@@ -288,19 +288,12 @@ pub async fn create_endpoint(
     .bind(&actor.name)
     .fetch_one(&mut *tx)
     .await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(tenant.as_uuid()),
-            action: "webhook.create",
-            target: Some(id.to_string()),
-            before: None,
-            after: Some(json!({"url": url})),
-        },
+        audit::Entry::new("webhook.create", Some(tenant.as_uuid()), id).after(json!({"url": url})),
     )
     .await?;
-    tx.commit().await?;
     Ok((endpoint_info(&row), secret))
 }
 
@@ -329,19 +322,13 @@ pub async fn disable_endpoint(
     .bind(endpoint)
     .execute(&mut *tx)
     .await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(tenant.as_uuid()),
-            action: "webhook.disable",
-            target: Some(endpoint.to_string()),
-            before: None,
-            after: Some(json!({"state": "disabled"})),
-        },
+        audit::Entry::new("webhook.disable", Some(tenant.as_uuid()), endpoint)
+            .after(json!({"state": "disabled"})),
     )
     .await?;
-    tx.commit().await?;
     Ok(endpoint_info(&row))
 }
 

@@ -155,6 +155,17 @@ impl RouterInner {
             .clone()
     }
 
+    /// The nodes that are not among `ids` (those that joined since they were ranked).
+    fn newcomers(&self, ids: &[String]) -> Vec<String> {
+        self.nodes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|n| n.id.clone())
+            .filter(|n| !ids.contains(n))
+            .collect()
+    }
+
     /// A routable node's base URL.
     fn base_of(&self, id: &str) -> Option<String> {
         self.nodes
@@ -333,7 +344,7 @@ async fn demand(
     let principal = state.auth.authenticate(headers).await?;
     let crate::api::stages::Shaped {
         engine, prepared, ..
-    } = crate::api::handlers::prepare_messages(
+    } = crate::api::anthropic::prepare_messages(
         &state.engines,
         &state.pool,
         &principal,
@@ -482,7 +493,7 @@ async fn chat(
             let req = Forward::post(rid, "/v1/chat/completions", &headers, body, Wire::OpenAi);
             forward(&state, req, &ids).await
         }
-        Err(e) => crate::api::handlers::openai_error(e, rid),
+        Err(e) => crate::api::openai::error_response(e, rid),
     }
 }
 
@@ -683,14 +694,7 @@ async fn forward(state: &RouterState, req: Forward<'_>, ids: &[String]) -> Respo
                 break;
             }
             joined_checked = true;
-            let newcomers: Vec<String> = state
-                .nodes
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .map(|n| n.id.clone())
-                .filter(|n| !ids.contains(n))
-                .collect();
+            let newcomers = state.newcomers(&ids);
             if newcomers.is_empty() {
                 break;
             }
@@ -731,35 +735,17 @@ async fn forward(state: &RouterState, req: Forward<'_>, ids: &[String]) -> Respo
                 }
                 if streamed && status.is_success() {
                     // Relayed event by event; resumed on the next node if this one fails.
-                    let relay = Relay {
-                        state: state.clone(),
-                        rid,
-                        path: path.to_string(),
-                        headers: headers.clone(),
-                        body: body.clone(),
-                        rest: match wire {
-                            Wire::Anthropic => ids[attempt + 1..].iter().cloned().collect(),
-                            Wire::OpenAi => Default::default(),
-                        },
-                        upstream: Some((
-                            Box::pin(resp.bytes_stream()),
-                            InFlight {
-                                load: load.clone(),
-                                started,
-                                left,
-                            },
-                        )),
-                        buf: Vec::new(),
-                        splice: relay::Splice::default(),
-                        done: false,
-                        note: None,
+                    let rest = match wire {
+                        Wire::Anthropic => ids[attempt + 1..].iter().cloned().collect(),
+                        Wire::OpenAi => Default::default(),
                     };
-                    let stream = futures::stream::unfold(relay, |mut r| async move {
-                        r.next_event()
-                            .await
-                            .map(|b| (Ok::<_, std::io::Error>(b), r))
-                    });
-                    let body = Body::from_stream(stream);
+                    let relay = Relay::new(state, rid, path, headers, &body, rest);
+                    let inflight = InFlight {
+                        load: load.clone(),
+                        started,
+                        left,
+                    };
+                    let body = relay.stream(resp, inflight);
                     metrics::ROUTED.with_label_values(&["forwarded"]).inc();
                     return out.body(body).unwrap_or_else(|e| {
                         ApiError::internal("building the response", e).into_response()
@@ -786,7 +772,7 @@ async fn forward(state: &RouterState, req: Forward<'_>, ids: &[String]) -> Respo
     let e = ApiError::overloaded("no node could serve this request; retry shortly");
     match wire {
         Wire::Anthropic => e.with_request_id(rid).into_response(),
-        Wire::OpenAi => crate::api::handlers::openai_error(e, rid),
+        Wire::OpenAi => crate::api::openai::error_response(e, rid),
     }
 }
 
@@ -887,6 +873,41 @@ struct Relay {
 }
 
 impl Relay {
+    fn new(
+        state: &RouterState,
+        rid: RequestId,
+        path: &str,
+        headers: &HeaderMap,
+        body: &Bytes,
+        rest: std::collections::VecDeque<String>,
+    ) -> Self {
+        Relay {
+            state: state.clone(),
+            rid,
+            path: path.to_string(),
+            headers: headers.clone(),
+            body: body.clone(),
+            rest,
+            upstream: None,
+            buf: Vec::new(),
+            splice: relay::Splice::default(),
+            done: false,
+            note: None,
+        }
+    }
+
+    /// The client's body: `resp`'s events relayed one by one (and resumed elsewhere if its
+    /// node fails).
+    fn stream(mut self, resp: reqwest::Response, inflight: InFlight) -> Body {
+        self.upstream = Some((Box::pin(resp.bytes_stream()), inflight));
+        let stream = futures::stream::unfold(self, |mut r| async move {
+            r.next_event()
+                .await
+                .map(|b| (Ok::<_, std::io::Error>(b), r))
+        });
+        Body::from_stream(stream)
+    }
+
     /// The next bytes for the client, or `None` at the end.
     async fn next_event(&mut self) -> Option<Bytes> {
         use futures::StreamExt;

@@ -54,7 +54,6 @@ pub async fn transfer_bench(
     use cache_fabric::transport::{RemoteEntry, TcpTransport, Transport, serve_tcp};
     use cache_fabric::{EntryKind, EvictionPolicy, FabricNode, NodeConfig, PutBlock};
     use cachet_common::{BlockHash, Scope, TenantId, WorkspaceId};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     if size_mib == 0 || iterations == 0 {
         bail!("--size-mib and --iterations must be positive");
@@ -73,38 +72,10 @@ pub async fn transfer_bench(
 
     // 1. Plain tokio socket copy: one connection, a one-byte request, the payload back into a
     //    buffer allocated once. The limit for moving these bytes over loopback TCP here.
-    {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let p = payload.clone();
-        let server = tokio::spawn(async move {
-            let (mut s, _) = listener.accept().await?;
-            s.set_nodelay(true)?;
-            while s.read_u8().await.is_ok() {
-                s.write_all(&p).await?;
-            }
-            anyhow::Ok(())
-        });
-        let mut c = tokio::net::TcpStream::connect(addr).await?;
-        c.set_nodelay(true)?;
-        let mut buf = vec![0u8; size];
-        for _ in 0..2 {
-            c.write_u8(1).await?;
-            c.read_exact(&mut buf).await?;
-        }
-        let t = Instant::now();
-        for _ in 0..iterations {
-            c.write_u8(1).await?;
-            c.read_exact(&mut buf).await?;
-        }
-        rows.push((
-            "plain tokio socket copy".into(),
-            gib(t.elapsed().as_secs_f64()),
-        ));
-        anyhow::ensure!(buf[..] == payload[..], "plain copy corrupted the payload");
-        drop(c);
-        server.await??;
-    }
+    rows.push((
+        "plain tokio socket copy".into(),
+        gib(plain_copy(&payload, iterations).await?),
+    ));
 
     // 2. The fabric: a node serving its store, pulled through the TCP transport.
     let node = FabricNode::new(NodeConfig {
@@ -183,33 +154,9 @@ pub async fn transfer_bench(
 
     // 3. Redis: SET then GET of the same payload.
     if !redis_url.is_empty() {
-        let client = redis::Client::open(redis_url)?;
-        let mut con = client
-            .get_multiplexed_async_connection()
-            .await
-            .with_context(|| format!("connecting to {redis_url}"))?;
-        let key = "cachet:bench:transfer";
-        let _: () = redis::cmd("SET")
-            .arg(key)
-            .arg(&payload[..])
-            .query_async(&mut con)
-            .await?;
-        let start = Instant::now();
-        for _ in 0..iterations {
-            let _: () = redis::cmd("SET")
-                .arg(key)
-                .arg(&payload[..])
-                .query_async(&mut con)
-                .await?;
+        for (name, secs) in redis_set_get(redis_url, &payload, iterations).await? {
+            rows.push((name.into(), gib(secs)));
         }
-        rows.push(("redis SET".into(), gib(start.elapsed().as_secs_f64())));
-        let start = Instant::now();
-        for _ in 0..iterations {
-            let v: Vec<u8> = redis::cmd("GET").arg(key).query_async(&mut con).await?;
-            anyhow::ensure!(v.len() == size);
-        }
-        rows.push(("redis GET".into(), gib(start.elapsed().as_secs_f64())));
-        let _: () = redis::cmd("DEL").arg(key).query_async(&mut con).await?;
     }
     let limit = rows[0].1;
     for (name, rate) in &rows {
@@ -219,6 +166,76 @@ pub async fn transfer_bench(
         );
     }
     Ok(())
+}
+
+/// Seconds that `iterations` round trips of `payload` take over one plain tokio socket
+/// (after two warm-ups): a one-byte request, the payload back into a buffer allocated once.
+async fn plain_copy(payload: &bytes::Bytes, iterations: usize) -> anyhow::Result<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let p = payload.clone();
+    let server = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        s.set_nodelay(true)?;
+        while s.read_u8().await.is_ok() {
+            s.write_all(&p).await?;
+        }
+        anyhow::Ok(())
+    });
+    let mut c = tokio::net::TcpStream::connect(addr).await?;
+    c.set_nodelay(true)?;
+    let mut buf = vec![0u8; payload.len()];
+    for _ in 0..2 {
+        c.write_u8(1).await?;
+        c.read_exact(&mut buf).await?;
+    }
+    let t = Instant::now();
+    for _ in 0..iterations {
+        c.write_u8(1).await?;
+        c.read_exact(&mut buf).await?;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    anyhow::ensure!(buf[..] == payload[..], "plain copy corrupted the payload");
+    drop(c);
+    server.await??;
+    Ok(secs)
+}
+
+/// Seconds that `iterations` Redis SETs, then GETs, of `payload` take.
+async fn redis_set_get(
+    redis_url: &str,
+    payload: &bytes::Bytes,
+    iterations: usize,
+) -> anyhow::Result<[(&'static str, f64); 2]> {
+    let client = redis::Client::open(redis_url)?;
+    let mut con = client
+        .get_multiplexed_async_connection()
+        .await
+        .with_context(|| format!("connecting to {redis_url}"))?;
+    let key = "cachet:bench:transfer";
+    let _: () = redis::cmd("SET")
+        .arg(key)
+        .arg(&payload[..])
+        .query_async(&mut con)
+        .await?;
+    let start = Instant::now();
+    for _ in 0..iterations {
+        let _: () = redis::cmd("SET")
+            .arg(key)
+            .arg(&payload[..])
+            .query_async(&mut con)
+            .await?;
+    }
+    let set = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    for _ in 0..iterations {
+        let v: Vec<u8> = redis::cmd("GET").arg(key).query_async(&mut con).await?;
+        anyhow::ensure!(v.len() == payload.len());
+    }
+    let get = start.elapsed().as_secs_f64();
+    let _: () = redis::cmd("DEL").arg(key).query_async(&mut con).await?;
+    Ok([("redis SET", set), ("redis GET", get)])
 }
 
 /// Seconds that `iterations` pulls of the block take through `t`, after two warm-up pulls;

@@ -331,20 +331,7 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             dram_bytes,
         } => fabric::standalone_node(&listen, &socket, dram_bytes).await,
         Command::SimulateCache(a) => simulate::run(&a),
-        Command::Replay(a) => {
-            let max_error_rate = a.max_error_rate;
-            let r = replay::run(*a).await?;
-            if !r.ok {
-                bail!("the ledger does not match what the clients saw (see above)");
-            }
-            let count = |k: &str| r.summary[k].as_u64().unwrap_or(0);
-            within_error_rate(
-                count("done"),
-                count("errors"),
-                max_error_rate,
-                &r.summary["error_kinds"].to_string(),
-            )
-        }
+        Command::Replay(a) => replay_checked(*a).await,
         Command::Sweep(a) => {
             if !sweep::run(*a).await? {
                 bail!("the ledger does not match what the clients saw (see above)");
@@ -355,15 +342,7 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             workload: kind,
             args,
             out,
-        } => {
-            let f = std::fs::File::create(&out)
-                .with_context(|| format!("creating {}", out.display()))?;
-            let mut w = std::io::BufWriter::new(f);
-            let n = workload::generate(kind, &args, &mut w)?;
-            std::io::Write::flush(&mut w)?;
-            println!("{n} requests written to {}", out.display());
-            Ok(())
-        }
+        } => generate_to(kind, &args, &out),
         Command::Ingest {
             events,
             producers,
@@ -380,6 +359,36 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             database_url,
         } => dashboard::dashboard(&database_url, rows, tenants, days, requests, concurrency).await,
     }
+}
+
+/// A replay, failing where the ledger disagrees with the clients or errors pass the limit.
+async fn replay_checked(a: replay::ReplayArgs) -> anyhow::Result<()> {
+    let max_error_rate = a.max_error_rate;
+    let r = replay::run(a).await?;
+    if !r.ok {
+        bail!("the ledger does not match what the clients saw (see above)");
+    }
+    let count = |k: &str| r.summary[k].as_u64().unwrap_or(0);
+    within_error_rate(
+        count("done"),
+        count("errors"),
+        max_error_rate,
+        &r.summary["error_kinds"].to_string(),
+    )
+}
+
+/// A generated workload written to `out` as a trace.
+fn generate_to(
+    kind: workload::Kind,
+    args: &workload::WorkloadArgs,
+    out: &std::path::Path,
+) -> anyhow::Result<()> {
+    let f = std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut w = std::io::BufWriter::new(f);
+    let n = workload::generate(kind, args, &mut w)?;
+    std::io::Write::flush(&mut w)?;
+    println!("{n} requests written to {}", out.display());
+    Ok(())
 }
 
 /// Resident set size of this process, from `/proc/self/statm` (Linux).

@@ -253,66 +253,17 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
     if a.check_tokens > 0 {
         check_token_counts(&client, &a, &opts, &trace).await?;
     }
-    let prices = match &a.finance_token {
-        Some(tok) => {
-            let url = a.finance_url.as_deref().unwrap_or(&a.url);
-            Some(
-                reconcile::price_book(&client, url, tok, &a.model)
-                    .await?
-                    .unwrap_or_else(|| reconcile::Prices {
-                        source: format!(
-                            "default list rates (the price book has no price for {})",
-                            a.model
-                        ),
-                        ..reconcile::Prices::list_default(&a.model)
-                    }),
-            )
-        }
-        None => None,
-    };
+    let prices = list_prices(&client, &a).await?;
 
     let started_wall = chrono::Utc::now();
     let start = Instant::now();
     let (tx, rx) = mpsc::channel::<(RequestRecord, Vec<f64>)>(4096);
-    let cut = CancellationToken::new();
+    let (stop, cut) = (CancellationToken::new(), CancellationToken::new());
     // Ctrl-C: stop sending, wait for answers, write the report; a second Ctrl-C cuts them.
-    let stop = CancellationToken::new();
-    let interrupts = tokio::spawn({
-        let (stop, cut) = (stop.clone(), cut.clone());
-        async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                eprintln!(
-                    "interrupted: sending stopped; waiting for answers (Ctrl-C again to cut them)"
-                );
-                stop.cancel();
-                if tokio::signal::ctrl_c().await.is_ok() {
-                    cut.cancel();
-                }
-            }
-        }
-    });
+    let interrupts = tokio::spawn(on_interrupt(stop.clone(), cut.clone()));
     // SIGUSR1: mark this moment on the report's plots (a fault injected by hand).
     let marks = Arc::new(std::sync::Mutex::new(a.marks.clone()));
-    let marker = tokio::spawn({
-        let marks = marks.clone();
-        async move {
-            let Ok(mut usr1) =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
-            else {
-                return;
-            };
-            let mut n = 0;
-            while usr1.recv().await.is_some() {
-                n += 1;
-                let at_secs = start.elapsed().as_secs_f64();
-                eprintln!("marked {at_secs:.1}s (SIGUSR1 #{n})");
-                marks.lock().unwrap_or_else(|p| p.into_inner()).push(Mark {
-                    at_secs,
-                    label: format!("SIGUSR1 #{n}"),
-                });
-            }
-        }
-    });
+    let marker = tokio::spawn(mark_on_usr1(marks.clone(), start));
     let permits = Arc::new(Semaphore::new(a.max_in_flight.min(Semaphore::MAX_PERMITS)));
     let collector = tokio::spawn(collect(
         rx,
@@ -351,44 +302,11 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
     let stats = collector.await.context("the collector stopped")??;
     let mut marks = marks.lock().unwrap_or_else(|p| p.into_inner()).clone();
     marks.sort_by(|x, y| x.at_secs.total_cmp(&y.at_secs));
-    let simulated = match a.simulate_capacity_bytes {
-        Some(bytes) => {
-            let (trace, shape, model) = (trace.clone(), a.shape(), a.model.clone());
-            let (skip, max) = (a.skip, Some(sent));
-            let ratio = tokio::task::spawn_blocking(move || {
-                crate::simulate::hit_ratio_at(&trace, &shape, skip, max, &model, bytes)
-            })
-            .await
-            .context("the simulation stopped")??;
-            Some(json!({
-                "capacity_bytes": bytes,
-                "policy": cache_fabric::EvictionPolicy::DEFAULT.to_string(),
-                "token_hit_ratio": ratio,
-            }))
-        }
-        None => None,
-    };
+    let simulated = simulate(&a, &trace, sent).await?;
     let elapsed = start.elapsed().as_secs_f64();
     let ended_wall = chrono::Utc::now();
 
-    let reconciliation = match &a.finance_token {
-        Some(tok) => {
-            let url = a.finance_url.as_deref().unwrap_or(&a.url);
-            Some(
-                reconcile::reconcile(
-                    &client,
-                    url,
-                    tok,
-                    &a.out.join("requests.jsonl"),
-                    started_wall,
-                    ended_wall,
-                    Duration::from_secs(a.reconcile_wait_secs),
-                )
-                .await?,
-            )
-        }
-        None => None,
-    };
+    let reconciliation = reconcile_ledger(&client, &a, started_wall, ended_wall).await?;
     let ran = Ran {
         started: started_wall,
         elapsed,
@@ -416,6 +334,109 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
         r.print();
     }
     Ok(RunResult { summary, ok })
+}
+
+/// The tenant's prices from the finance API, where the run has a finance token (list rates
+/// where the price book has none for the model).
+async fn list_prices(
+    client: &reqwest::Client,
+    a: &ReplayArgs,
+) -> anyhow::Result<Option<reconcile::Prices>> {
+    Ok(match &a.finance_token {
+        Some(tok) => {
+            let url = a.finance_url.as_deref().unwrap_or(&a.url);
+            Some(
+                reconcile::price_book(client, url, tok, &a.model)
+                    .await?
+                    .unwrap_or_else(|| reconcile::Prices {
+                        source: format!(
+                            "default list rates (the price book has no price for {})",
+                            a.model
+                        ),
+                        ..reconcile::Prices::list_default(&a.model)
+                    }),
+            )
+        }
+        None => None,
+    })
+}
+
+/// Ctrl-C: `stop` sending, wait for answers, write the report; a second Ctrl-C `cut`s them.
+async fn on_interrupt(stop: CancellationToken, cut: CancellationToken) {
+    if tokio::signal::ctrl_c().await.is_ok() {
+        eprintln!("interrupted: sending stopped; waiting for answers (Ctrl-C again to cut them)");
+        stop.cancel();
+        if tokio::signal::ctrl_c().await.is_ok() {
+            cut.cancel();
+        }
+    }
+}
+
+/// SIGUSR1: mark this moment on the report's plots (a fault injected by hand).
+async fn mark_on_usr1(marks: Arc<std::sync::Mutex<Vec<Mark>>>, start: Instant) {
+    let Ok(mut usr1) =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
+    else {
+        return;
+    };
+    let mut n = 0;
+    while usr1.recv().await.is_some() {
+        n += 1;
+        let at_secs = start.elapsed().as_secs_f64();
+        eprintln!("marked {at_secs:.1}s (SIGUSR1 #{n})");
+        marks.lock().unwrap_or_else(|p| p.into_inner()).push(Mark {
+            at_secs,
+            label: format!("SIGUSR1 #{n}"),
+        });
+    }
+}
+
+/// The hit ratio the simulator predicts for the requests sent at `--simulate-capacity-bytes`.
+async fn simulate(a: &ReplayArgs, trace: &Path, sent: u64) -> anyhow::Result<Option<Value>> {
+    Ok(match a.simulate_capacity_bytes {
+        Some(bytes) => {
+            let (trace, shape, model) = (trace.to_path_buf(), a.shape(), a.model.clone());
+            let (skip, max) = (a.skip, Some(sent));
+            let ratio = tokio::task::spawn_blocking(move || {
+                crate::simulate::hit_ratio_at(&trace, &shape, skip, max, &model, bytes)
+            })
+            .await
+            .context("the simulation stopped")??;
+            Some(json!({
+                "capacity_bytes": bytes,
+                "policy": cache_fabric::EvictionPolicy::DEFAULT.to_string(),
+                "token_hit_ratio": ratio,
+            }))
+        }
+        None => None,
+    })
+}
+
+/// The run's requests against the ledger, where it has a finance token.
+async fn reconcile_ledger(
+    client: &reqwest::Client,
+    a: &ReplayArgs,
+    started_wall: chrono::DateTime<chrono::Utc>,
+    ended_wall: chrono::DateTime<chrono::Utc>,
+) -> anyhow::Result<Option<reconcile::Reconciliation>> {
+    Ok(match &a.finance_token {
+        Some(tok) => {
+            let url = a.finance_url.as_deref().unwrap_or(&a.url);
+            Some(
+                reconcile::reconcile(
+                    client,
+                    url,
+                    tok,
+                    &a.out.join("requests.jsonl"),
+                    started_wall,
+                    ended_wall,
+                    Duration::from_secs(a.reconcile_wait_secs),
+                )
+                .await?,
+            )
+        }
+        None => None,
+    })
 }
 
 /// The send times of a run: the trace's, scaled; Poisson; or none (closed loop).

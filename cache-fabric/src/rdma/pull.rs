@@ -390,19 +390,15 @@ impl Inner {
         })
     }
 
-    /// `RGET` then READ everything staged, verify, release. The connection comes back
-    /// unless it broke.
-    #[allow(clippy::type_complexity)]
-    async fn pull(
-        &self,
-        mut conn: PeerConn,
+    /// `RGET`: the blocks of `hashes` the peer staged in its pool, and the lease that holds
+    /// them there until `RDMA_DONE`.
+    async fn ask_staged(
+        conn: &mut PeerConn,
         addr: &str,
-        device: &Arc<Device>,
         scope: Scope,
         mode: u8,
         hashes: &[BlockHash],
-    ) -> Result<(Vec<FetchedBlock>, PeerConn), (PullError, Option<PeerConn>)> {
-        let lost = |e: PullError| (e, None);
+    ) -> Result<(u64, Vec<Staged>), PullError> {
         let mut req = BytesMut::with_capacity(38 + hashes.len() * 32);
         req.put_u8(OP_RDMA_GET);
         put_scope(&mut req, &scope);
@@ -413,17 +409,17 @@ impl Inner {
         }
         TcpTransport::send(&mut conn.stream, addr, &req)
             .await
-            .map_err(|e| lost(e.into()))?;
-        let io = |e: std::io::Error| lost(e.into());
+            .map_err(PullError::from)?;
+        let io = PullError::from;
         if conn.stream.read_u8().await.map_err(io)? != OK {
-            return Err(lost(PullError::Fallback("RGET status".into())));
+            return Err(PullError::Fallback("RGET status".into()));
         }
         let lease = conn.stream.read_u64_le().await.map_err(io)?;
         let count = conn.stream.read_u32_le().await.map_err(io)? as usize;
         if count > hashes.len() {
-            return Err(lost(PullError::Fallback(
+            return Err(PullError::Fallback(
                 "RGET answered more blocks than asked".into(),
-            )));
+            ));
         }
         let mut body = vec![0u8; count * STAGED_LEN];
         conn.stream.read_exact(&mut body).await.map_err(io)?;
@@ -441,14 +437,33 @@ impl Inner {
                 .checked_add(len)
                 .is_none_or(|end| end > conn.pool_len)
             {
-                return Err(lost(PullError::Fallback(
+                return Err(PullError::Fallback(
                     "a staged block lies outside the pool".into(),
-                )));
+                ));
             }
             staged.push((hash, n_tokens, crc, len, offset));
         }
+        Ok((lease, staged))
+    }
+
+    /// `RGET` then READ everything staged, verify, release. The connection comes back
+    /// unless it broke.
+    #[allow(clippy::type_complexity)]
+    async fn pull(
+        &self,
+        mut conn: PeerConn,
+        addr: &str,
+        device: &Arc<Device>,
+        scope: Scope,
+        mode: u8,
+        hashes: &[BlockHash],
+    ) -> Result<(Vec<FetchedBlock>, PeerConn), (PullError, Option<PeerConn>)> {
+        let lost = |e: PullError| (e, None);
+        let (lease, staged) = Self::ask_staged(&mut conn, addr, scope, mode, hashes)
+            .await
+            .map_err(lost)?;
         let max_read = device.max_message().clamp(4096, 8 << 20) as u64;
-        let mut out = Vec::with_capacity(count);
+        let mut out = Vec::with_capacity(staged.len());
         let mut i = 0;
         let mut result = Ok(());
         while i < staged.len() && result.is_ok() {
@@ -487,26 +502,7 @@ impl Inner {
                     len: s.3,
                 })
                 .collect();
-            // Each coalesced run lands contiguously in the region, split at the port's limit.
-            let mut ops = Vec::new();
-            let mut local_of: HashMap<BlockHash, u64> = HashMap::new();
-            let mut cursor = 0u64;
-            for r in coalesce(&wanted, max_read) {
-                for (h, part_off, _) in &r.parts {
-                    local_of.insert(*h, cursor + part_off);
-                }
-                let mut done = 0u64;
-                while done < r.len {
-                    let len = (r.len - done).min(max_read);
-                    ops.push(ReadOp {
-                        local_offset: cursor + done,
-                        remote_addr: conn.pool_addr + r.offset + done,
-                        len: len as u32,
-                    });
-                    done += len;
-                }
-                cursor += r.len;
-            }
+            let (ops, local_of) = read_plan(&wanted, conn.pool_addr, max_read);
             let timeout = self.read_timeout;
             let (c, read) = tokio::task::spawn_blocking(move || {
                 let r = conn.qp.read(&conn.region, &ops, conn.rkey, timeout);
@@ -556,6 +552,39 @@ impl Inner {
             Err(e) => Err((e, Some(conn))),
         }
     }
+}
+
+/// A staged block: its hash, tokens, crc32c, length and offset in the peer's pool.
+type Staged = (BlockHash, u32, u32, u64, u64);
+
+/// The READs that bring `wanted` (in a pool at `pool_addr`) into a region: each coalesced run
+/// lands contiguously, split at the port's limit `max_read`; and where each block lands.
+fn read_plan(
+    wanted: &[Wanted],
+    pool_addr: u64,
+    max_read: u64,
+) -> (Vec<ReadOp>, HashMap<BlockHash, u64>) {
+    // Each coalesced run lands contiguously in the region, split at the port's limit.
+    let mut ops = Vec::new();
+    let mut local_of: HashMap<BlockHash, u64> = HashMap::new();
+    let mut cursor = 0u64;
+    for r in coalesce(wanted, max_read) {
+        for (h, part_off, _) in &r.parts {
+            local_of.insert(*h, cursor + part_off);
+        }
+        let mut done = 0u64;
+        while done < r.len {
+            let len = (r.len - done).min(max_read);
+            ops.push(ReadOp {
+                local_offset: cursor + done,
+                remote_addr: pool_addr + r.offset + done,
+                len: len as u32,
+            });
+            done += len;
+        }
+        cursor += r.len;
+    }
+    (ops, local_of)
 }
 
 impl Transport for RdmaTransport {

@@ -188,19 +188,13 @@ pub async fn create_user(pool: &PgPool, actor: &Actor, u: NewUser) -> Result<Use
     .bind(&actor.name)
     .execute(&mut *tx)
     .await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        Entry {
-            tenant: u.tenant,
-            action: "user.create",
-            target: Some(id.to_string()),
-            before: None,
-            after: Some(json!({"username": username, "role": u.role, "tenant": u.tenant})),
-        },
+        Entry::new("user.create", u.tenant, id)
+            .after(json!({"username": username, "role": u.role, "tenant": u.tenant})),
     )
     .await?;
-    tx.commit().await?;
     get_user(pool, id).await
 }
 
@@ -288,19 +282,14 @@ pub async fn disable(pool: &PgPool, actor: &Actor, id: Uuid) -> Result<User, Adm
     .bind(id)
     .execute(&mut *tx)
     .await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        Entry {
-            tenant: before.tenant,
-            action: "user.disable",
-            target: Some(id.to_string()),
-            before: Some(json!({"username": before.username})),
-            after: Some(json!({"disabled": true})),
-        },
+        Entry::new("user.disable", before.tenant, id)
+            .before(json!({"username": before.username}))
+            .after(json!({"disabled": true})),
     )
     .await?;
-    tx.commit().await?;
     get_user(pool, id).await
 }
 
@@ -314,21 +303,16 @@ pub async fn unlock(pool: &PgPool, actor: &Actor, id: Uuid) -> Result<User, Admi
     .bind(id)
     .execute(&mut *tx)
     .await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        Entry {
-            tenant: before.tenant,
-            action: "user.unlock",
-            target: Some(id.to_string()),
-            before: Some(
+        Entry::new("user.unlock", before.tenant, id)
+            .before(
                 json!({"failed_logins": before.failed_logins, "locked_until": before.locked_until}),
-            ),
-            after: Some(json!({"failed_logins": 0})),
-        },
+            )
+            .after(json!({"failed_logins": 0})),
     )
     .await?;
-    tx.commit().await?;
     get_user(pool, id).await
 }
 
@@ -537,13 +521,7 @@ pub(crate) async fn record_failure(
     audit::record_alone(
         pool,
         actor,
-        Entry {
-            tenant,
-            action,
-            target: Some(id.to_string()),
-            before: None,
-            after: Some(json!({"failed_logins": failures + 1})),
-        },
+        Entry::new(action, tenant, id).after(json!({"failed_logins": failures + 1})),
     )
     .await
 }
@@ -643,19 +621,12 @@ pub async fn login(
     .execute(&mut *tx)
     .await
     .map_err(AdminError::from)?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         &actor,
-        Entry {
-            tenant,
-            action: "login.success",
-            target: Some(id.to_string()),
-            before: None,
-            after: Some(json!({"session": sid})),
-        },
+        Entry::new("login.success", tenant, id).after(json!({"session": sid})),
     )
     .await?;
-    tx.commit().await.map_err(AdminError::from)?;
     metrics::ADMIN_LOGINS.with_label_values(&["ok"]).inc();
     Ok(axum::Json(LoginTokens {
         access_token: access_token(&state, &me, sid)?,
@@ -721,19 +692,12 @@ pub async fn logout(State(state): State<AdminState>, admin: Admin) -> Result<Res
         .execute(&mut *tx)
         .await
         .map_err(AdminError::from)?;
-        audit::record(
-            &mut tx,
+        audit::commit(
+            tx,
             &admin.actor,
-            Entry {
-                tenant: admin.claims.tenant,
-                action: "logout",
-                target: Some(sid.to_string()),
-                before: None,
-                after: None,
-            },
+            Entry::new("logout", admin.claims.tenant, sid),
         )
         .await?;
-        tx.commit().await.map_err(AdminError::from)?;
     }
     Ok(StatusCode::NO_CONTENT.into_response())
 }

@@ -73,19 +73,7 @@ pub async fn set_password(
     check_password(&user.username, &new_password)?;
     let mut tx = pool.begin().await?;
     store_password(&mut tx, id, new_password, None).await?;
-    audit::record(
-        &mut tx,
-        actor,
-        Entry {
-            tenant: user.tenant,
-            action: "user.password_set",
-            target: Some(id.to_string()),
-            before: None,
-            after: None,
-        },
-    )
-    .await?;
-    tx.commit().await?;
+    audit::commit(tx, actor, Entry::new("user.password_set", user.tenant, id)).await?;
     Ok(())
 }
 
@@ -139,19 +127,13 @@ pub async fn issue_reset(
     .bind(expires_at)
     .execute(&mut *tx)
     .await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        Entry {
-            tenant: user.tenant,
-            action: "user.password_reset_issued",
-            target: Some(id.to_string()),
-            before: None,
-            after: Some(json!({"reset": reset_id, "expires_at": expires_at})),
-        },
+        Entry::new("user.password_reset_issued", user.tenant, id)
+            .after(json!({"reset": reset_id, "expires_at": expires_at})),
     )
     .await?;
-    tx.commit().await?;
     Ok(ResetSecret {
         user: id,
         username: user.username,
@@ -188,23 +170,17 @@ pub async fn redeem_reset(
         .execute(&mut *tx)
         .await?;
     store_password(&mut tx, id, new_password, None).await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         &Actor {
             name: format!("user:{username}"),
             role: None,
             request_id: None,
         },
-        Entry {
-            tenant: row.get("tenant_id"),
-            action: "user.password_reset",
-            target: Some(id.to_string()),
-            before: None,
-            after: Some(json!({"reset": reset_id})),
-        },
+        Entry::new("user.password_reset", row.get("tenant_id"), id)
+            .after(json!({"reset": reset_id})),
     )
     .await?;
-    tx.commit().await?;
     Ok(username)
 }
 
@@ -274,19 +250,12 @@ pub async fn change_own_password(
     check_password(&username, &req.new_password)?;
     let mut tx = state.pool.begin().await.map_err(AdminError::from)?;
     store_password(&mut tx, id, req.new_password, Some(sid)).await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         &admin.actor,
-        Entry {
-            tenant,
-            action: "user.password_change",
-            target: Some(id.to_string()),
-            before: None,
-            after: None,
-        },
+        Entry::new("user.password_change", tenant, id),
     )
     .await?;
-    tx.commit().await.map_err(AdminError::from)?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -58,7 +58,46 @@ pub struct Entry<'a> {
     pub after: Option<serde_json::Value>,
 }
 
-/// Write `entry` in `tx` (the change's own transaction).
+impl<'a> Entry<'a> {
+    /// An entry about `target` (any object's id) in `tenant`, with nothing before or after;
+    /// [`Entry::before`] and [`Entry::after`] add the object's states.
+    pub fn new(action: &'a str, tenant: Option<Uuid>, target: impl ToString) -> Self {
+        Self {
+            tenant,
+            action,
+            target: Some(target.to_string()),
+            before: None,
+            after: None,
+        }
+    }
+
+    /// The object as it was.
+    pub fn before(mut self, state: serde_json::Value) -> Self {
+        self.before = Some(state);
+        self
+    }
+
+    /// The object as it is now.
+    pub fn after(mut self, state: serde_json::Value) -> Self {
+        self.after = Some(state);
+        self
+    }
+}
+
+/// Write `entry` in `tx` and commit it: the audited change. The change and its row land
+/// together or not at all.
+pub async fn commit(
+    mut tx: Transaction<'_, Postgres>,
+    actor: &Actor,
+    entry: Entry<'_>,
+) -> Result<i64, AdminError> {
+    let id = record(&mut tx, actor, entry).await?;
+    tx.commit().await?;
+    Ok(id)
+}
+
+/// Write `entry` in `tx` (the change's own transaction), for a change that writes more after
+/// its audit row; [`commit`] where the row is the last thing written.
 pub async fn record(
     tx: &mut Transaction<'_, Postgres>,
     actor: &Actor,
@@ -87,9 +126,7 @@ pub async fn record_alone(
     actor: &Actor,
     entry: Entry<'_>,
 ) -> Result<(), AdminError> {
-    let mut tx = pool.begin().await?;
-    record(&mut tx, actor, entry).await?;
-    tx.commit().await?;
+    commit(pool.begin().await?, actor, entry).await?;
     Ok(())
 }
 

@@ -201,19 +201,7 @@ pub async fn create_key_in(
     let mut tx = pool.begin().await?;
     let visible_prefix =
         insert_key(&mut tx, id, tenant.id, workspace, name, &secret, expires_at).await?;
-    audit::record(
-        &mut tx,
-        actor,
-        audit::Entry {
-            tenant: Some(tenant.id.as_uuid()),
-            action: "key.create",
-            target: Some(id.to_string()),
-            before: None,
-            after: Some(json!({"name": name, "prefix": visible_prefix, "expires_at": expires_at, "workspace_id": workspace})),
-        },
-    )
-    .await?;
-    tx.commit().await?;
+    audit::commit(tx, actor, audit::Entry::new("key.create", Some(tenant.id.as_uuid()), id).after(json!({"name": name, "prefix": visible_prefix, "expires_at": expires_at, "workspace_id": workspace}))).await?;
     Ok(NewKey {
         id,
         secret,
@@ -311,19 +299,14 @@ pub async fn revoke_key(
         .bind(key.as_uuid())
         .execute(&mut *tx)
         .await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(before.tenant_id),
-            action: "key.revoke",
-            target: Some(key.to_string()),
-            before: Some(json!({"state": before.state, "prefix": before.prefix})),
-            after: Some(json!({"state": "revoked"})),
-        },
+        audit::Entry::new("key.revoke", Some(before.tenant_id), key)
+            .before(json!({"state": before.state, "prefix": before.prefix}))
+            .after(json!({"state": "revoked"})),
     )
     .await?;
-    tx.commit().await?;
     get_key(pool, tenant, key.as_uuid()).await
 }
 
@@ -359,19 +342,14 @@ pub async fn set_key_expiry(
         .bind(expires_at)
         .execute(&mut *tx)
         .await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(before.tenant_id),
-            action: "key.expiry",
-            target: Some(key.to_string()),
-            before: Some(json!({"expires_at": before.expires_at})),
-            after: Some(json!({"expires_at": expires_at})),
-        },
+        audit::Entry::new("key.expiry", Some(before.tenant_id), key)
+            .before(json!({"expires_at": before.expires_at}))
+            .after(json!({"expires_at": expires_at})),
     )
     .await?;
-    tx.commit().await?;
     get_key(pool, tenant, key).await
 }
 
@@ -521,21 +499,14 @@ pub async fn rotate_key(
         .execute(&mut *tx)
         .await?;
     }
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(tenant_id),
-            action: "key.rotate",
-            target: Some(req.key.to_string()),
-            before: Some(json!({"expires_at": expires})),
-            after: Some(
-                json!({"expires_at": grace_until, "rotated_to": new_id, "new_prefix": prefix}),
-            ),
-        },
+        audit::Entry::new("key.rotate", Some(tenant_id), req.key)
+            .before(json!({"expires_at": expires}))
+            .after(json!({"expires_at": grace_until, "rotated_to": new_id, "new_prefix": prefix})),
     )
     .await?;
-    tx.commit().await?;
     Ok(Rotation {
         old: get_key(pool, req.tenant, req.key).await?,
         new: get_key(pool, req.tenant, new_id.as_uuid()).await?,

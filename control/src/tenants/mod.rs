@@ -182,19 +182,12 @@ pub async fn create_tenant(pool: &PgPool, actor: &Actor, name: &str) -> Result<T
         .bind(id.as_uuid())
         .execute(&mut *tx)
         .await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(id.as_uuid()),
-            action: "tenant.create",
-            target: Some(id.to_string()),
-            before: None,
-            after: Some(json!({"name": name})),
-        },
+        audit::Entry::new("tenant.create", Some(id.as_uuid()), id).after(json!({"name": name})),
     )
     .await?;
-    tx.commit().await?;
     Ok(Tenant {
         id,
         name: name.to_string(),
@@ -289,23 +282,22 @@ pub async fn set_suspended(
     .bind(suspended)
     .execute(&mut *tx)
     .await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(id),
-            action: if suspended {
+        audit::Entry::new(
+            if suspended {
                 "tenant.suspend"
             } else {
                 "tenant.resume"
             },
-            target: Some(id.to_string()),
-            before: Some(json!({"state": before.state})),
-            after: Some(json!({"state": if suspended { "suspended" } else { "active" }})),
-        },
+            Some(id),
+            id,
+        )
+        .before(json!({"state": before.state}))
+        .after(json!({"state": if suspended { "suspended" } else { "active" }})),
     )
     .await?;
-    tx.commit().await?;
     get_tenant(pool, tenant).await
 }
 
@@ -356,21 +348,14 @@ pub async fn delete_tenant(
     .execute(&mut *tx)
     .await?
     .rows_affected();
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(id),
-            action: "tenant.delete",
-            target: Some(id.to_string()),
-            before: Some(json!({"name": before.name, "state": before.state})),
-            after: Some(
-                json!({"state": "deleted", "keys_revoked": revoked, "admins_disabled": users}),
-            ),
-        },
+        audit::Entry::new("tenant.delete", Some(id), id)
+            .before(json!({"name": before.name, "state": before.state}))
+            .after(json!({"state": "deleted", "keys_revoked": revoked, "admins_disabled": users})),
     )
     .await?;
-    tx.commit().await?;
     get_tenant(pool, tenant).await
 }
 

@@ -401,19 +401,14 @@ pub async fn patch_policy(
     .bind(after.max_cache_ttl_secs)
     .execute(&mut *tx)
     .await?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(tenant),
-            action: "policy.update",
-            target: Some(tenant.to_string()),
-            before: Some(json!(before)),
-            after: Some(json!(after)),
-        },
+        audit::Entry::new("policy.update", Some(tenant), tenant)
+            .before(json!(before))
+            .after(json!(after)),
     )
     .await?;
-    tx.commit().await?;
     Ok(after)
 }
 

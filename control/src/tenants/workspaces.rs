@@ -249,19 +249,13 @@ pub async fn create_workspace(
     .execute(&mut *tx)
     .await
     .map_err(|e| conflict(e.into(), name))?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(tenant.as_uuid()),
-            action: "workspace.create",
-            target: Some(id.to_string()),
-            before: None,
-            after: Some(json!({"name": name, "limits": limits})),
-        },
+        audit::Entry::new("workspace.create", Some(tenant.as_uuid()), id)
+            .after(json!({"name": name, "limits": limits})),
     )
     .await?;
-    tx.commit().await?;
     get_workspace(pool, tenant, id).await
 }
 
@@ -309,19 +303,14 @@ pub async fn update_workspace(
     .execute(&mut *tx)
     .await
     .map_err(|e| conflict(e.into(), name))?;
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(tenant.as_uuid()),
-            action: "workspace.update",
-            target: Some(workspace.to_string()),
-            before: Some(json!({"name": before.name, "limits": before.limits})),
-            after: Some(json!({"name": name, "limits": limits})),
-        },
+        audit::Entry::new("workspace.update", Some(tenant.as_uuid()), workspace)
+            .before(json!({"name": before.name, "limits": before.limits}))
+            .after(json!({"name": name, "limits": limits})),
     )
     .await?;
-    tx.commit().await?;
     get_workspace(pool, tenant, workspace).await
 }
 
@@ -354,19 +343,14 @@ pub async fn archive_workspace(
     .execute(&mut *tx)
     .await?
     .rows_affected();
-    audit::record(
-        &mut tx,
+    audit::commit(
+        tx,
         actor,
-        audit::Entry {
-            tenant: Some(tenant.as_uuid()),
-            action: "workspace.archive",
-            target: Some(workspace.to_string()),
-            before: Some(json!({"name": before.name, "active_keys": before.active_keys})),
-            after: Some(json!({"state": "archived", "keys_revoked": revoked})),
-        },
+        audit::Entry::new("workspace.archive", Some(tenant.as_uuid()), workspace)
+            .before(json!({"name": before.name, "active_keys": before.active_keys}))
+            .after(json!({"state": "archived", "keys_revoked": revoked})),
     )
     .await?;
-    tx.commit().await?;
     get_workspace(pool, tenant, workspace).await
 }
 

@@ -97,6 +97,16 @@ pub(super) struct Finished {
 }
 
 impl Finished {
+    fn ended(usage: TokenUsage, output: u64, status: UsageStatus, last: Option<Event>) -> Self {
+        Self {
+            unserved: false,
+            usage,
+            output,
+            status,
+            last,
+        }
+    }
+
     /// Generation failed inside Cachet (a panic): a 500, and a failed usage row.
     pub(super) fn internal_failure(cause: impl std::fmt::Display) -> Self {
         Self {
@@ -114,16 +124,55 @@ impl Finished {
 
 /// Prefill, write, report, decode. Returns the prompt usage, output tokens and how it ended.
 pub(super) fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
-    let finished = |usage, output, status, last| Finished {
-        unserved: false,
-        usage,
-        output,
-        status,
-        last,
+    let pre = match start_prefill(&mut w, rt) {
+        Ok(pre) => pre,
+        Err(failed) => return *failed,
     };
+    let (u, api_usage, report) = if w.connector.is_some() {
+        connector_entries(&w, &pre, rt)
+    } else {
+        rt.block_on(write_entries(&w, &pre))
+    };
+    if let Some(f) = w.flight.take() {
+        f.land();
+    }
+    // Written (or refused): the exported KV and its budget go before decoding starts.
+    let Prefilled {
+        generation, cached, ..
+    } = pre;
+    drop(w.kv.take());
+    let diagnostics = diagnose(&mut w, &report, cached);
+    journal_open_stream(&mut w, &u);
+    let Work {
+        tx,
+        rate,
+        max_tokens,
+        stops,
+        streaming,
+        permit,
+        ..
+    } = w;
+    if tx
+        .send(Event::Start {
+            usage: api_usage,
+            report,
+            rate,
+            diagnostics,
+        })
+        .is_err()
+    {
+        return Finished::ended(u, 0, UsageStatus::ClientDisconnected, None);
+    }
+    let stream = TextStream::new(generation, max_tokens, stops);
+    decode(stream, &tx, streaming, permit, rt, u)
+}
+
+/// Prefill (through the connector where the engine has one), timed into the metrics and the
+/// in-flight estimate; how the request ended where it failed.
+fn start_prefill(w: &mut Work, rt: &tokio::runtime::Handle) -> Result<Prefilled, Box<Finished>> {
     let prefill_started = std::time::Instant::now();
     let started = match &w.connector {
-        Some(space) => prefill_with_connector(&w, space, rt),
+        Some(space) => prefill_with_connector(w, space, rt),
         None => prefill(
             w.engine.as_ref(),
             &w.tokens,
@@ -136,19 +185,14 @@ pub(super) fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
     };
     let pre = match started {
         Ok(p) => p,
-        Err(EngineError::Unavailable(why)) => {
-            let err = Event::Error(engine_error(
-                "prefill failed",
-                EngineError::Unavailable(why),
-            ));
-            return Finished {
-                unserved: true,
-                ..finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err))
-            };
-        }
         Err(e) => {
+            // An engine that could not be reached did no work: nothing to bill.
+            let unserved = matches!(e, EngineError::Unavailable(_));
             let err = Event::Error(engine_error("prefill failed", e));
-            return finished(TokenUsage::default(), 0, UsageStatus::Failed, Some(err));
+            return Err(Box::new(Finished {
+                unserved,
+                ..Finished::ended(TokenUsage::default(), 0, UsageStatus::Failed, Some(err))
+            }));
         }
     };
     // The imported blocks are in the engine now: let go of them (they may be all that still
@@ -161,29 +205,28 @@ pub(super) fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
     w.state
         .inflight
         .observe(&w.model, w.tokens.len() - pre.cached, took);
-    let (u, api_usage, report) = if w.connector.is_some() {
-        connector_entries(&w, &pre, rt)
-    } else {
-        rt.block_on(write_entries(&w, &pre))
-    };
-    if let Some(f) = w.flight.take() {
-        f.land();
-    }
-    // Written (or refused): the exported KV and its budget go before decoding starts.
-    let Prefilled { generation, .. } = pre;
-    drop(w.kv.take());
-    let diagnostics = w.diagnosis.take().map(|(id, mut fp, reason)| {
-        fp.cached_end = report
-            .breakpoints
-            .iter()
-            .filter(|b| matches!(b.status.as_str(), "read" | "coalesced" | "written"))
-            .map(|b| b.token_offset as usize)
-            .max()
-            .unwrap_or(0)
-            .max(pre.cached);
-        w.state.fingerprints.put(id, fp);
-        serde_json::json!({ "cache_miss_reason": reason })
-    });
+    Ok(pre)
+}
+
+/// Where the request asked why it missed: its fingerprint kept (up to the prefix now
+/// cached) for the next request to compare with, and the reason for `message_start`.
+fn diagnose(w: &mut Work, report: &CacheReport, cached: usize) -> Option<serde_json::Value> {
+    let (id, mut fp, reason) = w.diagnosis.take()?;
+    fp.cached_end = report
+        .breakpoints
+        .iter()
+        .filter(|b| matches!(b.status.as_str(), "read" | "coalesced" | "written"))
+        .map(|b| b.token_offset as usize)
+        .max()
+        .unwrap_or(0)
+        .max(cached);
+    w.state.fingerprints.put(id, fp);
+    Some(serde_json::json!({ "cache_miss_reason": reason }))
+}
+
+/// A stream's row journaled open with its prompt usage, so that a crash mid-answer still
+/// bills what was served.
+fn journal_open_stream(w: &mut Work, u: &TokenUsage) {
     if let Some(mut ev) = w.intent.take() {
         (ev.input_tokens, ev.cache_write_5m_tokens) = (u.input, u.write_5m);
         (ev.cache_write_1h_tokens, ev.cache_read_tokens) = (u.write_1h, u.read);
@@ -193,65 +236,48 @@ pub(super) fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
             tracing::error!(error = %e, "could not journal the open stream");
         }
     }
-    let Work {
-        tx,
-        rate,
-        max_tokens,
-        stops,
-        streaming,
-        mut permit,
-        ..
-    } = w;
-    if tx
-        .send(Event::Start {
-            usage: api_usage,
-            report,
-            rate,
-            diagnostics,
-        })
-        .is_err()
-    {
-        return finished(u, 0, UsageStatus::ClientDisconnected, None);
-    }
-    let mut stream = TextStream::new(generation, max_tokens, stops);
+}
+
+/// Decode to the end: each delta sent as it comes (streaming) or the whole text at the end,
+/// the worker yielded between tokens to a request owed a turn.
+fn decode(
+    mut stream: TextStream,
+    tx: &mpsc::UnboundedSender<Event>,
+    streaming: bool,
+    mut permit: crate::engines::EnginePermit,
+    rt: &tokio::runtime::Handle,
+    u: TokenUsage,
+) -> Finished {
     let mut whole = String::new();
     loop {
         // Between two tokens: a request owed a turn takes this worker, and this generation
         // goes on in its own next turn.
         if let Err(e) = permit.yield_turn(rt) {
             let output = stream.output_tokens() as u64;
-            return finished(u, output, UsageStatus::Failed, Some(Event::Error(e)));
+            return Finished::ended(u, output, UsageStatus::Failed, Some(Event::Error(e)));
         }
         match stream.next_delta() {
             Ok(Some(d)) if !streaming => whole.push_str(&d.text),
             Ok(Some(d)) => {
                 if !d.text.is_empty() && tx.send(Event::Delta(d.text)).is_err() {
-                    return finished(
-                        u,
-                        stream.output_tokens() as u64,
-                        UsageStatus::ClientDisconnected,
-                        None,
-                    );
+                    let output = stream.output_tokens() as u64;
+                    return Finished::ended(u, output, UsageStatus::ClientDisconnected, None);
                 }
             }
             Ok(None) => break,
             Err(e) => {
                 let err = Event::Error(engine_error("decode failed", e));
-                return finished(
-                    u,
-                    stream.output_tokens() as u64,
-                    UsageStatus::Failed,
-                    Some(err),
-                );
+                let output = stream.output_tokens() as u64;
+                return Finished::ended(u, output, UsageStatus::Failed, Some(err));
             }
         }
     }
     let output = stream.output_tokens() as u64;
     if !whole.is_empty() && tx.send(Event::Delta(whole)).is_err() {
-        return finished(u, output, UsageStatus::ClientDisconnected, None);
+        return Finished::ended(u, output, UsageStatus::ClientDisconnected, None);
     }
     let stop_reason = stream.stop_reason().cloned().unwrap_or(StopReason::EndTurn);
-    finished(
+    Finished::ended(
         u,
         output,
         UsageStatus::Completed,

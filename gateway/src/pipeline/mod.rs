@@ -134,64 +134,101 @@ fn fit_budget(
 /// One request, as the list of its stages. A stage that refuses ends the request with its
 /// error (nothing was generated, so nothing is metered); once a worker is held, the request
 /// is generated and metered whatever happens.
-async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
+async fn drive(state: AppState, mut job: Job, tx: mpsc::UnboundedSender<Event>) {
+    let plan = plan(
+        &job.principal,
+        job.engine.info(),
+        job.prepared.keys.take(),
+        &job.prepared.placed,
+        job.prepared.rendered.tokens.len(),
+    );
+    let ready = match get_ready(&state, &plan, &job).await {
+        Ok(ready) => ready,
+        Err(e) => {
+            let _ = tx.send(Event::Error(e));
+            return;
+        }
+    };
+    let meter = Meter {
+        request_id: job.request_id,
+        principal: job.principal.clone(),
+        model: plan.info.id.clone(),
+        started_at: job.started_at,
+    };
+    let max_tokens = job.max_tokens;
+    let (work, ticket) = work(&state, job, plan, ready, &meter, &tx);
+    let done = generate_off_runtime(work, meter).await;
+    if let Some(last) = done.last {
+        let _ = tx.send(last);
+    }
+    state
+        .admission
+        .refund_output(ticket, (max_tokens as u64).saturating_sub(done.output))
+        .await;
+}
+
+/// The stages that may refuse a request, in order: its KV reserved, the prefix looked up (or
+/// joined in flight), why breakpoints missed, admission, the export budget, and a worker.
+async fn get_ready(state: &AppState, plan: &Plan, job: &Job) -> Result<Ready, ApiError> {
+    let Prepared {
+        rendered,
+        placed,
+        upto,
+        ..
+    } = &job.prepared;
+    let (start, max_tokens) = (job.start, job.max_tokens);
+    let reserved = reserve_prompt(state, plan, *upto).await?;
+    let found = lookup(state, plan, reserved.upto, start).await;
+    let found = coalesce(state, plan, found, reserved.upto, start).await;
+    let miss_reason = miss_reasons(state, plan, placed, found.read.tokens, start).await;
+    let diagnosis = job
+        .diagnose
+        .as_ref()
+        .map(|d| diagnosis(state, plan, d, rendered, &found, &miss_reason));
+    let admitted = admit(state, &job.principal, plan, found.read.tokens, max_tokens).await?;
+    let budgeted = budget_exports(state, plan, reserved.kv, found.read.tokens).await;
+    let (kv, permit) = match take_worker(state, &job.principal, plan, budgeted.kv).await {
+        Ok(held) => held,
+        Err(e) => {
+            state
+                .admission
+                .refund_output(admitted.ticket, max_tokens as u64)
+                .await;
+            return Err(e);
+        }
+    };
+    Ok(Ready {
+        found,
+        miss_reason,
+        diagnosis,
+        admitted,
+        targets: budgeted.targets,
+        trimmed: budgeted.trimmed,
+        kv,
+        permit,
+    })
+}
+
+/// What the blocking part of a ready request works from, and its admission to refund.
+fn work(
+    state: &AppState,
+    job: Job,
+    plan: Plan,
+    ready: Ready,
+    meter: &Meter,
+    tx: &mpsc::UnboundedSender<Event>,
+) -> (Work, crate::admission::Ticket) {
     let Job {
         request_id,
-        started_at,
         start,
-        principal,
         engine,
         prepared,
         max_tokens,
         stream,
         stop_sequences,
         sampling,
-        diagnose,
+        ..
     } = job;
-    let Prepared {
-        rendered,
-        placed,
-        keys,
-        upto,
-    } = prepared;
-    let plan = plan(
-        &principal,
-        engine.info(),
-        keys,
-        &placed,
-        rendered.tokens.len(),
-    );
-    let served = async {
-        let reserved = reserve_prompt(&state, &plan, upto).await?;
-        let found = lookup(&state, &plan, reserved.upto, start).await;
-        let found = coalesce(&state, &plan, found, reserved.upto, start).await;
-        let miss_reason = miss_reasons(&state, &plan, &placed, found.read.tokens, start).await;
-        let diagnosis =
-            diagnose.map(|d| diagnosis(&state, &plan, &d, &rendered, &found, &miss_reason));
-        let admitted = admit(&state, &principal, &plan, found.read.tokens, max_tokens).await?;
-        let budgeted = budget_exports(&state, &plan, reserved.kv, found.read.tokens).await;
-        let (kv, permit) = match take_worker(&state, &principal, &plan, budgeted.kv).await {
-            Ok(held) => held,
-            Err(e) => {
-                state
-                    .admission
-                    .refund_output(admitted.ticket, max_tokens as u64)
-                    .await;
-                return Err(e);
-            }
-        };
-        Ok(Ready {
-            found,
-            miss_reason,
-            diagnosis,
-            admitted,
-            targets: budgeted.targets,
-            trimmed: budgeted.trimmed,
-            kv,
-            permit,
-        })
-    }
-    .await;
     let Ready {
         found,
         miss_reason,
@@ -201,24 +238,12 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         trimmed,
         kv,
         permit,
-    } = match served {
-        Ok(ready) => ready,
-        Err(e) => {
-            let _ = tx.send(Event::Error(e));
-            return;
-        }
-    };
-    let meter = Meter {
-        request_id,
-        principal: principal.clone(),
-        model: plan.info.id.clone(),
-        started_at,
-    };
+    } = ready;
     let work = Work {
         state: state.clone(),
-        engine: engine.clone(),
-        tokens: rendered.tokens,
-        placed,
+        engine,
+        tokens: prepared.rendered.tokens,
+        placed: prepared.placed,
         miss_reason,
         keys: plan.keys.clone(),
         read: found.read,
@@ -243,17 +268,7 @@ async fn drive(state: AppState, job: Job, tx: mpsc::UnboundedSender<Event>) {
         coalesced_from: found.coalesced_from,
         diagnosis,
     };
-    let done = generate_off_runtime(work, meter).await;
-    if let Some(last) = done.last {
-        let _ = tx.send(last);
-    }
-    state
-        .admission
-        .refund_output(
-            admitted.ticket,
-            (max_tokens as u64).saturating_sub(done.output),
-        )
-        .await;
+    (work, admitted.ticket)
 }
 
 /// A request past every refusal: what it found, what it was admitted and given.

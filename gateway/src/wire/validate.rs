@@ -268,68 +268,8 @@ fn walk_content_block(
                 cache_control(m.get("cache_control"), &cc_path)?,
             )
         }
-        "tool_result" => {
-            no_extra(
-                m,
-                &[
-                    "type",
-                    "tool_use_id",
-                    "content",
-                    "is_error",
-                    "cache_control",
-                ],
-                path,
-            )?;
-            as_str(
-                required(m, "tool_use_id", path)?,
-                &join(path, "tool_use_id"),
-            )?;
-            if let Some(c) = opt(m, "content") {
-                let cpath = join(path, "content");
-                if !c.is_string() {
-                    for (j, item) in as_array(c, &cpath)?.iter().enumerate() {
-                        let ipath = format!("{cpath}.{j}");
-                        let im = as_obj(item, &ipath)?;
-                        let ik = as_str(required(im, "type", &ipath)?, &join(&ipath, "type"))?;
-                        if ik != "text" {
-                            w.unsupported
-                                .get_or_insert((join(&ipath, "type"), ik.to_string()));
-                            continue;
-                        }
-                        text_block(im, &ipath, true)?;
-                    }
-                }
-            }
-            if let Some(e) = opt(m, "is_error") {
-                e.as_bool().ok_or_else(|| {
-                    err(&join(path, "is_error"), "Input should be a valid boolean")
-                })?;
-            }
-            (
-                "tool_result",
-                true,
-                cache_control(m.get("cache_control"), &cc_path)?,
-            )
-        }
-        "thinking" | "redacted_thinking" => {
-            let is_thinking = kind == "thinking";
-            let field = if is_thinking { "thinking" } else { "data" };
-            let marker = m.contains_key("cache_control");
-            let allowed: &[&str] = if is_thinking {
-                &["type", "thinking", "signature", "cache_control"]
-            } else {
-                &["type", "data", "cache_control"]
-            };
-            no_extra(m, allowed, path)?;
-            as_str(required(m, field, path)?, &join(path, field))?;
-            // A marker here is reported in phase 4; note it with a placeholder TTL.
-            let k = if is_thinking {
-                "thinking"
-            } else {
-                "redacted_thinking"
-            };
-            (k, false, if marker { Some(Ttl::FiveMinutes) } else { None })
-        }
+        "tool_result" => ("tool_result", true, tool_result(m, path, &cc_path, w)?),
+        "thinking" | "redacted_thinking" => thinking(m, path, kind)?,
         "image"
         | "document"
         | "search_result"
@@ -368,6 +308,78 @@ fn walk_content_block(
     Ok(())
 }
 
+/// A `tool_result` block's fields (its text parts; other parts noted as unsupported); its
+/// marker.
+fn tool_result(
+    m: &Map<String, Value>,
+    path: &str,
+    cc_path: &str,
+    w: &mut Walk,
+) -> Result<Option<Ttl>, ApiError> {
+    no_extra(
+        m,
+        &[
+            "type",
+            "tool_use_id",
+            "content",
+            "is_error",
+            "cache_control",
+        ],
+        path,
+    )?;
+    as_str(
+        required(m, "tool_use_id", path)?,
+        &join(path, "tool_use_id"),
+    )?;
+    if let Some(c) = opt(m, "content") {
+        let cpath = join(path, "content");
+        if !c.is_string() {
+            for (j, item) in as_array(c, &cpath)?.iter().enumerate() {
+                let ipath = format!("{cpath}.{j}");
+                let im = as_obj(item, &ipath)?;
+                let ik = as_str(required(im, "type", &ipath)?, &join(&ipath, "type"))?;
+                if ik != "text" {
+                    w.unsupported
+                        .get_or_insert((join(&ipath, "type"), ik.to_string()));
+                    continue;
+                }
+                text_block(im, &ipath, true)?;
+            }
+        }
+    }
+    if let Some(e) = opt(m, "is_error") {
+        e.as_bool()
+            .ok_or_else(|| err(&join(path, "is_error"), "Input should be a valid boolean"))?;
+    }
+    cache_control(m.get("cache_control"), cc_path)
+}
+
+/// A `thinking` or `redacted_thinking` block: never cacheable; a marker on it is reported in
+/// phase 4 (noted with a placeholder TTL).
+fn thinking(
+    m: &Map<String, Value>,
+    path: &str,
+    kind: &str,
+) -> Result<(&'static str, bool, Option<Ttl>), ApiError> {
+    let is_thinking = kind == "thinking";
+    let field = if is_thinking { "thinking" } else { "data" };
+    let marker = m.contains_key("cache_control");
+    let allowed: &[&str] = if is_thinking {
+        &["type", "thinking", "signature", "cache_control"]
+    } else {
+        &["type", "data", "cache_control"]
+    };
+    no_extra(m, allowed, path)?;
+    as_str(required(m, field, path)?, &join(path, field))?;
+    // A marker here is reported in phase 4; note it with a placeholder TTL.
+    let k = if is_thinking {
+        "thinking"
+    } else {
+        "redacted_thinking"
+    };
+    Ok((k, false, if marker { Some(Ttl::FiveMinutes) } else { None }))
+}
+
 fn walk_common(top: &Map<String, Value>) -> Result<Walk, ApiError> {
     let mut w = Walk {
         blocks: Vec::new(),
@@ -379,46 +391,7 @@ fn walk_common(top: &Map<String, Value>) -> Result<Walk, ApiError> {
     as_str(required(top, "model", "")?, "model")?;
     if let Some(tools) = opt(top, "tools") {
         for (i, t) in as_array(tools, "tools")?.iter().enumerate() {
-            let path = format!("tools.{i}");
-            let m = as_obj(t, &path)?;
-            no_extra(
-                m,
-                &[
-                    "name",
-                    "description",
-                    "input_schema",
-                    "cache_control",
-                    "type",
-                    "strict",
-                    "input_examples",
-                ],
-                &path,
-            )?;
-            if let Some(k) = opt(m, "type") {
-                let k = as_str(k, &join(&path, "type"))?;
-                if k != "custom" {
-                    return Err(err(
-                        &join(&path, "type"),
-                        &format!("tool type '{k}' is not supported by Cachet models"),
-                    ));
-                }
-            }
-            as_str(required(m, "name", &path)?, &join(&path, "name"))?;
-            if let Some(d) = opt(m, "description") {
-                as_str(d, &join(&path, "description"))?;
-            }
-            as_obj(
-                required(m, "input_schema", &path)?,
-                &join(&path, "input_schema"),
-            )?;
-            let marker = cache_control(m.get("cache_control"), &join(&path, "cache_control"))?;
-            w.blocks.push(BlockInfo {
-                path,
-                block: BlockRef::Tool(i),
-                kind: "tool",
-                cacheable: true,
-                marker,
-            });
+            w.blocks.push(tool(t, i)?);
         }
     }
     if let Some(system) = opt(top, "system")
@@ -460,41 +433,90 @@ fn walk_common(top: &Map<String, Value>) -> Result<Walk, ApiError> {
             }
         };
         w.roles.push(role.to_string());
-        let content = required(m, "content", &path)?;
-        let cpath = join(&path, "content");
-        match content {
-            Value::String(s) => {
-                if s.is_empty() && w.empty_text.is_none() {
-                    w.empty_text = Some(cpath.clone());
-                }
-                w.blocks.push(BlockInfo {
-                    path: format!("{cpath}.0"),
-                    block: BlockRef::Message(i, 0),
-                    kind: "text",
-                    cacheable: !s.is_empty(),
-                    marker: None,
-                });
-            }
-            Value::Array(items) => {
-                for (j, b) in items.iter().enumerate() {
-                    walk_content_block(
-                        b,
-                        &format!("{cpath}.{j}"),
-                        BlockRef::Message(i, j),
-                        role,
-                        &mut w,
-                    )?;
-                }
-            }
-            _ => {
-                return Err(err(
-                    &cpath,
-                    "Input should be a valid string or a valid list",
-                ));
-            }
-        }
+        walk_message_content(required(m, "content", &path)?, &path, i, role, &mut w)?;
     }
     Ok(w)
+}
+
+/// Tool `i`'s definition, as a block of the prompt.
+fn tool(t: &Value, i: usize) -> Result<BlockInfo, ApiError> {
+    let path = format!("tools.{i}");
+    let m = as_obj(t, &path)?;
+    no_extra(
+        m,
+        &[
+            "name",
+            "description",
+            "input_schema",
+            "cache_control",
+            "type",
+            "strict",
+            "input_examples",
+        ],
+        &path,
+    )?;
+    if let Some(k) = opt(m, "type") {
+        let k = as_str(k, &join(&path, "type"))?;
+        if k != "custom" {
+            return Err(err(
+                &join(&path, "type"),
+                &format!("tool type '{k}' is not supported by Cachet models"),
+            ));
+        }
+    }
+    as_str(required(m, "name", &path)?, &join(&path, "name"))?;
+    if let Some(d) = opt(m, "description") {
+        as_str(d, &join(&path, "description"))?;
+    }
+    as_obj(
+        required(m, "input_schema", &path)?,
+        &join(&path, "input_schema"),
+    )?;
+    let marker = cache_control(m.get("cache_control"), &join(&path, "cache_control"))?;
+    Ok(BlockInfo {
+        path,
+        block: BlockRef::Tool(i),
+        kind: "tool",
+        cacheable: true,
+        marker,
+    })
+}
+
+/// Message `i`'s content (at `path`): a string, or its blocks walked.
+fn walk_message_content(
+    content: &Value,
+    path: &str,
+    i: usize,
+    role: &str,
+    w: &mut Walk,
+) -> Result<(), ApiError> {
+    let cpath = join(path, "content");
+    match content {
+        Value::String(s) => {
+            if s.is_empty() && w.empty_text.is_none() {
+                w.empty_text = Some(cpath.clone());
+            }
+            w.blocks.push(BlockInfo {
+                path: format!("{cpath}.0"),
+                block: BlockRef::Message(i, 0),
+                kind: "text",
+                cacheable: !s.is_empty(),
+                marker: None,
+            });
+        }
+        Value::Array(items) => {
+            for (j, b) in items.iter().enumerate() {
+                walk_content_block(b, &format!("{cpath}.{j}"), BlockRef::Message(i, j), role, w)?;
+            }
+        }
+        _ => {
+            return Err(err(
+                &cpath,
+                "Input should be a valid string or a valid list",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Phases 2–4: breakpoints counted, ordered and placed; the automatic one added.

@@ -1,8 +1,5 @@
-//! OpenAI's Chat Completions wire (`POST /v1/chat/completions`) over the same pipeline and
-//! cache as `/v1/messages`.
-//!
-//! A request is checked field by field (anything Cachet cannot honour is a 400 naming the
-//! field, in OpenAI's error shape) and translated into the Messages request that renders the
+//! A Chat Completions request, translated: checked field by field (anything Cachet cannot
+//! honour is a 400 naming the field, in OpenAI's error shape) and translated into the Messages request that renders the
 //! same prompt: system and developer messages at the start become the system prompt, user and
 //! assistant turns their messages, assistant `tool_calls` `tool_use` blocks and `tool`
 //! messages `tool_result` blocks, `tools` the same tools. So a prompt written through one API
@@ -22,7 +19,7 @@
 
 use serde_json::{Map, Value, json};
 
-use crate::error::{ApiError, ErrorCode};
+use crate::error::ApiError;
 
 /// What the translation keeps besides the Messages body.
 #[derive(Clone, Debug, Default)]
@@ -103,89 +100,18 @@ pub fn to_messages(
     let Value::Object(req) = v else {
         return Err(ApiError::invalid("the request body must be a JSON object"));
     };
-    for (k, val) in &req {
-        if val.is_null() {
-            continue;
-        }
-        if UNSUPPORTED.contains(&k.as_str()) && !neutral(k, val) {
-            return Err(bad(k, "is not supported by Cachet"));
-        }
-        let known = [
-            "model",
-            "messages",
-            "tools",
-            "tool_choice",
-            "max_tokens",
-            "max_completion_tokens",
-            "temperature",
-            "top_p",
-            "stop",
-            "seed",
-            "stream",
-            "stream_options",
-            "prompt_cache_key",
-            "prompt_cache_retention",
-            "prompt_cache_options",
-            // A cache object (`POST /v1/caches`) the prompt begins with.
-            "cached_content",
-            // Cachet extension, as on /v1/messages: exactly max tokens (load tests).
-            "ignore_eos",
-        ];
-        if !known.contains(&k.as_str())
-            && !IGNORED.contains(&k.as_str())
-            && !UNSUPPORTED.contains(&k.as_str())
-        {
-            return Err(ApiError::invalid(format!(
-                "Unrecognized request argument supplied: {k}"
-            )));
-        }
-    }
+    check_fields(&req)?;
     let get = |k: &str| req.get(k).filter(|v| !v.is_null());
     let model = get("model")
         .ok_or_else(|| bad("model", "you must provide a model parameter"))?
         .as_str()
         .ok_or_else(|| bad("model", "must be a string"))?
         .to_string();
-    let max_tokens = match (get("max_completion_tokens"), get("max_tokens")) {
-        (Some(_), Some(_)) => {
-            return Err(bad(
-                "max_tokens",
-                "give max_completion_tokens or max_tokens, not both",
-            ));
-        }
-        (Some(m), None) => Some(("max_completion_tokens", m)),
-        (None, Some(m)) => Some(("max_tokens", m)),
-        (None, None) => None,
-    };
-    let max_tokens = match max_tokens {
-        Some((name, m)) => m
-            .as_u64()
-            .filter(|&n| n <= u32::MAX as u64)
-            .ok_or_else(|| bad(name, "must be a non-negative integer"))?,
-        // An unknown model falls through to the Messages validation's own error.
-        None => default_max_tokens(&model).unwrap_or(4096) as u64,
-    };
+    let max_tokens = output_limit(&get, &model, default_max_tokens)?;
     let mut out = Map::new();
     out.insert("model".into(), json!(model));
     out.insert("max_tokens".into(), json!(max_tokens));
-    for k in ["temperature", "top_p"] {
-        if let Some(x) = get(k) {
-            let f = x.as_f64().ok_or_else(|| bad(k, "must be a number"))?;
-            // OpenAI's temperature runs to 2, the engines' sampling to any positive value.
-            if !(0.0..=2.0).contains(&f) {
-                return Err(bad(k, "must be between 0 and 2"));
-            }
-            out.insert(k.into(), json!(f));
-        }
-    }
-    if let Some(s) = get("stop") {
-        let stops: Vec<Value> = match s {
-            Value::String(_) => vec![s.clone()],
-            Value::Array(a) if a.len() <= 4 && a.iter().all(Value::is_string) => a.clone(),
-            _ => return Err(bad("stop", "must be a string or up to 4 strings")),
-        };
-        out.insert("stop_sequences".into(), Value::Array(stops));
-    }
+    sampling(&get, &mut out)?;
     let mut opts = ChatOptions::default();
     if let Some(s) = get("seed") {
         opts.seed = Some(
@@ -200,30 +126,7 @@ pub fn to_messages(
             .ok_or_else(|| bad("ignore_eos", "must be a boolean"))?;
         out.insert("ignore_eos".into(), json!(b));
     }
-    if let Some(s) = get("stream") {
-        opts.stream = s
-            .as_bool()
-            .ok_or_else(|| bad("stream", "must be a boolean"))?;
-    }
-    if let Some(so) = get("stream_options") {
-        if !opts.stream {
-            return Err(bad("stream_options", "is only allowed when stream is true"));
-        }
-        let o = so
-            .as_object()
-            .ok_or_else(|| bad("stream_options", "must be an object"))?;
-        for (k, v) in o {
-            match k.as_str() {
-                "include_usage" => {
-                    opts.include_usage = v
-                        .as_bool()
-                        .ok_or_else(|| bad("stream_options.include_usage", "must be a boolean"))?
-                }
-                "include_obfuscation" => {}
-                _ => return Err(bad(&format!("stream_options.{k}"), "is not supported")),
-            }
-        }
-    }
+    streaming(&get, &mut opts)?;
     out.insert("stream".into(), json!(opts.stream));
     if let Some(k) = get("prompt_cache_key") {
         opts.prompt_cache_key = Some(
@@ -273,6 +176,134 @@ pub fn to_messages(
         out.insert("cached_content".into(), c.clone());
     }
     Ok((Value::Object(out), opts))
+}
+
+/// Every field of the body is one Cachet knows, ignores, or refuses as unsupported (unless
+/// it is given a value that changes nothing).
+fn check_fields(req: &Map<String, Value>) -> Result<(), ApiError> {
+    for (k, val) in req {
+        if val.is_null() {
+            continue;
+        }
+        if UNSUPPORTED.contains(&k.as_str()) && !neutral(k, val) {
+            return Err(bad(k, "is not supported by Cachet"));
+        }
+        let known = [
+            "model",
+            "messages",
+            "tools",
+            "tool_choice",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "stop",
+            "seed",
+            "stream",
+            "stream_options",
+            "prompt_cache_key",
+            "prompt_cache_retention",
+            "prompt_cache_options",
+            // A cache object (`POST /v1/caches`) the prompt begins with.
+            "cached_content",
+            // Cachet extension, as on /v1/messages: exactly max tokens (load tests).
+            "ignore_eos",
+        ];
+        if !known.contains(&k.as_str())
+            && !IGNORED.contains(&k.as_str())
+            && !UNSUPPORTED.contains(&k.as_str())
+        {
+            return Err(ApiError::invalid(format!(
+                "Unrecognized request argument supplied: {k}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `max_completion_tokens` or `max_tokens` (not both), else the model's output limit.
+fn output_limit<'a>(
+    get: &impl Fn(&str) -> Option<&'a Value>,
+    model: &str,
+    default_max_tokens: impl Fn(&str) -> Option<u32>,
+) -> Result<u64, ApiError> {
+    let max_tokens = match (get("max_completion_tokens"), get("max_tokens")) {
+        (Some(_), Some(_)) => {
+            return Err(bad(
+                "max_tokens",
+                "give max_completion_tokens or max_tokens, not both",
+            ));
+        }
+        (Some(m), None) => Some(("max_completion_tokens", m)),
+        (None, Some(m)) => Some(("max_tokens", m)),
+        (None, None) => None,
+    };
+    Ok(match max_tokens {
+        Some((name, m)) => m
+            .as_u64()
+            .filter(|&n| n <= u32::MAX as u64)
+            .ok_or_else(|| bad(name, "must be a non-negative integer"))?,
+        // An unknown model falls through to the Messages validation's own error.
+        None => default_max_tokens(model).unwrap_or(4096) as u64,
+    })
+}
+
+/// `temperature`, `top_p` and `stop`, as the Messages body says them.
+fn sampling<'a>(
+    get: &impl Fn(&str) -> Option<&'a Value>,
+    out: &mut Map<String, Value>,
+) -> Result<(), ApiError> {
+    for k in ["temperature", "top_p"] {
+        if let Some(x) = get(k) {
+            let f = x.as_f64().ok_or_else(|| bad(k, "must be a number"))?;
+            // OpenAI's temperature runs to 2, the engines' sampling to any positive value.
+            if !(0.0..=2.0).contains(&f) {
+                return Err(bad(k, "must be between 0 and 2"));
+            }
+            out.insert(k.into(), json!(f));
+        }
+    }
+    if let Some(s) = get("stop") {
+        let stops: Vec<Value> = match s {
+            Value::String(_) => vec![s.clone()],
+            Value::Array(a) if a.len() <= 4 && a.iter().all(Value::is_string) => a.clone(),
+            _ => return Err(bad("stop", "must be a string or up to 4 strings")),
+        };
+        out.insert("stop_sequences".into(), Value::Array(stops));
+    }
+    Ok(())
+}
+
+/// `stream` and its `stream_options`.
+fn streaming<'a>(
+    get: &impl Fn(&str) -> Option<&'a Value>,
+    opts: &mut ChatOptions,
+) -> Result<(), ApiError> {
+    if let Some(s) = get("stream") {
+        opts.stream = s
+            .as_bool()
+            .ok_or_else(|| bad("stream", "must be a boolean"))?;
+    }
+    if let Some(so) = get("stream_options") {
+        if !opts.stream {
+            return Err(bad("stream_options", "is only allowed when stream is true"));
+        }
+        let o = so
+            .as_object()
+            .ok_or_else(|| bad("stream_options", "must be an object"))?;
+        for (k, v) in o {
+            match k.as_str() {
+                "include_usage" => {
+                    opts.include_usage = v
+                        .as_bool()
+                        .ok_or_else(|| bad("stream_options.include_usage", "must be a boolean"))?
+                }
+                "include_obfuscation" => {}
+                _ => return Err(bad(&format!("stream_options.{k}"), "is not supported")),
+            }
+        }
+    }
+    Ok(())
 }
 
 /// (explicit mode, TTL "5m" | "1h").
@@ -496,39 +527,7 @@ fn messages(
                     None => Vec::new(),
                 };
                 if let Some(calls) = m.get("tool_calls").filter(|c| !c.is_null()) {
-                    let calls = calls
-                        .as_array()
-                        .ok_or_else(|| bad(&format!("{p}.tool_calls"), "must be an array"))?;
-                    for (j, c) in calls.iter().enumerate() {
-                        let cp = format!("{p}.tool_calls[{j}]");
-                        let id = c
-                            .get("id")
-                            .and_then(Value::as_str)
-                            .ok_or_else(|| bad(&format!("{cp}.id"), "is required"))?;
-                        let f = c
-                            .get("function")
-                            .ok_or_else(|| bad(&format!("{cp}.function"), "is required"))?;
-                        let name = f
-                            .get("name")
-                            .and_then(Value::as_str)
-                            .ok_or_else(|| bad(&format!("{cp}.function.name"), "is required"))?;
-                        let args = f.get("arguments").and_then(Value::as_str).unwrap_or("{}");
-                        let input: Value = serde_json::from_str(args).map_err(|_| {
-                            bad(
-                                &format!("{cp}.function.arguments"),
-                                "must be a JSON object encoded as a string",
-                            )
-                        })?;
-                        if !input.is_object() {
-                            return Err(bad(
-                                &format!("{cp}.function.arguments"),
-                                "must be a JSON object encoded as a string",
-                            ));
-                        }
-                        blocks.push(
-                            json!({"type": "tool_use", "id": id, "name": name, "input": input}),
-                        );
-                    }
+                    blocks.extend(tool_calls(calls, &p)?);
                 }
                 if blocks.is_empty() {
                     return Err(bad(
@@ -571,61 +570,48 @@ fn messages(
     Ok((system, out))
 }
 
-pub fn finish_reason(stop: &engine::StopReason) -> &'static str {
-    match stop {
-        engine::StopReason::MaxTokens => "length",
-        engine::StopReason::EndTurn | engine::StopReason::StopSequence(_) => "stop",
+/// An assistant message's `tool_calls` (at `p`) as `tool_use` blocks.
+fn tool_calls(calls: &Value, p: &str) -> Result<Vec<Value>, ApiError> {
+    let mut blocks = Vec::new();
+    let calls = calls
+        .as_array()
+        .ok_or_else(|| bad(&format!("{p}.tool_calls"), "must be an array"))?;
+    for (j, c) in calls.iter().enumerate() {
+        let cp = format!("{p}.tool_calls[{j}]");
+        let id = c
+            .get("id")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(&format!("{cp}.id"), "is required"))?;
+        let f = c
+            .get("function")
+            .ok_or_else(|| bad(&format!("{cp}.function"), "is required"))?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(&format!("{cp}.function.name"), "is required"))?;
+        let args = f.get("arguments").and_then(Value::as_str).unwrap_or("{}");
+        let input: Value = serde_json::from_str(args).map_err(|_| {
+            bad(
+                &format!("{cp}.function.arguments"),
+                "must be a JSON object encoded as a string",
+            )
+        })?;
+        if !input.is_object() {
+            return Err(bad(
+                &format!("{cp}.function.arguments"),
+                "must be a JSON object encoded as a string",
+            ));
+        }
+        blocks.push(json!({"type": "tool_use", "id": id, "name": name, "input": input}));
     }
-}
-
-/// OpenAI's error body and status for a Cachet error.
-pub fn error_body(e: &ApiError) -> (axum::http::StatusCode, Value) {
-    use axum::http::StatusCode;
-    let (status, kind, code) = match e.code {
-        ErrorCode::Authentication => (
-            StatusCode::UNAUTHORIZED,
-            "invalid_request_error",
-            Some("invalid_api_key"),
-        ),
-        ErrorCode::Permission => (StatusCode::FORBIDDEN, "permission_error", None),
-        ErrorCode::NotFound => (
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            Some("not_found"),
-        ),
-        ErrorCode::RateLimit => (
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            Some("rate_limit_exceeded"),
-        ),
-        // OpenAI sheds load with 503; its SDKs retry it.
-        ErrorCode::Overloaded => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            Some("overloaded"),
-        ),
-        ErrorCode::Api => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
-        ErrorCode::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None),
-        k => (
-            StatusCode::from_u16(k.status_u16()).unwrap_or(StatusCode::BAD_REQUEST),
-            "invalid_request_error",
-            None,
-        ),
-    };
-    let param = e
-        .message
-        .split_once(": ")
-        .map(|(p, _)| p)
-        .filter(|p| !p.contains(' '));
-    (
-        status,
-        json!({"error": {"message": e.message, "type": kind, "param": param, "code": code}}),
-    )
+    Ok(blocks)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::openai::error_body;
+    use crate::error::ErrorCode;
 
     fn conv(v: Value) -> Result<(Value, ChatOptions), ApiError> {
         to_messages(v.to_string().as_bytes(), |_| Some(8192), true)
