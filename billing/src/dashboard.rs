@@ -563,6 +563,24 @@ async fn storage_held(
     .await?)
 }
 
+/// The tenants with usage or cache objects held in `[from, to)` (whole hours).
+pub async fn tenants_with_usage(
+    pool: &PgPool,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Result<Vec<Uuid>, BillingError> {
+    Ok(sqlx::query_scalar(
+        "SELECT DISTINCT tenant_id FROM usage_rollups \
+         WHERE granularity = 'hour' AND bucket_start >= $1 AND bucket_start < $2 \
+         UNION SELECT DISTINCT tenant_id FROM cache_storage_events \
+         WHERE hour_start >= $1 AND hour_start < $2",
+    )
+    .bind(from)
+    .bind(to)
+    .fetch_all(pool)
+    .await?)
+}
+
 /// The calendar month (UTC) holding `now`: its start and the start of the next.
 pub fn month_of(now: DateTime<Utc>) -> (DateTime<Utc>, DateTime<Utc>) {
     let start = Utc

@@ -132,7 +132,7 @@ pub const DEFAULT_MODELS: &[&str] = &[
 ];
 
 /// A tenant's plan version.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct Plan {
     pub tenant_id: Uuid,
     pub effective_from: DateTime<Utc>,
@@ -349,6 +349,35 @@ pub async fn set_plan(
         serde_json::to_value(plan).unwrap_or_default(),
     )
     .await
+}
+
+/// The plan in force for `tenant` now, if it has one.
+pub async fn plan_in_force(pool: &PgPool, tenant: Uuid) -> Result<Option<Plan>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT tenant_id, effective_from, discount_bp, reserved_cache_bytes, \
+         reserved_nanos_per_gb_hour FROM tenant_plans WHERE tenant_id = $1 \
+         AND effective_from <= now() ORDER BY effective_from DESC LIMIT 1",
+    )
+    .bind(tenant)
+    .fetch_optional(pool)
+    .await
+}
+
+/// The cache capacity each of `tenants` (every tenant: `None`) reserves under its plan in
+/// force now; tenants without a reservation are absent.
+pub async fn reserved_cache_bytes(
+    pool: &PgPool,
+    tenants: Option<&[Uuid]>,
+) -> Result<std::collections::HashMap<Uuid, i64>, sqlx::Error> {
+    let rows: Vec<(Uuid, i64)> = sqlx::query_as(
+        "SELECT DISTINCT ON (tenant_id) tenant_id, reserved_cache_bytes FROM tenant_plans \
+         WHERE ($1::UUID[] IS NULL OR tenant_id = ANY($1)) AND effective_from <= now() \
+         ORDER BY tenant_id, effective_from DESC",
+    )
+    .bind(tenants)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().filter(|(_, b)| *b > 0).collect())
 }
 
 /// A list-price version as the price book lists it: retired ones too, marked.

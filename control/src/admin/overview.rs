@@ -79,20 +79,16 @@ pub struct MonthOverview {
 pub async fn month_overview(pool: &sqlx::PgPool, month: &str) -> Result<MonthOverview, AdminError> {
     let first = billing::invoice::parse_month(month)?;
     let (from, to) = billing::invoice::month_bounds(first)?;
+    let used = dashboard::tenants_with_usage(pool, from, to).await?;
     let tenants = sqlx::query(
         "SELECT t.id, t.name, CASE WHEN t.deleted_at IS NOT NULL THEN 'deleted' \
                 WHEN t.suspended_at IS NOT NULL THEN 'suspended' ELSE 'active' END AS state, \
                 q.monthly_budget_minor, COALESCE(q.budget_alert_percent, 80)::INTEGER AS alert \
          FROM tenants t LEFT JOIN tenant_quotas q ON q.tenant_id = t.id \
-         WHERE EXISTS (SELECT 1 FROM usage_rollups r WHERE r.tenant_id = t.id \
-                       AND r.granularity = 'hour' AND r.bucket_start >= $1 AND r.bucket_start < $2) \
-            OR EXISTS (SELECT 1 FROM cache_storage_events s WHERE s.tenant_id = t.id \
-                       AND s.hour_start >= $1 AND s.hour_start < $2) \
-            OR (q.monthly_budget_minor IS NOT NULL AND t.deleted_at IS NULL) \
+         WHERE t.id = ANY($1) OR (q.monthly_budget_minor IS NOT NULL AND t.deleted_at IS NULL) \
          ORDER BY t.name, t.id",
     )
-    .bind(from)
-    .bind(to)
+    .bind(&used)
     .fetch_all(pool)
     .await?;
     let mut data = Vec::with_capacity(tenants.len());

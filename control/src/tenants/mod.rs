@@ -378,11 +378,16 @@ pub async fn lookup_key(
     .bind(&secret_sha256[..])
     .fetch_optional(pool)
     .await?;
-    Ok(row.map(|r| Principal {
+    let Some(r) = row else {
+        return Ok(None);
+    };
+    let tenant: uuid::Uuid = r.get("tenant_id");
+    let policy = policy::reserved(pool, tenant, policy::from_row(&r)).await?;
+    Ok(Some(Principal {
         key_id: ApiKeyId(r.get("id")),
-        tenant: TenantId(r.get("tenant_id")),
+        tenant: TenantId(tenant),
         workspace: WorkspaceId(r.get("workspace_id")),
-        policy: policy::from_row(&r),
+        policy,
         workspace_limits: workspaces::limits_from_row(&r),
         key_expires_at: r.get("expires_at"),
         tenant_suspended: r.get::<Option<DateTime<Utc>>, _>("suspended_at").is_some(),

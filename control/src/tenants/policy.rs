@@ -98,24 +98,44 @@ pub async fn standings(pool: &PgPool, only: Option<&[Uuid]>) -> Result<Vec<Stand
     .bind(only)
     .fetch_all(pool)
     .await?;
+    let reserved = billing::prices::reserved_cache_bytes(pool, only).await?;
     Ok(rows
         .iter()
-        .map(|r| Standing {
-            tenant: r.get("id"),
-            deleted: r.get("deleted"),
-            policy: from_row(r),
+        .map(|r| {
+            let tenant: Uuid = r.get("id");
+            Standing {
+                tenant,
+                deleted: r.get("deleted"),
+                policy: Policy {
+                    reserved_cache_bytes: reserved.get(&tenant).copied(),
+                    ..from_row(r)
+                },
+            }
         })
         .collect())
 }
 
-/// The policy columns, read from `tenant_quotas q` (and the plan in force).
+/// The policy columns, read from `tenant_quotas q`; the reservation is the plan's (billing's):
+/// [`reserved`].
 pub(crate) const COLUMNS: &str = "q.requests_per_minute, q.input_tokens_per_minute, \
     q.output_tokens_per_minute, q.key_requests_per_minute, q.key_input_tokens_per_minute, \
     q.key_output_tokens_per_minute, q.cache_resident_bytes, q.monthly_budget_minor, \
     q.budget_alert_percent, q.allow_1h_ttl, q.replication_factor, q.engine_weight, \
-    q.max_concurrent, q.max_cache_ttl_secs, \
-    (SELECT p.reserved_cache_bytes FROM tenant_plans p WHERE p.tenant_id = q.tenant_id \
-     AND p.effective_from <= now() ORDER BY p.effective_from DESC LIMIT 1) AS reserved_cache_bytes";
+    q.max_concurrent, q.max_cache_ttl_secs";
+
+/// `policy` of `tenant` with the cache capacity its plan in force reserves.
+pub(crate) async fn reserved(
+    pool: &PgPool,
+    tenant: Uuid,
+    policy: Policy,
+) -> Result<Policy, sqlx::Error> {
+    let reserved =
+        billing::prices::reserved_cache_bytes(pool, Some(std::slice::from_ref(&tenant))).await?;
+    Ok(Policy {
+        reserved_cache_bytes: reserved.get(&tenant).copied(),
+        ..policy
+    })
+}
 
 pub(crate) fn from_row(r: &sqlx::postgres::PgRow) -> Policy {
     Policy {
@@ -131,9 +151,7 @@ pub(crate) fn from_row(r: &sqlx::postgres::PgRow) -> Policy {
             .map(i32::from)
             .unwrap_or(80),
         cache_resident_bytes: r.get("cache_resident_bytes"),
-        reserved_cache_bytes: r
-            .get::<Option<i64>, _>("reserved_cache_bytes")
-            .filter(|b| *b > 0),
+        reserved_cache_bytes: None,
         allow_1h_ttl: r.get::<Option<bool>, _>("allow_1h_ttl").unwrap_or(true),
         replication_factor: r.get::<Option<i16>, _>("replication_factor").map(i32::from),
         engine_weight: r
@@ -340,8 +358,10 @@ pub async fn get_policy(pool: &PgPool, tenant: TenantId) -> Result<Policy, Admin
     .bind(tenant)
     .fetch_optional(pool)
     .await?;
-    row.map(|r| from_row(&r))
-        .ok_or_else(|| AdminError::TenantNotFound(tenant.to_string()))
+    let policy = row
+        .map(|r| from_row(&r))
+        .ok_or_else(|| AdminError::TenantNotFound(tenant.to_string()))?;
+    Ok(reserved(pool, tenant, policy).await?)
 }
 
 /// Who patches a policy: the platform may change every field, a tenant admin only the
@@ -420,16 +440,9 @@ async fn set_reservation(
     tenant: Uuid,
     bytes: Option<i64>,
 ) -> Result<(), AdminError> {
-    let current = sqlx::query(
-        "SELECT discount_bp, reserved_nanos_per_gb_hour FROM tenant_plans WHERE tenant_id = $1 \
-         AND effective_from <= now() ORDER BY effective_from DESC LIMIT 1",
-    )
-    .bind(tenant)
-    .fetch_optional(pool)
-    .await?;
-    let (discount_bp, price) = current
-        .map(|r| (r.get("discount_bp"), r.get("reserved_nanos_per_gb_hour")))
-        .unwrap_or((0, 0));
+    let (discount_bp, price) = billing::prices::plan_in_force(pool, tenant)
+        .await?
+        .map_or((0, 0), |p| (p.discount_bp, p.reserved_nanos_per_gb_hour));
     let now = chrono::Utc::now();
     billing::prices::set_plan(
         pool,
