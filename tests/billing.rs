@@ -549,7 +549,7 @@ async fn the_month_overview_is_the_sum_of_the_dashboards_and_the_invoices_to_the
             "{}: overview, dashboard and invoice agree to the cent",
             row.name
         );
-        assert_eq!(row.requests, dash.totals.tokens.requests);
+        assert_eq!(row.tokens.requests, dash.totals.tokens.requests);
         assert!(row.cost_minor > 0 && row.unpriced_tokens == 0);
         sum += row.cost_minor;
         // The export's per-row costs add up to the invoice: exact, then rounded once.
@@ -568,7 +568,7 @@ async fn the_month_overview_is_the_sum_of_the_dashboards_and_the_invoices_to_the
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
-        assert_eq!(rows.len() as i64, row.requests);
+        assert_eq!(rows.len() as i64, row.tokens.requests);
         let exact: billing::money::Exact = rows
             .iter()
             .map(|r| {

@@ -35,6 +35,7 @@ use cachet_common::error::{ApiError, ErrorBody, ErrorCode};
 use identity::{AdminAuth, Claims, Role};
 
 use crate::invoice::{self, BillingError, Invoice};
+use crate::money::TokenCounts;
 use crate::prices::{self, PriceVersion};
 
 /// State of the finance API.
@@ -131,11 +132,8 @@ pub struct UsageRow {
     pub api_key: Option<Uuid>,
     pub bucket_start: Option<DateTime<Utc>>,
     pub requests: i64,
-    pub input_tokens: i64,
-    pub cache_write_5m_tokens: i64,
-    pub cache_write_1h_tokens: i64,
-    pub cache_read_tokens: i64,
-    pub output_tokens: i64,
+    #[serde(flatten)]
+    pub tokens: TokenCounts,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -212,11 +210,13 @@ pub async fn usage(
                 api_key: r.get("api_key"),
                 bucket_start: r.get("bucket"),
                 requests: r.get("requests"),
-                input_tokens: r.get("input_tokens"),
-                cache_write_5m_tokens: r.get("w5"),
-                cache_write_1h_tokens: r.get("w1"),
-                cache_read_tokens: r.get("rd"),
-                output_tokens: r.get("output_tokens"),
+                tokens: TokenCounts {
+                    input_tokens: r.get("input_tokens"),
+                    cache_write_5m_tokens: r.get("w5"),
+                    cache_write_1h_tokens: r.get("w1"),
+                    cache_read_tokens: r.get("rd"),
+                    output_tokens: r.get("output_tokens"),
+                },
             })
             .collect(),
     }))
@@ -569,11 +569,9 @@ pub struct LedgerRow {
     pub workspace_id: Uuid,
     pub api_key_id: Uuid,
     pub model: String,
-    pub input_tokens: i64,
-    pub cache_write_5m_tokens: i64,
-    pub cache_write_1h_tokens: i64,
-    pub cache_read_tokens: i64,
-    pub output_tokens: i64,
+    #[serde(flatten)]
+    #[sqlx(flatten)]
+    pub tokens: TokenCounts,
     pub status: String,
     pub started_at: DateTime<Utc>,
     pub finished_at: DateTime<Utc>,
@@ -613,11 +611,7 @@ impl ExportRow for LedgerRow {
     fn metered(&self) -> (&str, DateTime<Utc>, crate::dashboard::Tokens) {
         let tokens = crate::dashboard::Tokens {
             requests: 1,
-            input_tokens: self.input_tokens,
-            cache_write_5m_tokens: self.cache_write_5m_tokens,
-            cache_write_1h_tokens: self.cache_write_1h_tokens,
-            cache_read_tokens: self.cache_read_tokens,
-            output_tokens: self.output_tokens,
+            counts: self.tokens,
             cache_storage_token_seconds: 0,
         };
         (&self.model, self.started_at, tokens)
@@ -632,11 +626,11 @@ impl ExportRow for LedgerRow {
             self.workspace_id,
             self.api_key_id,
             csv_field(&self.model),
-            self.input_tokens,
-            self.cache_write_5m_tokens,
-            self.cache_write_1h_tokens,
-            self.cache_read_tokens,
-            self.output_tokens,
+            self.tokens.input_tokens,
+            self.tokens.cache_write_5m_tokens,
+            self.tokens.cache_write_1h_tokens,
+            self.tokens.cache_read_tokens,
+            self.tokens.output_tokens,
             self.status,
             micros(self.started_at),
             micros(self.finished_at),

@@ -28,7 +28,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::invoice::BillingError;
-use crate::money::{Exact, Rates, TokenClass};
+use crate::money::{Exact, Rates, TokenClass, TokenCounts};
 
 /// Bucket size of a series.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
@@ -49,46 +49,30 @@ pub enum GroupBy {
     Workspace,
 }
 
-/// Token counts by class (and requests).
+/// Token counts by class, requests, and cache objects held.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, ToSchema)]
 pub struct Tokens {
     pub requests: i64,
-    pub input_tokens: i64,
-    pub cache_write_5m_tokens: i64,
-    pub cache_write_1h_tokens: i64,
-    pub cache_read_tokens: i64,
-    pub output_tokens: i64,
+    #[serde(flatten)]
+    pub counts: TokenCounts,
     /// Cache objects held: tokens × seconds (÷ 3600 for token-hours).
     pub cache_storage_token_seconds: i64,
 }
 
 impl Tokens {
-    fn add(&mut self, o: &Tokens) {
+    pub fn add(&mut self, o: &Tokens) {
         self.requests += o.requests;
-        self.input_tokens += o.input_tokens;
-        self.cache_write_5m_tokens += o.cache_write_5m_tokens;
-        self.cache_write_1h_tokens += o.cache_write_1h_tokens;
-        self.cache_read_tokens += o.cache_read_tokens;
-        self.output_tokens += o.output_tokens;
+        self.counts.add(&o.counts);
         self.cache_storage_token_seconds += o.cache_storage_token_seconds;
     }
 
     fn of(&self, class: TokenClass) -> i64 {
-        match class {
-            TokenClass::Input => self.input_tokens,
-            TokenClass::CacheWrite5m => self.cache_write_5m_tokens,
-            TokenClass::CacheWrite1h => self.cache_write_1h_tokens,
-            TokenClass::CacheRead => self.cache_read_tokens,
-            TokenClass::Output => self.output_tokens,
-        }
+        self.counts.of(class)
     }
 
     /// Prompt tokens of every class (what a request without any cache would bill as input).
     pub fn prompt_tokens(&self) -> i64 {
-        self.input_tokens
-            + self.cache_write_5m_tokens
-            + self.cache_write_1h_tokens
-            + self.cache_read_tokens
+        self.counts.prompt()
     }
 
     /// Share of prompt tokens read from the cache (0 when there were none).
@@ -97,7 +81,7 @@ impl Tokens {
         if p == 0 {
             0.0
         } else {
-            self.cache_read_tokens as f64 / p as f64
+            self.counts.cache_read_tokens as f64 / p as f64
         }
     }
 }
@@ -266,7 +250,7 @@ impl Rater {
         let Some(rates) = self.rates(model, at) else {
             return Cost {
                 unpriced_tokens: tokens.prompt_tokens()
-                    + tokens.output_tokens
+                    + tokens.counts.output_tokens
                     + (tokens.cache_storage_token_seconds + 3599) / 3600,
                 ..Cost::default()
             };
@@ -279,7 +263,12 @@ impl Rater {
             + Exact::storage(tokens.cache_storage_token_seconds, &rates, discount);
         let without_cache =
             Exact::usage(tokens.prompt_tokens(), &rates, TokenClass::Input, discount)
-                + Exact::usage(tokens.output_tokens, &rates, TokenClass::Output, discount);
+                + Exact::usage(
+                    tokens.counts.output_tokens,
+                    &rates,
+                    TokenClass::Output,
+                    discount,
+                );
         Cost {
             actual,
             without_cache,
@@ -378,11 +367,13 @@ pub async fn usage(pool: &PgPool, q: &UsageQuery) -> Result<UsageReport, Billing
     let usage = rows.into_iter().map(|r| {
         let tokens = Tokens {
             requests: r.get("requests"),
-            input_tokens: r.get("input_tokens"),
-            cache_write_5m_tokens: r.get("w5"),
-            cache_write_1h_tokens: r.get("w1"),
-            cache_read_tokens: r.get("rd"),
-            output_tokens: r.get("output_tokens"),
+            counts: TokenCounts {
+                input_tokens: r.get("input_tokens"),
+                cache_write_5m_tokens: r.get("w5"),
+                cache_write_1h_tokens: r.get("w1"),
+                cache_read_tokens: r.get("rd"),
+                output_tokens: r.get("output_tokens"),
+            },
             cache_storage_token_seconds: 0,
         };
         (r, tokens)
@@ -658,13 +649,16 @@ mod tests {
 
     /// One million tokens of each class at $3/$15 per MTok with the default multipliers.
     fn mtok() -> Tokens {
+        let each = 1_000_000;
         Tokens {
             requests: 1,
-            input_tokens: 1_000_000,
-            cache_write_5m_tokens: 1_000_000,
-            cache_write_1h_tokens: 1_000_000,
-            cache_read_tokens: 1_000_000,
-            output_tokens: 1_000_000,
+            counts: TokenCounts {
+                input_tokens: each,
+                cache_write_5m_tokens: each,
+                cache_write_1h_tokens: each,
+                cache_read_tokens: each,
+                output_tokens: each,
+            },
             cache_storage_token_seconds: 0,
         }
     }
@@ -719,9 +713,12 @@ mod tests {
     #[test]
     fn hit_ratio_counts_reads_over_every_prompt_token() {
         let tok = Tokens {
-            input_tokens: 10,
-            cache_write_5m_tokens: 20,
-            cache_read_tokens: 70,
+            counts: TokenCounts {
+                input_tokens: 10,
+                cache_write_5m_tokens: 20,
+                cache_read_tokens: 70,
+                ..TokenCounts::default()
+            },
             ..Tokens::default()
         };
         assert!((tok.hit_ratio() - 0.7).abs() < 1e-12);

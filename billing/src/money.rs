@@ -65,6 +65,66 @@ impl TokenClass {
     }
 }
 
+/// Token counts of the five classes, one field each, named as the ledger's columns: the one
+/// word every report, export and overview counts tokens in (flattened into them, so their
+/// JSON keeps these names). A new class is a field here and a [`TokenClass`].
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    sqlx::FromRow,
+    utoipa::ToSchema,
+)]
+pub struct TokenCounts {
+    pub input_tokens: i64,
+    pub cache_write_5m_tokens: i64,
+    pub cache_write_1h_tokens: i64,
+    pub cache_read_tokens: i64,
+    pub output_tokens: i64,
+}
+
+impl TokenCounts {
+    pub fn of(&self, class: TokenClass) -> i64 {
+        match class {
+            TokenClass::Input => self.input_tokens,
+            TokenClass::CacheWrite5m => self.cache_write_5m_tokens,
+            TokenClass::CacheWrite1h => self.cache_write_1h_tokens,
+            TokenClass::CacheRead => self.cache_read_tokens,
+            TokenClass::Output => self.output_tokens,
+        }
+    }
+
+    fn of_mut(&mut self, class: TokenClass) -> &mut i64 {
+        match class {
+            TokenClass::Input => &mut self.input_tokens,
+            TokenClass::CacheWrite5m => &mut self.cache_write_5m_tokens,
+            TokenClass::CacheWrite1h => &mut self.cache_write_1h_tokens,
+            TokenClass::CacheRead => &mut self.cache_read_tokens,
+            TokenClass::Output => &mut self.output_tokens,
+        }
+    }
+
+    pub fn add(&mut self, o: &TokenCounts) {
+        for class in TokenClass::ALL {
+            *self.of_mut(class) += o.of(class);
+        }
+    }
+
+    /// Prompt tokens of every class (what a request without any cache would bill as input).
+    pub fn prompt(&self) -> i64 {
+        TokenClass::ALL
+            .into_iter()
+            .filter(|c| *c != TokenClass::Output)
+            .map(|c| self.of(c))
+            .sum()
+    }
+}
+
 /// One price version's rates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rates {

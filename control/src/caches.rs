@@ -443,7 +443,12 @@ pub async fn delete(
     .fetch_optional(&mut *tx)
     .await?;
     let o = row.map(|r| from_row(&r)).ok_or_else(|| not_found(id))?;
-    audit::commit(tx, actor, audit::Entry::new(DELETE_ACTION, Some(owner.tenant()), o.id.clone()).before(json!({ "id": o.id, "model": o.model, "workspace_id": o.workspace.as_uuid(), "input_tokens": o.input_tokens, "expires_at": o.expires_at, }))).await?;
+    let was = json!({
+        "id": o.id, "model": o.model, "workspace_id": o.workspace.as_uuid(),
+        "input_tokens": o.input_tokens, "expires_at": o.expires_at,
+    });
+    let entry = audit::Entry::new(DELETE_ACTION, Some(owner.tenant()), o.id.clone()).before(was);
+    audit::commit(tx, actor, entry).await?;
     Ok(o)
 }
 

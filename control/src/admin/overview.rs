@@ -35,15 +35,9 @@ pub struct TenantMonth {
     pub name: String,
     /// `active`, `suspended` or `deleted` (now).
     pub state: String,
-    pub requests: i64,
-    pub input_tokens: i64,
-    pub cache_write_5m_tokens: i64,
-    pub cache_write_1h_tokens: i64,
-    pub cache_read_tokens: i64,
-    pub output_tokens: i64,
-    /// Cache objects held: tokens × seconds (÷ 3600 for token-hours); their cost is in
-    /// `cost_minor`.
-    pub cache_storage_token_seconds: i64,
+    /// Requests, tokens by class, and cache objects held (their cost is in `cost_minor`).
+    #[serde(flatten)]
+    pub tokens: dashboard::Tokens,
     pub hit_ratio: f64,
     pub currency: String,
     pub cost_minor: i64,
@@ -101,13 +95,7 @@ pub async fn month_overview(pool: &sqlx::PgPool, month: &str) -> Result<MonthOve
             tenant: id,
             name: t.get("name"),
             state: t.get("state"),
-            requests: p.tokens.requests,
-            input_tokens: p.tokens.input_tokens,
-            cache_write_5m_tokens: p.tokens.cache_write_5m_tokens,
-            cache_write_1h_tokens: p.tokens.cache_write_1h_tokens,
-            cache_read_tokens: p.tokens.cache_read_tokens,
-            output_tokens: p.tokens.output_tokens,
-            cache_storage_token_seconds: p.tokens.cache_storage_token_seconds,
+            tokens: p.tokens,
             hit_ratio: p.hit_ratio,
             currency: r.currency,
             cost_minor: p.cost_minor,
@@ -131,7 +119,7 @@ pub async fn month_overview(pool: &sqlx::PgPool, month: &str) -> Result<MonthOve
         };
         let c = &mut totals[i];
         c.tenants += 1;
-        c.requests += row.requests;
+        c.requests += row.tokens.requests;
         c.cost_minor += row.cost_minor;
         c.saved_minor += row.saved_minor;
     }
@@ -159,12 +147,12 @@ pub fn overview_csv(o: &MonthOverview) -> String {
             r.tenant,
             billing::api::csv_field(&r.name),
             r.state,
-            r.requests,
-            r.input_tokens,
-            r.cache_write_5m_tokens,
-            r.cache_write_1h_tokens,
-            r.cache_read_tokens,
-            r.output_tokens,
+            r.tokens.requests,
+            r.tokens.counts.input_tokens,
+            r.tokens.counts.cache_write_5m_tokens,
+            r.tokens.counts.cache_write_1h_tokens,
+            r.tokens.counts.cache_read_tokens,
+            r.tokens.counts.output_tokens,
             r.hit_ratio,
             r.currency,
             money(r.cost_minor),
@@ -172,7 +160,7 @@ pub fn overview_csv(o: &MonthOverview) -> String {
             r.unpriced_tokens,
             r.budget_minor.map(money).unwrap_or_default(),
             r.budget_state.as_str(),
-            r.cache_storage_token_seconds,
+            r.tokens.cache_storage_token_seconds,
         ));
     }
     out

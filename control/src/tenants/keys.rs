@@ -201,7 +201,11 @@ pub async fn create_key_in(
     let mut tx = pool.begin().await?;
     let visible_prefix =
         insert_key(&mut tx, id, tenant.id, workspace, name, &secret, expires_at).await?;
-    audit::commit(tx, actor, audit::Entry::new("key.create", Some(tenant.id.as_uuid()), id).after(json!({"name": name, "prefix": visible_prefix, "expires_at": expires_at, "workspace_id": workspace}))).await?;
+    let created = json!({
+        "name": name, "prefix": visible_prefix, "expires_at": expires_at, "workspace_id": workspace,
+    });
+    let entry = audit::Entry::new("key.create", Some(tenant.id.as_uuid()), id).after(created);
+    audit::commit(tx, actor, entry).await?;
     Ok(NewKey {
         id,
         secret,
