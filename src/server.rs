@@ -418,7 +418,7 @@ pub async fn start_router(
         max_body_bytes: config.gateway.max_body_bytes,
         auth_cache_ttl: Duration::from_secs(config.gateway.auth_cache_ttl_secs),
         cluster_token: token.clone(),
-        cost: gateway::conductor::CostModel {
+        cost: gateway::routing::conductor::CostModel {
             ttft_slo: Duration::from_millis(c.ttft_slo_ms),
         },
         transfer_bytes_per_sec: c.transfer_bytes_per_sec as f64,

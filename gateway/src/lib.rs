@@ -3,7 +3,7 @@
 //! What it exposes: [`serve`] (serve a router on a listener until a shutdown token fires,
 //! under the timeouts and connection limits of [`server`]),
 //! [`routing`] (the routing gateway of a cluster, `cachet router`, with the
-//! [`conductor`]'s choice of node),
+//! [`routing::conductor`]'s choice of node),
 //! [`router`], [`AppState`] (built from the fabric client, the engine pool, the meter handle,
 //! Postgres and Redis), [`sync`] (the change feed that applies the control plane's changes
 //! here), and the OpenAPI document ([`openapi::document`]). Tenants, keys, policy and the
@@ -21,7 +21,6 @@ pub mod api;
 pub mod auth;
 pub mod budget;
 pub mod coalesce;
-pub mod conductor;
 pub mod diagnostics;
 pub mod engines;
 pub mod error;

@@ -3,7 +3,7 @@
 //!
 //! For each `POST /v1/messages` it authenticates the key and validates and renders the
 //! request (so bad requests get their 4xx here, and the prompt's block keys are known),
-//! asks the [`conductor`](crate::conductor) which node should serve it from the prefix index
+//! asks the [`conductor`] which node should serve it from the prefix index
 //! (kept from the nodes' block events, [`follow_cluster`]) and its count of requests in
 //! flight per node, and forwards the request there with the cluster token and the request
 //! id it chose. If no node can start answering within the TTFT SLO it answers 529 at once.
@@ -39,12 +39,13 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::Authenticator;
-use crate::conductor::{Candidate, CostModel, Demand, Refusal};
 use crate::engines::EnginePool;
 use crate::error::{ApiError, ErrorCode};
 use crate::metrics;
 use crate::state::{CLUSTER_TOKEN_HEADER, REQUEST_ID_HEADER};
+use conductor::{Candidate, CostModel, Demand, Refusal};
 
+pub mod conductor;
 mod relay;
 
 pub use relay::RESUMED_NOTE;

@@ -1,5 +1,5 @@
 //! Anthropic's Messages wire (`POST /v1/messages`), from the body to its answer: validated
-//! and rendered ([`prepare_messages`], which the routing gateway and OpenAI's wire use too, so
+//! and rendered (`prepare_messages`, which the routing gateway and OpenAI's wire use too, so
 //! all see the same keys), then a `message` or its SSE events.
 
 use std::convert::Infallible;

@@ -1,7 +1,7 @@
 //! The one way a customer's generation request is served, whatever its wire: the body and
 //! headers checked, the caller authenticated, the body shaped by its wire into a Messages
 //! generation, the generation started, and the wire's answer (whole or streamed) with the
-//! rate-limit headers; every error in the wire's own shape. A wire is one [`Wire`]
+//! rate-limit headers; every error in the wire's own shape. A wire is one `Wire`
 //! (`anthropic`, `openai`): a third is one new module.
 
 use std::future::Future;
