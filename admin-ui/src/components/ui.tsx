@@ -115,6 +115,23 @@ export function Dialog(props: {
 }
 
 /** Ask before doing something that cannot be undone. */
+/** A form dialog's end: its error, Cancel, and the submit button (busy while it runs). */
+export function FormFooter(props: { error: string | null; busy: boolean; submit: string; onCancel: () => void }) {
+  return (
+    <>
+      <ErrorBanner error={props.error} />
+      <footer>
+        <button type="button" class="secondary" onClick={props.onCancel}>
+          Cancel
+        </button>
+        <button type="submit" aria-busy={props.busy} disabled={props.busy}>
+          {props.submit}
+        </button>
+      </footer>
+    </>
+  );
+}
+
 export function Confirm(props: {
   open: boolean;
   title: string;
@@ -173,11 +190,27 @@ export function Kpi({ label, value, note }: { label: string; value: string; note
 }
 
 /** A table that scrolls sideways on a narrow window instead of breaking the page. */
-export function Table({ caption, children }: { caption: string; children: ComponentChildren }) {
+/** A captioned table; `columns` (those not `false`) make its head, `children` the rest. */
+export function Table({
+  caption,
+  columns,
+  children,
+}: {
+  caption: string;
+  columns?: (string | false | undefined)[];
+  children: ComponentChildren;
+}) {
   return (
     <div class="table-wrap" role="region" aria-label={caption} tabIndex={0}>
       <table class="striped">
         <caption>{caption}</caption>
+        {columns && (
+          <thead>
+            <tr>
+              {columns.map((c) => c && <th scope="col">{c}</th>)}
+            </tr>
+          </thead>
+        )}
         {children}
       </table>
     </div>

@@ -3,7 +3,7 @@
 
 import { useState } from "preact/hooks";
 import { api } from "../api";
-import { Confirm, Dialog, ErrorBanner, Field, Loading, Notice, SecretDialog, Table, message, useAsync } from "../components/ui";
+import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, message, Notice, SecretDialog, Table, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import type { Tenant, WebhookDelivery, WebhookEndpoint } from "../types";
 
@@ -35,16 +35,7 @@ export function AlertsTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolea
       {endpoints.loading && !endpoints.data ? (
         <Loading what="endpoints" />
       ) : (
-        <Table caption="Endpoints">
-          <thead>
-            <tr>
-              <th scope="col">URL</th>
-              <th scope="col">Secret</th>
-              <th scope="col">State</th>
-              <th scope="col">Created</th>
-              <th scope="col">Actions</th>
-            </tr>
-          </thead>
+        <Table caption="Endpoints" columns={["URL", "Secret", "State", "Created", "Actions"]}>
           <tbody>
             {endpoints.data?.data.map((e) => (
               <tr key={e.id} data-endpoint={e.url}>
@@ -73,18 +64,10 @@ export function AlertsTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolea
         Refresh
       </button>
       <ErrorBanner error={deliveries.error} />
-      <Table caption="Deliveries, newest first">
-        <thead>
-          <tr>
-            <th scope="col">Event</th>
-            <th scope="col">Threshold</th>
-            <th scope="col">Endpoint</th>
-            <th scope="col">State</th>
-            <th scope="col">Attempts</th>
-            <th scope="col">Last answer</th>
-            <th scope="col">Created</th>
-          </tr>
-        </thead>
+      <Table
+        caption="Deliveries, newest first"
+        columns={["Event", "Threshold", "Endpoint", "State", "Attempts", "Last answer", "Created"]}
+      >
         <tbody>
           {deliveries.data?.data.map((d) => {
             const data = d.payload.data ?? {};
@@ -180,15 +163,7 @@ function AddEndpointDialog(props: { open: boolean; base: string; onClose: () => 
           value={url}
           onInput={(e) => setUrl(e.currentTarget.value)}
         />
-        <ErrorBanner error={error} />
-        <footer>
-          <button type="button" class="secondary" onClick={props.onClose}>
-            Cancel
-          </button>
-          <button type="submit" aria-busy={busy} disabled={busy}>
-            Add
-          </button>
-        </footer>
+        <FormFooter error={error} busy={busy} submit="Add" onCancel={props.onClose} />
       </form>
     </Dialog>
   );

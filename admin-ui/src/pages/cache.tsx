@@ -46,15 +46,7 @@ export function CacheTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolean
           c.reload();
         }}
       />
-      <Table caption="Bytes per tier">
-        <thead>
-          <tr>
-            <th scope="col">Tier</th>
-            <th scope="col">Blocks</th>
-            <th scope="col">Bytes</th>
-            <th scope="col">Of quota</th>
-          </tr>
-        </thead>
+      <Table caption="Bytes per tier" columns={["Tier", "Blocks", "Bytes", "Of quota"]}>
         <tbody>
           {v.tiers.map((t) => {
             const share = v.quota_bytes ? Math.min(1, t.bytes / Math.max(1, v.quota_bytes)) : null;
@@ -77,13 +69,7 @@ export function CacheTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolean
           })}
         </tbody>
       </Table>
-      <Table caption="Blocks that left, by reason (since each node started)">
-        <thead>
-          <tr>
-            <th scope="col">Reason</th>
-            <th scope="col">Blocks</th>
-          </tr>
-        </thead>
+      <Table caption="Blocks that left, by reason (since each node started)" columns={["Reason", "Blocks"]}>
         <tbody>
           {REASONS.map(([k, label]) => (
             <tr key={k}>
@@ -93,17 +79,10 @@ export function CacheTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolean
           ))}
         </tbody>
       </Table>
-      <Table caption="Most-read prefixes (hashes only: Cachet never stores prompt text)">
-        <thead>
-          <tr>
-            <th scope="col">Prefix (last block hash)</th>
-            <th scope="col">Tokens</th>
-            <th scope="col">Size</th>
-            <th scope="col">Reads</th>
-            <th scope="col">TTL left</th>
-            <th scope="col">Kind</th>
-          </tr>
-        </thead>
+      <Table
+        caption="Most-read prefixes (hashes only: Cachet never stores prompt text)"
+        columns={["Prefix (last block hash)", "Tokens", "Size", "Reads", "TTL left", "Kind"]}
+      >
         <tbody>
           {v.top_prefixes.length === 0 && (
             <tr>
@@ -182,18 +161,10 @@ function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (noti
   const objects = list.data.data;
   return (
     <>
-      <Table caption={`Cache objects${list.data.has_more ? " (the newest 100)" : ""}`}>
-        <thead>
-          <tr>
-            <th scope="col">Object</th>
-            <th scope="col">Workspace</th>
-            <th scope="col">Model</th>
-            <th scope="col">Tokens</th>
-            <th scope="col">Created</th>
-            <th scope="col">Expires</th>
-            {props.canEdit && <th scope="col">Actions</th>}
-          </tr>
-        </thead>
+      <Table
+        caption={`Cache objects${list.data.has_more ? " (the newest 100)" : ""}`}
+        columns={["Object", "Workspace", "Model", "Tokens", "Created", "Expires", props.canEdit && "Actions"]}
+      >
         <tbody>
           {objects.length === 0 && (
             <tr>

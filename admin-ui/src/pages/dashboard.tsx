@@ -271,13 +271,7 @@ function Budget({ b }: { b: BudgetView }) {
         </div>
       )}
       {b.refusals.length > 0 ? (
-        <Table caption="Requests refused this month, by limit">
-          <thead>
-            <tr>
-              <th scope="col">Limit</th>
-              <th scope="col">Refused</th>
-            </tr>
-          </thead>
+        <Table caption="Requests refused this month, by limit" columns={["Limit", "Refused"]}>
           <tbody>
             {b.refusals.map((r) => (
               <tr key={r.limit}>

@@ -40,15 +40,7 @@ export function FinancePage({ me }: { me: Me }) {
       {invoices.loading && !invoices.data ? (
         <Loading what="invoices" />
       ) : (
-        <Table caption="Invoices, newest month first">
-          <thead>
-            <tr>
-              <th scope="col">Month</th>
-              <th scope="col">Tenant</th>
-              <th scope="col">Status</th>
-              <th scope="col">Total</th>
-            </tr>
-          </thead>
+        <Table caption="Invoices, newest month first" columns={["Month", "Tenant", "Status", "Total"]}>
           <tbody>
             {invoices.data?.data.length === 0 && (
               <tr>
@@ -378,14 +370,7 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
           unpriced usage cannot be finalized.
         </p>
       )}
-      <Table caption="Lines">
-        <thead>
-          <tr>
-            <th scope="col">Description</th>
-            <th scope="col">Quantity</th>
-            <th scope="col">Amount</th>
-          </tr>
-        </thead>
+      <Table caption="Lines" columns={["Description", "Quantity", "Amount"]}>
         <tbody>
           {i.lines.map((l, n) => (
             <tr key={n}>

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api } from "../api";
-import { Confirm, Dialog, ErrorBanner, Field, Loading, Notice, SecretDialog, Table, message, useAsync } from "../components/ui";
+import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, message, Notice, SecretDialog, Table, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { parseGrace, validateKey } from "../forms";
 import type { CreatedKey, Key, Rotation, Tenant, Workspace } from "../types";
@@ -30,19 +30,10 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
       {keys.loading && !keys.data ? (
         <Loading what="keys" />
       ) : (
-        <Table caption="Keys (secrets are never shown again)">
-          <thead>
-            <tr>
-              <th scope="col">Name</th>
-              <th scope="col">Prefix</th>
-              <th scope="col">Workspace</th>
-              <th scope="col">State</th>
-              <th scope="col">Created</th>
-              <th scope="col">Last used</th>
-              <th scope="col">Expires</th>
-              <th scope="col">Actions</th>
-            </tr>
-          </thead>
+        <Table
+          caption="Keys (secrets are never shown again)"
+          columns={["Name", "Prefix", "Workspace", "State", "Created", "Last used", "Expires", "Actions"]}
+        >
           <tbody>
             {keys.data?.data.map((k) => (
               <tr key={k.id} data-key={k.id}>
@@ -190,15 +181,7 @@ function CreateKeyDialog(props: {
           error={errors.expires}
           onInput={(e) => setExpires(e.currentTarget.value)}
         />
-        <ErrorBanner error={error} />
-        <footer>
-          <button type="button" class="secondary" onClick={props.onClose}>
-            Cancel
-          </button>
-          <button type="submit" aria-busy={busy} disabled={busy}>
-            Create
-          </button>
-        </footer>
+        <FormFooter error={error} busy={busy} submit="Create" onCancel={props.onClose} />
       </form>
     </Dialog>
   );
@@ -247,15 +230,7 @@ function RotateDialog(props: { keyToRotate: Key | null; tenant: Tenant; onClose:
           error={fieldError}
           onInput={(e) => setHours(e.currentTarget.value)}
         />
-        <ErrorBanner error={error} />
-        <footer>
-          <button type="button" class="secondary" onClick={props.onClose}>
-            Cancel
-          </button>
-          <button type="submit" aria-busy={busy} disabled={busy}>
-            Rotate
-          </button>
-        </footer>
+        <FormFooter error={error} busy={busy} submit="Rotate" onCancel={props.onClose} />
       </form>
     </Dialog>
   );

@@ -97,21 +97,10 @@ export function PricesPage({ me }: { me: Me }) {
       {prices.loading && !prices.data ? (
         <Loading what="prices" />
       ) : (
-        <Table caption="List-price versions, newest first per model">
-          <thead>
-            <tr>
-              <th scope="col">Model</th>
-              <th scope="col">From</th>
-              <th scope="col">State</th>
-              <th scope="col">Input / MTok</th>
-              <th scope="col">Output / MTok</th>
-              <th scope="col">5m write</th>
-              <th scope="col">1h write</th>
-              <th scope="col">Read</th>
-              <th scope="col">Object held / h</th>
-              {me.role === "platform_admin" && <th scope="col">Actions</th>}
-            </tr>
-          </thead>
+        <Table
+          caption="List-price versions, newest first per model"
+          columns={["Model", "From", "State", "Input / MTok", "Output / MTok", "5m write", "1h write", "Read", "Object held / h", me.role === "platform_admin" && "Actions"]}
+        >
           <tbody>
             {rows.length === 0 && (
               <tr>

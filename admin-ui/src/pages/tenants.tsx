@@ -24,15 +24,7 @@ export function TenantsPage({ me }: { me: Me }) {
       {list.loading && !list.data ? (
         <Loading what="tenants" />
       ) : (
-        <Table caption={`${list.data?.data.length ?? 0} tenants`}>
-          <thead>
-            <tr>
-              <th scope="col">Name</th>
-              <th scope="col">State</th>
-              <th scope="col">Active keys</th>
-              <th scope="col">Created</th>
-            </tr>
-          </thead>
+        <Table caption={`${list.data?.data.length ?? 0} tenants`} columns={["Name", "State", "Active keys", "Created"]}>
           <tbody>
             {list.data?.data.map((t) => (
               <tr key={t.id}>

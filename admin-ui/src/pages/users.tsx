@@ -100,17 +100,7 @@ function UserTable(props: { users: User[]; tenants: Tenant[]; onChange: () => vo
   const name = (id: string | null) => props.tenants.find((t) => t.id === id)?.name ?? id ?? "–";
   return (
     <>
-      <Table caption="Users">
-        <thead>
-          <tr>
-            <th scope="col">Username</th>
-            <th scope="col">Role</th>
-            <th scope="col">Tenant</th>
-            <th scope="col">Last login</th>
-            <th scope="col">State</th>
-            <th scope="col">Actions</th>
-          </tr>
-        </thead>
+      <Table caption="Users" columns={["Username", "Role", "Tenant", "Last login", "State", "Actions"]}>
         <tbody>
           {props.users.map((u) => {
             const locked = u.locked_until && new Date(u.locked_until) > new Date();

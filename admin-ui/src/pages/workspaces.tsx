@@ -3,7 +3,7 @@
 
 import { useState } from "preact/hooks";
 import { api } from "../api";
-import { Confirm, Dialog, ErrorBanner, Field, Loading, Notice, Table, message, useAsync } from "../components/ui";
+import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, message, Notice, Table, useAsync } from "../components/ui";
 import { formatLimit, formatMoney, formatTime } from "../format";
 import { minorToText, parseLimit, parseMoney } from "../forms";
 import type { BudgetView, Tenant, Workspace, WorkspaceLimits } from "../types";
@@ -226,15 +226,7 @@ function WorkspaceDialog(props: {
           hint="This workspace's keys are refused (429) once its spend this month reaches it."
           onInput={(e) => setForm({ ...form, budget: e.currentTarget.value })}
         />
-        <ErrorBanner error={error} />
-        <footer>
-          <button type="button" class="secondary" onClick={props.onClose}>
-            Cancel
-          </button>
-          <button type="submit" aria-busy={busy} disabled={busy}>
-            Save
-          </button>
-        </footer>
+        <FormFooter error={error} busy={busy} submit="Save" onCancel={props.onClose} />
       </form>
     </Dialog>
   );
