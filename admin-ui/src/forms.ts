@@ -2,6 +2,7 @@
 // is shown as it is). Pure functions: tested in test/forms.test.ts.
 
 import { minorDigits } from "./format";
+import type { PriceRates } from "./pricebook";
 
 export type Errors = Record<string, string>;
 
@@ -221,16 +222,10 @@ export function validateNewPassword(p: { username: string; password: string; con
 }
 
 /** A list-price version to add, as the finance API takes it. */
-export interface NewPrice {
+export interface NewPrice extends PriceRates {
   model: string;
   effective_from: string;
   currency: string;
-  input_nanos: number;
-  output_nanos: number;
-  cache_write_5m_bp: number;
-  cache_write_1h_bp: number;
-  cache_read_bp: number;
-  cache_storage_hour_bp: number;
   backdate: boolean;
 }
 

@@ -1,10 +1,7 @@
 // The price book as the console shows it: list-price versions and which is in force.
 
-/** A list-price version as the finance API lists it. */
-export interface PriceVersion {
-  model: string;
-  effective_from: string;
-  currency: string;
+/** A version's rates: nano-units per token, and multipliers of the input price in basis points. */
+export interface PriceRates {
   input_nanos: number;
   output_nanos: number;
   cache_write_5m_bp: number;
@@ -12,6 +9,13 @@ export interface PriceVersion {
   cache_read_bp: number;
   /** Holding a cache object, per token and hour, × the input price (basis points). */
   cache_storage_hour_bp: number;
+}
+
+/** A list-price version as the finance API lists it. */
+export interface PriceVersion extends PriceRates {
+  model: string;
+  effective_from: string;
+  currency: string;
   /** Withdrawn before it took effect: it never priced anything. */
   retired_at?: string | null;
   created_by?: string;

@@ -36,11 +36,8 @@ export interface Rotation {
   replayed: boolean;
 }
 
-export interface UsagePoint {
-  bucket_start?: string;
-  model?: string;
-  api_key?: string;
-  workspace?: string;
+/** Requests, tokens by class and cache objects held, as every usage report counts them. */
+export interface Tokens {
   requests: number;
   input_tokens: number;
   cache_write_5m_tokens: number;
@@ -49,6 +46,13 @@ export interface UsagePoint {
   output_tokens: number;
   /** Cache objects held: tokens × seconds (their cost is in `cost_minor`). */
   cache_storage_token_seconds: number;
+}
+
+export interface UsagePoint extends Tokens {
+  bucket_start?: string;
+  model?: string;
+  api_key?: string;
+  workspace?: string;
   hit_ratio: number;
   cost_minor: number;
   cost_without_cache_minor: number;

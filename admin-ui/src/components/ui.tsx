@@ -115,6 +115,30 @@ export function Dialog(props: {
 }
 
 /** Ask before doing something that cannot be undone. */
+/** A labelled choice of one of `items` (by id, shown by name), or of none (`""`). */
+export function Pick(props: {
+  id: string;
+  label: string;
+  value: string;
+  none: string;
+  items: { id: string; name: string }[];
+  onChange: (id: string) => void;
+}) {
+  return (
+    <label for={props.id}>
+      {props.label}
+      <select id={props.id} value={props.value} onChange={(e) => props.onChange(e.currentTarget.value)}>
+        <option value="">{props.none}</option>
+        {props.items.map((i) => (
+          <option key={i.id} value={i.id}>
+            {i.name}
+          </option>
+        ))}
+      </select>
+    </label>
+  );
+}
+
 /** A form dialog's end: its error, Cancel, and the submit button (busy while it runs). */
 export function FormFooter(props: { error: string | null; busy: boolean; submit: string; onCancel: () => void }) {
   return (

@@ -1,7 +1,7 @@
 import { useMemo, useState } from "preact/hooks";
 import { api, download, qs } from "../api";
 import { TimeChart } from "../components/chart";
-import { ErrorBanner, Kpi, Loading, Table, message, useAsync } from "../components/ui";
+import { ErrorBanner, Kpi, Loading, message, Pick, Table, useAsync } from "../components/ui";
 import { formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../format";
 import { dateRange } from "../forms";
 import type { BudgetView, Tenant, UsagePoint, UsageView } from "../types";
@@ -86,17 +86,7 @@ export function DashboardTab({ tenant }: { tenant: Tenant }) {
           </>
         )}
         {(workspaces.data?.data.length ?? 0) > 1 && (
-          <label for="dash-workspace">
-            Workspace
-            <select id="dash-workspace" value={workspace} onChange={(e) => setWorkspace(e.currentTarget.value)}>
-              <option value="">All workspaces</option>
-              {workspaces.data?.data.map((w) => (
-                <option key={w.id} value={w.id}>
-                  {w.name}
-                </option>
-              ))}
-            </select>
-          </label>
+          <Pick id="dash-workspace" label="Workspace" value={workspace} none="All workspaces" items={workspaces.data?.data ?? []} onChange={setWorkspace} />
         )}
         <button type="button" class="secondary" onClick={() => setStamp((s) => s + 1)}>
           Refresh

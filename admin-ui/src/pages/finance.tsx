@@ -1,9 +1,9 @@
 import { useState } from "preact/hooks";
 import { api, download, qs, type Me } from "../api";
-import { Confirm, ErrorBanner, Loading, Notice, Table, message, useAsync } from "../components/ui";
+import { Confirm, ErrorBanner, Loading, message, Notice, Pick, Table, useAsync } from "../components/ui";
 import { formatExact, formatMoney, formatTime, formatTokens } from "../format";
 import { dateRange } from "../forms";
-import type { Invoice, InvoiceSummary, Tenant, Workspace } from "../types";
+import type { Invoice, InvoiceSummary, Tenant, Tokens, Workspace } from "../types";
 
 function useTenants() {
   return useAsync(() => api<{ data: Tenant[] }>("GET", "/v1/admin/tenants?include_deleted=true"), []);
@@ -24,17 +24,7 @@ export function FinancePage({ me }: { me: Me }) {
       <p>
         <a href="#/finance/prices">Price book</a>
       </p>
-      <label for="inv-tenant">
-        Tenant
-        <select id="inv-tenant" value={tenant} onChange={(e) => setTenant(e.currentTarget.value)}>
-          <option value="">All tenants</option>
-          {tenants.data?.data.map((t) => (
-            <option key={t.id} value={t.id}>
-              {t.name}
-            </option>
-          ))}
-        </select>
-      </label>
+      <Pick id="inv-tenant" label="Tenant" value={tenant} none="All tenants" items={tenants.data?.data ?? []} onChange={setTenant} />
       {canRate && tenants.data && <RateMonth tenants={tenants.data.data} onRated={() => invoices.reload()} />}
       <ErrorBanner error={invoices.error} />
       {invoices.loading && !invoices.data ? (
@@ -99,19 +89,14 @@ function RateMonth({ tenants, onRated }: { tenants: Tenant[]; onRated: () => voi
         }
       }}
     >
-      <label for="rate-tenant">
-        Rate the draft of
-        <select id="rate-tenant" value={tenant} onChange={(e) => setTenant(e.currentTarget.value)}>
-          <option value="">Choose a tenant…</option>
-          {tenants
-            .filter((t) => t.state !== "deleted")
-            .map((t) => (
-              <option key={t.id} value={t.id}>
-                {t.name}
-              </option>
-            ))}
-        </select>
-      </label>
+      <Pick
+        id="rate-tenant"
+        label="Rate the draft of"
+        value={tenant}
+        none="Choose a tenant…"
+        items={tenants.filter((t) => t.state !== "deleted")}
+        onChange={setTenant}
+      />
       <label for="rate-month">
         Month
         <input id="rate-month" type="month" value={month} onChange={(e) => setMonth(e.currentTarget.value)} />
@@ -125,17 +110,10 @@ function RateMonth({ tenants, onRated }: { tenants: Tenant[]; onRated: () => voi
   );
 }
 
-interface TenantMonth {
+interface TenantMonth extends Tokens {
   tenant: string;
   name: string;
   state: string;
-  requests: number;
-  input_tokens: number;
-  cache_write_5m_tokens: number;
-  cache_write_1h_tokens: number;
-  cache_read_tokens: number;
-  output_tokens: number;
-  cache_storage_token_seconds: number;
   hit_ratio: number;
   currency: string;
   cost_minor: number;
@@ -307,17 +285,7 @@ function Exports({ tenant }: { tenant: string }) {
           <input id="exp-model" value={model} placeholder="every model" onInput={(e) => setModel(e.currentTarget.value)} />
         </label>
         {tenant && (
-          <label for="exp-workspace">
-            Workspace
-            <select id="exp-workspace" value={workspace} onChange={(e) => setWorkspace(e.currentTarget.value)}>
-              <option value="">every workspace</option>
-              {workspaces.data?.data.map((w) => (
-                <option key={w.id} value={w.id}>
-                  {w.name}
-                </option>
-              ))}
-            </select>
-          </label>
+          <Pick id="exp-workspace" label="Workspace" value={workspace} none="every workspace" items={workspaces.data?.data ?? []} onChange={setWorkspace} />
         )}
         <div class="actions">
           <button type="button" onClick={() => get("csv")}>
