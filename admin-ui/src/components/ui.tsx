@@ -27,6 +27,25 @@ export function useAsync<T>(load: () => Promise<T>, deps: unknown[]) {
   return { data, error, loading, reload: run, setData };
 }
 
+/** A form's action: `run(act)` is busy while `act` runs, and shows what it threw (through
+ * `describe`) or clears the error once it succeeds. */
+export function useAction() {
+  const [busy, setBusy] = useState(false);
+  const [error, setError] = useState<string | null>(null);
+  const run = async (act: () => Promise<void>, describe: (e: unknown) => string = message) => {
+    setBusy(true);
+    try {
+      await act();
+      setError(null);
+    } catch (e) {
+      setError(describe(e));
+    } finally {
+      setBusy(false);
+    }
+  };
+  return { busy, error, setError, run };
+}
+
 export function message(e: unknown): string {
   if (e instanceof ApiError) return e.message;
   if (e instanceof Error) return e.message;

@@ -1,15 +1,14 @@
 import { useState } from "preact/hooks";
 import { api, type Me } from "../api";
-import { ErrorBanner, Field, NewPasswordFields, Notice, message } from "../components/ui";
+import { ErrorBanner, Field, message, NewPasswordFields, Notice, useAction } from "../components/ui";
 import { validateNewPassword } from "../forms";
 
 /** The caller's own account: its password. */
 export function AccountPage({ me }: { me: Me }) {
   const [f, setF] = useState({ current: "", password: "", confirm: "" });
   const [errors, setErrors] = useState<Record<string, string>>({});
-  const [error, setError] = useState<string | null>(null);
   const [notice, setNotice] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
+  const { busy, error, run } = useAction();
   return (
     <section>
       <h1>Your account</h1>
@@ -27,18 +26,14 @@ export function AccountPage({ me }: { me: Me }) {
           if (!f.current) errs.current = "enter your current password";
           setErrors(errs);
           if (Object.keys(errs).length) return;
-          setBusy(true);
-          try {
+          await run(async () => {
             await api("POST", "/v1/admin/me/password", { current_password: f.current, new_password: f.password });
-            setError(null);
             setF({ current: "", password: "", confirm: "" });
             setNotice("Password changed. Your other sessions have been logged out.");
-          } catch (err) {
+          }, (err) => {
             setNotice(null);
-            setError(message(err));
-          } finally {
-            setBusy(false);
-          }
+            return message(err);
+          });
         }}
       >
         <Field

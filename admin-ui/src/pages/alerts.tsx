@@ -3,7 +3,7 @@
 
 import { useState } from "preact/hooks";
 import { api } from "../api";
-import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, message, Notice, SecretDialog, Table, useAsync } from "../components/ui";
+import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, Notice, SecretDialog, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import type { Tenant, WebhookDelivery, WebhookEndpoint } from "../types";
 
@@ -135,24 +135,17 @@ export function AlertsTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolea
 
 function AddEndpointDialog(props: { open: boolean; base: string; onClose: () => void; onAdded: (secret: string) => void }) {
   const [url, setUrl] = useState("");
-  const [error, setError] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
+  const { busy, error, run } = useAction();
   return (
     <Dialog open={props.open} title="Add a webhook endpoint" onClose={props.onClose}>
       <form
         onSubmit={async (e) => {
           e.preventDefault();
-          setBusy(true);
-          try {
+          await run(async () => {
             const r = await api<{ secret: string }>("POST", props.base, { url: url.trim() });
-            setError(null);
             setUrl("");
             props.onAdded(r.secret);
-          } catch (err) {
-            setError(message(err));
-          } finally {
-            setBusy(false);
-          }
+          });
         }}
       >
         <Field

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, download, qs, type Me } from "../api";
-import { Confirm, ErrorBanner, Loading, message, Notice, Pick, Table, useAsync } from "../components/ui";
+import { Confirm, ErrorBanner, Loading, message, Notice, Pick, Table, useAction, useAsync } from "../components/ui";
 import { formatExact, formatMoney, formatTime, formatTokens } from "../format";
 import { dateRange } from "../forms";
 import type { Invoice, InvoiceSummary, Tenant, Tokens, Workspace } from "../types";
@@ -59,9 +59,8 @@ export function FinancePage({ me }: { me: Me }) {
 function RateMonth({ tenants, onRated }: { tenants: Tenant[]; onRated: () => void }) {
   const [tenant, setTenant] = useState("");
   const [month, setMonth] = useState(new Date().toISOString().slice(0, 7));
-  const [error, setError] = useState<string | null>(null);
   const [notice, setNotice] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
+  const { busy, error, setError, run } = useAction();
   return (
     <form
       class="row"
@@ -76,17 +75,11 @@ function RateMonth({ tenants, onRated }: { tenants: Tenant[]; onRated: () => voi
           setError("Choose a month.");
           return;
         }
-        setBusy(true);
-        try {
+        await run(async () => {
           const inv = await api<Invoice>("POST", "/v1/billing/invoices", { tenant, month });
-          setError(null);
           setNotice(`Draft for ${month}: ${formatMoney(inv.total_minor, inv.currency)}.`);
           onRated();
-        } catch (err) {
-          setError(message(err));
-        } finally {
-          setBusy(false);
-        }
+        });
       }}
     >
       <Pick

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api } from "../api";
-import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, message, Notice, SecretDialog, Table, useAsync } from "../components/ui";
+import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, message, Notice, SecretDialog, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { parseGrace, validateKey } from "../forms";
 import type { CreatedKey, Key, Rotation, Tenant, Workspace } from "../types";
@@ -138,8 +138,7 @@ function CreateKeyDialog(props: {
   const [workspace, setWorkspace] = useState("");
   const [expires, setExpires] = useState("");
   const [errors, setErrors] = useState<Record<string, string>>({});
-  const [error, setError] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
+  const { busy, error, run } = useAction();
   return (
     <Dialog open={props.open} title="Create an API key" onClose={props.onClose}>
       <form
@@ -148,19 +147,13 @@ function CreateKeyDialog(props: {
           const v = validateKey(name, expires);
           setErrors(v.errors);
           if (!v.value) return;
-          setBusy(true);
-          try {
+          await run(async () => {
             const body = workspace ? { ...v.value, workspace_id: workspace } : v.value;
             const k = await api<CreatedKey>("POST", `/v1/admin/tenants/${props.tenant.id}/keys`, body);
-            setError(null);
             setName("");
             setExpires("");
             props.onCreated(k);
-          } catch (err) {
-            setError(message(err));
-          } finally {
-            setBusy(false);
-          }
+          });
         }}
       >
         <Field id="key-name" label="Name" value={name} error={errors.name} onInput={(e) => setName(e.currentTarget.value)} />
@@ -190,8 +183,7 @@ function CreateKeyDialog(props: {
 function RotateDialog(props: { keyToRotate: Key | null; tenant: Tenant; onClose: () => void; onRotated: (r: Rotation) => void }) {
   const [hours, setHours] = useState("24");
   const [fieldError, setFieldError] = useState<string | undefined>();
-  const [error, setError] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
+  const { busy, error, run } = useAction();
   // One idempotency key per dialog: a retry after a lost answer returns the same new key.
   const [idem, setIdem] = useState(() => crypto.randomUUID());
   const k = props.keyToRotate;
@@ -203,22 +195,16 @@ function RotateDialog(props: { keyToRotate: Key | null; tenant: Tenant; onClose:
           const grace = parseGrace(hours);
           setFieldError(typeof grace === "string" ? grace : undefined);
           if (typeof grace === "string" || !k) return;
-          setBusy(true);
-          try {
+          await run(async () => {
             const r = await api<Rotation>(
               "POST",
               `/v1/admin/tenants/${props.tenant.id}/keys/${k.id}/rotate`,
               { grace_seconds: grace },
               { "idempotency-key": idem },
             );
-            setError(null);
             setIdem(crypto.randomUUID());
             props.onRotated(r);
-          } catch (err) {
-            setError(`${message(err)} — retrying is safe: it returns the same new key.`);
-          } finally {
-            setBusy(false);
-          }
+          }, (err) => `${message(err)} — retrying is safe: it returns the same new key.`);
         }}
       >
         <p>A new key with the same name is made now. The old secret keeps working for the grace period, then stops.</p>

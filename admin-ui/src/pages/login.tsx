@@ -1,14 +1,13 @@
 import { useState } from "preact/hooks";
 import { api, login } from "../api";
-import { ErrorBanner, Field, NewPasswordFields, Notice, message } from "../components/ui";
+import { ErrorBanner, Field, NewPasswordFields, Notice, useAction } from "../components/ui";
 import { validateNewPassword } from "../forms";
 
 /** Set a new password with the one-time reset secret a platform admin gave you. */
 function RedeemReset(props: { onDone: (note: string) => void; onCancel: () => void }) {
   const [f, setF] = useState({ secret: "", password: "", confirm: "" });
   const [errors, setErrors] = useState<Record<string, string>>({});
-  const [error, setError] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
+  const { busy, error, run } = useAction();
   return (
     <form
       aria-label="Set a new password"
@@ -18,16 +17,10 @@ function RedeemReset(props: { onDone: (note: string) => void; onCancel: () => vo
         if (!f.secret.trim()) errs.secret = "paste the reset secret you were given";
         setErrors(errs);
         if (Object.keys(errs).length) return;
-        setBusy(true);
-        try {
+        await run(async () => {
           await api("POST", "/v1/admin/password-reset", { reset_secret: f.secret.trim(), new_password: f.password });
-          setError(null);
           props.onDone("Password set. Log in with it.");
-        } catch (err) {
-          setError(message(err));
-        } finally {
-          setBusy(false);
-        }
+        });
       }}
     >
       <Field id="reset-secret" label="Reset secret" autoComplete="off" value={f.secret} error={errors.secret} onInput={(e) => setF({ ...f, secret: e.currentTarget.value })} />
@@ -75,8 +68,7 @@ export function LoginPage() {
 function LoginForm(props: { notice: string | null; onReset: () => void }) {
   const [username, setUsername] = useState("");
   const [password, setPassword] = useState("");
-  const [error, setError] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
+  const { busy, error, setError, run } = useAction();
   return (
     <article>
       <h1>Cachet admin</h1>
@@ -88,15 +80,9 @@ function LoginForm(props: { notice: string | null; onReset: () => void }) {
             setError("Enter your username and password.");
             return;
           }
-          setBusy(true);
-          try {
+          await run(async () => {
             await login(username.trim(), password);
-            setError(null);
-          } catch (err) {
-            setError(message(err));
-          } finally {
-            setBusy(false);
-          }
+          });
         }}
       >
         <Field

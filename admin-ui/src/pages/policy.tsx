@@ -1,6 +1,6 @@
 import { useEffect, useState } from "preact/hooks";
 import { api, type Me } from "../api";
-import { ErrorBanner, Field, Loading, Notice, message, useAsync } from "../components/ui";
+import { ErrorBanner, Field, Loading, Notice, useAction, useAsync } from "../components/ui";
 import { formatBytes } from "../format";
 import { LIMIT_FIELDS, type Policy, type PolicyForm, policyForm, policyPatch } from "../forms";
 import type { BudgetView, Tenant } from "../types";
@@ -20,9 +20,8 @@ export function PolicyTab({ me, tenant }: { me: Me; tenant: Tenant }) {
   // in the first moments is overwritten when the loaded values arrive.
   const [form, setForm] = useState<PolicyForm | null>(null);
   const [errors, setErrors] = useState<Record<string, string>>({});
-  const [error, setError] = useState<string | null>(null);
   const [notice, setNotice] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
+  const { busy, error, setError, run } = useAction();
   useEffect(() => {
     if (policy.data) setForm(policyForm(policy.data.p, policy.data.currency));
   }, [policy.data]);
@@ -51,17 +50,11 @@ export function PolicyTab({ me, tenant }: { me: Me; tenant: Tenant }) {
           setNotice("Nothing changed.");
           return;
         }
-        setBusy(true);
-        try {
+        await run(async () => {
           const next = await api<Policy>("PATCH", `/v1/admin/tenants/${tenant.id}/policy`, patch);
           policy.setData({ p: next, currency });
-          setError(null);
           setNotice("Saved. Running gateways apply it within seconds.");
-        } catch (err) {
-          setError(message(err));
-        } finally {
-          setBusy(false);
-        }
+        });
       }}
     >
       <h2 id="policy-title">Quotas and policy</h2>

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, type Me } from "../api";
-import { Confirm, ErrorBanner, Field, Loading, Notice, Table, message, useAsync } from "../components/ui";
+import { Confirm, ErrorBanner, Field, Loading, Notice, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { parsePrice } from "../forms";
 import { type PriceVersion, perMillion, priceStates, times } from "../pricebook";
@@ -9,8 +9,7 @@ function AddPrice(props: { onAdded: (v: PriceVersion) => void }) {
   const blank = { model: "", from: "", currency: "USD", input: "", output: "", w5: "1.25", w1: "2", read: "0.1", storage: "1", backdate: false };
   const [f, setF] = useState(blank);
   const [errors, setErrors] = useState<Record<string, string>>({});
-  const [error, setError] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
+  const { busy, error, run } = useAction();
   const past = f.from !== "" && new Date(`${f.from}Z`) < new Date();
   const set = (k: keyof typeof blank) => (e: { currentTarget: HTMLInputElement }) => setF({ ...f, [k]: e.currentTarget.value });
   return (
@@ -20,18 +19,13 @@ function AddPrice(props: { onAdded: (v: PriceVersion) => void }) {
         e.preventDefault();
         const p = parsePrice(f, new Date());
         setErrors(p.errors);
-        if (!p.value) return;
-        setBusy(true);
-        try {
-          await api("POST", "/v1/billing/prices", p.value);
-          setError(null);
+        const price = p.value;
+        if (!price) return;
+        await run(async () => {
+          await api("POST", "/v1/billing/prices", price);
           setF(blank);
-          props.onAdded({ ...p.value });
-        } catch (err) {
-          setError(message(err));
-        } finally {
-          setBusy(false);
-        }
+          props.onAdded({ ...price });
+        });
       }}
     >
       <h2>Add or schedule a price</h2>

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, qs, type Me } from "../api";
-import { ErrorBanner, Field, Loading, Table, message, useAsync } from "../components/ui";
+import { ErrorBanner, Field, Loading, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { validateTenantName } from "../forms";
 import { navigate } from "../router";
@@ -45,9 +45,8 @@ export function TenantsPage({ me }: { me: Me }) {
 
 function CreateTenant({ onCreated }: { onCreated: (t: Tenant) => void }) {
   const [name, setName] = useState("");
-  const [error, setError] = useState<string | null>(null);
   const [fieldError, setFieldError] = useState<string | undefined>();
-  const [busy, setBusy] = useState(false);
+  const { busy, error, run } = useAction();
   return (
     <form
       class="row"
@@ -57,16 +56,10 @@ function CreateTenant({ onCreated }: { onCreated: (t: Tenant) => void }) {
         const invalid = validateTenantName(name);
         setFieldError(invalid ?? undefined);
         if (invalid) return;
-        setBusy(true);
-        try {
+        await run(async () => {
           const t = await api<Tenant>("POST", "/v1/admin/tenants", { name: name.trim() });
-          setError(null);
           onCreated(t);
-        } catch (err) {
-          setError(message(err));
-        } finally {
-          setBusy(false);
-        }
+        });
       }}
     >
       <Field id="tenant-name" label="New tenant's name" value={name} error={fieldError} onInput={(e) => setName(e.currentTarget.value)} />

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, type Me } from "../api";
-import { Confirm, ErrorBanner, Field, Loading, Notice, SecretDialog, Table, message, useAsync } from "../components/ui";
+import { Confirm, ErrorBanner, Field, Loading, Notice, SecretDialog, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { validateUser } from "../forms";
 import type { Tenant, User } from "../types";
@@ -13,8 +13,7 @@ function CreateUser(props: { tenants: Tenant[]; fixedTenant?: Tenant; onCreated:
     tenant: props.fixedTenant?.id ?? "",
   });
   const [errors, setErrors] = useState<Record<string, string>>({});
-  const [error, setError] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
+  const { busy, error, run } = useAction();
   return (
     <form
       aria-label="Create a user"
@@ -23,22 +22,16 @@ function CreateUser(props: { tenants: Tenant[]; fixedTenant?: Tenant; onCreated:
         const errs = validateUser(u);
         setErrors(errs);
         if (Object.keys(errs).length) return;
-        setBusy(true);
-        try {
+        await run(async () => {
           const created = await api<User>("POST", "/v1/admin/users", {
             username: u.username.trim(),
             password: u.password,
             role: u.role,
             tenant: u.role === "tenant_admin" ? u.tenant : null,
           });
-          setError(null);
           setU({ ...u, username: "", password: "" });
           props.onCreated(created);
-        } catch (err) {
-          setError(message(err));
-        } finally {
-          setBusy(false);
-        }
+        });
       }}
     >
       <div class="row">

@@ -3,7 +3,7 @@
 
 import { useState } from "preact/hooks";
 import { api } from "../api";
-import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, message, Notice, Table, useAsync } from "../components/ui";
+import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, Notice, Table, useAction, useAsync } from "../components/ui";
 import { formatLimit, formatMoney, formatTime } from "../format";
 import { minorToText, parseLimit, parseMoney } from "../forms";
 import type { BudgetView, Tenant, Workspace, WorkspaceLimits } from "../types";
@@ -147,8 +147,7 @@ function WorkspaceDialog(props: {
   };
   const [form, setForm] = useState<Record<string, string>>(initial);
   const [errors, setErrors] = useState<Record<string, string>>({});
-  const [error, setError] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
+  const { busy, error, setError, run } = useAction();
   const key = existing?.id ?? (w === "new" ? "new" : "none");
   const [shownFor, setShownFor] = useState(key);
   if (shownFor !== key) {
@@ -180,19 +179,13 @@ function WorkspaceDialog(props: {
           }
           setErrors(errs);
           if (Object.keys(errs).length > 0) return;
-          setBusy(true);
-          try {
+          await run(async () => {
             const base = `/v1/admin/tenants/${props.tenant.id}/workspaces`;
             const saved = existing
               ? await api<Workspace>("PATCH", `${base}/${existing.id}`, body)
               : await api<Workspace>("POST", base, body);
-            setError(null);
             props.onSaved(saved);
-          } catch (err) {
-            setError(message(err));
-          } finally {
-            setBusy(false);
-          }
+          });
         }}
       >
         <Field
