@@ -493,16 +493,7 @@ impl Inner {
                 conn.region = region;
                 continue;
             }
-            let wanted: Vec<Wanted> = staged[i..j]
-                .iter()
-                .filter(|s| s.3 > 0)
-                .map(|s| Wanted {
-                    hash: s.0,
-                    offset: s.4,
-                    len: s.3,
-                })
-                .collect();
-            let (ops, local_of) = read_plan(&wanted, conn.pool_addr, max_read);
+            let (ops, local_of) = read_plan(&staged[i..j], conn.pool_addr, max_read);
             let timeout = self.read_timeout;
             let (c, read) = tokio::task::spawn_blocking(move || {
                 let r = conn.qp.read(&conn.region, &ops, conn.rkey, timeout);
@@ -557,18 +548,28 @@ impl Inner {
 /// A staged block: its hash, tokens, crc32c, length and offset in the peer's pool.
 type Staged = (BlockHash, u32, u32, u64, u64);
 
-/// The READs that bring `wanted` (in a pool at `pool_addr`) into a region: each coalesced run
-/// lands contiguously, split at the port's limit `max_read`; and where each block lands.
+/// The READs that bring the non-empty blocks of `staged` (in a pool at `pool_addr`) into a
+/// region: each coalesced run lands contiguously, split at the port's limit `max_read`; and
+/// where each block lands.
 fn read_plan(
-    wanted: &[Wanted],
+    staged: &[Staged],
     pool_addr: u64,
     max_read: u64,
 ) -> (Vec<ReadOp>, HashMap<BlockHash, u64>) {
+    let wanted: Vec<Wanted> = staged
+        .iter()
+        .filter(|s| s.3 > 0)
+        .map(|s| Wanted {
+            hash: s.0,
+            offset: s.4,
+            len: s.3,
+        })
+        .collect();
     // Each coalesced run lands contiguously in the region, split at the port's limit.
     let mut ops = Vec::new();
     let mut local_of: HashMap<BlockHash, u64> = HashMap::new();
     let mut cursor = 0u64;
-    for r in coalesce(wanted, max_read) {
+    for r in coalesce(&wanted, max_read) {
         for (h, part_off, _) in &r.parts {
             local_of.insert(*h, cursor + part_off);
         }

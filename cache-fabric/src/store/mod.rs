@@ -924,23 +924,7 @@ impl Store {
         let incoming_memory: u64 = fresh().map(|b| self.new_memory(&b.data)).sum();
         let tenant = scope.tenant;
         self.fit_quota(tenant, incoming, &pinned)?;
-        if kind == EntryKind::BestEffort
-            && self.ranking.admits_selectively()
-            && self.occupied_bytes() + incoming_memory > self.limits.capacity_bytes
-            && let Some(first) = new.iter().find(|b| !self.blocks.contains_key(&b.hash))
-        {
-            let candidate =
-                self.ranking
-                    .prospective_key(&first.hash, self.clock + 1, self.blocks.len());
-            let victim = self.capacity_victim(&pinned);
-            if victim.is_some_and(|(key, _)| key > candidate) {
-                // Seen, though not stored: the next use of these blocks ranks higher.
-                for b in &new {
-                    self.ranking.record(&b.hash, self.blocks.len());
-                }
-                return Err(refused(WriteRefused::NotAdmitted));
-            }
-        }
+        self.admit(kind, &new, incoming_memory, &pinned)?;
         self.fit_capacity(tenant, incoming_memory, &pinned)?;
         let expires = now + ttl;
         let paid = kind.is_paid();
@@ -957,6 +941,57 @@ impl Store {
             }
             self.touch(h, expires, ttl, paid, shared);
         }
+        let inserted = self.insert_new(scope, new, terms, (expires, now))?;
+        if writes_through(kind, ttl) {
+            self.queue_write_through(existing.iter().chain(&inserted));
+        }
+        Ok(())
+    }
+
+    /// Selective admission: a best-effort write that would need room is refused when what
+    /// it would evict ranks higher than it would (it is recorded as seen, so its next use
+    /// ranks higher).
+    fn admit(
+        &mut self,
+        kind: EntryKind,
+        new: &[PutBlock],
+        incoming_memory: u64,
+        pinned: &BlockSet,
+    ) -> Result<(), WriteRefused> {
+        if kind == EntryKind::BestEffort
+            && self.ranking.admits_selectively()
+            && self.occupied_bytes() + incoming_memory > self.limits.capacity_bytes
+            && let Some(first) = new.iter().find(|b| !self.blocks.contains_key(&b.hash))
+        {
+            let candidate =
+                self.ranking
+                    .prospective_key(&first.hash, self.clock + 1, self.blocks.len());
+            let victim = self.capacity_victim(pinned);
+            if victim.is_some_and(|(key, _)| key > candidate) {
+                // Seen, though not stored: the next use of these blocks ranks higher.
+                for b in new {
+                    self.ranking.record(&b.hash, self.blocks.len());
+                }
+                return Err(refused(WriteRefused::NotAdmitted));
+            }
+        }
+        Ok(())
+    }
+
+    /// Insert the blocks of `new` not yet held (touching those this scope already holds);
+    /// none of them if one is held under another scope or misses its parent. The inserted.
+    fn insert_new(
+        &mut self,
+        scope: &Scope,
+        new: Vec<PutBlock>,
+        terms: Terms,
+        (expires, now): (Instant, Instant),
+    ) -> Result<Vec<BlockHash>, WriteRefused> {
+        let Terms {
+            ttl, kind, copy, ..
+        } = terms;
+        let (replica, extra) = (copy != Copy::Own, copy == Copy::Extra);
+        let (paid, shared) = (kind.is_paid(), kind != EntryKind::Object);
         let mut inserted: Vec<BlockHash> = Vec::new();
         for b in new {
             if self.blocks.contains_key(&b.hash) {
@@ -988,21 +1023,27 @@ impl Store {
             let held = Shared::of(kind, ttl, expires, now);
             self.insert(scope, b, (ttl, expires, held), paid, copy);
         }
-        if writes_through(kind, ttl) && self.lower.as_ref().is_some_and(|t| t.keeps_paid()) {
-            for h in existing.iter().chain(&inserted) {
-                if self.through.len() >= THROUGH_BACKLOG {
-                    // No writer keeps up (or none runs): these stay in DRAM only, as before.
-                    metrics::TIER_MOVES
-                        .with_label_values(&["write_through_skipped"])
-                        .inc();
-                    break;
-                }
-                if self.through_queued.insert(*h) {
-                    self.through.push_back(*h);
-                }
+        Ok(inserted)
+    }
+
+    /// Queue `hashes` for the write-through to a lower tier that keeps paid blocks (as many
+    /// as the backlog takes; the rest stay in DRAM only).
+    fn queue_write_through<'a>(&mut self, hashes: impl Iterator<Item = &'a BlockHash>) {
+        if !self.lower.as_ref().is_some_and(|t| t.keeps_paid()) {
+            return;
+        }
+        for h in hashes {
+            if self.through.len() >= THROUGH_BACKLOG {
+                // No writer keeps up (or none runs): these stay in DRAM only, as before.
+                metrics::TIER_MOVES
+                    .with_label_values(&["write_through_skipped"])
+                    .inc();
+                break;
+            }
+            if self.through_queued.insert(*h) {
+                self.through.push_back(*h);
             }
         }
-        Ok(())
     }
 }
 
