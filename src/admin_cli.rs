@@ -167,7 +167,7 @@ pub enum WorkspaceCommand {
         tenant: String,
         name: String,
         #[command(flatten)]
-        limits: WorkspaceLimitArgs,
+        limits: LimitArgs,
     },
     /// List a tenant's workspaces.
     List {
@@ -189,7 +189,7 @@ pub enum WorkspaceCommand {
         #[arg(long)]
         rename: Option<String>,
         #[command(flatten)]
-        limits: WorkspaceLimitArgs,
+        limits: LimitArgs,
     },
     /// Archive a workspace: its keys are revoked; its usage is kept. Final.
     Archive {
@@ -204,30 +204,32 @@ pub enum WorkspaceCommand {
     },
 }
 
-/// A workspace's limits on the command line (`none` removes one).
+/// Limits on the command line, a tenant's or a workspace's (`none` removes one): the same
+/// four flags for both.
 #[derive(Args)]
-pub struct WorkspaceLimitArgs {
-    /// Requests per minute, the whole workspace.
+pub struct LimitArgs {
+    /// Requests per minute (the whole tenant, or the whole workspace).
     #[arg(long, value_parser = limit)]
-    pub rpm: Option<Option<i64>>,
-    /// Uncached input tokens per minute, the whole workspace.
+    pub rpm: Option<Limit>,
+    /// Uncached input tokens per minute (cache reads never count).
     #[arg(long, value_parser = limit)]
-    pub input_tpm: Option<Option<i64>>,
+    pub input_tpm: Option<Limit>,
+    /// Output tokens per minute.
     #[arg(long, value_parser = limit)]
-    pub output_tpm: Option<Option<i64>>,
+    pub output_tpm: Option<Limit>,
     /// Monthly spend budget in minor units of the tenant's currency (cents).
     #[arg(long, value_parser = limit)]
-    pub budget_minor: Option<Option<i64>>,
+    pub budget_minor: Option<Limit>,
 }
 
-impl WorkspaceLimitArgs {
+impl LimitArgs {
     fn patch(self, name: Option<String>) -> WorkspacePatch {
         WorkspacePatch {
             name,
-            requests_per_minute: self.rpm,
-            input_tokens_per_minute: self.input_tpm,
-            output_tokens_per_minute: self.output_tpm,
-            monthly_budget_minor: self.budget_minor,
+            requests_per_minute: given(self.rpm),
+            input_tokens_per_minute: given(self.input_tpm),
+            output_tokens_per_minute: given(self.output_tpm),
+            monthly_budget_minor: given(self.budget_minor),
         }
     }
 }
@@ -240,59 +242,60 @@ pub enum PolicyCommand {
     Set(Box<PolicySet>),
 }
 
-/// A limit: a number, or `none`.
-fn limit(s: &str) -> Result<Option<i64>, String> {
+/// A limit as given on the command line: a number, or `none` (no limit). A type of its own:
+/// clap reads a field of `Option<Option<_>>` as a flag whose value may be left out, and
+/// panics when its parser yields an `Option`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limit(Option<i64>);
+
+fn limit(s: &str) -> Result<Limit, String> {
     if s == "none" {
-        return Ok(None);
+        return Ok(Limit(None));
     }
     s.parse::<i64>()
-        .map(Some)
+        .map(|n| Limit(Some(n)))
         .map_err(|_| format!("{s:?}: a whole number, or none"))
+}
+
+/// A limit flag as a patch field: absent (unchanged), `none` (removed) or a number.
+fn given(l: Option<Limit>) -> Option<Option<i64>> {
+    l.map(|Limit(v)| v)
 }
 
 #[derive(Args)]
 pub struct PolicySet {
     /// Tenant name or id.
     pub tenant: String,
-    /// Requests per minute, whole tenant.
-    #[arg(long, value_parser = limit)]
-    pub rpm: Option<Option<i64>>,
-    /// Uncached input tokens per minute, whole tenant.
-    #[arg(long, value_parser = limit)]
-    pub input_tpm: Option<Option<i64>>,
-    #[arg(long, value_parser = limit)]
-    pub output_tpm: Option<Option<i64>>,
+    #[command(flatten)]
+    pub limits: LimitArgs,
     /// The same limits for each key.
     #[arg(long, value_parser = limit)]
-    pub key_rpm: Option<Option<i64>>,
+    pub key_rpm: Option<Limit>,
     #[arg(long, value_parser = limit)]
-    pub key_input_tpm: Option<Option<i64>>,
+    pub key_input_tpm: Option<Limit>,
     #[arg(long, value_parser = limit)]
-    pub key_output_tpm: Option<Option<i64>>,
-    /// Monthly spend budget in minor units of the tenant's currency (cents).
-    #[arg(long, value_parser = limit)]
-    pub budget_minor: Option<Option<i64>>,
+    pub key_output_tpm: Option<Limit>,
     /// Percent of the budget at which an alert is raised.
     #[arg(long)]
     pub budget_alert_percent: Option<i32>,
     /// Resident cache bytes (one copy of each block).
     #[arg(long, value_parser = limit)]
-    pub cache_bytes: Option<Option<i64>>,
+    pub cache_bytes: Option<Limit>,
     /// Reserved cache bytes (a plan change, billed).
     #[arg(long, value_parser = limit)]
-    pub reserved_bytes: Option<Option<i64>>,
+    pub reserved_bytes: Option<Limit>,
     /// Whether 1h TTL breakpoints are allowed.
     #[arg(long)]
     pub allow_1h_ttl: Option<bool>,
     /// Nodes holding each block (none = the cluster's default).
     #[arg(long, value_parser = limit)]
-    pub replication: Option<Option<i64>>,
+    pub replication: Option<Limit>,
     /// Weight in each model's fair queue for engine workers (1 to 100).
     #[arg(long)]
     pub engine_weight: Option<i32>,
     /// Generations running at once per model, at most (none = no cap).
     #[arg(long, value_parser = limit)]
-    pub max_concurrent: Option<Option<i64>>,
+    pub max_concurrent: Option<Limit>,
     /// The longest a cache object may be held, in seconds (300 to 2592000).
     #[arg(long)]
     pub max_cache_ttl_secs: Option<i32>,
@@ -677,23 +680,21 @@ async fn policy_cmd(pool: &PgPool, actor: &Actor, command: PolicyCommand) -> any
         PolicyCommand::Set(s) => {
             let id = tenant_id(pool, &s.tenant).await?;
             let patch = policy::PolicyPatch {
-                requests_per_minute: s.rpm,
-                input_tokens_per_minute: s.input_tpm,
-                output_tokens_per_minute: s.output_tpm,
-                key_requests_per_minute: s.key_rpm,
-                key_input_tokens_per_minute: s.key_input_tpm,
-                key_output_tokens_per_minute: s.key_output_tpm,
-                monthly_budget_minor: s.budget_minor,
+                requests_per_minute: given(s.limits.rpm),
+                input_tokens_per_minute: given(s.limits.input_tpm),
+                output_tokens_per_minute: given(s.limits.output_tpm),
+                key_requests_per_minute: given(s.key_rpm),
+                key_input_tokens_per_minute: given(s.key_input_tpm),
+                key_output_tokens_per_minute: given(s.key_output_tpm),
+                monthly_budget_minor: given(s.limits.budget_minor),
                 budget_alert_percent: s.budget_alert_percent,
-                cache_resident_bytes: s.cache_bytes,
-                reserved_cache_bytes: s.reserved_bytes,
+                cache_resident_bytes: given(s.cache_bytes),
+                reserved_cache_bytes: given(s.reserved_bytes),
                 allow_1h_ttl: s.allow_1h_ttl,
-                replication_factor: s
-                    .replication
+                replication_factor: given(s.replication)
                     .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
                 engine_weight: s.engine_weight,
-                max_concurrent: s
-                    .max_concurrent
+                max_concurrent: given(s.max_concurrent)
                     .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
                 max_cache_ttl_secs: s.max_cache_ttl_secs,
             };
@@ -975,4 +976,63 @@ fn read_password(file: Option<std::path::PathBuf>) -> anyhow::Result<(String, bo
         None => return Ok((random_password()?, true)),
     };
     Ok((text.trim_end_matches(['\r', '\n']).to_string(), false))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Admin {
+        #[command(subcommand)]
+        command: Command,
+    }
+
+    #[test]
+    fn a_tenant_and_a_workspace_take_the_same_limit_flags() {
+        let flags = [
+            "--rpm",
+            "600",
+            "--input-tpm",
+            "none",
+            "--budget-minor",
+            "5000",
+        ];
+        let parse =
+            |args: &[&str]| Admin::try_parse_from(["admin"].iter().chain(args).chain(&flags));
+        let Command::Policy {
+            command: PolicyCommand::Set(set),
+        } = parse(&["policy", "set", "acme", "--key-rpm", "5"])
+            .unwrap()
+            .command
+        else {
+            panic!("not a policy set");
+        };
+        let LimitArgs {
+            rpm,
+            input_tpm,
+            output_tpm,
+            budget_minor,
+        } = set.limits;
+        assert_eq!(
+            [rpm, input_tpm, output_tpm, budget_minor].map(given),
+            [Some(Some(600)), Some(None), None, Some(Some(5000))]
+        );
+        assert_eq!(given(set.key_rpm), Some(Some(5)));
+        let Command::Workspace {
+            command: WorkspaceCommand::Create { limits, .. },
+        } = parse(&["workspace", "create", "--tenant", "acme", "research"])
+            .unwrap()
+            .command
+        else {
+            panic!("not a workspace create");
+        };
+        let p = limits.patch(None);
+        assert_eq!(p.requests_per_minute, Some(Some(600)));
+        assert_eq!(p.input_tokens_per_minute, Some(None));
+        assert_eq!(p.monthly_budget_minor, Some(Some(5000)));
+        assert!(parse(&["policy", "set", "acme", "--rpm", "many"]).is_err());
+    }
 }
