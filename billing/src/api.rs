@@ -667,9 +667,13 @@ fn encode<R: ExportRow>(format: Format, r: &mut R, out: &mut Vec<u8>) {
                 &n.api_key_name,
                 &n.currency,
                 &n.cost_exact_nanos,
-            ]
-            .map(|v| csv_field(v.as_deref().unwrap_or("")).into_owned());
-            out.extend_from_slice(fields.join(",").as_bytes());
+            ];
+            for (i, v) in fields.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(csv_field(v.as_deref().unwrap_or("")).as_bytes());
+            }
             out.extend_from_slice(b"\r\n");
         }
         Format::Jsonl => {

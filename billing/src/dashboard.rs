@@ -60,14 +60,10 @@ pub struct Tokens {
 }
 
 impl Tokens {
-    pub fn add(&mut self, o: &Tokens) {
+    fn add(&mut self, o: &Tokens) {
         self.requests += o.requests;
         self.counts.add(&o.counts);
         self.cache_storage_token_seconds += o.cache_storage_token_seconds;
-    }
-
-    fn of(&self, class: TokenClass) -> i64 {
-        self.counts.of(class)
     }
 
     /// Prompt tokens of every class (what a request without any cache would bill as input).
@@ -258,7 +254,7 @@ impl Rater {
         let discount = in_force(&self.discounts, at).copied().unwrap_or(0);
         let actual = TokenClass::ALL
             .into_iter()
-            .map(|c| Exact::usage(tokens.of(c), &rates, c, discount))
+            .map(|c| Exact::usage(tokens.counts.of(c), &rates, c, discount))
             .sum::<Exact>()
             + Exact::storage(tokens.cache_storage_token_seconds, &rates, discount);
         let without_cache =

@@ -246,22 +246,25 @@ async fn usage_lines(
         Vec::new(),
         |g, discount| {
             // Usage lines price no storage ([`storage_lines`] do).
-            let rates = discount.map(|_| Rates {
-                input_nanos: g.get("input_nanos"),
-                output_nanos: g.get("output_nanos"),
-                cache_write_5m_bp: g.get("w5"),
-                cache_write_1h_bp: g.get("w1"),
-                cache_read_bp: g.get("rd"),
-                cache_storage_hour_bp: 0,
+            let priced = discount.map(|d| {
+                let rates = Rates {
+                    input_nanos: g.get("input_nanos"),
+                    output_nanos: g.get("output_nanos"),
+                    cache_write_5m_bp: g.get("w5"),
+                    cache_write_1h_bp: g.get("w1"),
+                    cache_read_bp: g.get("rd"),
+                    cache_storage_hour_bp: 0,
+                };
+                (rates, d)
             });
             TokenClass::ALL
                 .into_iter()
                 .map(|class| (class, class_tokens(g, class)))
                 .filter(|(_, tokens)| *tokens != 0)
                 .map(|(class, tokens)| {
-                    let ((nanos, bp), exact) = match (&rates, discount) {
-                        (Some(r), Some(d)) => (r.of(class), Exact::usage(tokens, r, class, d)),
-                        _ => ((0, 0), Exact::ZERO),
+                    let ((nanos, bp), exact) = match &priced {
+                        Some((r, d)) => (r.of(class), Exact::usage(tokens, r, class, *d)),
+                        None => ((0, 0), Exact::ZERO),
                     };
                     Charge {
                         token_class: class.as_str(),
@@ -491,21 +494,20 @@ async fn storage_lines(
         |g, discount| {
             let token_seconds: i64 = g.get("token_seconds");
             // Storage reads only the input price and its storage multiplier.
-            let rates = discount.map(|_| Rates {
-                input_nanos: g.get("input_nanos"),
-                cache_storage_hour_bp: g.get("storage_bp"),
-                output_nanos: 0,
-                cache_write_5m_bp: 0,
-                cache_write_1h_bp: 0,
-                cache_read_bp: 0,
-            });
-            let (nanos, bp, exact) = match (&rates, discount) {
-                (Some(r), Some(d)) => (
-                    r.input_nanos,
-                    r.cache_storage_hour_bp,
-                    Exact::storage(token_seconds, r, d),
-                ),
-                _ => (0, 0, Exact::ZERO),
+            let (nanos, bp, exact) = match discount {
+                Some(d) => {
+                    let rates = Rates {
+                        input_nanos: g.get("input_nanos"),
+                        cache_storage_hour_bp: g.get("storage_bp"),
+                        output_nanos: 0,
+                        cache_write_5m_bp: 0,
+                        cache_write_1h_bp: 0,
+                        cache_read_bp: 0,
+                    };
+                    let exact = Exact::storage(token_seconds, &rates, d);
+                    (rates.input_nanos, rates.cache_storage_hour_bp, exact)
+                }
+                None => (0, 0, Exact::ZERO),
             };
             vec![Charge {
                 token_class: STORAGE_CLASS,
