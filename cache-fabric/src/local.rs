@@ -63,7 +63,7 @@ use crate::transport::{
     DENIED, OK, OP_HAS, OP_HELLO, OP_REPORT, REFUSED, has_answer, refused_code, same_secret,
 };
 use crate::wire::{
-    OP_ABORT, OP_COMMIT, OP_LEASE, OP_RELEASE, OP_RESERVE, PARENT_LEN, SCOPE_LEN, get_chain,
+    OP_ABORT, OP_COMMIT, OP_LEASE, OP_RELEASE, OP_RESERVE, PARENT_LEN, SCOPE_LEN, bad, get_chain,
     get_hash, get_parent, get_scope,
 };
 
@@ -277,10 +277,6 @@ struct Conn {
     leases: HashMap<u64, Lease>,
     reservations: HashMap<u64, Reservation>,
     next_id: u64,
-}
-
-fn bad(what: &str) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
 }
 
 impl Conn {

@@ -55,7 +55,7 @@ use crate::store::{EntryKind, FetchedBlock, PutBlock, Store, WriteRefused};
 #[cfg(feature = "rdma")]
 use crate::wire::{OP_RDMA_CONNECT, OP_RDMA_DONE, OP_RDMA_GET};
 use crate::wire::{
-    PARENT_LEN, SCOPE_LEN, get_chain, get_hash, get_parent, get_scope, put_parent, put_scope,
+    PARENT_LEN, SCOPE_LEN, bad, get_chain, get_hash, get_parent, get_scope, put_parent, put_scope,
 };
 
 /// Why a transfer failed (the caller recomputes; it never fails a request).
@@ -255,10 +255,6 @@ async fn read_len<R: AsyncRead + Unpin>(s: &mut R) -> std::io::Result<usize> {
         ));
     }
     Ok(len)
-}
-
-fn bad(what: &str) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
 }
 
 /// Serve one peer's connection (any byte stream: a TCP connection in [`serve_tcp`]) until it

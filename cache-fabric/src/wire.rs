@@ -29,6 +29,11 @@ pub const SCOPE_LEN: usize = 32;
 /// Bytes of an encoded optional parent (flag + hash).
 pub const PARENT_LEN: usize = 33;
 
+/// A malformed message: the connection that sent it is closed.
+pub(crate) fn bad(what: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
+}
+
 pub fn put_scope(b: &mut impl BufMut, s: &Scope) {
     b.put_slice(s.tenant.as_uuid().as_bytes());
     b.put_slice(s.workspace.as_uuid().as_bytes());

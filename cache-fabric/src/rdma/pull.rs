@@ -407,22 +407,19 @@ impl Inner {
         for h in hashes {
             req.put_slice(&h.0);
         }
-        TcpTransport::send(&mut conn.stream, addr, &req)
-            .await
-            .map_err(PullError::from)?;
-        let io = PullError::from;
-        if conn.stream.read_u8().await.map_err(io)? != OK {
+        TcpTransport::send(&mut conn.stream, addr, &req).await?;
+        if conn.stream.read_u8().await? != OK {
             return Err(PullError::Fallback("RGET status".into()));
         }
-        let lease = conn.stream.read_u64_le().await.map_err(io)?;
-        let count = conn.stream.read_u32_le().await.map_err(io)? as usize;
+        let lease = conn.stream.read_u64_le().await?;
+        let count = conn.stream.read_u32_le().await? as usize;
         if count > hashes.len() {
             return Err(PullError::Fallback(
                 "RGET answered more blocks than asked".into(),
             ));
         }
         let mut body = vec![0u8; count * STAGED_LEN];
-        conn.stream.read_exact(&mut body).await.map_err(io)?;
+        conn.stream.read_exact(&mut body).await?;
         let mut b = Bytes::from(body);
         let mut staged = Vec::with_capacity(count);
         for _ in 0..count {

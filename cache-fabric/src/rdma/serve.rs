@@ -14,7 +14,7 @@ use super::verbs::{Endpoint, QueuePair};
 use crate::integrity::checksum;
 use crate::metrics;
 use crate::node::FabricNode;
-use crate::wire::{OP_RDMA_CONNECT, OP_RDMA_DONE, OP_RDMA_GET, get_hash, get_scope};
+use crate::wire::{OP_RDMA_CONNECT, OP_RDMA_DONE, OP_RDMA_GET, bad, get_hash, get_scope};
 
 pub(crate) const OK: u8 = 0;
 pub(crate) const UNSUPPORTED: u8 = 3;
@@ -29,11 +29,6 @@ pub(crate) struct ServerConn {
     qp: Option<QueuePair>,
     leases: HashMap<u64, Vec<(u64, u64)>>,
     next_lease: u64,
-}
-
-/// A malformed control message: the connection is closed.
-fn bad(what: &str) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
 }
 
 impl ServerConn {
