@@ -736,6 +736,7 @@ async fn usage(pool: &PgPool, a: UsageArgs) -> anyhow::Result<()> {
         Some(w) => Some(workspaces::find_workspace(pool, TenantId(id), w).await?.id),
         None => None,
     };
+    let key_workspaces = control::tenants::directory::key_workspaces(pool, id).await?;
     let q = billing::dashboard::UsageQuery {
         tenant: id,
         from: a.from,
@@ -743,6 +744,7 @@ async fn usage(pool: &PgPool, a: UsageArgs) -> anyhow::Result<()> {
         granularity,
         group_by,
         workspace,
+        key_workspaces: &key_workspaces,
     };
     let r = billing::dashboard::usage(pool, &q).await?;
     print_json(&r)?;

@@ -261,12 +261,14 @@ async fn set_price(pool: &PgPool, args: PriceArgs) -> anyhow::Result<()> {
                 model: model.clone(),
                 effective_from: from,
                 currency,
-                input_nanos,
-                output_nanos,
-                cache_write_5m_bp: write_5m_bp,
-                cache_write_1h_bp: write_1h_bp,
-                cache_read_bp: read_bp,
-                cache_storage_hour_bp: storage_hour_bp,
+                rates: Rates {
+                    input_nanos,
+                    output_nanos,
+                    cache_write_5m_bp: write_5m_bp,
+                    cache_write_1h_bp: write_1h_bp,
+                    cache_read_bp: read_bp,
+                    cache_storage_hour_bp: storage_hour_bp,
+                },
             };
             prices::set_price(pool, &p, &actor, backdate, now).await?;
         }
@@ -284,12 +286,12 @@ async fn list_prices(pool: &PgPool) -> anyhow::Result<()> {
             p.model,
             p.effective_from,
             p.currency,
-            p.input_nanos,
-            p.output_nanos,
-            p.cache_write_5m_bp,
-            p.cache_write_1h_bp,
-            p.cache_read_bp,
-            p.cache_storage_hour_bp,
+            p.rates.input_nanos,
+            p.rates.output_nanos,
+            p.rates.cache_write_5m_bp,
+            p.rates.cache_write_1h_bp,
+            p.rates.cache_read_bp,
+            p.rates.cache_storage_hour_bp,
             listed
                 .retired_at
                 .map(|t| format!("  retired {t}"))

@@ -123,7 +123,7 @@ fn admin_console(
     // may run it: objects are claimed with SKIP LOCKED and an hour is written once).
     crate::spawn_loop(
         "cache storage meter",
-        billing::storage::keep_metered(
+        control::caches::meter::keep_metered(
             pool.clone(),
             Duration::from_secs(config.admin.rollup_interval_secs),
             shutdown.clone(),

@@ -76,12 +76,7 @@ fn price(from: &str, input: i64, output: i64) -> PriceVersion {
         model: "sim-tiny".into(),
         effective_from: at(from),
         currency: "USD".into(),
-        input_nanos: input,
-        output_nanos: output,
-        cache_write_5m_bp: 12_500,
-        cache_write_1h_bp: 20_000,
-        cache_read_bp: 1_000,
-        cache_storage_hour_bp: 10_000,
+        rates: Rates::standard(input, output),
     }
 }
 
@@ -345,14 +340,7 @@ async fn usage_without_a_price_is_listed_and_flagged_but_never_finalized_as_free
         other => panic!("expected Unpriced, got {other:?}"),
     }
     // A tenant's custom rate prices it even without a list price.
-    let rates = Rates {
-        input_nanos: 1_000_000,
-        output_nanos: 1_000_000,
-        cache_write_5m_bp: 12_500,
-        cache_write_1h_bp: 20_000,
-        cache_read_bp: 1_000,
-        cache_storage_hour_bp: 10_000,
-    };
+    let rates = Rates::standard(1_000_000, 1_000_000);
     let price = prices::TenantPrice {
         tenant,
         model: "sim-tiny".into(),
@@ -380,12 +368,7 @@ async fn shipped_list_prices_are_seeded_once_and_never_over_an_operators_price()
         model: "sim-llama-8b".into(),
         effective_from: at("2026-06-01T00:00:00Z"),
         currency: "USD".into(),
-        input_nanos: 7,
-        output_nanos: 9,
-        cache_write_5m_bp: 12_500,
-        cache_write_1h_bp: 20_000,
-        cache_read_bp: 1_000,
-        cache_storage_hour_bp: 10_000,
+        rates: Rates::standard(7, 9),
     };
     prices::set_price(&pool, &own, "ops", true, NOW())
         .await
@@ -416,7 +399,7 @@ async fn shipped_list_prices_are_seeded_once_and_never_over_an_operators_price()
     assert_eq!(tiny.len(), 1);
     assert_eq!(tiny[0].effective_from, at("1970-01-01T00:00:00Z"));
     assert_eq!(
-        Some(tiny[0].rates()),
+        Some(tiny[0].rates),
         prices::list_default("sim-tiny"),
         "the seeded version is the shipped one"
     );
@@ -465,10 +448,13 @@ async fn the_month_overview_is_the_sum_of_the_dashboards_and_the_invoices_to_the
     // Awkward rates: nothing divides evenly, a price change on the hour mid-month, and a
     // discount for one tenant.
     let awkward = |from: &str, input, output| PriceVersion {
-        cache_write_5m_bp: 12_345,
-        cache_write_1h_bp: 19_999,
-        cache_read_bp: 1_111,
-        cache_storage_hour_bp: 10_000,
+        rates: Rates {
+            cache_write_5m_bp: 12_345,
+            cache_write_1h_bp: 19_999,
+            cache_read_bp: 1_111,
+            cache_storage_hour_bp: 10_000,
+            ..Rates::standard(input, output)
+        },
         ..price(from, input, output)
     };
     for p in [
@@ -561,7 +547,12 @@ async fn the_month_overview_is_the_sum_of_the_dashboards_and_the_invoices_to_the
             api_key: None,
             model: None,
         };
-        let body = billing::api::export_stream(pool.clone(), filter, billing::api::Format::Jsonl);
+        let body = billing::api::export_stream(
+            pool.clone(),
+            std::sync::Arc::new(control::tenants::directory::Directory(pool.clone())),
+            filter,
+            billing::api::Format::Jsonl,
+        );
         let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
         let rows: Vec<serde_json::Value> = std::str::from_utf8(&bytes)
             .unwrap()
@@ -895,7 +886,7 @@ async fn held(pool: &PgPool, object: &str) -> Vec<(DateTime<Utc>, i32)> {
 
 #[tokio::test]
 async fn cache_objects_are_billed_by_the_hour_they_are_held_once_and_to_the_cent() {
-    use billing::storage::meter;
+    use control::caches::meter::meter;
     let (pool, _, name) = db().await;
     prices::set_price(
         &pool,
@@ -1121,7 +1112,7 @@ async fn deleting_a_tenant_ends_its_objects_storage() {
     control::tenants::delete_tenant(&pool, &control::tenants::Actor::cli("test"), t.id)
         .await
         .unwrap();
-    billing::storage::meter(&pool, Utc::now() + chrono::TimeDelta::seconds(1))
+    control::caches::meter::meter(&pool, Utc::now() + chrono::TimeDelta::seconds(1))
         .await
         .unwrap();
     let total: i64 = held(&pool, &id).await.iter().map(|r| r.1 as i64).sum();
@@ -1131,7 +1122,7 @@ async fn deleting_a_tenant_ends_its_objects_storage() {
 
 #[tokio::test]
 async fn an_extended_object_is_billed_to_its_new_expiry() {
-    use billing::storage::meter;
+    use control::caches::meter::meter;
     let (pool, _, name) = db().await;
     let (t, key) = objects_tenant(&pool).await;
     // Created at 00:30 for two hours; at 01:10 (its first hour metered) extended to 04:45.

@@ -66,11 +66,7 @@ async fn one_request(
     let mut body = common::cached_body(300, &format!("question {n}"), 300);
     body["stream"] = stream.into();
     let sent = Instant::now();
-    let resp = http
-        .post(format!("{url}/v1/messages"))
-        .header("x-api-key", key)
-        .header("anthropic-version", "2023-06-01")
-        .json(&body)
+    let resp = common::messages(&http, &url, key, &body)
         .send()
         .await
         .ok()?;

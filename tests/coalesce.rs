@@ -170,11 +170,7 @@ fn sender(
     move |body: Value| {
         let (http, url, key) = (http.clone(), url.clone(), key.clone());
         Box::pin(async move {
-            let r = http
-                .post(format!("{url}/v1/messages"))
-                .header("x-api-key", key)
-                .header("anthropic-version", "2023-06-01")
-                .json(&body)
+            let r = common::messages(&http, &url, &key, &body)
                 .send()
                 .await
                 .unwrap();

@@ -46,12 +46,7 @@ async fn fixture() -> Fixture {
             model: "sim-tiny".into(),
             effective_from: now - chrono::Duration::days(400),
             currency: "USD".into(),
-            input_nanos: 3_000,
-            output_nanos: 15_000,
-            cache_write_5m_bp: 12_500,
-            cache_write_1h_bp: 20_000,
-            cache_read_bp: 1_000,
-            cache_storage_hour_bp: 10_000,
+            rates: billing::money::Rates::standard(3_000, 15_000),
         },
         "test",
         true,
@@ -336,7 +331,7 @@ async fn the_storage_ledger_exports_in_the_three_formats_and_a_tenant_admin_gets
         .unwrap();
         objects.push(id);
     }
-    billing::storage::meter(&pool, now).await.unwrap();
+    control::caches::meter::meter(&pool, now).await.unwrap();
     pool.close().await;
     let from = (now - chrono::Duration::days(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
     let to = (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);

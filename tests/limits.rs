@@ -278,11 +278,7 @@ async fn streams_cancelled_mid_way_release_everything_they_held() {
         tasks.push(tokio::spawn(async move {
             let mut body = common::cached_body(200, &format!("cancel me {i}"), 400);
             body["stream"] = true.into();
-            let mut resp = client
-                .post(format!("{url}/v1/messages"))
-                .header("x-api-key", key)
-                .header("anthropic-version", "2023-06-01")
-                .json(&body)
+            let mut resp = common::messages(&client, &url, &key, &body)
                 .send()
                 .await
                 .unwrap();

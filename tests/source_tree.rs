@@ -430,20 +430,6 @@ const OWNERS: &[(&str, &str)] = &[
     ("cache_object_releases", "control"),
 ];
 
-/// Where a crate still writes SQL on another crate's table (crate, table): the debt this
-/// test keeps from growing. It must equal what the sources show, so a crossing removed is
-/// struck from here in the same change, and a new one fails. (Issue 43 asks for none.)
-const STILL_CROSSING: &[(&str, &str)] = &[
-    ("billing", "api_keys"),
-    ("billing", "cache_objects"),
-    ("billing", "tenants"),
-    ("billing", "workspaces"),
-    ("loadtests", "api_keys"),
-    ("loadtests", "tenants"),
-    ("loadtests", "usage_events"),
-    ("loadtests", "usage_rollups"),
-];
-
 /// The tables every migration creates.
 fn migrated_tables(root: &Path) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
@@ -509,16 +495,10 @@ fn each_table_is_written_on_by_its_owner_only() {
             }
         }
     }
-    let expected: BTreeSet<(String, String)> = STILL_CROSSING
-        .iter()
-        .map(|(c, t)| (c.to_string(), t.to_string()))
-        .collect();
-    let new: Vec<_> = crossing.difference(&expected).collect();
-    let gone: Vec<_> = expected.difference(&crossing).collect();
     assert!(
-        new.is_empty() && gone.is_empty(),
-        "SQL on another crate's table: {new:?} (call the owner's functions instead); \
-         no longer crossing, strike from STILL_CROSSING: {gone:?}"
+        crossing.is_empty(),
+        "SQL on another crate's table (crate, table): {crossing:?}; call the owner's functions \
+         instead, or hand the lower crate what it needs from above (billing::directory)"
     );
 }
 

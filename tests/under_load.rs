@@ -43,11 +43,7 @@ struct Answer {
 }
 
 async fn post(http: &reqwest::Client, url: &str, key: &str, body: &Value) -> Answer {
-    let r = http
-        .post(format!("{url}/v1/messages"))
-        .header("x-api-key", key)
-        .header("anthropic-version", "2023-06-01")
-        .json(body)
+    let r = common::messages(&http, &url, key, &body)
         .send()
         .await
         .unwrap();
@@ -412,11 +408,7 @@ async fn one_tenant_s_long_streams_do_not_starve_another_tenant() {
                 "ignore_eos": true,
                 "messages": [{"role": "user", "content": format!("Tell a long story number {i}.")}],
             });
-            let r = client
-                .post(format!("{url}/v1/messages"))
-                .header("x-api-key", key)
-                .header("anthropic-version", "2023-06-01")
-                .json(&body)
+            let r = common::messages(&client, &url, &key, &body)
                 .send()
                 .await
                 .unwrap();

@@ -15,6 +15,7 @@
 //! memory. Errors have the gateway's shape: `{"type":"error","error":{"type","message"}}`.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use axum::Json;
 use axum::body::Body;
@@ -34,8 +35,9 @@ use cachet_common::TenantId;
 use cachet_common::error::{ApiError, ErrorBody, ErrorCode};
 use identity::{AdminAuth, Claims, Role};
 
+use crate::directory::{Directory, TenantNames};
 use crate::invoice::{self, BillingError, Invoice};
-use crate::money::TokenCounts;
+use crate::money::{Rates, TokenCounts};
 use crate::prices::{self, PriceVersion};
 
 /// State of the finance API.
@@ -44,6 +46,8 @@ pub struct FinanceState {
     pub pool: PgPool,
     /// Who may call (the admin tokens the control plane's admin API uses too).
     pub auth: AdminAuth,
+    /// The names exports and invoices print (the control plane's).
+    pub directory: Arc<dyn Directory>,
 }
 
 impl From<BillingError> for ApiError {
@@ -321,11 +325,11 @@ pub async fn get_invoice(
                 .into_response())
         }
         "pdf" => {
-            let tenant: String = sqlx::query_scalar("SELECT name FROM tenants WHERE id = $1")
-                .bind(inv.tenant_id)
-                .fetch_optional(&s.pool)
-                .await
-                .map_err(BillingError::from)?
+            let tenant = s
+                .directory
+                .names(inv.tenant_id)
+                .await?
+                .tenant
                 .unwrap_or_else(|| inv.tenant_id.to_string());
             let name = format!(
                 "attachment; filename=\"cachet-invoice-{}-{}.pdf\"",
@@ -407,18 +411,8 @@ pub struct NewPrice {
     pub effective_from: DateTime<Utc>,
     #[serde(default = "usd")]
     pub currency: String,
-    pub input_nanos: i64,
-    pub output_nanos: i64,
-    #[serde(default = "w5")]
-    pub cache_write_5m_bp: i32,
-    #[serde(default = "w1")]
-    pub cache_write_1h_bp: i32,
-    #[serde(default = "rd")]
-    pub cache_read_bp: i32,
-    /// Holding a cache object, per token and hour, as a multiplier of the input price (basis
-    /// points; default 10000).
-    #[serde(default = "storage_hour")]
-    pub cache_storage_hour_bp: i32,
+    #[serde(flatten)]
+    pub rates: Rates,
     /// A version dated in the past corrects prices in force (audited).
     #[serde(default)]
     pub backdate: bool,
@@ -426,18 +420,6 @@ pub struct NewPrice {
 
 fn usd() -> String {
     "USD".into()
-}
-fn w5() -> i32 {
-    12_500
-}
-fn w1() -> i32 {
-    20_000
-}
-fn rd() -> i32 {
-    1_000
-}
-fn storage_hour() -> i32 {
-    prices::DEFAULT_STORAGE_HOUR_BP
 }
 
 /// Add a list-price version (platform admins only).
@@ -456,12 +438,7 @@ pub async fn add_price(
         model: p.model,
         effective_from: p.effective_from,
         currency: p.currency,
-        input_nanos: p.input_nanos,
-        output_nanos: p.output_nanos,
-        cache_write_5m_bp: p.cache_write_5m_bp,
-        cache_write_1h_bp: p.cache_write_1h_bp,
-        cache_read_bp: p.cache_read_bp,
-        cache_storage_hour_bp: p.cache_storage_hour_bp,
+        rates: p.rates,
     };
     prices::set_price(
         &s.pool,
@@ -547,14 +524,12 @@ pub use crate::csv::field as csv_field;
 /// What every exported row carries after its own columns: the names of its tenant, workspace
 /// and key, and its cost: the row rated at its own start time with the tenant's prices, exact
 /// (in nano-units, as invoice lines carry it; `null` where no price covered the model).
-#[derive(Debug, Serialize, sqlx::FromRow)]
+#[derive(Debug, Default, Serialize)]
 pub struct Named {
     pub tenant_name: Option<String>,
     pub workspace_name: Option<String>,
     pub api_key_name: Option<String>,
-    #[sqlx(skip)]
     pub currency: Option<String>,
-    #[sqlx(skip)]
     pub cost_exact_nanos: Option<String>,
 }
 
@@ -576,7 +551,7 @@ pub struct LedgerRow {
     pub started_at: DateTime<Utc>,
     pub finished_at: DateTime<Utc>,
     #[serde(flatten)]
-    #[sqlx(flatten)]
+    #[sqlx(skip)]
     pub named: Named,
 }
 
@@ -590,7 +565,8 @@ trait ExportRow:
     /// Its CloudEvents type.
     const EVENT_TYPE: &'static str;
     fn named(&mut self) -> &mut Named;
-    fn tenant(&self) -> Uuid;
+    /// Its tenant, workspace and key.
+    fn owners(&self) -> (Uuid, Uuid, Uuid);
     /// What it is rated on: the model, when, and what was metered.
     fn metered(&self) -> (&str, DateTime<Utc>, crate::dashboard::Tokens);
     /// Its own CSV fields, in [`Self::CSV_COLUMNS`]' order, each followed by a comma.
@@ -605,8 +581,8 @@ impl ExportRow for LedgerRow {
     fn named(&mut self) -> &mut Named {
         &mut self.named
     }
-    fn tenant(&self) -> Uuid {
-        self.tenant_id
+    fn owners(&self) -> (Uuid, Uuid, Uuid) {
+        (self.tenant_id, self.workspace_id, self.api_key_id)
     }
     fn metered(&self) -> (&str, DateTime<Utc>, crate::dashboard::Tokens) {
         let tokens = crate::dashboard::Tokens {
@@ -645,12 +621,16 @@ fn micros(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
 }
 
-/// Fill in a row's cost from its tenant's prices.
-fn rate<R: ExportRow>(r: &mut R, rater: &crate::dashboard::Rater) {
+/// Fill in a row's names and its cost from its tenant's names and prices.
+fn rate<R: ExportRow>(r: &mut R, rater: &crate::dashboard::Rater, names: &TenantNames) {
     let (model, at, metered) = r.metered();
     let cost = rater.rate(model, at, &metered);
     let currency = rater.currency(model, at).map(str::to_string);
+    let (_, workspace, key) = r.owners();
     let named = r.named();
+    named.tenant_name = names.tenant.clone();
+    named.workspace_name = names.workspaces.get(&workspace).cloned();
+    named.api_key_name = names.keys.get(&key).cloned();
     named.currency = currency;
     named.cost_exact_nanos = (cost.unpriced_tokens == 0).then(|| cost.actual.nanos_decimal());
 }
@@ -687,7 +667,7 @@ fn encode<R: ExportRow>(format: Format, r: &mut R, out: &mut Vec<u8>) {
                 "type": R::EVENT_TYPE,
                 "source": "cachet/billing",
                 "id": id,
-                "subject": r.tenant(),
+                "subject": r.owners().0,
                 "time": time,
                 "datacontenttype": "application/json",
                 "data": r,
@@ -698,10 +678,11 @@ fn encode<R: ExportRow>(format: Format, r: &mut R, out: &mut Vec<u8>) {
     }
 }
 
-/// Stream the rows `query` yields in `format`, rated with each tenant's prices, in chunks of
-/// about 64 KiB through a bounded channel.
+/// Stream the rows `query` yields in `format`, named from `directory` and rated with each
+/// tenant's prices, in chunks of about 64 KiB through a bounded channel.
 fn stream_rows<R: ExportRow>(
     pool: PgPool,
+    directory: Arc<dyn Directory>,
     format: Format,
     query: impl FnOnce(&PgPool) -> futures::stream::BoxStream<'_, Result<R, sqlx::Error>>
     + Send
@@ -713,21 +694,25 @@ fn stream_rows<R: ExportRow>(
         if format == Format::Csv {
             buf.extend_from_slice(format!("{},{NAMED_CSV_COLUMNS}\r\n", R::CSV_COLUMNS).as_bytes());
         }
-        // Each tenant's prices, loaded once (an export spans few tenants next to its rows).
-        let mut raters: HashMap<Uuid, crate::dashboard::Rater> = HashMap::new();
+        // Each tenant's prices and names, loaded once (an export spans few tenants next to
+        // its rows).
+        let mut tenants: HashMap<Uuid, (crate::dashboard::Rater, TenantNames)> = HashMap::new();
         let mut rows = query(&pool);
         loop {
             match rows.try_next().await {
                 Ok(Some(mut r)) => {
-                    if let std::collections::hash_map::Entry::Vacant(slot) =
-                        raters.entry(r.tenant())
-                    {
-                        match crate::dashboard::Rater::load(&pool, r.tenant()).await {
-                            Ok(rater) => {
-                                slot.insert(rater);
+                    let tenant = r.owners().0;
+                    if let std::collections::hash_map::Entry::Vacant(slot) = tenants.entry(tenant) {
+                        let loaded = async {
+                            let rater = crate::dashboard::Rater::load(&pool, tenant).await?;
+                            Ok::<_, BillingError>((rater, directory.names(tenant).await?))
+                        };
+                        match loaded.await {
+                            Ok(t) => {
+                                slot.insert(t);
                             }
                             Err(e) => {
-                                tracing::error!(error = %e, "export failed loading prices");
+                                tracing::error!(error = %e, "export failed loading prices or names");
                                 let _ = tx
                                     .send(Err(std::io::Error::other("export failed; retry")))
                                     .await;
@@ -735,8 +720,8 @@ fn stream_rows<R: ExportRow>(
                             }
                         }
                     }
-                    if let Some(rater) = raters.get(&r.tenant()) {
-                        rate(&mut r, rater);
+                    if let Some((rater, names)) = tenants.get(&tenant) {
+                        rate(&mut r, rater, names);
                     }
                     encode(format, &mut r, &mut buf);
                     if buf.len() >= 64 * 1024 {
@@ -766,8 +751,13 @@ fn stream_rows<R: ExportRow>(
     Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
-/// Stream the ledger rows `filter` picks in `format`.
-pub fn export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body {
+/// Stream the ledger rows `filter` picks in `format`, named from `directory`.
+pub fn export_stream(
+    pool: PgPool,
+    directory: Arc<dyn Directory>,
+    filter: ExportFilter,
+    format: Format,
+) -> Body {
     let sql = export_sql(
         "e.request_id, e.tenant_id, e.workspace_id, e.api_key_id, e.model, e.input_tokens, \
          e.cache_write_5m_tokens, e.cache_write_1h_tokens, e.cache_read_tokens, \
@@ -776,19 +766,17 @@ pub fn export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body
         "started_at",
         "e.started_at, e.request_id",
     );
-    stream_rows::<LedgerRow>(pool, format, move |pool| fetch_filtered(pool, sql, filter))
+    stream_rows::<LedgerRow>(pool, directory, format, move |pool| {
+        fetch_filtered(pool, sql, filter)
+    })
 }
 
-/// The rows of `table` (as `e`) an export picks: `columns`, with the names of their tenant,
-/// workspace and key, by `at` within the filter's window and its other filters (binds
-/// [`fetch_filtered`] makes), in `order`.
+/// The rows of `table` (as `e`) an export picks: `columns`, by `at` within the filter's window
+/// and its other filters (binds [`fetch_filtered`] makes), in `order`.
 fn export_sql(columns: &str, table: &str, at: &str, order: &str) -> sqlx::AssertSqlSafe<String> {
     sqlx::AssertSqlSafe(format!(
-        "SELECT {columns}, t.name AS tenant_name, w.name AS workspace_name, k.name AS api_key_name
+        "SELECT {columns}
          FROM {table} e
-         LEFT JOIN tenants t ON t.id = e.tenant_id
-         LEFT JOIN workspaces w ON w.id = e.workspace_id
-         LEFT JOIN api_keys k ON k.id = e.api_key_id
          WHERE e.{at} >= $1 AND e.{at} < $2
            AND ($3::UUID IS NULL OR e.tenant_id = $3)
            AND ($4::UUID IS NULL OR e.workspace_id = $4)
@@ -827,7 +815,7 @@ pub struct StorageRow {
     pub seconds: i32,
     pub token_seconds: i64,
     #[serde(flatten)]
-    #[sqlx(flatten)]
+    #[sqlx(skip)]
     pub named: Named,
 }
 
@@ -845,8 +833,8 @@ impl ExportRow for StorageRow {
     fn named(&mut self) -> &mut Named {
         &mut self.named
     }
-    fn tenant(&self) -> Uuid {
-        self.tenant_id
+    fn owners(&self) -> (Uuid, Uuid, Uuid) {
+        (self.tenant_id, self.workspace_id, self.api_key_id)
     }
     fn metered(&self) -> (&str, DateTime<Utc>, crate::dashboard::Tokens) {
         let held = crate::dashboard::Tokens {
@@ -877,8 +865,14 @@ impl ExportRow for StorageRow {
     }
 }
 
-/// Stream the storage rows `filter` picks (by the hour they cover) in `format`.
-pub fn storage_export_stream(pool: PgPool, filter: ExportFilter, format: Format) -> Body {
+/// Stream the storage rows `filter` picks (by the hour they cover) in `format`, named from
+/// `directory`.
+pub fn storage_export_stream(
+    pool: PgPool,
+    directory: Arc<dyn Directory>,
+    filter: ExportFilter,
+    format: Format,
+) -> Body {
     let sql = export_sql(
         "e.object_id, e.hour_start, e.tenant_id, e.workspace_id, e.api_key_id, e.model, \
          e.tokens, e.seconds, e.tokens * e.seconds AS token_seconds",
@@ -886,7 +880,9 @@ pub fn storage_export_stream(pool: PgPool, filter: ExportFilter, format: Format)
         "hour_start",
         "e.hour_start, e.object_id",
     );
-    stream_rows::<StorageRow>(pool, format, move |pool| fetch_filtered(pool, sql, filter))
+    stream_rows::<StorageRow>(pool, directory, format, move |pool| {
+        fetch_filtered(pool, sql, filter)
+    })
 }
 
 /// Ledger rows, streamed (finance and platform admins: any tenant; a tenant admin: its own).
@@ -921,7 +917,7 @@ fn export(
     s: FinanceState,
     caller: Caller,
     q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
-    stream: fn(PgPool, ExportFilter, Format) -> Body,
+    stream: fn(PgPool, Arc<dyn Directory>, ExportFilter, Format) -> Body,
 ) -> Result<Response, ApiError> {
     let Query(q) = q?;
     // A tenant admin exports its own tenant's rows only (asking for another is refused).
@@ -942,7 +938,7 @@ fn export(
         api_key: q.api_key,
         model: q.model,
     };
-    let body = stream(s.pool.clone(), filter, q.format);
+    let body = stream(s.pool.clone(), s.directory.clone(), filter, q.format);
     Ok(([(header::CONTENT_TYPE, content_type)], body).into_response())
 }
 

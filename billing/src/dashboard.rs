@@ -314,7 +314,7 @@ fn bucket_of(t: DateTime<Utc>, g: Granularity) -> DateTime<Utc> {
 
 /// What a usage report covers and how it is split.
 #[derive(Clone, Copy, Debug)]
-pub struct UsageQuery {
+pub struct UsageQuery<'a> {
     pub tenant: Uuid,
     pub from: DateTime<Utc>,
     pub to: DateTime<Utc>,
@@ -322,9 +322,13 @@ pub struct UsageQuery {
     pub group_by: GroupBy,
     /// Only this workspace's keys.
     pub workspace: Option<Uuid>,
+    /// The workspace of each of the tenant's keys, `(key, workspace)`: what a report split
+    /// or filtered by workspace reads (the rollups carry the key; the keys are the control
+    /// plane's, which passes them in). A key not listed belongs to no workspace.
+    pub key_workspaces: &'a [(Uuid, Uuid)],
 }
 
-impl UsageQuery {
+impl UsageQuery<'static> {
     /// The whole tenant over `[from, to)` in daily buckets, not split.
     pub fn tenant(tenant: Uuid, from: DateTime<Utc>, to: DateTime<Utc>) -> Self {
         Self {
@@ -334,6 +338,7 @@ impl UsageQuery {
             granularity: Granularity::Day,
             group_by: GroupBy::None,
             workspace: None,
+            key_workspaces: &[],
         }
     }
 }
@@ -342,7 +347,7 @@ impl UsageQuery {
 /// (the rollups' resolution; the report says which), per bucket of `granularity`, split by
 /// `group_by`, with totals. Empty buckets are left out. A workspace is its keys' usage (a key
 /// never changes workspace).
-pub async fn usage(pool: &PgPool, q: &UsageQuery) -> Result<UsageReport, BillingError> {
+pub async fn usage(pool: &PgPool, q: &UsageQuery<'_>) -> Result<UsageReport, BillingError> {
     let UsageQuery {
         tenant,
         from,
@@ -350,6 +355,7 @@ pub async fn usage(pool: &PgPool, q: &UsageQuery) -> Result<UsageReport, Billing
         granularity,
         group_by,
         workspace,
+        ..
     } = *q;
     let (from, to) = whole_hours(from, to)?;
     let rater = Rater::load(pool, tenant).await?;
@@ -452,7 +458,7 @@ fn whole_hours(
 /// hour or day, model, and key or workspace where it splits by them.
 async fn rolled_up(
     pool: &PgPool,
-    q: &UsageQuery,
+    q: &UsageQuery<'_>,
     rater: &Rater,
     from: DateTime<Utc>,
     to: DateTime<Utc>,
@@ -462,6 +468,7 @@ async fn rolled_up(
         granularity,
         group_by,
         workspace,
+        key_workspaces,
         ..
     } = *q;
     // Daily buckets read the daily rollups (24× fewer rows) for every whole day in the window
@@ -482,17 +489,18 @@ async fn rolled_up(
         .filter(|t| *t != bucket_of(*t, Granularity::Day))
         .map(|t| bucket_of(t, Granularity::Day))
         .collect();
-    // A key's workspace is where its usage goes: the key table is read only when a report
-    // splits or filters by workspace.
-    let (ws, ws_join) = if group_by == GroupBy::Workspace || workspace.is_some() {
+    // A key's workspace is where its usage goes: the keys' workspaces are joined only when a
+    // report splits or filters by workspace.
+    let by_workspace = group_by == GroupBy::Workspace || workspace.is_some();
+    let (ws, ws_join) = if by_workspace {
         (
             "k.workspace_id",
-            "LEFT JOIN api_keys k ON k.id = r.api_key_id",
+            "LEFT JOIN unnest($10::UUID[], $11::UUID[]) AS k(id, workspace_id) ON k.id = r.api_key_id",
         )
     } else {
         ("NULL::UUID", "")
     };
-    Ok(sqlx::query(sqlx::AssertSqlSafe(format!(
+    let query = sqlx::query(sqlx::AssertSqlSafe(format!(
         r#"
         SELECT bucket_start, model, CASE WHEN $4 THEN api_key_id END AS api_key,
                CASE WHEN $8 THEN {ws} END AS workspace,
@@ -517,15 +525,20 @@ async fn rolled_up(
     .bind(whole_to)
     .bind(&dirty)
     .bind(group_by == GroupBy::Workspace)
-    .bind(workspace)
-    .fetch_all(pool)
-    .await?)
+    .bind(workspace);
+    let query = if by_workspace {
+        let (keys, workspaces): (Vec<Uuid>, Vec<Uuid>) = key_workspaces.iter().copied().unzip();
+        query.bind(keys).bind(workspaces)
+    } else {
+        query
+    };
+    Ok(query.fetch_all(pool).await?)
 }
 
 /// Cache objects held over `[from, to)`, per hour (the storage ledger is hourly already).
 async fn storage_held(
     pool: &PgPool,
-    q: &UsageQuery,
+    q: &UsageQuery<'_>,
     from: DateTime<Utc>,
     to: DateTime<Utc>,
 ) -> Result<Vec<sqlx::postgres::PgRow>, BillingError> {
@@ -612,14 +625,7 @@ mod tests {
     }
 
     fn rater() -> Rater {
-        let list_rates = Rates {
-            input_nanos: 3_000,
-            output_nanos: 15_000,
-            cache_write_5m_bp: 12_500,
-            cache_write_1h_bp: 20_000,
-            cache_read_bp: 1_000,
-            cache_storage_hour_bp: 10_000,
-        };
+        let list_rates = Rates::standard(3_000, 15_000);
         let mut list = HashMap::new();
         list.insert(
             "m".to_string(),

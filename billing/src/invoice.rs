@@ -179,6 +179,24 @@ pub async fn compute(
     })
 }
 
+/// The columns of a group of ledger rows rated alike (after [`prices_in_force`]): the model,
+/// the price version in force (`price_from`, custom or not, its currency), the plan's discount
+/// and the rates, named as [`Rates`]' fields.
+const PRICED_GROUP: &str = "e.model,
+               COALESCE(tp.effective_from, p.effective_from) AS price_from,
+               (tp.tenant_id IS NOT NULL) AS custom,
+               COALESCE(p.currency, 'USD') AS currency,
+               COALESCE(pl.discount_bp, 0) AS discount_bp,
+               COALESCE(tp.input_nanos, p.input_nanos) AS input_nanos,
+               COALESCE(tp.output_nanos, p.output_nanos) AS output_nanos,
+               COALESCE(tp.cache_write_5m_bp, p.cache_write_5m_bp) AS cache_write_5m_bp,
+               COALESCE(tp.cache_write_1h_bp, p.cache_write_1h_bp) AS cache_write_1h_bp,
+               COALESCE(tp.cache_read_bp, p.cache_read_bp) AS cache_read_bp,
+               COALESCE(tp.cache_storage_hour_bp, p.cache_storage_hour_bp) AS cache_storage_hour_bp";
+/// Its GROUP BY (every column of [`PRICED_GROUP`]) and ORDER BY (model, version, discount).
+const PRICED_GROUP_BY: &str = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11";
+const PRICED_GROUP_ORDER: &str = "1, 2, 5";
+
 /// The joins that find, for each ledger row `e` at its instant `e.<at>`, the tenant's custom
 /// rate (`tp`), the list price (`p`, from `price_book`) and the plan (`pl`) in force then.
 fn prices_in_force(at: &str) -> String {
@@ -209,16 +227,7 @@ async fn usage_lines(
     // One group per model × price version × discount in force at each row's start.
     let groups = sqlx::query(sqlx::AssertSqlSafe(format!(
         r#"
-        SELECT e.model,
-               COALESCE(tp.effective_from, p.effective_from) AS price_from,
-               (tp.tenant_id IS NOT NULL) AS custom,
-               COALESCE(p.currency, 'USD') AS currency,
-               COALESCE(tp.input_nanos, p.input_nanos) AS input_nanos,
-               COALESCE(tp.output_nanos, p.output_nanos) AS output_nanos,
-               COALESCE(tp.cache_write_5m_bp, p.cache_write_5m_bp) AS w5,
-               COALESCE(tp.cache_write_1h_bp, p.cache_write_1h_bp) AS w1,
-               COALESCE(tp.cache_read_bp, p.cache_read_bp) AS rd,
-               COALESCE(pl.discount_bp, 0) AS discount_bp,
+        SELECT {PRICED_GROUP},
                min(e.started_at) AS first_at,
                sum(e.input_tokens)::BIGINT AS input_tokens,
                sum(e.cache_write_5m_tokens)::BIGINT AS w5_tokens,
@@ -228,8 +237,8 @@ async fn usage_lines(
         FROM usage_events e
         {PRICES_IN_FORCE}
         WHERE e.tenant_id = $1 AND e.started_at >= $2 AND e.started_at < $3
-        GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
-        ORDER BY 1, 2, 10
+        GROUP BY {PRICED_GROUP_BY}
+        ORDER BY {PRICED_GROUP_ORDER}
         "#,
         PRICES_IN_FORCE = prices_in_force("started_at"),
     )))
@@ -239,24 +248,9 @@ async fn usage_lines(
     .fetch_all(&mut *conn)
     .await?;
 
-    let (currency, lines) = rate_groups(
-        tenant,
-        LineKind::Usage,
-        &groups,
-        Vec::new(),
-        |g, discount| {
+    let (currency, lines) =
+        rate_groups(tenant, LineKind::Usage, &groups, Vec::new(), |g, priced| {
             // Usage lines price no storage ([`storage_lines`] do).
-            let priced = discount.map(|d| {
-                let rates = Rates {
-                    input_nanos: g.get("input_nanos"),
-                    output_nanos: g.get("output_nanos"),
-                    cache_write_5m_bp: g.get("w5"),
-                    cache_write_1h_bp: g.get("w1"),
-                    cache_read_bp: g.get("rd"),
-                    cache_storage_hour_bp: 0,
-                };
-                (rates, d)
-            });
             TokenClass::ALL
                 .into_iter()
                 .map(|class| (class, class_tokens(g, class)))
@@ -278,8 +272,7 @@ async fn usage_lines(
                     }
                 })
                 .collect()
-        },
-    )?;
+        })?;
     Ok((currency.unwrap_or_else(|| "USD".to_string()), lines))
 }
 
@@ -301,8 +294,9 @@ struct Charge {
 
 /// The rating loop, for every kind of metered line: each group (one model × price version ×
 /// discount in force at its rows' start, in `groups`' columns `model`, `price_from`, `custom`,
-/// `currency`, `discount_bp`, `first_at`) as a line per charge that `charges` reads off it,
-/// given the group's discount (`None` where no price is in force). Rating never stops for a
+/// `currency`, `discount_bp`, the rates, `first_at`: [`PRICED_GROUP`]) as a line per charge
+/// that `charges` reads off it, given the group's rates and discount (`None` where no price
+/// is in force). Rating never stops for a
 /// missing price: such usage is listed, billed at zero, and the invoice names the model
 /// (`Invoice::unpriced`) so finance is told. Returns the one currency the priced lines (and
 /// `currencies`, those already in the invoice) are in.
@@ -311,7 +305,7 @@ fn rate_groups(
     kind: LineKind,
     groups: &[sqlx::postgres::PgRow],
     mut currencies: Vec<String>,
-    charges: impl Fn(&sqlx::postgres::PgRow, Option<i32>) -> Vec<Charge>,
+    charges: impl Fn(&sqlx::postgres::PgRow, Option<(Rates, i32)>) -> Vec<Charge>,
 ) -> Result<(Option<String>, Vec<Line>), BillingError> {
     let mut lines = Vec::new();
     for g in groups {
@@ -345,7 +339,8 @@ fn rate_groups(
         }
         let discount: i32 = g.get("discount_bp");
         let custom: bool = g.get("custom");
-        for c in charges(g, Some(discount)) {
+        let rates = <Rates as sqlx::FromRow<_>>::from_row(g)?;
+        for c in charges(g, Some((rates, discount))) {
             let mut description = format!(
                 "{model} {}: {} at {} nano/token × {}.{:04}{}{}",
                 c.label,
@@ -459,20 +454,14 @@ async fn storage_lines(
 ) -> Result<(String, Vec<Line>), BillingError> {
     let groups = sqlx::query(sqlx::AssertSqlSafe(format!(
         r#"
-        SELECT e.model,
-               COALESCE(tp.effective_from, p.effective_from) AS price_from,
-               (tp.tenant_id IS NOT NULL) AS custom,
-               COALESCE(p.currency, 'USD') AS currency,
-               COALESCE(tp.input_nanos, p.input_nanos) AS input_nanos,
-               COALESCE(tp.cache_storage_hour_bp, p.cache_storage_hour_bp) AS storage_bp,
-               COALESCE(pl.discount_bp, 0) AS discount_bp,
+        SELECT {PRICED_GROUP},
                min(e.hour_start) AS first_at,
                sum(e.tokens * e.seconds)::BIGINT AS token_seconds
         FROM cache_storage_events e
         {PRICES_IN_FORCE}
         WHERE e.tenant_id = $1 AND e.hour_start >= $2 AND e.hour_start < $3
-        GROUP BY 1, 2, 3, 4, 5, 6, 7
-        ORDER BY 1, 2, 7
+        GROUP BY {PRICED_GROUP_BY}
+        ORDER BY {PRICED_GROUP_ORDER}
         "#,
         PRICES_IN_FORCE = prices_in_force("hour_start"),
     )))
@@ -491,19 +480,11 @@ async fn storage_lines(
         LineKind::Storage,
         &groups,
         currencies,
-        |g, discount| {
+        |g, rated| {
             let token_seconds: i64 = g.get("token_seconds");
             // Storage reads only the input price and its storage multiplier.
-            let (nanos, bp, exact) = match discount {
-                Some(d) => {
-                    let rates = Rates {
-                        input_nanos: g.get("input_nanos"),
-                        cache_storage_hour_bp: g.get("storage_bp"),
-                        output_nanos: 0,
-                        cache_write_5m_bp: 0,
-                        cache_write_1h_bp: 0,
-                        cache_read_bp: 0,
-                    };
+            let (nanos, bp, exact) = match rated {
+                Some((rates, d)) => {
                     let exact = Exact::storage(token_seconds, &rates, d);
                     (rates.input_nanos, rates.cache_storage_hour_bp, exact)
                 }

@@ -18,10 +18,16 @@
 //!   book, tenant custom rates and plans; [`invoice`]: rating the ledger into monthly
 //!   invoices (draft, finalized, adjustments); [`rollup`]: hourly/daily rollups and the
 //!   reconciliation of ledger, rollups and invoices (decision 0010); [`storage`]: the hourly
-//!   meter of cache objects held (`cache_storage_events`, billed per token-hour).
+//!   ledger of cache objects held (`cache_storage_events`, billed per token-hour; the
+//!   control plane meters its objects into it).
 //!
 //! - [`dashboard`]: usage, cost and savings by cache over time from the rollups, and a
 //!   tenant's spend this month (the admin console and budget checks).
+//!
+//! - [`directory`]: the names of tenants, workspaces and keys, asked of the control plane
+//!   (which owns them) through a trait it implements.
+//!
+//! - [`synthetic`]: synthetic ledgers and raw ledger reads for the benchmarks.
 //!
 //! - [`csv`]: the one CSV field rule every export uses; [`pdf`]: an invoice as a PDF to send.
 //!
@@ -34,6 +40,7 @@ pub mod api;
 pub mod csv;
 pub mod dashboard;
 pub mod database;
+pub mod directory;
 pub mod event;
 mod intents;
 pub mod invoice;
@@ -45,12 +52,14 @@ pub mod pdf;
 pub mod prices;
 pub mod rollup;
 pub mod storage;
+pub mod synthetic;
 
 pub use meter::{Meter, MeterConfig, MeterError, MeterHandle, UsageEvent, UsageStatus};
 
 /// Run `work` every `every` (the first run at once; a run that overruns delays the next)
-/// until `stop`: the loop of the background jobs that keep billing's derived tables current.
-pub(crate) async fn each_tick<F, Fut>(
+/// until `stop`: the loop of the background jobs that keep the ledger's derived tables current
+/// (billing's own, and the control plane's storage meter).
+pub async fn each_tick<F, Fut>(
     every: std::time::Duration,
     stop: tokio_util::sync::CancellationToken,
     mut work: F,

@@ -125,19 +125,64 @@ impl TokenCounts {
     }
 }
 
-/// One price version's rates.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// One price version's rates: per token of each class, as a base price in nano-units and a
+/// multiplier of it in basis points. Read from JSON, a multiplier left out is the standard
+/// one (1.25× 5m write, 2× 1h write, 0.1× read, 1× per token-hour held).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    sqlx::FromRow,
+    utoipa::ToSchema,
+)]
 pub struct Rates {
     pub input_nanos: i64,
     pub output_nanos: i64,
+    #[serde(default = "standard::write_5m")]
     pub cache_write_5m_bp: i32,
+    #[serde(default = "standard::write_1h")]
     pub cache_write_1h_bp: i32,
+    #[serde(default = "standard::read")]
     pub cache_read_bp: i32,
-    /// Holding a cache object: a multiplier of the input price per token and hour held.
+    /// Holding a cache object, per token and hour, as a multiplier of the input price.
+    #[serde(default = "standard::storage_hour")]
     pub cache_storage_hour_bp: i32,
 }
 
+/// The standard multipliers (basis points of the input price).
+pub mod standard {
+    pub const fn write_5m() -> i32 {
+        12_500
+    }
+    pub const fn write_1h() -> i32 {
+        20_000
+    }
+    pub const fn read() -> i32 {
+        1_000
+    }
+    /// 1× the input price per token and hour held.
+    pub const fn storage_hour() -> i32 {
+        10_000
+    }
+}
+
 impl Rates {
+    /// `input_nanos` and `output_nanos` per token, with the standard multipliers.
+    pub const fn standard(input_nanos: i64, output_nanos: i64) -> Self {
+        Self {
+            input_nanos,
+            output_nanos,
+            cache_write_5m_bp: standard::write_5m(),
+            cache_write_1h_bp: standard::write_1h(),
+            cache_read_bp: standard::read(),
+            cache_storage_hour_bp: standard::storage_hour(),
+        }
+    }
+
     /// The per-token price of a class as (nanos, multiplier in basis points).
     pub fn of(&self, class: TokenClass) -> (i64, i32) {
         match class {
@@ -289,14 +334,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const SONNET: Rates = Rates {
-        input_nanos: 3_000,
-        output_nanos: 15_000,
-        cache_write_5m_bp: 12_500,
-        cache_write_1h_bp: 20_000,
-        cache_read_bp: 1_000,
-        cache_storage_hour_bp: 10_000,
-    };
+    const SONNET: Rates = Rates::standard(3_000, 15_000);
 
     proptest! {
         #[test]

@@ -20,26 +20,9 @@ pub struct PriceVersion {
     pub model: String,
     pub effective_from: DateTime<Utc>,
     pub currency: String,
-    pub input_nanos: i64,
-    pub output_nanos: i64,
-    pub cache_write_5m_bp: i32,
-    pub cache_write_1h_bp: i32,
-    pub cache_read_bp: i32,
-    /// Holding a cache object, per token and hour: a multiplier of `input_nanos`.
-    pub cache_storage_hour_bp: i32,
-}
-
-impl PriceVersion {
-    pub fn rates(&self) -> Rates {
-        Rates {
-            input_nanos: self.input_nanos,
-            output_nanos: self.output_nanos,
-            cache_write_5m_bp: self.cache_write_5m_bp,
-            cache_write_1h_bp: self.cache_write_1h_bp,
-            cache_read_bp: self.cache_read_bp,
-            cache_storage_hour_bp: self.cache_storage_hour_bp,
-        }
-    }
+    #[serde(flatten)]
+    #[sqlx(flatten)]
+    pub rates: Rates,
 }
 
 /// Who seeds the shipped list prices (the `created_by` of their versions).
@@ -62,21 +45,14 @@ pub fn list_default(model: &str) -> Option<Rates> {
         "sim-tiny" => (3_000, 15_000),
         _ => return None,
     };
-    Some(Rates {
-        input_nanos,
-        output_nanos,
-        cache_write_5m_bp: 12_500,
-        cache_write_1h_bp: 20_000,
-        cache_read_bp: 1_000,
-        cache_storage_hour_bp: DEFAULT_STORAGE_HOUR_BP,
-    })
+    Some(Rates::standard(input_nanos, output_nanos))
 }
 
 /// The storage price of a cache object, per token-hour, as a multiplier of the input price:
 /// an hour held costs what the token cost as input (the migration's column default too, so
 /// every version in the book has it). A day-long object of a model at $3/MTok costs $72 per
 /// MTok held, against $6 to write it for an hour.
-pub const DEFAULT_STORAGE_HOUR_BP: i32 = 10_000;
+pub const DEFAULT_STORAGE_HOUR_BP: i32 = crate::money::standard::storage_hour();
 
 /// Give each of `models` that has no list-price version at all its shipped default
 /// ([`list_default`]), in force from the epoch so no usage of it is ever unpriced. Returns
@@ -202,7 +178,7 @@ pub async fn set_price(
     backdate: bool,
     now: DateTime<Utc>,
 ) -> Result<(), BillingError> {
-    check_rates(&p.rates())?;
+    check_rates(&p.rates)?;
     if p.currency.len() != 3 || !p.currency.bytes().all(|b| b.is_ascii_uppercase()) {
         return Err(BillingError::Invalid(format!(
             "currency {:?} is not an ISO 4217 code",
@@ -219,13 +195,13 @@ pub async fn set_price(
     .bind(&p.model)
     .bind(p.effective_from)
     .bind(&p.currency)
-    .bind(p.input_nanos)
-    .bind(p.output_nanos)
-    .bind(p.cache_write_5m_bp)
-    .bind(p.cache_write_1h_bp)
-    .bind(p.cache_read_bp)
+    .bind(p.rates.input_nanos)
+    .bind(p.rates.output_nanos)
+    .bind(p.rates.cache_write_5m_bp)
+    .bind(p.rates.cache_write_1h_bp)
+    .bind(p.rates.cache_read_bp)
     .bind(actor)
-    .bind(p.cache_storage_hour_bp)
+    .bind(p.rates.cache_storage_hour_bp)
     .execute(pool)
     .await
     .map_err(|e| duplicate(e, &format!("model {}", p.model)))?;

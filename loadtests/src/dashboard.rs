@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use chrono::Utc;
 use identity::{Jwt, Role};
-use sqlx::Row;
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -46,13 +45,11 @@ pub async fn dashboard(
 ) -> anyhow::Result<()> {
     let (pool, name, url) = super::ledger::scratch(url).await?;
     let started = Instant::now();
-    seed(&pool, tenants, days).await?;
-    generate_ledger(&pool, rows, tenants, days, started).await?;
+    let keys = seed(&pool, tenants, days).await?;
+    generate_ledger(&pool, &keys, rows, tenants, days, started).await?;
     let generate_secs = started.elapsed().as_secs_f64();
     // A bulk load leaves work for autovacuum that would otherwise run during the timing.
-    sqlx::query("VACUUM (ANALYZE) usage_events")
-        .execute(&pool)
-        .await?;
+    billing::synthetic::analyze_ledger(&pool).await?;
     let now = Utc::now();
     let t0 = Instant::now();
     let r = roll_up(&pool, days, now).await?;
@@ -67,11 +64,9 @@ pub async fn dashboard(
     let http = reqwest::Client::new();
 
     // The busiest tenant and a middling one.
-    let busiest: uuid::Uuid = sqlx::query_scalar(
-        "SELECT tenant_id FROM usage_rollups WHERE granularity = 'day' GROUP BY 1 ORDER BY sum(requests) DESC LIMIT 1",
-    )
-    .fetch_one(&pool)
-    .await?;
+    let busiest = billing::synthetic::busiest_tenant(&pool)
+        .await?
+        .context("the generated ledger rolled up to no tenant")?;
     let fmt = |t: chrono::DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
     let month = (fmt(now - chrono::Duration::days(days)), fmt(now));
     let day = (fmt(now - chrono::Duration::days(1)), fmt(now));
@@ -107,26 +102,32 @@ pub async fn dashboard(
     super::ledger::drop_scratch(pool, &name, &url).await
 }
 
-/// `tenants` tenants with 5 keys each (numbered for the generator in `bench_keys`), and list
+/// Keys each generated tenant has.
+const KEYS_PER_TENANT: i32 = 5;
+
+/// `tenants` tenants with [`KEYS_PER_TENANT`] keys each (numbered for the generator), and list
 /// prices for the models from before the ledger's first day.
-async fn seed(pool: &sqlx::PgPool, tenants: usize, days: i64) -> anyhow::Result<()> {
-    // Tenants with 5 keys each (numbered for the generator), and list prices for the models.
+async fn seed(
+    pool: &sqlx::PgPool,
+    tenants: usize,
+    days: i64,
+) -> anyhow::Result<Vec<billing::synthetic::SyntheticKey>> {
     let actor = control::tenants::Actor::cli("bench");
+    let mut keys = Vec::with_capacity(tenants * KEYS_PER_TENANT as usize);
     for i in 0..tenants {
         let t = control::tenants::create_tenant(pool, &actor, &format!("bench-{i:05}")).await?;
-        for k in 0..5 {
-            control::tenants::create_key(pool, &actor, &t, &format!("k{k}"), None).await?;
+        for k in 0..KEYS_PER_TENANT {
+            let key =
+                control::tenants::create_key(pool, &actor, &t, &format!("k{k}"), None).await?;
+            keys.push(billing::synthetic::SyntheticKey {
+                tenant_index: i as i32,
+                key_index: k,
+                tenant: t.id.as_uuid(),
+                workspace: t.default_workspace.as_uuid(),
+                key: key.id.as_uuid(),
+            });
         }
     }
-    sqlx::query(
-        "CREATE UNLOGGED TABLE bench_keys AS SELECT \
-         (row_number() OVER (PARTITION BY k.tenant_id ORDER BY k.id) - 1)::INT AS ki, t.rn::INT AS ti, \
-         k.tenant_id AS tenant, k.workspace_id AS ws, k.id AS key \
-         FROM api_keys k JOIN (SELECT id, row_number() OVER (ORDER BY name) - 1 AS rn FROM tenants) t \
-         ON t.id = k.tenant_id",
-    )
-    .execute(pool)
-    .await?;
     for model in ["sim-llama-8b", "sim-llama-70b"] {
         billing::prices::set_price(
             pool,
@@ -134,12 +135,10 @@ async fn seed(pool: &sqlx::PgPool, tenants: usize, days: i64) -> anyhow::Result<
                 model: model.into(),
                 effective_from: Utc::now() - chrono::Duration::days(days + 30),
                 currency: "USD".into(),
-                input_nanos: if model.ends_with("8b") { 300 } else { 3_000 },
-                output_nanos: if model.ends_with("8b") { 1_500 } else { 15_000 },
-                cache_write_5m_bp: 12_500,
-                cache_write_1h_bp: 20_000,
-                cache_read_bp: 1_000,
-                cache_storage_hour_bp: 10_000,
+                rates: billing::money::Rates::standard(
+                    if model.ends_with("8b") { 300 } else { 3_000 },
+                    if model.ends_with("8b") { 1_500 } else { 15_000 },
+                ),
             },
             "bench",
             true,
@@ -147,13 +146,14 @@ async fn seed(pool: &sqlx::PgPool, tenants: usize, days: i64) -> anyhow::Result<
         )
         .await?;
     }
-    Ok(())
+    Ok(keys)
 }
 
 /// `rows` ledger rows generated in Postgres in batches: tenant i gets a share ∝ (1 − x²)'
 /// skew (the square of a uniform draw), keys and models uniformly.
 async fn generate_ledger(
     pool: &sqlx::PgPool,
+    keys: &[billing::synthetic::SyntheticKey],
     rows: usize,
     tenants: usize,
     days: i64,
@@ -163,23 +163,14 @@ async fn generate_ledger(
     let mut done = 0usize;
     while done < rows {
         let n = batch.min(rows - done);
-        sqlx::query(
-            "INSERT INTO usage_events (request_id, tenant_id, workspace_id, api_key_id, model, input_tokens, \
-             cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens, output_tokens, status, started_at, finished_at) \
-             SELECT gen_random_uuid(), k.tenant, k.ws, k.key, \
-                    CASE WHEN r.m < 0.8 THEN 'sim-llama-8b' ELSE 'sim-llama-70b' END, \
-                    (r.a * 2000)::BIGINT, (r.b * 800)::BIGINT, CASE WHEN r.b > 0.9 THEN 500 ELSE 0 END, \
-                    (r.c * 6000)::BIGINT, (r.a * 400)::BIGINT, 'completed', r.at, r.at + interval '2 seconds' \
-             FROM (SELECT floor(power(random(), 2) * $2)::INT AS ti, floor(random() * 5)::INT AS ki, random() AS m, \
-                          random() AS a, random() AS b, random() AS c, \
-                          now() - random() * make_interval(days => $3) AS at \
-                   FROM generate_series(1, $1)) r \
-             JOIN bench_keys k ON k.ti = r.ti AND k.ki = r.ki",
+        billing::synthetic::ledger(
+            pool,
+            keys,
+            tenants as i32,
+            KEYS_PER_TENANT,
+            n as i64,
+            days as i32,
         )
-        .bind(n as i64)
-        .bind(tenants as i32)
-        .bind(days as i32)
-        .execute(pool)
         .await
         .context("generating ledger rows")?;
         done += n;
@@ -203,9 +194,7 @@ async fn roll_up(
         now + chrono::Duration::hours(1),
     )
     .await?;
-    sqlx::query("VACUUM (ANALYZE) usage_rollups")
-        .execute(pool)
-        .await?;
+    billing::synthetic::analyze_rollups(pool).await?;
     Ok(r)
 }
 
@@ -272,17 +261,9 @@ async fn check_against_ledger(
         .await?
         .json()
         .await?;
-    let ledger = sqlx::query(
-        "SELECT count(*)::BIGINT AS n, sum(input_tokens)::BIGINT AS i, sum(cache_read_tokens)::BIGINT AS r \
-         FROM usage_events WHERE tenant_id = $1 AND started_at >= date_trunc('hour', $2::TIMESTAMPTZ) \
-         AND started_at < date_trunc('hour', $3::TIMESTAMPTZ) + interval '1 hour'",
-    )
-    .bind(busiest)
-    .bind(now - chrono::Duration::days(days))
-    .bind(now)
-    .fetch_one(pool)
-    .await?;
-    let (n, i, rd): (i64, i64, i64) = (ledger.get("n"), ledger.get("i"), ledger.get("r"));
+    let (n, i, rd) =
+        billing::synthetic::ledger_totals(pool, busiest, now - chrono::Duration::days(days), now)
+            .await?;
     let tot = &check["totals"];
     anyhow::ensure!(
         tot["requests"] == n && tot["input_tokens"] == i && tot["cache_read_tokens"] == rd,
@@ -345,16 +326,8 @@ async fn raw_ledger(
     let mut raw = Vec::new();
     for _ in 0..10 {
         let t = Instant::now();
-        sqlx::query(
-            "SELECT date_trunc('day', started_at, 'UTC') AS d, model, count(*), sum(input_tokens), sum(cache_write_5m_tokens), \
-             sum(cache_write_1h_tokens), sum(cache_read_tokens), sum(output_tokens) FROM usage_events \
-             WHERE tenant_id = $1 AND started_at >= $2 AND started_at < $3 GROUP BY 1, 2",
-        )
-        .bind(busiest)
-        .bind(now - chrono::Duration::days(days))
-        .bind(now)
-        .fetch_all(pool)
-        .await?;
+        billing::synthetic::daily_by_model(pool, busiest, now - chrono::Duration::days(days), now)
+            .await?;
         raw.push(t.elapsed().as_secs_f64() * 1e3);
     }
     Ok(raw)

@@ -118,9 +118,7 @@ pub async fn ingest(
     let meter_secs = started.elapsed().as_secs_f64();
     stop.cancel();
     task.await?;
-    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM usage_events")
-        .fetch_one(&pool)
-        .await?;
+    let rows = billing::synthetic::rows(&pool).await?;
     anyhow::ensure!(
         rows as usize == n,
         "ledger holds {rows} rows for {n} events"
@@ -138,9 +136,6 @@ pub async fn ingest(
     let rollup_secs = started.elapsed().as_secs_f64();
 
     // The same rows as CSV, COPYed into a table with no index or key.
-    sqlx::query("CREATE TABLE bench_copy (LIKE usage_events INCLUDING DEFAULTS)")
-        .execute(&pool)
-        .await?;
     let mut csv = Vec::with_capacity(n * 200);
     for e in &evs {
         use std::io::Write;
@@ -161,21 +156,9 @@ pub async fn ingest(
             e.finished_at.to_rfc3339()
         )?;
     }
-    let mut conn = pool.acquire().await?;
     let started = Instant::now();
-    let mut copy = conn
-        .copy_in_raw(
-            "COPY bench_copy (request_id, tenant_id, workspace_id, api_key_id, model, input_tokens, \
-             cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens, output_tokens, status, \
-             started_at, finished_at) FROM STDIN WITH (FORMAT csv)",
-        )
-        .await?;
-    for chunk in csv.chunks(1 << 20) {
-        copy.send(chunk).await?;
-    }
-    let copied = copy.finish().await?;
+    let copied = billing::synthetic::copy_baseline(&pool, &csv).await?;
     let copy_secs = started.elapsed().as_secs_f64();
-    drop(conn);
     anyhow::ensure!(copied as usize == n, "COPY took {copied} of {n} rows");
 
     let meter_rate = n as f64 / meter_secs;
@@ -200,19 +183,7 @@ pub async fn ingest(
 /// during the export against its RSS before.
 pub async fn export(url: &str, rows: usize) -> anyhow::Result<()> {
     let (pool, name, url) = scratch(url).await?;
-    sqlx::query(
-        r#"INSERT INTO usage_events (request_id, tenant_id, workspace_id, api_key_id, model,
-             input_tokens, cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens,
-             output_tokens, status, started_at, finished_at)
-           SELECT gen_random_uuid(), gen_random_uuid(), gen_random_uuid(), gen_random_uuid(),
-                  'sim-llama-8b', i % 4000, i % 700, i % 150, i % 11000, i % 500, 'completed',
-                  '2026-10-01T00:00:00Z'::TIMESTAMPTZ + (i % 2592000) * INTERVAL '1 second',
-                  '2026-10-01T00:00:00Z'::TIMESTAMPTZ + (i % 2592000) * INTERVAL '1 second'
-           FROM generate_series(1, $1) AS i"#,
-    )
-    .bind(rows as i64)
-    .execute(&pool)
-    .await?;
+    billing::synthetic::export_month(&pool, rows as i64).await?;
     let secret = "bench-secret-for-the-finance-api-token-0123456789";
     let jwt = identity::Jwt::new(secret.as_bytes())?;
     let token = jwt.issue(
@@ -227,6 +198,7 @@ pub async fn export(url: &str, rows: usize) -> anyhow::Result<()> {
             sessions: std::sync::Arc::new(control::admin::login::SessionStore(pool.clone())),
             jwt: Some(std::sync::Arc::new(jwt)),
         },
+        directory: std::sync::Arc::new(control::tenants::directory::Directory(pool.clone())),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;

@@ -34,6 +34,17 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Subcommand;
 
+/// The Postgres server a benchmark makes its scratch database on (and drops it after).
+#[derive(clap::Args)]
+pub struct Scratch {
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    pub database_url: String,
+}
+
 #[derive(Subcommand)]
 pub enum Command {
     /// Replay a Mooncake-format trace (or a synthetic workload) against a running Cachet
@@ -154,24 +165,16 @@ pub enum Command {
         /// Share of events delivered twice (retries, spool replays), in percent.
         #[arg(long, default_value_t = 10)]
         duplicates: usize,
-        #[arg(
-            long,
-            env = "DATABASE_URL",
-            default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-        )]
-        database_url: String,
+        #[command(flatten)]
+        db: Scratch,
     },
     /// A streamed CSV export of a large ledger through the finance API, with the process's
     /// peak RSS (a scratch database, dropped after).
     Export {
         #[arg(long, default_value_t = 1_000_000)]
         rows: usize,
-        #[arg(
-            long,
-            env = "DATABASE_URL",
-            default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-        )]
-        database_url: String,
+        #[command(flatten)]
+        db: Scratch,
     },
     /// The admin dashboard's usage API over a large ledger (generated in a scratch database,
     /// rolled up): latency per query shape over HTTP, beside the same totals read from the
@@ -188,12 +191,8 @@ pub enum Command {
         requests: usize,
         #[arg(long, default_value_t = 4)]
         concurrency: usize,
-        #[arg(
-            long,
-            env = "DATABASE_URL",
-            default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-        )]
-        database_url: String,
+        #[command(flatten)]
+        db: Scratch,
     },
     /// N identical cold requests at once: writers, readers, the engine's prefill time for the
     /// burst and TTFT (in-flight coalescing on vs off: run against a server started with
@@ -347,17 +346,19 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             events,
             producers,
             duplicates,
-            database_url,
-        } => ledger::ingest(&database_url, events, producers, duplicates).await,
-        Command::Export { rows, database_url } => ledger::export(&database_url, rows).await,
+            db,
+        } => ledger::ingest(&db.database_url, events, producers, duplicates).await,
+        Command::Export { rows, db } => ledger::export(&db.database_url, rows).await,
         Command::Dashboard {
             rows,
             tenants,
             days,
             requests,
             concurrency,
-            database_url,
-        } => dashboard::dashboard(&database_url, rows, tenants, days, requests, concurrency).await,
+            db,
+        } => {
+            dashboard::dashboard(&db.database_url, rows, tenants, days, requests, concurrency).await
+        }
     }
 }
 

@@ -30,14 +30,7 @@ impl Prices {
     /// million input / output tokens; Cachet's multipliers (1.25× 5m write, 2× 1h write,
     /// 0.1× read).
     pub fn list_default(model: &str) -> Self {
-        let rates = billing::prices::list_default(model).unwrap_or(Rates {
-            input_nanos: 3_000,
-            output_nanos: 15_000,
-            cache_write_5m_bp: 12_500,
-            cache_write_1h_bp: 20_000,
-            cache_read_bp: 1_000,
-            cache_storage_hour_bp: billing::prices::DEFAULT_STORAGE_HOUR_BP,
-        });
+        let rates = billing::prices::list_default(model).unwrap_or(Rates::standard(3_000, 15_000));
         Self {
             rates,
             currency: "USD".into(),
@@ -58,12 +51,8 @@ pub async fn price_book(
         model: String,
         effective_from: DateTime<Utc>,
         currency: String,
-        input_nanos: i64,
-        output_nanos: i64,
-        cache_write_5m_bp: i32,
-        cache_write_1h_bp: i32,
-        cache_read_bp: i32,
-        cache_storage_hour_bp: i32,
+        #[serde(flatten)]
+        rates: Rates,
     }
     let resp = client
         .get(format!("{}/v1/billing/prices", url.trim_end_matches('/')))
@@ -85,14 +74,7 @@ pub async fn price_book(
         .filter(|p| p.model == model && p.effective_from <= now)
         .max_by_key(|p| p.effective_from)
         .map(|p| Prices {
-            rates: Rates {
-                input_nanos: p.input_nanos,
-                output_nanos: p.output_nanos,
-                cache_write_5m_bp: p.cache_write_5m_bp,
-                cache_write_1h_bp: p.cache_write_1h_bp,
-                cache_read_bp: p.cache_read_bp,
-                cache_storage_hour_bp: p.cache_storage_hour_bp,
-            },
+            rates: p.rates,
             currency: p.currency,
             source: format!("price book, {model} from {}", p.effective_from.to_rfc3339()),
         }))

@@ -423,14 +423,7 @@ mod tests {
 
     #[test]
     fn caching_costs_less_when_reads_outweigh_writes() {
-        let rates = Rates {
-            input_nanos: 3_000,
-            output_nanos: 15_000,
-            cache_write_5m_bp: 12_500,
-            cache_write_1h_bp: 20_000,
-            cache_read_bp: 1_000,
-            cache_storage_hour_bp: 10_000,
-        };
+        let rates = Rates::standard(3_000, 15_000);
         let u = Usage {
             input_tokens: 100,
             cache_write_5m_tokens: 1_000,

@@ -226,6 +226,20 @@ impl TestApp {
     }
 }
 
+/// A Messages request to the server at `url` with `key` and Anthropic's version header,
+/// ready to send.
+pub fn messages(
+    http: &reqwest::Client,
+    url: &str,
+    key: &str,
+    body: &Value,
+) -> reqwest::RequestBuilder {
+    http.post(format!("{url}/v1/messages"))
+        .header("x-api-key", key)
+        .header("anthropic-version", "2023-06-01")
+        .json(body)
+}
+
 /// A new tenant with one key named `key_name`; the key's secret.
 pub async fn tenant_with_key(pool: &sqlx::PgPool, key_name: &str) -> String {
     let actor = control::tenants::Actor::cli("test");

@@ -132,6 +132,7 @@ pub fn state(
                 sessions: Arc::new(login::SessionStore(pool.clone())),
                 jwt,
             },
+            directory: Arc::new(crate::tenants::directory::Directory(pool.clone())),
         },
         pool,
         server_key,

@@ -68,6 +68,13 @@ pub async fn usage(
         } else {
             Granularity::Day
         });
+    let key_workspaces = if q.group_by == GroupBy::Workspace || q.workspace.is_some() {
+        tenants::directory::key_workspaces(&state.pool, id)
+            .await
+            .map_err(AdminError::from)?
+    } else {
+        Vec::new()
+    };
     let report = dashboard::usage(
         &state.pool,
         &dashboard::UsageQuery {
@@ -77,6 +84,7 @@ pub async fn usage(
             granularity,
             group_by: q.group_by,
             workspace: q.workspace,
+            key_workspaces: &key_workspaces,
         },
     )
     .await?;

@@ -5,12 +5,14 @@
 //!   [`lookup_key`], which resolves a presented key to a [`Principal`];
 //! - [`keys`]: API keys (secrets shown once, expiry, rotation with a grace period);
 //! - [`policy`]: a tenant's limits and cache policy;
-//! - [`audit`]: the append-only audit log every change writes in its own transaction.
+//! - [`audit`]: the append-only audit log every change writes in its own transaction;
+//! - [`directory`]: the names and key workspaces billing asks for (it owns no such table).
 //!
 //! Every change takes an [`Actor`] and writes its audit row in the same transaction; the
 //! audit log is also the change feed running gateways and nodes follow.
 
 pub mod audit;
+pub mod directory;
 pub mod keys;
 pub mod policy;
 pub mod workspaces;

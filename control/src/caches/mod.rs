@@ -7,6 +7,8 @@
 //! an object of another tenant or workspace is "not found", never "forbidden", so ids leak
 //! nothing. An object past its expiry, or deleted, is not found either.
 
+pub mod meter;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
