@@ -744,7 +744,7 @@ async fn usage(pool: &PgPool, a: UsageArgs) -> anyhow::Result<()> {
         granularity,
         group_by,
         workspace,
-        key_workspaces: &key_workspaces,
+        key_workspaces: Some(&key_workspaces),
     };
     let r = billing::dashboard::usage(pool, &q).await?;
     print_json(&r)?;

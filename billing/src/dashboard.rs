@@ -324,8 +324,9 @@ pub struct UsageQuery<'a> {
     pub workspace: Option<Uuid>,
     /// The workspace of each of the tenant's keys, `(key, workspace)`: what a report split
     /// or filtered by workspace reads (the rollups carry the key; the keys are the control
-    /// plane's, which passes them in). A key not listed belongs to no workspace.
-    pub key_workspaces: &'a [(Uuid, Uuid)],
+    /// plane's, which passes them in), refused without it. A key not listed belongs to no
+    /// workspace.
+    pub key_workspaces: Option<&'a [(Uuid, Uuid)]>,
 }
 
 impl UsageQuery<'static> {
@@ -338,7 +339,7 @@ impl UsageQuery<'static> {
             granularity: Granularity::Day,
             group_by: GroupBy::None,
             workspace: None,
-            key_workspaces: &[],
+            key_workspaces: None,
         }
     }
 }
@@ -527,6 +528,11 @@ async fn rolled_up(
     .bind(group_by == GroupBy::Workspace)
     .bind(workspace);
     let query = if by_workspace {
+        let Some(key_workspaces) = key_workspaces else {
+            return Err(BillingError::Invalid(
+                "a usage report by workspace needs the keys' workspaces".into(),
+            ));
+        };
         let (keys, workspaces): (Vec<Uuid>, Vec<Uuid>) = key_workspaces.iter().copied().unzip();
         query.bind(keys).bind(workspaces)
     } else {
@@ -604,12 +610,13 @@ pub fn month_of(now: DateTime<Utc>) -> (DateTime<Utc>, DateTime<Utc>) {
 pub async fn month_spend(
     pool: &PgPool,
     tenant: Uuid,
-    workspace: Option<Uuid>,
+    workspace: Option<(Uuid, &[(Uuid, Uuid)])>,
     now: DateTime<Utc>,
 ) -> Result<(String, i64), BillingError> {
     let (start, next) = month_of(now);
     let q = UsageQuery {
-        workspace,
+        workspace: workspace.map(|(w, _)| w),
+        key_workspaces: workspace.map(|(_, keys)| keys),
         ..UsageQuery::tenant(tenant, start, next)
     };
     let r = usage(pool, &q).await?;

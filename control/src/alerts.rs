@@ -175,9 +175,15 @@ pub async fn standings(
             currency,
         });
     }
-    for (_, ws, limit_minor) in crate::tenants::workspaces::budgeted(pool, &[tenant]).await? {
+    let budgeted = crate::tenants::workspaces::budgeted(pool, &[tenant]).await?;
+    let key_workspaces = if budgeted.is_empty() {
+        Vec::new()
+    } else {
+        crate::tenants::directory::key_workspaces(pool, tenant).await?
+    };
+    for (_, ws, limit_minor) in budgeted {
         let (currency, spent_minor) =
-            billing::dashboard::month_spend(pool, tenant, Some(ws), now).await?;
+            billing::dashboard::month_spend(pool, tenant, Some((ws, &key_workspaces)), now).await?;
         out.push(Standing {
             tenant,
             workspace: Some(ws),

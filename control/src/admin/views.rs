@@ -84,7 +84,7 @@ pub async fn usage(
             granularity,
             group_by: q.group_by,
             workspace: q.workspace,
-            key_workspaces: &key_workspaces,
+            key_workspaces: Some(&key_workspaces),
         },
     )
     .await?;
