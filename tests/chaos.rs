@@ -66,10 +66,7 @@ async fn one_request(
     let mut body = common::cached_body(300, &format!("question {n}"), 300);
     body["stream"] = stream.into();
     let sent = Instant::now();
-    let resp = common::messages(&http, &url, key, &body)
-        .send()
-        .await
-        .ok()?;
+    let resp = common::messages(http, url, key, &body).send().await.ok()?;
     let id = RequestId::from_str(resp.headers().get("request-id")?.to_str().ok()?).ok()?;
     let status = resp.status().as_u16();
     let answer = |seen, usage| {

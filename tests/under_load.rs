@@ -43,10 +43,7 @@ struct Answer {
 }
 
 async fn post(http: &reqwest::Client, url: &str, key: &str, body: &Value) -> Answer {
-    let r = common::messages(&http, &url, key, &body)
-        .send()
-        .await
-        .unwrap();
+    let r = common::messages(http, url, key, body).send().await.unwrap();
     let status = r.status().as_u16();
     let header = |n: &str| {
         r.headers()
