@@ -237,17 +237,17 @@ async fn set_price(pool: &PgPool, args: PriceArgs) -> anyhow::Result<()> {
         actor,
     } = args;
     let now = Utc::now();
+    let rates = Rates {
+        input_nanos,
+        output_nanos,
+        cache_write_5m_bp: write_5m_bp,
+        cache_write_1h_bp: write_1h_bp,
+        cache_read_bp: read_bp,
+        cache_storage_hour_bp: storage_hour_bp,
+    };
     match tenant {
         Some(t) => {
             let id = tenant_id(pool, &t).await?;
-            let rates = Rates {
-                input_nanos,
-                output_nanos,
-                cache_write_5m_bp: write_5m_bp,
-                cache_write_1h_bp: write_1h_bp,
-                cache_read_bp: read_bp,
-                cache_storage_hour_bp: storage_hour_bp,
-            };
             let price = prices::TenantPrice {
                 tenant: id,
                 model: model.clone(),
@@ -261,14 +261,7 @@ async fn set_price(pool: &PgPool, args: PriceArgs) -> anyhow::Result<()> {
                 model: model.clone(),
                 effective_from: from,
                 currency,
-                rates: Rates {
-                    input_nanos,
-                    output_nanos,
-                    cache_write_5m_bp: write_5m_bp,
-                    cache_write_1h_bp: write_1h_bp,
-                    cache_read_bp: read_bp,
-                    cache_storage_hour_bp: storage_hour_bp,
-                },
+                rates,
             };
             prices::set_price(pool, &p, &actor, backdate, now).await?;
         }

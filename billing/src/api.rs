@@ -622,7 +622,7 @@ fn micros(t: DateTime<Utc>) -> String {
 }
 
 /// Fill in a row's names and its cost from its tenant's names and prices.
-fn rate<R: ExportRow>(r: &mut R, rater: &crate::dashboard::Rater, names: &TenantNames) {
+fn name_and_rate<R: ExportRow>(r: &mut R, rater: &crate::dashboard::Rater, names: &TenantNames) {
     let (model, at, metered) = r.metered();
     let cost = rater.rate(model, at, &metered);
     let currency = rater.currency(model, at).map(str::to_string);
@@ -721,7 +721,7 @@ fn stream_rows<R: ExportRow>(
                         }
                     }
                     if let Some((rater, names)) = tenants.get(&tenant) {
-                        rate(&mut r, rater, names);
+                        name_and_rate(&mut r, rater, names);
                     }
                     encode(format, &mut r, &mut buf);
                     if buf.len() >= 64 * 1024 {
@@ -861,7 +861,8 @@ impl ExportRow for StorageRow {
     }
     fn event(&self) -> (String, String) {
         // The ledger's key: one event per object and hour.
-        (format!("{}/{}", self.object_id, self.hour()), self.hour())
+        let hour = self.hour();
+        (format!("{}/{hour}", self.object_id), hour)
     }
 }
 

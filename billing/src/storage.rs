@@ -47,11 +47,6 @@ pub async fn record(tx: &mut sqlx::PgConnection, held: &[Held]) -> Result<u64, B
     if held.is_empty() {
         return Ok(0);
     }
-    let column = |f: fn(&Held) -> String| held.iter().map(f).collect::<Vec<_>>();
-    let ids = column(|h| h.object_id.clone());
-    let models = column(|h| h.model.clone());
-    let uuids = |f: fn(&Held) -> Uuid| held.iter().map(f).collect::<Vec<_>>();
-    let times = |f: fn(&Held) -> DateTime<Utc>| held.iter().map(f).collect::<Vec<_>>();
     let written: i64 = sqlx::query_scalar(
         r#"
         WITH held AS (
@@ -82,16 +77,20 @@ pub async fn record(tx: &mut sqlx::PgConnection, held: &[Held]) -> Result<u64, B
         SELECT count(*) FROM written
         "#,
     )
-    .bind(ids)
-    .bind(uuids(|h| h.tenant_id))
-    .bind(uuids(|h| h.workspace_id))
-    .bind(uuids(|h| h.api_key_id))
-    .bind(models)
+    .bind(
+        held.iter()
+            .map(|h| h.object_id.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(held.iter().map(|h| h.tenant_id).collect::<Vec<_>>())
+    .bind(held.iter().map(|h| h.workspace_id).collect::<Vec<_>>())
+    .bind(held.iter().map(|h| h.api_key_id).collect::<Vec<_>>())
+    .bind(held.iter().map(|h| h.model.as_str()).collect::<Vec<_>>())
     .bind(held.iter().map(|h| h.tokens).collect::<Vec<_>>())
-    .bind(times(|h| h.created_at))
-    .bind(times(|h| h.ends_at))
-    .bind(times(|h| h.from))
-    .bind(times(|h| h.upto))
+    .bind(held.iter().map(|h| h.created_at).collect::<Vec<_>>())
+    .bind(held.iter().map(|h| h.ends_at).collect::<Vec<_>>())
+    .bind(held.iter().map(|h| h.from).collect::<Vec<_>>())
+    .bind(held.iter().map(|h| h.upto).collect::<Vec<_>>())
     .fetch_one(&mut *tx)
     .await?;
     crate::metrics::STORAGE_ROWS.inc_by(written as u64);

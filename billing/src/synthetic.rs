@@ -22,20 +22,17 @@ pub struct SyntheticKey {
     pub key: Uuid,
 }
 
-/// `rows` ledger rows over the last `days` days, generated in Postgres: the tenant at index
-/// `i` of `tenants` gets a share ∝ the square of a uniform draw (the first tenants most), its
-/// `keys_per_tenant` keys and the two `sim-llama` models (80/20) uniformly.
+/// `rows` ledger rows over the last `days` days, generated in Postgres: the tenants of `keys`
+/// (by index) get a share ∝ the square of a uniform draw (the lowest indexes most); each
+/// tenant's keys (as many for every tenant) and the two `sim-llama` models (80/20) uniformly.
 pub async fn ledger(
     pool: &PgPool,
     keys: &[SyntheticKey],
-    tenants: i32,
-    keys_per_tenant: i32,
     rows: i64,
     days: i32,
 ) -> Result<u64, BillingError> {
-    let col = |f: fn(&SyntheticKey) -> Uuid| keys.iter().map(f).collect::<Vec<_>>();
-    let ti: Vec<i32> = keys.iter().map(|k| k.tenant_index).collect();
-    let ki: Vec<i32> = keys.iter().map(|k| k.key_index).collect();
+    let tenants = keys.iter().map(|k| k.tenant_index + 1).max().unwrap_or(0);
+    let keys_per_tenant = keys.iter().map(|k| k.key_index + 1).max().unwrap_or(0);
     let done = sqlx::query(
         "INSERT INTO usage_events (request_id, tenant_id, workspace_id, api_key_id, model, input_tokens, \
          cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens, output_tokens, status, started_at, finished_at) \
@@ -54,11 +51,11 @@ pub async fn ledger(
     .bind(tenants)
     .bind(days)
     .bind(keys_per_tenant)
-    .bind(ti)
-    .bind(ki)
-    .bind(col(|k| k.tenant))
-    .bind(col(|k| k.workspace))
-    .bind(col(|k| k.key))
+    .bind(keys.iter().map(|k| k.tenant_index).collect::<Vec<_>>())
+    .bind(keys.iter().map(|k| k.key_index).collect::<Vec<_>>())
+    .bind(keys.iter().map(|k| k.tenant).collect::<Vec<_>>())
+    .bind(keys.iter().map(|k| k.workspace).collect::<Vec<_>>())
+    .bind(keys.iter().map(|k| k.key).collect::<Vec<_>>())
     .execute(pool)
     .await?;
     Ok(done.rows_affected())
@@ -161,14 +158,39 @@ pub async fn daily_by_model(
     .len())
 }
 
-/// The limit an ingest is compared with: `csv` (ledger rows in the ledger's column order)
-/// `COPY`ed into a new table shaped like the ledger with no index or key (`bench_copy`); the
-/// rows copied.
-pub async fn copy_baseline(pool: &PgPool, csv: &[u8]) -> Result<u64, BillingError> {
+/// The limit an ingest is compared with: `events` written as CSV and `COPY`ed into a new table
+/// shaped like the ledger with no index or key (`bench_copy`). Returns the rows copied and how
+/// long the `COPY` alone took.
+pub async fn copy_baseline(
+    pool: &PgPool,
+    events: &[crate::UsageEvent],
+) -> Result<(u64, std::time::Duration), BillingError> {
+    use std::io::Write;
     sqlx::query("CREATE TABLE bench_copy (LIKE usage_events INCLUDING DEFAULTS)")
         .execute(pool)
         .await?;
+    let mut csv = Vec::with_capacity(events.len() * 200);
+    for e in events {
+        let _ = writeln!(
+            csv,
+            "{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            e.request_id.0,
+            e.tenant_id.as_uuid(),
+            e.workspace_id.as_uuid(),
+            e.api_key_id.as_uuid(),
+            crate::csv::field(&e.model),
+            e.input_tokens,
+            e.cache_write_5m_tokens,
+            e.cache_write_1h_tokens,
+            e.cache_read_tokens,
+            e.output_tokens,
+            e.status.as_str(),
+            e.started_at.to_rfc3339(),
+            e.finished_at.to_rfc3339()
+        );
+    }
     let mut conn = pool.acquire().await?;
+    let started = std::time::Instant::now();
     let mut copy = conn
         .copy_in_raw(
             "COPY bench_copy (request_id, tenant_id, workspace_id, api_key_id, model, input_tokens, \
@@ -179,5 +201,6 @@ pub async fn copy_baseline(pool: &PgPool, csv: &[u8]) -> Result<u64, BillingErro
     for chunk in csv.chunks(1 << 20) {
         copy.send(chunk).await?;
     }
-    Ok(copy.finish().await?)
+    let rows = copy.finish().await?;
+    Ok((rows, started.elapsed()))
 }

@@ -46,7 +46,7 @@ pub async fn dashboard(
     let (pool, name, url) = super::ledger::scratch(url).await?;
     let started = Instant::now();
     let keys = seed(&pool, tenants, days).await?;
-    generate_ledger(&pool, &keys, rows, tenants, days, started).await?;
+    generate_ledger(&pool, &keys, rows, days, started).await?;
     let generate_secs = started.elapsed().as_secs_f64();
     // A bulk load leaves work for autovacuum that would otherwise run during the timing.
     billing::synthetic::analyze_ledger(&pool).await?;
@@ -155,7 +155,6 @@ async fn generate_ledger(
     pool: &sqlx::PgPool,
     keys: &[billing::synthetic::SyntheticKey],
     rows: usize,
-    tenants: usize,
     days: i64,
     started: Instant,
 ) -> anyhow::Result<()> {
@@ -163,16 +162,9 @@ async fn generate_ledger(
     let mut done = 0usize;
     while done < rows {
         let n = batch.min(rows - done);
-        billing::synthetic::ledger(
-            pool,
-            keys,
-            tenants as i32,
-            KEYS_PER_TENANT,
-            n as i64,
-            days as i32,
-        )
-        .await
-        .context("generating ledger rows")?;
+        billing::synthetic::ledger(pool, keys, n as i64, days as i32)
+            .await
+            .context("generating ledger rows")?;
         done += n;
         eprintln!(
             "ledger rows: {done}/{rows} ({:.0} s)",
