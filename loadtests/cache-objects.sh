@@ -12,30 +12,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-8}
-BIN=${CACHET_BIN:-${CARGO_TARGET_DIR:-target}/release/cachet}
-[ -x "$BIN" ] || cargo build --release --locked --bin cachet
-PG=${BENCH_PG:-postgres://postgres@127.0.0.1:5432}
-DB=cachet_bench_objects_$$
-OUT=$(mktemp -d)
+. loadtests/bench-lib.sh
+bench_init objects
 MODEL=${BENCH_MODEL:-sim-llama-8b}
 # About a token a word ("w123") in the sim engines' tokenizer: 32760 words ≈ 32K tokens.
 WORDS=${BENCH_OBJECT_WORDS:-32760}
-export DATABASE_URL=$PG/$DB
-export CACHET_ENGINE=sim CACHET_LISTEN=127.0.0.1:18097 CACHET_SIM_TIME_SCALE=${BENCH_TIME_SCALE:-1}
+export CACHET_ENGINE=sim CACHET_SIM_TIME_SCALE=${BENCH_TIME_SCALE:-1}
 export CACHET_DATA_DIR=$OUT/data RUST_LOG=warn
 export CACHET_KV_BUDGET_BYTES=${BENCH_KV_BUDGET:-6442450944} CACHET_DRAM_CAPACITY_BYTES=${BENCH_DRAM:-6442450944}
-cleanup() {
-  kill "${SERVE_PID:-}" 2>/dev/null || true
-  wait 2>/dev/null || true
-  psql "$PG/postgres" -qc "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1 || true
-  rm -rf "$OUT"
-}
-trap cleanup EXIT
 $BIN migrate >/dev/null
-$BIN admin tenant create objects >/dev/null
-KEY=$($BIN admin key create --tenant objects 2>/dev/null)
-$BIN serve >/dev/null 2>"$OUT/serve.log" & SERVE_PID=$!
-for _ in $(seq 100); do curl -sf http://127.0.0.1:18097/readyz >/dev/null && break; sleep 0.1; done
+KEY=$(bench_key objects)
+bench_serve 18097
 echo "# $(date -u +%FT%TZ) $(nproc) cores; $MODEL, an object of $WORDS words; $N requests each way; build $($BIN --version 2>/dev/null || echo "$BIN")"
 python3 - "$KEY" "$MODEL" "$WORDS" "$N" <<'PY'
 import http.client, json, statistics, sys, time

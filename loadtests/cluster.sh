@@ -18,18 +18,15 @@ SECS=${1:-30}
 shift || true
 RATES=("$@")
 [ ${#RATES[@]} -gt 0 ] || RATES=(0.5 1 2)
-BIN=${CACHET_BIN:-${CARGO_TARGET_DIR:-target}/release/cachet}
-[ -x "$BIN" ] || cargo build --release --locked --bin cachet
-PG=${BENCH_PG:-postgres://postgres@127.0.0.1:5432}
-DB=cachet_bench_cluster_$$
-OUT=$(mktemp -d)
+. loadtests/bench-lib.sh
+bench_init cluster
 BUDGET=${BENCH_KV_BUDGET:-1073741824}
 DRAM=${BENCH_DRAM:-1073741824}
 RECEIVE=${BENCH_RECEIVE:-268435456}
 REPLICAS=${BENCH_REPLICAS:-2}
 WORKLOAD=${BENCH_WORKLOAD:-rag}
 PREFIX=bench$$
-export DATABASE_URL=$PG/$DB REDIS_URL=${BENCH_REDIS:-redis://127.0.0.1:6379}
+export REDIS_URL=${BENCH_REDIS:-redis://127.0.0.1:6379}
 export CACHET_CLUSTER_TOKEN=bench-cluster-token-$$
 export CACHET_ENGINE=sim CACHET_SIM_TIME_SCALE=${BENCH_TIME_SCALE:-1} RUST_LOG=warn
 export CACHET_KV_BUDGET_BYTES=$BUDGET CACHET_DRAM_CAPACITY_BYTES=$DRAM CACHET_DISK_CAPACITY_BYTES=0
@@ -40,29 +37,20 @@ replicas = $REPLICAS
 group_size = 3
 EOF
 export CACHET_CONFIG=$OUT/cachet.toml
-PIDS=()
-cleanup() {
-  kill "${PIDS[@]}" "${SAMPLER:-}" 2>/dev/null || true
-  wait 2>/dev/null || true
-  psql "$PG/postgres" -qc "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1 || true
-  redis-cli -u "$REDIS_URL" --scan --pattern "$PREFIX:*" 2>/dev/null | xargs -r redis-cli -u "$REDIS_URL" del >/dev/null 2>&1 || true
-  rm -rf "$OUT"
+bench_cleanup_more() {
+  redis-cli -u "$REDIS_URL" --scan --pattern "$PREFIX:*" 2>/dev/null | xargs -r redis-cli -u "$REDIS_URL" del >/dev/null 2>&1
 }
-trap cleanup EXIT
 $BIN migrate >/dev/null
-$BIN admin tenant create cluster-bench >/dev/null
-KEY=$($BIN admin key create --tenant cluster-bench 2>/dev/null)
+KEY=$(bench_key cluster-bench)
 NODES=()
 for n in 1 2 3; do
   CACHET_DATA_DIR=$OUT/data-n$n $BIN node --id n$n --redis-prefix "$PREFIX" \
     --listen 127.0.0.1:$((17500 + n)) --api-listen 127.0.0.1:$((18500 + n)) \
     >"$OUT/n$n.out" 2>"$OUT/n$n.log" &
-  PIDS+=($!)
   NODES+=($!)
 done
 CACHET_LISTEN=127.0.0.1:18097 CACHET_DATA_DIR=$OUT/data-gw $BIN router --redis-prefix "$PREFIX" \
   >"$OUT/gw.out" 2>"$OUT/gw.log" &
-PIDS+=($!)
 for _ in $(seq 300); do
   [ "$(curl -sf http://127.0.0.1:18097/readyz 2>/dev/null | grep -o '"n[123]"' | sort -u | wc -l)" = 3 ] && break
   sleep 0.1

@@ -10,28 +10,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-30}
-BIN=${CACHET_BIN:-${CARGO_TARGET_DIR:-target}/release/cachet}
-[ -x "$BIN" ] || cargo build --release --locked --bin cachet
-PG=${BENCH_PG:-postgres://postgres@127.0.0.1:5432}
-DB=cachet_bench_fair_$$
-OUT=$(mktemp -d)
-export DATABASE_URL=$PG/$DB
-export CACHET_ENGINE=sim CACHET_LISTEN=127.0.0.1:18095 CACHET_SIM_TIME_SCALE=1 CACHET_DATA_DIR=$OUT/data RUST_LOG=warn
+. loadtests/bench-lib.sh
+bench_init fair
+export CACHET_ENGINE=sim CACHET_SIM_TIME_SCALE=1 CACHET_DATA_DIR=$OUT/data RUST_LOG=warn
 export CACHET_ENGINE_WORKERS=8
-cleanup() {
-  kill "${SERVE_PID:-}" "${A_PID:-}" 2>/dev/null || true
-  wait 2>/dev/null || true
-  psql "$PG/postgres" -qc "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1 || true
-  rm -rf "$OUT"
-}
-trap cleanup EXIT
 $BIN migrate >/dev/null
-$BIN admin tenant create tenant-a >/dev/null
-$BIN admin tenant create tenant-b >/dev/null
-KEY_A=$($BIN admin key create --tenant tenant-a 2>/dev/null)
-KEY_B=$($BIN admin key create --tenant tenant-b 2>/dev/null)
-$BIN serve >/dev/null 2>"$OUT/serve.log" & SERVE_PID=$!
-for _ in $(seq 100); do curl -sf http://127.0.0.1:18095/readyz >/dev/null && break; sleep 0.1; done
+KEY_A=$(bench_key tenant-a)
+KEY_B=$(bench_key tenant-b)
+bench_serve 18095
 URL=http://127.0.0.1:18095
 # 64 output tokens: 0.77 s of decode a request; 8 workers serve about 10 requests/s.
 common=(--url "$URL" --model sim-llama-8b --block-tokens 64 --max-output-tokens 64 --quiet)
@@ -49,7 +35,6 @@ $BIN loadtest replay "${common[@]}" --api-key "$KEY_A" --workload chat --workloa
 sleep 5
 b_run b-beside-a
 wait "$A_PID" || { echo "fairness: the flooding replay failed:" >&2; cat "$OUT/a.err" >&2; exit 1; }
-A_PID=
 kill -0 "$SERVE_PID" || { echo "fairness: the server died during the run" >&2; tail -20 "$OUT/serve.log" >&2; exit 1; }
 printf 'run\tB ok\tB errors\tB TTFT p50 ms\tB TTFT p99 ms\n'
 for r in b-alone b-beside-a; do

@@ -18,13 +18,9 @@ SECS=${1:-30}
 shift || true
 RATES=("$@")
 [ ${#RATES[@]} -gt 0 ] || RATES=(0.5 1 2)
-BIN=${CACHET_BIN:-${CARGO_TARGET_DIR:-target}/release/cachet}
-[ -x "$BIN" ] || cargo build --release --locked --bin cachet
-PG=${BENCH_PG:-postgres://postgres@127.0.0.1:5432}
-DB=cachet_bench_long_$$
-OUT=$(mktemp -d)
-export DATABASE_URL=$PG/$DB
-export CACHET_ENGINE=sim CACHET_LISTEN=127.0.0.1:18096 CACHET_SIM_TIME_SCALE=${BENCH_TIME_SCALE:-1}
+. loadtests/bench-lib.sh
+bench_init long
+export CACHET_ENGINE=sim CACHET_SIM_TIME_SCALE=${BENCH_TIME_SCALE:-1}
 export CACHET_DATA_DIR=$OUT/data RUST_LOG=warn
 if [ "${BENCH_DEFAULTS:-0}" = 1 ]; then
   RSS_MAX_PCT=${BENCH_RSS_MAX_PCT:-105}
@@ -35,18 +31,9 @@ else
   # DRAM only unless BENCH_DISK says otherwise: the figures are peak RSS against DRAM and KV bounds.
   export CACHET_DISK_CAPACITY_BYTES=${BENCH_DISK:-0}
 fi
-cleanup() {
-  kill "${SERVE_PID:-}" "${SAMPLER:-}" 2>/dev/null || true
-  wait 2>/dev/null || true
-  psql "$PG/postgres" -qc "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1 || true
-  rm -rf "$OUT"
-}
-trap cleanup EXIT
 $BIN migrate >/dev/null
-$BIN admin tenant create long >/dev/null
-KEY=$($BIN admin key create --tenant long 2>/dev/null)
-$BIN serve >/dev/null 2>"$OUT/serve.log" & SERVE_PID=$!
-for _ in $(seq 100); do curl -sf http://127.0.0.1:18096/readyz >/dev/null && break; sleep 0.1; done
+KEY=$(bench_key long)
+bench_serve 18096
 rss() { awk '/VmRSS/ {print int($2/1024)}' "/proc/$SERVE_PID/status"; }
 # The bounds the server itself reports, by setting.
 bound() { curl -sf http://127.0.0.1:18096/metrics | awk -v s="$1" '$1 == "cachet_memory_bound_bytes{setting=\""s"\"}" {print int($2/1048576)}'; }

@@ -296,35 +296,39 @@ export function SecretDialog(props: { title: string; secret: string | null; note
   );
 }
 
-/** A new password typed twice (ids prefixed with `id`), with the errors of `validateNewPassword`. */
-export function NewPasswordFields(props: {
+/**
+ * A password input: `current` for one the user already has (the browser may fill it), `new`
+ * for one being chosen (the browser may suggest one).
+ */
+export function PasswordField(props: {
   id: string;
-  password: string;
-  confirm: string;
-  errors: Record<string, string>;
-  onPassword: (v: string) => void;
-  onConfirm: (v: string) => void;
+  label: string;
+  kind: "current" | "new";
+  value: string;
+  error?: string;
+  required?: boolean;
+  onValue: (v: string) => void;
 }) {
+  const { kind, onValue, ...field } = props;
+  return (
+    <Field {...field} type="password" autoComplete={`${kind}-password`} onInput={(e) => onValue(e.currentTarget.value)} />
+  );
+}
+
+/** A new password typed twice (ids prefixed with `id`), with the errors of `validateNewPassword`. */
+export function NewPasswordFields<F extends { password: string; confirm: string }>(props: {
+  id: string;
+  form: F;
+  errors: Record<string, string>;
+  onChange: (form: F) => void;
+}) {
+  const { id, form, errors, onChange } = props;
   return (
     <>
-      <Field
-        id={`${props.id}-password`}
-        label="New password (12+ characters)"
-        type="password"
-        autoComplete="new-password"
-        value={props.password}
-        error={props.errors.password}
-        onInput={(e) => props.onPassword(e.currentTarget.value)}
-      />
-      <Field
-        id={`${props.id}-confirm`}
-        label="New password, again"
-        type="password"
-        autoComplete="new-password"
-        value={props.confirm}
-        error={props.errors.confirm}
-        onInput={(e) => props.onConfirm(e.currentTarget.value)}
-      />
+      <PasswordField id={`${id}-password`} label="New password (12+ characters)" kind="new" value={form.password}
+        error={errors.password} onValue={(password) => onChange({ ...form, password })} />
+      <PasswordField id={`${id}-confirm`} label="New password, again" kind="new" value={form.confirm}
+        error={errors.confirm} onValue={(confirm) => onChange({ ...form, confirm })} />
     </>
   );
 }

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, type Me } from "../api";
-import { ErrorBanner, Field, message, NewPasswordFields, Notice, useAction } from "../components/ui";
+import { ErrorBanner, message, NewPasswordFields, Notice, PasswordField, useAction } from "../components/ui";
 import { validateNewPassword } from "../forms";
 
 /** The caller's own account: its password. */
@@ -36,23 +36,9 @@ export function AccountPage({ me }: { me: Me }) {
           });
         }}
       >
-        <Field
-          id="current-password"
-          label="Current password"
-          type="password"
-          autoComplete="current-password"
-          value={f.current}
-          error={errors.current}
-          onInput={(e) => setF({ ...f, current: e.currentTarget.value })}
-        />
-        <NewPasswordFields
-          id="new"
-          password={f.password}
-          confirm={f.confirm}
-          errors={errors}
-          onPassword={(v) => setF({ ...f, password: v })}
-          onConfirm={(v) => setF({ ...f, confirm: v })}
-        />
+        <PasswordField id="current-password" label="Current password" kind="current" value={f.current}
+          error={errors.current} onValue={(current) => setF({ ...f, current })} />
+        <NewPasswordFields id="new" form={f} errors={errors} onChange={setF} />
         <ErrorBanner error={error} />
         <button type="submit" aria-busy={busy} disabled={busy}>
           Change password

@@ -154,6 +154,8 @@ function Usage({ view }: { view: UsageView }) {
       ],
     };
   }, [view]);
+  // The time axis every chart shares.
+  const axis = { window: [view.from, view.to] as [string, string], times: charts.times };
   const prompt = t.input_tokens + t.cache_write_5m_tokens + t.cache_write_1h_tokens + t.cache_read_tokens;
   return (
     <>
@@ -180,39 +182,14 @@ function Usage({ view }: { view: UsageView }) {
         <p>No requests in this range yet (usage appears within a minute of a request).</p>
       ) : (
         <div class="charts">
-          <TimeChart
-            window={[view.from, view.to]}
-            title="Requests"
-            times={charts.times}
-            series={charts.requests}
-            format={(v) => formatTokens(v)}
-            summary={`${t.requests} requests in ${view.series.length} ${view.granularity}s`}
-          />
-          <TimeChart
-            window={[view.from, view.to]}
-            title="Tokens by class"
-            times={charts.times}
-            series={charts.tokens}
-            format={(v) => formatTokens(v)}
-            summary={`input ${t.input_tokens}, 5m writes ${t.cache_write_5m_tokens}, 1h writes ${t.cache_write_1h_tokens}, reads ${t.cache_read_tokens}, output ${t.output_tokens}`}
-          />
-          <TimeChart
-            window={[view.from, view.to]}
-            title="Hit ratio"
-            times={charts.times}
-            series={charts.ratio}
-            format={(v) => formatRatio(v)}
-            range={[0, 1]}
-            summary={`${formatRatio(t.hit_ratio)} over the range`}
-          />
-          <TimeChart
-            window={[view.from, view.to]}
-            title="Cost and savings"
-            times={charts.times}
-            series={charts.saved}
-            format={(v) => formatMoneyAxis(v, cur)}
-            summary={`cost ${formatMoney(t.cost_minor, cur)}, saved ${formatMoney(t.saved_minor, cur)}`}
-          />
+          <TimeChart {...axis} title="Requests" series={charts.requests} format={formatTokens}
+            summary={`${t.requests} requests in ${view.series.length} ${view.granularity}s`} />
+          <TimeChart {...axis} title="Tokens by class" series={charts.tokens} format={formatTokens}
+            summary={`input ${t.input_tokens}, 5m writes ${t.cache_write_5m_tokens}, 1h writes ${t.cache_write_1h_tokens}, reads ${t.cache_read_tokens}, output ${t.output_tokens}`} />
+          <TimeChart {...axis} title="Hit ratio" series={charts.ratio} format={formatRatio} range={[0, 1]}
+            summary={`${formatRatio(t.hit_ratio)} over the range`} />
+          <TimeChart {...axis} title="Cost and savings" series={charts.saved} format={(v) => formatMoneyAxis(v, cur)}
+            summary={`cost ${formatMoney(t.cost_minor, cur)}, saved ${formatMoney(t.saved_minor, cur)}`} />
         </div>
       )}
     </>

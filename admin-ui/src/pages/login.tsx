@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, login } from "../api";
-import { ErrorBanner, Field, NewPasswordFields, Notice, useAction } from "../components/ui";
+import { ErrorBanner, Field, NewPasswordFields, Notice, PasswordField, useAction } from "../components/ui";
 import { validateNewPassword } from "../forms";
 
 /** Set a new password with the one-time reset secret a platform admin gave you. */
@@ -24,14 +24,7 @@ function RedeemReset(props: { onDone: (note: string) => void; onCancel: () => vo
       }}
     >
       <Field id="reset-secret" label="Reset secret" autoComplete="off" value={f.secret} error={errors.secret} onInput={(e) => setF({ ...f, secret: e.currentTarget.value })} />
-      <NewPasswordFields
-        id="reset"
-        password={f.password}
-        confirm={f.confirm}
-        errors={errors}
-        onPassword={(v) => setF({ ...f, password: v })}
-        onConfirm={(v) => setF({ ...f, confirm: v })}
-      />
+      <NewPasswordFields id="reset" form={f} errors={errors} onChange={setF} />
       <ErrorBanner error={error} />
       <div class="actions">
         <button type="button" class="secondary" onClick={props.onCancel}>
@@ -93,15 +86,7 @@ function LoginForm(props: { notice: string | null; onReset: () => void }) {
           onInput={(e) => setUsername(e.currentTarget.value)}
           required
         />
-        <Field
-          id="password"
-          label="Password"
-          type="password"
-          autoComplete="current-password"
-          value={password}
-          onInput={(e) => setPassword(e.currentTarget.value)}
-          required
-        />
+        <PasswordField id="password" label="Password" kind="current" value={password} onValue={setPassword} required />
         <ErrorBanner error={error} />
         <button type="submit" aria-busy={busy} disabled={busy}>
           Log in

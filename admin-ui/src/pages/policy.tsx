@@ -32,6 +32,10 @@ export function PolicyTab({ me, tenant }: { me: Me; tenant: Tenant }) {
   const editable = me.role !== "finance" && tenant.state !== "deleted";
   const set = (k: string) => (e: { currentTarget: HTMLInputElement }) =>
     setForm({ ...form, [k]: e.currentTarget.type === "checkbox" ? e.currentTarget.checked : e.currentTarget.value });
+  // A field bound to its key of the form: value, error and input (numeric unless `more` says).
+  const field = (k: keyof PolicyForm & string, label: string, more: Partial<Parameters<typeof Field>[0]> = {}) => (
+    <Field key={k} id={k} label={label} inputMode="numeric" value={String(form[k] ?? "")} error={errors[k]} onInput={set(k)} {...more} />
+  );
   return (
     <form
       aria-labelledby="policy-title"
@@ -61,31 +65,14 @@ export function PolicyTab({ me, tenant }: { me: Me; tenant: Tenant }) {
       <fieldset disabled={!editable}>
         <legend>Rate limits (empty = no limit)</legend>
         <div class="row">
-          {LIMIT_FIELDS.map(([k, label]) => (
-            <Field key={k} id={k} label={label} inputMode="numeric" value={String(form[k] ?? "")} error={errors[k]} onInput={set(k)} />
-          ))}
+          {LIMIT_FIELDS.map(([k, label]) => field(k, label))}
         </div>
       </fieldset>
       <fieldset disabled={!editable}>
         <legend>Monthly spend budget</legend>
         <div class="row">
-          <Field
-            id="monthly_budget"
-            label={`Budget (${currency}, empty = none)`}
-            inputMode="decimal"
-            value={String(form.monthly_budget ?? "")}
-            error={errors.monthly_budget}
-            hint="Requests are refused (429) once this month's spend reaches it."
-            onInput={set("monthly_budget")}
-          />
-          <Field
-            id="budget_alert_percent"
-            label="Alert at (% of the budget)"
-            inputMode="numeric"
-            value={String(form.budget_alert_percent ?? "")}
-            error={errors.budget_alert_percent}
-            onInput={set("budget_alert_percent")}
-          />
+          {field("monthly_budget", `Budget (${currency}, empty = none)`, { inputMode: "decimal", hint: "Requests are refused (429) once this month's spend reaches it." })}
+          {field("budget_alert_percent", "Alert at (% of the budget)")}
         </div>
       </fieldset>
       <fieldset disabled={!editable}>
@@ -95,70 +82,20 @@ export function PolicyTab({ me, tenant }: { me: Me; tenant: Tenant }) {
           Allow 1-hour cache TTLs (billed at 2× input for writes)
         </label>
         <div class="row">
-          <Field
-            id="max_cache_ttl_secs"
-            label="Longest cache object TTL, seconds (300–2592000)"
-            inputMode="numeric"
-            value={String(form.max_cache_ttl_secs ?? "")}
-            error={errors.max_cache_ttl_secs}
-            hint="How long cache objects (POST /v1/caches) and OpenAI's 24h retention may be held."
-            onInput={set("max_cache_ttl_secs")}
-          />
+          {field("max_cache_ttl_secs", "Longest cache object TTL, seconds (300–2592000)", { hint: "How long cache objects (POST /v1/caches) and OpenAI's 24h retention may be held." })}
         </div>
         <div class="row">
-          <Field
-            id="cache_resident_bytes"
-            label="Resident cache bytes (empty = no limit)"
-            inputMode="numeric"
-            disabled={!platform}
-            value={String(form.cache_resident_bytes ?? "")}
-            error={errors.cache_resident_bytes}
-            hint={p.cache_resident_bytes !== null ? formatBytes(p.cache_resident_bytes) : undefined}
-            onInput={set("cache_resident_bytes")}
-          />
-          <Field
-            id="reserved_cache_bytes"
-            label="Reserved cache bytes (billed)"
-            inputMode="numeric"
-            disabled={!platform}
-            value={String(form.reserved_cache_bytes ?? "")}
-            error={errors.reserved_cache_bytes}
-            hint={p.reserved_cache_bytes !== null ? formatBytes(p.reserved_cache_bytes) : undefined}
-            onInput={set("reserved_cache_bytes")}
-          />
-          <Field
-            id="replication_factor"
-            label="Replication factor (empty = cluster default)"
-            inputMode="numeric"
-            disabled={!platform}
-            value={String(form.replication_factor ?? "")}
-            error={errors.replication_factor}
-            onInput={set("replication_factor")}
-          />
+          {field("cache_resident_bytes", "Resident cache bytes (empty = no limit)", { disabled: !platform, hint: p.cache_resident_bytes !== null ? formatBytes(p.cache_resident_bytes) : undefined })}
+          {field("reserved_cache_bytes", "Reserved cache bytes (billed)", { disabled: !platform, hint: p.reserved_cache_bytes !== null ? formatBytes(p.reserved_cache_bytes) : undefined })}
+          {field("replication_factor", "Replication factor (empty = cluster default)", { disabled: !platform })}
         </div>
         {!platform && <small>Cache capacity and replication are set by the platform's administrators.</small>}
       </fieldset>
       <fieldset disabled={!editable}>
         <legend>Engine share</legend>
         <div class="row">
-          <Field
-            id="max_concurrent"
-            label="Generations at once per model (empty = no limit)"
-            inputMode="numeric"
-            value={String(form.max_concurrent ?? "")}
-            error={errors.max_concurrent}
-            onInput={set("max_concurrent")}
-          />
-          <Field
-            id="engine_weight"
-            label="Weight in the fair queue (1–100)"
-            inputMode="numeric"
-            disabled={!platform}
-            value={String(form.engine_weight ?? "")}
-            error={errors.engine_weight}
-            hint="While tenants wait for a model's workers, each gets turns in proportion to its weight."
-            onInput={set("engine_weight")}
-          />
+          {field("max_concurrent", "Generations at once per model (empty = no limit)")}
+          {field("engine_weight", "Weight in the fair queue (1–100)", { disabled: !platform, hint: "While tenants wait for a model's workers, each gets turns in proportion to its weight." })}
         </div>
       </fieldset>
       <ErrorBanner error={error} />

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, type Me } from "../api";
-import { Confirm, ErrorBanner, Field, Loading, Notice, SecretDialog, Table, useAction, useAsync } from "../components/ui";
+import { Confirm, ErrorBanner, Field, Loading, Notice, PasswordField, SecretDialog, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { validateUser } from "../forms";
 import type { Tenant, User } from "../types";
@@ -36,15 +36,8 @@ function CreateUser(props: { tenants: Tenant[]; fixedTenant?: Tenant; onCreated:
     >
       <div class="row">
         <Field id="new-username" label="Username" autoComplete="off" value={u.username} error={errors.username} onInput={(e) => setU({ ...u, username: e.currentTarget.value })} />
-        <Field
-          id="new-password"
-          label="Password (12+ characters)"
-          type="password"
-          autoComplete="new-password"
-          value={u.password}
-          error={errors.password}
-          onInput={(e) => setU({ ...u, password: e.currentTarget.value })}
-        />
+        <PasswordField id="new-password" label="Password (12+ characters)" kind="new" value={u.password}
+          error={errors.password} onValue={(password) => setU({ ...u, password })} />
         {!props.fixedTenant && (
           <>
             <label for="new-role">
