@@ -30,30 +30,7 @@ enum Command {
     /// announced in Redis with heartbeats, block events published, blocks replicated to
     /// their owners; with --api-listen also engines and the API for a gateway
     /// (CACHET_CLUSTER_TOKEN).
-    Node {
-        /// Fabric transport address.
-        #[arg(long, default_value = "127.0.0.1:7400")]
-        listen: String,
-        /// Internal API address for gateways (omit for a storage-only node).
-        #[arg(long)]
-        api_listen: Option<String>,
-        /// Fabric address announced to peers and gateways when it differs from `listen`
-        /// (behind NAT, a proxy or a container port mapping).
-        #[arg(long, env = "CACHET_ADVERTISE")]
-        advertise: Option<String>,
-        /// API address announced to gateways when it differs from `api_listen`.
-        #[arg(long, env = "CACHET_API_ADVERTISE")]
-        api_advertise: Option<String>,
-        /// Node id (unique in the cluster); default: node-<port>.
-        #[arg(long)]
-        id: Option<String>,
-        /// Failure domain, for replica placement.
-        #[arg(long)]
-        rack: Option<String>,
-        /// Prefix of the cluster's Redis keys.
-        #[arg(long, default_value = "cachet")]
-        redis_prefix: String,
-    },
+    Node(cachet::node::NodeArgs),
     /// Run the router of a cluster: the public API on `listen`, each request sent to the node
     /// the conductor picks (CACHET_CLUSTER_TOKEN). `cachet gateway` is its former name, still
     /// accepted.
@@ -112,33 +89,10 @@ async fn main() -> anyhow::Result<()> {
     // Every client connection is a descriptor; the soft limit is often far below the hard one.
     gateway::server::raise_fd_limit();
     match cli.command {
-        Command::Node {
-            listen,
-            api_listen,
-            advertise,
-            api_advertise,
-            id,
-            rack,
-            redis_prefix,
-        } => {
-            let id =
-                id.unwrap_or_else(|| format!("node-{}", listen.rsplit(':').next().unwrap_or("0")));
+        Command::Node(args) => {
             let stop = CancellationToken::new();
             cancel_on_signal(stop.clone());
-            cachet::node::run(
-                config,
-                cachet::node::NodeArgs {
-                    listen,
-                    api_listen,
-                    advertise,
-                    api_advertise,
-                    id,
-                    rack,
-                    redis_prefix,
-                },
-                stop,
-            )
-            .await
+            cachet::node::run(config, args, stop).await
         }
         Command::Router { redis_prefix } => {
             let listener = tokio::net::TcpListener::bind(&config.listen)

@@ -27,20 +27,42 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 
-/// Where and as whom the node runs.
+/// Where and as whom the node runs (`cachet node`'s flags).
+#[derive(Debug, clap::Args)]
 pub struct NodeArgs {
     /// Fabric transport address (port 0 picks one; the chosen address is announced).
+    #[arg(long, default_value = "127.0.0.1:7400")]
     pub listen: String,
-    /// Internal API address for gateways; `None`: a storage-only node.
+    /// Internal API address for gateways (omit for a storage-only node).
+    #[arg(long)]
     pub api_listen: Option<String>,
-    /// The fabric address announced in the membership; `None`: the bound address.
+    /// Fabric address announced to peers and gateways when it differs from `listen`
+    /// (behind NAT, a proxy or a container port mapping); default: the bound address.
+    #[arg(long, env = "CACHET_ADVERTISE")]
     pub advertise: Option<String>,
-    /// The API address announced in the membership; `None`: the bound address.
+    /// API address announced to gateways when it differs from `api_listen`; default: the
+    /// bound address.
+    #[arg(long, env = "CACHET_API_ADVERTISE")]
     pub api_advertise: Option<String>,
-    pub id: String,
+    /// Node id (unique in the cluster); default: node-<port>.
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Failure domain, for replica placement.
+    #[arg(long)]
     pub rack: Option<String>,
     /// Prefix of the cluster's Redis keys (membership, block events).
+    #[arg(long, default_value = "cachet")]
     pub redis_prefix: String,
+}
+
+impl NodeArgs {
+    /// The node's id: `--id`, else node-<port of --listen>.
+    pub fn node_id(&self) -> String {
+        let port = || self.listen.rsplit(':').next().unwrap_or("0");
+        self.id
+            .clone()
+            .unwrap_or_else(|| format!("node-{}", port()))
+    }
 }
 
 /// How often a node re-reads the membership.
@@ -56,6 +78,7 @@ pub async fn run(
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let token = crate::config::cluster_token()?;
+    let id = args.node_id();
     if config.redis_url.is_empty() {
         bail!("a cluster node needs redis_url (membership and block events live in Redis)");
     }
@@ -64,11 +87,11 @@ pub async fn run(
         crate::memory::check(&config, false)?;
     }
     // Each node keeps its own disk tier and usage spool, even when nodes share a data_dir.
-    config.data_dir = config.data_dir.join(format!("node-{}", args.id));
+    config.data_dir = config.data_dir.join(format!("node-{}", id));
     // One owner per directory (its disk tier, socket and usage files), until this returns.
     let _held = crate::dirlock::hold_all(
         &crate::dirlock::meter_dirs(&config.data_dir, &config.spool_path()),
-        &format!("node {}", args.id),
+        &format!("node {}", id),
     )?;
     let ports = Ports::bind(&args).await?;
     let node = config.fabric.node(&config.data_dir.join("fabric-disk"))?;
@@ -76,7 +99,7 @@ pub async fn run(
     // the socket goes when this function returns.
     let _local = crate::server::open_local(&config, &node, &token)?;
     let cluster = Cluster::new(
-        args.id.clone(),
+        id.clone(),
         node.clone(),
         token.clone(),
         config.cluster.fabric(),
@@ -98,13 +121,13 @@ pub async fn run(
         "fabric_serve",
         serve_tcp(ports.fabric, node.clone(), token.clone()),
     );
-    println!("node {} listening on {}", args.id, ports.addr);
+    println!("node {} listening on {}", id, ports.addr);
     let api_stop = CancellationToken::new();
     let api = match ports.api {
         Some(l) => {
             let fabric = FabricClient::clustered(node.clone(), cluster.clone());
             let running = start_api_half(&config, &token, l, &api_stop, &node, fabric).await?;
-            println!("node {} api on {}", args.id, running.addr);
+            println!("node {} api on {}", id, running.addr);
             let _ = loops.measured.set(running.inflight.clone());
             Some(running)
         }
@@ -179,7 +202,7 @@ fn publish_events(
         events::publish(
             conn.clone(),
             format!("{}:blocks", args.redis_prefix),
-            args.id.clone(),
+            args.node_id(),
             rx,
             1_000_000,
         ),
@@ -193,7 +216,7 @@ fn record(config: &Config, args: &NodeArgs, ports: &Ports) -> anyhow::Result<Nod
         .duration_since(std::time::UNIX_EPOCH)?
         .as_millis() as u64;
     Ok(NodeRecord {
-        id: args.id.clone(),
+        id: args.node_id(),
         addr: args.advertise.clone().unwrap_or_else(|| ports.addr.clone()),
         rack: args.rack.clone(),
         dram_capacity_bytes: config.fabric.dram_capacity_bytes,

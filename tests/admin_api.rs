@@ -181,20 +181,7 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
     }
     a.app.settle().await;
     let now = chrono::Utc::now();
-    billing::prices::set_price(
-        &a.pool,
-        &billing::prices::PriceVersion {
-            model: "sim-tiny".into(),
-            effective_from: now - chrono::Duration::days(400),
-            currency: "USD".into(),
-            rates: billing::money::Rates::standard(3_000, 15_000),
-        },
-        "test",
-        true,
-        now,
-    )
-    .await
-    .unwrap();
+    common::price_sim_tiny(&a.pool, 400, (3_000, 15_000)).await;
     let invoice = billing::invoice::refresh_draft(&a.pool, t, now.date_naive(), "test")
         .await
         .unwrap()
@@ -951,12 +938,7 @@ async fn logins_back_off_lock_refresh_and_log_out() {
         )
         .await;
     assert_eq!(s, 409, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("last active platform_admin")
-    );
+    assert!(common::error_message(&v).contains("last active platform_admin"));
     // Every login, failure, lockout and logout is in the audit log; no password is.
     let actions: Vec<String> = sqlx::query_scalar("SELECT action FROM admin_audit ORDER BY id")
         .fetch_all(&a.pool)
@@ -1059,12 +1041,7 @@ async fn passwords_change_with_the_current_one_and_reset_with_a_one_time_secret(
         )
         .await;
     assert_eq!(s, 400, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .starts_with("current_password:")
-    );
+    assert!(common::error_message(&v).starts_with("current_password:"));
     let (s, v) = a
         .call(
             "POST",
@@ -1361,12 +1338,7 @@ async fn rotation_is_idempotent_and_the_old_secret_works_until_its_grace_ends() 
     for bad in [i64::MAX, -1] {
         let (s, v) = rotate("rot-bad", bad).await;
         assert_eq!(s, 400, "{bad}: {v}");
-        assert!(
-            v["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("grace_seconds")
-        );
+        assert!(common::error_message(&v).contains("grace_seconds"));
     }
     let (s, first) = rotate("rot-1", 3).await;
     assert_eq!(s, 200, "{first}");
@@ -1382,12 +1354,7 @@ async fn rotation_is_idempotent_and_the_old_secret_works_until_its_grace_ends() 
     // Another rotation of the same key is a conflict.
     let (s, v) = rotate("rot-2", 3).await;
     assert_eq!(s, 409, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("already rotated")
-    );
+    assert!(common::error_message(&v).contains("already rotated"));
     // Both work during the grace period; then only the new one.
     assert_eq!(a.message(&old).await.0, 200);
     assert_eq!(a.message(&new).await.0, 200);
@@ -1453,20 +1420,7 @@ async fn policy_refuses_1h_ttls_and_spent_budgets() {
     .await;
 
     // A price that makes one request cost cents, and a budget of one cent.
-    billing::prices::set_price(
-        &a.pool,
-        &billing::prices::PriceVersion {
-            model: "sim-tiny".into(),
-            effective_from: chrono::Utc::now() - chrono::Duration::days(40),
-            currency: "USD".into(),
-            rates: billing::money::Rates::standard(100_000, 100_000),
-        },
-        "test",
-        true,
-        chrono::Utc::now(),
-    )
-    .await
-    .unwrap();
+    common::price_sim_tiny(&a.pool, 40, (100_000, 100_000)).await;
     let (s, v) = a
         .call(
             "PATCH",
@@ -1483,10 +1437,7 @@ async fn policy_refuses_1h_ttls_and_spent_budgets() {
             let (s, v) = a.message(&a.app.key).await;
             s == 429
                 && v["error"]["type"] == "rate_limit_error"
-                && v["error"]["message"]
-                    .as_str()
-                    .unwrap()
-                    .contains("monthly spend budget")
+                && common::error_message(&v).contains("monthly spend budget")
         },
     )
     .await;
@@ -1996,20 +1947,7 @@ async fn budget_thresholds_reach_a_signed_webhook_once_each_even_after_a_retry()
     assert_eq!(s, 400, "{v}");
 
     // A price that makes a request cost cents, and some spend.
-    billing::prices::set_price(
-        &a.pool,
-        &billing::prices::PriceVersion {
-            model: "sim-tiny".into(),
-            effective_from: chrono::Utc::now() - chrono::Duration::days(40),
-            currency: "USD".into(),
-            rates: billing::money::Rates::standard(100_000, 100_000),
-        },
-        "test",
-        true,
-        chrono::Utc::now(),
-    )
-    .await
-    .unwrap();
+    common::price_sim_tiny(&a.pool, 40, (100_000, 100_000)).await;
     for _ in 0..2 {
         assert_eq!(a.message(&a.app.key).await.0, 200);
     }
@@ -2120,20 +2058,7 @@ async fn a_workspace_budget_refuses_only_that_workspace_and_alerts_once_per_thre
     let root = a.token("root", &root_pw).await;
     let t = a.tenant;
     // A price that makes a request cost cents.
-    billing::prices::set_price(
-        &a.pool,
-        &billing::prices::PriceVersion {
-            model: "sim-tiny".into(),
-            effective_from: chrono::Utc::now() - chrono::Duration::days(40),
-            currency: "USD".into(),
-            rates: billing::money::Rates::standard(100_000, 100_000),
-        },
-        "test",
-        true,
-        chrono::Utc::now(),
-    )
-    .await
-    .unwrap();
+    common::price_sim_tiny(&a.pool, 40, (100_000, 100_000)).await;
     let ws_path = format!("/v1/admin/tenants/{t}/workspaces");
     let (s, ws) = a
         .call(
@@ -2165,11 +2090,7 @@ async fn a_workspace_budget_refuses_only_that_workspace_and_alerts_once_per_thre
         Duration::from_secs(30),
         || async {
             let (s, v) = a.message(&capped).await;
-            s == 429
-                && v["error"]["message"]
-                    .as_str()
-                    .unwrap()
-                    .contains("this workspace's monthly spend budget")
+            s == 429 && common::error_message(&v).contains("this workspace's monthly spend budget")
         },
     )
     .await;
@@ -2377,10 +2298,7 @@ async fn a_tenant_admin_lists_deletes_and_purges_cache_objects() {
     let (s, e) = patch(json!({"ttl": "30d"})).await;
     assert_eq!(s, 400, "{e}");
     assert!(
-        e["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("max_cache_ttl_secs"),
+        common::error_message(&e).contains("max_cache_ttl_secs"),
         "{e}"
     );
     let (s, e) = patch(json!({})).await;

@@ -100,12 +100,7 @@ async fn cache_reads_do_not_count_toward_input_tokens_per_minute() {
         )
         .await;
     assert_eq!(s, 429, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("input tokens per minute")
-    );
+    assert!(common::error_message(&v).contains("input tokens per minute"));
     app.stop().await;
 }
 

@@ -175,24 +175,12 @@ async fn an_object_is_created_used_by_id_on_both_wires_listed_extended_and_delet
         json!([{"role": "system", "content": "x"}, {"role": "user", "content": "q"}]);
     let (s, _, e) = app.post("/v1/chat/completions", &key, &with_system).await;
     assert_eq!(s, 400, "{e}");
-    assert!(
-        e["error"]["message"]
-            .as_str()
-            .unwrap()
-            .starts_with("system:"),
-        "{e}"
-    );
+    assert!(common::error_message(&e).starts_with("system:"), "{e}");
     let mut with_tools = by_id.clone();
     with_tools["tools"] = json!([{"name": "t", "input_schema": {"type": "object"}}]);
     let (s, _, e) = app.post("/v1/messages", &key, &with_tools).await;
     assert_eq!(s, 400, "{e}");
-    assert!(
-        e["error"]["message"]
-            .as_str()
-            .unwrap()
-            .starts_with("tools:"),
-        "{e}"
-    );
+    assert!(common::error_message(&e).starts_with("tools:"), "{e}");
     let mut other_model = by_id.clone();
     other_model["model"] = json!("sim-llama-8b");
     let (s, _, e) = app.post("/v1/messages", &key, &other_model).await;
@@ -272,10 +260,7 @@ async fn an_object_is_created_used_by_id_on_both_wires_listed_extended_and_delet
     .await;
     assert_eq!(s, 400, "over the default 24h maximum: {e}");
     assert!(
-        e["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("max_cache_ttl_secs"),
+        common::error_message(&e).contains("max_cache_ttl_secs"),
         "{e}"
     );
     let (s, e) = call(

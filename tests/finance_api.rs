@@ -40,20 +40,7 @@ async fn fixture() -> Fixture {
     .unwrap();
     let (tenant, other) = (tenants[0], tenants[1]);
     let now = chrono::Utc::now();
-    billing::prices::set_price(
-        &pool,
-        &billing::prices::PriceVersion {
-            model: "sim-tiny".into(),
-            effective_from: now - chrono::Duration::days(400),
-            currency: "USD".into(),
-            rates: billing::money::Rates::standard(3_000, 15_000),
-        },
-        "test",
-        true,
-        now,
-    )
-    .await
-    .unwrap();
+    common::price_sim_tiny(&pool, 400, (3_000, 15_000)).await;
     let month = now.date_naive();
     billing::rollup::rollup(
         &pool,

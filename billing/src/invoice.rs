@@ -216,6 +216,36 @@ fn prices_in_force(at: &str) -> String {
     )
 }
 
+/// A tenant's rows of `table` in `[from, to)` by `at` (their hour or start), grouped by
+/// model × price version × discount in force at that instant, with `sums` beside each group's
+/// [`PRICED_GROUP`] columns and its earliest instant (`first_at`).
+async fn priced_groups(
+    conn: &mut sqlx::PgConnection,
+    table: &str,
+    at: &str,
+    sums: &str,
+    (tenant, from, to): (Uuid, DateTime<Utc>, DateTime<Utc>),
+) -> Result<Vec<sqlx::postgres::PgRow>, BillingError> {
+    let sql = format!(
+        r#"
+        SELECT {PRICED_GROUP}, min(e.{at}) AS first_at, {sums}
+        FROM {table} e
+        {PRICES_IN_FORCE}
+        WHERE e.tenant_id = $1 AND e.{at} >= $2 AND e.{at} < $3
+        GROUP BY {PRICED_GROUP_BY}
+        ORDER BY {PRICED_GROUP_ORDER}
+        "#,
+        PRICES_IN_FORCE = prices_in_force(at),
+    );
+    let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(tenant)
+        .bind(from)
+        .bind(to)
+        .fetch_all(conn)
+        .await?;
+    Ok(rows)
+}
+
 /// One line per model × price version × discount × token class, rated at the version in
 /// force at each row's start; the invoice's currency (one per tenant).
 async fn usage_lines(
@@ -225,28 +255,13 @@ async fn usage_lines(
     to: DateTime<Utc>,
 ) -> Result<(String, Vec<Line>), BillingError> {
     // One group per model × price version × discount in force at each row's start.
-    let groups = sqlx::query(sqlx::AssertSqlSafe(format!(
-        r#"
-        SELECT {PRICED_GROUP},
-               min(e.started_at) AS first_at,
-               sum(e.input_tokens)::BIGINT AS input_tokens,
-               sum(e.cache_write_5m_tokens)::BIGINT AS w5_tokens,
-               sum(e.cache_write_1h_tokens)::BIGINT AS w1_tokens,
-               sum(e.cache_read_tokens)::BIGINT AS read_tokens,
-               sum(e.output_tokens)::BIGINT AS output_tokens
-        FROM usage_events e
-        {PRICES_IN_FORCE}
-        WHERE e.tenant_id = $1 AND e.started_at >= $2 AND e.started_at < $3
-        GROUP BY {PRICED_GROUP_BY}
-        ORDER BY {PRICED_GROUP_ORDER}
-        "#,
-        PRICES_IN_FORCE = prices_in_force("started_at"),
-    )))
-    .bind(tenant)
-    .bind(from)
-    .bind(to)
-    .fetch_all(&mut *conn)
-    .await?;
+    let sums = "sum(e.input_tokens)::BIGINT AS input_tokens, \
+                sum(e.cache_write_5m_tokens)::BIGINT AS w5_tokens, \
+                sum(e.cache_write_1h_tokens)::BIGINT AS w1_tokens, \
+                sum(e.cache_read_tokens)::BIGINT AS read_tokens, \
+                sum(e.output_tokens)::BIGINT AS output_tokens";
+    let groups =
+        priced_groups(conn, "usage_events", "started_at", sums, (tenant, from, to)).await?;
 
     let (currency, lines) =
         rate_groups(tenant, LineKind::Usage, &groups, Vec::new(), |g, priced| {
@@ -452,23 +467,14 @@ async fn storage_lines(
     currency: String,
     priced: bool,
 ) -> Result<(String, Vec<Line>), BillingError> {
-    let groups = sqlx::query(sqlx::AssertSqlSafe(format!(
-        r#"
-        SELECT {PRICED_GROUP},
-               min(e.hour_start) AS first_at,
-               sum(e.tokens * e.seconds)::BIGINT AS token_seconds
-        FROM cache_storage_events e
-        {PRICES_IN_FORCE}
-        WHERE e.tenant_id = $1 AND e.hour_start >= $2 AND e.hour_start < $3
-        GROUP BY {PRICED_GROUP_BY}
-        ORDER BY {PRICED_GROUP_ORDER}
-        "#,
-        PRICES_IN_FORCE = prices_in_force("hour_start"),
-    )))
-    .bind(tenant)
-    .bind(from)
-    .bind(to)
-    .fetch_all(&mut *conn)
+    let sums = "sum(e.tokens * e.seconds)::BIGINT AS token_seconds";
+    let groups = priced_groups(
+        conn,
+        "cache_storage_events",
+        "hour_start",
+        sums,
+        (tenant, from, to),
+    )
     .await?;
     let currencies = if priced {
         vec![currency.clone()]

@@ -56,28 +56,6 @@ pub mod synthetic;
 
 pub use meter::{Meter, MeterConfig, MeterError, MeterHandle, UsageEvent, UsageStatus};
 
-/// Run `work` every `every` (the first run at once; a run that overruns delays the next)
-/// until `stop`: the loop of the background jobs that keep the ledger's derived tables current
-/// (billing's own, and the control plane's storage meter).
-pub async fn each_tick<F, Fut>(
-    every: std::time::Duration,
-    stop: tokio_util::sync::CancellationToken,
-    mut work: F,
-) where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled() => return,
-        }
-        work().await;
-    }
-}
-
 /// The embedded migrations (`migrations/` at the repository root).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 

@@ -318,7 +318,8 @@ pub async fn keep_current(
     lookback: TimeDelta,
     stop: tokio_util::sync::CancellationToken,
 ) {
-    crate::each_tick(every, stop, || async {
+    let mut tick = cachet_common::tick::Ticker::new(every, stop);
+    while tick.next().await {
         let now = Utc::now();
         let started = std::time::Instant::now();
         match rollup(&pool, now - lookback, now).await {
@@ -334,6 +335,5 @@ pub async fn keep_current(
                 tracing::warn!(error = %e, "refreshing the rollups failed; retrying at the next tick")
             }
         }
-    })
-    .await
+    }
 }

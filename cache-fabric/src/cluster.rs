@@ -348,13 +348,8 @@ impl Cluster {
         every: Duration,
         stop: CancellationToken,
     ) {
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = stop.cancelled() => return,
-            }
+        let mut tick = cachet_common::tick::Ticker::new(every, stop);
+        while tick.next().await {
             if let Err(e) = self.refresh(&mut conn, &prefix).await {
                 tracing::warn!(error = %e, "reading cluster membership failed");
             }

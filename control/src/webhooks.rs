@@ -407,13 +407,8 @@ pub fn backoff(config: &DeliveryConfig, attempts: i32) -> Duration {
 
 /// Send due deliveries until `stop`.
 pub async fn run(pool: PgPool, config: DeliveryConfig, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(config.poll);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled() => return,
-        }
+    let mut tick = cachet_common::tick::Ticker::new(config.poll, stop);
+    while tick.next().await {
         // Drain what is due, one delivery at a time.
         loop {
             match deliver_one(&pool, &config).await {

@@ -135,25 +135,21 @@ pub fn state(
     }))
 }
 
+/// Node `id`'s entry of a per-node map, made on first use.
+fn per_node<T: Clone + Default>(map: &Mutex<HashMap<String, T>>, id: &str) -> T {
+    let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
+    map.entry(id.to_string()).or_default().clone()
+}
+
 impl RouterInner {
     fn load(&self, id: &str) -> Arc<Load> {
-        self.load
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(id.to_string())
-            .or_default()
-            .clone()
+        per_node(&self.load, id)
     }
 
     /// Cancelled when node `id` leaves the membership (a node that stopped or is cut off
     /// holds its requests until then; they then move to the next node, like a failure).
     fn departure(&self, id: &str) -> CancellationToken {
-        self.departures
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(id.to_string())
-            .or_default()
-            .clone()
+        per_node(&self.departures, id)
     }
 
     /// The nodes that are not among `ids` (those that joined since they were ranked).

@@ -164,13 +164,8 @@ pub async fn run(
     let mut last_spend: Option<Instant> = None;
     let mut last_flush = Instant::now();
     let mut last_seed_sweep: Option<Instant> = None;
-    let mut tick = tokio::time::interval(config.poll);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled() => break,
-        }
+    let mut tick = cachet_common::tick::Ticker::new(config.poll, stop);
+    while tick.next().await {
         if let Err(e) = follower.step(&pool, &targets).await {
             tracing::warn!(error = %e, "following administrative changes failed; retrying");
         }

@@ -12,14 +12,26 @@ use serde_json::json;
 use crate::client::{Api, BodyOptions, Breakpoints, send};
 use crate::trace::Shape;
 
+#[derive(Debug, clap::Args)]
 pub struct BurstArgs {
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub url: String,
+    #[arg(long, env = "CACHET_API_KEY")]
     pub api_key: String,
+    #[arg(long, default_value = "smollm2-135m-instruct")]
     pub model: String,
+    #[arg(long, default_value_t = 16)]
     pub requests: usize,
+    /// Approximate prompt length in tokens.
+    #[arg(long, default_value_t = 4096)]
     pub prompt_tokens: u64,
+    #[arg(long, default_value_t = 8)]
     pub max_tokens: u64,
+    /// Bursts, each with a new prompt.
+    #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// Bearer token for /metrics (CACHET_METRICS_TOKEN), when the server has one.
+    #[arg(long, env = "CACHET_METRICS_TOKEN")]
     pub metrics_token: Option<String>,
 }
 

@@ -197,27 +197,7 @@ pub enum Command {
     /// N identical cold requests at once: writers, readers, the engine's prefill time for the
     /// burst and TTFT (in-flight coalescing on vs off: run against a server started with
     /// CACHET_COALESCE=false for the baseline).
-    Burst {
-        #[arg(long, default_value = "http://127.0.0.1:8080")]
-        url: String,
-        #[arg(long, env = "CACHET_API_KEY")]
-        api_key: String,
-        #[arg(long, default_value = "smollm2-135m-instruct")]
-        model: String,
-        #[arg(long, default_value_t = 16)]
-        requests: usize,
-        /// Approximate prompt length in tokens.
-        #[arg(long, default_value_t = 4096)]
-        prompt_tokens: u64,
-        #[arg(long, default_value_t = 8)]
-        max_tokens: u64,
-        /// Bursts, each with a new prompt.
-        #[arg(long, default_value_t = 3)]
-        rounds: usize,
-        /// Bearer token for /metrics (CACHET_METRICS_TOKEN), when the server has one.
-        #[arg(long, env = "CACHET_METRICS_TOKEN")]
-        metrics_token: Option<String>,
-    },
+    Burst(burst::BurstArgs),
     /// A bare axum server answering every POST with a fixed Messages-shaped body: the limit
     /// of HTTP on this machine, for side-by-side comparison.
     BareServer {
@@ -272,28 +252,7 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Burst {
-            url,
-            api_key,
-            model,
-            requests,
-            prompt_tokens,
-            max_tokens,
-            rounds,
-            metrics_token,
-        } => {
-            burst::run(burst::BurstArgs {
-                url,
-                api_key,
-                model,
-                requests,
-                prompt_tokens,
-                max_tokens,
-                rounds,
-                metrics_token,
-            })
-            .await
-        }
+        Command::Burst(args) => burst::run(args).await,
         Command::BareServer { listen, seconds } => {
             http::bare_server(listen, Duration::from_secs(seconds)).await
         }

@@ -278,6 +278,28 @@ pub fn cached_body(system_words: usize, user: &str, max_tokens: u32) -> Value {
     })
 }
 
+/// A USD price for sim-tiny in force since `days_ago` days: `input` and `output` nano-units a
+/// token, the standard multipliers for the cache classes.
+pub async fn price_sim_tiny(pool: &sqlx::PgPool, days_ago: i64, (input, output): (i64, i64)) {
+    let now = chrono::Utc::now();
+    let price = billing::prices::PriceVersion {
+        model: "sim-tiny".into(),
+        effective_from: now - chrono::Duration::days(days_ago),
+        currency: "USD".into(),
+        rates: billing::money::Rates::standard(input, output),
+    };
+    billing::prices::set_price(pool, &price, "test", true, now)
+        .await
+        .unwrap();
+}
+
+/// The `message` of an error answer in either wire's shape (`{"error": {"message": …}}`).
+pub fn error_message(v: &Value) -> &str {
+    v["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error message in {v}"))
+}
+
 pub fn usage_total(u: &Value) -> u64 {
     u["input_tokens"].as_u64().unwrap()
         + u["cache_creation_input_tokens"].as_u64().unwrap()

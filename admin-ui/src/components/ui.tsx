@@ -232,16 +232,26 @@ export function Kpi({ label, value, note }: { label: string; value: string; note
   );
 }
 
-/** A table that scrolls sideways on a narrow window instead of breaking the page. */
-/** A captioned table; `columns` (those not `false`) make its head, `children` the rest. */
-export function Table({
+/**
+ * A captioned table that scrolls sideways on a narrow window instead of breaking the page;
+ * `columns` (those not `false`) make its head.
+ */
+export function Table<R>({
   caption,
   columns,
+  rows,
+  row,
+  empty,
   children,
 }: {
   caption: string;
   columns?: (string | false | undefined)[];
-  children: ComponentChildren;
+  /** The body: a `row` for each of `rows`, or one row saying `empty` when there are none. */
+  rows?: R[];
+  row?: (r: R) => ComponentChildren;
+  empty?: string;
+  /** Anything else inside the table (a header of its own, a body built by hand). */
+  children?: ComponentChildren;
 }) {
   return (
     <div class="table-wrap" role="region" aria-label={caption} tabIndex={0}>
@@ -255,6 +265,16 @@ export function Table({
           </thead>
         )}
         {children}
+        {rows && row && (
+          <tbody>
+            {rows.length === 0 && empty && (
+              <tr>
+                <td colSpan={columns?.filter(Boolean).length}>{empty}</td>
+              </tr>
+            )}
+            {rows.map(row)}
+          </tbody>
+        )}
       </table>
     </div>
   );

@@ -164,37 +164,29 @@ function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (noti
       <Table
         caption={`Cache objects${list.data.has_more ? " (the newest 100)" : ""}`}
         columns={["Object", "Workspace", "Model", "Tokens", "Created", "Expires", props.canEdit && "Actions"]}
-      >
-        <tbody>
-          {objects.length === 0 && (
-            <tr>
-              <td colSpan={props.canEdit ? 7 : 6}>No cache objects.</td>
-            </tr>
-          )}
-          {objects.map((o) => (
-            <tr key={o.id} data-object={o.id}>
-              <th scope="row">
-                {o.display_name ?? <em>unnamed</em>} <code>{o.id}</code>
-              </th>
-              <td>{o.workspace_name}</td>
-              <td>{o.model}</td>
-              <td>{formatTokens(o.input_tokens)}</td>
-              <td>{formatTime(o.created_at)}</td>
-              <td>{formatTime(o.expires_at)}</td>
-              {props.canEdit && (
-                <td>
-                  <button type="button" class="secondary" aria-label={`Extend ${o.id}`} onClick={() => setExtending(o)}>
-                    Extend
-                  </button>{" "}
-                  <button type="button" class="danger" aria-label={`Delete ${o.id}`} onClick={() => setDeleting(o)}>
-                    Delete
-                  </button>
-                </td>
-              )}
-            </tr>
-          ))}
-        </tbody>
-      </Table>
+        rows={objects} empty="No cache objects." row={(o) => (
+          <tr key={o.id} data-object={o.id}>
+            <th scope="row">
+              {o.display_name ?? <em>unnamed</em>} <code>{o.id}</code>
+            </th>
+            <td>{o.workspace_name}</td>
+            <td>{o.model}</td>
+            <td>{formatTokens(o.input_tokens)}</td>
+            <td>{formatTime(o.created_at)}</td>
+            <td>{formatTime(o.expires_at)}</td>
+            {props.canEdit && (
+              <td>
+                <button type="button" class="secondary" aria-label={`Extend ${o.id}`} onClick={() => setExtending(o)}>
+                  Extend
+                </button>{" "}
+                <button type="button" class="danger" aria-label={`Delete ${o.id}`} onClick={() => setDeleting(o)}>
+                  Delete
+                </button>
+              </td>
+            )}
+          </tr>
+        )}
+      />
       <Confirm
         open={extending !== null}
         title={`Extend ${extending?.display_name ?? extending?.id ?? ""}`}

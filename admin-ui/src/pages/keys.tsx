@@ -33,42 +33,39 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
         <Table
           caption="Keys (secrets are never shown again)"
           columns={["Name", "Prefix", "Workspace", "State", "Created", "Last used", "Expires", "Actions"]}
-        >
-          <tbody>
-            {keys.data?.data.map((k) => (
-              <tr key={k.id} data-key={k.id}>
-                <td>{k.name}</td>
-                <td>
-                  <code>{k.prefix}…</code>
-                </td>
-                <td>{wsName(k.workspace_id)}</td>
-                <td class={`state-${k.state}`}>{k.state}</td>
-                <td>{formatTime(k.created_at)}</td>
-                <td>{formatTime(k.last_used_at)}</td>
-                <td>{formatTime(k.expires_at)}</td>
-                <td>
-                  {(k.state === "active" || k.state === "rotating") && (
-                    <div class="actions">
-                      {k.state === "active" && (
-                        <>
-                          <button type="button" class="secondary" onClick={() => setRotating(k)} aria-label={`Rotate ${k.name} ${k.prefix}`}>
-                            Rotate
-                          </button>
-                          <button type="button" class="secondary" onClick={() => setExpiring(k)} aria-label={`Set expiry of ${k.name} ${k.prefix}`}>
-                            Expiry
-                          </button>
-                        </>
-                      )}
-                      <button type="button" class="danger" onClick={() => setRevoking(k)} aria-label={`Revoke ${k.name} ${k.prefix}`}>
-                        Revoke
-                      </button>
-                    </div>
-                  )}
-                </td>
-              </tr>
-            ))}
-          </tbody>
-        </Table>
+          rows={keys.data?.data ?? []} row={(k) => (
+            <tr key={k.id} data-key={k.id}>
+              <td>{k.name}</td>
+              <td>
+                <code>{k.prefix}…</code>
+              </td>
+              <td>{wsName(k.workspace_id)}</td>
+              <td class={`state-${k.state}`}>{k.state}</td>
+              <td>{formatTime(k.created_at)}</td>
+              <td>{formatTime(k.last_used_at)}</td>
+              <td>{formatTime(k.expires_at)}</td>
+              <td>
+                {(k.state === "active" || k.state === "rotating") && (
+                  <div class="actions">
+                    {k.state === "active" && (
+                      <>
+                        <button type="button" class="secondary" onClick={() => setRotating(k)} aria-label={`Rotate ${k.name} ${k.prefix}`}>
+                          Rotate
+                        </button>
+                        <button type="button" class="secondary" onClick={() => setExpiring(k)} aria-label={`Set expiry of ${k.name} ${k.prefix}`}>
+                          Expiry
+                        </button>
+                      </>
+                    )}
+                    <button type="button" class="danger" onClick={() => setRevoking(k)} aria-label={`Revoke ${k.name} ${k.prefix}`}>
+                      Revoke
+                    </button>
+                  </div>
+                )}
+              </td>
+            </tr>
+          )}
+        />
       )}
       <CreateKeyDialog
         open={creating}

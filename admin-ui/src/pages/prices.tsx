@@ -94,46 +94,38 @@ export function PricesPage({ me }: { me: Me }) {
         <Table
           caption="List-price versions, newest first per model"
           columns={["Model", "From", "State", "Input / MTok", "Output / MTok", "5m write", "1h write", "Read", "Object held / h", me.role === "platform_admin" && "Actions"]}
-        >
-          <tbody>
-            {rows.length === 0 && (
-              <tr>
-                <td colSpan={10}>No price yet.</td>
-              </tr>
-            )}
-            {rows.map((p) => (
-              <tr key={`${p.model}@${p.effective_from}`} data-state={states.get(p)}>
-                <td>{p.model}</td>
-                <td>{new Date(p.effective_from).getTime() <= 0 ? "always (shipped default)" : formatTime(p.effective_from)}</td>
-                <td>{states.get(p)}</td>
+          rows={rows} empty="No price yet." row={(p) => (
+            <tr key={`${p.model}@${p.effective_from}`} data-state={states.get(p)}>
+              <td>{p.model}</td>
+              <td>{new Date(p.effective_from).getTime() <= 0 ? "always (shipped default)" : formatTime(p.effective_from)}</td>
+              <td>{states.get(p)}</td>
+              <td>
+                {perMillion(p.input_nanos)} {p.currency}
+              </td>
+              <td>
+                {perMillion(p.output_nanos)} {p.currency}
+              </td>
+              <td>{times(p.cache_write_5m_bp)}</td>
+              <td>{times(p.cache_write_1h_bp)}</td>
+              <td>{times(p.cache_read_bp)}</td>
+              <td>{times(p.cache_storage_hour_bp)}</td>
+              {me.role === "platform_admin" && (
                 <td>
-                  {perMillion(p.input_nanos)} {p.currency}
+                  {states.get(p) === "scheduled" && (
+                    <button
+                      type="button"
+                      class="danger"
+                      aria-label={`Retire ${p.model} from ${p.effective_from}`}
+                      onClick={() => setRetiring(p)}
+                    >
+                      Retire
+                    </button>
+                  )}
                 </td>
-                <td>
-                  {perMillion(p.output_nanos)} {p.currency}
-                </td>
-                <td>{times(p.cache_write_5m_bp)}</td>
-                <td>{times(p.cache_write_1h_bp)}</td>
-                <td>{times(p.cache_read_bp)}</td>
-                <td>{times(p.cache_storage_hour_bp)}</td>
-                {me.role === "platform_admin" && (
-                  <td>
-                    {states.get(p) === "scheduled" && (
-                      <button
-                        type="button"
-                        class="danger"
-                        aria-label={`Retire ${p.model} from ${p.effective_from}`}
-                        onClick={() => setRetiring(p)}
-                      >
-                        Retire
-                      </button>
-                    )}
-                  </td>
-                )}
-              </tr>
-            ))}
-          </tbody>
-        </Table>
+              )}
+            </tr>
+          )}
+        />
       )}
       <Confirm
         open={retiring !== null}

@@ -86,39 +86,36 @@ function UserTable(props: { users: User[]; tenants: Tenant[]; onChange: () => vo
   const name = (id: string | null) => props.tenants.find((t) => t.id === id)?.name ?? id ?? "–";
   return (
     <>
-      <Table caption="Users" columns={["Username", "Role", "Tenant", "Last login", "State", "Actions"]}>
-        <tbody>
-          {props.users.map((u) => {
-            const locked = u.locked_until && new Date(u.locked_until) > new Date();
-            return (
-              <tr key={u.id}>
-                <td>{u.username}</td>
-                <td>{u.role.replace("_", " ")}</td>
-                <td>{u.tenant ? name(u.tenant) : "–"}</td>
-                <td>{formatTime(u.last_login_at)}</td>
-                <td>{u.disabled_at ? "disabled" : locked ? `locked until ${formatTime(u.locked_until)}` : "active"}</td>
-                <td>
-                  {!u.disabled_at && (
-                    <div class="actions">
-                      {(locked || u.failed_logins > 0) && (
-                        <button type="button" class="secondary" onClick={() => api("POST", `/v1/admin/users/${u.id}/unlock`).then(props.onChange)}>
-                          Unlock
-                        </button>
-                      )}
-                      <button type="button" class="secondary" onClick={() => setResetting(u)} aria-label={`Reset the password of ${u.username}`}>
-                        Reset password
-                      </button>
-                      <button type="button" class="danger" onClick={() => setDisabling(u)} aria-label={`Disable ${u.username}`}>
-                        Disable
-                      </button>
-                    </div>
+      <Table caption="Users" columns={["Username", "Role", "Tenant", "Last login", "State", "Actions"]} rows={props.users} row={(u) => {
+        const locked = u.locked_until && new Date(u.locked_until) > new Date();
+        return (
+          <tr key={u.id}>
+            <td>{u.username}</td>
+            <td>{u.role.replace("_", " ")}</td>
+            <td>{u.tenant ? name(u.tenant) : "–"}</td>
+            <td>{formatTime(u.last_login_at)}</td>
+            <td>{u.disabled_at ? "disabled" : locked ? `locked until ${formatTime(u.locked_until)}` : "active"}</td>
+            <td>
+              {!u.disabled_at && (
+                <div class="actions">
+                  {(locked || u.failed_logins > 0) && (
+                    <button type="button" class="secondary" onClick={() => api("POST", `/v1/admin/users/${u.id}/unlock`).then(props.onChange)}>
+                      Unlock
+                    </button>
                   )}
-                </td>
-              </tr>
-            );
-          })}
-        </tbody>
-      </Table>
+                  <button type="button" class="secondary" onClick={() => setResetting(u)} aria-label={`Reset the password of ${u.username}`}>
+                    Reset password
+                  </button>
+                  <button type="button" class="danger" onClick={() => setDisabling(u)} aria-label={`Disable ${u.username}`}>
+                    Disable
+                  </button>
+                </div>
+              )}
+            </td>
+          </tr>
+        );
+        }}
+      />
       <Confirm
         open={resetting !== null}
         title={`Reset the password of ${resetting?.username ?? ""}?`}

@@ -52,54 +52,40 @@ export function WorkspacesTab({ tenant, canEdit }: { tenant: Tenant; canEdit: bo
       {list.loading && !list.data ? (
         <Loading what="workspaces" />
       ) : (
-        <Table caption="Workspaces and their limits (— is none beyond the tenant's)">
-          <thead>
-            <tr>
-              <th scope="col">Name</th>
-              <th scope="col">State</th>
-              <th scope="col">Active keys</th>
-              {LIMITS.map(([, label]) => (
-                <th scope="col" key={label}>
-                  {label}
-                </th>
+        <Table
+          caption="Workspaces and their limits (— is none beyond the tenant's)"
+          columns={["Name", "State", "Active keys", ...LIMITS.map(([, label]) => label), "Monthly budget", "Created", "Actions"]}
+          rows={list.data?.data ?? []}
+          row={(w) => (
+            <tr key={w.id} data-workspace={w.name}>
+              <td>
+                {w.name}
+                {w.is_default && <small> (default)</small>}
+              </td>
+              <td class={w.archived_at ? "state-revoked" : "state-active"}>{w.archived_at ? "archived" : "active"}</td>
+              <td>{w.active_keys}</td>
+              {LIMITS.map(([k]) => (
+                <td key={k}>{limitText(w.limits[k])}</td>
               ))}
-              <th scope="col">Monthly budget</th>
-              <th scope="col">Created</th>
-              <th scope="col">Actions</th>
-            </tr>
-          </thead>
-          <tbody>
-            {list.data?.data.map((w) => (
-              <tr key={w.id} data-workspace={w.name}>
-                <td>
-                  {w.name}
-                  {w.is_default && <small> (default)</small>}
-                </td>
-                <td class={w.archived_at ? "state-revoked" : "state-active"}>{w.archived_at ? "archived" : "active"}</td>
-                <td>{w.active_keys}</td>
-                {LIMITS.map(([k]) => (
-                  <td key={k}>{limitText(w.limits[k])}</td>
-                ))}
-                <td>{w.limits.monthly_budget_minor === null ? "—" : formatMoney(w.limits.monthly_budget_minor, currency)}</td>
-                <td>{formatTime(w.created_at)}</td>
-                <td>
-                  {live && !w.archived_at && (
-                    <div class="actions">
-                      <button type="button" class="secondary" onClick={() => setEditing(w)} aria-label={`Edit ${w.name}`}>
-                        Edit
+              <td>{w.limits.monthly_budget_minor === null ? "—" : formatMoney(w.limits.monthly_budget_minor, currency)}</td>
+              <td>{formatTime(w.created_at)}</td>
+              <td>
+                {live && !w.archived_at && (
+                  <div class="actions">
+                    <button type="button" class="secondary" onClick={() => setEditing(w)} aria-label={`Edit ${w.name}`}>
+                      Edit
+                    </button>
+                    {!w.is_default && (
+                      <button type="button" class="danger" onClick={() => setArchiving(w)} aria-label={`Archive ${w.name}`}>
+                        Archive
                       </button>
-                      {!w.is_default && (
-                        <button type="button" class="danger" onClick={() => setArchiving(w)} aria-label={`Archive ${w.name}`}>
-                          Archive
-                        </button>
-                      )}
-                    </div>
-                  )}
-                </td>
-              </tr>
-            ))}
-          </tbody>
-        </Table>
+                    )}
+                  </div>
+                )}
+              </td>
+            </tr>
+          )}
+        />
       )}
       <WorkspaceDialog
         tenant={tenant}

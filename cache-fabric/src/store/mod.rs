@@ -173,6 +173,19 @@ struct Terms {
     checksums: Checksums,
 }
 
+impl Terms {
+    /// A write whose checksums came with it (verified under the lock).
+    fn sent(ttl: Duration, kind: EntryKind, copy: Copy) -> Self {
+        let checksums = Checksums::Verify;
+        Terms {
+            ttl,
+            kind,
+            copy,
+            checksums,
+        }
+    }
+}
+
 /// Whether a write's checksums are checked against its bytes under the store's lock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Checksums {
@@ -765,12 +778,7 @@ impl Store {
         now: Instant,
         kind: EntryKind,
     ) -> Result<(), WriteRefused> {
-        let terms = Terms {
-            ttl,
-            kind,
-            copy: Copy::Own,
-            checksums: Checksums::Verify,
-        };
+        let terms = Terms::sent(ttl, kind, Copy::Own);
         self.put(scope, existing, new, terms, now)
     }
 
@@ -792,12 +800,7 @@ impl Store {
         // Blocks an owner holds are independent of each other (their chain may be spread
         // over several nodes), so each is admitted on its own: a large entry is not refused
         // whole because this node's DRAM holds only part of it at once (the rest demotes).
-        let terms = Terms {
-            ttl,
-            kind,
-            copy: Copy::Replica,
-            checksums: Checksums::Verify,
-        };
+        let terms = Terms::sent(ttl, kind, Copy::Replica);
         self.put_each(scope, existing, new, terms, now)
     }
 
@@ -812,12 +815,7 @@ impl Store {
         ttl: Duration,
         now: Instant,
     ) -> Result<(), WriteRefused> {
-        let terms = Terms {
-            ttl,
-            kind: EntryKind::BestEffort,
-            copy: Copy::Extra,
-            checksums: Checksums::Verify,
-        };
+        let terms = Terms::sent(ttl, EntryKind::BestEffort, Copy::Extra);
         self.put_each(scope, &[], new, terms, now)
     }
 

@@ -97,20 +97,11 @@ pub async fn get_tenant(
               (status = 409, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn suspend(
-    State(state): State<AdminState>,
+    state: State<AdminState>,
     admin: Admin,
     AdminPath(id): AdminPath<Uuid>,
 ) -> Result<axum::Json<TenantInfo>, ApiError> {
-    admin.tenant(id, Access::Platform)?;
-    Ok(axum::Json(
-        tenants::set_suspended(
-            &state.pool,
-            &admin.actor,
-            TenantId(id),
-            tenants::Suspension::Suspend,
-        )
-        .await?,
-    ))
+    set_suspended(state, admin, id, tenants::Suspension::Suspend).await
 }
 
 /// Resume a suspended tenant (platform admins).
@@ -120,20 +111,23 @@ pub async fn suspend(
               (status = 409, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn resume(
-    State(state): State<AdminState>,
+    state: State<AdminState>,
     admin: Admin,
     AdminPath(id): AdminPath<Uuid>,
 ) -> Result<axum::Json<TenantInfo>, ApiError> {
+    set_suspended(state, admin, id, tenants::Suspension::Resume).await
+}
+
+/// Suspend or resume: platform admins only, audited.
+async fn set_suspended(
+    State(state): State<AdminState>,
+    admin: Admin,
+    id: Uuid,
+    to: tenants::Suspension,
+) -> Result<axum::Json<TenantInfo>, ApiError> {
     admin.tenant(id, Access::Platform)?;
-    Ok(axum::Json(
-        tenants::set_suspended(
-            &state.pool,
-            &admin.actor,
-            TenantId(id),
-            tenants::Suspension::Resume,
-        )
-        .await?,
-    ))
+    let info = tenants::set_suspended(&state.pool, &admin.actor, TenantId(id), to).await?;
+    Ok(axum::Json(info))
 }
 
 /// Delete a tenant: keys revoked, tenant admins disabled, its cache purged from every node;

@@ -87,7 +87,8 @@ pub async fn keep_metered(
     every: std::time::Duration,
     stop: tokio_util::sync::CancellationToken,
 ) {
-    billing::each_tick(every, stop, || async {
+    let mut tick = cachet_common::tick::Ticker::new(every, stop);
+    while tick.next().await {
         match meter(&pool, Utc::now()).await {
             Ok(r) if r.rows > 0 => {
                 tracing::debug!(objects = r.objects, rows = r.rows, "cache storage metered")
@@ -97,6 +98,5 @@ pub async fn keep_metered(
                 tracing::warn!(error = %e, "metering cache storage failed; retrying at the next tick")
             }
         }
-    })
-    .await
+    }
 }

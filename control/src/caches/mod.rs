@@ -293,6 +293,15 @@ fn not_found(id: &str) -> AdminError {
     AdminError::NotFound(format!("cache object {id}"))
 }
 
+/// An id that cannot name an object names none: 404, as for an unknown one.
+fn well_formed(id: &str) -> Result<(), AdminError> {
+    if is_object_id(id) {
+        Ok(())
+    } else {
+        Err(not_found(id))
+    }
+}
+
 /// The live object `id` of `owner`.
 pub async fn get(
     pool: &PgPool,
@@ -300,9 +309,7 @@ pub async fn get(
     id: &str,
 ) -> Result<CacheObject, AdminError> {
     let owner = owner.into();
-    if !is_object_id(id) {
-        return Err(not_found(id));
-    }
+    well_formed(id)?;
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM cache_objects o WHERE o.id = $1 AND {OWNED_LIVE}"
     )))
@@ -406,9 +413,7 @@ pub async fn set_expiry(
     expires_at: DateTime<Utc>,
 ) -> Result<CacheObject, AdminError> {
     let owner = owner.into();
-    if !is_object_id(id) {
-        return Err(not_found(id));
-    }
+    well_formed(id)?;
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE cache_objects o SET expires_at = $4 WHERE o.id = $1 AND {OWNED_LIVE} \
          RETURNING {COLUMNS}"
@@ -431,9 +436,7 @@ pub async fn delete(
     id: &str,
 ) -> Result<CacheObject, AdminError> {
     let owner = owner.into();
-    if !is_object_id(id) {
-        return Err(not_found(id));
-    }
+    well_formed(id)?;
     let mut tx = pool.begin().await?;
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE cache_objects o SET deleted_at = now() WHERE o.id = $1 AND {OWNED_LIVE} \
