@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::body::Body;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
@@ -153,7 +154,7 @@ pub struct UsageResponse {
 pub async fn usage(
     State(s): State<FinanceState>,
     caller: Caller,
-    q: Result<Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
+    q: Result<Query<UsageQuery>, QueryRejection>,
 ) -> Result<Json<UsageResponse>, ApiError> {
     let Query(q) = q?;
     if q.to <= q.from {
@@ -253,7 +254,7 @@ pub struct InvoiceList {
 pub async fn list_invoices(
     State(s): State<FinanceState>,
     caller: Caller,
-    q: Result<Query<InvoiceQuery>, axum::extract::rejection::QueryRejection>,
+    q: Result<Query<InvoiceQuery>, QueryRejection>,
 ) -> Result<Json<InvoiceList>, ApiError> {
     let Query(q) = q?;
     let tenant = caller.tenant_filter(q.tenant)?;
@@ -296,7 +297,7 @@ pub async fn get_invoice(
     State(s): State<FinanceState>,
     caller: Caller,
     id: Result<Path<Uuid>, axum::extract::rejection::PathRejection>,
-    q: Result<Query<InvoiceFormat>, axum::extract::rejection::QueryRejection>,
+    q: Result<Query<InvoiceFormat>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Path(id) = id?;
     let Query(q) = q?;
@@ -493,9 +494,19 @@ pub enum Format {
     Cloudevents,
 }
 
+/// An export's format (a query parameter beside its [`ExportFilter`]).
 #[derive(Debug, Deserialize, IntoParams)]
-pub struct ExportQuery {
+pub struct ExportFormat {
+    /// `csv` (RFC 4180), `jsonl`, or `cloudevents` (JSON Lines of CloudEvents 1.0).
+    pub format: Format,
+}
+
+/// Which ledger rows an export holds (its query parameters).
+#[derive(Clone, Debug, Deserialize, IntoParams)]
+pub struct ExportFilter {
+    /// Start (inclusive), RFC 3339.
     pub from: DateTime<Utc>,
+    /// End (exclusive), RFC 3339.
     pub to: DateTime<Utc>,
     pub tenant: Option<Uuid>,
     /// Only this workspace's rows.
@@ -503,19 +514,6 @@ pub struct ExportQuery {
     /// Only this API key's rows.
     pub api_key: Option<Uuid>,
     /// Only this model's rows.
-    pub model: Option<String>,
-    /// `csv` (RFC 4180), `jsonl`, or `cloudevents` (JSON Lines of CloudEvents 1.0).
-    pub format: Format,
-}
-
-/// Which ledger rows an export holds.
-#[derive(Clone, Debug)]
-pub struct ExportFilter {
-    pub from: DateTime<Utc>,
-    pub to: DateTime<Utc>,
-    pub tenant: Option<Uuid>,
-    pub workspace: Option<Uuid>,
-    pub api_key: Option<Uuid>,
     pub model: Option<String>,
 }
 
@@ -887,59 +885,59 @@ pub fn storage_export_stream(
 }
 
 /// Ledger rows, streamed (finance and platform admins: any tenant; a tenant admin: its own).
-#[utoipa::path(get, path = "/v1/billing/exports/usage", tag = "billing", params(ExportQuery),
+#[utoipa::path(get, path = "/v1/billing/exports/usage", tag = "billing", params(ExportFilter, ExportFormat),
     responses((status = 200, description = "Rows as CSV, JSON Lines or CloudEvents JSON Lines"),
               (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn export_usage(
     State(s): State<FinanceState>,
     caller: Caller,
-    q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
+    filter: Result<Query<ExportFilter>, QueryRejection>,
+    format: Result<Query<ExportFormat>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    export(s, caller, q, export_stream)
+    export(s, caller, (filter, format), export_stream)
 }
 
 /// Hours of cache objects held (the storage ledger), streamed: one row per object and hour,
 /// picked by the hour's start (finance and platform admins: any tenant; a tenant admin: its
 /// own).
-#[utoipa::path(get, path = "/v1/billing/exports/storage", tag = "billing", params(ExportQuery),
+#[utoipa::path(get, path = "/v1/billing/exports/storage", tag = "billing", params(ExportFilter, ExportFormat),
     responses((status = 200, description = "Rows as CSV, JSON Lines or CloudEvents JSON Lines"),
               (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn export_storage(
     State(s): State<FinanceState>,
     caller: Caller,
-    q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
+    filter: Result<Query<ExportFilter>, QueryRejection>,
+    format: Result<Query<ExportFormat>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    export(s, caller, q, storage_export_stream)
+    export(s, caller, (filter, format), storage_export_stream)
 }
+
+/// The export's query, as the two extractors read it.
+type ExportQuery = (
+    Result<Query<ExportFilter>, QueryRejection>,
+    Result<Query<ExportFormat>, QueryRejection>,
+);
 
 fn export(
     s: FinanceState,
     caller: Caller,
-    q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
+    (filter, format): ExportQuery,
     stream: fn(PgPool, Arc<dyn Directory>, ExportFilter, Format) -> Body,
 ) -> Result<Response, ApiError> {
-    let Query(q) = q?;
+    let (Query(mut filter), Query(ExportFormat { format })) = (filter?, format?);
     // A tenant admin exports its own tenant's rows only (asking for another is refused).
-    let tenant = caller.tenant_filter(q.tenant)?;
-    if q.to <= q.from {
+    filter.tenant = caller.tenant_filter(filter.tenant)?;
+    if filter.to <= filter.from {
         return Err(ApiError::invalid("`to` must be after `from`"));
     }
-    let content_type = match q.format {
+    let content_type = match format {
         Format::Csv => "text/csv; charset=utf-8; header=present",
         Format::Jsonl => "application/jsonl",
         Format::Cloudevents => "application/cloudevents-batch+jsonl",
     };
-    let filter = ExportFilter {
-        from: q.from,
-        to: q.to,
-        tenant,
-        workspace: q.workspace,
-        api_key: q.api_key,
-        model: q.model,
-    };
-    let body = stream(s.pool.clone(), s.directory.clone(), filter, q.format);
+    let body = stream(s.pool.clone(), s.directory.clone(), filter, format);
     Ok(([(header::CONTENT_TYPE, content_type)], body).into_response())
 }
 

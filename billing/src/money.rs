@@ -15,6 +15,10 @@
 
 use std::fmt;
 
+use serde::{Deserialize, Serialize};
+use sqlx::FromRow;
+use utoipa::ToSchema;
+
 /// Atto-units per nano-unit.
 const ATTO_PER_NANO: i128 = 1_000_000_000;
 
@@ -68,18 +72,7 @@ impl TokenClass {
 /// Token counts of the five classes, one field each, named as the ledger's columns: the one
 /// word every report, export and overview counts tokens in (flattened into them, so their
 /// JSON keeps these names). A new class is a field here and a [`TokenClass`].
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    serde::Serialize,
-    serde::Deserialize,
-    sqlx::FromRow,
-    utoipa::ToSchema,
-)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, FromRow, ToSchema)]
 pub struct TokenCounts {
     pub input_tokens: i64,
     pub cache_write_5m_tokens: i64,
@@ -128,17 +121,7 @@ impl TokenCounts {
 /// One price version's rates: per token of each class, as a base price in nano-units and a
 /// multiplier of it in basis points. Read from JSON, a multiplier left out is the standard
 /// one (1.25× 5m write, 2× 1h write, 0.1× read, 1× per token-hour held).
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    PartialEq,
-    Eq,
-    serde::Serialize,
-    serde::Deserialize,
-    sqlx::FromRow,
-    utoipa::ToSchema,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, FromRow, ToSchema)]
 pub struct Rates {
     pub input_nanos: i64,
     pub output_nanos: i64,

@@ -15,6 +15,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 use uuid::Uuid;
 
 macro_rules! uuid_id {
@@ -175,17 +176,7 @@ impl fmt::Display for BlockHash {
 
 /// Cache entry lifetime classes, as on the Anthropic API.
 #[derive(
-    Clone,
-    Copy,
-    Debug,
-    PartialEq,
-    Eq,
-    Hash,
-    PartialOrd,
-    Ord,
-    Serialize,
-    Deserialize,
-    utoipa::ToSchema,
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, ToSchema,
 )]
 pub enum Ttl {
     #[serde(rename = "5m")]

@@ -288,12 +288,10 @@ pub async fn create_endpoint(
     .bind(&actor.name)
     .fetch_one(&mut *tx)
     .await?;
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new("webhook.create", Some(tenant.as_uuid()), id).after(json!({"url": url})),
-    )
-    .await?;
+    audit::Entry::new("webhook.create", Some(tenant.as_uuid()), id)
+        .after(json!({"url": url}))
+        .commit(tx, actor)
+        .await?;
     Ok((endpoint_info(&row), secret))
 }
 
@@ -322,13 +320,10 @@ pub async fn disable_endpoint(
     .bind(endpoint)
     .execute(&mut *tx)
     .await?;
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new("webhook.disable", Some(tenant.as_uuid()), endpoint)
-            .after(json!({"state": "disabled"})),
-    )
-    .await?;
+    audit::Entry::new("webhook.disable", Some(tenant.as_uuid()), endpoint)
+        .after(json!({"state": "disabled"}))
+        .commit(tx, actor)
+        .await?;
     Ok(endpoint_info(&row))
 }
 

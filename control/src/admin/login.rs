@@ -188,13 +188,10 @@ pub async fn create_user(pool: &PgPool, actor: &Actor, u: NewUser) -> Result<Use
     .bind(&actor.name)
     .execute(&mut *tx)
     .await?;
-    audit::commit(
-        tx,
-        actor,
-        Entry::new("user.create", u.tenant, id)
-            .after(json!({"username": username, "role": u.role, "tenant": u.tenant})),
-    )
-    .await?;
+    Entry::new("user.create", u.tenant, id)
+        .after(json!({"username": username, "role": u.role, "tenant": u.tenant}))
+        .commit(tx, actor)
+        .await?;
     get_user(pool, id).await
 }
 
@@ -282,14 +279,11 @@ pub async fn disable(pool: &PgPool, actor: &Actor, id: Uuid) -> Result<User, Adm
     .bind(id)
     .execute(&mut *tx)
     .await?;
-    audit::commit(
-        tx,
-        actor,
-        Entry::new("user.disable", before.tenant, id)
-            .before(json!({"username": before.username}))
-            .after(json!({"disabled": true})),
-    )
-    .await?;
+    Entry::new("user.disable", before.tenant, id)
+        .before(json!({"username": before.username}))
+        .after(json!({"disabled": true}))
+        .commit(tx, actor)
+        .await?;
     get_user(pool, id).await
 }
 
@@ -303,16 +297,11 @@ pub async fn unlock(pool: &PgPool, actor: &Actor, id: Uuid) -> Result<User, Admi
     .bind(id)
     .execute(&mut *tx)
     .await?;
-    audit::commit(
-        tx,
-        actor,
-        Entry::new("user.unlock", before.tenant, id)
-            .before(
-                json!({"failed_logins": before.failed_logins, "locked_until": before.locked_until}),
-            )
-            .after(json!({"failed_logins": 0})),
-    )
-    .await?;
+    Entry::new("user.unlock", before.tenant, id)
+        .before(json!({"failed_logins": before.failed_logins, "locked_until": before.locked_until}))
+        .after(json!({"failed_logins": 0}))
+        .commit(tx, actor)
+        .await?;
     get_user(pool, id).await
 }
 
@@ -621,12 +610,10 @@ pub async fn login(
     .execute(&mut *tx)
     .await
     .map_err(AdminError::from)?;
-    audit::commit(
-        tx,
-        &actor,
-        Entry::new("login.success", tenant, id).after(json!({"session": sid})),
-    )
-    .await?;
+    Entry::new("login.success", tenant, id)
+        .after(json!({"session": sid}))
+        .commit(tx, &actor)
+        .await?;
     metrics::ADMIN_LOGINS.with_label_values(&["ok"]).inc();
     Ok(axum::Json(LoginTokens {
         access_token: access_token(&state, &me, sid)?,
@@ -692,12 +679,9 @@ pub async fn logout(State(state): State<AdminState>, admin: Admin) -> Result<Res
         .execute(&mut *tx)
         .await
         .map_err(AdminError::from)?;
-        audit::commit(
-            tx,
-            &admin.actor,
-            Entry::new("logout", admin.claims.tenant, sid),
-        )
-        .await?;
+        Entry::new("logout", admin.claims.tenant, sid)
+            .commit(tx, &admin.actor)
+            .await?;
     }
     Ok(StatusCode::NO_CONTENT.into_response())
 }

@@ -29,7 +29,7 @@ use super::login::{
 };
 use super::{Admin, AdminJson, AdminPath, AdminState};
 use crate::tenants::AdminError;
-use crate::tenants::audit::{self, Actor, Entry};
+use crate::tenants::audit::{Actor, Entry};
 
 /// How long a reset secret can be redeemed.
 pub const RESET_TTL: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
@@ -73,7 +73,9 @@ pub async fn set_password(
     check_password(&user.username, &new_password)?;
     let mut tx = pool.begin().await?;
     store_password(&mut tx, id, new_password, None).await?;
-    audit::commit(tx, actor, Entry::new("user.password_set", user.tenant, id)).await?;
+    Entry::new("user.password_set", user.tenant, id)
+        .commit(tx, actor)
+        .await?;
     Ok(())
 }
 
@@ -127,13 +129,10 @@ pub async fn issue_reset(
     .bind(expires_at)
     .execute(&mut *tx)
     .await?;
-    audit::commit(
-        tx,
-        actor,
-        Entry::new("user.password_reset_issued", user.tenant, id)
-            .after(json!({"reset": reset_id, "expires_at": expires_at})),
-    )
-    .await?;
+    Entry::new("user.password_reset_issued", user.tenant, id)
+        .after(json!({"reset": reset_id, "expires_at": expires_at}))
+        .commit(tx, actor)
+        .await?;
     Ok(ResetSecret {
         user: id,
         username: user.username,
@@ -170,17 +169,17 @@ pub async fn redeem_reset(
         .execute(&mut *tx)
         .await?;
     store_password(&mut tx, id, new_password, None).await?;
-    audit::commit(
-        tx,
-        &Actor {
-            name: format!("user:{username}"),
-            role: None,
-            request_id: None,
-        },
-        Entry::new("user.password_reset", row.get("tenant_id"), id)
-            .after(json!({"reset": reset_id})),
-    )
-    .await?;
+    Entry::new("user.password_reset", row.get("tenant_id"), id)
+        .after(json!({"reset": reset_id}))
+        .commit(
+            tx,
+            &Actor {
+                name: format!("user:{username}"),
+                role: None,
+                request_id: None,
+            },
+        )
+        .await?;
     Ok(username)
 }
 
@@ -250,12 +249,9 @@ pub async fn change_own_password(
     check_password(&username, &req.new_password)?;
     let mut tx = state.pool.begin().await.map_err(AdminError::from)?;
     store_password(&mut tx, id, req.new_password, Some(sid)).await?;
-    audit::commit(
-        tx,
-        &admin.actor,
-        Entry::new("user.password_change", tenant, id),
-    )
-    .await?;
+    Entry::new("user.password_change", tenant, id)
+        .commit(tx, &admin.actor)
+        .await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -453,7 +453,7 @@ pub async fn delete(
         "input_tokens": o.input_tokens, "expires_at": o.expires_at,
     });
     let entry = audit::Entry::new(DELETE_ACTION, Some(owner.tenant()), o.id.clone()).before(was);
-    audit::commit(tx, actor, entry).await?;
+    entry.commit(tx, actor).await?;
     Ok(o)
 }
 
@@ -620,13 +620,10 @@ pub async fn purge(pool: &PgPool, actor: &Actor, tenant: TenantId) -> Result<u64
     .execute(&mut *tx)
     .await?
     .rows_affected();
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new(PURGE_ACTION, Some(tenant.as_uuid()), tenant.as_uuid())
-            .after(json!({"cache_objects_deleted": deleted})),
-    )
-    .await?;
+    audit::Entry::new(PURGE_ACTION, Some(tenant.as_uuid()), tenant.as_uuid())
+        .after(json!({"cache_objects_deleted": deleted}))
+        .commit(tx, actor)
+        .await?;
     Ok(deleted)
 }
 

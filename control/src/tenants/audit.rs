@@ -82,22 +82,22 @@ impl<'a> Entry<'a> {
         self.after = Some(state);
         self
     }
-}
 
-/// Write `entry` in `tx` and commit it: the audited change. The change and its row land
-/// together or not at all.
-pub async fn commit(
-    mut tx: Transaction<'_, Postgres>,
-    actor: &Actor,
-    entry: Entry<'_>,
-) -> Result<i64, AdminError> {
-    let id = record(&mut tx, actor, entry).await?;
-    tx.commit().await?;
-    Ok(id)
+    /// Write this entry in `tx` and commit it: the audited change. The change and its row
+    /// land together or not at all.
+    pub async fn commit(
+        self,
+        mut tx: Transaction<'_, Postgres>,
+        actor: &Actor,
+    ) -> Result<i64, AdminError> {
+        let id = record(&mut tx, actor, self).await?;
+        tx.commit().await?;
+        Ok(id)
+    }
 }
 
 /// Write `entry` in `tx` (the change's own transaction), for a change that writes more after
-/// its audit row; [`commit`] where the row is the last thing written.
+/// its audit row; [`Entry::commit`] where the row is the last thing written.
 pub async fn record(
     tx: &mut Transaction<'_, Postgres>,
     actor: &Actor,
@@ -126,7 +126,7 @@ pub async fn record_alone(
     actor: &Actor,
     entry: Entry<'_>,
 ) -> Result<(), AdminError> {
-    commit(pool.begin().await?, actor, entry).await?;
+    entry.commit(pool.begin().await?, actor).await?;
     Ok(())
 }
 

@@ -205,7 +205,7 @@ pub async fn create_key_in(
         "name": name, "prefix": visible_prefix, "expires_at": expires_at, "workspace_id": workspace,
     });
     let entry = audit::Entry::new("key.create", Some(tenant.id.as_uuid()), id).after(created);
-    audit::commit(tx, actor, entry).await?;
+    entry.commit(tx, actor).await?;
     Ok(NewKey {
         id,
         secret,
@@ -303,14 +303,11 @@ pub async fn revoke_key(
         .bind(key.as_uuid())
         .execute(&mut *tx)
         .await?;
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new("key.revoke", Some(before.tenant_id), key)
-            .before(json!({"state": before.state, "prefix": before.prefix}))
-            .after(json!({"state": "revoked"})),
-    )
-    .await?;
+    audit::Entry::new("key.revoke", Some(before.tenant_id), key)
+        .before(json!({"state": before.state, "prefix": before.prefix}))
+        .after(json!({"state": "revoked"}))
+        .commit(tx, actor)
+        .await?;
     get_key(pool, tenant, key.as_uuid()).await
 }
 
@@ -346,14 +343,11 @@ pub async fn set_key_expiry(
         .bind(expires_at)
         .execute(&mut *tx)
         .await?;
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new("key.expiry", Some(before.tenant_id), key)
-            .before(json!({"expires_at": before.expires_at}))
-            .after(json!({"expires_at": expires_at})),
-    )
-    .await?;
+    audit::Entry::new("key.expiry", Some(before.tenant_id), key)
+        .before(json!({"expires_at": before.expires_at}))
+        .after(json!({"expires_at": expires_at}))
+        .commit(tx, actor)
+        .await?;
     get_key(pool, tenant, key).await
 }
 
@@ -503,14 +497,11 @@ pub async fn rotate_key(
         .execute(&mut *tx)
         .await?;
     }
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new("key.rotate", Some(tenant_id), req.key)
-            .before(json!({"expires_at": expires}))
-            .after(json!({"expires_at": grace_until, "rotated_to": new_id, "new_prefix": prefix})),
-    )
-    .await?;
+    audit::Entry::new("key.rotate", Some(tenant_id), req.key)
+        .before(json!({"expires_at": expires}))
+        .after(json!({"expires_at": grace_until, "rotated_to": new_id, "new_prefix": prefix}))
+        .commit(tx, actor)
+        .await?;
     Ok(Rotation {
         old: get_key(pool, req.tenant, req.key).await?,
         new: get_key(pool, req.tenant, new_id.as_uuid()).await?,

@@ -184,12 +184,10 @@ pub async fn create_tenant(pool: &PgPool, actor: &Actor, name: &str) -> Result<T
         .bind(id.as_uuid())
         .execute(&mut *tx)
         .await?;
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new("tenant.create", Some(id.as_uuid()), id).after(json!({"name": name})),
-    )
-    .await?;
+    audit::Entry::new("tenant.create", Some(id.as_uuid()), id)
+        .after(json!({"name": name}))
+        .commit(tx, actor)
+        .await?;
     Ok(Tenant {
         id,
         name: name.to_string(),
@@ -284,21 +282,18 @@ pub async fn set_suspended(
     .bind(suspended)
     .execute(&mut *tx)
     .await?;
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new(
-            if suspended {
-                "tenant.suspend"
-            } else {
-                "tenant.resume"
-            },
-            Some(id),
-            id,
-        )
-        .before(json!({"state": before.state}))
-        .after(json!({"state": if suspended { "suspended" } else { "active" }})),
+    audit::Entry::new(
+        if suspended {
+            "tenant.suspend"
+        } else {
+            "tenant.resume"
+        },
+        Some(id),
+        id,
     )
+    .before(json!({"state": before.state}))
+    .after(json!({"state": if suspended { "suspended" } else { "active" }}))
+    .commit(tx, actor)
     .await?;
     get_tenant(pool, tenant).await
 }
@@ -350,14 +345,11 @@ pub async fn delete_tenant(
     .execute(&mut *tx)
     .await?
     .rows_affected();
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new("tenant.delete", Some(id), id)
-            .before(json!({"name": before.name, "state": before.state}))
-            .after(json!({"state": "deleted", "keys_revoked": revoked, "admins_disabled": users})),
-    )
-    .await?;
+    audit::Entry::new("tenant.delete", Some(id), id)
+        .before(json!({"name": before.name, "state": before.state}))
+        .after(json!({"state": "deleted", "keys_revoked": revoked, "admins_disabled": users}))
+        .commit(tx, actor)
+        .await?;
     get_tenant(pool, tenant).await
 }
 

@@ -421,14 +421,11 @@ pub async fn patch_policy(
     .bind(after.max_cache_ttl_secs)
     .execute(&mut *tx)
     .await?;
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new("policy.update", Some(tenant), tenant)
-            .before(json!(before))
-            .after(json!(after)),
-    )
-    .await?;
+    audit::Entry::new("policy.update", Some(tenant), tenant)
+        .before(json!(before))
+        .after(json!(after))
+        .commit(tx, actor)
+        .await?;
     Ok(after)
 }
 

@@ -249,13 +249,10 @@ pub async fn create_workspace(
     .execute(&mut *tx)
     .await
     .map_err(|e| conflict(e.into(), name))?;
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new("workspace.create", Some(tenant.as_uuid()), id)
-            .after(json!({"name": name, "limits": limits})),
-    )
-    .await?;
+    audit::Entry::new("workspace.create", Some(tenant.as_uuid()), id)
+        .after(json!({"name": name, "limits": limits}))
+        .commit(tx, actor)
+        .await?;
     get_workspace(pool, tenant, id).await
 }
 
@@ -303,14 +300,11 @@ pub async fn update_workspace(
     .execute(&mut *tx)
     .await
     .map_err(|e| conflict(e.into(), name))?;
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new("workspace.update", Some(tenant.as_uuid()), workspace)
-            .before(json!({"name": before.name, "limits": before.limits}))
-            .after(json!({"name": name, "limits": limits})),
-    )
-    .await?;
+    audit::Entry::new("workspace.update", Some(tenant.as_uuid()), workspace)
+        .before(json!({"name": before.name, "limits": before.limits}))
+        .after(json!({"name": name, "limits": limits}))
+        .commit(tx, actor)
+        .await?;
     get_workspace(pool, tenant, workspace).await
 }
 
@@ -343,14 +337,11 @@ pub async fn archive_workspace(
     .execute(&mut *tx)
     .await?
     .rows_affected();
-    audit::commit(
-        tx,
-        actor,
-        audit::Entry::new("workspace.archive", Some(tenant.as_uuid()), workspace)
-            .before(json!({"name": before.name, "active_keys": before.active_keys}))
-            .after(json!({"state": "archived", "keys_revoked": revoked})),
-    )
-    .await?;
+    audit::Entry::new("workspace.archive", Some(tenant.as_uuid()), workspace)
+        .before(json!({"name": before.name, "active_keys": before.active_keys}))
+        .after(json!({"state": "archived", "keys_revoked": revoked}))
+        .commit(tx, actor)
+        .await?;
     get_workspace(pool, tenant, workspace).await
 }
 
