@@ -1,12 +1,24 @@
-# Sourced by the benchmark scripts beside it: the build to measure, a scratch database and
-# folder, one `cachet serve`, and a cleanup on exit that stops every job the script started in
-# the background, drops the database and removes the folder.
+# Sourced by the benchmark scripts beside it (from the repository's root, where it moves
+# them): the build to measure, a scratch database and folder, one `cachet serve`, and a cleanup
+# on exit that stops every job the script started in the background, drops the database and
+# removes the folder.
 #
+#   bench_rates "$@"   SECS (the first argument, default 30) and RATES (the rest, default
+#                      0.5 1 2) of a script that replays at rising rates
 #   bench_init NAME    BIN, PG, DB (cachet_bench_NAME_<pid>), OUT, DATABASE_URL; the EXIT trap
 #                      (it also calls bench_cleanup_more, where the script defines one)
 #   bench_key TENANT   creates the tenant in the (migrated) database and prints a key of it
 #   bench_serve PORT   `cachet serve` on 127.0.0.1:PORT (log: $OUT/serve.log), SERVE_PID; waits
 #                      for /readyz
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bench_rates() {
+  SECS=${1:-30}
+  shift || true
+  RATES=("$@")
+  [ ${#RATES[@]} -gt 0 ] || RATES=(0.5 1 2)
+}
+
 bench_init() {
   BIN=${CACHET_BIN:-${CARGO_TARGET_DIR:-target}/release/cachet}
   [ -x "$BIN" ] || cargo build --release --locked --bin cachet

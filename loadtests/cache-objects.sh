@@ -10,10 +10,9 @@
 #   loadtests/cache-objects.sh [requests per way]            (CACHET_BIN=… for another build)
 #   BENCH_MODEL=sim-llama-8b BENCH_OBJECT_WORDS=32760        the model and the object's size
 set -euo pipefail
-cd "$(dirname "$0")/.."
-N=${1:-8}
-. loadtests/bench-lib.sh
+. "$(dirname "$0")/bench-lib.sh"
 bench_init objects
+N=${1:-8}
 MODEL=${BENCH_MODEL:-sim-llama-8b}
 # About a token a word ("w123") in the sim engines' tokenizer: 32760 words ≈ 32K tokens.
 WORDS=${BENCH_OBJECT_WORDS:-32760}

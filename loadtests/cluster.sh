@@ -13,12 +13,8 @@
 #   BENCH_KV_BUDGET, BENCH_DRAM   bytes per node (default 1 GiB each)
 #   BENCH_RECEIVE   bytes of peers' writes a node receives at once (default 256 MiB)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-SECS=${1:-30}
-shift || true
-RATES=("$@")
-[ ${#RATES[@]} -gt 0 ] || RATES=(0.5 1 2)
-. loadtests/bench-lib.sh
+. "$(dirname "$0")/bench-lib.sh"
+bench_rates "$@"
 bench_init cluster
 BUDGET=${BENCH_KV_BUDGET:-1073741824}
 DRAM=${BENCH_DRAM:-1073741824}

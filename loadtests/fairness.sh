@@ -8,10 +8,9 @@
 #   loadtests/fairness.sh [seconds]            (CACHET_BIN=path/to/cachet for another build)
 #   BENCH_B_RATE=1 BENCH_B_WORKLOAD=chat       B's offered rate and workload shape
 set -euo pipefail
-cd "$(dirname "$0")/.."
-SECS=${1:-30}
-. loadtests/bench-lib.sh
+. "$(dirname "$0")/bench-lib.sh"
 bench_init fair
+SECS=${1:-30}
 export CACHET_ENGINE=sim CACHET_SIM_TIME_SCALE=1 CACHET_DATA_DIR=$OUT/data RUST_LOG=warn
 export CACHET_ENGINE_WORKERS=8
 $BIN migrate >/dev/null

@@ -6,10 +6,9 @@
 #   make bench-gateway            (or: loadtests/gateway-hit.sh [seconds])
 #   CACHET_BIN=path/to/cachet loadtests/gateway-hit.sh 1    (another build; `make bench-slice`)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-SECS=${1:-10}
-. loadtests/bench-lib.sh
+. "$(dirname "$0")/bench-lib.sh"
 bench_init gateway
+SECS=${1:-10}
 export CACHET_ENGINE=sim CACHET_SIM_TIME_SCALE=0 CACHET_DATA_DIR=$OUT/data RUST_LOG=warn
 export CACHET_ENGINE_WORKERS=${BENCH_WORKERS:-8}
 $BIN migrate >/dev/null

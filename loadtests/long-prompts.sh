@@ -13,12 +13,8 @@
 #                      run fails (make bench-memory)
 #   BENCH_TRACE=FILE   replay a Mooncake-format trace instead of the RAG workload
 set -euo pipefail
-cd "$(dirname "$0")/.."
-SECS=${1:-30}
-shift || true
-RATES=("$@")
-[ ${#RATES[@]} -gt 0 ] || RATES=(0.5 1 2)
-. loadtests/bench-lib.sh
+. "$(dirname "$0")/bench-lib.sh"
+bench_rates "$@"
 bench_init long
 export CACHET_ENGINE=sim CACHET_SIM_TIME_SCALE=${BENCH_TIME_SCALE:-1}
 export CACHET_DATA_DIR=$OUT/data RUST_LOG=warn
