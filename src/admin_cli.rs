@@ -12,7 +12,8 @@ use anyhow::{Context, bail};
 use cachet_common::TenantId;
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
-use control::tenants::workspaces::{self, WorkspaceLimits, WorkspacePatch};
+use control::tenants::limits::{Limits, LimitsPatch};
+use control::tenants::workspaces::{self, WorkspacePatch};
 use control::tenants::{self, Actor, keys, policy};
 use identity::Role;
 use serde_json::json;
@@ -223,13 +224,22 @@ pub struct LimitArgs {
 }
 
 impl LimitArgs {
-    fn patch(self, name: Option<String>) -> WorkspacePatch {
-        WorkspacePatch {
-            name,
+    /// The flags as a change to one level's limits.
+    fn patch(self) -> LimitsPatch {
+        LimitsPatch {
             requests_per_minute: given(self.rpm),
             input_tokens_per_minute: given(self.input_tpm),
             output_tokens_per_minute: given(self.output_tpm),
             monthly_budget_minor: given(self.budget_minor),
+        }
+    }
+
+    /// The flags (and a new name, if any) as a change to a workspace.
+    fn workspace(self, name: Option<String>) -> WorkspacePatch {
+        WorkspacePatch {
+            name,
+            limits: self.patch(),
+            ..WorkspacePatch::default()
         }
     }
 }
@@ -497,7 +507,7 @@ async fn workspace(pool: &PgPool, actor: &Actor, command: WorkspaceCommand) -> a
             limits,
         } => {
             let id = TenantId(tenant_id(pool, &tenant).await?);
-            let l = limits.patch(None).apply(WorkspaceLimits::default())?;
+            let l = limits.workspace(None).apply(Limits::default())?;
             let w = workspaces::create_workspace(pool, actor, id, &name, l).await?;
             println!(
                 "workspace {} created in tenant {tenant}: id {}",
@@ -536,7 +546,7 @@ async fn workspace(pool: &PgPool, actor: &Actor, command: WorkspaceCommand) -> a
         } => {
             let id = TenantId(tenant_id(pool, &tenant).await?);
             let w = workspaces::find_workspace(pool, id, &workspace).await?;
-            let patch = limits.patch(rename);
+            let patch = limits.workspace(rename);
             let w = workspaces::update_workspace(
                 pool,
                 actor,
@@ -680,13 +690,10 @@ async fn policy_cmd(pool: &PgPool, actor: &Actor, command: PolicyCommand) -> any
         PolicyCommand::Set(s) => {
             let id = tenant_id(pool, &s.tenant).await?;
             let patch = policy::PolicyPatch {
-                requests_per_minute: given(s.limits.rpm),
-                input_tokens_per_minute: given(s.limits.input_tpm),
-                output_tokens_per_minute: given(s.limits.output_tpm),
+                limits: s.limits.patch(),
                 key_requests_per_minute: given(s.key_rpm),
                 key_input_tokens_per_minute: given(s.key_input_tpm),
                 key_output_tokens_per_minute: given(s.key_output_tpm),
-                monthly_budget_minor: given(s.limits.budget_minor),
                 budget_alert_percent: s.budget_alert_percent,
                 cache_resident_bytes: given(s.cache_bytes),
                 reserved_cache_bytes: given(s.reserved_bytes),
@@ -697,6 +704,7 @@ async fn policy_cmd(pool: &PgPool, actor: &Actor, command: PolicyCommand) -> any
                 max_concurrent: given(s.max_concurrent)
                     .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
                 max_cache_ttl_secs: s.max_cache_ttl_secs,
+                rest: Default::default(),
             };
             let p = policy::patch_policy(
                 pool,
@@ -762,7 +770,8 @@ async fn budget(pool: &PgPool, tenant: String) -> anyhow::Result<()> {
     println!(
         "spent this month: {}; budget: {}; alert at {}%; resets {}",
         money(spent),
-        p.monthly_budget_minor
+        p.limits
+            .monthly_budget_minor
             .map(money)
             .unwrap_or_else(|| "none".into()),
         p.budget_alert_percent,
@@ -1031,7 +1040,7 @@ mod tests {
         else {
             panic!("not a workspace create");
         };
-        let p = limits.patch(None);
+        let p = limits.patch();
         assert_eq!(p.requests_per_minute, Some(Some(600)));
         assert_eq!(p.input_tokens_per_minute, Some(None));
         assert_eq!(p.monthly_budget_minor, Some(Some(5000)));

@@ -758,6 +758,24 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
             "requests_per_minit",
         ),
         (
+            "PATCH",
+            format!("/v1/admin/tenants/{t}/policy"),
+            json!({"key_output_tokens_per_minute": 0}),
+            "key_output_tokens_per_minute",
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/workspaces"),
+            json!({"name": "typo", "rpm": 5}),
+            "rpm",
+        ),
+        (
+            "POST",
+            format!("/v1/admin/tenants/{t}/workspaces"),
+            json!({"name": "zero", "output_tokens_per_minute": 0}),
+            "output_tokens_per_minute",
+        ),
+        (
             "POST",
             format!("/v1/admin/tenants/{t}/keys"),
             json!({"name": "x", "expires_at": "2001-01-01T00:00:00Z"}),

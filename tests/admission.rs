@@ -75,7 +75,10 @@ async fn cache_reads_do_not_count_toward_input_tokens_per_minute() {
     set_quotas(
         &app,
         control::tenants::policy::PolicyPatch {
-            input_tokens_per_minute: Some(Some(400)),
+            limits: control::tenants::limits::LimitsPatch {
+                input_tokens_per_minute: Some(Some(400)),
+                ..Default::default()
+            },
             ..Default::default()
         },
     )

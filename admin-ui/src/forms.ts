@@ -3,18 +3,15 @@
 
 import { minorDigits } from "./format";
 import type { PriceRates } from "./pricebook";
+import type { Limits } from "./types";
 
 export type Errors = Record<string, string>;
 
-/** A tenant's policy as the API returns it. */
-export interface Policy {
-  requests_per_minute: number | null;
-  input_tokens_per_minute: number | null;
-  output_tokens_per_minute: number | null;
+/** A tenant's policy as the API returns it: the tenant's own limits and the rest. */
+export interface Policy extends Limits {
   key_requests_per_minute: number | null;
   key_input_tokens_per_minute: number | null;
   key_output_tokens_per_minute: number | null;
-  monthly_budget_minor: number | null;
   budget_alert_percent: number;
   cache_resident_bytes: number | null;
   reserved_cache_bytes: number | null;

@@ -170,7 +170,11 @@ export interface Invoice extends InvoiceSummary {
   unpriced: string[];
 }
 
-export interface WorkspaceLimits {
+/**
+ * Rate and spend limits at one level (a tenant's own, a workspace's; a key's are the policy's
+ * `key_*` fields), as the API writes them: null is no limit at that level.
+ */
+export interface Limits {
   requests_per_minute: number | null;
   input_tokens_per_minute: number | null;
   output_tokens_per_minute: number | null;
@@ -184,7 +188,7 @@ export interface Workspace {
   is_default: boolean;
   created_at: string;
   archived_at: string | null;
-  limits: WorkspaceLimits;
+  limits: Limits;
   active_keys: number;
 }
 

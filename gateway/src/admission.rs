@@ -27,6 +27,7 @@ use redis::aio::ConnectionManager;
 
 use crate::metrics;
 use control::tenants::Principal;
+use control::tenants::limits::Limits;
 
 const WINDOW_MS: f64 = 60_000.0;
 
@@ -184,75 +185,54 @@ pub struct Admission {
 
 fn buckets(ask: &Ask<'_>) -> Vec<Bucket> {
     let p = ask.principal;
-    let (q, w) = (&p.policy, &p.workspace_limits);
     let (input, output) = (ask.input_tokens, ask.output_tokens);
     use Class::{InputTokens, OutputTokens, Requests};
     use Holder::{Key, Tenant, Workspace};
-    let spec = [
+    // Each level's limits, narrowest first; a refusal names the limit as the level's JSON does.
+    let levels = [
+        (Key, p.policy.key_limits()),
+        (Workspace, p.workspace_limits),
+        (Tenant, p.policy.limits),
+    ];
+    type Of = fn(&Limits) -> Option<i64>;
+    let classes: [(Class, [&'static str; 3], Of, u64); 3] = [
         (
-            Key,
             Requests,
-            "key_requests_per_minute",
-            q.key_requests_per_minute,
+            [
+                "key_requests_per_minute",
+                "workspace_requests_per_minute",
+                "requests_per_minute",
+            ],
+            |l| l.requests_per_minute,
             1,
         ),
         (
-            Workspace,
-            Requests,
-            "workspace_requests_per_minute",
-            w.requests_per_minute,
-            1,
-        ),
-        (
-            Tenant,
-            Requests,
-            "requests_per_minute",
-            q.requests_per_minute,
-            1,
-        ),
-        (
-            Key,
             InputTokens,
-            "key_input_tokens_per_minute",
-            q.key_input_tokens_per_minute,
+            [
+                "key_input_tokens_per_minute",
+                "workspace_input_tokens_per_minute",
+                "input_tokens_per_minute",
+            ],
+            |l| l.input_tokens_per_minute,
             input,
         ),
         (
-            Workspace,
-            InputTokens,
-            "workspace_input_tokens_per_minute",
-            w.input_tokens_per_minute,
-            input,
-        ),
-        (
-            Tenant,
-            InputTokens,
-            "input_tokens_per_minute",
-            q.input_tokens_per_minute,
-            input,
-        ),
-        (
-            Key,
             OutputTokens,
-            "key_output_tokens_per_minute",
-            q.key_output_tokens_per_minute,
-            output,
-        ),
-        (
-            Workspace,
-            OutputTokens,
-            "workspace_output_tokens_per_minute",
-            w.output_tokens_per_minute,
-            output,
-        ),
-        (
-            Tenant,
-            OutputTokens,
-            "output_tokens_per_minute",
-            q.output_tokens_per_minute,
+            [
+                "key_output_tokens_per_minute",
+                "workspace_output_tokens_per_minute",
+                "output_tokens_per_minute",
+            ],
+            |l| l.output_tokens_per_minute,
             output,
         ),
     ];
+    let spec = classes.into_iter().flat_map(|(class, names, of, cost)| {
+        levels
+            .iter()
+            .zip(names)
+            .map(move |((holder, limits), name)| (*holder, class, name, of(limits), cost))
+    });
     spec.into_iter()
         .filter_map(|(holder, class, name, limit, cost)| {
             let cap = u64::try_from(limit?).ok().filter(|&c| c > 0)?;
@@ -366,18 +346,20 @@ impl Admission {
             let spend = self.spend(who)?;
             (spend.spent_minor >= budget && spend.resets_at > now).then_some((budget, spend))
         };
-        let (limit, whose, (budget, spend)) =
-            match spent(p.policy.monthly_budget_minor, Spender::Tenant(p.tenant)) {
-                Some(s) => ("monthly_budget", "your organization's", s),
-                None => (
-                    "workspace_monthly_budget",
-                    "this workspace's",
-                    spent(
-                        p.workspace_limits.monthly_budget_minor,
-                        Spender::Workspace(p.workspace),
-                    )?,
-                ),
-            };
+        let (limit, whose, (budget, spend)) = match spent(
+            p.policy.limits.monthly_budget_minor,
+            Spender::Tenant(p.tenant),
+        ) {
+            Some(s) => ("monthly_budget", "your organization's", s),
+            None => (
+                "workspace_monthly_budget",
+                "this workspace's",
+                spent(
+                    p.workspace_limits.monthly_budget_minor,
+                    Spender::Workspace(p.workspace),
+                )?,
+            ),
+        };
         let money = |m: i64| {
             format!(
                 "{} {}",

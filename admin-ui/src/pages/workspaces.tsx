@@ -6,9 +6,9 @@ import { api } from "../api";
 import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, Notice, Table, useAction, useAsync } from "../components/ui";
 import { formatLimit, formatMoney, formatTime } from "../format";
 import { minorToText, parseLimit, parseMoney } from "../forms";
-import type { BudgetView, Tenant, Workspace, WorkspaceLimits } from "../types";
+import type { BudgetView, Limits, Tenant, Workspace } from "../types";
 
-const LIMITS: [Exclude<keyof WorkspaceLimits, "monthly_budget_minor">, string, number][] = [
+const LIMITS: [Exclude<keyof Limits, "monthly_budget_minor">, string, number][] = [
   ["requests_per_minute", "Requests per minute", 1],
   ["input_tokens_per_minute", "Uncached input tokens per minute", 1],
   ["output_tokens_per_minute", "Output tokens per minute", 1],

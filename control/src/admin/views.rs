@@ -201,9 +201,13 @@ pub async fn budget(
     })
     .collect();
     Ok(axum::Json(BudgetView {
-        state: budget_state(p.monthly_budget_minor, p.budget_alert_percent, spent_minor),
+        state: budget_state(
+            p.limits.monthly_budget_minor,
+            p.budget_alert_percent,
+            spent_minor,
+        ),
         currency,
-        limit_minor: p.monthly_budget_minor,
+        limit_minor: p.limits.monthly_budget_minor,
         alert_percent: p.budget_alert_percent,
         spent_minor,
         month_start,

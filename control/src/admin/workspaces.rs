@@ -10,7 +10,8 @@ use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::{Access, Admin, AdminJson, AdminPath, AdminQuery, AdminState};
-use crate::tenants::workspaces::{self, WorkspaceInfo, WorkspaceLimits, WorkspacePatch};
+use crate::tenants::limits::{Limits, NoOtherFields};
+use crate::tenants::workspaces::{self, WorkspaceInfo, WorkspacePatch};
 
 #[derive(Serialize, ToSchema)]
 pub struct WorkspaceList {
@@ -43,17 +44,14 @@ pub async fn list_workspaces(
 }
 
 #[derive(Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
 pub struct NewWorkspace {
     pub name: String,
-    #[serde(default)]
-    pub requests_per_minute: Option<i64>,
-    #[serde(default)]
-    pub input_tokens_per_minute: Option<i64>,
-    #[serde(default)]
-    pub output_tokens_per_minute: Option<i64>,
-    #[serde(default)]
-    pub monthly_budget_minor: Option<i64>,
+    /// Its own limits (none by default: the tenant's alone).
+    #[serde(flatten)]
+    pub limits: Limits,
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub rest: NoOtherFields,
 }
 
 /// Create a workspace.
@@ -74,12 +72,7 @@ pub async fn create_workspace(
         &admin.actor,
         TenantId(id),
         &req.name,
-        WorkspaceLimits {
-            requests_per_minute: req.requests_per_minute,
-            input_tokens_per_minute: req.input_tokens_per_minute,
-            output_tokens_per_minute: req.output_tokens_per_minute,
-            monthly_budget_minor: req.monthly_budget_minor,
-        },
+        req.limits,
     )
     .await?;
     Ok((StatusCode::CREATED, axum::Json(ws)))

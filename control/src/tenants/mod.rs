@@ -14,6 +14,7 @@
 pub mod audit;
 pub mod directory;
 pub mod keys;
+pub mod limits;
 pub mod policy;
 pub mod workspaces;
 
@@ -94,7 +95,7 @@ pub struct Principal {
     pub workspace: WorkspaceId,
     pub policy: Policy,
     /// The limits of the key's workspace, on top of the tenant's.
-    pub workspace_limits: workspaces::WorkspaceLimits,
+    pub workspace_limits: limits::Limits,
     /// When the key stops working (its own expiry, or the end of a rotation's grace period).
     pub key_expires_at: Option<DateTime<Utc>>,
     pub tenant_suspended: bool,

@@ -9,7 +9,7 @@
 
 use cachet_common::TenantId;
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::{PgPool, Row};
 use utoipa::ToSchema;
@@ -17,23 +17,19 @@ use uuid::Uuid;
 
 use super::AdminError;
 use super::audit::{self, Actor};
+use super::limits::{Limits, LimitsPatch, NoOtherFields, at_least, present, set};
 
 /// Limits and cache policy of a tenant; `None` is "no limit" (or, for the replication
 /// factor, the cluster's default).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, ToSchema)]
 pub struct Policy {
-    /// Requests per minute, whole tenant.
-    pub requests_per_minute: Option<i64>,
-    /// Uncached input tokens per minute (cache reads never count), whole tenant.
-    pub input_tokens_per_minute: Option<i64>,
-    pub output_tokens_per_minute: Option<i64>,
-    /// The same three limits for each key of the tenant.
+    /// The whole tenant's limits (every key and workspace together).
+    #[serde(flatten)]
+    pub limits: Limits,
+    /// The same three rate limits for each key of the tenant ([`Policy::key_limits`]).
     pub key_requests_per_minute: Option<i64>,
     pub key_input_tokens_per_minute: Option<i64>,
     pub key_output_tokens_per_minute: Option<i64>,
-    /// Spend per calendar month (UTC) in minor units of the tenant's currency; requests are
-    /// refused with 429 once it is reached.
-    pub monthly_budget_minor: Option<i64>,
     /// Share of the budget (percent) at which an alert is raised.
     pub budget_alert_percent: i32,
     /// Hard cap on KV bytes resident in the cache fabric (one copy of each block).
@@ -60,16 +56,25 @@ pub const DEFAULT_MAX_CACHE_TTL_SECS: i32 = 86_400;
 /// The bounds of [`Policy::max_cache_ttl_secs`]: 5 minutes to 30 days.
 pub const CACHE_TTL_SECS_RANGE: std::ops::RangeInclusive<i32> = 300..=2_592_000;
 
+impl Policy {
+    /// Each key's limits: the policy's `key_*` rate limits (a key has no budget of its own).
+    pub fn key_limits(&self) -> Limits {
+        Limits {
+            requests_per_minute: self.key_requests_per_minute,
+            input_tokens_per_minute: self.key_input_tokens_per_minute,
+            output_tokens_per_minute: self.key_output_tokens_per_minute,
+            monthly_budget_minor: None,
+        }
+    }
+}
+
 impl Default for Policy {
     fn default() -> Self {
         Self {
-            requests_per_minute: None,
-            input_tokens_per_minute: None,
-            output_tokens_per_minute: None,
+            limits: Limits::default(),
             key_requests_per_minute: None,
             key_input_tokens_per_minute: None,
             key_output_tokens_per_minute: None,
-            monthly_budget_minor: None,
             budget_alert_percent: 80,
             cache_resident_bytes: None,
             reserved_cache_bytes: None,
@@ -139,13 +144,10 @@ pub(crate) async fn reserved(
 
 pub(crate) fn from_row(r: &sqlx::postgres::PgRow) -> Policy {
     Policy {
-        requests_per_minute: r.get("requests_per_minute"),
-        input_tokens_per_minute: r.get("input_tokens_per_minute"),
-        output_tokens_per_minute: r.get("output_tokens_per_minute"),
+        limits: Limits::from_row(r, ""),
         key_requests_per_minute: r.get("key_requests_per_minute"),
         key_input_tokens_per_minute: r.get("key_input_tokens_per_minute"),
         key_output_tokens_per_minute: r.get("key_output_tokens_per_minute"),
-        monthly_budget_minor: r.get("monthly_budget_minor"),
         budget_alert_percent: r
             .get::<Option<i16>, _>("budget_alert_percent")
             .map(i32::from)
@@ -164,43 +166,12 @@ pub(crate) fn from_row(r: &sqlx::postgres::PgRow) -> Policy {
     }
 }
 
-/// `Some(None)` for an explicit `null`, `Some(Some(v))` for a value, `None` when absent.
-pub(crate) fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
-    d: D,
-) -> Result<Option<Option<T>>, D::Error> {
-    Ok(Some(Option::deserialize(d)?))
-}
-
-/// A merge patch's field applied: `Some` replaces the value, `None` keeps it.
-pub(crate) fn set<T: Copy>(slot: &mut T, v: Option<T>) {
-    if let Some(v) = v {
-        *slot = v;
-    }
-}
-
-/// A limit is absent (none) or at least `min`, with the API's error text naming the field.
-pub(crate) fn at_least(name: &str, v: Option<i64>, min: i64) -> Result<(), AdminError> {
-    match v {
-        Some(v) if v < min => Err(AdminError::Invalid(format!(
-            "{name}: must be a whole number of at least {min}, or null for no limit"
-        ))),
-        _ => Ok(()),
-    }
-}
-
 /// A change to a policy (JSON merge patch: absent = unchanged, `null` = no limit).
 #[derive(Clone, Debug, Default, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
 pub struct PolicyPatch {
-    #[serde(default, deserialize_with = "present")]
-    #[schema(value_type = Option<i64>)]
-    pub requests_per_minute: Option<Option<i64>>,
-    #[serde(default, deserialize_with = "present")]
-    #[schema(value_type = Option<i64>)]
-    pub input_tokens_per_minute: Option<Option<i64>>,
-    #[serde(default, deserialize_with = "present")]
-    #[schema(value_type = Option<i64>)]
-    pub output_tokens_per_minute: Option<Option<i64>>,
+    /// The whole tenant's limits.
+    #[serde(flatten)]
+    pub limits: LimitsPatch,
     #[serde(default, deserialize_with = "present")]
     #[schema(value_type = Option<i64>)]
     pub key_requests_per_minute: Option<Option<i64>>,
@@ -210,9 +181,6 @@ pub struct PolicyPatch {
     #[serde(default, deserialize_with = "present")]
     #[schema(value_type = Option<i64>)]
     pub key_output_tokens_per_minute: Option<Option<i64>>,
-    #[serde(default, deserialize_with = "present")]
-    #[schema(value_type = Option<i64>)]
-    pub monthly_budget_minor: Option<Option<i64>>,
     #[serde(default)]
     pub budget_alert_percent: Option<i32>,
     #[serde(default, deserialize_with = "present")]
@@ -233,12 +201,15 @@ pub struct PolicyPatch {
     pub max_concurrent: Option<Option<i32>>,
     #[serde(default)]
     pub max_cache_ttl_secs: Option<i32>,
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub rest: NoOtherFields,
 }
 
 impl PolicyPatch {
     /// Whether the patch changes the monthly budget or its alert threshold.
     pub fn touches_budget(&self) -> bool {
-        self.monthly_budget_minor.is_some() || self.budget_alert_percent.is_some()
+        self.limits.touches_budget() || self.budget_alert_percent.is_some()
     }
 }
 
@@ -263,12 +234,7 @@ impl PolicyPatch {
 
     /// `policy` with this patch applied, validated.
     pub fn apply(&self, mut p: Policy) -> Result<Policy, AdminError> {
-        set(&mut p.requests_per_minute, self.requests_per_minute);
-        set(&mut p.input_tokens_per_minute, self.input_tokens_per_minute);
-        set(
-            &mut p.output_tokens_per_minute,
-            self.output_tokens_per_minute,
-        );
+        p.limits = self.limits.apply(p.limits);
         set(&mut p.key_requests_per_minute, self.key_requests_per_minute);
         set(
             &mut p.key_input_tokens_per_minute,
@@ -278,7 +244,6 @@ impl PolicyPatch {
             &mut p.key_output_tokens_per_minute,
             self.key_output_tokens_per_minute,
         );
-        set(&mut p.monthly_budget_minor, self.monthly_budget_minor);
         set(&mut p.budget_alert_percent, self.budget_alert_percent);
         set(&mut p.cache_resident_bytes, self.cache_resident_bytes);
         set(&mut p.reserved_cache_bytes, self.reserved_cache_bytes);
@@ -294,23 +259,10 @@ impl PolicyPatch {
 
 /// The rules every stored policy keeps, with the API's error texts.
 pub fn validate(p: &Policy) -> Result<(), AdminError> {
-    at_least("requests_per_minute", p.requests_per_minute, 1)?;
-    at_least("input_tokens_per_minute", p.input_tokens_per_minute, 1)?;
-    at_least("output_tokens_per_minute", p.output_tokens_per_minute, 1)?;
-    at_least("key_requests_per_minute", p.key_requests_per_minute, 1)?;
-    at_least(
-        "key_input_tokens_per_minute",
-        p.key_input_tokens_per_minute,
-        1,
-    )?;
-    at_least(
-        "key_output_tokens_per_minute",
-        p.key_output_tokens_per_minute,
-        1,
-    )?;
-    at_least("monthly_budget_minor", p.monthly_budget_minor, 0)?;
-    at_least("cache_resident_bytes", p.cache_resident_bytes, 0)?;
-    at_least("reserved_cache_bytes", p.reserved_cache_bytes, 0)?;
+    p.limits.validate("")?;
+    p.key_limits().validate("key_")?;
+    at_least("", "cache_resident_bytes", p.cache_resident_bytes, 0)?;
+    at_least("", "reserved_cache_bytes", p.reserved_cache_bytes, 0)?;
     if !(1..=100).contains(&p.budget_alert_percent) {
         return Err(AdminError::Invalid(
             "budget_alert_percent: must be between 1 and 100".into(),
@@ -396,31 +348,30 @@ pub async fn patch_policy(
         set_reservation(pool, actor, tenant, after.reserved_cache_bytes).await?;
     }
     let mut tx = pool.begin().await?;
-    sqlx::query(
+    let update = sqlx::query(
         "UPDATE tenant_quotas SET requests_per_minute = $2, input_tokens_per_minute = $3, \
-         output_tokens_per_minute = $4, key_requests_per_minute = $5, key_input_tokens_per_minute = $6, \
-         key_output_tokens_per_minute = $7, cache_resident_bytes = $8, monthly_budget_minor = $9, \
+         output_tokens_per_minute = $4, monthly_budget_minor = $5, key_requests_per_minute = $6, \
+         key_input_tokens_per_minute = $7, key_output_tokens_per_minute = $8, cache_resident_bytes = $9, \
          budget_alert_percent = $10, allow_1h_ttl = $11, replication_factor = $12, \
          engine_weight = $13, max_concurrent = $14, max_cache_ttl_secs = $15, updated_at = now() \
          WHERE tenant_id = $1",
     )
-    .bind(tenant)
-    .bind(after.requests_per_minute)
-    .bind(after.input_tokens_per_minute)
-    .bind(after.output_tokens_per_minute)
-    .bind(after.key_requests_per_minute)
-    .bind(after.key_input_tokens_per_minute)
-    .bind(after.key_output_tokens_per_minute)
-    .bind(after.cache_resident_bytes)
-    .bind(after.monthly_budget_minor)
-    .bind(after.budget_alert_percent as i16)
-    .bind(after.allow_1h_ttl)
-    .bind(after.replication_factor.map(|r| r as i16))
-    .bind(after.engine_weight as i16)
-    .bind(after.max_concurrent)
-    .bind(after.max_cache_ttl_secs)
-    .execute(&mut *tx)
-    .await?;
+    .bind(tenant);
+    after
+        .limits
+        .bind(update)
+        .bind(after.key_requests_per_minute)
+        .bind(after.key_input_tokens_per_minute)
+        .bind(after.key_output_tokens_per_minute)
+        .bind(after.cache_resident_bytes)
+        .bind(after.budget_alert_percent as i16)
+        .bind(after.allow_1h_ttl)
+        .bind(after.replication_factor.map(|r| r as i16))
+        .bind(after.engine_weight as i16)
+        .bind(after.max_concurrent)
+        .bind(after.max_cache_ttl_secs)
+        .execute(&mut *tx)
+        .await?;
     audit::Entry::new("policy.update", Some(tenant), tenant)
         .before(json!(before))
         .after(json!(after))
@@ -503,8 +454,11 @@ mod tests {
     #[test]
     fn a_merge_patch_sets_clears_and_keeps_fields() {
         let p = Policy {
-            requests_per_minute: Some(10),
-            output_tokens_per_minute: Some(500),
+            limits: Limits {
+                requests_per_minute: Some(10),
+                output_tokens_per_minute: Some(500),
+                ..Limits::default()
+            },
             ..Policy::default()
         };
         let patch: PolicyPatch = serde_json::from_value(
@@ -512,8 +466,11 @@ mod tests {
         )
         .unwrap();
         let q = patch.apply(p).unwrap();
-        assert_eq!(q.requests_per_minute, Some(2));
-        assert_eq!(q.output_tokens_per_minute, None, "null clears the limit");
+        assert_eq!(q.limits.requests_per_minute, Some(2));
+        assert_eq!(
+            q.limits.output_tokens_per_minute, None,
+            "null clears the limit"
+        );
         assert!(!q.allow_1h_ttl);
         assert_eq!(q.budget_alert_percent, 80, "absent fields keep their value");
         assert!(patch.platform_fields().is_empty());
@@ -524,6 +481,10 @@ mod tests {
         for (patch, field) in [
             (json!({"requests_per_minute": 0}), "requests_per_minute"),
             (json!({"monthly_budget_minor": -1}), "monthly_budget_minor"),
+            (
+                json!({"key_output_tokens_per_minute": 0}),
+                "key_output_tokens_per_minute",
+            ),
             (json!({"budget_alert_percent": 101}), "budget_alert_percent"),
             (json!({"replication_factor": 0}), "replication_factor"),
             (json!({"engine_weight": 0}), "engine_weight"),
@@ -542,6 +503,23 @@ mod tests {
             serde_json::from_value::<PolicyPatch>(json!({"requests_per_minit": 3})).is_err(),
             "a misspelt field is refused, not ignored"
         );
+    }
+
+    #[test]
+    fn the_json_keeps_its_flat_field_names() {
+        let v = json!(Policy::default());
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+        for k in [
+            "requests_per_minute",
+            "input_tokens_per_minute",
+            "output_tokens_per_minute",
+            "monthly_budget_minor",
+            "key_requests_per_minute",
+            "budget_alert_percent",
+        ] {
+            assert!(keys.contains(&k), "{k} in {v}");
+        }
+        assert!(!keys.contains(&"limits"), "{v}");
     }
 
     #[test]

@@ -21,30 +21,10 @@ use uuid::Uuid;
 
 use super::AdminError;
 use super::audit::{self, Actor};
-use super::policy::{at_least, present, set};
+use super::limits::{Limits, LimitsPatch, NoOtherFields};
 
 /// The name of the workspace every tenant is created with.
 pub const DEFAULT_NAME: &str = "default";
-
-/// A workspace's own limits; `None` is "no limit beyond the tenant's".
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-pub struct WorkspaceLimits {
-    pub requests_per_minute: Option<i64>,
-    /// Uncached input tokens per minute (cache reads never count).
-    pub input_tokens_per_minute: Option<i64>,
-    pub output_tokens_per_minute: Option<i64>,
-    /// Spend per calendar month (UTC), minor units of the tenant's currency.
-    pub monthly_budget_minor: Option<i64>,
-}
-
-impl WorkspaceLimits {
-    fn validate(&self) -> Result<(), AdminError> {
-        at_least("requests_per_minute", self.requests_per_minute, 1)?;
-        at_least("input_tokens_per_minute", self.input_tokens_per_minute, 1)?;
-        at_least("output_tokens_per_minute", self.output_tokens_per_minute, 1)?;
-        at_least("monthly_budget_minor", self.monthly_budget_minor, 0)
-    }
-}
 
 /// A workspace as the admin API shows it.
 #[derive(Clone, Debug, Serialize, ToSchema)]
@@ -56,49 +36,34 @@ pub struct WorkspaceInfo {
     pub is_default: bool,
     pub created_at: DateTime<Utc>,
     pub archived_at: Option<DateTime<Utc>>,
-    pub limits: WorkspaceLimits,
+    /// The workspace's own limits; `None` is no limit beyond the tenant's.
+    pub limits: Limits,
     /// Keys that are neither revoked nor expired.
     pub active_keys: i64,
 }
 
 /// A change to a workspace (JSON merge patch: absent = unchanged, `null` = no limit).
 #[derive(Clone, Debug, Default, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
 pub struct WorkspacePatch {
     #[serde(default)]
     pub name: Option<String>,
-    #[serde(default, deserialize_with = "present")]
-    #[schema(value_type = Option<i64>)]
-    pub requests_per_minute: Option<Option<i64>>,
-    #[serde(default, deserialize_with = "present")]
-    #[schema(value_type = Option<i64>)]
-    pub input_tokens_per_minute: Option<Option<i64>>,
-    #[serde(default, deserialize_with = "present")]
-    #[schema(value_type = Option<i64>)]
-    pub output_tokens_per_minute: Option<Option<i64>>,
-    #[serde(default, deserialize_with = "present")]
-    #[schema(value_type = Option<i64>)]
-    pub monthly_budget_minor: Option<Option<i64>>,
+    #[serde(flatten)]
+    pub limits: LimitsPatch,
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub rest: NoOtherFields,
 }
 
 impl WorkspacePatch {
     /// Whether the patch changes the workspace's monthly budget.
     pub fn touches_budget(&self) -> bool {
-        self.monthly_budget_minor.is_some()
+        self.limits.touches_budget()
     }
-}
 
-impl WorkspacePatch {
     /// `limits` with this patch applied, validated.
-    pub fn apply(&self, mut l: WorkspaceLimits) -> Result<WorkspaceLimits, AdminError> {
-        set(&mut l.requests_per_minute, self.requests_per_minute);
-        set(&mut l.input_tokens_per_minute, self.input_tokens_per_minute);
-        set(
-            &mut l.output_tokens_per_minute,
-            self.output_tokens_per_minute,
-        );
-        set(&mut l.monthly_budget_minor, self.monthly_budget_minor);
-        l.validate()?;
+    pub fn apply(&self, l: Limits) -> Result<Limits, AdminError> {
+        let l = self.limits.apply(l);
+        l.validate("")?;
         Ok(l)
     }
 }
@@ -109,13 +74,8 @@ pub(crate) const LIMIT_COLUMNS: &str = "w.requests_per_minute AS ws_requests_per
     w.output_tokens_per_minute AS ws_output_tokens_per_minute, \
     w.monthly_budget_minor AS ws_monthly_budget_minor";
 
-pub(crate) fn limits_from_row(r: &sqlx::postgres::PgRow) -> WorkspaceLimits {
-    WorkspaceLimits {
-        requests_per_minute: r.get("ws_requests_per_minute"),
-        input_tokens_per_minute: r.get("ws_input_tokens_per_minute"),
-        output_tokens_per_minute: r.get("ws_output_tokens_per_minute"),
-        monthly_budget_minor: r.get("ws_monthly_budget_minor"),
-    }
+pub(crate) fn limits_from_row(r: &sqlx::postgres::PgRow) -> Limits {
+    Limits::from_row(r, "ws_")
 }
 
 fn columns() -> String {
@@ -228,27 +188,25 @@ pub async fn create_workspace(
     actor: &Actor,
     tenant: TenantId,
     name: &str,
-    limits: WorkspaceLimits,
+    limits: Limits,
 ) -> Result<WorkspaceInfo, AdminError> {
     let name = super::check_name(name)?;
-    limits.validate()?;
+    limits.validate("")?;
     super::ensure_tenant(pool, tenant).await?;
     let id = WorkspaceId::new();
     let mut tx = pool.begin().await?;
-    sqlx::query(
+    let insert = sqlx::query(
         "INSERT INTO workspaces (id, tenant_id, name, requests_per_minute, input_tokens_per_minute, \
          output_tokens_per_minute, monthly_budget_minor) VALUES ($1, $2, $3, $4, $5, $6, $7)",
     )
     .bind(id.as_uuid())
     .bind(tenant.as_uuid())
-    .bind(name)
-    .bind(limits.requests_per_minute)
-    .bind(limits.input_tokens_per_minute)
-    .bind(limits.output_tokens_per_minute)
-    .bind(limits.monthly_budget_minor)
-    .execute(&mut *tx)
-    .await
-    .map_err(|e| conflict(e.into(), name))?;
+    .bind(name);
+    limits
+        .bind(insert)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| conflict(e.into(), name))?;
     audit::Entry::new("workspace.create", Some(tenant.as_uuid()), id)
         .after(json!({"name": name, "limits": limits}))
         .commit(tx, actor)
@@ -287,19 +245,17 @@ pub async fn update_workspace(
     }
     let limits = patch.apply(before.limits)?;
     let mut tx = pool.begin().await?;
-    sqlx::query(
+    let update = sqlx::query(
         "UPDATE workspaces SET name = $2, requests_per_minute = $3, input_tokens_per_minute = $4, \
          output_tokens_per_minute = $5, monthly_budget_minor = $6 WHERE id = $1",
     )
     .bind(workspace.as_uuid())
-    .bind(name)
-    .bind(limits.requests_per_minute)
-    .bind(limits.input_tokens_per_minute)
-    .bind(limits.output_tokens_per_minute)
-    .bind(limits.monthly_budget_minor)
-    .execute(&mut *tx)
-    .await
-    .map_err(|e| conflict(e.into(), name))?;
+    .bind(name);
+    limits
+        .bind(update)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| conflict(e.into(), name))?;
     audit::Entry::new("workspace.update", Some(tenant.as_uuid()), workspace)
         .before(json!({"name": before.name, "limits": before.limits}))
         .after(json!({"name": name, "limits": limits}))
@@ -387,7 +343,7 @@ mod tests {
 
     #[test]
     fn a_patch_sets_clears_and_keeps_limits() {
-        let before = WorkspaceLimits {
+        let before = Limits {
             requests_per_minute: Some(10),
             input_tokens_per_minute: Some(1000),
             ..Default::default()
@@ -404,10 +360,10 @@ mod tests {
     #[test]
     fn limits_below_their_minimum_are_refused_by_name() {
         let p: WorkspacePatch = serde_json::from_str(r#"{"requests_per_minute": 0}"#).unwrap();
-        let e = p.apply(WorkspaceLimits::default()).unwrap_err().to_string();
+        let e = p.apply(Limits::default()).unwrap_err().to_string();
         assert!(e.starts_with("requests_per_minute:"), "{e}");
         let p: WorkspacePatch = serde_json::from_str(r#"{"monthly_budget_minor": -1}"#).unwrap();
-        assert!(p.apply(WorkspaceLimits::default()).is_err());
+        assert!(p.apply(Limits::default()).is_err());
         assert!(serde_json::from_str::<WorkspacePatch>(r#"{"colour": 1}"#).is_err());
     }
 }

@@ -1,0 +1,232 @@
+//! One word for rate and spend limits, whatever holds them: a tenant (its policy), each key of
+//! a tenant (the policy's `key_*` fields: no budget of their own yet), a workspace. A request
+//! is admitted only within every level's limits (the gateway's admission checks each level in
+//! turn), and each level is written as one [`Limits`] and changed by one [`LimitsPatch`].
+//!
+//! A level's limits are flattened into what holds them, so the API's JSON keeps its flat
+//! field names (`requests_per_minute`, …).
+
+use serde::de::{self, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+use utoipa::ToSchema;
+
+use super::AdminError;
+
+type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// Rate and spend limits at one level; `None` is no limit at this level (the levels above
+/// still hold).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Limits {
+    /// Requests per minute.
+    pub requests_per_minute: Option<i64>,
+    /// Uncached input tokens per minute (cache reads never count).
+    pub input_tokens_per_minute: Option<i64>,
+    /// Output tokens per minute.
+    pub output_tokens_per_minute: Option<i64>,
+    /// Spend per calendar month (UTC) in minor units of the tenant's currency; requests are
+    /// refused with 429 once it is reached.
+    pub monthly_budget_minor: Option<i64>,
+}
+
+impl Limits {
+    /// The rules every stored level keeps, with the API's error texts (the fields named with
+    /// `prefix`, as the level's JSON names them).
+    pub fn validate(&self, prefix: &str) -> Result<(), AdminError> {
+        at_least(prefix, "requests_per_minute", self.requests_per_minute, 1)?;
+        at_least(
+            prefix,
+            "input_tokens_per_minute",
+            self.input_tokens_per_minute,
+            1,
+        )?;
+        at_least(
+            prefix,
+            "output_tokens_per_minute",
+            self.output_tokens_per_minute,
+            1,
+        )?;
+        at_least(prefix, "monthly_budget_minor", self.monthly_budget_minor, 0)
+    }
+
+    /// `q` with the four limits bound next, in the order of the fields (the SQL names
+    /// `requests_per_minute`, `input_tokens_per_minute`, `output_tokens_per_minute` and
+    /// `monthly_budget_minor` as four consecutive parameters).
+    pub(crate) fn bind<'q>(&self, q: PgQuery<'q>) -> PgQuery<'q> {
+        q.bind(self.requests_per_minute)
+            .bind(self.input_tokens_per_minute)
+            .bind(self.output_tokens_per_minute)
+            .bind(self.monthly_budget_minor)
+    }
+
+    /// Read from a row whose columns are the fields' names, each after `prefix`.
+    pub(crate) fn from_row(r: &sqlx::postgres::PgRow, prefix: &str) -> Self {
+        use sqlx::Row;
+        let get = |name: &str| r.get::<Option<i64>, _>(format!("{prefix}{name}").as_str());
+        Self {
+            requests_per_minute: get("requests_per_minute"),
+            input_tokens_per_minute: get("input_tokens_per_minute"),
+            output_tokens_per_minute: get("output_tokens_per_minute"),
+            monthly_budget_minor: get("monthly_budget_minor"),
+        }
+    }
+}
+
+/// A change to one level's limits (JSON merge patch: absent = unchanged, `null` = no limit).
+#[derive(Clone, Copy, Debug, Default, Deserialize, ToSchema)]
+pub struct LimitsPatch {
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub requests_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub input_tokens_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub output_tokens_per_minute: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub monthly_budget_minor: Option<Option<i64>>,
+}
+
+impl LimitsPatch {
+    /// Whether the patch changes the monthly budget.
+    pub fn touches_budget(&self) -> bool {
+        self.monthly_budget_minor.is_some()
+    }
+
+    /// `limits` with this patch applied (not validated: the holder validates the whole).
+    pub fn apply(&self, mut l: Limits) -> Limits {
+        set(&mut l.requests_per_minute, self.requests_per_minute);
+        set(&mut l.input_tokens_per_minute, self.input_tokens_per_minute);
+        set(
+            &mut l.output_tokens_per_minute,
+            self.output_tokens_per_minute,
+        );
+        set(&mut l.monthly_budget_minor, self.monthly_budget_minor);
+        l
+    }
+}
+
+/// `Some(None)` for an explicit `null`, `Some(Some(v))` for a value, `None` when absent.
+pub(crate) fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<Option<T>>, D::Error> {
+    Ok(Some(Option::deserialize(d)?))
+}
+
+/// A merge patch's field applied: `Some` replaces the value, `None` keeps it.
+pub(crate) fn set<T: Copy>(slot: &mut T, v: Option<T>) {
+    if let Some(v) = v {
+        *slot = v;
+    }
+}
+
+/// A limit is absent (none) or at least `min`, with the API's error text naming the field.
+pub(crate) fn at_least(
+    prefix: &str,
+    name: &str,
+    v: Option<i64>,
+    min: i64,
+) -> Result<(), AdminError> {
+    match v {
+        Some(v) if v < min => Err(AdminError::Invalid(format!(
+            "{prefix}{name}: must be a whole number of at least {min}, or null for no limit"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The last field of a request body that flattens a [`LimitsPatch`] or [`Limits`]: refuses
+/// any field nothing else took, as `#[serde(deny_unknown_fields)]` does for a body that
+/// flattens nothing (serde cannot combine the two).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoOtherFields;
+
+impl<'de> Deserialize<'de> for NoOtherFields {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Rest;
+        impl<'de> Visitor<'de> for Rest {
+            type Value = NoOtherFields;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("no other field")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<NoOtherFields, A::Error> {
+                match map.next_key::<String>()? {
+                    Some(k) => Err(de::Error::custom(format_args!("unknown field `{k}`"))),
+                    None => Ok(NoOtherFields),
+                }
+            }
+        }
+        d.deserialize_map(Rest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Deserialize)]
+    struct Body {
+        name: Option<String>,
+        #[serde(flatten)]
+        limits: LimitsPatch,
+        #[serde(flatten)]
+        _rest: NoOtherFields,
+    }
+
+    #[test]
+    fn a_patch_tells_absent_from_null_and_refuses_other_fields() {
+        let b: Body = serde_json::from_str(
+            r#"{"name": "a", "requests_per_minute": 5, "monthly_budget_minor": null}"#,
+        )
+        .unwrap();
+        assert_eq!(b.name.as_deref(), Some("a"));
+        assert_eq!(b.limits.requests_per_minute, Some(Some(5)));
+        assert_eq!(b.limits.monthly_budget_minor, Some(None));
+        assert_eq!(b.limits.input_tokens_per_minute, None);
+        assert!(b.limits.touches_budget());
+        let before = Limits {
+            input_tokens_per_minute: Some(7),
+            monthly_budget_minor: Some(100),
+            ..Limits::default()
+        };
+        let after = b.limits.apply(before);
+        assert_eq!(
+            after,
+            Limits {
+                requests_per_minute: Some(5),
+                input_tokens_per_minute: Some(7),
+                output_tokens_per_minute: None,
+                monthly_budget_minor: None,
+            }
+        );
+        let e = serde_json::from_str::<Body>(r#"{"requests_per_minute": 5, "rpm": 5}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `rpm`"), "{e}");
+        let e = serde_json::from_str::<Body>(r#"{"requests_per_minute": "5"}"#).unwrap_err();
+        assert!(e.to_string().contains("invalid type"), "{e}");
+    }
+
+    #[test]
+    fn validation_names_the_field_as_its_level_does() {
+        let l = Limits {
+            output_tokens_per_minute: Some(0),
+            ..Limits::default()
+        };
+        let e = l.validate("key_").unwrap_err().to_string();
+        assert!(e.contains("key_output_tokens_per_minute"), "{e}");
+        assert!(Limits::default().validate("").is_ok());
+        let budget = Limits {
+            monthly_budget_minor: Some(0),
+            ..Limits::default()
+        };
+        assert!(
+            budget.validate("").is_ok(),
+            "a zero budget refuses all spend"
+        );
+    }
+}
