@@ -1180,11 +1180,7 @@ async fn passwords_change_with_the_current_one_and_reset_with_a_one_time_secret(
         .output()
         .unwrap();
     std::fs::remove_file(&file).ok();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::succeeded(&out);
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(a.login("bob", "bob-cli-password-1").await.0, 200);
     assert_eq!(
@@ -2306,12 +2302,7 @@ async fn a_tenant_admin_lists_deletes_and_purges_cache_objects() {
     };
     let (s, e) = patch(json!({"ttl": "20h"})).await;
     assert_eq!(s, 200, "{e}");
-    let left = e["expires_at"]
-        .as_str()
-        .unwrap()
-        .parse::<chrono::DateTime<chrono::Utc>>()
-        .unwrap()
-        - chrono::Utc::now();
+    let left = common::expires_in(&e);
     assert!(left > chrono::TimeDelta::hours(19), "{e}");
     let (s, e) = patch(json!({"ttl": "30d"})).await;
     assert_eq!(s, 400, "{e}");
@@ -2359,16 +2350,7 @@ async fn a_tenant_admin_lists_deletes_and_purges_cache_objects() {
         "{r}"
     );
     // The extension reached the fabric: the object's prefix is held for its 20 hours.
-    let ttl_left = a
-        .app
-        .running()
-        .node
-        .tenant_stats(cachet_common::TenantId(t), 10)
-        .top_prefixes
-        .iter()
-        .map(|p| p.ttl_left_ms)
-        .max()
-        .unwrap_or(0);
+    let ttl_left = a.app.longest_ttl_left_ms(t);
     assert!(ttl_left > 19 * 3600 * 1000, "{ttl_left} ms left");
     let held = |a: &Admin| {
         a.app

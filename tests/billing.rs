@@ -682,17 +682,9 @@ async fn reconcile_cli_exits_non_zero_with_the_differences() {
         "--to",
         "2026-11-01T00:00:00Z",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::succeeded(&out);
     let out = cli(&["reconcile", "--from", "2026-10-01", "--to", "2026-11-01"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::succeeded(&out);
     assert!(String::from_utf8_lossy(&out.stdout).contains("ledger = rollups = invoices"));
     drop_db(pool, name).await;
 }

@@ -236,13 +236,7 @@ async fn ledger_rows(pool: &sqlx::PgPool, ids: &[uuid::Uuid], expect: usize) -> 
 
 /// The gateway's Prometheus metrics text.
 async fn gateway_metrics(http: &reqwest::Client, gw: &Gateway) -> String {
-    http.get(format!("{}/metrics", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    common::get_text(&http, format!("{}/metrics", gw.url)).await
 }
 
 /// Issue 4's acceptance, on real processes, Postgres and Redis: three `cachet node`s and a
@@ -445,14 +439,7 @@ async fn three_nodes_and_a_gateway_replicate_share_prefixes_and_survive_kill_9()
 
     // The dead node left the gateway's view, and R is back: every block of the prefix
     // is on both surviving nodes (n3's corrupt copy included).
-    let ready: serde_json::Value = http
-        .get(format!("{}/readyz", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready: serde_json::Value = common::get_json(&http, format!("{}/readyz", gw.url)).await;
     assert_eq!(ready["nodes"], serde_json::json!(["n2", "n3"]));
     // The block dropped as corrupt on n3 had its other copy on n1: gone with it, so the
     // next request recomputes it and writes it again.
@@ -946,12 +933,7 @@ async fn a_cache_object_outlives_the_node_that_computed_it() {
         .unwrap();
     assert_eq!(r.status(), 200);
     let e: serde_json::Value = r.json().await.unwrap();
-    let left = e["expires_at"]
-        .as_str()
-        .unwrap()
-        .parse::<chrono::DateTime<chrono::Utc>>()
-        .unwrap()
-        - chrono::Utc::now();
+    let left = common::expires_in(&e);
     assert!(left > chrono::TimeDelta::hours(19), "{e}");
     let r = http
         .delete(&object)

@@ -132,14 +132,7 @@ async fn a_journal_of_another_database_is_kept_aside_and_recovered_only_into_its
         &[],
         std::process::Stdio::from(std::fs::File::create(&log).unwrap()),
     );
-    let metrics = client
-        .get(format!("{}/metrics", b.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::get_text(&client, format!("{}/metrics", b.url)).await;
     assert!(
         metrics.contains("cachet_billing_meter_kept_aside 1"),
         "the kept-aside directory is counted"
@@ -154,11 +147,7 @@ async fn a_journal_of_another_database_is_kept_aside_and_recovered_only_into_its
         "{text}"
     );
     assert!(ledger_ids(&b_pool).await.is_empty(), "B's ledger untouched");
-    let kept: Vec<_> = std::fs::read_dir(dir.0.join(billing::database::KEPT_ASIDE))
-        .unwrap()
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .collect();
+    let kept = common::kept_aside(&dir.0);
     assert_eq!(kept.len(), 1);
     assert!(
         kept[0]

@@ -387,11 +387,7 @@ async fn a_spool_and_open_streams_of_another_database_are_kept_aside_not_replaye
             }
         }
     }
-    let kept: Vec<_> = std::fs::read_dir(dir.0.join(billing::database::KEPT_ASIDE))
-        .unwrap()
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .collect();
+    let kept = common::kept_aside(&dir.0);
     assert_eq!(kept.len(), 1);
     let kept_spool = kept[0].join("usage-spool.jsonl");
 

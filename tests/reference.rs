@@ -236,17 +236,7 @@ async fn a_fresh_engine_instance_uses_a_prefix_read_back_from_the_fabric() {
         .unwrap();
     let read = fabric.read_prefix(scope, &keys, bp, now).await;
     assert_eq!(read.tokens, bp);
-    let imported: Vec<KvBlock> = read
-        .links
-        .iter()
-        .zip(&read.blocks)
-        .map(|(l, b)| KvBlock {
-            hash: l.hash,
-            start: l.start,
-            end: l.end,
-            data: b.data.clone(),
-        })
-        .collect();
+    let imported = gateway::pipeline::imported_kv(&read);
 
     let fresh = ReferenceEngine::load(&model_path())
         .unwrap()

@@ -90,11 +90,7 @@ fn finance_token(db_url: &str) -> String {
         .env("CACHET_ADMIN_JWT_SECRET", JWT_SECRET)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::succeeded(&out);
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
@@ -117,11 +113,7 @@ fn simulated_hit_ratio() -> f64 {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::succeeded(&out);
     let text = String::from_utf8(out.stdout).unwrap();
     // The service's default policy (the line after plain LRU's).
     let line = text

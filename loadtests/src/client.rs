@@ -215,6 +215,17 @@ pub struct Outcome {
     pub stop_reason: Option<String>,
 }
 
+/// Send `req` and read its body: the text of a success, else an error naming `what`, the
+/// status and the body (a load test stops at a setup step the server refuses).
+pub async fn text_of(req: reqwest::RequestBuilder, what: &str) -> anyhow::Result<String> {
+    use anyhow::Context;
+    let resp = req.send().await.with_context(|| what.to_string())?;
+    let status = resp.status();
+    let text = resp.text().await?;
+    anyhow::ensure!(status.is_success(), "{what} answered {status}: {text}");
+    Ok(text)
+}
+
 /// Send one request and time it until its last byte.
 pub async fn send(
     client: &reqwest::Client,

@@ -51,15 +51,7 @@ pub(crate) async fn warm_up(
     body: &bytes::Bytes,
 ) -> anyhow::Result<()> {
     for _ in 0..2 {
-        let r = request(client, url, key, body)
-            .send()
-            .await
-            .context("warm-up request")?;
-        let status = r.status();
-        let text = r.text().await?;
-        if !status.is_success() {
-            bail!("warm-up request failed: {status} {text}");
-        }
+        crate::client::text_of(request(client, url, key, body), "a warm-up request").await?;
     }
     Ok(())
 }

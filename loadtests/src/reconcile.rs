@@ -54,17 +54,10 @@ pub async fn price_book(
         #[serde(flatten)]
         rates: Rates,
     }
-    let resp = client
+    let req = client
         .get(format!("{}/v1/billing/prices", url.trim_end_matches('/')))
-        .bearer_auth(token)
-        .send()
-        .await
-        .context("reading the price book")?;
-    let status = resp.status();
-    let text = resp.text().await?;
-    if !status.is_success() {
-        bail!("the price book answered {status}: {text}");
-    }
+        .bearer_auth(token);
+    let text = crate::client::text_of(req, "the price book").await?;
     let v: Value = serde_json::from_str(&text).context("the price book's answer")?;
     let list = v.get("data").cloned().unwrap_or(v);
     let versions: Vec<Version> = serde_json::from_value(list).context("price versions")?;

@@ -677,19 +677,14 @@ async fn check_token_counts(
             for k in ["max_tokens", "stream", "ignore_eos", "cache_control"] {
                 o.remove(k);
             }
-            let resp = client
+            let req = client
                 .post(&url)
                 .header("x-api-key", &a.api_keys[0])
                 .header("anthropic-version", "2023-06-01")
-                .json(&v)
-                .send()
-                .await
-                .context("count_tokens")?;
-            let status = resp.status();
-            let text = resp.text().await?;
-            if !status.is_success() {
-                bail!("count_tokens answered {status}: {text} (--check-tokens 0 skips the check)");
-            }
+                .json(&v);
+            let text =
+                crate::client::text_of(req, "count_tokens (--check-tokens 0 skips the check)")
+                    .await?;
             let v: Value = serde_json::from_str(&text)?;
             v["input_tokens"]
                 .as_u64()

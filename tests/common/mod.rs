@@ -145,14 +145,21 @@ impl TestApp {
 
     /// The service's `/metrics` text (read from loopback, so no token is needed).
     pub async fn metrics(&self) -> String {
-        self.client
-            .get(format!("{}/metrics", self.url))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        get_text(&self.client, format!("{}/metrics", self.url)).await
+    }
+
+    /// The most time any of `tenant`'s cached prefixes has left here, in milliseconds.
+    pub fn longest_ttl_left_ms(&self, tenant: uuid::Uuid) -> u64 {
+        let stats = self
+            .running()
+            .node
+            .tenant_stats(cachet_common::TenantId(tenant), 10);
+        stats
+            .top_prefixes
+            .iter()
+            .map(|p| p.ttl_left_ms)
+            .max()
+            .unwrap_or(0)
     }
 
     pub fn running(&self) -> &Running {
@@ -291,6 +298,46 @@ pub async fn price_sim_tiny(pool: &sqlx::PgPool, days_ago: i64, (input, output):
     billing::prices::set_price(pool, &price, "test", true, now)
         .await
         .unwrap();
+}
+
+/// `GET url`'s JSON body (the test fails if the request does).
+pub async fn get_json(http: &reqwest::Client, url: String) -> Value {
+    let r = http.get(url).send().await.unwrap();
+    r.json().await.unwrap()
+}
+
+/// `GET url`'s text body (the test fails if the request does).
+pub async fn get_text(http: &reqwest::Client, url: String) -> String {
+    let r = http.get(url).send().await.unwrap();
+    r.text().await.unwrap()
+}
+
+/// A finished command succeeded (else the test fails with its stderr).
+pub fn succeeded(out: &std::process::Output) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}: {stderr}", out.status);
+}
+
+/// The prompt tokens an OpenAI-wire answer read from the cache.
+pub fn cached_tokens(v: &Value) -> u64 {
+    let details = &v["usage"]["prompt_tokens_details"];
+    details["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens in {v}"))
+}
+
+/// How long until an object's `expires_at` (RFC 3339).
+pub fn expires_in(v: &Value) -> chrono::TimeDelta {
+    let at = v["expires_at"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no expires_at in {v}"));
+    at.parse::<chrono::DateTime<chrono::Utc>>().unwrap() - chrono::Utc::now()
+}
+
+/// The journals the meter kept aside under `data_dir` (never replayed into this database).
+pub fn kept_aside(data_dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let dir = std::fs::read_dir(data_dir.join(billing::database::KEPT_ASIDE)).unwrap();
+    dir.filter_map(Result::ok).map(|e| e.path()).collect()
 }
 
 /// The `message` of an error answer in either wire's shape (`{"error": {"message": …}}`).

@@ -212,11 +212,7 @@ pub fn recover_data_dir(data_dir: &std::path::Path, db_url: &str) {
         .env("DATABASE_URL", db_url)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    super::succeeded(&out);
 }
 
 /// Poll until `f` holds; `limit` only bounds a hang (it is not a performance target).

@@ -5,6 +5,20 @@ use super::connector::{connector_entries, prefill_with_connector};
 use super::work::{Prefilled, Work, breakpoint_report, entry_kind, usage_and_report};
 use super::*;
 
+/// The cached prefix a fabric read found, as the engine imports it: each block's KV with the
+/// token range its chain link covers.
+pub fn imported_kv(read: &PrefixRead) -> Vec<KvBlock> {
+    let blocks = read.links.iter().zip(&read.blocks);
+    blocks
+        .map(|(l, b)| KvBlock {
+            hash: l.hash,
+            start: l.start,
+            end: l.end,
+            data: b.data.clone(),
+        })
+        .collect()
+}
+
 /// Prefill from the cached prefix; if the imported KV fails the engine's own check, recompute
 /// everything rather than answer wrongly.
 pub(super) fn prefill(
@@ -45,17 +59,7 @@ pub(super) fn prefill(
             cached,
         })
     };
-    let imported: Vec<KvBlock> = read
-        .links
-        .iter()
-        .zip(&read.blocks)
-        .map(|(l, b)| KvBlock {
-            hash: l.hash,
-            start: l.start,
-            end: l.end,
-            data: b.data.clone(),
-        })
-        .collect();
+    let imported = imported_kv(read);
     if imported.is_empty() {
         return attempt(0, imported);
     }

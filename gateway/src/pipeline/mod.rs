@@ -34,6 +34,7 @@ use crate::state::AppState;
 use crate::usage::{self, TokenUsage};
 use crate::wire::types::{BreakpointReport, CacheReport, Usage};
 use control::tenants::Principal;
+pub use generate::imported_kv;
 use generate::{Finished, generate};
 use work::Work;
 
