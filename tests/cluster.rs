@@ -236,7 +236,7 @@ async fn ledger_rows(pool: &sqlx::PgPool, ids: &[uuid::Uuid], expect: usize) -> 
 
 /// The gateway's Prometheus metrics text.
 async fn gateway_metrics(http: &reqwest::Client, gw: &Gateway) -> String {
-    common::get_text(&http, format!("{}/metrics", gw.url)).await
+    common::get_text(http, format!("{}/metrics", gw.url)).await
 }
 
 /// Issue 4's acceptance, on real processes, Postgres and Redis: three `cachet node`s and a
