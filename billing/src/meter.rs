@@ -604,34 +604,14 @@ fn is_permanent(e: &sqlx::Error) -> bool {
 }
 
 async fn insert(pool: &PgPool, batch: &[UsageEvent]) -> Result<u64, sqlx::Error> {
-    let mut request_id = Vec::with_capacity(batch.len());
-    let mut tenant = Vec::with_capacity(batch.len());
-    let mut workspace = Vec::with_capacity(batch.len());
-    let mut key = Vec::with_capacity(batch.len());
-    let mut model = Vec::with_capacity(batch.len());
-    let mut input = Vec::with_capacity(batch.len());
-    let mut w5 = Vec::with_capacity(batch.len());
-    let mut w1 = Vec::with_capacity(batch.len());
-    let mut read = Vec::with_capacity(batch.len());
-    let mut output = Vec::with_capacity(batch.len());
-    let mut status = Vec::with_capacity(batch.len());
-    let mut started = Vec::with_capacity(batch.len());
-    let mut finished = Vec::with_capacity(batch.len());
-    for e in batch {
-        request_id.push(e.request_id.0);
-        tenant.push(e.tenant_id.as_uuid());
-        workspace.push(e.workspace_id.as_uuid());
-        key.push(e.api_key_id.as_uuid());
-        model.push(e.model.clone());
-        input.push(to_i64(e.input_tokens));
-        w5.push(to_i64(e.cache_write_5m_tokens));
-        w1.push(to_i64(e.cache_write_1h_tokens));
-        read.push(to_i64(e.cache_read_tokens));
-        output.push(to_i64(e.output_tokens));
-        status.push(e.status.as_str().to_string());
-        started.push(e.started_at);
-        finished.push(e.finished_at);
-    }
+    // One array a column, bound to UNNEST.
+    let column = |f: fn(&UsageEvent) -> Uuid| batch.iter().map(f).collect::<Vec<Uuid>>();
+    let tokens = |f: fn(&UsageEvent) -> u64| batch.iter().map(|e| to_i64(f(e))).collect::<Vec<_>>();
+    let at = |f: fn(&UsageEvent) -> chrono::DateTime<chrono::Utc>| {
+        batch.iter().map(f).collect::<Vec<_>>()
+    };
+    let model: Vec<&str> = batch.iter().map(|e| e.model.as_str()).collect();
+    let status: Vec<&str> = batch.iter().map(|e| e.status.as_str()).collect();
     let res = sqlx::query(
         "INSERT INTO usage_events (request_id, tenant_id, workspace_id, api_key_id, model, input_tokens, \
          cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens, output_tokens, status, started_at, finished_at) \
@@ -639,19 +619,19 @@ async fn insert(pool: &PgPool, batch: &[UsageEvent]) -> Result<u64, sqlx::Error>
          $8::int8[], $9::int8[], $10::int8[], $11::text[], $12::timestamptz[], $13::timestamptz[]) \
          ON CONFLICT (request_id) DO NOTHING",
     )
-    .bind(&request_id as &[Uuid])
-    .bind(&tenant as &[Uuid])
-    .bind(&workspace as &[Uuid])
-    .bind(&key as &[Uuid])
+    .bind(column(|e| e.request_id.0))
+    .bind(column(|e| e.tenant_id.as_uuid()))
+    .bind(column(|e| e.workspace_id.as_uuid()))
+    .bind(column(|e| e.api_key_id.as_uuid()))
     .bind(&model)
-    .bind(&input)
-    .bind(&w5)
-    .bind(&w1)
-    .bind(&read)
-    .bind(&output)
+    .bind(tokens(|e| e.input_tokens))
+    .bind(tokens(|e| e.cache_write_5m_tokens))
+    .bind(tokens(|e| e.cache_write_1h_tokens))
+    .bind(tokens(|e| e.cache_read_tokens))
+    .bind(tokens(|e| e.output_tokens))
     .bind(&status)
-    .bind(&started)
-    .bind(&finished)
+    .bind(at(|e| e.started_at))
+    .bind(at(|e| e.finished_at))
     .execute(pool)
     .await?;
     Ok(res.rows_affected())

@@ -307,14 +307,14 @@ pub(crate) fn index_bench(
     let mut times = Vec::with_capacity(lookups);
     let mut found = 0usize;
     let mut chain = Vec::with_capacity(chain_len);
-    for l in 0..lookups {
-        let c = (l * 7919) % chains;
+    // Chain `c`'s block hashes into `chain`.
+    let fill = |chain: &mut Vec<_>, c: usize| {
         chain.clear();
-        chain.extend(
-            keys[c * chain_len..(c + 1) * chain_len]
-                .iter()
-                .map(|k| hash_of(*k)),
-        );
+        let blocks = &keys[c * chain_len..(c + 1) * chain_len];
+        chain.extend(blocks.iter().map(|k| hash_of(*k)));
+    };
+    for l in 0..lookups {
+        fill(&mut chain, (l * 7919) % chains);
         let t = Instant::now();
         found += idx.longest_prefix(&chain);
         times.push(t.elapsed().as_secs_f64() * 1e6);
@@ -333,13 +333,7 @@ pub(crate) fn index_bench(
     let t = Instant::now();
     let mut total = 0u64;
     for l in 0..lookups {
-        let c = (l * 104_729) % chains;
-        chain.clear();
-        chain.extend(
-            keys[c * chain_len..(c + 1) * chain_len]
-                .iter()
-                .map(|k| hash_of(*k)),
-        );
+        fill(&mut chain, (l * 104_729) % chains);
         total += idx
             .local_share(&chain, 128)
             .1
