@@ -23,7 +23,7 @@ pub enum Command {
     /// Add a plan version for a tenant: usage discount and reserved cache capacity.
     Plan(PlanArgs),
     /// Recompute the hourly and daily rollups of every bucket touching [from, to).
-    Rollup(RollupArgs),
+    Rollup(Period),
     /// Rate a tenant's month into its draft invoice (or finalize it) and print it.
     Invoice(InvoiceArgs),
     /// Record an adjustment (in minor units, negative for a credit), billed on the next draft.
@@ -32,7 +32,7 @@ pub enum Command {
     Token(TokenArgs),
     /// Prove ledger totals = rollup totals = invoice totals per tenant and token class over
     /// [from, to) (whole UTC days); exits non-zero with the differences otherwise.
-    Reconcile(ReconcileArgs),
+    Reconcile(Period),
     /// Put into the ledger what a stopped process left in its data directory: its usage
     /// journal (answered requests whose rows may not have reached Postgres), cut streams and
     /// spool. For a node that will not be started again; never while a process runs on
@@ -110,13 +110,13 @@ pub struct PlanArgs {
     pub actor: String,
 }
 
-// The arguments of `cachet billing rollup` (a plain comment: a doc comment would become its help).
+// The window of `cachet billing rollup` and `reconcile`: from `--from` (inclusive) to `--to`
+// (exclusive); reconcile wants whole days (a plain comment: a doc comment would become their
+// help).
 #[derive(Args)]
-pub struct RollupArgs {
-    /// Start (inclusive).
+pub struct Period {
     #[arg(long, value_parser = parse_time, help = TIME_HELP)]
     pub from: DateTime<Utc>,
-    /// End (exclusive).
     #[arg(long, value_parser = parse_time, help = TIME_HELP)]
     pub to: DateTime<Utc>,
 }
@@ -165,17 +165,6 @@ pub struct TokenArgs {
     pub subject: String,
     #[arg(long, default_value_t = 3600)]
     pub ttl_secs: u64,
-}
-
-// The arguments of `cachet billing reconcile` (a plain comment: a doc comment would become its help).
-#[derive(Args)]
-pub struct ReconcileArgs {
-    /// First day (inclusive): a date, or a time at midnight UTC.
-    #[arg(long, value_parser = parse_time, help = TIME_HELP)]
-    pub from: DateTime<Utc>,
-    /// Last day (exclusive): a date, or a time at midnight UTC.
-    #[arg(long, value_parser = parse_time, help = TIME_HELP)]
-    pub to: DateTime<Utc>,
 }
 
 // The arguments of `cachet billing recover` (a plain comment: a doc comment would become its help).
@@ -319,8 +308,8 @@ async fn set_plan(pool: &PgPool, args: PlanArgs) -> anyhow::Result<()> {
 }
 
 /// Recompute the hourly and daily rollups of every bucket touching [from, to).
-async fn roll_up(pool: &PgPool, args: RollupArgs) -> anyhow::Result<()> {
-    let RollupArgs { from, to } = args;
+async fn roll_up(pool: &PgPool, args: Period) -> anyhow::Result<()> {
+    let Period { from, to } = args;
     let r = rollup::rollup(pool, from, to).await?;
     println!(
         "rolled up: {} hourly rows, {} daily rows",
@@ -452,8 +441,8 @@ async fn recover(
 
 /// Prove ledger totals = rollup totals = invoice totals per tenant and token class over
 /// [from, to) (whole UTC days); exits non-zero with the differences otherwise.
-async fn reconcile(pool: &PgPool, args: ReconcileArgs) -> anyhow::Result<()> {
-    let ReconcileArgs { from, to } = args;
+async fn reconcile(pool: &PgPool, args: Period) -> anyhow::Result<()> {
+    let Period { from, to } = args;
     let from = whole_day(from, "--from").map_err(anyhow::Error::msg)?;
     let to = whole_day(to, "--to").map_err(anyhow::Error::msg)?;
     let r = rollup::reconcile(pool, day(from), day(to)).await?;

@@ -3,9 +3,11 @@
 //! Domain ids are newtypes so a tenant id can never be passed where a key id is expected.
 //! This crate holds no logic beyond formatting and parsing those ids; it is not a place for
 //! helpers that belong to one subsystem, and the one error vocabulary ([`error`]) every
-//! crate's errors speak, and the loop of every periodic background job ([`tick`]).
+//! crate's errors speak, the loop of every periodic background job ([`tick`]) and the one
+//! way a metric is made and registered ([`metrics`]).
 
 pub mod error;
+pub mod metrics;
 #[cfg(feature = "http")]
 pub mod span;
 pub mod tick;

@@ -2,39 +2,28 @@
 
 use std::sync::LazyLock;
 
-use prometheus::{IntCounterVec, IntGauge, Opts};
-
-fn reg<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
-    let _ = prometheus::default_registry().register(Box::new(c.clone()));
-    c
-}
+use cachet_common::metrics::{int_counter_vec, int_gauge};
+use prometheus::{IntCounterVec, IntGauge};
 
 pub static MEMO: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    reg(IntCounterVec::new(
-        Opts::new(
-            "cachet_engine_segment_memo_total",
-            "Segment tokenization memo lookups by result",
-        ),
+    int_counter_vec(
+        "cachet_engine_segment_memo_total",
+        "Segment tokenization memo lookups by result",
         &["result"],
     )
-    .expect("metric"))
 });
 
 pub static TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    reg(IntCounterVec::new(
-        Opts::new(
-            "cachet_engine_tokens_total",
-            "Tokens processed by kind (prefilled, imported, generated)",
-        ),
+    int_counter_vec(
+        "cachet_engine_tokens_total",
+        "Tokens processed by kind (prefilled, imported, generated)",
         &["model", "kind"],
     )
-    .expect("metric"))
 });
 
 pub static MEMO_BYTES: LazyLock<IntGauge> = LazyLock::new(|| {
-    reg(IntGauge::new(
+    int_gauge(
         "cachet_engine_segment_memo_bytes",
         "Bytes held by the segment tokenization memos (all engines)",
     )
-    .expect("metric"))
 });

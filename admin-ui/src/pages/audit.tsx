@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, download, qs, type Me } from "../api";
-import { ErrorBanner, Loading, Table, message, useAsync } from "../components/ui";
+import { ErrorBanner, Loading, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import type { AuditRow, Tenant } from "../types";
 
@@ -19,7 +19,7 @@ function shortId(id: string): string {
 export function AuditPage({ me, tenant }: { me: Me; tenant: Tenant | null }) {
   const [action, setAction] = useState("");
   const [pages, setPages] = useState<(number | null)[]>([null]);
-  const [error, setError] = useState<string | null>(null);
+  const { error, run } = useAction();
   const before = pages[pages.length - 1];
   const scope = tenant?.id ?? (me.role === "tenant_admin" ? me.tenant : null);
   const log = useAsync(
@@ -30,14 +30,8 @@ export function AuditPage({ me, tenant }: { me: Me; tenant: Tenant | null }) {
       ),
     [scope, action, before],
   );
-  const exportAs = async (format: "csv" | "jsonl") => {
-    try {
-      await download(`/v1/admin/audit/export${qs({ tenant: scope, action: action.trim(), format })}`, `cachet-audit.${format}`);
-      setError(null);
-    } catch (e) {
-      setError(message(e));
-    }
-  };
+  const exportAs = (format: "csv" | "jsonl") =>
+    run(() => download(`/v1/admin/audit/export${qs({ tenant: scope, action: action.trim(), format })}`, `cachet-audit.${format}`));
   return (
     <section aria-labelledby="audit-title">
       <h2 id="audit-title">Audit log</h2>

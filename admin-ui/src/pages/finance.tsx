@@ -231,24 +231,18 @@ function Exports({ tenant }: { tenant: string }) {
         : Promise.resolve({ data: [] as Workspace[] }),
     [tenant],
   );
-  const [error, setError] = useState<string | null>(null);
+  const { error, setError, run } = useAction();
   const get = async (format: "csv" | "jsonl" | "cloudevents") => {
     const r = dateRange(from, to);
     if (typeof r === "string") {
       setError(r);
       return;
     }
-    try {
-      const ext = format === "csv" ? "csv" : "jsonl";
-      const filter = { tenant, model: model.trim(), workspace: tenant ? workspace : "" };
-      await download(
-        `/v1/billing/exports/${ledger}${qs({ ...r, ...filter, format })}`,
-        `cachet-${ledger}-${from}-${to}-${format}.${ext}`,
-      );
-      setError(null);
-    } catch (e) {
-      setError(message(e));
-    }
+    const ext = format === "csv" ? "csv" : "jsonl";
+    const filter = { tenant, model: model.trim(), workspace: tenant ? workspace : "" };
+    await run(() =>
+      download(`/v1/billing/exports/${ledger}${qs({ ...r, ...filter, format })}`, `cachet-${ledger}-${from}-${to}-${format}.${ext}`),
+    );
   };
   return (
     <section aria-labelledby="exports-title">
@@ -303,6 +297,14 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
   const [confirming, setConfirming] = useState(false);
   const [rating, setRating] = useState(false);
   const [actionError, setActionError] = useState<string | null>(null);
+  const downloadAs = async (format: "csv" | "pdf") => {
+    try {
+      await download(`/v1/billing/invoices/${i.id}?format=${format}`, `cachet-invoice-${month}-${tenantName}.${format}`);
+      setActionError(null);
+    } catch (e) {
+      setActionError(message(e));
+    }
+  };
   if (inv.error) return <ErrorBanner error={inv.error} />;
   if (!inv.data) return <Loading what="the invoice" />;
   const i = inv.data;
@@ -355,27 +357,13 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
         <button
           type="button"
           class="secondary"
-          onClick={async () => {
-            try {
-              await download(`/v1/billing/invoices/${i.id}?format=csv`, `cachet-invoice-${month}-${tenantName}.csv`);
-              setActionError(null);
-            } catch (e) {
-              setActionError(message(e));
-            }
-          }}
+          onClick={() => downloadAs("csv")}
         >
           Download invoice CSV
         </button>
         <button
           type="button"
-          onClick={async () => {
-            try {
-              await download(`/v1/billing/invoices/${i.id}?format=pdf`, `cachet-invoice-${month}-${tenantName}.pdf`);
-              setActionError(null);
-            } catch (e) {
-              setActionError(message(e));
-            }
-          }}
+          onClick={() => downloadAs("pdf")}
         >
           Download invoice PDF
         </button>
