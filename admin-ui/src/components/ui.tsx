@@ -52,6 +52,21 @@ export function message(e: unknown): string {
   return String(e);
 }
 
+/** A `useAsync` load on a page: its error, "Loading …" until its first data, then `children`. */
+export function Loaded(props: {
+  state: { error: string | null; loading: boolean; data: unknown };
+  what: string;
+  children: ComponentChildren;
+}) {
+  const { state, what, children } = props;
+  return (
+    <>
+      <ErrorBanner error={state.error} />
+      {state.loading && !state.data ? <Loading what={what} /> : children}
+    </>
+  );
+}
+
 export function ErrorBanner({ error }: { error: string | null | undefined }) {
   if (!error) return null;
   return (

@@ -3,7 +3,7 @@
 
 import { useState } from "preact/hooks";
 import { api } from "../api";
-import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, Notice, SecretDialog, Table, useAction, useAsync } from "../components/ui";
+import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loaded, Notice, SecretDialog, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import type { Tenant, WebhookDelivery, WebhookEndpoint } from "../types";
 
@@ -31,10 +31,7 @@ export function AlertsTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolea
         </button>
       )}
       <Notice text={notice} />
-      <ErrorBanner error={endpoints.error} />
-      {endpoints.loading && !endpoints.data ? (
-        <Loading what="endpoints" />
-      ) : (
+      <Loaded state={endpoints} what="endpoints">
         <Table caption="Endpoints" columns={["URL", "Secret", "State", "Created", "Actions"]}>
           <tbody>
             {endpoints.data?.data.map((e) => (
@@ -58,7 +55,7 @@ export function AlertsTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolea
             ))}
           </tbody>
         </Table>
-      )}
+      </Loaded>
       <h3>Delivery log</h3>
       <button type="button" class="secondary" onClick={() => deliveries.reload()}>
         Refresh

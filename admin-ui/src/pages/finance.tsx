@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, download, qs, type Me } from "../api";
-import { Confirm, ErrorBanner, Loading, message, Notice, Pick, Table, useAction, useAsync } from "../components/ui";
+import { Confirm, ErrorBanner, Loaded, Loading, message, Notice, Pick, Table, useAction, useAsync } from "../components/ui";
 import { formatExact, formatMoney, formatTime, formatTokens } from "../format";
 import { dateRange } from "../forms";
 import type { Invoice, InvoiceSummary, Tenant, Tokens, Workspace } from "../types";
@@ -26,10 +26,7 @@ export function FinancePage({ me }: { me: Me }) {
       </p>
       <Pick id="inv-tenant" label="Tenant" value={tenant} none="All tenants" items={tenants.data?.data ?? []} onChange={setTenant} />
       {canRate && tenants.data && <RateMonth tenants={tenants.data.data} onRated={() => invoices.reload()} />}
-      <ErrorBanner error={invoices.error} />
-      {invoices.loading && !invoices.data ? (
-        <Loading what="invoices" />
-      ) : (
+      <Loaded state={invoices} what="invoices">
         <Table caption="Invoices, newest month first" columns={["Month", "Tenant", "Status", "Total"]}>
           <tbody>
             {invoices.data?.data.length === 0 && (
@@ -49,7 +46,7 @@ export function FinancePage({ me }: { me: Me }) {
             ))}
           </tbody>
         </Table>
-      )}
+      </Loaded>
       {canRate && <MonthOverview />}
       {canRate && <Exports tenant={tenant} />}
     </section>

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api } from "../api";
-import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, message, Notice, SecretDialog, Table, useAction, useAsync } from "../components/ui";
+import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loaded, message, Notice, SecretDialog, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { parseGrace, validateKey } from "../forms";
 import type { CreatedKey, Key, Rotation, Tenant, Workspace } from "../types";
@@ -26,10 +26,7 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
         </button>
       )}
       <Notice text={notice} />
-      <ErrorBanner error={keys.error} />
-      {keys.loading && !keys.data ? (
-        <Loading what="keys" />
-      ) : (
+      <Loaded state={keys} what="keys">
         <Table
           caption="Keys (secrets are never shown again)"
           columns={["Name", "Prefix", "Workspace", "State", "Created", "Last used", "Expires", "Actions"]}
@@ -66,7 +63,7 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
             </tr>
           )}
         />
-      )}
+      </Loaded>
       <CreateKeyDialog
         open={creating}
         tenant={tenant}

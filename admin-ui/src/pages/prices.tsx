@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, type Me } from "../api";
-import { Confirm, ErrorBanner, Field, Loading, Notice, Table, useAction, useAsync } from "../components/ui";
+import { Confirm, ErrorBanner, Field, Loaded, Notice, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { parsePrice } from "../forms";
 import { type PriceVersion, perMillion, priceStates, times } from "../pricebook";
@@ -87,10 +87,7 @@ export function PricesPage({ me }: { me: Me }) {
         discount apply on top. Cachet ships a list price for every model it serves; yours replace it from their date.
       </p>
       <Notice text={notice} />
-      <ErrorBanner error={prices.error} />
-      {prices.loading && !prices.data ? (
-        <Loading what="prices" />
-      ) : (
+      <Loaded state={prices} what="prices">
         <Table
           caption="List-price versions, newest first per model"
           columns={["Model", "From", "State", "Input / MTok", "Output / MTok", "5m write", "1h write", "Read", "Object held / h", me.role === "platform_admin" && "Actions"]}
@@ -126,7 +123,7 @@ export function PricesPage({ me }: { me: Me }) {
             </tr>
           )}
         />
-      )}
+      </Loaded>
       <Confirm
         open={retiring !== null}
         title={`Retire the price of ${retiring?.model ?? ""}?`}

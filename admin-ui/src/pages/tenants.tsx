@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { api, qs, type Me } from "../api";
-import { ErrorBanner, Field, Loading, Table, useAction, useAsync } from "../components/ui";
+import { ErrorBanner, Field, Loaded, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
 import { validateTenantName } from "../forms";
 import { navigate } from "../router";
@@ -20,10 +20,7 @@ export function TenantsPage({ me }: { me: Me }) {
         <input type="checkbox" role="switch" checked={showDeleted} onChange={(e) => setShowDeleted(e.currentTarget.checked)} />
         Show deleted tenants
       </label>
-      <ErrorBanner error={list.error} />
-      {list.loading && !list.data ? (
-        <Loading what="tenants" />
-      ) : (
+      <Loaded state={list} what="tenants">
         <Table caption={`${list.data?.data.length ?? 0} tenants`} columns={["Name", "State", "Active keys", "Created"]}>
           <tbody>
             {list.data?.data.map((t) => (
@@ -38,7 +35,7 @@ export function TenantsPage({ me }: { me: Me }) {
             ))}
           </tbody>
         </Table>
-      )}
+      </Loaded>
     </section>
   );
 }

@@ -3,7 +3,7 @@
 
 import { useState } from "preact/hooks";
 import { api } from "../api";
-import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loading, Notice, Table, useAction, useAsync } from "../components/ui";
+import { Confirm, Dialog, Field, FormFooter, Loaded, Notice, Table, useAction, useAsync } from "../components/ui";
 import { formatLimit, formatMoney, formatTime } from "../format";
 import { minorToText, parseLimit, parseMoney } from "../forms";
 import type { BudgetView, Limits, Tenant, Workspace } from "../types";
@@ -48,10 +48,7 @@ export function WorkspacesTab({ tenant, canEdit }: { tenant: Tenant; canEdit: bo
         </button>
       )}
       <Notice text={notice} />
-      <ErrorBanner error={list.error} />
-      {list.loading && !list.data ? (
-        <Loading what="workspaces" />
-      ) : (
+      <Loaded state={list} what="workspaces">
         <Table
           caption="Workspaces and their limits (— is none beyond the tenant's)"
           columns={["Name", "State", "Active keys", ...LIMITS.map(([, label]) => label), "Monthly budget", "Created", "Actions"]}
@@ -86,7 +83,7 @@ export function WorkspacesTab({ tenant, canEdit }: { tenant: Tenant; canEdit: bo
             </tr>
           )}
         />
-      )}
+      </Loaded>
       <WorkspaceDialog
         tenant={tenant}
         currency={currency}
