@@ -1,25 +1,25 @@
 //! Engines with their own KV connector (vLLM): the keys, writes and tag sent with the
 //! request, and the entries and usage read back from the connector's report.
 
-use super::work::{Prefilled, Work, breakpoint_report, entry_kind, usage_and_report};
+use super::work::{Entries, Prefilled, Prompt, breakpoint_report, entry_kind, usage_and_report};
 use super::*;
 
 /// The keys, writes and tag an engine's own connector needs for this request.
-pub(super) fn connector_params(w: &Work, key_space: &str) -> ConnectorParams {
+pub(super) fn connector_params(p: &Prompt, e: &Entries, key_space: &str) -> ConnectorParams {
     let mut scope = [0u8; 32];
-    scope[..16].copy_from_slice(w.scope.tenant.as_uuid().as_bytes());
-    scope[16..].copy_from_slice(w.scope.workspace.as_uuid().as_bytes());
-    let writes = connector_writes(&w.placed, &w.targets, w.block_size);
+    scope[..16].copy_from_slice(e.scope.tenant.as_uuid().as_bytes());
+    scope[16..].copy_from_slice(e.scope.workspace.as_uuid().as_bytes());
+    let writes = connector_writes(&e.placed, &p.targets, p.block_size);
     ConnectorParams {
         cache_salt: scope.iter().map(|b| format!("{b:02x}")).collect(),
         scope,
-        keys: w
+        keys: p
             .keys
             .as_ref()
             .map(|k| k.blocks.clone())
             .unwrap_or_default(),
         writes,
-        tag: w.request_id.0.as_u128(),
+        tag: e.request_id.0.as_u128(),
         key_space: key_space.to_string(),
     }
 }
@@ -70,22 +70,24 @@ const REPORT_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 /// Start an engine with its own KV connector: it loads the cached prefix and saves the new
 /// blocks itself; the cached prefix is what its connector reports it did not prefill.
 pub(super) fn prefill_with_connector(
-    w: &Work,
+    state: &AppState,
+    p: &Prompt,
+    e: &Entries,
     key_space: &str,
     rt: &tokio::runtime::Handle,
 ) -> Result<Prefilled, EngineError> {
-    let params = w.keys.as_ref().map(|_| connector_params(w, key_space));
-    let tag = params.as_ref().map(|p| p.tag);
-    let generation = w.engine.start(GenerateRequest {
-        tokens: w.tokens.clone(),
+    let params = p.keys.as_ref().map(|_| connector_params(p, e, key_space));
+    let tag = params.as_ref().map(|c| c.tag);
+    let generation = p.engine.start(GenerateRequest {
+        tokens: p.tokens.clone(),
         imported: Vec::new(),
         exports: Vec::new(),
-        sampling: w.sampling.clone(),
-        max_new_tokens: w.max_tokens,
+        sampling: p.sampling.clone(),
+        max_new_tokens: p.max_tokens,
         connector: params,
     })?;
     let report = match tag {
-        Some(tag) => rt.block_on(w.state.fabric.connector_report(tag, REPORT_WAIT)),
+        Some(tag) => rt.block_on(state.fabric.connector_report(tag, REPORT_WAIT)),
         None => None,
     };
     if tag.is_some() && report.is_none() {
@@ -96,7 +98,7 @@ pub(super) fn prefill_with_connector(
             tracing::debug!("no connector report");
         } else {
             tracing::warn!(
-                model = %w.model,
+                model = %p.model,
                 "the engine's KV connector sent no report: is vLLM running with CachetConnector? \
                  (said once; the metric cachet_gateway_connector_reports_total counts them)"
             );
@@ -117,7 +119,7 @@ pub(super) fn prefill_with_connector(
         generation,
         links: Vec::new(),
         exported: Vec::new(),
-        cached: cached.min(w.tokens.len().saturating_sub(1)),
+        cached: cached.min(p.tokens.len().saturating_sub(1)),
     })
 }
 
@@ -125,28 +127,30 @@ pub(super) fn prefill_with_connector(
 /// is written when the node now holds every full block before it (the connector saved them,
 /// or they were there); the tokens after its last full block are input.
 pub(super) fn connector_entries(
-    w: &Work,
+    state: &AppState,
+    p: &Prompt,
+    e: &Entries,
     pre: &Prefilled,
     rt: &tokio::runtime::Handle,
 ) -> (TokenUsage, Usage, CacheReport) {
     let cached = pre.cached;
-    let bs = w.block_size.max(1);
+    let bs = p.block_size.max(1);
     let mut written: Vec<(usize, Ttl)> = Vec::new();
-    let mut reports = Vec::with_capacity(w.placed.len());
-    for pl in &w.placed {
+    let mut reports = Vec::with_capacity(e.placed.len());
+    for pl in &e.placed {
         let aligned = pl.offset / bs * bs;
         let (status, reason) = if !pl.cacheable || aligned == 0 {
             ("below_minimum", None)
         } else if aligned <= cached {
             ("read", None)
         } else {
-            let k = w.keys.as_ref().expect("cacheable breakpoint implies keys");
-            let held = w.state.fabric.held_prefix(w.scope, k, aligned, w.start);
+            let k = p.keys.as_ref().expect("cacheable breakpoint implies keys");
+            let held = state.fabric.held_prefix(e.scope, k, aligned, e.start);
             if held >= aligned {
                 written.push((aligned, pl.bp.ttl));
                 // In a cluster its owners get copies too, off the answer's path.
                 let (fabric, keys, scope, start) =
-                    (w.state.fabric.clone(), k.clone(), w.scope, w.start);
+                    (state.fabric.clone(), k.clone(), e.scope, e.start);
                 let (ttl, kind) = (pl.bp.held_for(), entry_kind(&pl.bp));
                 rt.spawn(tracing::Instrument::in_current_span(async move {
                     if let Err(r) = fabric
@@ -163,7 +167,7 @@ pub(super) fn connector_entries(
         };
         reports.push(breakpoint_report(pl, status, reason));
     }
-    usage_and_report(w, cached, &written, reports)
+    usage_and_report(p, cached, &written, reports)
 }
 
 #[cfg(test)]

@@ -2,7 +2,9 @@
 //! blocks), the fabric writes at its breakpoints, usage and `message_start`, then decoding.
 
 use super::connector::{connector_entries, prefill_with_connector};
-use super::work::{Prefilled, Work, breakpoint_report, entry_kind, usage_and_report};
+use super::work::{
+    Answer, Entries, Prefilled, Prompt, Work, breakpoint_report, entry_kind, usage_and_report,
+};
 use super::*;
 
 /// The cached prefix a fabric read found, as the engine imports it: each block's KV with the
@@ -127,35 +129,40 @@ impl Finished {
 }
 
 /// Prefill, write, report, decode. Returns the prompt usage, output tokens and how it ended.
-pub(super) fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
-    let pre = match start_prefill(&mut w, rt) {
+pub(super) fn generate(w: Work, rt: &tokio::runtime::Handle) -> Finished {
+    let Work {
+        state,
+        mut prompt,
+        entries,
+        mut held,
+        mut answer,
+    } = w;
+    let pre = match start_prefill(&state, &mut prompt, &entries, rt) {
         Ok(pre) => pre,
         Err(failed) => return *failed,
     };
-    let (u, api_usage, report) = if w.connector.is_some() {
-        connector_entries(&w, &pre, rt)
+    let (u, api_usage, report) = if prompt.connector.is_some() {
+        connector_entries(&state, &prompt, &entries, &pre, rt)
     } else {
-        rt.block_on(write_entries(&w, &pre))
+        rt.block_on(write_entries(&state, &prompt, &entries, &pre))
     };
-    if let Some(f) = w.flight.take() {
+    if let Some(f) = held.flight.take() {
         f.land();
     }
     // Written (or refused): the exported KV and its budget go before decoding starts.
     let Prefilled {
         generation, cached, ..
     } = pre;
-    drop(w.kv.take());
-    let diagnostics = diagnose(&mut w, &report, cached);
-    journal_open_stream(&mut w, &u);
-    let Work {
+    drop(held.kv.take());
+    let diagnostics = diagnose(&state, &mut answer, &report, cached);
+    journal_open_stream(&state, &mut answer, &u);
+    let Answer {
         tx,
         rate,
-        max_tokens,
         stops,
         streaming,
-        permit,
         ..
-    } = w;
+    } = answer;
     if tx
         .send(Event::Start {
             usage: api_usage,
@@ -167,32 +174,37 @@ pub(super) fn generate(mut w: Work, rt: &tokio::runtime::Handle) -> Finished {
     {
         return Finished::ended(u, 0, UsageStatus::ClientDisconnected, None);
     }
-    let stream = TextStream::new(generation, max_tokens, stops);
-    decode(stream, &tx, streaming, permit, rt, u)
+    let stream = TextStream::new(generation, prompt.max_tokens, stops);
+    decode(stream, &tx, streaming, held.permit, rt, u)
 }
 
 /// Prefill (through the connector where the engine has one), timed into the metrics and the
 /// in-flight estimate; how the request ended where it failed.
-fn start_prefill(w: &mut Work, rt: &tokio::runtime::Handle) -> Result<Prefilled, Box<Finished>> {
+fn start_prefill(
+    state: &AppState,
+    p: &mut Prompt,
+    e: &Entries,
+    rt: &tokio::runtime::Handle,
+) -> Result<Prefilled, Box<Finished>> {
     let prefill_started = std::time::Instant::now();
-    let started = match &w.connector {
-        Some(space) => prefill_with_connector(w, space, rt),
+    let started = match &p.connector {
+        Some(space) => prefill_with_connector(state, p, e, space, rt),
         None => prefill(
-            w.engine.as_ref(),
-            &w.tokens,
-            &w.read,
-            w.keys.as_deref(),
-            &w.targets,
-            &w.sampling,
-            w.max_tokens,
+            p.engine.as_ref(),
+            &p.tokens,
+            &p.read,
+            p.keys.as_deref(),
+            &p.targets,
+            &p.sampling,
+            p.max_tokens,
         ),
     };
     let pre = match started {
-        Ok(p) => p,
-        Err(e) => {
+        Ok(pre) => pre,
+        Err(err) => {
             // An engine that could not be reached did no work: nothing to bill.
-            let unserved = matches!(e, EngineError::Unavailable(_));
-            let err = Event::Error(engine_error("prefill failed", e));
+            let unserved = matches!(err, EngineError::Unavailable(_));
+            let err = Event::Error(engine_error("prefill failed", err));
             return Err(Box::new(Finished {
                 unserved,
                 ..Finished::ended(TokenUsage::default(), 0, UsageStatus::Failed, Some(err))
@@ -201,21 +213,26 @@ fn start_prefill(w: &mut Work, rt: &tokio::runtime::Handle) -> Result<Prefilled,
     };
     // The imported blocks are in the engine now: let go of them (they may be all that still
     // holds a block the fabric has since evicted).
-    w.read = PrefixRead::default();
+    p.read = PrefixRead::default();
     let took = prefill_started.elapsed();
     metrics::PREFILL_SECONDS
-        .with_label_values(&[w.model.as_str()])
+        .with_label_values(&[p.model.as_str()])
         .inc_by(took.as_secs_f64());
-    w.state
+    state
         .inflight
-        .observe(&w.model, w.tokens.len() - pre.cached, took);
+        .observe(&p.model, p.tokens.len() - pre.cached, took);
     Ok(pre)
 }
 
 /// Where the request asked why it missed: its fingerprint kept (up to the prefix now
 /// cached) for the next request to compare with, and the reason for `message_start`.
-fn diagnose(w: &mut Work, report: &CacheReport, cached: usize) -> Option<serde_json::Value> {
-    let (id, mut fp, reason) = w.diagnosis.take()?;
+fn diagnose(
+    state: &AppState,
+    a: &mut Answer,
+    report: &CacheReport,
+    cached: usize,
+) -> Option<serde_json::Value> {
+    let (id, mut fp, reason) = a.diagnosis.take()?;
     fp.cached_end = report
         .breakpoints
         .iter()
@@ -224,18 +241,18 @@ fn diagnose(w: &mut Work, report: &CacheReport, cached: usize) -> Option<serde_j
         .max()
         .unwrap_or(0)
         .max(cached);
-    w.state.fingerprints.put(id, fp);
+    state.fingerprints.put(id, fp);
     Some(serde_json::json!({ "cache_miss_reason": reason }))
 }
 
 /// A stream's row journaled open with its prompt usage, so that a crash mid-answer still
 /// bills what was served.
-fn journal_open_stream(w: &mut Work, u: &TokenUsage) {
-    if let Some(mut ev) = w.intent.take() {
+fn journal_open_stream(state: &AppState, a: &mut Answer, u: &TokenUsage) {
+    if let Some(mut ev) = a.intent.take() {
         (ev.input_tokens, ev.cache_write_5m_tokens) = (u.input, u.write_5m);
         (ev.cache_write_1h_tokens, ev.cache_read_tokens) = (u.write_1h, u.read);
         ev.finished_at = Utc::now();
-        if let Err(e) = w.state.meter.open_stream(&ev) {
+        if let Err(e) = state.meter.open_stream(&ev) {
             // Served anyway: only a crash before the final event would lose this row.
             tracing::error!(error = %e, "could not journal the open stream");
         }
@@ -307,47 +324,44 @@ pub(super) fn engine_error(stage: &str, e: EngineError) -> ApiError {
 }
 
 /// Write each cacheable breakpoint past the cached prefix, in order; then the usage.
-pub(super) async fn write_entries(w: &Work, pre: &Prefilled) -> (TokenUsage, Usage, CacheReport) {
+pub(super) async fn write_entries(
+    state: &AppState,
+    p: &Prompt,
+    e: &Entries,
+    pre: &Prefilled,
+) -> (TokenUsage, Usage, CacheReport) {
     let cached = pre.cached;
     let mut written: Vec<(usize, Ttl)> = Vec::new();
-    let mut reports = Vec::with_capacity(w.placed.len());
+    let mut reports = Vec::with_capacity(e.placed.len());
     let blocks = put_blocks(&pre.exported, &pre.links);
-    for (i, pl) in w.placed.iter().enumerate() {
+    for (i, pl) in e.placed.iter().enumerate() {
         let (status, reason) = if !pl.cacheable {
             ("below_minimum", None)
-        } else if pl.offset > cached && w.trimmed.contains(&pl.offset) {
+        } else if pl.offset > cached && e.trimmed.contains(&pl.offset) {
             ("not_written", Some("kv_budget".to_string()))
         } else if pl.offset <= cached {
-            match w.coalesced_from {
+            match e.coalesced_from {
                 Some(from) if pl.offset > from => ("coalesced", None),
                 _ => ("read", None),
             }
         } else {
-            let k = w.keys.as_ref().expect("cacheable breakpoint implies keys");
-            match w
-                .state
+            let k = p.keys.as_ref().expect("cacheable breakpoint implies keys");
+            let holding = Holding {
+                ttl: pl.bp.held_for(),
+                kind: entry_kind(&pl.bp),
+            };
+            let write = state
                 .fabric
-                .write_entry(
-                    w.scope,
-                    k,
-                    pl.offset,
-                    &blocks,
-                    Holding {
-                        ttl: pl.bp.held_for(),
-                        kind: entry_kind(&pl.bp),
-                    },
-                    w.start,
-                )
-                .await
-            {
+                .write_entry(e.scope, k, pl.offset, &blocks, holding, e.start);
+            match write.await {
                 Ok(()) => {
                     written.push((pl.offset, pl.bp.ttl));
-                    ("written", w.miss_reason[i].clone())
+                    ("written", e.miss_reason[i].clone())
                 }
                 Err(r) => ("not_written", Some(r.as_str().to_string())),
             }
         };
         reports.push(breakpoint_report(pl, status, reason));
     }
-    usage_and_report(w, cached, &written, reports)
+    usage_and_report(p, cached, &written, reports)
 }

@@ -36,7 +36,7 @@ use crate::wire::types::{BreakpointReport, CacheReport, Usage};
 use control::tenants::Principal;
 pub use generate::imported_kv;
 use generate::{Finished, generate};
-use work::Work;
+use work::{Answer, Entries, Held, Prompt, Work};
 
 mod connector;
 mod generate;
@@ -240,34 +240,46 @@ fn work(
         kv,
         permit,
     } = ready;
-    let work = Work {
-        state: state.clone(),
+    let prompt = Prompt {
         engine,
+        model: plan.info.id.clone(),
         tokens: prepared.rendered.tokens,
-        placed: prepared.placed,
-        miss_reason,
         keys: plan.keys.clone(),
         read: found.read,
         targets,
-        trimmed,
-        kv: Some(kv),
-        permit,
+        block_size: plan.info.block_size,
         sampling,
-        scope: plan.scope,
-        start,
         max_tokens,
+        connector: plan.connector.clone(),
+    };
+    let entries = Entries {
+        scope: plan.scope,
+        placed: prepared.placed,
+        miss_reason,
+        trimmed,
+        coalesced_from: found.coalesced_from,
+        start,
+        request_id,
+    };
+    let held = Held {
+        kv: Some(kv),
+        flight: found.flight,
+        permit,
+    };
+    let answer = Answer {
+        tx: tx.clone(),
+        rate: admitted.rate,
         stops: stop_sequences,
         streaming: stream,
-        rate: admitted.rate,
-        tx: tx.clone(),
         intent: stream.then(|| meter.event(TokenUsage::default(), 0, UsageStatus::Failed)),
-        block_size: plan.info.block_size,
-        model: plan.info.id.clone(),
-        request_id,
-        connector: plan.connector.clone(),
-        flight: found.flight,
-        coalesced_from: found.coalesced_from,
         diagnosis,
+    };
+    let work = Work {
+        state: state.clone(),
+        prompt,
+        entries,
+        held,
+        answer,
     };
     (work, admitted.ticket)
 }
