@@ -104,14 +104,8 @@ async fn a_journal_of_another_database_is_kept_aside_and_recovered_only_into_its
     let client = reqwest::Client::new();
     let mut ids = Vec::new();
     for i in 0..5 {
-        let r = client
-            .post(format!("{}/v1/messages", a.url))
-            .header("x-api-key", &key)
-            .header("anthropic-version", "2023-06-01")
-            .json(&cached_body(40, &format!("journal {i}"), 4))
-            .send()
-            .await
-            .unwrap();
+        let body = cached_body(40, &format!("journal {i}"), 4);
+        let r = messages(&client, &a.url, &key, &body).send().await.unwrap();
         assert_eq!(r.status(), 200);
         ids.push(r.headers()["request-id"].to_str().unwrap().to_string());
     }

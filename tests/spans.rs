@@ -43,11 +43,8 @@ async fn one_request_is_followed_by_its_id_through_gateway_fabric_and_meter() {
     let mut ids = Vec::new();
     // The second request reads what the first wrote: both fabric paths are logged.
     for n in 0..2 {
-        let resp = http
-            .post(format!("{}/v1/messages", serve.url))
-            .header("x-api-key", &key)
-            .header("anthropic-version", "2023-06-01")
-            .json(&common::cached_body(300, &format!("question {n}"), 8))
+        let body = common::cached_body(300, &format!("question {n}"), 8);
+        let resp = common::messages(&http, &serve.url, &key, &body)
             .send()
             .await
             .unwrap();
