@@ -44,7 +44,7 @@ pub struct NodeArgs {
     /// bound address.
     #[arg(long, env = "CACHET_API_ADVERTISE")]
     pub api_advertise: Option<String>,
-    /// Node id (unique in the cluster); default: node-<port>.
+    /// Node id (unique in the cluster); default: node-PORT (the port of --listen).
     #[arg(long)]
     pub id: Option<String>,
     /// Failure domain, for replica placement.
@@ -56,7 +56,7 @@ pub struct NodeArgs {
 }
 
 impl NodeArgs {
-    /// The node's id: `--id`, else node-<port of --listen>.
+    /// The node's id: `--id`, else `node-` and the port of `--listen`.
     pub fn node_id(&self) -> String {
         let port = || self.listen.rsplit(':').next().unwrap_or("0");
         self.id
