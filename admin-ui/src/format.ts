@@ -117,6 +117,11 @@ export function formatDuration(ms: number): string {
 }
 
 /** An RFC 3339 time as `2026-11-24 10:05 UTC` (the service's clock is UTC). */
+/** `n` of a `noun` in words: "1 tenant", "2 tenants" (a plain -s plural). */
+export function count(n: number, noun: string): string {
+  return `${n.toLocaleString("en-US")} ${noun}${n === 1 ? "" : "s"}`;
+}
+
 export function formatTime(iso: string | null | undefined): string {
   if (!iso) return "–";
   const d = new Date(iso);

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { formatBytes, formatDuration, formatExact, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, releasedText } from "../src/format";
+import { count, formatBytes, formatDuration, formatExact, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, releasedText } from "../src/format";
 
 describe("money", () => {
   it("formats an invoice line's exact amount with its sub-cent digits, in integers only", () => {
@@ -60,6 +60,14 @@ describe("ratios", () => {
     expect(formatRatio(1)).toBe("100%");
     expect(formatRatio(0.99999)).toBe("100%");
     expect(formatRatio(Number.NaN)).toBe("–");
+  });
+});
+
+describe("counts in words", () => {
+  it("says one without a plural and any other number with one", () => {
+    expect(count(1, "tenant")).toBe("1 tenant");
+    expect(count(0, "tenant")).toBe("0 tenants");
+    expect(count(12345, "request")).toBe("12,345 requests");
   });
 });
 

@@ -2,7 +2,7 @@ import { useMemo, useState } from "preact/hooks";
 import { api, download, qs } from "../api";
 import { TimeChart } from "../components/chart";
 import { ErrorBanner, Kpi, Loading, message, Pick, Table, useAsync } from "../components/ui";
-import { formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../format";
+import { count, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../format";
 import { dateRange } from "../forms";
 import type { BudgetView, Tenant, UsagePoint, UsageView } from "../types";
 import { useWorkspaces } from "./workspaces";
@@ -183,7 +183,7 @@ function Usage({ view }: { view: UsageView }) {
       ) : (
         <div class="charts">
           <TimeChart {...axis} title="Requests" series={charts.requests} format={formatTokens}
-            summary={`${t.requests} requests in ${view.series.length} ${view.granularity}s`} />
+            summary={`${count(t.requests, "request")} in ${count(view.series.length, view.granularity)}`} />
           <TimeChart {...axis} title="Tokens by class" series={charts.tokens} format={formatTokens}
             summary={`input ${t.input_tokens}, 5m writes ${t.cache_write_5m_tokens}, 1h writes ${t.cache_write_1h_tokens}, reads ${t.cache_read_tokens}, output ${t.output_tokens}`} />
           <TimeChart {...axis} title="Hit ratio" series={charts.ratio} format={formatRatio} range={[0, 1]}

@@ -1,7 +1,7 @@
 import { useState } from "preact/hooks";
 import { api, qs, type Me } from "../api";
 import { ErrorBanner, Field, Loaded, Table, useAction, useAsync } from "../components/ui";
-import { formatTime } from "../format";
+import { count, formatTime } from "../format";
 import { validateTenantName } from "../forms";
 import { navigate } from "../router";
 import type { Tenant } from "../types";
@@ -21,7 +21,7 @@ export function TenantsPage({ me }: { me: Me }) {
         Show deleted tenants
       </label>
       <Loaded state={list} what="tenants">
-        <Table caption={`${list.data?.data.length ?? 0} tenants`} columns={["Name", "State", "Active keys", "Created"]}>
+        <Table caption={count(list.data?.data.length ?? 0, "tenant")} columns={["Name", "State", "Active keys", "Created"]}>
           <tbody>
             {list.data?.data.map((t) => (
               <tr key={t.id}>
