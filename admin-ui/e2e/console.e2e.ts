@@ -423,12 +423,9 @@ describe("the admin console", () => {
     await p.getByRole("button", { name: "Rate again" }).click();
     await p.getByText(/ · rated \d{4}-\d{2}-\d{2} /).waitFor();
     expect((await p.locator("tfoot td").last().textContent())?.trim()).toBe(invoiceTotal);
-    // Finalizing asks first, and the month is not over: the API's text is shown.
-    await p.getByRole("button", { name: "Finalize…" }).click();
-    await p.getByRole("button", { name: "Finalize", exact: true }).click();
-    await p.getByRole("alert").waitFor();
-    expect(await p.getByRole("alert").textContent()).toMatch(/month|over|end/i);
-    await p.getByRole("button", { name: "Cancel" }).click();
+    // The month is not over: Finalize is not offered yet, and the page says from when.
+    expect(await p.getByRole("button", { name: "Finalize…" }).isDisabled()).toBe(true);
+    await p.getByText(/is not over: it can be finalized from \d{4}-\d{2}-01 \(UTC\)/).waitFor();
     await p.getByRole("link", { name: "← Invoices" }).click();
     // The month overview lists ACME with the invoice's total (one rounding for both), and
     // its CSV downloads with the tenant's name.

@@ -23,9 +23,11 @@ function Nav({ me }: { me: Me }) {
     me.role === "tenant_admin"
       ? [
           [`/tenants/${me.tenant}/dashboard`, "Dashboard"],
+          [`/tenants/${me.tenant}/workspaces`, "Workspaces"],
           [`/tenants/${me.tenant}/keys`, "Keys"],
           [`/tenants/${me.tenant}/policy`, "Quotas & policy"],
           [`/tenants/${me.tenant}/cache`, "Cache"],
+          [`/tenants/${me.tenant}/alerts`, "Alerts"],
           [`/tenants/${me.tenant}/audit`, "Audit log"],
         ]
       : me.role === "finance"

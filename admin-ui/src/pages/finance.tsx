@@ -306,6 +306,10 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
   if (!inv.data) return <Loading what="the invoice" />;
   const i = inv.data;
   const month = i.period_start.slice(0, 7);
+  // A month can be finalized once it is over: from the first day of the next (UTC).
+  const [year, monthNumber] = month.split("-").map(Number);
+  const finalizableFrom = new Date(Date.UTC(year, monthNumber, 1));
+  const monthOpen = Date.now() < finalizableFrom.getTime();
   const tenantName = tenants.data?.data.find((t) => t.id === i.tenant_id)?.name ?? i.tenant_id;
   return (
     <section>
@@ -385,12 +389,22 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
             >
               Rate again
             </button>
-            <button type="button" onClick={() => setConfirming(true)}>
+            <button
+              type="button"
+              disabled={monthOpen}
+              aria-describedby={monthOpen ? "finalize-when" : undefined}
+              onClick={() => setConfirming(true)}
+            >
               Finalize…
             </button>
           </>
         )}
       </div>
+      {i.status === "draft" && me.role !== "tenant_admin" && monthOpen && (
+        <small id="finalize-when">
+          {month} is not over: it can be finalized from {finalizableFrom.toISOString().slice(0, 10)} (UTC).
+        </small>
+      )}
       <Confirm
         open={confirming}
         title={`Finalize the ${month} invoice of ${tenantName}?`}
