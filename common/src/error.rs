@@ -89,6 +89,16 @@ impl ErrorCode {
     }
 }
 
+/// A wait as an error message says it: "1 second", "30 seconds", "15 minutes" (a login's
+/// backoff, a rate limit's refill).
+pub fn wait_text(secs: i64) -> String {
+    match secs {
+        ..=1 => "1 second".into(),
+        2..=119 => format!("{secs} seconds"),
+        _ => format!("{} minutes", (secs + 59) / 60),
+    }
+}
+
 /// A domain error that knows its [`ErrorCode`]. Its `Display` is the message a client sees,
 /// except for [`ErrorCode::Api`], whose message is logged and replaced.
 pub trait ServiceError: std::fmt::Display {
@@ -258,6 +268,17 @@ mod http_edge {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn waits_read_as_people_say_them() {
+        assert_eq!(wait_text(0), "1 second");
+        assert_eq!(wait_text(1), "1 second");
+        assert_eq!(wait_text(2), "2 seconds");
+        assert_eq!(wait_text(119), "119 seconds");
+        assert_eq!(wait_text(120), "2 minutes");
+        assert_eq!(wait_text(900), "15 minutes");
+        assert_eq!(wait_text(882), "15 minutes");
+    }
 
     #[test]
     fn every_code_has_a_status_and_a_wire_type() {

@@ -253,15 +253,6 @@ fn buckets(ask: &Ask<'_>) -> Vec<Bucket> {
         .collect()
 }
 
-/// `n` seconds in words ("1 second", "20 seconds").
-fn seconds(n: u64) -> String {
-    if n == 1 {
-        "1 second".into()
-    } else {
-        format!("{n} seconds")
-    }
-}
-
 fn headers(bs: &[Bucket], remaining: &[u64]) -> RateHeaders {
     let mut out = Vec::new();
     for class in [Class::Requests, Class::InputTokens, Class::OutputTokens] {
@@ -547,7 +538,7 @@ impl Admission {
                         b.capacity,
                         b.class.describe(),
                         b.holder.describe(),
-                        seconds(retry_after_secs),
+                        cachet_common::error::wait_text(retry_after_secs as i64),
                     ),
                     headers: h,
                 },
@@ -574,16 +565,5 @@ impl Admission {
         if !bs.is_empty() {
             self.run(&bs, true).await;
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_wait_is_said_in_seconds_with_the_right_plural() {
-        assert_eq!(seconds(1), "1 second");
-        assert_eq!(seconds(20), "20 seconds");
     }
 }

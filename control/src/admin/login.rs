@@ -402,15 +402,6 @@ fn secs_until(until: DateTime<Utc>, now: DateTime<Utc>) -> i64 {
         .max(1)
 }
 
-/// A wait as people say it: "1 second", "30 seconds", "15 minutes".
-pub(crate) fn wait_text(secs: i64) -> String {
-    match secs {
-        ..=1 => "1 second".into(),
-        2..=119 => format!("{secs} seconds"),
-        _ => format!("{} minutes", (secs + 59) / 60),
-    }
-}
-
 /// 429 for an attempt that comes too soon (backoff) or on a locked account. The answer
 /// depends only on how long the wait is, never on whether the username exists: an unknown
 /// username is throttled and locked on the same schedule, and answered in the same bytes.
@@ -421,7 +412,10 @@ pub(crate) fn too_many(until: DateTime<Utc>, now: DateTime<Utc>, locked: bool) -
         .inc();
     ApiError::new(
         ErrorCode::RateLimit,
-        format!("too many failed logins: try again in {}", wait_text(secs)),
+        format!(
+            "too many failed logins: try again in {}",
+            cachet_common::error::wait_text(secs)
+        ),
     )
     .with_header("retry-after", &secs.to_string())
 }
@@ -811,14 +805,7 @@ mod tests {
     }
 
     #[test]
-    fn waits_read_as_people_say_them() {
-        assert_eq!(wait_text(0), "1 second");
-        assert_eq!(wait_text(1), "1 second");
-        assert_eq!(wait_text(2), "2 seconds");
-        assert_eq!(wait_text(119), "119 seconds");
-        assert_eq!(wait_text(120), "2 minutes");
-        assert_eq!(wait_text(900), "15 minutes");
-        assert_eq!(wait_text(882), "15 minutes");
+    fn waits_are_rounded_up_to_whole_seconds() {
         let t: DateTime<Utc> = "2026-11-24T00:00:00Z".parse().unwrap();
         // Rounded up: 1.2 s left is 2 seconds, never "0 seconds".
         assert_eq!(secs_until(t + chrono::Duration::milliseconds(1200), t), 2);
