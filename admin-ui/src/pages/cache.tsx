@@ -1,7 +1,7 @@
 import { useState } from "preact/hooks";
 import { api } from "../api";
 import { Confirm, ErrorBanner, Loading, Notice, Table, useAsync } from "../components/ui";
-import { formatBytes, formatDuration, formatTime, formatTokens, releasedText } from "../format";
+import { count, formatBytes, formatDuration, formatTime, formatTokens, releasedText } from "../format";
 import type { CacheObject, CacheView, Tenant } from "../types";
 
 const REASONS: [string, string][] = [
@@ -27,7 +27,7 @@ export function CacheTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolean
     <section aria-labelledby="cache-title">
       <h2 id="cache-title">Cache</h2>
       <p>
-        {formatBytes(v.total_bytes)} held on {v.nodes} node{v.nodes === 1 ? "" : "s"}
+        {formatBytes(v.total_bytes)} held on {count(v.nodes, "node")}
         {v.nodes > 1 ? " (each node's copy counted)" : ""}
         {v.quota_bytes !== null ? ` of a ${formatBytes(v.quota_bytes)} quota (one copy of each block)` : " (no quota)"}
         {v.reserved_bytes !== null ? `, ${formatBytes(v.reserved_bytes)} reserved` : ""}.{" "}

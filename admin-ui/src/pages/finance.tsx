@@ -1,7 +1,7 @@
 import { useState } from "preact/hooks";
 import { api, download, qs, type Me } from "../api";
 import { Confirm, ErrorBanner, Loaded, Loading, message, Notice, Pick, Table, useAction, useAsync } from "../components/ui";
-import { formatExact, formatMoney, formatTime, formatTokens } from "../format";
+import { count, formatExact, formatMoney, formatTime, formatTokens } from "../format";
 import { dateRange } from "../forms";
 import type { Invoice, InvoiceSummary, Tenant, Tokens, Workspace } from "../types";
 
@@ -197,7 +197,7 @@ function MonthOverview() {
             {o.data?.totals.map((t) => (
               <tr key={t.currency}>
                 <th scope="row">
-                  Total, {t.tenants} tenant{t.tenants === 1 ? "" : "s"}
+                  Total, {count(t.tenants, "tenant")}
                 </th>
                 <td>{t.requests.toLocaleString("en-US")}</td>
                 <td colSpan={4} />
