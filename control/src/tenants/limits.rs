@@ -14,6 +14,22 @@ use super::AdminError;
 
 type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
 
+/// A tenant's limits as `tenant_quotas` names its columns.
+pub(crate) const TENANT_COLUMNS: [&str; 4] = [
+    "requests_per_minute",
+    "input_tokens_per_minute",
+    "output_tokens_per_minute",
+    "monthly_budget_minor",
+];
+
+/// A workspace's limits as read beside other tables' (`workspaces::LIMIT_COLUMNS`).
+pub(crate) const WORKSPACE_COLUMNS: [&str; 4] = [
+    "ws_requests_per_minute",
+    "ws_input_tokens_per_minute",
+    "ws_output_tokens_per_minute",
+    "ws_monthly_budget_minor",
+];
+
 /// Rate and spend limits at one level; `None` is no limit at this level (the levels above
 /// still hold).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -59,15 +75,16 @@ impl Limits {
             .bind(self.monthly_budget_minor)
     }
 
-    /// Read from a row whose columns are the fields' names, each after `prefix`.
-    pub(crate) fn from_row(r: &sqlx::postgres::PgRow, prefix: &str) -> Self {
+    /// Read from a row whose columns `names` are the fields, in their order ([`TENANT_COLUMNS`],
+    /// [`WORKSPACE_COLUMNS`]).
+    pub(crate) fn from_row(r: &sqlx::postgres::PgRow, names: &[&str; 4]) -> Self {
         use sqlx::Row;
-        let get = |name: &str| r.get::<Option<i64>, _>(format!("{prefix}{name}").as_str());
+        let get = |i: usize| r.get::<Option<i64>, _>(names[i]);
         Self {
-            requests_per_minute: get("requests_per_minute"),
-            input_tokens_per_minute: get("input_tokens_per_minute"),
-            output_tokens_per_minute: get("output_tokens_per_minute"),
-            monthly_budget_minor: get("monthly_budget_minor"),
+            requests_per_minute: get(0),
+            input_tokens_per_minute: get(1),
+            output_tokens_per_minute: get(2),
+            monthly_budget_minor: get(3),
         }
     }
 }

@@ -144,7 +144,7 @@ pub(crate) async fn reserved(
 
 pub(crate) fn from_row(r: &sqlx::postgres::PgRow) -> Policy {
     Policy {
-        limits: Limits::from_row(r, ""),
+        limits: Limits::from_row(r, &super::limits::TENANT_COLUMNS),
         key_requests_per_minute: r.get("key_requests_per_minute"),
         key_input_tokens_per_minute: r.get("key_input_tokens_per_minute"),
         key_output_tokens_per_minute: r.get("key_output_tokens_per_minute"),

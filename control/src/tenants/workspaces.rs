@@ -75,7 +75,7 @@ pub(crate) const LIMIT_COLUMNS: &str = "w.requests_per_minute AS ws_requests_per
     w.monthly_budget_minor AS ws_monthly_budget_minor";
 
 pub(crate) fn limits_from_row(r: &sqlx::postgres::PgRow) -> Limits {
-    Limits::from_row(r, "ws_")
+    Limits::from_row(r, &super::limits::WORKSPACE_COLUMNS)
 }
 
 fn columns() -> String {
