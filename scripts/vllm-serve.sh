@@ -9,7 +9,10 @@
 # Environment: VLLM_CPU_OMP_THREADS_BIND (cores to pin to, e.g. "0" or "1"; vLLM's default:
 # all), VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, default 1), CACHET_VLLM_BLOCK_SIZE (default
 # 128), CACHET_VLLM_CONNECTOR=off (serve without the connector: the baseline benchmarks use)
-# or a whole --kv-transfer-config JSON (another connector), CACHET_VLLM_ARGS (more arguments).
+# or a whole --kv-transfer-config JSON (another connector), CACHET_VLLM_KV_EVENTS=PORT (publish
+# vLLM's KV events on tcp://*:PORT, replay on PORT+1: the node beside it follows them with
+# CACHET_VLLM_KV_EVENTS=tcp://127.0.0.1:PORT|tcp://127.0.0.1:PORT+1), CACHET_VLLM_ARGS (more
+# arguments).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${1:?usage: scripts/vllm-serve.sh PORT FABRIC_ADDR}
@@ -27,6 +30,11 @@ case "${CACHET_VLLM_CONNECTOR:-on}" in
   off) ;;
   *) KV=(--kv-transfer-config "$CACHET_VLLM_CONNECTOR") ;;
 esac
+EVENTS=()
+if [ -n "${CACHET_VLLM_KV_EVENTS:-}" ]; then
+  P=$CACHET_VLLM_KV_EVENTS
+  EVENTS=(--kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:$P\",\"replay_endpoint\":\"tcp://*:$((P + 1))\"}")
+fi
 exec "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name smollm2 \
   --host 127.0.0.1 --port "$PORT" --dtype float32 --enforce-eager --max-model-len 8192 \
-  --block-size "$BLOCK" "${KV[@]}" ${CACHET_VLLM_ARGS:-}
+  --block-size "$BLOCK" "${KV[@]}" "${EVENTS[@]}" ${CACHET_VLLM_ARGS:-}

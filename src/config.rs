@@ -65,6 +65,9 @@ pub struct ClusterSection {
     /// Node-to-node bandwidth the gateway assumes for blocks a node must pull, until the
     /// node has measured its own pulls.
     pub transfer_bytes_per_sec: u64,
+    /// The rate the gateway assumes for an engine loading blocks from its own node's store,
+    /// until the node has measured its engine's loads.
+    pub load_bytes_per_sec: u64,
     /// The gateway answers 529 at once when no node is expected to start answering within
     /// this time-to-first-token.
     pub ttft_slo_ms: u64,
@@ -80,6 +83,7 @@ impl Default for ClusterSection {
             replicas: 2,
             prefill_tokens_per_sec: 400,
             transfer_bytes_per_sec: 1_000_000_000,
+            load_bytes_per_sec: 2_000_000_000,
             ttft_slo_ms: 30_000,
             resume_grace_secs: 120,
         }
@@ -318,6 +322,12 @@ pub struct VllmUpstream {
     pub max_model_len: usize,
     /// Longest wait for vLLM's next bytes, a long prefill included.
     pub read_timeout_secs: u64,
+    /// The KV event publishers of `url` and `instances`, in that order (vLLM's
+    /// `--kv-events-config` endpoints, `tcp://host:port`, each optionally followed by `|`
+    /// and its replay endpoint): a `cachet node` follows them and publishes which blocks
+    /// each engine's own cache holds (docs/kv-events.md). Empty: not followed.
+    /// `CACHET_VLLM_KV_EVENTS` takes them comma-separated.
+    pub kv_events: Vec<String>,
 }
 
 impl Default for VllmUpstream {
@@ -330,11 +340,31 @@ impl Default for VllmUpstream {
             block_size: 128,
             max_model_len: 8192,
             read_timeout_secs: 120,
+            kv_events: Vec::new(),
         }
     }
 }
 
 impl VllmUpstream {
+    /// The KV event publishers a node follows, named `{node}/{instance index}`.
+    pub fn kv_event_publishers(
+        &self,
+        node: &str,
+    ) -> Vec<cache_fabric::kv_events::vllm::VllmEvents> {
+        self.kv_events
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let mut parts = e.splitn(2, '|');
+                cache_fabric::kv_events::vllm::VllmEvents {
+                    instance: format!("{node}/{i}"),
+                    endpoint: parts.next().unwrap_or_default().trim().to_string(),
+                    replay: parts.next().map(|r| r.trim().to_string()),
+                }
+            })
+            .collect()
+    }
+
     pub fn engine_config(&self, model_path: &Path) -> engine::vllm::VllmConfig {
         engine::vllm::VllmConfig {
             id: self.model.clone(),
@@ -616,6 +646,12 @@ impl Config {
                 None => self.engine.vllm.push(up),
             }
         }
+        if let Ok(eps) = std::env::var("CACHET_VLLM_KV_EVENTS")
+            && !eps.is_empty()
+            && let Some(v) = self.engine.vllm.first_mut()
+        {
+            v.kv_events = eps.split(',').map(|e| e.trim().to_string()).collect();
+        }
         env_parse("CACHET_ENGINE", &mut self.engine.kind)?;
         env_parse("CACHET_MODEL_PATH", &mut self.engine.model_path)?;
         env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
@@ -816,6 +852,7 @@ impl EngineSection {
                 block_size,
                 max_model_len,
                 read_timeout_secs,
+                kv_events,
             } = v;
             if model.is_empty() || served_model.is_empty() {
                 bail!("engine.vllm[{i}]: model and served_model must be set");
@@ -831,6 +868,20 @@ impl EngineSection {
             }
             if *max_model_len == 0 || *read_timeout_secs == 0 {
                 bail!("engine.vllm[{i}]: max_model_len and read_timeout_secs must be positive");
+            }
+            if kv_events.len() > 1 + instances.len() {
+                bail!(
+                    "engine.vllm[{i}].kv_events: one publisher per instance at most ({} given for {} instances)",
+                    kv_events.len(),
+                    1 + instances.len()
+                );
+            }
+            if let Some(bad) = kv_events
+                .iter()
+                .flat_map(|e| e.split('|'))
+                .find(|e| !e.starts_with("tcp://"))
+            {
+                bail!("engine.vllm[{i}].kv_events: endpoints are tcp://host:port (got {bad:?})");
             }
             if vllm[..i].iter().any(|o| o.model == *model) {
                 bail!("engine.vllm[{i}]: model {model:?} is listed twice");
@@ -925,16 +976,21 @@ impl ClusterSection {
             replicas,
             prefill_tokens_per_sec,
             transfer_bytes_per_sec,
+            load_bytes_per_sec,
             ttft_slo_ms,
             resume_grace_secs: _,
         } = self;
         if *group_size == 0 || *replicas == 0 || replicas > group_size {
             bail!("cluster.replicas must be between 1 and cluster.group_size");
         }
-        if *prefill_tokens_per_sec == 0 || *transfer_bytes_per_sec == 0 || *ttft_slo_ms == 0 {
+        if *prefill_tokens_per_sec == 0
+            || *transfer_bytes_per_sec == 0
+            || *load_bytes_per_sec == 0
+            || *ttft_slo_ms == 0
+        {
             bail!(
-                "cluster.prefill_tokens_per_sec, cluster.transfer_bytes_per_sec and \
-                 cluster.ttft_slo_ms must be positive"
+                "cluster.prefill_tokens_per_sec, cluster.transfer_bytes_per_sec, \
+                 cluster.load_bytes_per_sec and cluster.ttft_slo_ms must be positive"
             );
         }
         Ok(())

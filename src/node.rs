@@ -22,7 +22,7 @@ use anyhow::{Context, bail};
 use cache_fabric::cluster::Cluster;
 use cache_fabric::membership::{self, NodeRecord};
 use cache_fabric::transport::serve_tcp;
-use cache_fabric::{FabricClient, events};
+use cache_fabric::{FabricClient, events, kv_events};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
@@ -113,7 +113,7 @@ pub async fn run(
         FabricClient::clustered(node.clone(), cluster.clone()),
     )
     .await;
-    let publisher = publish_events(&conn, &args, &node);
+    let publisher = publish_events(&conn, &args, &node, &config).await?;
     let record = record(&config, &args, &ports)?;
     announce(&conn, &args.redis_prefix, &record, &cluster).await?;
     let loops = Loops::spawn(&conn, &args.redis_prefix, &node, &cluster, record);
@@ -188,25 +188,80 @@ impl Ports {
 }
 
 /// The node's block events, from its store to the cluster's stream in Redis (what survived a
-/// restart in the disk tier is announced again).
-fn publish_events(
+/// restart in the disk tier is announced again), and the documented KV event stream: the
+/// store's blocks by medium and, translated into Cachet's keys, what the KV caches of the
+/// engines beside it hold (`cache_fabric::kv_events`). The KV event loops run until the
+/// process ends.
+async fn publish_events(
     conn: &redis::aio::ConnectionManager,
     args: &NodeArgs,
     node: &Arc<cache_fabric::FabricNode>,
-) -> tokio::task::JoinHandle<()> {
+    config: &Config,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let id = args.node_id();
+    let (kv, source) = kv_events::channel(65_536);
+    let engines: Vec<_> = config
+        .engine
+        .vllm
+        .iter()
+        .flat_map(|v| v.kv_event_publishers(&id))
+        .collect();
+    let instances: Vec<String> = engines.iter().map(|e| e.instance.clone()).collect();
+    let stop = CancellationToken::new();
+    for e in engines {
+        crate::spawn_loop(
+            "engine_kv_events",
+            kv_events::vllm::follow(e, node.engine_map().clone(), kv.clone(), stop.clone()),
+        );
+    }
+    let resync = Arc::new(tokio::sync::Notify::new());
+    // Its own connection: its reads block.
+    let watching = crate::server::cluster_redis(&config.redis_url).await?;
+    crate::spawn_loop(
+        "kv_resyncs",
+        kv_events::watch_resyncs(
+            watching,
+            args.redis_prefix.clone(),
+            id.clone(),
+            resync.clone(),
+            stop.clone(),
+        ),
+    );
+    let n = node.clone();
+    let snapshot_of = id.clone();
+    let publisher = kv_events::Publisher {
+        prefix: args.redis_prefix.clone(),
+        node: id.clone(),
+        max_len: 100_000,
+        snapshot: Box::new(move || {
+            let mut held: Vec<kv_events::KvEvent> = n
+                .with_store(|s| s.held_by_medium())
+                .into_iter()
+                .flat_map(|(m, hashes)| kv_events::KvEvent::stored_chunks(&snapshot_of, m, &hashes))
+                .collect();
+            held.extend(n.engine_map().snapshot(&instances));
+            held
+        }),
+        resync_every: Duration::from_secs(2),
+    };
+    crate::spawn_loop(
+        "kv_events",
+        publisher.run(conn.clone(), source, resync, stop),
+    );
     let (sink, rx) = events::channel(65_536);
     node.set_event_sink(sink);
     node.with_store(|s| s.announce_held());
-    crate::spawn_loop(
+    Ok(crate::spawn_loop(
         "block_events",
         events::publish(
             conn.clone(),
             format!("{}:blocks", args.redis_prefix),
-            args.node_id(),
+            id,
             rx,
             1_000_000,
+            Some(kv),
         ),
-    )
+    ))
 }
 
 /// The node's membership record: its addresses (announced or bound), rack, capacities, and
@@ -288,6 +343,7 @@ impl Loops {
                         .map(|i| i.prefill_tokens_per_sec())
                         .unwrap_or_default(),
                     pull_bytes_per_sec: cl.pull_bytes_per_sec(),
+                    load_bytes_per_sec: n.reports().load_bytes_per_sec(),
                     ..record.clone()
                 },
                 leave.clone(),

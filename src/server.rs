@@ -422,9 +422,21 @@ pub async fn start_router(
             ttft_slo: Duration::from_millis(c.ttft_slo_ms),
         },
         transfer_bytes_per_sec: c.transfer_bytes_per_sec as f64,
+        load_bytes_per_sec: c.load_bytes_per_sec as f64,
         node_timeout: Duration::from_secs(600),
     };
     let state = gateway::routing::state(routing, pool.clone(), engine_pool)?;
+    // Its own connection: the KV event follower's reads block.
+    let kv_conn = cluster_redis(&config.redis_url).await?;
+    crate::spawn_loop(
+        "follow_engine_caches",
+        gateway::routing::follow_engine_caches(
+            state.clone(),
+            kv_conn,
+            redis_prefix.clone(),
+            shutdown.clone(),
+        ),
+    );
     crate::spawn_loop(
         "follow_cluster",
         gateway::routing::follow_cluster(

@@ -20,13 +20,42 @@ use redis::Value;
 use tokio::sync::mpsc;
 
 use crate::index::{BlockEvent, MAX_NODES, PrefixIndex};
+use crate::kv_events::{KvEvent, KvSink, Medium};
 use crate::{metrics, unix_ms};
 
-/// What a store reports.
+/// What a store reports: a block entering or leaving one of its media (DRAM, the tier
+/// below).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoreEvent {
-    Stored(BlockHash),
-    Removed(BlockHash),
+    /// The node holds the block on this medium (perhaps on another too).
+    Stored(BlockHash, Medium),
+    /// The block left this medium; `gone`: the node holds it on none now.
+    Removed {
+        hash: BlockHash,
+        medium: Medium,
+        gone: bool,
+    },
+}
+
+impl StoreEvent {
+    /// The same change in the documented KV event stream, `node` being the instance.
+    pub fn to_kv(self, node: &str) -> KvEvent {
+        match self {
+            StoreEvent::Stored(h, medium) => KvEvent::BlockStored {
+                instance: node.to_string(),
+                medium,
+                block_hashes: vec![h],
+                parent_block_hash: None,
+                block_size: None,
+                engine_medium: None,
+            },
+            StoreEvent::Removed { hash, medium, .. } => KvEvent::BlockRemoved {
+                instance: node.to_string(),
+                medium,
+                block_hashes: vec![hash],
+            },
+        }
+    }
 }
 
 /// The store's end of the event channel. Never blocks.
@@ -47,7 +76,9 @@ pub fn channel(capacity: usize) -> (EventSink, mpsc::Receiver<StoreEvent>) {
     (EventSink(tx), rx)
 }
 
-/// Append the node's events to `stream` in batches until the channel closes. A failed batch
+/// Append the node's events to `stream` in batches until the channel closes (whether a
+/// block is on the node: a move between its media is not an event there), and hand each,
+/// with its medium, to the documented KV event stream's publisher (`kv`). A failed batch
 /// is retried a few times, then dropped (and counted); the index misses those blocks (a node
 /// re-announcing its holdings would heal it; not built yet).
 pub async fn publish(
@@ -56,6 +87,7 @@ pub async fn publish(
     node: String,
     mut rx: mpsc::Receiver<StoreEvent>,
     max_len: usize,
+    kv: Option<KvSink>,
 ) {
     let mut batch = Vec::with_capacity(512);
     while let Some(first) = rx.recv().await {
@@ -69,10 +101,19 @@ pub async fn publish(
         }
         let t = unix_ms();
         let mut pipe = redis::pipe();
+        if let Some(kv) = &kv {
+            for e in &batch {
+                kv.emit(e.to_kv(&node));
+            }
+        }
+        batch.retain(|e| !matches!(e, StoreEvent::Removed { gone: false, .. }));
+        if batch.is_empty() {
+            continue;
+        }
         for e in &batch {
             let (o, h) = match e {
-                StoreEvent::Stored(h) => ("s", h),
-                StoreEvent::Removed(h) => ("r", h),
+                StoreEvent::Stored(h, _) => ("s", h),
+                StoreEvent::Removed { hash, .. } => ("r", hash),
             };
             pipe.cmd("XADD")
                 .arg(&stream)
@@ -203,10 +244,10 @@ impl Follower {
     }
 }
 
-type Entry = (String, Vec<(Vec<u8>, Vec<u8>)>);
+pub(crate) type Entry = (String, Vec<(Vec<u8>, Vec<u8>)>);
 
 /// `XREAD` reply (RESP2 arrays or RESP3 maps) → entries of the one stream read.
-fn parse_xread(v: Value) -> Vec<Entry> {
+pub(crate) fn parse_xread(v: Value) -> Vec<Entry> {
     let streams: Vec<Value> = match v {
         Value::Array(a) => a,
         Value::Map(m) => m
@@ -224,36 +265,43 @@ fn parse_xread(v: Value) -> Vec<Entry> {
         let Value::Array(items) = kv.pop().expect("two") else {
             continue;
         };
-        for item in items {
-            let Value::Array(mut pair) = item else {
-                continue;
-            };
-            if pair.len() != 2 {
-                continue;
-            }
-            let fields = pair.pop().expect("two");
-            let id = match pair.pop().expect("two") {
-                Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-                Value::SimpleString(s) => s,
-                _ => continue,
-            };
-            let flat: Vec<Vec<u8>> = match fields {
-                Value::Array(f) => f
-                    .into_iter()
-                    .filter_map(|x| match x {
-                        Value::BulkString(b) => Some(b),
-                        Value::SimpleString(s) => Some(s.into_bytes()),
-                        _ => None,
-                    })
-                    .collect(),
-                _ => continue,
-            };
-            let pairs = flat
-                .chunks_exact(2)
-                .map(|c| (c[0].clone(), c[1].clone()))
-                .collect();
-            out.push((id, pairs));
+        out.extend(parse_entries(items));
+    }
+    out
+}
+
+/// A stream's entries (`XRANGE`, `XREVRANGE`, one stream of `XREAD`) → (id, fields).
+pub(crate) fn parse_entries(items: Vec<Value>) -> Vec<Entry> {
+    let mut out = Vec::new();
+    for item in items {
+        let Value::Array(mut pair) = item else {
+            continue;
+        };
+        if pair.len() != 2 {
+            continue;
         }
+        let fields = pair.pop().expect("two");
+        let id = match pair.pop().expect("two") {
+            Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+            Value::SimpleString(s) => s,
+            _ => continue,
+        };
+        let flat: Vec<Vec<u8>> = match fields {
+            Value::Array(f) => f
+                .into_iter()
+                .filter_map(|x| match x {
+                    Value::BulkString(b) => Some(b),
+                    Value::SimpleString(s) => Some(s.into_bytes()),
+                    _ => None,
+                })
+                .collect(),
+            _ => continue,
+        };
+        let pairs = flat
+            .chunks_exact(2)
+            .map(|c| (c[0].clone(), c[1].clone()))
+            .collect();
+        out.push((id, pairs));
     }
     out
 }

@@ -11,6 +11,8 @@
 //!   re-replication after membership changes, draining.
 //! - [`events`]: block stored/removed events from nodes over a Redis Stream into gateways'
 //!   indexes.
+//! - [`kv_events`]: the documented stream of which instance holds which block on which
+//!   medium (engines' own caches from their KV events, the fabric's tiers), for every router.
 //! - [`index`]: the gateway's prefix index (block → nodes) kept from node events.
 //! - [`membership`]: nodes register and heartbeat in Redis; silent for 3 s = down.
 //! - [`placement`]: tenant → shard group → block owners by rendezvous hashing, rack-aware.
@@ -39,6 +41,7 @@ pub mod gpu;
 pub mod index;
 pub mod integrity;
 pub mod keys;
+pub mod kv_events;
 pub mod local;
 pub mod membership;
 pub mod metrics;

@@ -42,6 +42,10 @@ pub struct NodeRecord {
     /// average): the routing gateway's transfer estimate. `None` until it has pulled.
     #[serde(default)]
     pub pull_bytes_per_sec: Option<f64>,
+    /// Bytes per second its engines' connectors measured loading from its store (a moving
+    /// average): the routing gateway's load estimate. `None` until one has loaded.
+    #[serde(default)]
+    pub load_bytes_per_sec: Option<f64>,
 }
 
 fn node_key(prefix: &str, id: &str) -> String {

@@ -114,6 +114,14 @@ pub static EVENTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
 });
 
+pub static KV_EVENTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    int_counter_vec(
+        "cachet_fabric_kv_events_total",
+        "KV events of the documented stream (instances, media): published, dropped, resyncs (snapshots published); from engines: unmapped (no connector named the block), unreadable, gaps (filled from replay or cleared)",
+        &["outcome"],
+    )
+});
+
 pub static INDEX_STALENESS: LazyLock<Histogram> = LazyLock::new(|| {
     histogram(
         "cachet_fabric_index_staleness_seconds",

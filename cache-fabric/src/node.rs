@@ -54,6 +54,7 @@ pub struct FabricNode {
     receive_units: std::sync::atomic::AtomicUsize,
     /// What engines with their own KV connector report about each request's prefill.
     reports: crate::reports::Reports,
+    engine_map: Arc<crate::kv_events::EngineMap>,
     /// The registered pool peers READ this node's blocks from (feature `rdma`).
     #[cfg(feature = "rdma")]
     rdma: std::sync::OnceLock<Arc<crate::rdma::Export>>,
@@ -97,6 +98,7 @@ impl FabricNode {
             receive: tokio::sync::Semaphore::new(units),
             receive_units: std::sync::atomic::AtomicUsize::new(units),
             reports: crate::reports::Reports::default(),
+            engine_map: Arc::default(),
             #[cfg(feature = "rdma")]
             rdma: std::sync::OnceLock::new(),
             arena: std::sync::OnceLock::new(),
@@ -193,6 +195,12 @@ impl FabricNode {
     /// beside this node takes them.
     pub fn reports(&self) -> &crate::reports::Reports {
         &self.reports
+    }
+
+    /// Engines' block hashes → Cachet's keys (see [`crate::kv_events`]): the transport
+    /// learns them from connectors (MAP), the engines' event followers translate with them.
+    pub fn engine_map(&self) -> &Arc<crate::kv_events::EngineMap> {
+        &self.engine_map
     }
 
     /// Report the blocks this node stores and drops to `sink` (see [`crate::events`]).

@@ -29,24 +29,31 @@ pub struct ConnectorReport {
     /// Tokens the connector meant to load but could not (missing, corrupt, unreachable):
     /// the engine recomputed them.
     pub failed_tokens: u32,
+    /// The load's bytes and how long it took, when the connector measured it (the node's
+    /// load rate, which the routing gateway's estimate uses).
+    pub load: Option<(u64, Duration)>,
 }
 
 impl ConnectorReport {
-    /// A REPORT body (`tag:16 local:u32 loaded:u32 failed:u32`): the request's tag and
-    /// its report, or `None` when the body is not exactly that.
+    /// A REPORT body (`tag:16 local:u32 loaded:u32 failed:u32`, then optionally
+    /// `load_bytes:u64 load_micros:u64`): the request's tag and its report, or `None` when
+    /// the body is not exactly that.
     pub fn decode(mut f: impl bytes::Buf) -> Option<(u128, ConnectorReport)> {
-        if f.remaining() != 28 {
+        if f.remaining() != 28 && f.remaining() != 44 {
             return None;
         }
         let tag = f.get_u128();
-        Some((
-            tag,
-            ConnectorReport {
-                local_tokens: f.get_u32_le(),
-                loaded_tokens: f.get_u32_le(),
-                failed_tokens: f.get_u32_le(),
-            },
-        ))
+        let mut r = ConnectorReport {
+            local_tokens: f.get_u32_le(),
+            loaded_tokens: f.get_u32_le(),
+            failed_tokens: f.get_u32_le(),
+            load: None,
+        };
+        if f.remaining() == 16 {
+            let (bytes, micros) = (f.get_u64_le(), f.get_u64_le());
+            r.load = (bytes > 0 && micros > 0).then(|| (bytes, Duration::from_micros(micros)));
+        }
+        Some((tag, r))
     }
 
     /// Prompt tokens the engine did not prefill.
@@ -66,6 +73,8 @@ pub struct Reports {
 struct Inner {
     by_tag: HashMap<u128, (ConnectorReport, Instant)>,
     order: VecDeque<(u128, Instant)>,
+    /// The engines' load rate, bytes per second (a moving average).
+    load_rate: Option<f64>,
 }
 
 impl Reports {
@@ -81,6 +90,11 @@ impl Reports {
                 if g.by_tag.get(&t).is_some_and(|(_, a)| *a == at) {
                     g.by_tag.remove(&t);
                 }
+            }
+            if let Some((bytes, took)) = report.load {
+                let rate = bytes as f64 / took.as_secs_f64().max(1e-6);
+                // An exponential moving average with weight 1/8 for the newest load.
+                g.load_rate = Some(g.load_rate.map_or(rate, |r| r + (rate - r) / 8.0));
             }
             g.by_tag.insert(tag, (report, now));
             g.order.push_back((tag, now));
@@ -108,6 +122,15 @@ impl Reports {
         }
     }
 
+    /// Bytes per second the engines' connectors measured loading from this node; `None`
+    /// until one has.
+    pub fn load_bytes_per_sec(&self) -> Option<f64> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .load_rate
+    }
+
     pub fn len(&self) -> usize {
         self.inner
             .lock()
@@ -132,12 +155,54 @@ mod tests {
             local_tokens: 32,
             loaded_tokens: 96,
             failed_tokens: 0,
+            load: None,
         };
         r.put(7, rep);
         assert_eq!(r.take(8), None);
         assert_eq!(r.take(7), Some(rep));
         assert_eq!(r.take(7), None);
         assert_eq!(rep.cached_tokens(), 128);
+    }
+
+    #[test]
+    fn measured_loads_make_the_nodes_load_rate() {
+        use bytes::BufMut;
+        let r = Reports::default();
+        assert_eq!(r.load_bytes_per_sec(), None);
+        let body = |bytes: u64, micros: u64| {
+            let mut b = bytes::BytesMut::new();
+            b.put_u128(9);
+            b.put_u32_le(0);
+            b.put_u32_le(256);
+            b.put_u32_le(0);
+            b.put_u64_le(bytes);
+            b.put_u64_le(micros);
+            b.freeze()
+        };
+        let (tag, rep) = ConnectorReport::decode(body(2_000_000, 1000)).unwrap();
+        assert_eq!(
+            (tag, rep.load),
+            (9, Some((2_000_000, Duration::from_millis(1))))
+        );
+        r.put(tag, rep);
+        assert_eq!(r.load_bytes_per_sec(), Some(2e9));
+        r.put(
+            10,
+            ConnectorReport::decode(body(1_000_000, 1000)).unwrap().1,
+        );
+        assert_eq!(
+            r.load_bytes_per_sec(),
+            Some(2e9 - 1e9 / 8.0),
+            "a moving average"
+        );
+        assert!(
+            ConnectorReport::decode(body(0, 0))
+                .unwrap()
+                .1
+                .load
+                .is_none()
+        );
+        assert!(ConnectorReport::decode(&b"short"[..]).is_none());
     }
 
     #[test]
@@ -163,6 +228,7 @@ mod tests {
                     local_tokens: 0,
                     loaded_tokens: 64,
                     failed_tokens: 0,
+                    load: None,
                 },
             );
         });

@@ -143,6 +143,9 @@ const OP_STATS: u8 = 9;
 pub(crate) const OP_REPORT: u8 = 10;
 /// Where the node's Unix socket for engines on its host is ([`crate::local`]), if it has one.
 const OP_WHERE: u8 = 11;
+/// An engine connector's block names: its engine's hashes and Cachet's keys
+/// ([`crate::kv_events::EngineMap`]).
+pub(crate) const OP_MAP: u8 = 17;
 /// Most prefixes a STATS answer lists.
 const MAX_TOP: usize = 1000;
 /// Flag in PUT's kind byte: store as a replica.
@@ -329,6 +332,11 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
                     s.write_all(&[OK]).await
                 }
                 OP_STATS => serve_stats(&mut s, node, f).await,
+                OP_MAP => {
+                    let pairs = decode_map(f).ok_or_else(|| bad("malformed MAP"))?;
+                    node.engine_map().learn(pairs);
+                    s.write_all(&[OK]).await
+                }
                 _ => Err(bad("unknown op")),
             }?;
             tracing::debug!("peer request served");
@@ -336,6 +344,32 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
         };
         tracing::Instrument::instrument(served, span).await?;
     }
+}
+
+/// MAP's body: a count, then each pair as the engine hash's length (1 byte), the hash, and
+/// the 32-byte key.
+fn decode_map(
+    mut f: Bytes,
+) -> Option<Vec<(crate::kv_events::map::EngineHash, cachet_common::BlockHash)>> {
+    if f.remaining() < 4 {
+        return None;
+    }
+    let n = f.get_u32_le() as usize;
+    let mut out = Vec::with_capacity(n.min(1 << 16));
+    for _ in 0..n {
+        if f.remaining() < 1 {
+            return None;
+        }
+        let len = f.get_u8() as usize;
+        if len == 0 || f.remaining() < len + 32 {
+            return None;
+        }
+        let h = f.split_to(len).to_vec().into_boxed_slice();
+        let mut k = [0u8; 32];
+        f.copy_to_slice(&mut k);
+        out.push((h, cachet_common::BlockHash(k)));
+    }
+    f.is_empty().then_some(out)
 }
 
 /// HELLO with the cluster token, answered OK, or DENIED and the connection ended.
@@ -362,6 +396,7 @@ fn op_name(op: u8) -> &'static str {
         OP_WHERE => "where",
         OP_REPORT => "report",
         OP_STATS => "stats",
+        OP_MAP => "map",
         crate::wire::OP_RDMA_CONNECT => "rdma_connect",
         crate::wire::OP_RDMA_GET => "rdma_get",
         crate::wire::OP_RDMA_DONE => "rdma_done",

@@ -37,6 +37,7 @@ async fn writes_and_evictions_reach_a_followers_index_through_redis() {
         "node-a".into(),
         rx,
         10_000,
+        None,
     ));
     let c = FabricClient::local(node.clone());
     let s = Scope {

@@ -129,6 +129,13 @@ pub static ROUTED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
 });
 
+pub static ENGINE_CACHE_BLOCKS: LazyLock<IntGauge> = LazyLock::new(|| {
+    int_gauge(
+        "cachet_gateway_engine_cache_blocks",
+        "Blocks the routing gateway sees in the nodes' engines' own KV caches (the KV event stream)",
+    )
+});
+
 pub static ROUTABLE_NODES: LazyLock<IntGauge> = LazyLock::new(|| {
     int_gauge(
         "cachet_gateway_routable_nodes",

@@ -32,6 +32,7 @@ use axum::routing::{any, get};
 use axum::{Extension, Router};
 use cache_fabric::events::Follower;
 use cache_fabric::index::PrefixIndex;
+use cache_fabric::kv_events::{EngineFollower, EngineView};
 use cache_fabric::membership;
 use cachet_common::RequestId;
 use serde_json::json;
@@ -62,6 +63,8 @@ pub struct RoutingConfig {
     pub cost: CostModel,
     /// The bandwidth assumed for a node's pulls from its peers until it has measured its own.
     pub transfer_bytes_per_sec: f64,
+    /// The rate assumed for an engine's loads from its own node's store.
+    pub load_bytes_per_sec: f64,
     /// How long one forwarded request may take before the node is given up on.
     pub node_timeout: Duration,
 }
@@ -75,6 +78,7 @@ struct NodeEntry {
     /// What the node measured: prefill rate per model, pull bandwidth.
     prefill_tokens_per_sec: std::collections::BTreeMap<String, f64>,
     pull_bytes_per_sec: Option<f64>,
+    load_bytes_per_sec: Option<f64>,
 }
 
 #[derive(Default)]
@@ -95,6 +99,8 @@ pub struct RouterInner {
     /// The control plane's database: cache objects a request names are read from it.
     pool: PgPool,
     index: Arc<RwLock<PrefixIndex>>,
+    /// What the nodes' engines hold in their own KV caches (the KV event stream).
+    engine_caches: Arc<RwLock<EngineView>>,
     load: Mutex<HashMap<String, Arc<Load>>>,
     /// Per node, cancelled when it leaves the membership: requests waiting on it move on.
     departures: Mutex<HashMap<String, CancellationToken>>,
@@ -128,6 +134,7 @@ pub fn state(
         http,
         nodes: RwLock::new(Vec::new()),
         index: Arc::new(RwLock::new(PrefixIndex::with_capacity(1 << 16))),
+        engine_caches: Arc::default(),
         load: Mutex::new(HashMap::new()),
         departures: Mutex::new(HashMap::new()),
         computing: Mutex::new(HashMap::new()),
@@ -284,6 +291,7 @@ pub async fn follow_cluster(
                                 slot: follower.slot(&r.id),
                                 prefill_tokens_per_sec: r.prefill_tokens_per_sec.clone(),
                                 pull_bytes_per_sec: r.pull_bytes_per_sec,
+                                load_bytes_per_sec: r.load_bytes_per_sec,
                             })
                         })
                         .collect();
@@ -305,6 +313,11 @@ pub async fn follow_cluster(
                                 .unwrap_or_else(|p| p.into_inner())
                                 .remove_node(slot);
                         }
+                        state
+                            .engine_caches
+                            .write()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .forget_node(&gone.id);
                     }
                     *nodes = fresh;
                     metrics::ROUTABLE_NODES.set(nodes.len() as i64);
@@ -318,6 +331,33 @@ pub async fn follow_cluster(
         if let Err(e) = follower.poll(&mut conn, Duration::from_millis(200)).await {
             tracing::warn!(error = %e, "reading block events failed");
             tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// Keep the engine-cache view from the cluster's KV event stream until `stop` (on a
+/// connection of its own: its reads block).
+pub async fn follow_engine_caches(
+    state: RouterState,
+    mut conn: impl redis::aio::ConnectionLike + Send,
+    prefix: String,
+    stop: CancellationToken,
+) {
+    let mut follower = EngineFollower::new(prefix, state.engine_caches.clone());
+    while !stop.is_cancelled() {
+        match follower.poll(&mut conn, Duration::from_millis(200)).await {
+            Ok(_) => {
+                let held = state
+                    .engine_caches
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .len();
+                metrics::ENGINE_CACHE_BLOCKS.set(held as i64);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading KV events failed");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
         }
     }
 }
@@ -359,7 +399,7 @@ async fn demand(
         let index = state.index.read().unwrap_or_else(|p| p.into_inner());
         k.blocks.get(index.longest_prefix(&k.blocks)).copied()
     });
-    let (cached_blocks, local) = match &prepared.keys {
+    let (cached_blocks, local, in_engine) = match &prepared.keys {
         Some(k) => {
             let index = state.index.read().unwrap_or_else(|p| p.into_inner());
             let n = index.longest_prefix(&k.blocks);
@@ -375,15 +415,36 @@ async fn demand(
                     held * b
                 })
                 .collect();
-            (n, local)
+            let view = state
+                .engine_caches
+                .read()
+                .unwrap_or_else(|p| p.into_inner());
+            let in_engine = nodes
+                .iter()
+                .map(|node| view.leading(&node.id, &k.blocks) * b)
+                .collect();
+            (n, local, in_engine)
         }
-        None => (0, vec![0; nodes.len()]),
+        None => (0, vec![0; nodes.len()], vec![0; nodes.len()]),
     };
-    let seed = engine.nominal_prefill_per_token();
+    // A node that has not measured this model yet is estimated at the rate the nodes that
+    // have measured it (the same model, usually the same hardware), else at the model's
+    // profile: a measured node must not lose to an unmeasured one's optimistic profile.
+    let measured: Vec<f64> = nodes
+        .iter()
+        .filter_map(|n| n.prefill_tokens_per_sec.get(&info.id).copied())
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .collect();
+    let seed = if measured.is_empty() {
+        engine.nominal_prefill_per_token()
+    } else {
+        Duration::from_secs_f64(measured.len() as f64 / measured.iter().sum::<f64>())
+    };
     let candidates = nodes
         .iter()
         .zip(local)
-        .map(|(node, local_tokens)| {
+        .zip(in_engine)
+        .map(|((node, local_tokens), engine_tokens)| {
             let prefill = node
                 .prefill_tokens_per_sec
                 .get(&info.id)
@@ -402,10 +463,15 @@ async fn demand(
             Candidate {
                 id: node.id.clone(),
                 local_tokens,
+                engine_tokens,
                 in_flight: 0,
                 service_time: Duration::ZERO,
                 prefill_per_token: prefill,
                 transfer_bytes_per_sec: transfer,
+                load_bytes_per_sec: node
+                    .load_bytes_per_sec
+                    .filter(|r| r.is_finite() && *r > 0.0)
+                    .unwrap_or(state.config.load_bytes_per_sec),
             }
         })
         .collect();
@@ -451,12 +517,12 @@ async fn messages(
         Ok(()) => demand(&state, &headers, &body).await,
         Err(e) => Err(e),
     };
-    let (ids, _computing) = match standing.and_then(|s| rank(&state, s, None)) {
+    let (routed, _computing) = match standing.and_then(|s| rank(&state, s, None)) {
         Ok(r) => r,
         Err(e) => return e.with_request_id(rid).into_response(),
     };
     let req = Forward::post(rid, "/v1/messages", &headers, body, Wire::Anthropic);
-    forward(&state, req, &ids).await
+    forward(&state, req, &routed).await
 }
 
 /// `POST /v1/chat/completions` on a cluster: routed by the Messages request it translates to
@@ -481,28 +547,28 @@ async fn chat(
         let hint = opts
             .prompt_cache_key
             .map(|k| (principal.tenant, principal.workspace, k));
-        let (ids, computing) = rank(&state, standing, hint)?;
-        Ok::<_, ApiError>((body, ids, computing))
+        let (routed, computing) = rank(&state, standing, hint)?;
+        Ok::<_, ApiError>((body, routed, computing))
     }
     .await;
     match routed {
-        Ok((body, ids, _computing)) => {
+        Ok((body, routed, _computing)) => {
             let req = Forward::post(rid, "/v1/chat/completions", &headers, body, Wire::OpenAi);
-            forward(&state, req, &ids).await
+            forward(&state, req, &routed).await
         }
         Err(e) => crate::api::openai::error_response(e, rid),
     }
 }
 
-/// The nodes to try for a request, best first, and (when it is the first to compute its next
-/// block) its claim on that block. `hint`: a client's `prompt_cache_key` in its scope, which
+/// The nodes to try for a request, best first, each with the reason (its estimate's parts),
+/// and (when it is the first to compute its next block) its claim on that block. `hint`: a client's `prompt_cache_key` in its scope, which
 /// picks the node for a prefix cached nowhere yet (a routing hint only: it never enters a key).
 #[allow(clippy::type_complexity)]
 fn rank<'a>(
     state: &'a RouterState,
     standing: Standing,
     hint: Option<(cachet_common::TenantId, cachet_common::WorkspaceId, String)>,
-) -> Result<(Vec<String>, Option<Computing<'a>>), ApiError> {
+) -> Result<(Routed, Option<Computing<'a>>), ApiError> {
     let Standing {
         demand,
         candidates,
@@ -542,6 +608,10 @@ fn rank<'a>(
     let mut ids: Vec<String> = order
         .iter()
         .map(|(i, _)| candidates[*i].id.clone())
+        .collect();
+    let reasons: HashMap<String, String> = candidates
+        .iter()
+        .map(|c| (c.id.clone(), CostModel::parts(&demand, c).reason()))
         .collect();
     // In-flight coalescing across the cluster: the node already computing our next block
     // goes first (when it is among those that can meet the SLO); else we are the one
@@ -585,8 +655,19 @@ fn rank<'a>(
             }
         }
     }
-    Ok((ids, claim))
+    Ok((Routed { ids, reasons }, claim))
 }
+
+/// Where a request may go, best first, and why each node (its estimate's parts, answered in
+/// `x-cachet-route`).
+#[derive(Default)]
+struct Routed {
+    ids: Vec<String>,
+    reasons: HashMap<String, String>,
+}
+
+/// The response header saying why the gateway chose the node that answered.
+pub const ROUTE_HEADER: &str = "x-cachet-route";
 
 /// Requests that need no routing decision (token counting, model listing) go to the least
 /// busy node.
@@ -612,6 +693,10 @@ async fn passthrough(State(state): State<RouterState>, req: Request) -> Response
     };
     let mut ids = state.node_ids();
     ids.sort_by_key(|id| state.load(id).in_flight.load(Ordering::Relaxed));
+    let routed = Routed {
+        ids,
+        reasons: HashMap::new(),
+    };
     let req = Forward {
         rid,
         method: parts.method.clone(),
@@ -620,7 +705,7 @@ async fn passthrough(State(state): State<RouterState>, req: Request) -> Response
         body,
         wire: Wire::Anthropic,
     };
-    forward(&state, req, &ids).await
+    forward(&state, req, &routed).await
 }
 
 /// The API a forwarded request speaks: its stream can be resumed on another node
@@ -670,9 +755,9 @@ fn keep_response_header(name: &str) -> bool {
         || name.starts_with("anthropic-ratelimit-")
 }
 
-/// Send `req` to the first of `ids` that answers (then to nodes that joined since), relaying
-/// a stream event by event; a node that fails or is overloaded is skipped.
-async fn forward(state: &RouterState, req: Forward<'_>, ids: &[String]) -> Response {
+/// Send `req` to the first of the routed nodes that answers (then to nodes that joined
+/// since), relaying a stream event by event; a node that fails or is overloaded is skipped.
+async fn forward(state: &RouterState, req: Forward<'_>, routed: &Routed) -> Response {
     let Forward {
         rid,
         method,
@@ -681,7 +766,7 @@ async fn forward(state: &RouterState, req: Forward<'_>, ids: &[String]) -> Respo
         body,
         wire,
     } = req;
-    let mut ids = ids.to_vec();
+    let mut ids = routed.ids.clone();
     let mut joined_checked = false;
     for attempt in 0.. {
         if attempt == ids.len() {
@@ -725,6 +810,9 @@ async fn forward(state: &RouterState, req: Forward<'_>, ids: &[String]) -> Respo
                 let mut out = Response::builder()
                     .status(status.as_u16())
                     .header(NODE_HEADER, id.as_str());
+                if let Some(why) = routed.reasons.get(id) {
+                    out = out.header(ROUTE_HEADER, why.as_str());
+                }
                 for (name, value) in resp.headers() {
                     if keep_response_header(name.as_str()) {
                         out = out.header(name.as_str(), value.as_bytes());

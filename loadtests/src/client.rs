@@ -212,6 +212,8 @@ pub struct Outcome {
     pub node: Option<String>,
     /// For a resumed stream, the node it started on.
     pub resumed_from: Option<String>,
+    /// Why a cluster gateway chose the node (`x-cachet-route`).
+    pub route: Option<String>,
     pub stop_reason: Option<String>,
 }
 
@@ -263,6 +265,7 @@ pub async fn send(
     };
     out.request_id = header("request-id").or_else(|| header("x-request-id"));
     out.node = header("x-cachet-node");
+    out.route = header("x-cachet-route");
     let sse = header("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
     if !resp.status().is_success() {
         let text = resp.text().await.unwrap_or_default();

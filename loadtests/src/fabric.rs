@@ -382,6 +382,7 @@ pub(crate) async fn events_bench(
         "bench-node".into(),
         rx,
         blocks * 2,
+        None,
     ));
     let index = Arc::new(RwLock::new(PrefixIndex::with_capacity(blocks)));
     let mut follower = Follower::new(&stream, "0-0", index.clone());

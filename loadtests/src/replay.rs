@@ -580,6 +580,7 @@ async fn send_all(
                 tbt: GapSummary::of(&mut gaps),
                 node: outcome.node,
                 resumed_from: outcome.resumed_from,
+                route: outcome.route,
                 request_id: outcome.request_id,
                 stop_reason: outcome.stop_reason,
                 trace_input_tokens: opts.shape.input_tokens(&rec),

@@ -33,6 +33,9 @@ pub struct RequestRecord {
     /// For a stream resumed on another node after its first one failed, that first node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resumed_from: Option<String>,
+    /// Why the cluster gateway chose that node (its `x-cachet-route`: the estimate's parts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route: Option<String>,
     pub request_id: Option<String>,
     pub stop_reason: Option<String>,
     /// The prompt's tokens by the trace (before the chat template).
@@ -355,6 +358,7 @@ mod tests {
             tbt: None,
             node: None,
             resumed_from: None,
+            route: None,
             request_id: None,
             stop_reason: None,
             trace_input_tokens: 1000,

@@ -28,7 +28,15 @@ What it proves, each against real processes (Postgres, Redis, `cachet`, vLLM):
 (h) the same answers and loads with shared memory turned off (TCP), where a block corrupted
     on the wire is caught;
 (i) vLLM short of KV blocks preempts requests whose prefixes the connector loaded: every
-    answer equals the same request's answer alone.
+    answer equals the same request's answer alone;
+(j) routing by where the KV is: two instances behind `cachet router`, each publishing its KV
+    events to its node, the prefix's fabric blocks on both nodes (replicas): a prefix computed
+    on one instance sends every next request with it to that instance (vLLM's own prefix-cache
+    hits show it, the answer's `x-cachet-route` says why); once that instance's cache is reset
+    the stream says so and the next request is routed by the fabric's copy (and loaded from
+    it); a consumer written from docs/kv-events.md alone (tests/vllm/kv_consumer.py) rebuilds
+    which instance holds which block, the engine's blocks being the fabric's keys, and no
+    record carries a token id.
 
 Outside CI a missing prerequisite skips loudly; in CI it fails.
 """
@@ -73,6 +81,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (vLLM's KV event publisher and its replay socket)."""
+    for _ in range(100):
+        p = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise AssertionError("no two consecutive free ports")
 
 
 def need(cond: bool, why: str) -> None:
@@ -1104,6 +1125,170 @@ class TwoInstances(unittest.TestCase):
         time.sleep(1)
         n = int(psql(self.db_url, f"SELECT count(*) FROM usage_events WHERE tenant_id = '{self.tenant}'"))
         self.assertEqual(n, 5, "two requests before the kill, three after: one row each")
+
+
+class RoutedByEngineCache(unittest.TestCase):
+    """(j) Two `cachet node`s, each with a vLLM publishing its KV events, behind `cachet
+    router`; the fabric keeps two replicas, so both nodes hold every saved block and only the
+    engines' own caches tell the instances apart."""
+
+    # About 420 tokens: three full 128-token blocks shared by every question.
+    SYSTEM = ("You are the archivist of the Lisbon maritime museum. Visitors ask about ships, "
+              "navigators, maps and the museum's opening hours; answer in two sentences. ") * 14
+    QUESTIONS = [
+        "Who was Vasco da Gama?",
+        "When does the museum open on Sundays?",
+        "What is an astrolabe?",
+        "Which ship is the oldest in the collection?",
+    ]
+
+    @classmethod
+    def setUpClass(cls):
+        have_prerequisites()
+        need(shutil.which("redis-cli") is not None, "redis-cli (Redis)")
+        sys.path.insert(0, os.path.dirname(__file__))
+        from kv_consumer import KvConsumer
+
+        cls.procs = Procs()
+        cls.db = f"cachet_vllm_events_{os.getpid()}"
+        cls.db_url = f"{PG}/{cls.db}"
+        cls.prefix = f"vllmevents{os.getpid()}"
+        data, cfg = config_file(
+            "cachet-vllm-events-",
+            f'database_url = "{cls.db_url}"\n'
+            f'redis_url = "{REDIS}"\n'
+            '[engine]\nkind = "sim"\n'
+            '[cluster]\nreplicas = 2\ngroup_size = 2\n',
+        )
+        env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
+        cls.nodes = {}
+        for i, n in enumerate(["n1", "n2"]):
+            fabric, api, vllm, events = free_port(), free_port(), free_port(), free_port_pair()
+            p, log = start_vllm(cls.procs, f"vllm-events-{n}", vllm, fabric,
+                                cpus=str(i % max(1, os.cpu_count() or 1)),
+                                env={"CACHET_VLLM_KV_EVENTS": str(events)})
+            cls.nodes[n] = {"fabric": fabric, "api": api, "vllm": vllm, "events": events,
+                            "vllm_proc": p, "vllm_log": log}
+        cachet(["migrate"], env)
+        cls.tenant, cls.key = new_tenant(env, "events-tenant")
+        for n, c in cls.nodes.items():
+            c["proc"], c["log"] = cls.procs.start(
+                f"events-{n}",
+                [BIN, "node", "--id", n, "--redis-prefix", cls.prefix,
+                 "--listen", f"127.0.0.1:{c['fabric']}", "--api-listen", f"127.0.0.1:{c['api']}"],
+                {**env, "CACHET_VLLM_URL": f"http://127.0.0.1:{c['vllm']}",
+                 "CACHET_VLLM_KV_EVENTS": f"tcp://127.0.0.1:{c['events']}|tcp://127.0.0.1:{c['events'] + 1}",
+                 "CACHET_DATA_DIR": os.path.join(data, n)},
+            )
+        gw = free_port()
+        cls.gateway, cls.gateway_log = cls.procs.start(
+            "events-gateway", [BIN, "router", "--redis-prefix", cls.prefix],
+            {**env, "CACHET_LISTEN": f"127.0.0.1:{gw}",
+             "CACHET_VLLM_URL": f"http://127.0.0.1:{cls.nodes['n1']['vllm']}",
+             "CACHET_DATA_DIR": os.path.join(data, "gw")},
+        )
+        cls.base = f"http://127.0.0.1:{gw}"
+
+        def ready():
+            status, _, body = http("GET", f"{cls.base}/readyz", timeout=2)
+            text = json.dumps(body) if not isinstance(body, bytes) else body.decode()
+            return status == 200 and '"n1"' in text and '"n2"' in text
+
+        wait_until("cachet router with two nodes", ready, 90, cls.gateway, cls.gateway_log)
+        for c in cls.nodes.values():
+            wait_vllm(c["vllm_proc"], c["vllm_log"], c["vllm"])
+        host, port = REDIS.removeprefix("redis://").split("/")[0].split(":")
+        cls.consumer = KvConsumer(host, int(port), cls.prefix)
+        cls.consumer.start()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.procs.stop_all()
+        cls.consumer.close()
+        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {cls.db} WITH (FORCE)"],
+                       capture_output=True)
+        keys = subprocess.run(["redis-cli", "-u", REDIS, "--scan", "--pattern", f"{cls.prefix}:*"],
+                              capture_output=True, text=True).stdout.split()
+        if keys:
+            subprocess.run(["redis-cli", "-u", REDIS, "del", *keys], capture_output=True)
+
+    def consume_until(self, what: str, cond, timeout: float = 20) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.consumer.poll(200)
+            if cond():
+                return
+        raise AssertionError(f"the KV event stream never showed {what}; holdings: "
+                             f"{ {k: len(v) for k, v in self.consumer.holdings.items()} }")
+
+    def ask(self, question: str):
+        text, usage, hdrs = messages(self.base, self.key, system=self.SYSTEM, question=question)
+        return text, usage, hdrs.get("x-cachet-node"), hdrs.get("x-cachet-route") or ""
+
+    def router_engine_blocks(self) -> float:
+        return cachet_metric(self.base, "cachet_gateway_engine_cache_blocks")
+
+    def test_1_the_instance_holding_the_prefix_gets_every_next_request(self):
+        _, usage, first, why = self.ask(self.QUESTIONS[0])
+        self.assertIn(first, self.nodes, why)
+        self.assertGreater(usage["cache_creation_input_tokens"], 0, usage)
+        other = next(n for n in self.nodes if n != first)
+        # The stream shows the engine's blocks under Cachet's keys: the same keys both nodes'
+        # stores hold (the saved prefix, two replicas).
+        self.consume_until(
+            f"{first}'s engine holding the prefix",
+            lambda: len(self.consumer.held(f"{first}/0", "ENGINE")
+                        & self.consumer.held(first, "DRAM") & self.consumer.held(other, "DRAM")) >= 3,
+        )
+        self.assertEqual(self.consumer.held(f"{other}/0", "ENGINE"), set())
+        wait_until("the router seeing the engine's blocks", lambda: self.router_engine_blocks() >= 3, 20,
+                   self.gateway, self.gateway_log)
+        for q in self.QUESTIONS[1:]:
+            hits = local_hits(self.nodes[first]["vllm"])
+            _, usage, node, why = self.ask(q)
+            self.assertEqual(node, first, f"routed elsewhere: {why}")
+            self.assertTrue(why.startswith("engine_cache=384 "), why)
+            self.assertGreaterEqual(local_hits(self.nodes[first]["vllm"]) - hits, 384,
+                                    "vLLM's own prefix cache served the prefix")
+            self.assertGreaterEqual(usage["cache_read_input_tokens"], 384, usage)
+        type(self).first = first
+
+    def test_2_a_reset_cache_is_in_the_stream_and_the_fabric_copy_routes(self):
+        first = getattr(type(self), "first", None)
+        if first is None:
+            self.skipTest("needs test_1's prefix")
+        other = next(n for n in self.nodes if n != first)
+        reset_vllm_cache(self.nodes[first]["vllm"])
+        # vLLM publishes the events of a step at the step's end; an idle vLLM holds its
+        # AllBlocksCleared until it next runs one. Any request does (here one sent to vLLM
+        # directly, with nothing of Cachet's: its blocks are no one's in the stream).
+        vllm_chat(self.nodes[first]["vllm"], system="Say hi.", question="Hi", max_tokens=1)
+        self.consume_until(f"{first}'s engine cache cleared",
+                           lambda: not self.consumer.held(f"{first}/0", "ENGINE"))
+        wait_until("the router seeing the cleared cache", lambda: self.router_engine_blocks() == 0, 20,
+                   self.gateway, self.gateway_log)
+        served = {n: external_hits(c["vllm"]) for n, c in self.nodes.items()}
+        _, usage, node, why = self.ask("How long is a caravel?")
+        self.assertTrue(why.startswith("engine_cache=0 fabric_local=384 "), why)
+        self.assertEqual(usage["cache_read_input_tokens"], 384, usage)
+        self.assertEqual(external_hits(self.nodes[node]["vllm"]) - served[node], 384,
+                         "the prefix was loaded from the node's fabric copy")
+        # The fabric's copies are still on both nodes.
+        self.consumer.poll(200)
+        self.assertGreaterEqual(len(self.consumer.held(first, "DRAM") & self.consumer.held(other, "DRAM")), 3)
+
+    def test_3_no_record_carries_tokens(self):
+        self.consumer.poll(200)
+        self.assertTrue(self.consumer.records, "the consumer saw batches")
+        engine = [e for b in self.consumer.records for e in b["events"] if e["medium"] == "ENGINE"]
+        self.assertTrue(engine, "engine events were published")
+        for b in self.consumer.records:
+            text = json.dumps(b)
+            self.assertNotIn("token_ids", text)
+            self.assertNotIn("extra_keys", text)
+            for e in b["events"]:
+                for h in e.get("block_hashes", []):
+                    self.assertEqual(len(h), 64, "Cachet's 32-byte keys, hex")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ impl Store {
         );
         metrics::BLOCKS_WRITTEN.inc();
         metrics::BYTES_WRITTEN.inc_by(len);
-        self.emit(StoreEvent::Stored(b.hash));
+        self.emit(StoreEvent::Stored(b.hash, Medium::Dram));
         self.publish_gauges(scope.tenant);
     }
 
@@ -178,9 +178,11 @@ impl Store {
             "a paid block was dropped for capacity"
         );
         // Still held (on disk) after a demotion; otherwise gone from this node.
-        if !demoted {
-            self.emit(StoreEvent::Removed(*hash));
-        }
+        self.emit(StoreEvent::Removed {
+            hash: *hash,
+            medium: Medium::Dram,
+            gone: !demoted,
+        });
         self.expiry.remove(&(b.expires_at, *hash));
         let tenant = b.scope.tenant;
         self.unset_leaf(tenant, b.key, *hash);
@@ -320,9 +322,8 @@ impl Store {
                 tier.remove(hash);
             }
         }
-        if !self.blocks.contains_key(hash) && !self.lower.as_ref().is_some_and(|t| t.contains(hash))
-        {
-            self.emit(StoreEvent::Removed(*hash));
+        if !self.lower.as_ref().is_some_and(|t| t.contains(hash)) {
+            self.left_lower(hash);
         }
         out
     }
@@ -437,7 +438,7 @@ impl Store {
             let gone = t.remove_tenant(tenant);
             n += gone.len();
             for h in gone {
-                self.emit(StoreEvent::Removed(h));
+                self.left_lower(&h);
             }
         }
         self.tenant_quota.remove(&tenant);
@@ -459,7 +460,7 @@ impl Store {
         let gone = t.remove_tenant_written_before(tenant, before_unix_ms);
         let n = gone.len();
         for h in gone {
-            self.emit(StoreEvent::Removed(h));
+            self.left_lower(&h);
         }
         n
     }

@@ -83,9 +83,7 @@ impl Store {
             if !self.lower.as_mut().is_some_and(|t| t.remove(&h)) {
                 continue;
             }
-            if !self.blocks.contains_key(&h) {
-                self.emit(StoreEvent::Removed(h));
-            }
+            self.left_lower(&h);
             self.removals
                 .entry(over)
                 .or_default()

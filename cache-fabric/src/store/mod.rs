@@ -48,6 +48,7 @@ use tokio::time::Instant;
 
 use crate::events::{EventSink, StoreEvent};
 use crate::integrity::checksum;
+use crate::kv_events::Medium;
 use crate::policy::{EvictionPolicy, Ranking};
 pub use crate::stats::RemovalReason;
 use crate::tier::{TierBlock, TierStore};

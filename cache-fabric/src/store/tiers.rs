@@ -58,6 +58,7 @@ impl Store {
         {
             if tb.expires_unix_ms <= wall {
                 tier.remove(hash);
+                self.left_lower(hash);
             }
             return None;
         }
@@ -83,6 +84,12 @@ impl Store {
             && !long
         {
             tier.remove(hash);
+            let medium = Medium::of_tier(tier.name());
+            self.emit(StoreEvent::Removed {
+                hash: *hash,
+                medium,
+                gone: false,
+            });
         }
         let remaining = Duration::from_millis(tb.expires_unix_ms - wall);
         let put = PutBlock::new(*hash, tb.parent, tb.n_tokens, tb.data);
@@ -193,13 +200,23 @@ impl Store {
             return;
         };
         for h in self.blocks.keys() {
-            sink.emit(StoreEvent::Stored(*h));
+            sink.emit(StoreEvent::Stored(*h, Medium::Dram));
         }
         if let Some(tier) = &self.lower {
+            let medium = Medium::of_tier(tier.name());
             for h in tier.hashes() {
-                sink.emit(StoreEvent::Stored(h));
+                sink.emit(StoreEvent::Stored(h, medium));
             }
         }
+    }
+
+    /// Every block held, by medium (DRAM, the tier below): a snapshot for the KV event stream.
+    pub fn held_by_medium(&self) -> Vec<(Medium, Vec<BlockHash>)> {
+        let mut out = vec![(Medium::Dram, self.blocks.keys().copied().collect())];
+        if let Some(tier) = &self.lower {
+            out.push((Medium::of_tier(tier.name()), tier.hashes()));
+        }
+        out
     }
 
     /// A stored block as the tier below keeps it (its holds as wall-clock times).
@@ -277,9 +294,11 @@ impl Store {
         let Some(tier) = self.lower.as_mut() else {
             return false;
         };
+        let medium = Medium::of_tier(tier.name());
         match tier.put(demoted) {
             Ok(()) => {
                 metrics::TIER_MOVES.with_label_values(&["demoted"]).inc();
+                self.emit(StoreEvent::Stored(*hash, medium));
                 true
             }
             Err(e) => {
@@ -294,6 +313,16 @@ impl Store {
                 false
             }
         }
+    }
+
+    /// A block left the tier below: the node still holds it if DRAM does.
+    pub(super) fn left_lower(&self, hash: &BlockHash) {
+        let Some(tier) = &self.lower else { return };
+        self.emit(StoreEvent::Removed {
+            hash: *hash,
+            medium: Medium::of_tier(tier.name()),
+            gone: !self.blocks.contains_key(hash),
+        });
     }
 
     pub(super) fn note_damaged(&mut self, d: Damaged) {

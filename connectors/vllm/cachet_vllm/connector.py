@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.logger import init_logger
+from vllm.distributed.kv_events import BlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -149,6 +151,10 @@ class ReqState:
     # Preempted at least once: loads are planned again on resumption, but the first load's
     # figures are what the node was told (the gateway bills them).
     resumed: bool = False
+    # vLLM's own hash of each full block (as its KV events carry it) and the prompt's tokens:
+    # what the node's map and vLLM's publisher are told, when KV events are on.
+    engine_hashes: list = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -222,6 +228,11 @@ class CachetConnector(KVConnectorBase_V1):
             model_dtype, str(vllm_config.cache_config.cache_dtype), layout, self._block_size
         )
         self._reqs: dict[str, ReqState] = {}
+        # vLLM publishes KV events: the node is told vLLM's name of every block it has a key
+        # for (MAP), and vLLM's publisher which blocks were loaded from Cachet (take_events).
+        events = getattr(vllm_config, "kv_events_config", None)
+        self._events = bool(events is not None and getattr(events, "enable_kv_cache_events", False))
+        self._loaded_events: dict[str, tuple[ReqState, int, int]] = {}
         # Worker side.
         self._transfer: KVTransfer | None = None
         self._load_errors: set[int] = set()
@@ -248,8 +259,11 @@ class CachetConnector(KVConnectorBase_V1):
         st = self._reqs.get(request.request_id)
         if st is None or not st.reported:
             # New, or asked again because the last step had no room to schedule it.
+            first_sight = st is None
             st = ReqState(params, prompt_len, local=num_computed_tokens)
             self._reqs[request.request_id] = st
+            if self._events and first_sight:
+                self._map_blocks(request, st)
         else:
             # Its load ran, then vLLM preempted it and schedules it again from scratch (its
             # blocks were freed): the prefix is loaded again, planned afresh; what it saved
@@ -264,6 +278,25 @@ class CachetConnector(KVConnectorBase_V1):
             st.held = 0
         st.planned = max(0, st.held * bs - num_computed_tokens)
         return st.planned, False
+
+    def _map_blocks(self, request: "Request", st: ReqState) -> None:
+        """Tell the node vLLM's hash of each full block the request has a Cachet key for,
+        before vLLM computes or loads any of them (so its KV events can be translated)."""
+        hashes = list(getattr(request, "block_hashes", None) or [])
+        n = min(len(hashes), len(st.params.keys))
+        if len(hashes) != st.prompt_len // self._block_size:
+            # Hashes at another granularity than the connector's blocks: not mapped.
+            return
+        st.engine_hashes = [maybe_convert_block_hash(h) for h in hashes[:n]]
+        st.tokens = list(request.prompt_token_ids or [])
+        pairs = [
+            (h.to_bytes(8, "big") if isinstance(h, int) else bytes(h), st.params.keys[i])
+            for i, h in enumerate(st.engine_hashes)
+        ]
+        try:
+            self._fabric.map_blocks(pairs)
+        except FabricError as e:
+            logger.warning("cachet: could not tell the node vLLM's block hashes (%s)", e)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         st = self._reqs.get(request.request_id)
@@ -325,6 +358,8 @@ class CachetConnector(KVConnectorBase_V1):
             )
         )
         st.reported = True
+        if self._events and st.engine_hashes and last > first:
+            self._loaded_events[req_id] = (st, first, min(last, len(st.engine_hashes)))
 
     def _plan_saves(self, req_id: str, st: ReqState, computed_end: int, meta: CachetMetadata) -> None:
         """The writes whose blocks are all computed once this step runs: each is one entry,
@@ -357,9 +392,12 @@ class CachetConnector(KVConnectorBase_V1):
         if not bad:
             return
         bs = self._block_size
-        for st in self._reqs.values():
+        for req_id, st in self._reqs.items():
             for i, b in enumerate(st.load_block_ids):
                 if b in bad:
+                    loaded = self._loaded_events.get(req_id)
+                    if loaded is not None:
+                        self._loaded_events[req_id] = (st, loaded[1], loaded[1] + i)
                     if not st.resumed:
                         st.loaded = min(st.loaded, i * bs)
                     # vLLM computes the blocks from this one again: the node lacks them (a
@@ -370,6 +408,27 @@ class CachetConnector(KVConnectorBase_V1):
                     st.saved_upto = min(st.saved_upto, st.held)
                     st.next_write = 0
                     break
+
+    def take_events(self):
+        """The blocks this step loaded from Cachet's fabric, for vLLM's own KV event
+        publisher (routers that follow vLLM's events learn the instance reached them): one
+        `BlockStored` per request, medium `CACHET_FABRIC` (Cachet's node skips it: it
+        publishes its own tiers itself). vLLM's prefix cache then reports the same blocks
+        as its own, as for any computed block."""
+        loaded, self._loaded_events = self._loaded_events, {}
+        bs = self._block_size
+        for st, first, last in loaded.values():
+            if last <= first:
+                continue
+            yield BlockStored(
+                block_hashes=st.engine_hashes[first:last],
+                parent_block_hash=st.engine_hashes[first - 1] if first else None,
+                token_ids=st.tokens[first * bs : last * bs],
+                block_size=bs,
+                lora_id=None,
+                medium="CACHET_FABRIC",
+                lora_name=None,
+            )
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         st = self._reqs.pop(request.request_id, None)
@@ -502,7 +561,9 @@ class CachetConnector(KVConnectorBase_V1):
         if not work.report:
             return
         try:
-            self._transfer.report(work.tag, work.local_tokens, ok * bs, (len(work.blocks) - ok) * bs)
+            load_bytes = ok * self._transfer.kv.block_bytes if done is not None else 0
+            self._transfer.report(work.tag, work.local_tokens, ok * bs, (len(work.blocks) - ok) * bs,
+                                  load_bytes, done.seconds if done is not None else 0.0)
         except FabricError as e:
             logger.warning("cachet: could not report request %s (%s)", work.tag, e)
 

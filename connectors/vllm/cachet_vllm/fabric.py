@@ -50,6 +50,7 @@ OP_RELEASE = 13
 OP_RESERVE = 14
 OP_COMMIT = 15
 OP_ABORT = 16
+OP_MAP = 17
 # RELEASE's "no block was corrupt".
 NONE_CORRUPT = 0xFFFFFFFF
 OK = 0
@@ -212,10 +213,13 @@ class _Connection:
             n += 1
         return n
 
-    def report(self, tag: uuid.UUID, local_tokens: int, loaded_tokens: int, failed_tokens: int) -> None:
-        """Tell the node (and so the gateway beside it) what request `tag` did not prefill."""
+    def report(self, tag: uuid.UUID, local_tokens: int, loaded_tokens: int, failed_tokens: int,
+               load_bytes: int = 0, load_seconds: float = 0.0) -> None:
+        """Tell the node (and so the gateway beside it) what request `tag` did not prefill,
+        and how fast its load went (the node's load rate, which routing estimates with)."""
         body = struct.pack("<B", OP_REPORT) + tag.bytes + struct.pack(
-            "<III", local_tokens, loaded_tokens, failed_tokens
+            "<IIIQQ", local_tokens, loaded_tokens, failed_tokens, load_bytes,
+            max(0, int(load_seconds * 1e6)),
         )
 
         def answer(s):
@@ -224,6 +228,22 @@ class _Connection:
                 raise FabricError(f"REPORT answered status {status}")
 
         self._call([body], answer)
+
+
+    def map_blocks(self, pairs: list[tuple[bytes, bytes]]) -> None:
+        """Tell the node the engine's names of blocks whose Cachet keys it has: (the engine
+        hash as its KV events carry it, the 32-byte key), so the node can publish what the
+        engine's own cache holds in Cachet's keys."""
+        parts = [struct.pack("<BI", OP_MAP, len(pairs))]
+        for h, key in pairs:
+            parts.append(struct.pack("<B", len(h)) + h + key)
+
+        def answer(s):
+            status = self._recv_exact(s, 1)[0]
+            if status != OK:
+                raise FabricError(f"MAP answered status {status}")
+
+        self._call(parts, answer)
 
 
 class FabricConnection(_Connection):

@@ -461,8 +461,9 @@ class KVTransfer:
 
     # -- the rest --------------------------------------------------------------------------
 
-    def report(self, tag, local_tokens: int, loaded_tokens: int, failed_tokens: int) -> None:
-        self._tcp.report(tag, local_tokens, loaded_tokens, failed_tokens)
+    def report(self, tag, local_tokens: int, loaded_tokens: int, failed_tokens: int,
+               load_bytes: int = 0, load_seconds: float = 0.0) -> None:
+        self._tcp.report(tag, local_tokens, loaded_tokens, failed_tokens, load_bytes, load_seconds)
 
     def close(self) -> None:
         self._tcp.close()
