@@ -1127,10 +1127,75 @@ class TwoInstances(unittest.TestCase):
         self.assertEqual(n, 5, "two requests before the kill, three after: one row each")
 
 
+class EventsCluster:
+    """Two `cachet node`s, each with a vLLM (one core each) whose KV events it follows when
+    `kv_events`, behind `cachet router`; the fabric keeps two replicas, so both nodes hold
+    every saved block and only the engines' own caches tell the instances apart. Shared by
+    (j) and `make bench-vllm-routing`."""
+
+    def __init__(self, name: str, kv_events: bool = True):
+        self.procs = Procs()
+        self.db = f"cachet_{name}_{os.getpid()}"
+        self.db_url = f"{PG}/{self.db}"
+        self.prefix = f"{name}{os.getpid()}"
+        data, cfg = config_file(
+            f"cachet-{name}-",
+            f'database_url = "{self.db_url}"\n'
+            f'redis_url = "{REDIS}"\n'
+            '[engine]\nkind = "sim"\n'
+            '[cluster]\nreplicas = 2\ngroup_size = 2\n',
+        )
+        env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
+        self.nodes = {}
+        for i, n in enumerate(["n1", "n2"]):
+            fabric, api, vllm, events = free_port(), free_port(), free_port(), free_port_pair()
+            p, log = start_vllm(self.procs, f"{name}-vllm-{n}", vllm, fabric,
+                                cpus=str(i % max(1, os.cpu_count() or 1)),
+                                env={"CACHET_VLLM_KV_EVENTS": str(events)})
+            self.nodes[n] = {"fabric": fabric, "api": api, "vllm": vllm, "events": events,
+                             "vllm_proc": p, "vllm_log": log}
+        cachet(["migrate"], env)
+        self.tenant, self.key = new_tenant(env, f"{name}-tenant")
+        for n, c in self.nodes.items():
+            follow = {"CACHET_VLLM_KV_EVENTS": f"tcp://127.0.0.1:{c['events']}|tcp://127.0.0.1:{c['events'] + 1}"}
+            c["proc"], c["log"] = self.procs.start(
+                f"{name}-{n}",
+                [BIN, "node", "--id", n, "--redis-prefix", self.prefix,
+                 "--listen", f"127.0.0.1:{c['fabric']}", "--api-listen", f"127.0.0.1:{c['api']}"],
+                {**env, "CACHET_VLLM_URL": f"http://127.0.0.1:{c['vllm']}",
+                 **(follow if kv_events else {}),
+                 "CACHET_DATA_DIR": os.path.join(data, n)},
+            )
+        gw = free_port()
+        self.gateway, self.gateway_log = self.procs.start(
+            f"{name}-gateway", [BIN, "router", "--redis-prefix", self.prefix],
+            {**env, "CACHET_LISTEN": f"127.0.0.1:{gw}",
+             "CACHET_VLLM_URL": f"http://127.0.0.1:{self.nodes['n1']['vllm']}",
+             "CACHET_DATA_DIR": os.path.join(data, "gw")},
+        )
+        self.base = f"http://127.0.0.1:{gw}"
+
+        def ready():
+            status, _, body = http("GET", f"{self.base}/readyz", timeout=2)
+            text = json.dumps(body) if not isinstance(body, bytes) else body.decode()
+            return status == 200 and '"n1"' in text and '"n2"' in text
+
+        wait_until("cachet router with two nodes", ready, 90, self.gateway, self.gateway_log)
+        for c in self.nodes.values():
+            wait_vllm(c["vllm_proc"], c["vllm_log"], c["vllm"])
+
+    def stop(self) -> None:
+        self.procs.stop_all()
+        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {self.db} WITH (FORCE)"],
+                       capture_output=True)
+        keys = subprocess.run(["redis-cli", "-u", REDIS, "--scan", "--pattern", f"{self.prefix}:*"],
+                              capture_output=True, text=True).stdout.split()
+        if keys:
+            subprocess.run(["redis-cli", "-u", REDIS, "del", *keys], capture_output=True)
+
+
 class RoutedByEngineCache(unittest.TestCase):
-    """(j) Two `cachet node`s, each with a vLLM publishing its KV events, behind `cachet
-    router`; the fabric keeps two replicas, so both nodes hold every saved block and only the
-    engines' own caches tell the instances apart."""
+    """(j) Routing by the engines' own caches, on an `EventsCluster`."""
 
     # About 420 tokens: three full 128-token blocks shared by every question.
     SYSTEM = ("You are the archivist of the Lisbon maritime museum. Visitors ask about ships, "
@@ -1149,68 +1214,17 @@ class RoutedByEngineCache(unittest.TestCase):
         sys.path.insert(0, os.path.dirname(__file__))
         from kv_consumer import KvConsumer
 
-        cls.procs = Procs()
-        cls.db = f"cachet_vllm_events_{os.getpid()}"
-        cls.db_url = f"{PG}/{cls.db}"
-        cls.prefix = f"vllmevents{os.getpid()}"
-        data, cfg = config_file(
-            "cachet-vllm-events-",
-            f'database_url = "{cls.db_url}"\n'
-            f'redis_url = "{REDIS}"\n'
-            '[engine]\nkind = "sim"\n'
-            '[cluster]\nreplicas = 2\ngroup_size = 2\n',
-        )
-        env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
-        cls.nodes = {}
-        for i, n in enumerate(["n1", "n2"]):
-            fabric, api, vllm, events = free_port(), free_port(), free_port(), free_port_pair()
-            p, log = start_vllm(cls.procs, f"vllm-events-{n}", vllm, fabric,
-                                cpus=str(i % max(1, os.cpu_count() or 1)),
-                                env={"CACHET_VLLM_KV_EVENTS": str(events)})
-            cls.nodes[n] = {"fabric": fabric, "api": api, "vllm": vllm, "events": events,
-                            "vllm_proc": p, "vllm_log": log}
-        cachet(["migrate"], env)
-        cls.tenant, cls.key = new_tenant(env, "events-tenant")
-        for n, c in cls.nodes.items():
-            c["proc"], c["log"] = cls.procs.start(
-                f"events-{n}",
-                [BIN, "node", "--id", n, "--redis-prefix", cls.prefix,
-                 "--listen", f"127.0.0.1:{c['fabric']}", "--api-listen", f"127.0.0.1:{c['api']}"],
-                {**env, "CACHET_VLLM_URL": f"http://127.0.0.1:{c['vllm']}",
-                 "CACHET_VLLM_KV_EVENTS": f"tcp://127.0.0.1:{c['events']}|tcp://127.0.0.1:{c['events'] + 1}",
-                 "CACHET_DATA_DIR": os.path.join(data, n)},
-            )
-        gw = free_port()
-        cls.gateway, cls.gateway_log = cls.procs.start(
-            "events-gateway", [BIN, "router", "--redis-prefix", cls.prefix],
-            {**env, "CACHET_LISTEN": f"127.0.0.1:{gw}",
-             "CACHET_VLLM_URL": f"http://127.0.0.1:{cls.nodes['n1']['vllm']}",
-             "CACHET_DATA_DIR": os.path.join(data, "gw")},
-        )
-        cls.base = f"http://127.0.0.1:{gw}"
-
-        def ready():
-            status, _, body = http("GET", f"{cls.base}/readyz", timeout=2)
-            text = json.dumps(body) if not isinstance(body, bytes) else body.decode()
-            return status == 200 and '"n1"' in text and '"n2"' in text
-
-        wait_until("cachet router with two nodes", ready, 90, cls.gateway, cls.gateway_log)
-        for c in cls.nodes.values():
-            wait_vllm(c["vllm_proc"], c["vllm_log"], c["vllm"])
+        cls.cluster = EventsCluster("vllmevents")
+        cls.nodes, cls.base, cls.key = cls.cluster.nodes, cls.cluster.base, cls.cluster.key
+        cls.gateway, cls.gateway_log = cls.cluster.gateway, cls.cluster.gateway_log
         host, port = REDIS.removeprefix("redis://").split("/")[0].split(":")
-        cls.consumer = KvConsumer(host, int(port), cls.prefix)
+        cls.consumer = KvConsumer(host, int(port), cls.cluster.prefix)
         cls.consumer.start()
 
     @classmethod
     def tearDownClass(cls):
-        cls.procs.stop_all()
+        cls.cluster.stop()
         cls.consumer.close()
-        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {cls.db} WITH (FORCE)"],
-                       capture_output=True)
-        keys = subprocess.run(["redis-cli", "-u", REDIS, "--scan", "--pattern", f"{cls.prefix}:*"],
-                              capture_output=True, text=True).stdout.split()
-        if keys:
-            subprocess.run(["redis-cli", "-u", REDIS, "del", *keys], capture_output=True)
 
     def consume_until(self, what: str, cond, timeout: float = 20) -> None:
         deadline = time.time() + timeout
@@ -1268,11 +1282,37 @@ class RoutedByEngineCache(unittest.TestCase):
         wait_until("the router seeing the cleared cache", lambda: self.router_engine_blocks() == 0, 20,
                    self.gateway, self.gateway_log)
         served = {n: external_hits(c["vllm"]) for n, c in self.nodes.items()}
+        # vLLM's own publishers, as a router following vLLM directly sees them.
+        import zmq
+
+        ctx = zmq.Context.instance()
+        subs = {}
+        for n, c in self.nodes.items():
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"tcp://127.0.0.1:{c['events']}")
+            subs[n] = sub
+        time.sleep(0.5)  # a SUB socket receives only once its subscription has arrived
         _, usage, node, why = self.ask("How long is a caravel?")
         self.assertTrue(why.startswith("engine_cache=0 fabric_local=384 "), why)
         self.assertEqual(usage["cache_read_input_tokens"], 384, usage)
         self.assertEqual(external_hits(self.nodes[node]["vllm"]) - served[node], 384,
                          "the prefix was loaded from the node's fabric copy")
+        # The connector told vLLM's publisher about the three blocks it loaded from Cachet.
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        loaded = []
+        deadline = time.time() + 10
+        while time.time() < deadline and not loaded:
+            if subs[node].poll(200):
+                _topic, _seq, payload = subs[node].recv_multipart()
+                batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+                loaded += [e for e in batch.events if getattr(e, "medium", None) == "CACHET_FABRIC"]
+        for sub in subs.values():
+            sub.close(linger=0)
+        self.assertEqual(len(loaded), 1, "one BlockStored for the request's load")
+        self.assertEqual(len(loaded[0].block_hashes), 3)
         # The fabric's copies are still on both nodes.
         self.consumer.poll(200)
         self.assertGreaterEqual(len(self.consumer.held(first, "DRAM") & self.consumer.held(other, "DRAM")), 3)
