@@ -2,7 +2,8 @@
 # `make bench-vllm-routing`: TTFT p50/p99 of a multi-turn chat workload on two vLLM instances
 # (CPU build, one core each) behind `cachet router`, routed with the nodes following vLLM's KV
 # events and without, one fresh cluster each, in one run (loadtests/vllm_routing_bench.py).
-# Needs Postgres and Redis; about 6 minutes on 2 cores.
+# Needs Postgres and Redis; about 10 minutes on 2 cores (four runs: one request at a time and
+# two at once, each with and without the events).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(scripts/vllm-env.sh)

@@ -8,7 +8,12 @@ workload, same seeds, a fresh cluster for each run. Run by loadtests/vllm-routin
 The workload: BENCH_SESSIONS conversations of BENCH_TURNS turns, each with its own system
 prompt (about BENCH_SYSTEM_TOKENS tokens), each turn adding a user message and the model's
 answer to the conversation, the breakpoint on the last message (every turn caches the whole
-conversation so far). BENCH_CONCURRENCY conversations run at once, each one's turns in order.
+conversation so far). Two schedules:
+
+- one at a time: the conversations' turns interleaved (A1 B1 … H1 A2 B2 …), one request in
+  flight: a quiet fleet, where nothing but the caches tells the instances apart;
+- BENCH_CONCURRENCY conversations at once, each one's turns back to back: a busy fleet, where
+  the queue decides as much as the caches.
 """
 
 from __future__ import annotations
@@ -65,24 +70,35 @@ def turn(base: str, key: str, system: str, messages: list[dict]) -> dict:
     return out
 
 
-def conversation(base: str, key: str, s: int, results: list) -> None:
-    system = prompt_text(SYSTEM_TOKENS, seed=1000 + s)
-    messages: list[dict] = []
-    for k in range(TURNS):
-        question = f"Question {k + 1} of conversation {s}: " + prompt_text(40, seed=s * 100 + k)
-        messages.append({"role": "user", "content": [
+class Conversation:
+    def __init__(self, s: int):
+        self.s = s
+        self.system = prompt_text(SYSTEM_TOKENS, seed=1000 + s)
+        self.messages: list[dict] = []
+        self.k = 0
+
+    def next_turn(self, base: str, key: str, results: list) -> None:
+        question = f"Question {self.k + 1} of conversation {self.s}: " + prompt_text(40, seed=self.s * 100 + self.k)
+        self.messages.append({"role": "user", "content": [
             {"type": "text", "text": question, "cache_control": {"type": "ephemeral"}}]})
-        r = turn(base, key, system, messages)
-        results.append({"session": s, "turn": k, **r})
+        r = turn(base, key, self.system, self.messages)
+        results.append({"session": self.s, "turn": self.k, **r})
         # The last message keeps its breakpoint only while it is last.
-        messages[-1] = {"role": "user", "content": question}
-        messages.append({"role": "assistant", "content": r["text"] or "."})
+        self.messages[-1] = {"role": "user", "content": question}
+        self.messages.append({"role": "assistant", "content": r["text"] or "."})
+        self.k += 1
 
 
-def run(kv_events: bool) -> list[dict]:
+def run(kv_events: bool, concurrency: int) -> list[dict]:
     cluster = t.EventsCluster("routebench", kv_events=kv_events)
     try:
         results: list[dict] = []
+        if concurrency == 1:
+            convs = [Conversation(s) for s in range(SESSIONS)]
+            for _ in range(TURNS):
+                for c in convs:
+                    c.next_turn(cluster.base, cluster.key, results)
+            return results
         queue = list(range(SESSIONS))
         lock = threading.Lock()
 
@@ -91,10 +107,11 @@ def run(kv_events: bool) -> list[dict]:
                 with lock:
                     if not queue:
                         return
-                    s = queue.pop(0)
-                conversation(cluster.base, cluster.key, s, results)
+                    c = Conversation(queue.pop(0))
+                for _ in range(TURNS):
+                    c.next_turn(cluster.base, cluster.key, results)
 
-        threads = [threading.Thread(target=worker) for _ in range(CONCURRENCY)]
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
         for th in threads:
             th.start()
         for th in threads:
@@ -113,25 +130,32 @@ def row(name: str, rs: list[dict]) -> str:
     later = [r for r in rs if r["turn"] > 0]
     ttft = [r["ttft"] * 1000 for r in later]
     engine_hits = sum(1 for r in later if not r["route"].startswith("engine_cache=0 "))
+    remote = sum(1 for r in later if "fabric_remote=0 " not in r["route"])
     same = sum(
         1 for r in later
         if r["node"] == next(x["node"] for x in rs if x["session"] == r["session"] and x["turn"] == r["turn"] - 1)
     )
     return (f"| {name} | {len(later)} | {statistics.median(ttft):.0f} | {pct(ttft, 99):.0f} | "
-            f"{statistics.mean(ttft):.0f} | {same}/{len(later)} | {engine_hits}/{len(later)} |")
+            f"{statistics.mean(ttft):.0f} | {same}/{len(later)} | {engine_hits}/{len(later)} | "
+            f"{remote}/{len(later)} |")
 
 
 def main() -> None:
     print(f"# {SESSIONS} conversations × {TURNS} turns, system ~{SYSTEM_TOKENS} tokens, "
-          f"{CONCURRENCY} at once, answers of {ANSWER_TOKENS} tokens", file=sys.stderr)
-    without = run(kv_events=False)
-    with_events = run(kv_events=True)
-    print("| routing | turns after the first | TTFT p50 ms | TTFT p99 ms | TTFT mean ms | "
-          "on the previous turn's instance | estimated with an engine-cache hit |")
-    print("|---|---|---|---|---|---|---|")
-    print(row("fabric index only", without))
-    print(row("with the engines' KV events", with_events))
-    first = [r["ttft"] * 1000 for r in without + with_events if r["turn"] == 0]
+          f"answers of {ANSWER_TOKENS} tokens", file=sys.stderr)
+    runs = []
+    for concurrency in (1, CONCURRENCY):
+        for events in (False, True):
+            runs.append((concurrency, events, run(kv_events=events, concurrency=concurrency)))
+    print("| schedule | routing | turns after the first | TTFT p50 ms | TTFT p99 ms | "
+          "TTFT mean ms | on the previous turn's instance | estimated with an engine-cache hit | "
+          "estimated with blocks to pull from the peer |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for concurrency, events, rs in runs:
+        name = "with the engines' KV events" if events else "fabric index only"
+        when = "one at a time" if concurrency == 1 else f"{concurrency} at once"
+        print(f"| {when} " + row(name, rs))
+    first = [r["ttft"] * 1000 for _, _, rs in runs for r in rs if r["turn"] == 0]
     print(f"\nFirst turns (cold everywhere, both runs): TTFT p50 {statistics.median(first):.0f} ms.")
 
 

@@ -54,6 +54,7 @@ pub mod reports;
 pub mod simulate;
 pub mod stats;
 pub mod store;
+pub mod streams;
 pub mod tier;
 pub mod transport;
 pub mod wire;

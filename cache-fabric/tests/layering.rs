@@ -1,8 +1,10 @@
 //! The fabric's layering, checked on its sources: node ← transport ← cluster ← client, the
 //! tiers below the store, block integrity below both; the shared-memory arena (and the
 //! extent allocator it shares with RDMA) below the store, and the same-host server
-//! (`local`) beside the transport, above the node. A `use` that points up the stack (or
-//! makes a circle) fails here, before it tangles the crate again.
+//! (`local`) beside the transport, above the node; the KV event stream (`kv_events`) below the
+//! store, the block events and the node, and the parsing of Redis Stream replies below both.
+//! A `use` that points up the stack (or makes a circle) fails here, before it tangles the
+//! crate again.
 
 use std::path::Path;
 
@@ -88,6 +90,71 @@ const FORBIDDEN: &[(&str, &[&str])] = &[
     ),
     ("rdma/pull.rs", &["cluster", "client"]),
     ("cluster.rs", &["client"]),
+    // Redis Stream replies: below everything that reads a stream.
+    (
+        "streams.rs",
+        &[
+            "events",
+            "kv_events",
+            "index",
+            "store",
+            "node",
+            "transport",
+            "cluster",
+            "client",
+        ],
+    ),
+    // The KV event stream: below the store (which reports its media to it), the block
+    // events (which hand it the store's events), the node (which holds the engine map) and
+    // the transport (which fills it).
+    (
+        "kv_events/mod.rs",
+        &[
+            "events",
+            "store",
+            "node",
+            "transport",
+            "local",
+            "cluster",
+            "client",
+        ],
+    ),
+    (
+        "kv_events/map.rs",
+        &[
+            "events",
+            "store",
+            "node",
+            "transport",
+            "local",
+            "cluster",
+            "client",
+        ],
+    ),
+    (
+        "kv_events/vllm.rs",
+        &[
+            "events",
+            "store",
+            "node",
+            "transport",
+            "local",
+            "cluster",
+            "client",
+        ],
+    ),
+    (
+        "kv_events/follow.rs",
+        &[
+            "events",
+            "store",
+            "node",
+            "transport",
+            "local",
+            "cluster",
+            "client",
+        ],
+    ),
 ];
 
 #[test]

@@ -138,7 +138,7 @@ impl EngineFollower {
                     .arg(1)
                     .query_async(conn)
                     .await?;
-                let id = crate::events::parse_entries(tail)
+                let id = crate::streams::parse_entries(tail)
                     .pop()
                     .map_or_else(|| "0-0".to_string(), |(id, _)| id);
                 request_resync(conn, &self.prefix, "*").await?;

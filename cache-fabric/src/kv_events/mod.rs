@@ -395,7 +395,7 @@ pub async fn watch_resyncs(
             .await;
         match reply {
             Ok(v) => {
-                for (id, fields) in crate::events::parse_xread(v) {
+                for (id, fields) in crate::streams::parse_xread(v) {
                     last = id;
                     let asked = fields
                         .iter()
@@ -471,7 +471,7 @@ pub async fn request_resync(
 
 /// The batches of an `XREAD`/`XRANGE` reply of the stream, with their entry ids.
 pub fn parse_batches(v: redis::Value) -> Vec<(String, Option<Batch>)> {
-    crate::events::parse_xread(v)
+    crate::streams::parse_xread(v)
         .into_iter()
         .map(|(id, fields)| {
             let batch = fields
