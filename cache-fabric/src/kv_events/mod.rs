@@ -220,7 +220,7 @@ impl KvSink {
     }
 }
 
-/// The receiving end, for [`publish`].
+/// The receiving end, for [`Publisher::run`].
 pub struct KvSource {
     rx: mpsc::Receiver<KvEvent>,
     lost: Arc<AtomicBool>,
