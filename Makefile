@@ -94,7 +94,7 @@ bench-vllm: services model
 
 ## TTFT of multi-turn chats on two vLLM instances, routed with and without their KV events.
 bench-vllm-routing: services model
-	loadtests/vllm-routing-bench.sh
+	loadtests/vllm-bench.sh loadtests/vllm_routing_bench.py
 
 ## The KV data path alone at Llama-3-8B's geometry (an 8K prefix, 1 GiB) into CPU tensors,
 ## beside a plain copy and a crc32c pass of the same bytes (docs/benchmarks.md).

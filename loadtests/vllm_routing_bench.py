@@ -2,8 +2,9 @@
 instances (CPU build, one core each) behind `cachet router`, with the nodes following vLLM's
 KV events (the conductor knows which engine's own cache holds each conversation) and
 without (it knows only the fabric's copies, which two replicas put on both nodes). Same
-workload, same seeds, a fresh cluster for each run. Run by loadtests/vllm-routing-bench.sh
-(`make bench-vllm-routing`); prints a Markdown table for docs/benchmarks.md.
+workload, same seeds, a fresh cluster for each run. Run by `loadtests/vllm-bench.sh
+loadtests/vllm_routing_bench.py` (`make bench-vllm-routing`); prints a Markdown table for
+docs/benchmarks.md.
 
 The workload: BENCH_SESSIONS conversations of BENCH_TURNS turns, each with its own system
 prompt (about BENCH_SYSTEM_TOKENS tokens), each turn adding a user message and the model's
@@ -90,7 +91,7 @@ class Conversation:
 
 
 def run(kv_events: bool, concurrency: int) -> list[dict]:
-    cluster = t.EventsCluster("routebench", kv_events=kv_events)
+    cluster = t.VllmCluster("routebench", kv_events=kv_events)
     try:
         results: list[dict] = []
         if concurrency == 1:

@@ -948,71 +948,90 @@ class SharedArena(unittest.TestCase):
                         "both instances loaded from the arena")
 
 
-class TwoInstances(unittest.TestCase):
-    """A cluster: two `cachet node`s, each with its own vLLM server (one core each), behind
-    `cachet router`."""
+class VllmCluster:
+    """A cluster: two `cachet node`s, each with its own vLLM server (one core each, publishing
+    its KV events, which the node follows when `kv_events`), behind `cachet router`; the
+    fabric keeps two replicas, so both nodes hold every saved block. Shared by (d), (e), (j)
+    and `make bench-vllm-routing`."""
 
-    @classmethod
-    def setUpClass(cls):
-        have_prerequisites()
-        need(shutil.which("redis-cli") is not None, "redis-cli (Redis)")
-        cls.procs = Procs()
-        cls.db = f"cachet_vllm_cluster_{os.getpid()}"
-        cls.db_url = f"{PG}/{cls.db}"
-        cls.prefix = f"vllmtest{os.getpid()}"
+    def __init__(self, name: str, kv_events: bool = True):
+        self.procs = Procs()
+        self.db = f"cachet_{name}_{os.getpid()}"
+        self.db_url = f"{PG}/{self.db}"
+        self.prefix = f"{name}{os.getpid()}"
         data, cfg = config_file(
-            "cachet-vllm-cluster-",
-            f'database_url = "{cls.db_url}"\n'
+            f"cachet-{name}-",
+            f'database_url = "{self.db_url}"\n'
             f'redis_url = "{REDIS}"\n'
             '[engine]\nkind = "sim"\n'
             '[cluster]\nreplicas = 2\ngroup_size = 2\n',
         )
         env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
-        cls.env = env
-        cls.nodes = {}
+        self.env = env
+        self.nodes = {}
         for i, n in enumerate(["n1", "n2"]):
-            fabric, api, vllm = free_port(), free_port(), free_port()
-            p, log = start_vllm(cls.procs, f"vllm-{n}", vllm, fabric, cpus=str(i % max(1, os.cpu_count() or 1)))
-            cls.nodes[n] = {"fabric": fabric, "api": api, "vllm": vllm, "vllm_proc": p, "vllm_log": log}
+            fabric, api, vllm, events = free_port(), free_port(), free_port(), free_port_pair()
+            p, log = start_vllm(self.procs, f"{name}-vllm-{n}", vllm, fabric,
+                                cpus=str(i % max(1, os.cpu_count() or 1)),
+                                env={"CACHET_VLLM_KV_EVENTS": str(events)})
+            self.nodes[n] = {"fabric": fabric, "api": api, "vllm": vllm, "events": events,
+                             "vllm_proc": p, "vllm_log": log}
         cachet(["migrate"], env)
-        cls.tenant, cls.key = new_tenant(env, "cluster-tenant")
-        cls.tenant_d, cls.key_d = new_tenant(env, "cluster-killed")
-        for n, c in cls.nodes.items():
-            c["proc"], c["log"] = cls.procs.start(
-                n,
-                [BIN, "node", "--id", n, "--redis-prefix", cls.prefix,
+        self.tenant, self.key = new_tenant(env, f"{name}-tenant")
+        for n, c in self.nodes.items():
+            follow = {"CACHET_VLLM_KV_EVENTS": f"tcp://127.0.0.1:{c['events']}|tcp://127.0.0.1:{c['events'] + 1}"}
+            c["proc"], c["log"] = self.procs.start(
+                f"{name}-{n}",
+                [BIN, "node", "--id", n, "--redis-prefix", self.prefix,
                  "--listen", f"127.0.0.1:{c['fabric']}", "--api-listen", f"127.0.0.1:{c['api']}"],
                 {**env, "CACHET_VLLM_URL": f"http://127.0.0.1:{c['vllm']}",
+                 **(follow if kv_events else {}),
                  "CACHET_DATA_DIR": os.path.join(data, n)},
             )
         gw = free_port()
-        cls.gateway, cls.gateway_log = cls.procs.start(
-            "gateway", [BIN, "router", "--redis-prefix", cls.prefix],
+        self.gateway, self.gateway_log = self.procs.start(
+            f"{name}-gateway", [BIN, "router", "--redis-prefix", self.prefix],
             {**env, "CACHET_LISTEN": f"127.0.0.1:{gw}",
              # The gateway renders and counts tokens as the nodes do; it never calls vLLM.
-             "CACHET_VLLM_URL": f"http://127.0.0.1:{cls.nodes['n1']['vllm']}",
+             "CACHET_VLLM_URL": f"http://127.0.0.1:{self.nodes['n1']['vllm']}",
              "CACHET_DATA_DIR": os.path.join(data, "gw")},
         )
-        cls.base = f"http://127.0.0.1:{gw}"
+        self.base = f"http://127.0.0.1:{gw}"
 
         def ready():
-            status, _, body = http("GET", f"{cls.base}/readyz", timeout=2)
+            status, _, body = http("GET", f"{self.base}/readyz", timeout=2)
             text = json.dumps(body) if not isinstance(body, bytes) else body.decode()
             return status == 200 and '"n1"' in text and '"n2"' in text
 
-        wait_until("cachet router with two nodes", ready, 90, cls.gateway, cls.gateway_log)
-        for c in cls.nodes.values():
+        wait_until("cachet router with two nodes", ready, 90, self.gateway, self.gateway_log)
+        for c in self.nodes.values():
             wait_vllm(c["vllm_proc"], c["vllm_log"], c["vllm"])
 
-    @classmethod
-    def tearDownClass(cls):
-        cls.procs.stop_all()
-        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {cls.db} WITH (FORCE)"],
+    def stop(self) -> None:
+        self.procs.stop_all()
+        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {self.db} WITH (FORCE)"],
                        capture_output=True)
-        keys = subprocess.run(["redis-cli", "-u", REDIS, "--scan", "--pattern", f"{cls.prefix}:*"],
+        keys = subprocess.run(["redis-cli", "-u", REDIS, "--scan", "--pattern", f"{self.prefix}:*"],
                               capture_output=True, text=True).stdout.split()
         if keys:
             subprocess.run(["redis-cli", "-u", REDIS, "del", *keys], capture_output=True)
+
+
+class TwoInstances(unittest.TestCase):
+    """(d), (e) on a `VllmCluster`."""
+
+    @classmethod
+    def setUpClass(cls):
+        have_prerequisites()
+        need(shutil.which("redis-cli") is not None, "redis-cli (Redis)")
+        cls.cluster = VllmCluster("vllmcluster", kv_events=False)
+        cls.nodes, cls.base, cls.db_url = cls.cluster.nodes, cls.cluster.base, cls.cluster.db_url
+        cls.tenant, cls.key = cls.cluster.tenant, cls.cluster.key
+        cls.tenant_d, cls.key_d = new_tenant(cls.cluster.env, "cluster-killed")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.stop()
 
     SYSTEM = "You answer questions about the solar system for a planetarium. " * 12
 
@@ -1127,75 +1146,8 @@ class TwoInstances(unittest.TestCase):
         self.assertEqual(n, 5, "two requests before the kill, three after: one row each")
 
 
-class EventsCluster:
-    """Two `cachet node`s, each with a vLLM (one core each) whose KV events it follows when
-    `kv_events`, behind `cachet router`; the fabric keeps two replicas, so both nodes hold
-    every saved block and only the engines' own caches tell the instances apart. Shared by
-    (j) and `make bench-vllm-routing`."""
-
-    def __init__(self, name: str, kv_events: bool = True):
-        self.procs = Procs()
-        self.db = f"cachet_{name}_{os.getpid()}"
-        self.db_url = f"{PG}/{self.db}"
-        self.prefix = f"{name}{os.getpid()}"
-        data, cfg = config_file(
-            f"cachet-{name}-",
-            f'database_url = "{self.db_url}"\n'
-            f'redis_url = "{REDIS}"\n'
-            '[engine]\nkind = "sim"\n'
-            '[cluster]\nreplicas = 2\ngroup_size = 2\n',
-        )
-        env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
-        self.nodes = {}
-        for i, n in enumerate(["n1", "n2"]):
-            fabric, api, vllm, events = free_port(), free_port(), free_port(), free_port_pair()
-            p, log = start_vllm(self.procs, f"{name}-vllm-{n}", vllm, fabric,
-                                cpus=str(i % max(1, os.cpu_count() or 1)),
-                                env={"CACHET_VLLM_KV_EVENTS": str(events)})
-            self.nodes[n] = {"fabric": fabric, "api": api, "vllm": vllm, "events": events,
-                             "vllm_proc": p, "vllm_log": log}
-        cachet(["migrate"], env)
-        self.tenant, self.key = new_tenant(env, f"{name}-tenant")
-        for n, c in self.nodes.items():
-            follow = {"CACHET_VLLM_KV_EVENTS": f"tcp://127.0.0.1:{c['events']}|tcp://127.0.0.1:{c['events'] + 1}"}
-            c["proc"], c["log"] = self.procs.start(
-                f"{name}-{n}",
-                [BIN, "node", "--id", n, "--redis-prefix", self.prefix,
-                 "--listen", f"127.0.0.1:{c['fabric']}", "--api-listen", f"127.0.0.1:{c['api']}"],
-                {**env, "CACHET_VLLM_URL": f"http://127.0.0.1:{c['vllm']}",
-                 **(follow if kv_events else {}),
-                 "CACHET_DATA_DIR": os.path.join(data, n)},
-            )
-        gw = free_port()
-        self.gateway, self.gateway_log = self.procs.start(
-            f"{name}-gateway", [BIN, "router", "--redis-prefix", self.prefix],
-            {**env, "CACHET_LISTEN": f"127.0.0.1:{gw}",
-             "CACHET_VLLM_URL": f"http://127.0.0.1:{self.nodes['n1']['vllm']}",
-             "CACHET_DATA_DIR": os.path.join(data, "gw")},
-        )
-        self.base = f"http://127.0.0.1:{gw}"
-
-        def ready():
-            status, _, body = http("GET", f"{self.base}/readyz", timeout=2)
-            text = json.dumps(body) if not isinstance(body, bytes) else body.decode()
-            return status == 200 and '"n1"' in text and '"n2"' in text
-
-        wait_until("cachet router with two nodes", ready, 90, self.gateway, self.gateway_log)
-        for c in self.nodes.values():
-            wait_vllm(c["vllm_proc"], c["vllm_log"], c["vllm"])
-
-    def stop(self) -> None:
-        self.procs.stop_all()
-        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {self.db} WITH (FORCE)"],
-                       capture_output=True)
-        keys = subprocess.run(["redis-cli", "-u", REDIS, "--scan", "--pattern", f"{self.prefix}:*"],
-                              capture_output=True, text=True).stdout.split()
-        if keys:
-            subprocess.run(["redis-cli", "-u", REDIS, "del", *keys], capture_output=True)
-
-
 class RoutedByEngineCache(unittest.TestCase):
-    """(j) Routing by the engines' own caches, on an `EventsCluster`."""
+    """(j) Routing by the engines' own caches, on a `VllmCluster`."""
 
     # About 420 tokens: three full 128-token blocks shared by every question.
     SYSTEM = ("You are the archivist of the Lisbon maritime museum. Visitors ask about ships, "
@@ -1214,7 +1166,7 @@ class RoutedByEngineCache(unittest.TestCase):
         sys.path.insert(0, os.path.dirname(__file__))
         from kv_consumer import KvConsumer
 
-        cls.cluster = EventsCluster("vllmevents")
+        cls.cluster = VllmCluster("vllmevents")
         cls.nodes, cls.base, cls.key = cls.cluster.nodes, cls.cluster.base, cls.cluster.key
         cls.gateway, cls.gateway_log = cls.cluster.gateway, cls.cluster.gateway_log
         host, port = REDIS.removeprefix("redis://").split("/")[0].split(":")
