@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 
 # (api-fuzz, fuzz-api: schemathesis against a real server; fuzz-slice, fuzz: cargo fuzz;
 # chaos: faults under load)
-.PHONY: bench-memory vllm-test run-vllm bench-vllm bench-vllm-routing bench-kv-path bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
+.PHONY: bench-memory vllm-test run-vllm bench-vllm bench-vllm-routing bench-vllm-split bench-kv-path bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
 
 UI := admin-ui
 
@@ -95,6 +95,10 @@ bench-vllm: services model
 ## TTFT of multi-turn chats on two vLLM instances, routed with and without their KV events.
 bench-vllm-routing: services model
 	loadtests/vllm-bench.sh loadtests/vllm_routing_bench.py
+
+## TTFT and time between tokens of long prompts beside short chats: colocated vs prefill and decode apart.
+bench-vllm-split: services model
+	loadtests/vllm-bench.sh loadtests/vllm_split_bench.py
 
 ## The KV data path alone at Llama-3-8B's geometry (an 8K prefix, 1 GiB) into CPU tensors,
 ## beside a plain copy and a crc32c pass of the same bytes (docs/benchmarks.md).

@@ -328,6 +328,12 @@ pub struct VllmUpstream {
     /// each engine's own cache holds (docs/kv-events.md). Empty: not followed.
     /// `CACHET_VLLM_KV_EVENTS` takes them comma-separated.
     pub kv_events: Vec<String>,
+    /// The role of `url` and `instances`, in that order: `prefill` (prefills and hands the
+    /// KV over through the fabric, never decodes), `decode` or `both` (the default for any
+    /// not listed). With a prefill instance, requests are prefilled there and decoded on the
+    /// others (docs/operations.md, "Prefill and decode apart"). `CACHET_VLLM_ROLES` takes
+    /// them comma-separated.
+    pub roles: Vec<String>,
 }
 
 impl Default for VllmUpstream {
@@ -341,6 +347,7 @@ impl Default for VllmUpstream {
             max_model_len: 8192,
             read_timeout_secs: 120,
             kv_events: Vec::new(),
+            roles: Vec::new(),
         }
     }
 }
@@ -377,6 +384,11 @@ impl VllmUpstream {
             context_window: self.max_model_len,
             model_path: model_path.to_path_buf(),
             read_timeout: Duration::from_secs(self.read_timeout_secs),
+            roles: self
+                .roles
+                .iter()
+                .map(|r| engine::vllm::Role::parse(r).unwrap_or_default())
+                .collect(),
         }
     }
 }
@@ -652,6 +664,12 @@ impl Config {
         {
             v.kv_events = eps.split(',').map(|e| e.trim().to_string()).collect();
         }
+        if let Ok(roles) = std::env::var("CACHET_VLLM_ROLES")
+            && !roles.is_empty()
+            && let Some(v) = self.engine.vllm.first_mut()
+        {
+            v.roles = roles.split(',').map(|r| r.trim().to_string()).collect();
+        }
         env_parse("CACHET_ENGINE", &mut self.engine.kind)?;
         env_parse("CACHET_MODEL_PATH", &mut self.engine.model_path)?;
         env_parse("CACHET_SIM_TIME_SCALE", &mut self.engine.sim_time_scale)?;
@@ -853,6 +871,7 @@ impl EngineSection {
                 max_model_len,
                 read_timeout_secs,
                 kv_events,
+                roles,
             } = v;
             if model.is_empty() || served_model.is_empty() {
                 bail!("engine.vllm[{i}]: model and served_model must be set");
@@ -882,6 +901,25 @@ impl EngineSection {
                 .find(|e| !e.starts_with("tcp://"))
             {
                 bail!("engine.vllm[{i}].kv_events: endpoints are tcp://host:port (got {bad:?})");
+            }
+            if roles.len() > 1 + instances.len() {
+                bail!(
+                    "engine.vllm[{i}].roles: one role per instance at most ({} given for {} instances)",
+                    roles.len(),
+                    1 + instances.len()
+                );
+            }
+            if let Some(bad) = roles
+                .iter()
+                .find(|r| engine::vllm::Role::parse(r).is_none())
+            {
+                bail!(
+                    "engine.vllm[{i}].roles: {bad:?} is not a role; roles are prefill, decode, both"
+                );
+            }
+            let role = |k: usize| roles.get(k).map_or("both", String::as_str);
+            if (0..=instances.len()).all(|k| role(k) == "prefill") {
+                bail!("engine.vllm[{i}].roles: an instance must decode (decode or both)");
             }
             if vllm[..i].iter().any(|o| o.model == *model) {
                 bail!("engine.vllm[{i}]: model {model:?} is listed twice");
@@ -1118,6 +1156,29 @@ mod tests {
         c.validate().unwrap();
         let e = c.engine.vllm[0].engine_config(std::path::Path::new("m.gguf"));
         assert_eq!(e.urls, vec!["http://a:1", "http://b:2"]);
+        assert_eq!(e.roles, vec![], "both, colocated, unless told");
+        let roles = |r: &str| {
+            toml::from_str::<Config>(&format!(
+                "[engine]\nmodel_path = \"m.gguf\"\n[[engine.vllm]]\nurl = \"http://a:1\"\ninstances = [\"http://b:2\"]\nroles = {r}"
+            ))
+            .unwrap()
+        };
+        let c = roles("[\"prefill\", \"decode\"]");
+        c.validate().unwrap();
+        assert_eq!(
+            c.engine.vllm[0]
+                .engine_config(std::path::Path::new("m.gguf"))
+                .roles,
+            vec![engine::vllm::Role::Prefill, engine::vllm::Role::Decode]
+        );
+        for (bad, says) in [
+            ("[\"prefill\", \"prefill\"]", "must decode"),
+            ("[\"prefil\"]", "not a role"),
+            ("[\"both\", \"both\", \"both\"]", "one role per instance"),
+        ] {
+            let e = roles(bad).validate().unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
         let c: Config = toml::from_str(
             "[engine]\nmodel_path = \"m.gguf\"\n[[engine.vllm]]\nurl = \"http://a:1\"\ninstances = [\"b:2\"]",
         )

@@ -27,3 +27,19 @@ pub static MEMO_BYTES: LazyLock<IntGauge> = LazyLock::new(|| {
         "Bytes held by the segment tokenization memos (all engines)",
     )
 });
+
+pub static SPLIT: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    int_counter_vec(
+        "cachet_engine_split_total",
+        "Requests of a model with prefill instances: split (prefilled apart, decoded elsewhere), prefill_failed (served whole by a decoding instance)",
+        &["model", "outcome"],
+    )
+});
+
+pub static SPLIT_HANDOFF_TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    int_counter_vec(
+        "cachet_engine_split_handoff_tokens_total",
+        "Prompt tokens prefilled on a prefill instance and handed to a decoding one through the fabric (full blocks)",
+        &["model"],
+    )
+});

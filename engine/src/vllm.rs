@@ -9,6 +9,16 @@
 //! ([`crate::KvPath::Connector`]). Tokens come back as a stream (`return_token_ids`);
 //! [`crate::Engine::start`] returns once the first one has arrived, so the prefill and the
 //! connector's loads and saves are done by then.
+//!
+//! Prefill and decode apart: a model's instances can be given roles ([`Role`]). With a
+//! prefill-only instance and one that decodes, a request whose prompt has a full block is
+//! prefilled on the prefill instance first (`max_tokens` 1, the request's own tag and writes,
+//! plus one short best-effort entry of every full block, [`SPLIT_TTL`]: the hand-over), then
+//! sent to a decoding instance, whose connector loads those blocks and computes only the
+//! tail; its writes are none (the prefill stage saved them) and its tag is another, so the
+//! report the gateway bills by is the prefill stage's, as if colocated. A prefill instance
+//! that cannot be reached or fails mid-prefill hands the request, whole, to a decoding
+//! instance (decision 0033).
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -48,6 +58,46 @@ pub struct VllmConfig {
     pub model_path: PathBuf,
     /// Longest wait for vLLM's next bytes (a long prefill included).
     pub read_timeout: Duration,
+    /// Each URL's role, in the order of `urls` (missing ones: [`Role::Both`]).
+    pub roles: Vec<Role>,
+}
+
+/// What a vLLM instance of a model does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Role {
+    /// Prefills prompts and hands their KV over through the fabric; never decodes.
+    Prefill,
+    /// Decodes (and prefills what the prefill instances did not).
+    Decode,
+    /// Both, colocated: what every instance is unless told otherwise.
+    #[default]
+    Both,
+}
+
+impl Role {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "prefill" => Some(Role::Prefill),
+            "decode" => Some(Role::Decode),
+            "both" => Some(Role::Both),
+            _ => None,
+        }
+    }
+
+    fn decodes(self) -> bool {
+        self != Role::Prefill
+    }
+}
+
+/// How long the prefill stage's hand-over entry is held: long enough for the decode stage to
+/// load it (it starts as soon as the prefill ends), short enough not to crowd the tenant's
+/// cache; best effort, so capacity evicts it before anything paid.
+pub const SPLIT_TTL: Duration = Duration::from_secs(30);
+
+/// The decode stage's tag: another than the request's, so the gateway bills the prefill
+/// stage's report (what was cached before this request) and not the hand-over's load.
+fn decode_tag(tag: u128) -> u128 {
+    tag ^ (1 << 127)
 }
 
 /// The key space a vLLM CPU server with its defaults stores (f32 weights, `auto` cache
@@ -73,6 +123,7 @@ pub struct VllmEngine {
 struct Instance {
     completions: String,
     in_flight: Arc<AtomicUsize>,
+    role: Role,
 }
 
 /// A generation's count on its instance, given back when the generation ends.
@@ -97,6 +148,16 @@ impl VllmEngine {
                 "vLLM block size {} is not a positive multiple of 32",
                 config.block_size
             )));
+        }
+        if !config
+            .urls
+            .iter()
+            .enumerate()
+            .any(|(i, _)| config.roles.get(i).copied().unwrap_or_default().decodes())
+        {
+            return Err(EngineError::Internal(
+                "a vLLM model needs an instance that decodes (role decode or both)".into(),
+            ));
         }
         let chat = ChatRenderer::load(&config.model_path)?;
         let client = reqwest::Client::builder()
@@ -130,9 +191,11 @@ impl VllmEngine {
             instances: config
                 .urls
                 .iter()
-                .map(|u| Instance {
+                .enumerate()
+                .map(|(i, u)| Instance {
                     completions: format!("{}/v1/completions", u.trim_end_matches('/')),
                     in_flight: Arc::default(),
+                    role: config.roles.get(i).copied().unwrap_or_default(),
                 })
                 .collect(),
             turn: AtomicUsize::new(0),
@@ -142,33 +205,104 @@ impl VllmEngine {
     }
 
     fn body(&self, req: &GenerateRequest) -> Value {
-        let s = &req.sampling;
-        let mut body = json!({
-            "model": self.served_model,
-            "prompt": req.tokens,
-            "max_tokens": req.max_new_tokens.max(1),
-            "temperature": s.temperature.unwrap_or(0.0),
-            "stream": true,
-            "return_token_ids": true,
-            "ignore_eos": s.ignore_eos,
-        });
-        if let Some(p) = s.top_p {
-            body["top_p"] = json!(p);
+        completion_body(&self.served_model, req)
+    }
+}
+
+/// The `/v1/completions` body of a request.
+fn completion_body(served_model: &str, req: &GenerateRequest) -> Value {
+    let s = &req.sampling;
+    let mut body = json!({
+        "model": served_model,
+        "prompt": req.tokens,
+        "max_tokens": req.max_new_tokens.max(1),
+        "temperature": s.temperature.unwrap_or(0.0),
+        "stream": true,
+        "return_token_ids": true,
+        "ignore_eos": s.ignore_eos,
+    });
+    if let Some(p) = s.top_p {
+        body["top_p"] = json!(p);
+    }
+    if let Some(k) = s.top_k {
+        body["top_k"] = json!(k);
+    }
+    // Greedy decoding needs no seed; vLLM takes a signed 64-bit one.
+    if let (Some(seed), Some(t)) = (s.seed, s.temperature)
+        && t > 0.0
+    {
+        body["seed"] = json!(seed & i64::MAX as u64);
+    }
+    if let Some(c) = &req.connector {
+        body["cache_salt"] = json!(c.cache_salt);
+        body["kv_transfer_params"] = transfer_params(c);
+    }
+    body
+}
+
+/// Whether a request is prefilled apart: a prefill-only instance exists among `roles`, the
+/// request has a connector and at least one full block to hand over.
+fn splits(mut roles: impl Iterator<Item = Role>, req: &GenerateRequest) -> bool {
+    roles.any(|r| r == Role::Prefill) && req.connector.as_ref().is_some_and(|c| !c.keys.is_empty())
+}
+
+/// A split request's two bodies: the prefill (one token, the request's tag and writes plus
+/// the hand-over of every full block) and the decode (the request as sent, loading them).
+fn split_bodies(served_model: &str, req: &GenerateRequest) -> (Value, Value) {
+    let c = req
+        .connector
+        .as_ref()
+        .expect("a split request has a connector");
+    let mut prefill = completion_body(served_model, req);
+    prefill["max_tokens"] = json!(1);
+    prefill["temperature"] = json!(0.0);
+    let mut writes = c.writes.clone();
+    writes.push(crate::ConnectorWrite {
+        end_block: c.keys.len(),
+        ttl: SPLIT_TTL,
+        paid: false,
+    });
+    prefill["kv_transfer_params"] = transfer_params(&ConnectorParams {
+        writes,
+        ..c.clone()
+    });
+    let mut decode = completion_body(served_model, req);
+    decode["kv_transfer_params"] = transfer_params(&ConnectorParams {
+        writes: Vec::new(),
+        tag: decode_tag(c.tag),
+        ..c.clone()
+    });
+    (prefill, decode)
+}
+
+impl VllmEngine {
+    /// The prefill stage, on a prefill instance, to its end.
+    async fn prefill_stage(&self, body: &Value) -> Result<(), EngineError> {
+        let (resp, in_flight) = self.send(body, Stage::Prefill).await?;
+        let mut g = VllmGeneration::open(resp, in_flight, None, self.rt.clone()).await?;
+        while !g.done {
+            g.pending.clear();
+            g.fill().await?;
         }
-        if let Some(k) = s.top_k {
-            body["top_k"] = json!(k);
+        Ok(())
+    }
+}
+
+/// Which instances a request is sent to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// The prefill-only instances.
+    Prefill,
+    /// Those that decode (a whole request, or a split one's decode stage).
+    Decode,
+}
+
+impl Stage {
+    fn takes(self, role: Role) -> bool {
+        match self {
+            Stage::Prefill => role == Role::Prefill,
+            Stage::Decode => role.decodes(),
         }
-        // Greedy decoding needs no seed; vLLM takes a signed 64-bit one.
-        if let (Some(seed), Some(t)) = (s.seed, s.temperature)
-            && t > 0.0
-        {
-            body["seed"] = json!(seed & i64::MAX as u64);
-        }
-        if let Some(c) = &req.connector {
-            body["cache_salt"] = json!(c.cache_salt);
-            body["kv_transfer_params"] = transfer_params(c);
-        }
-        body
     }
 }
 
@@ -207,22 +341,48 @@ fn try_order(in_flight: &[usize], turn: usize) -> Vec<usize> {
 }
 
 impl VllmEngine {
-    /// The instances in the order to try them: fewest generations in flight first, equals
-    /// taken turn by turn.
-    fn order(&self) -> Vec<usize> {
+    /// The instances of `stage` in the order to try them: fewest generations in flight
+    /// first, equals taken turn by turn.
+    fn order(&self, stage: Stage) -> Vec<usize> {
         let busy: Vec<usize> = self
             .instances
             .iter()
             .map(|i| i.in_flight.load(Ordering::Relaxed))
             .collect();
         try_order(&busy, self.turn.fetch_add(1, Ordering::Relaxed))
+            .into_iter()
+            .filter(|&i| stage.takes(self.instances[i].role))
+            .collect()
     }
 
-    /// Send a completion to the least busy instance that can be reached (the next one when
-    /// a connection fails: nothing was computed there).
-    async fn send(&self, body: &Value) -> Result<(reqwest::Response, InFlight), EngineError> {
+    /// Send a completion to the least busy instance of `stage` that can be reached (the next
+    /// one when a connection fails: nothing was computed there) and check its status.
+    async fn send(
+        &self,
+        body: &Value,
+        stage: Stage,
+    ) -> Result<(reqwest::Response, InFlight), EngineError> {
+        let (resp, held) = self.connect(body, stage).await?;
+        let status = resp.status();
+        if !status.is_success() {
+            let text = resp.text().await.unwrap_or_default();
+            let msg = format!("vLLM answered {status}: {}", text.trim());
+            return Err(if status.is_server_error() {
+                EngineError::Unavailable(msg)
+            } else {
+                EngineError::Internal(msg)
+            });
+        }
+        Ok((resp, held))
+    }
+
+    async fn connect(
+        &self,
+        body: &Value,
+        stage: Stage,
+    ) -> Result<(reqwest::Response, InFlight), EngineError> {
         let mut last = None;
-        for i in self.order() {
+        for i in self.order(stage) {
             let inst = &self.instances[i];
             inst.in_flight.fetch_add(1, Ordering::Relaxed);
             let held = InFlight(inst.in_flight.clone());
@@ -232,7 +392,10 @@ impl VllmEngine {
                 Err(e) => return Err(unavailable(e)),
             }
         }
-        Err(unavailable(last.expect("at least one instance")))
+        Err(match last {
+            Some(e) => unavailable(e),
+            None => EngineError::Unavailable("vLLM: no instance for this stage".into()),
+        })
     }
 }
 
@@ -260,32 +423,37 @@ impl crate::Engine for VllmEngine {
         if req.tokens.is_empty() {
             return Err(EngineError::InvalidImport("empty prompt".into()));
         }
-        let body = self.body(&req);
-        let rt = self.rt.clone();
         let eos = (!req.sampling.ignore_eos).then_some(self.eos_id);
         self.rt.block_on(async {
-            let (resp, in_flight) = self.send(&body).await?;
-            let status = resp.status();
-            if !status.is_success() {
-                let text = resp.text().await.unwrap_or_default();
-                let msg = format!("vLLM answered {status}: {}", text.trim());
-                return Err(if status.is_server_error() {
-                    EngineError::Unavailable(msg)
-                } else {
-                    EngineError::Internal(msg)
-                });
-            }
-            let mut g = VllmGeneration {
-                _in_flight: in_flight,
-                stream: Box::pin(resp.bytes_stream()),
-                buf: BytesMut::new(),
-                pending: VecDeque::new(),
-                done: false,
-                eos,
-                rt,
+            let body = if splits(self.instances.iter().map(|i| i.role), &req) {
+                let (prefill, decode) = split_bodies(&self.served_model, &req);
+                match self.prefill_stage(&prefill).await {
+                    Ok(()) => {
+                        crate::metrics::SPLIT
+                            .with_label_values(&[&self.info.id, "split"])
+                            .inc();
+                        crate::metrics::SPLIT_HANDOFF_TOKENS
+                            .with_label_values(&[&self.info.id])
+                            .inc_by((req.connector.as_ref().map_or(0, |c| c.keys.len())
+                                * self.info.block_size) as u64);
+                        decode
+                    }
+                    Err(e) => {
+                        // Whole on a decoding instance: its connector loads what the
+                        // fabric holds (whatever the prefill saved before it failed).
+                        tracing::warn!(model = %self.info.id, error = %e, "the prefill instance failed; the request is served whole by a decoding instance");
+                        crate::metrics::SPLIT
+                            .with_label_values(&[&self.info.id, "prefill_failed"])
+                            .inc();
+                        self.body(&req)
+                    }
+                }
+            } else {
+                self.body(&req)
             };
+            let (resp, in_flight) = self.send(&body, Stage::Decode).await?;
             // The first token: prefill (and the connector's loads and saves) are done.
-            g.fill().await?;
+            let g = VllmGeneration::open(resp, in_flight, eos, self.rt.clone()).await?;
             Ok(Box::new(g) as Box<dyn Generation>)
         })
     }
@@ -305,6 +473,26 @@ struct VllmGeneration {
 }
 
 impl VllmGeneration {
+    /// A completion's stream, read up to its first token.
+    async fn open(
+        resp: reqwest::Response,
+        in_flight: InFlight,
+        eos: Option<u32>,
+        rt: tokio::runtime::Handle,
+    ) -> Result<Self, EngineError> {
+        let mut g = VllmGeneration {
+            _in_flight: in_flight,
+            stream: Box::pin(resp.bytes_stream()),
+            buf: BytesMut::new(),
+            pending: VecDeque::new(),
+            done: false,
+            eos,
+            rt,
+        };
+        g.fill().await?;
+        Ok(g)
+    }
+
     /// Read events until at least one token is pending or the stream has ended.
     async fn fill(&mut self) -> Result<(), EngineError> {
         while self.pending.is_empty() && !self.done {
@@ -446,6 +634,64 @@ mod tests {
         g.fill().await.unwrap();
         assert_eq!(g.pending.pop_front().map(|t| t.id), Some(64));
         assert!(matches!(g.fill().await, Err(EngineError::Unavailable(_))));
+    }
+
+    #[test]
+    fn a_split_request_hands_every_full_block_over_and_is_billed_by_its_prefill() {
+        let req = GenerateRequest {
+            tokens: (0..300).collect(),
+            imported: Vec::new(),
+            exports: Vec::new(),
+            sampling: Default::default(),
+            max_new_tokens: 40,
+            connector: Some(ConnectorParams {
+                scope: [1; 32],
+                keys: vec![cachet_common::BlockHash([2; 32]); 2],
+                writes: vec![crate::ConnectorWrite {
+                    end_block: 1,
+                    ttl: Duration::from_secs(300),
+                    paid: true,
+                }],
+                tag: 7,
+                cache_salt: "s".into(),
+                key_space: default_key_space(128),
+            }),
+        };
+        let both = [Role::Both, Role::Both];
+        assert!(!splits(both.into_iter(), &req), "colocated unless told");
+        let roles = [Role::Prefill, Role::Decode];
+        assert!(splits(roles.into_iter(), &req));
+        assert!(
+            !splits(
+                roles.into_iter(),
+                &GenerateRequest {
+                    connector: None,
+                    ..req.clone()
+                }
+            ),
+            "nothing to hand over"
+        );
+        let (prefill, decode) = split_bodies("m", &req);
+        assert_eq!(prefill["max_tokens"], 1);
+        let w = &prefill["kv_transfer_params"]["cachet"]["writes"];
+        assert_eq!(w[0]["kind"], "paid", "the customer's own write");
+        assert_eq!(w[1]["end_block"], 2, "the hand-over: every full block");
+        assert_eq!(w[1]["kind"], "best_effort");
+        assert_eq!(w[1]["ttl_ms"], SPLIT_TTL.as_millis() as u64);
+        assert_eq!(
+            prefill["kv_transfer_params"]["cachet"]["tag"],
+            format!("{:032x}", 7)
+        );
+        let d = &decode["kv_transfer_params"]["cachet"];
+        assert_eq!(d["writes"].as_array().unwrap().len(), 0);
+        assert_ne!(
+            d["tag"], prefill["kv_transfer_params"]["cachet"]["tag"],
+            "the decode stage's report is not billed"
+        );
+        assert_eq!(decode["max_tokens"], 40);
+        assert!(Stage::Prefill.takes(Role::Prefill) && !Stage::Prefill.takes(Role::Both));
+        assert!(Stage::Decode.takes(Role::Both) && Stage::Decode.takes(Role::Decode));
+        assert!(!Stage::Decode.takes(Role::Prefill));
     }
 
     #[test]

@@ -36,7 +36,12 @@ What it proves, each against real processes (Postgres, Redis, `cachet`, vLLM):
     the stream says so and the next request is routed by the fabric's copy (and loaded from
     it); a consumer written from docs/kv-events.md alone (tests/vllm/kv_consumer.py) rebuilds
     which instance holds which block, the engine's blocks being the fabric's keys, and no
-    record carries a token id.
+    record carries a token id;
+(k) prefill and decode apart: a prefill instance and a decode instance beside one node: the
+    greedy answer equals the colocated one; the decode instance loads every full block the
+    prefill instance computed and computes only the tail; one ledger row with the customer's
+    own cache classes (the hand-over is not a cache read); the prefill instance killed
+    mid-request, the request is served whole by the decode instance, one row.
 
 Outside CI a missing prerequisite skips loudly; in CI it fails.
 """
@@ -845,6 +850,47 @@ class Preemption(unittest.TestCase):
             self.assertGreater(usage["cache_read_input_tokens"], 0, usage)
 
 
+def two_instances_beside_one_node(cls, name: str, roles: list[str] | None = None, env: dict | None = None) -> None:
+    """`cachet serve` with one model served by two vLLM servers beside its node (one core
+    each), their roles given (default: both); sets the class's procs, db_url, ports, vllms,
+    env, tenant, key and base."""
+    have_prerequisites()
+    cls.procs = Procs()
+    cls.db = f"cachet_vllm_{name}_{os.getpid()}"
+    cls.db_url = f"{PG}/{cls.db}"
+    cls.api_port, cls.fabric_port = free_port(), free_port()
+    cls.ports = [free_port(), free_port()]
+    _, cfg = config_file(
+        f"cachet-vllm-{name}-",
+        f'listen = "127.0.0.1:{cls.api_port}"\n'
+        f'database_url = "{cls.db_url}"\n'
+        'redis_url = ""\n'
+        f'[fabric]\nlisten = "127.0.0.1:{cls.fabric_port}"\n'
+        '[engine]\nkind = "sim"\n'
+        f'[[engine.vllm]]\nurl = "http://127.0.0.1:{cls.ports[0]}"\n'
+        f'instances = ["http://127.0.0.1:{cls.ports[1]}"]\n'
+        + (f"roles = {json.dumps(roles)}\n" if roles else ""),
+    )
+    cls.env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
+    cls.vllms = [
+        start_vllm(cls.procs, f"vllm-{name}-{i}", port, cls.fabric_port,
+                   cpus=str(i % max(1, os.cpu_count() or 1)), env=env)
+        for i, port in enumerate(cls.ports)
+    ]
+    cachet(["migrate"], cls.env)
+    cls.tenant, cls.key = new_tenant(cls.env, f"tenant-{name}")
+    cls.serve, cls.serve_log = cls.procs.start(f"serve-{name}", [BIN, "serve"], cls.env)
+    cls.base = f"http://127.0.0.1:{cls.api_port}"
+    wait_until("cachet serve", lambda: http("GET", f"{cls.base}/healthz", timeout=2)[0] == 200, 60,
+               cls.serve, cls.serve_log)
+    for (p, log), port in zip(cls.vllms, cls.ports):
+        wait_vllm(p, log, port)
+
+
+def computed(port: int) -> float:
+    return metric(port, "vllm:prompt_tokens_by_source_total", 'source="local_compute"')
+
+
 class SharedArena(unittest.TestCase):
     """One model served by two vLLM servers beside one node (`instances`: one per GPU on a
     real host, one core each here): both connectors map the node's one arena, and a prefix
@@ -854,37 +900,8 @@ class SharedArena(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        have_prerequisites()
-        cls.procs = Procs()
-        cls.db = f"cachet_vllm_shared_{os.getpid()}"
-        cls.db_url = f"{PG}/{cls.db}"
-        cls.api_port, cls.fabric_port = free_port(), free_port()
-        cls.ports = [free_port(), free_port()]
-        _, cfg = config_file(
-            "cachet-vllm-shared-",
-            f'listen = "127.0.0.1:{cls.api_port}"\n'
-            f'database_url = "{cls.db_url}"\n'
-            'redis_url = ""\n'
-            f'[fabric]\nlisten = "127.0.0.1:{cls.fabric_port}"\n'
-            '[engine]\nkind = "sim"\n'
-            f'[[engine.vllm]]\nurl = "http://127.0.0.1:{cls.ports[0]}"\n'
-            f'instances = ["http://127.0.0.1:{cls.ports[1]}"]\n',
-        )
-        cls.env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
-        cls.vllms = [
-            start_vllm(cls.procs, f"vllm-shared-{i}", port, cls.fabric_port,
-                       cpus=str(i % max(1, os.cpu_count() or 1)),
-                       env={"CACHET_TRANSFER_LOG": "1", "CACHET_OVERLAP_LOADS": "1"})
-            for i, port in enumerate(cls.ports)
-        ]
-        cachet(["migrate"], cls.env)
-        cls.tenant, cls.key = new_tenant(cls.env, "tenant-shared")
-        cls.serve, cls.serve_log = cls.procs.start("serve-shared", [BIN, "serve"], cls.env)
-        cls.base = f"http://127.0.0.1:{cls.api_port}"
-        wait_until("cachet serve", lambda: http("GET", f"{cls.base}/healthz", timeout=2)[0] == 200, 60,
-                   cls.serve, cls.serve_log)
-        for (p, log), port in zip(cls.vllms, cls.ports):
-            wait_vllm(p, log, port)
+        two_instances_beside_one_node(
+            cls, "shared", env={"CACHET_TRANSFER_LOG": "1", "CACHET_OVERLAP_LOADS": "1"})
 
     @classmethod
     def tearDownClass(cls):
@@ -1144,6 +1161,102 @@ class TwoInstances(unittest.TestCase):
         time.sleep(1)
         n = int(psql(self.db_url, f"SELECT count(*) FROM usage_events WHERE tenant_id = '{self.tenant}'"))
         self.assertEqual(n, 5, "two requests before the kill, three after: one row each")
+
+
+class PrefillDecodeSplit(unittest.TestCase):
+    """(k) Prefill and decode apart: one model, a prefill instance and a decode instance
+    beside one node (`roles = ["prefill", "decode"]`)."""
+
+    # About 560 tokens: four full blocks and a tail.
+    SYSTEM = ("You are the concierge of a mountain hotel: rooms, ski passes, the spa, "
+              "dinner times and the shuttle to the station. ") * 20
+
+    @classmethod
+    def setUpClass(cls):
+        two_instances_beside_one_node(cls, "split", roles=["prefill", "decode"])
+        cls.prefill, cls.decode = cls.ports
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.procs.stop_all()
+        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {cls.db} WITH (FORCE)"],
+                       capture_output=True)
+
+    def rows(self) -> list[list[str]]:
+        time.sleep(1)
+        return [r.split("|") for r in psql(
+            self.db_url,
+            "SELECT status, input_tokens, cache_write_5m_tokens, cache_read_tokens, output_tokens "
+            f"FROM usage_events WHERE tenant_id = '{self.tenant}' ORDER BY started_at",
+        ).splitlines() if r]
+
+    def test_1_prefilled_apart_answers_as_colocated(self):
+        before = {p: (computed(p), external_hits(p), local_hits(p)) for p in self.ports}
+        text, usage, _ = messages(self.base, self.key, system=self.SYSTEM)
+        prompt = usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"]
+        full = (prompt - 1) // 128 * 128
+        # The decode instance loaded every full block the prefill instance computed, and
+        # computed only the tail; the prefill instance computed the whole prompt.
+        self.assertEqual(external_hits(self.decode) - before[self.decode][1], full)
+        self.assertEqual(computed(self.decode) - before[self.decode][0], prompt - full)
+        self.assertEqual(computed(self.prefill) - before[self.prefill][0], prompt)
+        self.assertEqual(text, vllm_chat(self.decode, system=self.SYSTEM), "the greedy answer, as colocated")
+        # Billed as the customer's breakpoint says: a 5-minute write of the system prompt's
+        # full blocks, the rest input; the hand-over is not a cache read.
+        self.assertEqual(usage["cache_read_input_tokens"], 0, usage)
+        self.assertEqual(usage["cache_creation_input_tokens"] % 128, 0, usage)
+        self.assertGreater(usage["cache_creation_input_tokens"], 0, usage)
+        rows = self.rows()
+        self.assertEqual(len(rows), 1, rows)
+        self.assertEqual(rows[0][0], "completed", rows)
+        self.assertEqual(int(rows[0][2]), usage["cache_creation_input_tokens"], rows)
+        self.assertEqual(int(rows[0][3]), 0, rows)
+        # The same request again reads what the first wrote, as colocated.
+        text2, usage2, _ = messages(self.base, self.key, system=self.SYSTEM)
+        self.assertEqual(text2, text)
+        self.assertEqual(usage2["cache_read_input_tokens"], usage["cache_creation_input_tokens"], usage2)
+        self.assertEqual(cachet_metric(self.base, "cachet_engine_split_total", 'outcome="split"'), 2)
+
+    def test_2_a_prefill_instance_killed_mid_request_is_recomputed(self):
+        long_system = ("The station master's notes on the winter timetable, platform by platform. "
+                       "Trains leave on the hour and on the half hour; the last one at midnight. ") * 60
+        expected = vllm_chat(self.decode, system=long_system)
+        reset_vllm_cache(self.decode)
+        rows_before = len(self.rows())
+        out = {}
+        log = self.vllms[0][1]
+
+        def posts() -> int:
+            with open(log, errors="replace") as f:
+                return f.read().count("POST /v1/completions")
+
+        sent = posts()
+
+        def ask():
+            try:
+                out["answer"] = messages(self.base, self.key, system=long_system)
+            except BaseException as e:  # shown by the assertion below
+                out["error"] = repr(e)
+
+        th = threading.Thread(target=ask)
+        th.start()
+        # Kill the prefill instance while it is prefilling (a ~2,700-token prompt takes it
+        # seconds on one core; vLLM logs the request as its stream starts).
+        wait_until("the prefill instance taking the request", lambda: "error" in out or posts() > sent, 30)
+        self.assertNotIn("error", out)
+        time.sleep(1)
+        Procs.kill(self.vllms[0][0])
+        th.join(timeout=300)
+        self.assertIn("answer", out, f"the request was answered: {out.get('error')}")
+        text, usage, _ = out["answer"]
+        self.assertEqual(text, expected)
+        rows = self.rows()
+        self.assertEqual(len(rows) - rows_before, 1, rows)
+        self.assertEqual(rows[-1][0], "completed", rows)
+        self.assertGreaterEqual(cachet_metric(self.base, "cachet_engine_split_total", 'outcome="prefill_failed"'), 1)
+        # With the prefill instance gone, requests are served whole by the decode instance.
+        text, _, _ = messages(self.base, self.key, system=self.SYSTEM, question="And the spa?")
+        self.assertTrue(text)
 
 
 class RoutedByEngineCache(unittest.TestCase):
