@@ -8,6 +8,9 @@
 # Environment: CACHET_VLLM_PORT (8100), CACHET_FABRIC_LISTEN (127.0.0.1:7400, where the
 # connector reaches the node), CACHET_CLUSTER_TOKEN (generated if unset: the connector and the
 # node share it), VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE. vLLM's log: .cachet/vllm.log.
+# CACHET_VLLM_SPLIT=1: two vLLM servers, prefill and decode apart (decision 0033): a prefill
+# instance on CACHET_VLLM_PORT and a decode instance on the next port (log .cachet/vllm-decode.log),
+# one core each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:?usage: scripts/run-vllm.sh path/to/cachet}
@@ -16,19 +19,36 @@ export CACHET_FABRIC_LISTEN=${CACHET_FABRIC_LISTEN:-127.0.0.1:7400}
 export CACHET_VLLM_URL=http://127.0.0.1:$PORT
 export CACHET_CLUSTER_TOKEN=${CACHET_CLUSTER_TOKEN:-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 mkdir -p .cachet
-echo "run-vllm: starting vLLM on 127.0.0.1:$PORT (log: .cachet/vllm.log; about 40 s)" >&2
-setsid scripts/vllm-serve.sh "$PORT" "$CACHET_FABRIC_LISTEN" >.cachet/vllm.log 2>&1 &
-VLLM=$!
-trap 'kill -- -$VLLM 2>/dev/null || kill $VLLM 2>/dev/null || true' EXIT
+PORTS=("$PORT")
+if [ "${CACHET_VLLM_SPLIT:-0}" = 1 ]; then
+  PORTS+=($((PORT + 1)))
+  export CACHET_VLLM_URL=http://127.0.0.1:$PORT,http://127.0.0.1:$((PORT + 1))
+  export CACHET_VLLM_ROLES=prefill,decode
+fi
+PIDS=()
+for i in "${!PORTS[@]}"; do
+  LOG=.cachet/vllm.log
+  [ "$i" = 0 ] || LOG=.cachet/vllm-decode.log
+  echo "run-vllm: starting vLLM on 127.0.0.1:${PORTS[$i]} (log: $LOG; about 40 s)" >&2
+  if [ "${#PORTS[@]}" -gt 1 ]; then
+    VLLM_CPU_OMP_THREADS_BIND=$i setsid scripts/vllm-serve.sh "${PORTS[$i]}" "$CACHET_FABRIC_LISTEN" >"$LOG" 2>&1 &
+  else
+    setsid scripts/vllm-serve.sh "${PORTS[$i]}" "$CACHET_FABRIC_LISTEN" >"$LOG" 2>&1 &
+  fi
+  PIDS+=($!)
+done
+trap 'for p in "${PIDS[@]}"; do kill -- -$p 2>/dev/null || kill $p 2>/dev/null || true; done' EXIT
 "$BIN" migrate >/dev/null
 scripts/admin-user.sh "$BIN"
 export CACHET_ADMIN_JWT_SECRET="${CACHET_ADMIN_JWT_SECRET:-$(scripts/admin-secret.sh)}"
 KEY=$("$BIN" demo)
 ADMIN=$("$BIN" billing token --role platform_admin --subject make-run --ttl-secs 86400)
-for _ in $(seq 600); do
-  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-  kill -0 $VLLM 2>/dev/null || { echo "run-vllm: vLLM exited; see .cachet/vllm.log" >&2; tail -20 .cachet/vllm.log >&2; exit 1; }
-  sleep 0.5
+for i in "${!PORTS[@]}"; do
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:${PORTS[$i]}/health" >/dev/null && break
+    kill -0 "${PIDS[$i]}" 2>/dev/null || { echo "run-vllm: vLLM on ${PORTS[$i]} exited; see .cachet/vllm*.log" >&2; tail -20 .cachet/vllm*.log >&2; exit 1; }
+    sleep 0.5
+  done
 done
 scripts/print-examples.sh "$KEY" "$ADMIN"
 SYSTEM="$(printf 'You are a friendly geography tutor who answers briefly and kindly. %.0s' $(seq 30))"
