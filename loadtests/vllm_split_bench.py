@@ -7,7 +7,9 @@ docs/benchmarks.md.
 
 The mix: BENCH_CHATS short chats (a ~150-token prompt, BENCH_CHAT_TOKENS answer tokens) sent
 two at a time back to back, and, beside them, a long prompt (~BENCH_LONG_TOKENS tokens, a few
-answer tokens) every BENCH_LONG_EVERY seconds, each one new (nothing cached).
+answer tokens) every BENCH_LONG_EVERY seconds, each one new (nothing cached). Three layouts:
+both instances colocated; split with every prompt of a block or more prefilled apart; split
+with only prompts of 1,024 tokens or more prefilled apart (the default `split_min_tokens`).
 """
 
 from __future__ import annotations
@@ -60,13 +62,15 @@ def stream(base: str, key: str, system: str, question: str, max_tokens: int) -> 
 
 
 class Cluster:
-    """`cachet serve` with two vLLM instances of one model, with the roles given."""
+    """`cachet serve` with two vLLM instances of one model, with the roles given; prompts
+    of `split_min_tokens` or more are split."""
 
-    def __init__(self, roles):
-        self.roles = roles
+    def __init__(self, roles, split_min_tokens: int):
+        self.roles, self.split_min_tokens = roles, split_min_tokens
 
     def __enter__(self):
-        t.two_instances_beside_one_node(self, "splitbench", roles=self.roles)
+        t.two_instances_beside_one_node(self, "splitbench", roles=self.roles,
+                                        split_min_tokens=self.split_min_tokens)
         return self
 
     def __exit__(self, *exc):
@@ -76,8 +80,8 @@ class Cluster:
                        capture_output=True)
 
 
-def run(roles) -> tuple[list[dict], list[dict]]:
-    with Cluster(roles) as c:
+def run(roles, split_min_tokens: int) -> tuple[list[dict], list[dict]]:
+    with Cluster(roles, split_min_tokens) as c:
         # Warm both instances (first requests compile and allocate).
         for i in range(2):
             stream(c.base, c.key, prompt_text(200, seed=9000 + i), "Hello.", 4)
@@ -123,8 +127,12 @@ def main() -> None:
     print(f"# {CHATS} chats of {CHAT_TOKENS} tokens two at a time; a {LONG_TOKENS}-token prompt every "
           f"{LONG_EVERY:g} s", file=sys.stderr)
     rows = []
-    for name, roles in (("colocated (both, both)", None), ("split (prefill, decode)", ["prefill", "decode"])):
-        chats, longs = run(roles)
+    for name, roles, least in (
+        ("colocated (both, both)", None, 0),
+        ("split, every prompt of a block or more", ["prefill", "decode"], 128),
+        ("split, prompts of 1,024 tokens or more (the default)", ["prefill", "decode"], 1024),
+    ):
+        chats, longs = run(roles, least)
         ttft = [r["ttft"] * 1000 for r in chats]
         tbt = [g * 1000 for r in chats for g in r["gaps"]]
         lttft = [r["ttft"] * 1000 for r in longs]

@@ -334,6 +334,10 @@ pub struct VllmUpstream {
     /// others (docs/operations.md, "Prefill and decode apart"). `CACHET_VLLM_ROLES` takes
     /// them comma-separated.
     pub roles: Vec<String>,
+    /// With prefill instances, prompts shorter than this many tokens are prefilled where
+    /// they are decoded (a short prefill costs less than a hand-over and must not queue
+    /// behind long ones on the prefill instances).
+    pub split_min_tokens: usize,
 }
 
 impl Default for VllmUpstream {
@@ -348,6 +352,7 @@ impl Default for VllmUpstream {
             read_timeout_secs: 120,
             kv_events: Vec::new(),
             roles: Vec::new(),
+            split_min_tokens: 1024,
         }
     }
 }
@@ -389,6 +394,7 @@ impl VllmUpstream {
                 .iter()
                 .map(|r| engine::vllm::Role::parse(r).unwrap_or_default())
                 .collect(),
+            split_min_tokens: self.split_min_tokens,
         }
     }
 }
@@ -872,6 +878,7 @@ impl EngineSection {
                 read_timeout_secs,
                 kv_events,
                 roles,
+                split_min_tokens: _,
             } = v;
             if model.is_empty() || served_model.is_empty() {
                 bail!("engine.vllm[{i}]: model and served_model must be set");

@@ -60,6 +60,10 @@ pub struct VllmConfig {
     pub read_timeout: Duration,
     /// Each URL's role, in the order of `urls` (missing ones: [`Role::Both`]).
     pub roles: Vec<Role>,
+    /// Prompts shorter than this are prefilled where they are decoded, whatever the roles:
+    /// a short prompt's prefill is cheaper than a hand-over and must not queue behind the
+    /// long ones on the prefill instances.
+    pub split_min_tokens: usize,
 }
 
 /// What a vLLM instance of a model does.
@@ -115,6 +119,7 @@ pub struct VllmEngine {
     /// Where the next choice among equally busy instances starts (turn by turn).
     turn: AtomicUsize,
     served_model: String,
+    split_min_tokens: usize,
     eos_id: u32,
     rt: tokio::runtime::Handle,
 }
@@ -199,6 +204,7 @@ impl VllmEngine {
                 })
                 .collect(),
             turn: AtomicUsize::new(0),
+            split_min_tokens: config.split_min_tokens,
             served_model: config.served_model,
             rt,
         })
@@ -241,9 +247,11 @@ fn completion_body(served_model: &str, req: &GenerateRequest) -> Value {
 }
 
 /// Whether a request is prefilled apart: a prefill-only instance exists among `roles`, the
-/// request has a connector and at least one full block to hand over.
-fn splits(mut roles: impl Iterator<Item = Role>, req: &GenerateRequest) -> bool {
-    roles.any(|r| r == Role::Prefill) && req.connector.as_ref().is_some_and(|c| !c.keys.is_empty())
+/// prompt has at least `min_tokens` tokens, a connector and a full block to hand over.
+fn splits(mut roles: impl Iterator<Item = Role>, min_tokens: usize, req: &GenerateRequest) -> bool {
+    req.tokens.len() >= min_tokens
+        && req.connector.as_ref().is_some_and(|c| !c.keys.is_empty())
+        && roles.any(|r| r == Role::Prefill)
 }
 
 /// A split request's two bodies: the prefill (one token, the request's tag and writes plus
@@ -425,7 +433,11 @@ impl crate::Engine for VllmEngine {
         }
         let eos = (!req.sampling.ignore_eos).then_some(self.eos_id);
         self.rt.block_on(async {
-            let body = if splits(self.instances.iter().map(|i| i.role), &req) {
+            let body = if splits(
+                self.instances.iter().map(|i| i.role),
+                self.split_min_tokens,
+                &req,
+            ) {
                 let (prefill, decode) = split_bodies(&self.served_model, &req);
                 match self.prefill_stage(&prefill).await {
                     Ok(()) => {
@@ -658,12 +670,17 @@ mod tests {
             }),
         };
         let both = [Role::Both, Role::Both];
-        assert!(!splits(both.into_iter(), &req), "colocated unless told");
+        assert!(!splits(both.into_iter(), 0, &req), "colocated unless told");
         let roles = [Role::Prefill, Role::Decode];
-        assert!(splits(roles.into_iter(), &req));
+        assert!(splits(roles.into_iter(), 300, &req));
+        assert!(
+            !splits(roles.into_iter(), 301, &req),
+            "a short prompt stays"
+        );
         assert!(
             !splits(
                 roles.into_iter(),
+                0,
                 &GenerateRequest {
                     connector: None,
                     ..req.clone()

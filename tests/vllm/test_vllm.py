@@ -850,10 +850,11 @@ class Preemption(unittest.TestCase):
             self.assertGreater(usage["cache_read_input_tokens"], 0, usage)
 
 
-def two_instances_beside_one_node(cls, name: str, roles: list[str] | None = None, env: dict | None = None) -> None:
+def two_instances_beside_one_node(cls, name: str, roles: list[str] | None = None, env: dict | None = None,
+                                  split_min_tokens: int = 128) -> None:
     """`cachet serve` with one model served by two vLLM servers beside its node (one core
-    each), their roles given (default: both); sets the class's procs, db_url, ports, vllms,
-    env, tenant, key and base."""
+    each), their roles given (default: both; with roles, prompts of `split_min_tokens` or more
+    are split); sets the class's procs, db_url, ports, vllms, env, tenant, key and base."""
     have_prerequisites()
     cls.procs = Procs()
     cls.db = f"cachet_vllm_{name}_{os.getpid()}"
@@ -869,7 +870,7 @@ def two_instances_beside_one_node(cls, name: str, roles: list[str] | None = None
         '[engine]\nkind = "sim"\n'
         f'[[engine.vllm]]\nurl = "http://127.0.0.1:{cls.ports[0]}"\n'
         f'instances = ["http://127.0.0.1:{cls.ports[1]}"]\n'
-        + (f"roles = {json.dumps(roles)}\n" if roles else ""),
+        + (f"roles = {json.dumps(roles)}\nsplit_min_tokens = {split_min_tokens}\n" if roles else ""),
     )
     cls.env = {"CACHET_CONFIG": cfg, "CACHET_CLUSTER_TOKEN": TOKEN, "RUST_LOG": "info"}
     cls.vllms = [
