@@ -156,12 +156,14 @@ impl EngineFollower {
             .arg(&last)
             .query_async(conn)
             .await?;
+        // Decoded before the view is locked: routing reads it on every request.
+        let batches = parse_batches(reply);
         let mut applied = 0;
         let mut gaps = Vec::new();
         {
             let view = self.view.clone();
             let mut view = view.write().unwrap_or_else(|p| p.into_inner());
-            for (id, batch) in parse_batches(reply) {
+            for (id, batch) in batches {
                 self.last_id = Some(id);
                 let Some(b) = batch else { continue };
                 if self.seqs.check(&b) == Continuity::Gap && !gaps.contains(&b.node) {
