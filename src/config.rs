@@ -71,6 +71,10 @@ pub struct ClusterSection {
     /// The gateway answers 529 at once when no node is expected to start answering within
     /// this time-to-first-token.
     pub ttft_slo_ms: u64,
+    /// ... and when every node whose first token would come in time decodes on instances
+    /// so busy that the time between tokens is expected over this (from the line each node
+    /// measured: time between tokens against the decode batch; vLLM upstreams only).
+    pub tbt_slo_ms: u64,
     /// How long a node waits before recording a stream its gateway lost: the gateway may be
     /// resuming it on another node, whose complete row must be the request's one.
     pub resume_grace_secs: u64,
@@ -85,6 +89,7 @@ impl Default for ClusterSection {
             transfer_bytes_per_sec: 1_000_000_000,
             load_bytes_per_sec: 2_000_000_000,
             ttft_slo_ms: 30_000,
+            tbt_slo_ms: 1_000,
             resume_grace_secs: 120,
         }
     }
@@ -1023,6 +1028,7 @@ impl ClusterSection {
             transfer_bytes_per_sec,
             load_bytes_per_sec,
             ttft_slo_ms,
+            tbt_slo_ms,
             resume_grace_secs: _,
         } = self;
         if *group_size == 0 || *replicas == 0 || replicas > group_size {
@@ -1032,10 +1038,12 @@ impl ClusterSection {
             || *transfer_bytes_per_sec == 0
             || *load_bytes_per_sec == 0
             || *ttft_slo_ms == 0
+            || *tbt_slo_ms == 0
         {
             bail!(
                 "cluster.prefill_tokens_per_sec, cluster.transfer_bytes_per_sec, \
-                 cluster.load_bytes_per_sec and cluster.ttft_slo_ms must be positive"
+                 cluster.load_bytes_per_sec, cluster.ttft_slo_ms and cluster.tbt_slo_ms must \
+                 be positive"
             );
         }
         Ok(())

@@ -128,7 +128,10 @@ pub async fn run(
             let fabric = FabricClient::clustered(node.clone(), cluster.clone());
             let running = start_api_half(&config, &token, l, &api_stop, &node, fabric).await?;
             println!("node {} api on {}", id, running.addr);
-            let _ = loops.measured.set(running.inflight.clone());
+            let _ = loops.measured.set(Measured {
+                inflight: running.inflight.clone(),
+                engines: running.engines.clone(),
+            });
             Some(running)
         }
         None => {
@@ -315,7 +318,23 @@ struct Loops {
     background: CancellationToken,
     /// What the node's API measures (its prefill rates), once it runs: sent with every
     /// heartbeat, with the pull bandwidth, as the routing gateway's learned estimates.
-    measured: Arc<std::sync::OnceLock<gateway::coalesce::Inflight>>,
+    measured: Arc<std::sync::OnceLock<Measured>>,
+}
+
+/// What the node's API half measures, announced with each heartbeat once it runs.
+struct Measured {
+    inflight: gateway::coalesce::Inflight,
+    engines: Vec<Arc<dyn engine::Engine>>,
+}
+
+impl Measured {
+    /// The stages of the engines that measure them, by model.
+    fn stages(&self) -> std::collections::BTreeMap<String, cachet_common::stages::StageLoad> {
+        self.engines
+            .iter()
+            .filter_map(|e| Some((e.info().id.clone(), e.stages()?)))
+            .collect()
+    }
 }
 
 impl Loops {
@@ -329,7 +348,7 @@ impl Loops {
         record: NodeRecord,
     ) -> Self {
         let (leave, background) = (CancellationToken::new(), CancellationToken::new());
-        let measured: Arc<std::sync::OnceLock<gateway::coalesce::Inflight>> = Arc::default();
+        let measured: Arc<std::sync::OnceLock<Measured>> = Arc::default();
         let (n, m, cl) = (node.clone(), measured.clone(), cluster.clone());
         let heartbeat = crate::spawn_loop(
             "heartbeat",
@@ -340,8 +359,9 @@ impl Loops {
                     dram_used_bytes: n.with_store(|s| s.used_bytes()),
                     prefill_tokens_per_sec: m
                         .get()
-                        .map(|i| i.prefill_tokens_per_sec())
+                        .map(|m| m.inflight.prefill_tokens_per_sec())
                         .unwrap_or_default(),
+                    stages: m.get().map(Measured::stages).unwrap_or_default(),
                     pull_bytes_per_sec: cl.pull_bytes_per_sec(),
                     load_bytes_per_sec: n.reports().load_bytes_per_sec(),
                     ..record.clone()

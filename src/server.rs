@@ -249,6 +249,8 @@ pub struct Running {
     pub meter: MeterHandle,
     /// Prefills in flight and the prefill rates measured here (a node announces them).
     pub inflight: gateway::coalesce::Inflight,
+    /// Its engines (a node announces their stages' loads).
+    pub engines: Vec<Arc<dyn engine::Engine>>,
     /// The node's Unix socket for an engine beside it, if open (removed when dropped).
     local: Option<cache_fabric::local::LocalServer>,
     /// The data directory and spool directory held (`crate::dirlock`) until the service ends.
@@ -369,6 +371,7 @@ pub async fn start_api(
     )?;
     follow_changes(&config, pool.clone(), state.sync_targets(), &shutdown).await;
     let inflight = state.inflight.clone();
+    let engines = state.engines.all().to_vec();
     let app = gateway::router(state);
     crate::spawn_loop(
         "return_idle_memory",
@@ -393,6 +396,7 @@ pub async fn start_api(
         node,
         meter,
         inflight,
+        engines,
         task,
     })
 }
@@ -420,6 +424,7 @@ pub async fn start_router(
         cluster_token: token.clone(),
         cost: gateway::routing::conductor::CostModel {
             ttft_slo: Duration::from_millis(c.ttft_slo_ms),
+            tbt_slo: Duration::from_millis(c.tbt_slo_ms),
         },
         transfer_bytes_per_sec: c.transfer_bytes_per_sec as f64,
         load_bytes_per_sec: c.load_bytes_per_sec as f64,

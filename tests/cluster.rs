@@ -550,6 +550,116 @@ async fn a_saturated_node_is_skipped_not_surfaced() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The conductor's early rejection covers the decode stage: a node whose record (as a node
+/// beside vLLM announces it) says its decoding instances are so busy that a new request's
+/// time between tokens would be over `cluster.tbt_slo_ms` is refused at once with a 529
+/// naming the stage; once its announced batch is smaller, the request is sent there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_decoding_is_over_the_tbt_target_is_refused_at_once() {
+    use cachet_common::stages::{StageLoad, StepModel};
+    let prefix = format!("cachet-test-{}", uuid::Uuid::new_v4().simple());
+    let (pool, db_url, _, key) = tenant_db("tbt").await;
+    let env: Vec<(&'static str, String)> = vec![
+        ("DATABASE_URL", db_url.clone()),
+        ("CACHET_ENGINE", "sim".into()),
+    ];
+    let gw = start_gateway(&prefix, &env);
+    let http = reqwest::Client::new();
+    // Nothing listens on its API port: a request sent there fails and is answered as such.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let api_addr = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    let record = move |decoding: u32| membership::NodeRecord {
+        id: "decoding".into(),
+        addr: "127.0.0.1:9".into(),
+        dram_capacity_bytes: 1 << 30,
+        epoch: 1,
+        api_addr: Some(api_addr.clone()),
+        stages: [(
+            "sim-tiny".to_string(),
+            StageLoad {
+                decode_instances: 1,
+                decode_in_flight: decoding,
+                split_min_tokens: 1024,
+                // 200 ms + 100 ms a generation in the batch.
+                step: Some(StepModel {
+                    base_ms: 200.0,
+                    per_seq_ms: 100.0,
+                }),
+                ..StageLoad::default()
+            },
+        )]
+        .into(),
+        ..Default::default()
+    };
+    // Its heartbeat, as a node's: the record expires without one.
+    let decoding = Arc::new(std::sync::atomic::AtomicU32::new(8));
+    let client = redis::Client::open(REDIS).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let heartbeat = {
+        let (mut conn, prefix, decoding) = (conn.clone(), prefix.clone(), decoding.clone());
+        tokio::spawn(async move {
+            loop {
+                let n = decoding.load(std::sync::atomic::Ordering::Relaxed);
+                membership::announce(&mut conn, &prefix, &record(n))
+                    .await
+                    .unwrap();
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        })
+    };
+    wait_for_nodes(&http, &gw, 1).await;
+    // Eight decoding: the ninth would see 200 + 9 × 100 = 1100 ms between tokens, over the
+    // default 1000 ms.
+    let (s, _, r) = post(&http, &gw.url, &key, &prompt(20, "tbt-", "q"), false).await;
+    assert_eq!(s, 529, "{r}");
+    let msg = r["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("time between tokens is 1100 ms (in a batch of 9), over the 1000 ms target"),
+        "{msg}"
+    );
+    let metrics = gateway_metrics(&http, &gw).await;
+    assert!(
+        metrics.contains("cachet_gateway_routed_total{outcome=\"over_tbt\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            "cachet_gateway_conductor_tbt_seconds{model=\"sim-tiny\",node=\"decoding\"} 1.1"
+        ),
+        "{metrics}"
+    );
+    // Two decoding: 500 ms, within the target; the request goes to the node (whose port is
+    // closed: "no node could serve" is a forward that was tried, not a refusal up front).
+    decoding.store(2, std::sync::atomic::Ordering::Relaxed);
+    wait_until(
+        "the gateway sees the smaller batch",
+        Duration::from_secs(10),
+        async || {
+            let (s, _, r) = post(&http, &gw.url, &key, &prompt(20, "tbt-", "q"), false).await;
+            assert_eq!(s, 529, "{r}");
+            !r.to_string().contains("time between tokens")
+        },
+    )
+    .await;
+    let metrics = gateway_metrics(&http, &gw).await;
+    assert!(
+        metrics.contains(
+            "cachet_gateway_conductor_tbt_seconds{model=\"sim-tiny\",node=\"decoding\"} 0.5"
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("cachet_gateway_routed_total{outcome=\"failed\"}"),
+        "{metrics}"
+    );
+    heartbeat.abort();
+    membership::leave(&mut conn, &prefix, "decoding")
+        .await
+        .unwrap();
+    pool.close().await;
+}
+
 /// The text and event kinds of an SSE body.
 fn sse_text(body: &str) -> (String, Vec<String>) {
     let mut text = String::new();

@@ -46,6 +46,11 @@ pub struct NodeRecord {
     /// average): the routing gateway's load estimate. `None` until one has loaded.
     #[serde(default)]
     pub load_bytes_per_sec: Option<f64>,
+    /// Per model whose engine measures them (vLLM upstreams): how its instances divide
+    /// prefill and decode and how loaded each stage is, for the routing gateway's early
+    /// rejection. Empty for in-process engines.
+    #[serde(default)]
+    pub stages: BTreeMap<String, cachet_common::stages::StageLoad>,
 }
 
 fn node_key(prefix: &str, id: &str) -> String {

@@ -4,12 +4,14 @@
 //! This crate holds no logic beyond formatting and parsing those ids; it is not a place for
 //! helpers that belong to one subsystem, and the one error vocabulary ([`error`]) every
 //! crate's errors speak, the loop of every periodic background job ([`tick`]) and the one
-//! way a metric is made and registered ([`metrics`]).
+//! way a metric is made and registered ([`metrics`]), and the stage load an engine measures
+//! and a routing gateway weighs ([`stages`]).
 
 pub mod error;
 pub mod metrics;
 #[cfg(feature = "http")]
 pub mod span;
+pub mod stages;
 pub mod tick;
 
 use std::fmt;

@@ -271,6 +271,11 @@ pub trait Engine: Send + Sync + 'static {
     /// Prefill time per uncached token expected from the model's profile, before anything
     /// has been measured: the seed of the routing gateway's learned estimate.
     fn nominal_prefill_per_token(&self) -> std::time::Duration;
+    /// How its instances divide prefill and decode and how loaded each stage is, for an
+    /// engine that measures it (vLLM upstreams); `None` for one that runs in this process.
+    fn stages(&self) -> Option<cachet_common::stages::StageLoad> {
+        None
+    }
 }
 
 /// A generation in progress.

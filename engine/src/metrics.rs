@@ -2,8 +2,8 @@
 
 use std::sync::LazyLock;
 
-use cachet_common::metrics::{int_counter_vec, int_gauge};
-use prometheus::{IntCounterVec, IntGauge};
+use cachet_common::metrics::{gauge_vec, int_counter_vec, int_gauge, int_gauge_vec};
+use prometheus::{GaugeVec, IntCounterVec, IntGauge, IntGaugeVec};
 
 pub static MEMO: LazyLock<IntCounterVec> = LazyLock::new(|| {
     int_counter_vec(
@@ -41,5 +41,29 @@ pub static SPLIT_HANDOFF_TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
         "cachet_engine_split_handoff_tokens_total",
         "Prompt tokens prefilled on a prefill instance and handed to a decoding one through the fabric (full blocks)",
         &["model"],
+    )
+});
+
+pub static STAGE_IN_FLIGHT: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    int_gauge_vec(
+        "cachet_engine_stage_in_flight",
+        "Requests on a model's vLLM instances by stage: prefill (prefill-only instances) and decode (instances that decode, whole requests included)",
+        &["model", "stage"],
+    )
+});
+
+pub static STAGE_PREFILL_SECONDS: LazyLock<GaugeVec> = LazyLock::new(|| {
+    gauge_vec(
+        "cachet_engine_stage_prefill_seconds",
+        "Mean time of a prefill stage on a model's prefill instances (a moving average)",
+        &["model"],
+    )
+});
+
+pub static STAGE_STEP_SECONDS: LazyLock<GaugeVec> = LazyLock::new(|| {
+    gauge_vec(
+        "cachet_engine_stage_step_seconds",
+        "The time-between-tokens line measured on a model's decoding instances: base, and per_seq (added for each generation in the batch)",
+        &["model", "part"],
     )
 });

@@ -122,7 +122,7 @@ pub static ROUTED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     int_counter_vec(
         "cachet_gateway_routed_total",
         "Routing gateway decisions (forwarded, retried: a node failed and the next was \
-             tried, failed: no node could serve, over_slo and no_nodes: answered 529 at once, \
+             tried, failed: no node could serve, over_slo, over_tbt and no_nodes: answered 529 at once, \
              resumed: a stream whose node failed continued on another, resume_failed: it \
              could not and ended with an error event)",
         &["outcome"],
@@ -216,6 +216,16 @@ pub static CONDUCTOR_PREFILL_RATE: LazyLock<GaugeVec> = LazyLock::new(|| {
         "cachet_gateway_conductor_prefill_tokens_per_second",
         "The routing gateway's prefill estimate per node and model: the node's measured \
              rate, else the model's profile",
+        &["node", "model"],
+    )
+});
+
+pub static CONDUCTOR_TBT: LazyLock<GaugeVec> = LazyLock::new(|| {
+    gauge_vec(
+        "cachet_gateway_conductor_tbt_seconds",
+        "The routing gateway's last time-between-tokens estimate per node and model: the \
+             node's measured line at the batch a new request would join (nodes whose engine \
+             measures it)",
         &["node", "model"],
     )
 });

@@ -79,6 +79,8 @@ struct NodeEntry {
     prefill_tokens_per_sec: std::collections::BTreeMap<String, f64>,
     pull_bytes_per_sec: Option<f64>,
     load_bytes_per_sec: Option<f64>,
+    /// Its models' stages (vLLM upstreams): prefill and decode instances and their loads.
+    stages: std::collections::BTreeMap<String, cachet_common::stages::StageLoad>,
 }
 
 #[derive(Default)]
@@ -292,6 +294,7 @@ pub async fn follow_cluster(
                                 prefill_tokens_per_sec: r.prefill_tokens_per_sec.clone(),
                                 pull_bytes_per_sec: r.pull_bytes_per_sec,
                                 load_bytes_per_sec: r.load_bytes_per_sec,
+                                stages: r.stages.clone(),
                             })
                         })
                         .collect();
@@ -460,6 +463,15 @@ async fn demand(
             metrics::CONDUCTOR_TRANSFER_RATE
                 .with_label_values(&[node.id.as_str()])
                 .set(transfer);
+            let stages = node.stages.get(&info.id).cloned();
+            if let Some((s, line)) = stages.as_ref().and_then(|s| Some((s, s.step?))) {
+                metrics::CONDUCTOR_TBT
+                    .with_label_values(&[node.id.as_str(), info.id.as_str()])
+                    .set(
+                        line.at(s.next_decode_batch(s.decode_in_flight))
+                            .as_secs_f64(),
+                    );
+            }
             Candidate {
                 id: node.id.clone(),
                 local_tokens,
@@ -472,6 +484,7 @@ async fn demand(
                     .load_bytes_per_sec
                     .filter(|r| r.is_finite() && *r > 0.0)
                     .unwrap_or(state.config.load_bytes_per_sec),
+                stages,
             }
         })
         .collect();
@@ -480,6 +493,7 @@ async fn demand(
             prompt_tokens: prepared.rendered.tokens.len(),
             cached_tokens: cached_blocks * b,
             bytes_per_token: info.kv.bytes_per_token(),
+            handoff_tokens: prepared.keys.as_ref().map_or(0, |k| k.blocks.len() * b),
         },
         candidates,
         next,
@@ -602,6 +616,15 @@ fn rank<'a>(
                 best.as_millis(),
                 queue.as_millis(),
                 state.config.cost.ttft_slo.as_millis()
+            )));
+        }
+        Err(Refusal::OverTbt { tbt, batch }) => {
+            metrics::ROUTED.with_label_values(&["over_tbt"]).inc();
+            return Err(ApiError::overloaded(format!(
+                "Overloaded: every node's decoding instances are busy; the shortest expected \
+                 time between tokens is {} ms (in a batch of {batch}), over the {} ms target",
+                tbt.as_millis(),
+                state.config.cost.tbt_slo.as_millis()
             )));
         }
     };

@@ -23,13 +23,27 @@
 //! in. Early rejection answers overload: a node with nothing in flight is never refused on
 //! its estimate (a long prompt on an idle node is slow, not an overload, and refusing it
 //! would relieve nothing).
+//!
+//! Prefill and decode apart (Mooncake's Algorithm 1): a node whose model has prefill-only
+//! instances ([`StageLoad`], announced by the node) prefills a long prompt there and hands
+//! its blocks to a decoding instance. Its time to first token is then the wait behind the
+//! prefill stages there (their measured mean time each, spread over the prefill instances),
+//! the prefill, and the decoding instance's load of the hand-over; and the request must
+//! also meet the time-between-tokens target on the decoding instance it joins: the batch
+//! there with it added, on the line the node measured (time between tokens against the
+//! batch). A node over either target goes after every node within both; when none is
+//! within both (and none is idle) the request is refused at once, naming the stage.
 
 use std::time::Duration;
+
+use cachet_common::stages::StageLoad;
 
 /// What the estimate needs to know about the cluster.
 #[derive(Clone, Copy, Debug)]
 pub struct CostModel {
     pub ttft_slo: Duration,
+    /// Time between tokens a request must be expected to see where it decodes.
+    pub tbt_slo: Duration,
 }
 
 /// One request, as the index sees it.
@@ -39,6 +53,8 @@ pub struct Demand {
     /// Leading tokens cached somewhere in the cluster.
     pub cached_tokens: usize,
     pub bytes_per_token: usize,
+    /// Prompt tokens in full blocks with keys: what a split request hands over.
+    pub handoff_tokens: usize,
 }
 
 /// One node that could serve it.
@@ -58,6 +74,27 @@ pub struct Candidate {
     pub transfer_bytes_per_sec: f64,
     /// Rate at which its engine loads blocks from its own fabric store.
     pub load_bytes_per_sec: f64,
+    /// The request's model's stages there, when its engine measures them.
+    pub stages: Option<StageLoad>,
+}
+
+impl Candidate {
+    /// Nothing in flight there, by this gateway's count and by the node's own.
+    pub fn idle(&self) -> bool {
+        self.in_flight == 0
+            && self
+                .stages
+                .as_ref()
+                .is_none_or(|s| s.prefill_in_flight + s.decode_in_flight == 0)
+    }
+
+    /// Prefill stages ahead of a new one there: those the node announced, plus what this
+    /// gateway sent since that its count does not yet show (new requests start with their
+    /// prefill).
+    fn prefills_ahead(&self, s: &StageLoad) -> u32 {
+        let announced = s.prefill_in_flight + s.decode_in_flight;
+        s.prefill_in_flight + (self.in_flight as u32).saturating_sub(announced)
+    }
 }
 
 /// What serving a request on one node would take, by part.
@@ -71,10 +108,17 @@ pub struct Estimate {
     pub remote_tokens: usize,
     /// Tokens to prefill.
     pub compute_tokens: usize,
-    /// The request's own work there (prefill, load and transfer).
+    /// Tokens a split request's decoding instance loads from the prefill instance's saves
+    /// (0 when it is served whole).
+    pub handoff_tokens: usize,
+    /// The request's own work there (prefill, load, transfer and hand-over).
     pub work: Duration,
-    /// The wait behind what is in flight there.
+    /// The wait behind what is in flight there (for a split request, the prefill stages).
     pub queue: Duration,
+    /// Time between tokens expected where it decodes, when the node measured its line.
+    pub tbt: Option<Duration>,
+    /// The batch it would join there.
+    pub decode_batch: u32,
 }
 
 impl Estimate {
@@ -84,7 +128,7 @@ impl Estimate {
 
     /// The estimate as the `x-cachet-route` header says it.
     pub fn reason(&self) -> String {
-        format!(
+        let mut r = format!(
             "engine_cache={} fabric_local={} fabric_remote={} compute={} queue_ms={} estimate_ms={}",
             self.engine_tokens,
             self.local_tokens,
@@ -92,7 +136,14 @@ impl Estimate {
             self.compute_tokens,
             self.queue.as_millis(),
             self.total().as_millis()
-        )
+        );
+        if self.handoff_tokens > 0 {
+            r.push_str(&format!(" handoff={}", self.handoff_tokens));
+        }
+        if let Some(t) = self.tbt {
+            r.push_str(&format!(" tbt_ms={}", t.as_millis()));
+        }
+        r
     }
 }
 
@@ -106,6 +157,14 @@ pub enum Refusal {
         /// Of it, the wait behind the requests in flight there.
         queue: Duration,
     },
+    /// First tokens within the SLO somewhere, but every such node's decoding instances are
+    /// so busy that the time between tokens would be over its target.
+    OverTbt {
+        /// The best expected time between tokens among them.
+        tbt: Duration,
+        /// The batch it would join there.
+        batch: u32,
+    },
 }
 
 impl CostModel {
@@ -118,6 +177,10 @@ impl CostModel {
     /// the cached prefix is loaded from the node's own store or pulled from its peers; what
     /// is cached nowhere is prefilled; then the wait behind what is in flight.
     pub fn parts(d: &Demand, c: &Candidate) -> Estimate {
+        let split = c
+            .stages
+            .as_ref()
+            .filter(|s| s.splits(d.prompt_tokens) && d.handoff_tokens > 0);
         let engine = c.engine_tokens.min(d.prompt_tokens);
         let cached = d.cached_tokens.max(engine).min(d.prompt_tokens);
         let loaded = cached - engine;
@@ -127,15 +190,39 @@ impl CostModel {
         let secs = |tokens: usize, rate: f64| {
             Duration::from_secs_f64((tokens * d.bytes_per_token) as f64 / rate.max(1.0))
         };
+        let handoff = split.map_or(0, |_| d.handoff_tokens.min(d.prompt_tokens));
+        let queue = match split {
+            // Behind the prefill stages there, each its measured mean (else a whole
+            // request's), spread over the prefill instances.
+            Some(s) => {
+                let each = s
+                    .prefill_stage_ms
+                    .filter(|ms| ms.is_finite() && *ms >= 0.0)
+                    .map_or(c.service_time, |ms| Duration::from_secs_f64(ms / 1e3));
+                each * c.prefills_ahead(s).div_ceil(s.prefill_instances.max(1))
+            }
+            None => c.service_time.mul_f64(c.in_flight as f64),
+        };
+        let (tbt, decode_batch) = match &c.stages {
+            Some(s) => {
+                let batch = s.next_decode_batch(s.decode_in_flight);
+                (s.step.map(|m| m.at(batch)), batch)
+            }
+            None => (None, 0),
+        };
         Estimate {
             engine_tokens: engine,
             local_tokens: local,
             remote_tokens: remote,
             compute_tokens: compute,
+            handoff_tokens: handoff,
             work: c.prefill_per_token.mul_f64(compute as f64)
                 + secs(local, c.load_bytes_per_sec)
-                + secs(remote, c.transfer_bytes_per_sec),
-            queue: c.service_time.mul_f64(c.in_flight as f64),
+                + secs(remote, c.transfer_bytes_per_sec)
+                + secs(handoff, c.load_bytes_per_sec),
+            queue,
+            tbt,
+            decode_batch,
         }
     }
 
@@ -151,23 +238,52 @@ impl CostModel {
             return Err(Refusal::NoNodes);
         }
         let n = candidates.len();
-        let mut ranked: Vec<(usize, Duration)> = candidates
+        let parts: Vec<Estimate> = candidates.iter().map(|c| Self::parts(d, c)).collect();
+        let over_tbt = |i: usize| parts[i].tbt.is_some_and(|t| t > self.tbt_slo);
+        let mut ranked: Vec<(usize, Duration)> = parts
             .iter()
             .enumerate()
-            .map(|(i, c)| (i, self.estimate(d, c)))
+            .map(|(i, e)| (i, e.total()))
             .collect();
-        ranked.sort_by_key(|&(i, cost)| (cost, candidates[i].in_flight, (i + n - turn % n) % n));
+        // Nodes within the TBT target first; among them the cheapest.
+        ranked.sort_by_key(|&(i, cost)| {
+            (
+                over_tbt(i),
+                cost,
+                candidates[i].in_flight,
+                (i + n - turn % n) % n,
+            )
+        });
         let (best_i, best) = ranked[0];
-        if best > self.ttft_slo {
+        if best > self.ttft_slo || over_tbt(best_i) {
             // Only waiting can be refused: an idle node takes the request whatever it costs.
-            if let Some(&(i, _)) = ranked.iter().find(|(i, _)| candidates[*i].in_flight == 0) {
-                let pos = ranked.iter().position(|(j, _)| *j == i).unwrap_or(0);
+            if let Some(pos) = ranked.iter().position(|(i, _)| candidates[*i].idle()) {
                 let idle = ranked.remove(pos);
                 ranked.insert(0, idle);
                 return Ok(ranked);
             }
-            let queue = Self::parts(d, &candidates[best_i]).queue;
-            return Err(Refusal::OverSlo { best, queue });
+            // The cheapest first token, whatever its TBT: is even that over the SLO?
+            let (cheapest, first) = ranked
+                .iter()
+                .copied()
+                .min_by_key(|&(_, cost)| cost)
+                .expect("candidates are not empty");
+            if first > self.ttft_slo {
+                return Err(Refusal::OverSlo {
+                    best: first,
+                    queue: parts[cheapest].queue,
+                });
+            }
+            let e = ranked
+                .iter()
+                .filter(|(_, cost)| *cost <= self.ttft_slo)
+                .filter_map(|&(i, _)| parts[i].tbt.map(|t| (t, parts[i].decode_batch)))
+                .min()
+                .expect("the best is over the TBT target, so it has a TBT estimate");
+            return Err(Refusal::OverTbt {
+                tbt: e.0,
+                batch: e.1,
+            });
         }
         Ok(ranked)
     }
@@ -180,6 +296,7 @@ mod tests {
     fn model(slo_ms: u64) -> CostModel {
         CostModel {
             ttft_slo: Duration::from_millis(slo_ms),
+            tbt_slo: Duration::from_millis(100),
         }
     }
 
@@ -194,6 +311,7 @@ mod tests {
             transfer_bytes_per_sec: 1e6,
             // Loads from the node's own store: 10× its pulls.
             load_bytes_per_sec: 1e7,
+            stages: None,
         }
     }
 
@@ -201,6 +319,7 @@ mod tests {
         prompt_tokens: 1000,
         cached_tokens: 800,
         bytes_per_token: 1000,
+        handoff_tokens: 960,
     };
 
     #[test]
@@ -327,6 +446,149 @@ mod tests {
             e.reason()
                 .starts_with("engine_cache=900 fabric_local=0 fabric_remote=0 compute=100")
         );
+    }
+
+    fn split(prefill_in_flight: u32, decode_in_flight: u32) -> StageLoad {
+        StageLoad {
+            prefill_instances: 1,
+            prefill_in_flight,
+            decode_instances: 1,
+            decode_in_flight,
+            split_min_tokens: 500,
+            prefill_stage_ms: Some(300.0),
+            step: Some(cachet_common::stages::StepModel {
+                base_ms: 20.0,
+                per_seq_ms: 10.0,
+            }),
+        }
+    }
+
+    #[test]
+    fn a_split_request_waits_behind_the_prefill_stages_and_adds_the_hand_over() {
+        let m = model(10_000);
+        let c = Candidate {
+            stages: Some(split(2, 1)),
+            ..node("a", 800, 0)
+        };
+        let e = CostModel::parts(&D, &c);
+        // 200 computed (400 ms), 800 loaded (80 ms), the decoding instance loads the 960
+        // handed over (96 ms); behind two prefill stages of 300 ms; decoding with one other.
+        assert_eq!(e.handoff_tokens, 960);
+        assert_eq!(e.work, Duration::from_millis(576));
+        assert_eq!(e.queue, Duration::from_millis(600));
+        assert_eq!(
+            (e.tbt, e.decode_batch),
+            (Some(Duration::from_millis(40)), 2)
+        );
+        assert!(
+            e.reason().ends_with(" handoff=960 tbt_ms=40"),
+            "{}",
+            e.reason()
+        );
+        // Two prefill instances halve the wait; requests this gateway sent since the
+        // node's last count wait too.
+        let two = StageLoad {
+            prefill_instances: 2,
+            ..split(2, 1)
+        };
+        let e = CostModel::parts(
+            &D,
+            &Candidate {
+                stages: Some(two.clone()),
+                ..c.clone()
+            },
+        );
+        assert_eq!(e.queue, Duration::from_millis(300));
+        let sent = Candidate {
+            stages: Some(two),
+            in_flight: 6,
+            ..c.clone()
+        };
+        // 2 announced + (6 − 3 announced in all) = 5 ahead, over 2 instances: 3 × 300 ms.
+        assert_eq!(
+            CostModel::parts(&D, &sent).queue,
+            Duration::from_millis(900)
+        );
+        // A prompt under split_min_tokens is served whole: no hand-over, the whole queue.
+        let short = Demand {
+            prompt_tokens: 400,
+            cached_tokens: 0,
+            handoff_tokens: 384,
+            ..D
+        };
+        let e = CostModel::parts(
+            &short,
+            &Candidate {
+                in_flight: 3,
+                ..c.clone()
+            },
+        );
+        assert_eq!((e.handoff_tokens, e.queue), (0, Duration::from_millis(300)));
+        // Colocated stages (no prefill instance): whole, with a TBT estimate all the same.
+        let both = Candidate {
+            stages: Some(StageLoad {
+                prefill_instances: 0,
+                ..split(0, 3)
+            }),
+            ..node("b", 800, 0)
+        };
+        let e = CostModel::parts(&D, &both);
+        assert_eq!(
+            (e.handoff_tokens, e.tbt),
+            (0, Some(Duration::from_millis(60)))
+        );
+        assert!(m.rank(&D, &[c, both], 0).is_ok());
+    }
+
+    #[test]
+    fn a_node_over_the_tbt_target_goes_last_and_alone_is_refused() {
+        let m = model(10_000);
+        // Nine decoding: the tenth waits 20 + 10 × 10 = 120 ms between tokens, over 100 ms.
+        let busy = Candidate {
+            stages: Some(split(0, 9)),
+            ..node("busy", 800, 0)
+        };
+        let free = Candidate {
+            stages: Some(split(0, 1)),
+            ..node("free", 0, 4)
+        };
+        // The busy node is cheaper to first token (it holds the prefix) but over TBT.
+        assert!(m.estimate(&D, &busy) < m.estimate(&D, &free));
+        let ranked = m.rank(&D, &[busy.clone(), free.clone()], 0).unwrap();
+        assert_eq!(ranked.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 0]);
+        assert_eq!(
+            m.rank(&D, std::slice::from_ref(&busy), 0),
+            Err(Refusal::OverTbt {
+                tbt: Duration::from_millis(120),
+                batch: 10,
+            })
+        );
+        // An idle node takes it whatever its line says; a first token over the SLO is
+        // named before the TBT.
+        let idle = Candidate {
+            stages: Some(StageLoad {
+                step: Some(cachet_common::stages::StepModel {
+                    base_ms: 500.0,
+                    per_seq_ms: 0.0,
+                }),
+                ..split(0, 0)
+            }),
+            ..node("idle", 0, 0)
+        };
+        assert_eq!(m.rank(&D, &[busy.clone(), idle], 0).unwrap()[0].0, 1);
+        assert!(matches!(
+            model(300).rank(&D, &[busy], 0),
+            Err(Refusal::OverSlo { .. })
+        ));
+        // Unmeasured lines never refuse.
+        let unmeasured = Candidate {
+            stages: Some(StageLoad {
+                step: None,
+                ..split(0, 50)
+            }),
+            ..node("u", 800, 0)
+        };
+        assert!(m.rank(&D, &[unmeasured], 0).is_ok());
     }
 
     #[test]

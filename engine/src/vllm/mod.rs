@@ -19,18 +19,27 @@
 //! report the gateway bills by is the prefill stage's, as if colocated. A prefill instance
 //! that cannot be reached or fails mid-prefill hands the request, whole, to a decoding
 //! instance (decision 0033).
+//!
+//! Each model's stages are measured ([`load`]): the prefill stage's time and the time
+//! between tokens against the decode batch, announced with the in-flight counts per stage
+//! ([`crate::Engine::stages`]) so a routing gateway's early rejection covers both stages.
+
+pub mod load;
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
 use serde_json::{Value, json};
 
+use cachet_common::stages::StageLoad;
+
+use self::load::StageMeter;
 use crate::reference::{ChatRenderer, KV_SHAPE};
 use crate::{
     ConnectorParams, EngineError, GenerateRequest, Generation, KvBlock, KvDtype, KvGeometry,
@@ -120,6 +129,8 @@ pub struct VllmEngine {
     turn: AtomicUsize,
     served_model: String,
     split_min_tokens: usize,
+    /// The stages' measured times, shared with the generations.
+    meter: Arc<StageMeter>,
     eos_id: u32,
     rt: tokio::runtime::Handle,
 }
@@ -131,12 +142,24 @@ struct Instance {
     role: Role,
 }
 
-/// A generation's count on its instance, given back when the generation ends.
-struct InFlight(Arc<AtomicUsize>);
+/// A generation's count on its instance (and in its stage's gauge), given back when the
+/// generation ends.
+struct InFlight(Arc<AtomicUsize>, Option<prometheus::IntGauge>);
+
+impl InFlight {
+    fn hold(count: &Arc<AtomicUsize>, gauge: prometheus::IntGauge) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        gauge.inc();
+        Self(count.clone(), Some(gauge))
+    }
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+        if let Some(g) = &self.1 {
+            g.dec();
+        }
     }
 }
 
@@ -205,6 +228,7 @@ impl VllmEngine {
                 .collect(),
             turn: AtomicUsize::new(0),
             split_min_tokens: config.split_min_tokens,
+            meter: Arc::new(StageMeter::for_model(&config.id)),
             served_model: config.served_model,
             rt,
         })
@@ -286,12 +310,14 @@ fn split_bodies(served_model: &str, req: &GenerateRequest) -> (Value, Value) {
 impl VllmEngine {
     /// The prefill stage, on a prefill instance, to its end.
     async fn prefill_stage(&self, body: &Value) -> Result<(), EngineError> {
+        let began = Instant::now();
         let (resp, in_flight) = self.send(body, Stage::Prefill).await?;
-        let mut g = VllmGeneration::open(resp, in_flight, None, self.rt.clone()).await?;
+        let mut g = VllmGeneration::open(resp, in_flight, None, None, self.rt.clone()).await?;
         while !g.done {
             g.pending.clear();
             g.fill().await?;
         }
+        self.meter.prefilled(began.elapsed());
         Ok(())
     }
 }
@@ -392,8 +418,15 @@ impl VllmEngine {
         let mut last = None;
         for i in self.order(stage) {
             let inst = &self.instances[i];
-            inst.in_flight.fetch_add(1, Ordering::Relaxed);
-            let held = InFlight(inst.in_flight.clone());
+            let gauge = crate::metrics::STAGE_IN_FLIGHT.with_label_values(&[
+                self.info.id.as_str(),
+                if inst.role == Role::Prefill {
+                    "prefill"
+                } else {
+                    "decode"
+                },
+            ]);
+            let held = InFlight::hold(&inst.in_flight, gauge);
             match self.client.post(&inst.completions).json(body).send().await {
                 Ok(resp) => return Ok((resp, held)),
                 Err(e) if e.is_connect() => last = Some(e),
@@ -416,6 +449,29 @@ impl crate::Engine for VllmEngine {
     /// (docs/benchmarks.md); measurements replace it.
     fn nominal_prefill_per_token(&self) -> Duration {
         Duration::from_micros(2_500)
+    }
+
+    fn stages(&self) -> Option<StageLoad> {
+        let (mut load, step) = (
+            StageLoad {
+                split_min_tokens: self.split_min_tokens as u64,
+                prefill_stage_ms: self.meter.prefill_stage_ms(),
+                ..StageLoad::default()
+            },
+            self.meter.step(),
+        );
+        load.step = step;
+        for i in &self.instances {
+            let n = i.in_flight.load(Ordering::Relaxed) as u32;
+            if i.role == Role::Prefill {
+                load.prefill_instances += 1;
+                load.prefill_in_flight += n;
+            } else {
+                load.decode_instances += 1;
+                load.decode_in_flight += n;
+            }
+        }
+        Some(load)
     }
 
     fn render(&self, prompt: &Prompt) -> Result<Rendered, EngineError> {
@@ -464,8 +520,10 @@ impl crate::Engine for VllmEngine {
                 self.body(&req)
             };
             let (resp, in_flight) = self.send(&body, Stage::Decode).await?;
+            let clock = DecodeClock::new(self.meter.clone(), in_flight.0.load(Ordering::Relaxed));
             // The first token: prefill (and the connector's loads and saves) are done.
-            let g = VllmGeneration::open(resp, in_flight, eos, self.rt.clone()).await?;
+            let g = VllmGeneration::open(resp, in_flight, eos, Some(clock), self.rt.clone())
+                .await?;
             Ok(Box::new(g) as Box<dyn Generation>)
         })
     }
@@ -481,7 +539,59 @@ struct VllmGeneration {
     done: bool,
     /// End of turn (not passed on as a token) unless the request ignores it.
     eos: Option<u32>,
+    /// Times its tokens for the stage meter (a decoding generation's).
+    clock: Option<DecodeClock>,
     rt: tokio::runtime::Handle,
+}
+
+/// When a generation's tokens arrived: its mean time between tokens, measured against the
+/// batch on its instance when it started, goes to the stage meter when it ends.
+struct DecodeClock {
+    meter: Arc<StageMeter>,
+    batch: u32,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    /// Tokens after the first.
+    later: u32,
+}
+
+impl DecodeClock {
+    fn new(meter: Arc<StageMeter>, batch: usize) -> Self {
+        Self {
+            meter,
+            batch: batch.max(1) as u32,
+            first: None,
+            last: None,
+            later: 0,
+        }
+    }
+
+    /// `n` tokens arrived now.
+    fn tokens(&mut self, n: u32) {
+        let now = Instant::now();
+        match self.first {
+            None => {
+                self.first = Some(now);
+                self.later += n.saturating_sub(1);
+            }
+            Some(_) => self.later += n,
+        }
+        self.last = Some(now);
+    }
+
+    /// The mean gap, from two gaps on (one gap says little).
+    fn mean_gap(&self) -> Option<Duration> {
+        let (first, last) = (self.first?, self.last?);
+        (self.later >= 2).then(|| (last - first) / self.later)
+    }
+}
+
+impl Drop for DecodeClock {
+    fn drop(&mut self) {
+        if let Some(gap) = self.mean_gap() {
+            self.meter.decoded(self.batch, gap);
+        }
+    }
 }
 
 impl VllmGeneration {
@@ -490,6 +600,7 @@ impl VllmGeneration {
         resp: reqwest::Response,
         in_flight: InFlight,
         eos: Option<u32>,
+        clock: Option<DecodeClock>,
         rt: tokio::runtime::Handle,
     ) -> Result<Self, EngineError> {
         let mut g = VllmGeneration {
@@ -499,6 +610,7 @@ impl VllmGeneration {
             pending: VecDeque::new(),
             done: false,
             eos,
+            clock,
             rt,
         };
         g.fill().await?;
@@ -556,6 +668,9 @@ impl VllmGeneration {
         };
         let mut text = choice["text"].as_str().unwrap_or_default().to_string();
         if let Some(ids) = choice["token_ids"].as_array() {
+            if let Some(c) = self.clock.as_mut().filter(|_| !ids.is_empty()) {
+                c.tokens(ids.len() as u32);
+            }
             for id in ids.iter().filter_map(Value::as_u64) {
                 let id = id as u32;
                 if Some(id) == self.eos {
@@ -594,20 +709,59 @@ mod tests {
     use super::*;
 
     fn generation(events: &str) -> VllmGeneration {
+        generation_timed(events, None)
+    }
+
+    fn generation_timed(events: &str, clock: Option<DecodeClock>) -> VllmGeneration {
         let chunks: Vec<reqwest::Result<Bytes>> = events
             .as_bytes()
             .chunks(7)
             .map(|c| Ok(Bytes::copy_from_slice(c)))
             .collect();
         VllmGeneration {
-            _in_flight: InFlight(Arc::new(AtomicUsize::new(1))),
+            _in_flight: InFlight(Arc::new(AtomicUsize::new(1)), None),
             stream: Box::pin(futures::stream::iter(chunks)),
             buf: BytesMut::new(),
             pending: VecDeque::new(),
             done: false,
             eos: Some(2),
+            clock,
             rt: tokio::runtime::Handle::current(),
         }
+    }
+
+    #[tokio::test]
+    async fn a_decoding_generation_reports_its_gaps_at_its_batch_when_it_ends() {
+        let meter = Arc::new(StageMeter::default());
+        let event =
+            "data: {\"choices\":[{\"text\":\"a\",\"token_ids\":[64],\"finish_reason\":null}]}\n\n";
+        for batch in [1, 3, 1, 3] {
+            let mut g = generation_timed(
+                &format!("{}data: [DONE]\n\n", event.repeat(4)),
+                Some(DecodeClock::new(meter.clone(), batch)),
+            );
+            while !g.done {
+                g.pending.clear();
+                g.fill().await.unwrap();
+            }
+            assert_eq!(g.clock.as_ref().unwrap().later, 3);
+        }
+        // Four generations measured: a line (flat or rising), announced.
+        let step = meter.step().expect("measured");
+        assert!(step.per_seq_ms >= 0.0 && step.base_ms >= 0.0);
+        // Two tokens give one gap: not measured.
+        let meter = Arc::new(StageMeter::default());
+        for _ in 0..5 {
+            let mut g = generation_timed(
+                &format!("{}data: [DONE]\n\n", event.repeat(2)),
+                Some(DecodeClock::new(meter.clone(), 1)),
+            );
+            while !g.done {
+                g.pending.clear();
+                g.fill().await.unwrap();
+            }
+        }
+        assert_eq!(meter.step(), None);
     }
 
     #[test]
