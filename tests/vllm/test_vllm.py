@@ -1379,29 +1379,6 @@ class RoutedByEngineCache(unittest.TestCase):
         for sub in subs.values():
             sub.close(linger=0)
         self.assertEqual(len(loaded), 1, "one BlockStored for the request's load")
-
-    def test_3_nodes_announce_their_stages_and_the_router_weighs_them(self):
-        # Each node's heartbeat record carries its vLLM model's stages: one decoding instance
-        # (role both), no prefill one; a node that answered several requests of more than two
-        # tokens has measured its time between tokens against the batch.
-        def stages(node: str) -> dict:
-            out = subprocess.run(["redis-cli", "-u", REDIS, "GET", f"{self.cluster.prefix}:node:{node}"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
-            return json.loads(out)["stages"][MODEL]
-
-        for _ in range(3):
-            self.ask("Name one navigator.")
-        wait_until("a node announcing its measured time between tokens",
-                   lambda: any(stages(n).get("step") for n in self.nodes), 10, self.gateway, self.gateway_log)
-        for n in self.nodes:
-            self.assertEqual((stages(n)["prefill_instances"], stages(n)["decode_instances"]), (0, 1), stages(n))
-        line = next(stages(n)["step"] for n in self.nodes if stages(n).get("step"))
-        self.assertGreater(line["base_ms"] + line["per_seq_ms"], 0, line)
-        # The router's estimate names the time between tokens on a node that measured it (the
-        # conversation's node, which answered most), and its gauge shows the estimate.
-        whys = [self.ask(q)[3] for q in ("Name one map.", "Name one ship.")]
-        self.assertTrue(any(re.search(r" tbt_ms=\d+$", w) for w in whys), whys)
-        self.assertGreater(cachet_metric(self.base, "cachet_gateway_conductor_tbt_seconds"), 0)
         self.assertEqual(len(loaded[0].block_hashes), 3)
         # The fabric's copies are still on both nodes.
         self.consumer.poll(200)
@@ -1419,6 +1396,29 @@ class RoutedByEngineCache(unittest.TestCase):
             for e in b["events"]:
                 for h in e.get("block_hashes", []):
                     self.assertEqual(len(h), 64, "Cachet's 32-byte keys, hex")
+
+    def test_4_nodes_announce_their_stages_and_the_router_weighs_them(self):
+        # Each node's heartbeat record carries its vLLM model's stages: one decoding instance
+        # (role both), no prefill one; a node that answered several requests of more than two
+        # tokens has measured its time between tokens against the batch.
+        def stages(node: str) -> dict:
+            out = subprocess.run(["redis-cli", "-u", REDIS, "GET", f"{self.cluster.prefix}:node:{node}"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+            return json.loads(out)["stages"][MODEL]
+
+        for _ in range(4):
+            self.ask("Name one navigator.")
+        wait_until("a node announcing its measured time between tokens",
+                   lambda: any(stages(n).get("step") for n in self.nodes), 10, self.gateway, self.gateway_log)
+        for n in self.nodes:
+            self.assertEqual((stages(n)["prefill_instances"], stages(n)["decode_instances"]), (0, 1), stages(n))
+        line = next(stages(n)["step"] for n in self.nodes if stages(n).get("step"))
+        self.assertGreater(line["base_ms"] + line["per_seq_ms"], 0, line)
+        # The router's estimate names the time between tokens on a node that measured it (the
+        # conversation's node, which answered most), and its gauge shows the estimate.
+        whys = [self.ask(q)[3] for q in ("Name one map.", "Name one ship.")]
+        self.assertTrue(any(re.search(r" tbt_ms=\d+$", w) for w in whys), whys)
+        self.assertGreater(cachet_metric(self.base, "cachet_gateway_conductor_tbt_seconds"), 0)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ const PREFILL_ALPHA: f64 = 0.2;
 /// Each new decode observation scales the weight of those before it by this much: the line
 /// follows the last hundred or so generations.
 const STEP_DECAY: f64 = 0.98;
-/// Observations (by weight) before the line is announced.
-const STEP_MIN_WEIGHT: f64 = 3.0;
+/// Observations (by decayed weight: three make 2.94) before the line is announced.
+const STEP_MIN_WEIGHT: f64 = 2.9;
 /// A spread of batches below this (variance) cannot give a slope: the line is flat at the
 /// mean until the batches seen differ.
 const STEP_MIN_VARIANCE: f64 = 0.05;
@@ -162,6 +162,14 @@ mod tests {
     fn the_line_is_fitted_to_batches_and_gaps() {
         let m = StageMeter::default();
         assert_eq!(m.step(), None);
+        // Three observations are enough to announce a line.
+        for _ in 0..2 {
+            m.decoded(1, ms(30.0));
+        }
+        assert_eq!(m.step(), None);
+        m.decoded(1, ms(30.0));
+        assert!(m.step().is_some());
+        let m = StageMeter::default();
         // 20 ms + 5 ms a sequence, exactly.
         for b in [1u32, 2, 3, 4, 1, 2, 3, 4] {
             m.decoded(b, ms(20.0 + 5.0 * f64::from(b)));
