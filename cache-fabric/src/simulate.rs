@@ -170,28 +170,140 @@ pub fn replay_requests(
     replay_sized(trace, SimCapacity::blocks(capacity_blocks), policy)
 }
 
+/// One simulated cache (a node's DRAM, or an engine's own prefix cache): the store's own
+/// eviction and admission over a request's chain of trace blocks, keyed as
+/// [`replay_sized`] keys them. The fleet simulator keeps one per instance or one pool.
+pub struct SimCache {
+    store: Store,
+    per_token: bool,
+    /// Block contents by length (a block's bytes are its size in units).
+    contents: std::collections::HashMap<u32, Bytes>,
+    scopes: Vec<Scope>,
+    now: Instant,
+}
+
+/// What [`SimCache::put`] did with a chain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Put {
+    Stored,
+    /// The policy declined it.
+    NotAdmitted,
+    /// Longer than the whole capacity.
+    TooLarge,
+}
+
+impl SimCache {
+    pub fn new(capacity: SimCapacity, policy: EvictionPolicy) -> Self {
+        let mut store = Store::new(StoreLimits {
+            capacity_bytes: capacity.dram,
+            policy,
+        });
+        if capacity.lower > 0 {
+            store = store.with_lower_tier(Box::new(DramTier::new(capacity.lower)));
+        }
+        Self {
+            store,
+            per_token: capacity.per_token,
+            contents: std::collections::HashMap::new(),
+            scopes: Vec::new(),
+            now: Instant::now(),
+        }
+    }
+
+    /// Scope `i`, the same ids in every run (the store's order never depends on chance).
+    fn scope(&mut self, i: u32) -> Scope {
+        while self.scopes.len() <= i as usize {
+            let n = self.scopes.len() as u128 + 1;
+            self.scopes.push(Scope {
+                tenant: TenantId(uuid::Uuid::from_u128(n)),
+                workspace: WorkspaceId(uuid::Uuid::from_u128(n << 64)),
+            });
+        }
+        self.scopes[i as usize]
+    }
+
+    fn chain(req: &SimRequest) -> Vec<BlockHash> {
+        req.blocks
+            .iter()
+            .zip(&req.block_tokens)
+            .map(|(&id, &tokens)| block_hash(req.scope, id, tokens))
+            .collect()
+    }
+
+    /// The leading blocks of `req` held (each read, as a hit: refreshed for the policy).
+    pub fn read(&mut self, req: &SimRequest) -> usize {
+        let scope = self.scope(req.scope);
+        self.store
+            .get_chain(&scope, &Self::chain(req), self.now)
+            .len()
+    }
+
+    /// How many leading blocks of `req` are held, without reading them.
+    pub fn peek(&mut self, req: &SimRequest) -> usize {
+        let scope = self.scope(req.scope);
+        self.store
+            .leading_present(&scope, &Self::chain(req), self.now)
+    }
+
+    /// Store `req`'s chain from block `from` on (the first `from` are held), as one
+    /// best-effort entry.
+    pub fn put(&mut self, req: &SimRequest, from: usize) -> Put {
+        let chain = Self::chain(req);
+        if from >= chain.len() {
+            return Put::Stored;
+        }
+        let scope = self.scope(req.scope);
+        let new: Vec<PutBlock> = (from..chain.len())
+            .map(|i| {
+                let parent = i.checked_sub(1).map(|p| chain[p]);
+                let units = if self.per_token {
+                    req.block_tokens.get(i).copied().unwrap_or(1).max(1)
+                } else {
+                    1
+                };
+                let data = self
+                    .contents
+                    .entry(units)
+                    .or_insert_with(|| Bytes::from(vec![0u8; units as usize]))
+                    .clone();
+                PutBlock::new(chain[i], parent, units, data)
+            })
+            .collect();
+        let ttl = Duration::from_secs(365 * 24 * 3600);
+        match self.store.put_entry(
+            &scope,
+            &chain[..from],
+            new,
+            ttl,
+            self.now,
+            EntryKind::BestEffort,
+        ) {
+            Ok(()) => Put::Stored,
+            Err(WriteRefused::NotAdmitted) => Put::NotAdmitted,
+            Err(_) => Put::TooLarge,
+        }
+    }
+
+    /// Hits the tier under DRAM has served so far.
+    pub fn lower_tier_reads(&self) -> u64 {
+        self.store.lower_tier_reads()
+    }
+
+    pub fn adaptive_state(&self) -> Option<(usize, u64)> {
+        self.store.adaptive_state()
+    }
+}
+
 /// Replay requests through a node of `capacity` under `policy`.
 pub fn replay_sized(
     trace: &[SimRequest],
     capacity: SimCapacity,
     policy: EvictionPolicy,
 ) -> SimResult {
-    let capacity_blocks = capacity.dram;
-    let mut store = Store::new(StoreLimits {
-        capacity_bytes: capacity.dram,
-        policy,
-    });
-    if capacity.lower > 0 {
-        store = store.with_lower_tier(Box::new(DramTier::new(capacity.lower)));
-    }
-    // Block contents by length (a block's bytes are its size in units).
-    let mut contents: std::collections::HashMap<u32, Bytes> = std::collections::HashMap::new();
-    let mut scopes: Vec<Scope> = Vec::new();
-    let ttl = Duration::from_secs(365 * 24 * 3600);
-    let now = Instant::now();
+    let mut cache = SimCache::new(capacity, policy);
     let mut r = SimResult {
         policy: policy.to_string(),
-        capacity_blocks,
+        capacity_blocks: capacity.dram,
         requests: trace.len() as u64,
         blocks: 0,
         hit_blocks: 0,
@@ -202,58 +314,24 @@ pub fn replay_sized(
         adaptive: None,
     };
     for req in trace {
-        while scopes.len() <= req.scope as usize {
-            scopes.push(Scope {
-                tenant: TenantId::new(),
-                workspace: WorkspaceId::new(),
-            });
-        }
-        let scope = scopes[req.scope as usize];
         r.blocks += req.blocks.len() as u64;
         r.tokens += req.block_tokens.iter().map(|&t| t as u64).sum::<u64>();
         if !req.cacheable {
             continue;
         }
-        let chain: Vec<BlockHash> = req
-            .blocks
-            .iter()
-            .zip(&req.block_tokens)
-            .map(|(&id, &tokens)| block_hash(req.scope, id, tokens))
-            .collect();
-        let lower_before = store.lower_tier_reads();
-        let hits = store.get_chain(&scope, &chain, now).len();
+        let lower_before = cache.lower_tier_reads();
+        let hits = cache.read(req);
         r.hit_blocks += hits as u64;
-        r.lower_hit_blocks += store.lower_tier_reads() - lower_before;
+        r.lower_hit_blocks += cache.lower_tier_reads() - lower_before;
         r.hit_tokens += req.block_tokens[..hits]
             .iter()
             .map(|&t| t as u64)
             .sum::<u64>();
-        if hits == chain.len() {
-            continue;
-        }
-        let new: Vec<PutBlock> = (hits..chain.len())
-            .map(|i| {
-                let parent = i.checked_sub(1).map(|p| chain[p]);
-                let units = if capacity.per_token {
-                    req.block_tokens.get(i).copied().unwrap_or(1).max(1)
-                } else {
-                    1
-                };
-                let data = contents
-                    .entry(units)
-                    .or_insert_with(|| Bytes::from(vec![0u8; units as usize]))
-                    .clone();
-                PutBlock::new(chain[i], parent, units, data)
-            })
-            .collect();
-        match store.put_entry(&scope, &chain[..hits], new, ttl, now, EntryKind::BestEffort) {
-            Ok(()) => {}
-            Err(WriteRefused::NotAdmitted) => r.not_admitted += 1,
-            // An entry longer than the whole capacity; its prefix was still read.
-            Err(_) => {}
+        if cache.put(req, hits) == Put::NotAdmitted {
+            r.not_admitted += 1;
         }
     }
-    r.adaptive = store.adaptive_state();
+    r.adaptive = cache.adaptive_state();
     r
 }
 

@@ -8,6 +8,8 @@
 //! - [`workload`]: synthetic workloads (chat, agent, RAG, scan) written as traces.
 //! - [`client`]: one request on the wire (Anthropic or OpenAI), timed token by token.
 //! - [`simulate`]: `simulate-cache`, traces and workloads through the fabric's eviction code.
+//! - [`fleet`]: `simulate-fleet`, a fleet of instances with continuous batching, its caches
+//!   and routing, in simulated time.
 //! - [`replay`], [`sweep`]: the runs; [`stats`]: what they measure in bounded memory;
 //!   [`report`]: the HTML reports; [`reconcile`]: the run against the price book and ledger.
 //! - `http`, `fabric`, `ledger`, `dashboard`: the benchmarks.
@@ -16,6 +18,7 @@ mod burst;
 pub mod client;
 mod dashboard;
 mod fabric;
+pub mod fleet;
 mod http;
 mod ledger;
 pub mod reconcile;
@@ -98,6 +101,10 @@ pub enum Command {
     /// own eviction and admission code, without an engine, and print the prefix hit ratio of
     /// each policy and capacity (plain LRU always printed beside).
     SimulateCache(Box<simulate::SimulateArgs>),
+    /// A fleet of engine instances with continuous batching, its caches and routing, in
+    /// simulated time: goodput within TTFT and TBT SLOs, latencies, hit ratio, load balance
+    /// and KV moved, per routing policy and prefill/decode split, for traces and workloads.
+    SimulateFleet(Box<fleet::FleetArgs>),
     /// Node→node transfer of one large block over loopback: the fabric's TCP transport vs a
     /// plain tokio socket copy of the same bytes (the limit) vs Redis SET/GET.
     Transfer {
@@ -289,6 +296,7 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             dram_bytes,
         } => fabric::standalone_node(&listen, &socket, dram_bytes).await,
         Command::SimulateCache(a) => simulate::run(&a),
+        Command::SimulateFleet(a) => fleet::run(&a),
         Command::Replay(a) => replay_checked(*a).await,
         Command::Sweep(a) => {
             if !sweep::run(*a).await? {

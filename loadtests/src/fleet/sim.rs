@@ -1,0 +1,986 @@
+//! The fleet's discrete-event model: N engine instances (one a node) doing continuous
+//! batching, their caches, the fabric between them and a routing policy.
+//!
+//! Each instance runs iterations back to back while it has work: an iteration steps every
+//! decoding sequence by one token and prefills up to the profile's chunk budget (less the
+//! decode tokens) from its waiting queue, first come first served, and takes
+//! [`CostProfile::step_secs`] + [`CostProfile::prefill_secs`] of its pieces. So a long
+//! prefill slows the decode steps batched beside it, which is what prefill and decode apart
+//! removes. A sequence's first token comes at the end of the iteration that finishes its
+//! prefill; each later one at the end of each iteration it decodes in (time between tokens).
+//!
+//! Caches are Cachet's own store ([`SimCache`]): each instance's engine prefix cache (hits
+//! cost nothing), and under it either each instance's own DRAM (`local`: the baseline where
+//! each instance keeps only its own KV) or one pool over every node's DRAM (`pool`: a block
+//! lives on one home node; a hit there is loaded at the local rate, elsewhere pulled at the
+//! link's). Loads and hand-overs are serialized on the receiving instance's link and delay
+//! only their own sequence. Routing with the pool is Cachet's conductor
+//! ([`gateway::routing::conductor::CostModel`]), with its early rejection when asked.
+//!
+//! Prefill and decode apart (`prefill_instances` > 0): a prompt of `split_min_tokens` or more
+//! is prefilled on a prefill instance (its first token thrown away, its full blocks saved to
+//! the pool), handed to the decoding instance with the fewest sequences, which loads them
+//! and computes the tail and the first token; shorter prompts go whole to a decoding
+//! instance, as in the service.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::Duration;
+
+use cache_fabric::EvictionPolicy;
+use cache_fabric::simulate::{SimCache, SimCapacity, SimRequest};
+use cachet_common::stages::{StageLoad, StepModel};
+use gateway::routing::conductor::{Candidate, CostModel, Demand};
+use hdrhistogram::Histogram;
+
+use super::profile::CostProfile;
+use crate::trace::{Rng, mix64};
+
+/// One request of the workload.
+#[derive(Clone, Debug)]
+pub struct FleetRequest {
+    /// Seconds from the workload's start.
+    pub arrival: f64,
+    pub sim: SimRequest,
+    pub output_tokens: u32,
+}
+
+impl FleetRequest {
+    pub fn prompt_tokens(&self) -> u64 {
+        self.sim.block_tokens.iter().map(|&t| u64::from(t)).sum()
+    }
+
+    /// Tokens in the prompt's full blocks (what a split request hands over): every block
+    /// but a partial last one.
+    fn full_block_tokens(&self) -> u64 {
+        let t = &self.sim.block_tokens;
+        let full = t.first().copied().unwrap_or(0);
+        t.iter()
+            .take_while(|&&n| n == full)
+            .map(|&n| u64::from(n))
+            .sum()
+    }
+}
+
+/// How requests find an instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Routing {
+    /// Any instance, at random.
+    Random,
+    /// The one with the fewest requests in flight.
+    LeastLoaded,
+    /// The cheapest estimate over each instance's own caches (each keeps only its own KV):
+    /// the baseline both papers beat.
+    CacheAware,
+    /// Cachet: the pool over every node's DRAM and the conductor's estimate.
+    Pool,
+}
+
+/// The fleet and its targets.
+#[derive(Clone, Debug)]
+pub struct FleetConfig {
+    pub instances: usize,
+    pub routing: Routing,
+    /// Of the instances, prefill-only ones (with `Routing::Pool` only; 0: colocated).
+    pub prefill_instances: usize,
+    /// Prompts shorter than this are not split.
+    pub split_min_tokens: u64,
+    /// Each node's DRAM for KV, in tokens.
+    pub dram_tokens: u64,
+    pub policy: EvictionPolicy,
+    pub ttft_slo: Duration,
+    pub tbt_slo: Duration,
+    /// The conductor refuses what it expects over either SLO (pool routing).
+    pub early_rejection: bool,
+    pub seed: u64,
+}
+
+/// What a run measured.
+#[derive(Clone, Debug)]
+pub struct FleetResult {
+    pub requests: u64,
+    pub served: u64,
+    pub rejected: u64,
+    /// Served with TTFT and mean time between tokens within the SLOs.
+    pub within_slo: u64,
+    /// First arrival to last completion, seconds.
+    pub makespan: f64,
+    /// Microseconds.
+    pub ttft: Histogram<u64>,
+    /// Every gap between two tokens of a sequence, microseconds.
+    pub tbt: Histogram<u64>,
+    pub prompt_tokens: u64,
+    /// Prompt tokens of served requests found in an engine's own cache / the fabric.
+    pub engine_hit_tokens: u64,
+    pub fabric_hit_tokens: u64,
+    /// Prompt tokens prefilled (a split request's decode tail included).
+    pub computed_tokens: u64,
+    /// Of those, the tails decoding instances recomputed after a hand-over.
+    pub tail_tokens: u64,
+    pub output_tokens: u64,
+    pub bytes_loaded: u64,
+    pub bytes_pulled: u64,
+    pub bytes_handed_over: u64,
+    /// Tokens each instance processed (prefilled and decoded).
+    pub instance_tokens: Vec<u64>,
+}
+
+impl FleetResult {
+    /// Hit tokens over prompt tokens of served requests.
+    pub fn hit_ratio(&self) -> f64 {
+        let hits = self.engine_hit_tokens + self.fabric_hit_tokens;
+        let total = hits + self.computed_tokens - self.tail_tokens;
+        if total == 0 {
+            0.0
+        } else {
+            hits as f64 / total as f64
+        }
+    }
+
+    /// Requests within SLO a second.
+    pub fn goodput(&self) -> f64 {
+        if self.makespan <= 0.0 {
+            0.0
+        } else {
+            self.within_slo as f64 / self.makespan
+        }
+    }
+
+    /// The busiest instance's tokens over the mean.
+    pub fn load_imbalance(&self) -> f64 {
+        let n = self.instance_tokens.len().max(1) as f64;
+        let mean = self.instance_tokens.iter().sum::<u64>() as f64 / n;
+        let max = self.instance_tokens.iter().copied().max().unwrap_or(0) as f64;
+        if mean == 0.0 { 1.0 } else { max / mean }
+    }
+
+    pub fn bytes_moved(&self) -> u64 {
+        self.bytes_loaded + self.bytes_pulled + self.bytes_handed_over
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Prefilled and decoded on one instance.
+    Whole,
+    /// A split request's prefill, on a prefill instance.
+    Prefill,
+    /// A split request's decode, after the hand-over.
+    Decode,
+}
+
+struct Seq {
+    req: usize,
+    inst: usize,
+    stage: Stage,
+    /// Prompt positions in the KV so far, and where the prefill ends.
+    prefilled: u64,
+    target: u64,
+    out_left: u32,
+    context: u64,
+    assigned_at: f64,
+    last_token: f64,
+    gaps: f64,
+    gap_count: u32,
+    ttft: f64,
+}
+
+struct Instance {
+    prefill_only: bool,
+    engine: SimCache,
+    /// Its own DRAM (local caches), or none (the pool).
+    dram: Option<SimCache>,
+    waiting: VecDeque<usize>,
+    running: Vec<usize>,
+    /// The running iteration.
+    plan: Option<Plan>,
+    link_free: f64,
+    in_flight: usize,
+    /// Moving averages: a request's time here, a prefill stage's.
+    service: f64,
+    prefill_stage: Option<f64>,
+    tokens: u64,
+}
+
+/// One iteration: the sequences it steps, and the prefill pieces it runs (sequence, from
+/// position, to position).
+struct Plan {
+    decoding: Vec<usize>,
+    pieces: Vec<(usize, u64, u64)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    Arrive(usize),
+    /// A sequence's loads are done: it joins its instance's queue.
+    Ready(usize),
+    IterationEnd(usize),
+}
+
+/// Event times as ordered integers (nanoseconds), ties in the order scheduled.
+type Key = Reverse<(u64, u64, Ev)>;
+
+struct Fleet<'a> {
+    cfg: &'a FleetConfig,
+    p: &'a CostProfile,
+    reqs: &'a [FleetRequest],
+    inst: Vec<Instance>,
+    pool: Option<SimCache>,
+    seqs: Vec<Seq>,
+    events: BinaryHeap<Key>,
+    order: u64,
+    rng: Rng,
+    turn: usize,
+    r: FleetResult,
+    first_arrival: f64,
+    last_done: f64,
+}
+
+const ALPHA: f64 = 0.2;
+
+fn ns(t: f64) -> u64 {
+    (t.max(0.0) * 1e9).round() as u64
+}
+
+/// Run `reqs` (sorted by arrival) through the fleet.
+pub fn run(cfg: &FleetConfig, p: &CostProfile, reqs: &[FleetRequest]) -> FleetResult {
+    assert!(cfg.instances > 0, "a fleet has an instance");
+    assert!(
+        cfg.prefill_instances < cfg.instances,
+        "a fleet needs an instance that decodes"
+    );
+    let pooled = cfg.routing == Routing::Pool;
+    let cache = |tokens: u64| {
+        SimCache::new(
+            SimCapacity {
+                dram: tokens,
+                lower: 0,
+                per_token: true,
+            },
+            cfg.policy,
+        )
+    };
+    let inst = (0..cfg.instances)
+        .map(|i| Instance {
+            prefill_only: pooled && i < cfg.prefill_instances,
+            engine: cache(p.engine_cache_tokens),
+            dram: (!pooled).then(|| cache(cfg.dram_tokens)),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            plan: None,
+            link_free: 0.0,
+            in_flight: 0,
+            service: 0.0,
+            prefill_stage: None,
+            tokens: 0,
+        })
+        .collect();
+    let mut f = Fleet {
+        cfg,
+        p,
+        reqs,
+        inst,
+        pool: pooled.then(|| cache(cfg.dram_tokens * cfg.instances as u64)),
+        seqs: Vec::new(),
+        events: BinaryHeap::new(),
+        order: 0,
+        rng: Rng::new(cfg.seed),
+        turn: 0,
+        r: FleetResult {
+            requests: reqs.len() as u64,
+            served: 0,
+            rejected: 0,
+            within_slo: 0,
+            makespan: 0.0,
+            ttft: Histogram::new_with_bounds(1, 24 * 3_600_000_000, 3).expect("bounds"),
+            tbt: Histogram::new_with_bounds(1, 24 * 3_600_000_000, 3).expect("bounds"),
+            prompt_tokens: 0,
+            engine_hit_tokens: 0,
+            fabric_hit_tokens: 0,
+            computed_tokens: 0,
+            tail_tokens: 0,
+            output_tokens: 0,
+            bytes_loaded: 0,
+            bytes_pulled: 0,
+            bytes_handed_over: 0,
+            instance_tokens: vec![0; cfg.instances],
+        },
+        first_arrival: reqs.first().map_or(0.0, |r| r.arrival),
+        last_done: 0.0,
+    };
+    for (i, r) in reqs.iter().enumerate() {
+        f.at(r.arrival, Ev::Arrive(i));
+    }
+    while let Some(Reverse((t, _, ev))) = f.events.pop() {
+        let now = t as f64 / 1e9;
+        match ev {
+            Ev::Arrive(i) => f.arrive(now, i),
+            Ev::Ready(s) => {
+                let i = f.seqs[s].inst;
+                f.inst[i].waiting.push_back(s);
+                f.kick(now, i);
+            }
+            Ev::IterationEnd(i) => f.iteration_end(now, i),
+        }
+    }
+    f.r.makespan = (f.last_done - f.first_arrival).max(0.0);
+    f.r.instance_tokens = f.inst.iter().map(|i| i.tokens).collect();
+    f.r
+}
+
+impl Fleet<'_> {
+    fn at(&mut self, t: f64, ev: Ev) {
+        self.order += 1;
+        self.events.push(Reverse((ns(t), self.order, ev)));
+    }
+
+    /// The node a block's pool copy lives on.
+    fn home(&self, scope: u32, id: u64) -> usize {
+        (mix64(id ^ (u64::from(scope) << 48)) % self.cfg.instances as u64) as usize
+    }
+
+    /// Tokens of blocks `from..to` of `req` whose pool copy lives on node `i`.
+    fn homed(&self, req: &FleetRequest, from: usize, to: usize, i: usize) -> u64 {
+        (from..to)
+            .filter(|&k| self.home(req.sim.scope, req.sim.blocks[k]) == i)
+            .map(|k| u64::from(req.sim.block_tokens[k]))
+            .sum()
+    }
+
+    fn tokens_of(req: &FleetRequest, blocks: usize) -> u64 {
+        req.sim.block_tokens[..blocks]
+            .iter()
+            .map(|&t| u64::from(t))
+            .sum()
+    }
+
+    /// Whether a request is prefilled apart.
+    fn splits(&self, req: &FleetRequest) -> bool {
+        self.cfg.prefill_instances > 0
+            && req.sim.cacheable
+            && req.prompt_tokens() >= self.cfg.split_min_tokens
+            && req.full_block_tokens() > 0
+    }
+
+    fn decode_load(&self) -> (u32, u32) {
+        let d: Vec<&Instance> = self.inst.iter().filter(|i| !i.prefill_only).collect();
+        let n = d
+            .iter()
+            .map(|i| (i.running.len() + i.waiting.len()) as u32)
+            .sum();
+        (d.len() as u32, n)
+    }
+
+    /// The line of time between tokens at the fleet's mean context.
+    fn step_line(&self) -> StepModel {
+        let (mut ctx, mut n) = (0u64, 0u64);
+        for i in &self.inst {
+            for &s in &i.running {
+                ctx += self.seqs[s].context;
+                n += 1;
+            }
+        }
+        let mean_k = if n == 0 {
+            0.0
+        } else {
+            ctx as f64 / n as f64 / 1e3
+        };
+        StepModel {
+            base_ms: self.p.step_base_ms,
+            per_seq_ms: self.p.step_per_seq_ms + self.p.step_per_kctx_ms * mean_k,
+        }
+    }
+
+    fn arrive(&mut self, now: f64, ri: usize) {
+        let reqs = self.reqs;
+        let req = &reqs[ri];
+        let split = self.splits(req);
+        let candidates: Vec<usize> = (0..self.inst.len())
+            .filter(|&i| self.inst[i].prefill_only == split)
+            .collect();
+        let Some(chosen) = self.route(req, split, &candidates) else {
+            self.r.rejected += 1;
+            return;
+        };
+        self.assign(
+            now,
+            ri,
+            chosen,
+            if split { Stage::Prefill } else { Stage::Whole },
+            0,
+        );
+    }
+
+    /// The instance to send a request to, or none (refused up front).
+    fn route(&mut self, req: &FleetRequest, split: bool, candidates: &[usize]) -> Option<usize> {
+        self.turn += 1;
+        let n = candidates.len();
+        match self.cfg.routing {
+            Routing::Random => Some(candidates[self.rng.range(0, n as u64 - 1) as usize]),
+            Routing::LeastLoaded => candidates
+                .iter()
+                .enumerate()
+                .min_by_key(|&(k, &i)| (self.inst[i].in_flight, (k + n - self.turn % n) % n))
+                .map(|(_, &i)| i),
+            Routing::CacheAware | Routing::Pool => self.conduct(req, split, candidates),
+        }
+    }
+
+    /// Cachet's conductor over the candidates: each estimated by its own caches (cache-aware)
+    /// or the pool's (pool), ranked, refused when early rejection is on and none qualifies.
+    fn conduct(&mut self, req: &FleetRequest, split: bool, candidates: &[usize]) -> Option<usize> {
+        let prompt = req.prompt_tokens();
+        let pooled = self.pool.is_some();
+        let pool_blocks = match (&mut self.pool, req.sim.cacheable) {
+            (Some(pool), true) => pool.peek(&req.sim),
+            _ => 0,
+        };
+        let (decoders, decoding) = self.decode_load();
+        let line = self.step_line();
+        let per_token =
+            Duration::from_secs_f64(self.p.prefill_secs(0, prompt.max(1)) / prompt.max(1) as f64);
+        let off = Duration::from_secs(1 << 30);
+        let model = CostModel {
+            ttft_slo: if self.cfg.early_rejection && pooled {
+                self.cfg.ttft_slo
+            } else {
+                off
+            },
+            tbt_slo: if self.cfg.early_rejection && pooled {
+                self.cfg.tbt_slo
+            } else {
+                off
+            },
+        };
+        let mut demands = Vec::with_capacity(candidates.len());
+        let mut cands = Vec::with_capacity(candidates.len());
+        for &i in candidates {
+            let engine_blocks = if req.sim.cacheable {
+                self.inst[i].engine.peek(&req.sim)
+            } else {
+                0
+            };
+            let (cached_blocks, local_tokens) = match self.inst[i].dram.as_mut() {
+                Some(d) if req.sim.cacheable => {
+                    let own = d.peek(&req.sim);
+                    (own, Self::tokens_of(req, own))
+                }
+                Some(_) => (0, 0),
+                None => (pool_blocks, self.homed(req, 0, pool_blocks, i)),
+            };
+            let inst = &self.inst[i];
+            let stages = if split {
+                Some(StageLoad {
+                    prefill_instances: 1,
+                    prefill_in_flight: inst.in_flight as u32,
+                    decode_instances: decoders,
+                    decode_in_flight: decoding,
+                    split_min_tokens: self.cfg.split_min_tokens,
+                    prefill_stage_ms: inst.prefill_stage.map(|s| s * 1e3),
+                    step: Some(line),
+                })
+            } else {
+                Some(StageLoad {
+                    decode_instances: 1,
+                    decode_in_flight: (inst.running.len() + inst.waiting.len()) as u32,
+                    split_min_tokens: u64::MAX,
+                    step: Some(line),
+                    ..StageLoad::default()
+                })
+            };
+            demands.push(Demand {
+                prompt_tokens: prompt as usize,
+                cached_tokens: Self::tokens_of(req, cached_blocks) as usize,
+                bytes_per_token: self.p.kv_bytes_per_token as usize,
+                handoff_tokens: req.full_block_tokens() as usize,
+            });
+            cands.push(Candidate {
+                id: i.to_string(),
+                local_tokens: local_tokens as usize,
+                engine_tokens: Self::tokens_of(req, engine_blocks) as usize,
+                // With the instance's own count (the split's prefill queue is in `stages`).
+                in_flight: if split { 0 } else { inst.in_flight },
+                service_time: Duration::from_secs_f64(inst.service),
+                prefill_per_token: per_token,
+                transfer_bytes_per_sec: self.p.transfer_bytes_per_sec,
+                load_bytes_per_sec: self.p.load_bytes_per_sec,
+                stages,
+            });
+        }
+        if pooled {
+            // One view of the pool: every candidate's demand is the same.
+            model
+                .rank(&demands[0], &cands, self.turn)
+                .ok()
+                .map(|ranked| candidates[ranked[0].0])
+        } else {
+            // Each instance has its own cached prefix: the cheapest estimate, ties to the
+            // least busy, then in turn.
+            let n = cands.len();
+            (0..n)
+                .min_by_key(|&k| {
+                    (
+                        CostModel::parts(&demands[k], &cands[k]).total(),
+                        cands[k].in_flight,
+                        (k + n - self.turn % n) % n,
+                    )
+                })
+                .map(|k| candidates[k])
+        }
+    }
+
+    /// Start a sequence of request `ri` on instance `i`: read its caches, load what the
+    /// fabric holds (or, for a decode stage, the `handoff` tokens), then queue it.
+    fn assign(&mut self, now: f64, ri: usize, i: usize, stage: Stage, handoff: u64) {
+        let reqs = self.reqs;
+        let req = &reqs[ri];
+        let prompt = req.prompt_tokens();
+        // At least one position is computed (the first token's).
+        let limit = prompt.saturating_sub(1);
+        let (load_secs, start) = if stage == Stage::Decode {
+            // The hand-over through the node's pool, less what this instance's own cache
+            // already holds of it.
+            let have = Self::tokens_of(req, self.inst[i].engine.read(&req.sim)).min(limit);
+            let target = handoff.min(limit);
+            let moved = target.saturating_sub(have);
+            self.r.bytes_handed_over += moved * self.p.kv_bytes_per_token;
+            (self.p.load_secs(moved), have.max(target))
+        } else {
+            self.read_caches(req, i, limit)
+        };
+        let ready = if load_secs > 0.0 {
+            let s = now.max(self.inst[i].link_free);
+            self.inst[i].link_free = s + load_secs;
+            s + load_secs
+        } else {
+            now
+        };
+        let s = self.seqs.len();
+        self.seqs.push(Seq {
+            req: ri,
+            inst: i,
+            stage,
+            prefilled: start,
+            target: prompt,
+            out_left: req.output_tokens.max(1),
+            context: start,
+            assigned_at: now,
+            last_token: now,
+            gaps: 0.0,
+            gap_count: 0,
+            ttft: 0.0,
+        });
+        self.inst[i].in_flight += 1;
+        self.at(ready, Ev::Ready(s));
+    }
+
+    /// A request's reads on instance `i`: its engine cache (free), then its own DRAM or the
+    /// pool (loaded from its node, pulled from another); the time the loads take and the
+    /// position its prefill starts from.
+    fn read_caches(&mut self, req: &FleetRequest, i: usize, limit: u64) -> (f64, u64) {
+        let prompt = req.prompt_tokens();
+        self.r.prompt_tokens += prompt;
+        let (mut engine_t, mut fabric_t, mut local_t) = (0u64, 0u64, 0u64);
+        if req.sim.cacheable {
+            let engine_blocks = self.inst[i].engine.read(&req.sim);
+            engine_t = Self::tokens_of(req, engine_blocks);
+            let (held, pooled) = match (self.inst[i].dram.as_mut(), self.pool.as_mut()) {
+                (Some(d), _) => (d.read(&req.sim), false),
+                (None, Some(pool)) => (pool.read(&req.sim), true),
+                (None, None) => (0, false),
+            };
+            // Only blocks after those the engine holds are loaded.
+            if held > engine_blocks {
+                fabric_t = Self::tokens_of(req, held) - engine_t;
+                local_t = if pooled {
+                    self.homed(req, engine_blocks, held, i)
+                } else {
+                    fabric_t
+                };
+            }
+        }
+        engine_t = engine_t.min(limit);
+        fabric_t = fabric_t.min(limit - engine_t);
+        local_t = local_t.min(fabric_t);
+        self.r.engine_hit_tokens += engine_t;
+        self.r.fabric_hit_tokens += fabric_t;
+        self.r.bytes_loaded += local_t * self.p.kv_bytes_per_token;
+        self.r.bytes_pulled += (fabric_t - local_t) * self.p.kv_bytes_per_token;
+        (
+            self.p.load_secs(local_t) + self.p.transfer_secs(fabric_t - local_t),
+            engine_t + fabric_t,
+        )
+    }
+
+    /// Start an iteration on an idle instance with work.
+    fn kick(&mut self, now: f64, i: usize) {
+        let inst = &mut self.inst[i];
+        if inst.plan.is_some() || (inst.waiting.is_empty() && inst.running.is_empty()) {
+            return;
+        }
+        let decoding: Vec<usize> = inst
+            .running
+            .iter()
+            .copied()
+            .take(self.p.max_batch as usize)
+            .collect();
+        let mut budget = u64::from(self.p.chunk_tokens).saturating_sub(decoding.len() as u64);
+        let mut room = (self.p.max_batch as usize).saturating_sub(inst.running.len());
+        let mut pieces = Vec::new();
+        let mut secs = 0.0;
+        for &s in &inst.waiting {
+            if budget == 0 || room == 0 {
+                break;
+            }
+            let q = &self.seqs[s];
+            let to = q.target.min(q.prefilled + budget);
+            secs += self.p.prefill_secs(q.prefilled, to);
+            budget -= to - q.prefilled;
+            pieces.push((s, q.prefilled, to));
+            room -= 1;
+        }
+        let ctx: u64 = decoding.iter().map(|&s| self.seqs[s].context).sum();
+        secs += self.p.step_secs(decoding.len() as u32, ctx);
+        inst.plan = Some(Plan { decoding, pieces });
+        self.at(now + secs, Ev::IterationEnd(i));
+    }
+
+    fn iteration_end(&mut self, now: f64, i: usize) {
+        let Plan { decoding, pieces } = self.inst[i].plan.take().expect("an iteration was running");
+        for s in decoding {
+            self.inst[i].tokens += 1;
+            self.token(now, s);
+        }
+        for (s, from, to) in pieces {
+            self.inst[i].tokens += to - from;
+            self.r.computed_tokens += to - from;
+            if self.seqs[s].stage == Stage::Decode {
+                self.r.tail_tokens += to - from;
+            }
+            self.seqs[s].prefilled = to;
+            self.seqs[s].context = to;
+            if to == self.seqs[s].target {
+                self.inst[i].waiting.retain(|&w| w != s);
+                self.prefilled(now, s);
+            }
+        }
+        self.kick(now, i);
+    }
+
+    /// A sequence's prefill is done: its caches learn the prompt; then its first token, or
+    /// (a split's prefill stage) the hand-over to a decoding instance.
+    fn prefilled(&mut self, now: f64, s: usize) {
+        let (ri, i, stage) = (self.seqs[s].req, self.seqs[s].inst, self.seqs[s].stage);
+        let reqs = self.reqs;
+        let req = &reqs[ri];
+        if req.sim.cacheable {
+            let inst = &mut self.inst[i];
+            let held = inst.engine.peek(&req.sim);
+            inst.engine.put(&req.sim, held);
+            let fabric = match (inst.dram.as_mut(), self.pool.as_mut()) {
+                (Some(d), _) => Some(d),
+                (None, Some(p)) => Some(p),
+                _ => None,
+            };
+            if let Some(c) = fabric {
+                let held = c.peek(&req.sim);
+                c.put(&req.sim, held);
+            }
+        }
+        if stage == Stage::Prefill {
+            let inst = &mut self.inst[i];
+            inst.in_flight -= 1;
+            let took = now - self.seqs[s].assigned_at;
+            inst.prefill_stage = Some(inst.prefill_stage.map_or(took, |a| a + ALPHA * (took - a)));
+            let decode = (0..self.inst.len())
+                .filter(|&d| !self.inst[d].prefill_only)
+                .min_by_key(|&d| (self.inst[d].running.len() + self.inst[d].waiting.len(), d))
+                .expect("a decoding instance");
+            let handoff = req.full_block_tokens();
+            self.assign(now, ri, decode, Stage::Decode, handoff);
+            return;
+        }
+        self.seqs[s].ttft = now - self.reqs[ri].arrival;
+        self.r
+            .ttft
+            .saturating_record((self.seqs[s].ttft * 1e6).round().max(1.0) as u64);
+        self.seqs[s].last_token = now;
+        self.r.output_tokens += 1;
+        self.seqs[s].out_left -= 1;
+        if self.seqs[s].out_left == 0 {
+            self.finish(now, s);
+        } else {
+            self.inst[i].running.push(s);
+        }
+    }
+
+    fn token(&mut self, now: f64, s: usize) {
+        let q = &mut self.seqs[s];
+        let gap = now - q.last_token;
+        self.r
+            .tbt
+            .saturating_record((gap * 1e6).round().max(1.0) as u64);
+        q.gaps += gap;
+        q.gap_count += 1;
+        q.last_token = now;
+        q.context += 1;
+        q.out_left -= 1;
+        self.r.output_tokens += 1;
+        if q.out_left == 0 {
+            let i = q.inst;
+            self.inst[i].running.retain(|&r| r != s);
+            self.finish(now, s);
+        }
+    }
+
+    fn finish(&mut self, now: f64, s: usize) {
+        let q = &self.seqs[s];
+        let inst = &mut self.inst[q.inst];
+        inst.in_flight -= 1;
+        let took = now - q.assigned_at;
+        inst.service = if inst.service == 0.0 {
+            took
+        } else {
+            inst.service + ALPHA * (took - inst.service)
+        };
+        self.r.served += 1;
+        let mean_gap = if q.gap_count == 0 {
+            0.0
+        } else {
+            q.gaps / f64::from(q.gap_count)
+        };
+        if q.ttft <= self.cfg.ttft_slo.as_secs_f64() && mean_gap <= self.cfg.tbt_slo.as_secs_f64() {
+            self.r.within_slo += 1;
+        }
+        self.last_done = self.last_done.max(now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile() -> CostProfile {
+        CostProfile {
+            name: "test".into(),
+            source: "a test's round numbers".into(),
+            prefill_tokens_per_sec: 10_000.0,
+            prefill_per_kctx_ms: 0.0,
+            step_base_ms: 10.0,
+            step_per_seq_ms: 1.0,
+            step_per_kctx_ms: 0.0,
+            chunk_tokens: 4096,
+            max_batch: 64,
+            kv_bytes_per_token: 1000,
+            load_bytes_per_sec: 1e9,
+            transfer_bytes_per_sec: 1e8,
+            engine_cache_tokens: 0,
+        }
+    }
+
+    fn config(instances: usize, routing: Routing) -> FleetConfig {
+        FleetConfig {
+            instances,
+            routing,
+            prefill_instances: 0,
+            split_min_tokens: 1024,
+            dram_tokens: 1 << 20,
+            policy: EvictionPolicy::Lru,
+            ttft_slo: Duration::from_secs(2),
+            tbt_slo: Duration::from_millis(100),
+            early_rejection: false,
+            seed: 7,
+        }
+    }
+
+    /// `n` requests: `prefixes` shared prefixes of `prefix_blocks` blocks of 256 tokens,
+    /// each followed by a private block, one every `gap` seconds.
+    fn workload(
+        n: usize,
+        prefixes: u64,
+        prefix_blocks: u64,
+        gap: f64,
+        out: u32,
+    ) -> Vec<FleetRequest> {
+        let mut rng = Rng::new(3);
+        (0..n)
+            .map(|k| {
+                let p = rng.range(0, prefixes - 1);
+                let mut blocks: Vec<u64> = (0..prefix_blocks).map(|b| p * 1000 + b).collect();
+                blocks.push(1_000_000 + k as u64);
+                let mut block_tokens = vec![256; blocks.len()];
+                *block_tokens.last_mut().unwrap() = 100;
+                FleetRequest {
+                    arrival: k as f64 * gap,
+                    sim: SimRequest {
+                        blocks,
+                        block_tokens,
+                        scope: 0,
+                        cacheable: true,
+                    },
+                    output_tokens: out,
+                }
+            })
+            .collect()
+    }
+
+    fn summary(r: &FleetResult) -> Vec<u64> {
+        vec![
+            r.served,
+            r.rejected,
+            r.within_slo,
+            r.engine_hit_tokens,
+            r.fabric_hit_tokens,
+            r.computed_tokens,
+            r.bytes_moved(),
+            r.ttft.value_at_quantile(0.5),
+            r.ttft.value_at_quantile(0.99),
+            r.tbt.value_at_quantile(0.5),
+            r.tbt.value_at_quantile(0.99),
+            r.makespan.to_bits(),
+        ]
+    }
+
+    #[test]
+    fn a_run_is_deterministic_and_conserves_requests_tokens_and_bytes() {
+        let p = profile();
+        let reqs = workload(300, 12, 6, 0.02, 20);
+        for (routing, split) in [
+            (Routing::Random, 0),
+            (Routing::LeastLoaded, 0),
+            (Routing::CacheAware, 0),
+            (Routing::Pool, 0),
+            (Routing::Pool, 1),
+        ] {
+            let cfg = FleetConfig {
+                prefill_instances: split,
+                early_rejection: true,
+                ..config(4, routing)
+            };
+            let a = run(&cfg, &p, &reqs);
+            assert_eq!(
+                summary(&a),
+                summary(&run(&cfg, &p, &reqs)),
+                "{routing:?} {split}"
+            );
+            // Every request is answered or refused.
+            assert_eq!(a.served + a.rejected, a.requests, "{routing:?}");
+            let served_out: u64 = 20 * a.served;
+            assert_eq!(a.output_tokens, served_out);
+            // Every prompt token was found in a cache or computed (a split's tail is
+            // computed again after the hand-over).
+            assert_eq!(
+                a.engine_hit_tokens + a.fabric_hit_tokens + a.computed_tokens - a.tail_tokens,
+                a.prompt_tokens,
+                "{routing:?} {split}"
+            );
+            // Loads move the fabric's hits; hand-overs the split's full blocks.
+            assert_eq!(
+                a.bytes_loaded + a.bytes_pulled,
+                a.fabric_hit_tokens * p.kv_bytes_per_token
+            );
+            if split == 0 {
+                assert_eq!((a.bytes_handed_over, a.tail_tokens), (0, 0));
+            } else {
+                assert!(a.bytes_handed_over > 0 && a.tail_tokens > 0);
+            }
+            // Instances processed every computed token and every token after the first.
+            assert_eq!(
+                a.instance_tokens.iter().sum::<u64>(),
+                a.computed_tokens + a.output_tokens - a.served,
+                "{routing:?} {split}"
+            );
+            assert_eq!(a.ttft.len(), a.served);
+            assert_eq!(a.tbt.len(), a.output_tokens - a.served);
+        }
+        // Another seed changes random routing, nothing else's answers.
+        let random = config(4, Routing::Random);
+        let other = FleetConfig {
+            seed: 8,
+            ..random.clone()
+        };
+        assert_ne!(
+            summary(&run(&random, &p, &reqs)),
+            summary(&run(&other, &p, &reqs))
+        );
+    }
+
+    #[test]
+    fn a_long_prefill_slows_the_decodes_batched_beside_it_and_a_split_removes_that() {
+        let p = profile();
+        // A chat decoding 100 tokens, and 50 ms in a 16,000-token prompt (four chunks of
+        // 4,096 tokens: ~0.4 s each at 10,000 tokens/s).
+        let chat = FleetRequest {
+            arrival: 0.0,
+            sim: SimRequest {
+                blocks: vec![1],
+                block_tokens: vec![200],
+                scope: 0,
+                cacheable: true,
+            },
+            output_tokens: 100,
+        };
+        let long = FleetRequest {
+            arrival: 0.05,
+            sim: SimRequest {
+                blocks: (10..26).collect(),
+                block_tokens: vec![1000; 16],
+                scope: 0,
+                cacheable: true,
+            },
+            output_tokens: 2,
+        };
+        let reqs = vec![chat, long];
+        let one = run(&config(1, Routing::Pool), &p, &reqs);
+        // The chat's worst gap is an iteration with a 4,095-token chunk beside it.
+        let worst = one.tbt.max() as f64 / 1e6;
+        assert!(worst > 0.4, "{worst}");
+        // Alone, a step of a batch of one: 11 ms.
+        let alone = run(&config(1, Routing::Pool), &p, &reqs[..1]);
+        assert!((alone.tbt.max() as f64 / 1e6 - 0.011).abs() < 1e-3);
+        // Apart: the long prompt prefills on its own instance; the chat's gaps stay small
+        // but for the long request's own tail beside it.
+        let split = FleetConfig {
+            prefill_instances: 1,
+            ..config(2, Routing::Pool)
+        };
+        let apart = run(&split, &p, &reqs);
+        assert_eq!(apart.served, 2);
+        assert!(apart.tbt.max() as f64 / 1e6 < 0.05, "{}", apart.tbt.max());
+        assert!(apart.bytes_handed_over >= 15 * 1000 * 1000);
+    }
+
+    #[test]
+    fn the_pool_holds_what_every_instance_would_hold_a_copy_of() {
+        let p = profile();
+        // 32 prefixes of 4 blocks (1,024 tokens each) over 4 instances, each node's DRAM a
+        // quarter of them and a half: the pool holds them all, each instance's own DRAM only
+        // 3/8 of them (routing spreads each prefix over every instance).
+        let reqs = workload(1000, 32, 4, 0.05, 4);
+        let dram_tokens = 32 * 1024 * 3 / 8 + 512;
+        let local = run(
+            &FleetConfig {
+                dram_tokens,
+                ..config(4, Routing::LeastLoaded)
+            },
+            &p,
+            &reqs,
+        );
+        let pool = run(
+            &FleetConfig {
+                dram_tokens,
+                ..config(4, Routing::Pool)
+            },
+            &p,
+            &reqs,
+        );
+        assert!(
+            pool.hit_ratio() > 1.5 * local.hit_ratio(),
+            "pool {} local {}",
+            pool.hit_ratio(),
+            local.hit_ratio()
+        );
+        // Most of the pool's hits live on another node: pulled, not loaded.
+        assert!(pool.bytes_pulled > pool.bytes_loaded);
+    }
+}
