@@ -35,6 +35,10 @@ CACHET_BIN=$BIN BENCH_TIME_SCALE=0 BENCH_KV_BUDGET=536870912 BENCH_DRAM=53687091
 step "a 3-node cluster: peak RSS and hit ratio beside the simulation (loadtests/cluster.sh 2 1)"
 CACHET_BIN=$BIN BENCH_TIME_SCALE=0 BENCH_TURN_BLOCKS=4 BENCH_KV_BUDGET=268435456 BENCH_DRAM=268435456 loadtests/cluster.sh 2 1
 
+step "a fleet in simulated time (make bench-fleet, 60 requests)"
+"$BIN" loadtest simulate-fleet --trace tests/data/conversation_trace_head200.jsonl --max-requests 60 \
+  --workload rag --workload-requests 60 --instances 4 --split 1 --early-rejection both >/dev/null
+
 step "the KV data path alone (loadtests/kv_data_path.py, two blocks)"
 "$(scripts/vllm-env.sh)" loadtests/kv_data_path.py --geometry smollm2 --tokens 256 --runs 1 --bin "$BIN"
 
