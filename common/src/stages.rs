@@ -23,9 +23,6 @@ pub struct StageLoad {
     pub decode_in_flight: u32,
     /// Prompts shorter than this are not split (prefilled where they decode).
     pub split_min_tokens: u64,
-    /// Mean time of one prefill stage there, ms (a moving average); `None` until measured.
-    #[serde(default)]
-    pub prefill_stage_ms: Option<f64>,
     /// Time between tokens against the decode batch on one instance: the step model.
     #[serde(default)]
     pub step: Option<StepModel>,

@@ -44,7 +44,7 @@ use crate::engines::EnginePool;
 use crate::error::{ApiError, ErrorCode};
 use crate::metrics;
 use crate::state::{CLUSTER_TOKEN_HEADER, REQUEST_ID_HEADER};
-use conductor::{Candidate, CostModel, Demand, Refusal};
+use conductor::{Candidate, CostModel, Demand, Estimate, Refusal};
 
 pub mod conductor;
 mod relay;
@@ -86,6 +86,9 @@ struct NodeEntry {
 #[derive(Default)]
 struct Load {
     in_flight: AtomicUsize,
+    /// Uncached prompt tokens of the requests sent there whose answers have not started
+    /// (a node answers once its first token is out): its prefill queue.
+    prefilling: AtomicUsize,
     /// Moving average of service time, in microseconds.
     service_us: AtomicUsize,
 }
@@ -477,6 +480,7 @@ async fn demand(
                 local_tokens,
                 engine_tokens,
                 in_flight: 0,
+                prefill_queue_tokens: 0,
                 service_time: Duration::ZERO,
                 prefill_per_token: prefill,
                 transfer_bytes_per_sec: transfer,
@@ -594,6 +598,7 @@ fn rank<'a>(
             let l = state.load(&c.id);
             Candidate {
                 in_flight: l.in_flight.load(Ordering::Relaxed),
+                prefill_queue_tokens: l.prefilling.load(Ordering::Relaxed),
                 service_time: Duration::from_micros(l.service_us.load(Ordering::Relaxed) as u64),
                 ..c
             }
@@ -632,9 +637,17 @@ fn rank<'a>(
         .iter()
         .map(|(i, _)| candidates[*i].id.clone())
         .collect();
-    let reasons: HashMap<String, String> = candidates
+    let estimates: HashMap<String, Estimate> = candidates
         .iter()
-        .map(|c| (c.id.clone(), CostModel::parts(&demand, c).reason()))
+        .map(|c| (c.id.clone(), CostModel::parts(&demand, c)))
+        .collect();
+    let reasons = estimates
+        .iter()
+        .map(|(id, e)| (id.clone(), e.reason()))
+        .collect();
+    let prefill = estimates
+        .into_iter()
+        .map(|(id, e)| (id, e.compute_tokens))
         .collect();
     // In-flight coalescing across the cluster: the node already computing our next block
     // goes first (when it is among those that can meet the SLO); else we are the one
@@ -678,7 +691,14 @@ fn rank<'a>(
             }
         }
     }
-    Ok((Routed { ids, reasons }, claim))
+    Ok((
+        Routed {
+            ids,
+            reasons,
+            prefill,
+        },
+        claim,
+    ))
 }
 
 /// Where a request may go, best first, and why each node (its estimate's parts, answered in
@@ -687,6 +707,8 @@ fn rank<'a>(
 struct Routed {
     ids: Vec<String>,
     reasons: HashMap<String, String>,
+    /// Tokens each node would prefill (its prefill queue grows by them until it answers).
+    prefill: HashMap<String, usize>,
 }
 
 /// The response header saying why the gateway chose the node that answered.
@@ -718,7 +740,7 @@ async fn passthrough(State(state): State<RouterState>, req: Request) -> Response
     ids.sort_by_key(|id| state.load(id).in_flight.load(Ordering::Relaxed));
     let routed = Routed {
         ids,
-        reasons: HashMap::new(),
+        ..Routed::default()
     };
     let req = Forward {
         rid,
@@ -811,10 +833,14 @@ async fn forward(state: &RouterState, req: Forward<'_>, routed: &Routed) -> Resp
         };
         let load = state.load(id);
         load.in_flight.fetch_add(1, Ordering::Relaxed);
+        let prefill = routed.prefill.get(id).copied().unwrap_or(0);
+        load.prefilling.fetch_add(prefill, Ordering::Relaxed);
         let started = Instant::now();
         let req = state.node_request(&base, method.clone(), path, headers, rid, body.clone());
         let left = state.departure(id);
         let result = unless_left(&left, req.send()).await;
+        // Answered (its first token is out) or failed: its prefill is no longer ahead.
+        load.prefilling.fetch_sub(prefill, Ordering::Relaxed);
         let outcome = match result {
             Ok(resp) if resp.status().as_u16() == 529 && attempt + 1 < ids.len() => {
                 // That node's engines are saturated; it did no work and billed nothing, so

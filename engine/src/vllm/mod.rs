@@ -452,15 +452,11 @@ impl crate::Engine for VllmEngine {
     }
 
     fn stages(&self) -> Option<StageLoad> {
-        let (mut load, step) = (
-            StageLoad {
-                split_min_tokens: self.split_min_tokens as u64,
-                prefill_stage_ms: self.meter.prefill_stage_ms(),
-                ..StageLoad::default()
-            },
-            self.meter.step(),
-        );
-        load.step = step;
+        let mut load = StageLoad {
+            split_min_tokens: self.split_min_tokens as u64,
+            step: self.meter.step(),
+            ..StageLoad::default()
+        };
         for i in &self.instances {
             let n = i.in_flight.load(Ordering::Relaxed) as u32;
             if i.role == Role::Prefill {

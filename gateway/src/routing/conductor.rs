@@ -24,15 +24,23 @@
 //! its estimate (a long prompt on an idle node is slow, not an overload, and refusing it
 //! would relieve nothing).
 //!
+//! A node whose engines batch (vLLM upstreams, which announce their stages, [`StageLoad`])
+//! serves its requests in flight together, not one after another: a new request waits only
+//! for the prefill work ahead of it (Mooncake's prefill queue: the uncached tokens of the
+//! requests sent there whose answers have not started, at the node's prefill rate, spread
+//! over the instances that prefill them), and its decode shares the batch, which is what
+//! the time-between-tokens target bounds. (The one-at-a-time estimate, service time ×
+//! requests in flight, refused a third of a load such a fleet serves within its SLOs, in
+//! `cachet loadtest simulate-fleet`.)
+//!
 //! Prefill and decode apart (Mooncake's Algorithm 1): a node whose model has prefill-only
-//! instances ([`StageLoad`], announced by the node) prefills a long prompt there and hands
-//! its blocks to a decoding instance. Its time to first token is then the wait behind the
-//! prefill stages there (their measured mean time each, spread over the prefill instances),
-//! the prefill, and the decoding instance's load of the hand-over; and the request must
-//! also meet the time-between-tokens target on the decoding instance it joins: the batch
-//! there with it added, on the line the node measured (time between tokens against the
-//! batch). A node over either target goes after every node within both; when none is
-//! within both (and none is idle) the request is refused at once, naming the stage.
+//! instances prefills a long prompt there and hands its blocks to a decoding instance. Its
+//! time to first token is then the prefill queue on the prefill instances, the prefill, and
+//! the decoding instance's load of the hand-over; and the request must also meet the
+//! time-between-tokens target on the decoding instance it joins: the batch there with it
+//! added, on the line the node measured (time between tokens against the batch). A node over
+//! either target goes after every node within both; when none is within both (and none is
+//! idle) the request is refused at once, naming the stage.
 
 use std::time::Duration;
 
@@ -66,6 +74,9 @@ pub struct Candidate {
     /// Leading tokens of the prompt in the KV cache of this node's engine (no load needed).
     pub engine_tokens: usize,
     pub in_flight: usize,
+    /// Uncached prompt tokens of the requests in flight there whose answers have not
+    /// started: the prefill work ahead of a new request on a batching engine.
+    pub prefill_queue_tokens: usize,
     /// Recent time to serve one request there (moving average).
     pub service_time: Duration,
     /// Prefill time per uncached token of this request's model there.
@@ -87,14 +98,6 @@ impl Candidate {
                 .as_ref()
                 .is_none_or(|s| s.prefill_in_flight + s.decode_in_flight == 0)
     }
-
-    /// Prefill stages ahead of a new one there: those the node announced, plus what this
-    /// gateway sent since that its count does not yet show (new requests start with their
-    /// prefill).
-    fn prefills_ahead(&self, s: &StageLoad) -> u32 {
-        let announced = s.prefill_in_flight + s.decode_in_flight;
-        s.prefill_in_flight + (self.in_flight as u32).saturating_sub(announced)
-    }
 }
 
 /// What serving a request on one node would take, by part.
@@ -113,7 +116,8 @@ pub struct Estimate {
     pub handoff_tokens: usize,
     /// The request's own work there (prefill, load, transfer and hand-over).
     pub work: Duration,
-    /// The wait behind what is in flight there (for a split request, the prefill stages).
+    /// The wait behind what is in flight there (on a batching engine, the prefill work
+    /// ahead).
     pub queue: Duration,
     /// Time between tokens expected where it decodes, when the node measured its line.
     pub tbt: Option<Duration>,
@@ -191,16 +195,19 @@ impl CostModel {
             Duration::from_secs_f64((tokens * d.bytes_per_token) as f64 / rate.max(1.0))
         };
         let handoff = split.map_or(0, |_| d.handoff_tokens.min(d.prompt_tokens));
-        let queue = match split {
-            // Behind the prefill stages there, each its measured mean (else a whole
-            // request's), spread over the prefill instances.
+        let queue = match &c.stages {
+            // A batching engine: the prefill work ahead, over the instances that prefill
+            // this request (the prefill-only ones for a split request).
             Some(s) => {
-                let each = s
-                    .prefill_stage_ms
-                    .filter(|ms| ms.is_finite() && *ms >= 0.0)
-                    .map_or(c.service_time, |ms| Duration::from_secs_f64(ms / 1e3));
-                each * c.prefills_ahead(s).div_ceil(s.prefill_instances.max(1))
+                let instances = if split.is_some() {
+                    s.prefill_instances
+                } else {
+                    s.decode_instances
+                };
+                c.prefill_per_token
+                    .mul_f64(c.prefill_queue_tokens as f64 / f64::from(instances.max(1)))
             }
+            // One request at a time.
             None => c.service_time.mul_f64(c.in_flight as f64),
         };
         let (tbt, decode_batch) = match &c.stages {
@@ -306,6 +313,7 @@ mod tests {
             local_tokens: local,
             engine_tokens: 0,
             in_flight,
+            prefill_queue_tokens: 0,
             service_time: Duration::from_millis(100),
             prefill_per_token: Duration::from_millis(2),
             transfer_bytes_per_sec: 1e6,
@@ -455,7 +463,6 @@ mod tests {
             decode_instances: 1,
             decode_in_flight,
             split_min_tokens: 500,
-            prefill_stage_ms: Some(300.0),
             step: Some(cachet_common::stages::StepModel {
                 base_ms: 20.0,
                 per_seq_ms: 10.0,
@@ -464,15 +471,50 @@ mod tests {
     }
 
     #[test]
-    fn a_split_request_waits_behind_the_prefill_stages_and_adds_the_hand_over() {
+    fn a_batching_node_waits_for_the_prefill_work_ahead_not_for_every_request() {
+        // Ten requests in flight at 100 ms each: one at a time, a second of waiting; on a
+        // batching engine only the 300 tokens still to prefill there (600 ms at 2 ms).
+        let serial = node("a", 800, 10);
+        assert_eq!(
+            CostModel::parts(&D, &serial).queue,
+            Duration::from_millis(1000)
+        );
+        let batching = Candidate {
+            prefill_queue_tokens: 300,
+            stages: Some(StageLoad {
+                prefill_instances: 0,
+                ..split(0, 9)
+            }),
+            ..serial.clone()
+        };
+        assert_eq!(
+            CostModel::parts(&D, &batching).queue,
+            Duration::from_millis(600)
+        );
+        // Two instances prefill it: half.
+        let two = Candidate {
+            stages: Some(StageLoad {
+                prefill_instances: 0,
+                decode_instances: 2,
+                ..split(0, 9)
+            }),
+            ..batching.clone()
+        };
+        assert_eq!(CostModel::parts(&D, &two).queue, Duration::from_millis(300));
+    }
+
+    #[test]
+    fn a_split_request_waits_for_the_prefill_queue_and_adds_the_hand_over() {
         let m = model(10_000);
         let c = Candidate {
+            prefill_queue_tokens: 300,
             stages: Some(split(2, 1)),
             ..node("a", 800, 0)
         };
         let e = CostModel::parts(&D, &c);
         // 200 computed (400 ms), 800 loaded (80 ms), the decoding instance loads the 960
-        // handed over (96 ms); behind two prefill stages of 300 ms; decoding with one other.
+        // handed over (96 ms); behind 300 tokens of prefill (600 ms); decoding with one
+        // other.
         assert_eq!(e.handoff_tokens, 960);
         assert_eq!(e.work, Duration::from_millis(576));
         assert_eq!(e.queue, Duration::from_millis(600));
@@ -485,8 +527,7 @@ mod tests {
             "{}",
             e.reason()
         );
-        // Two prefill instances halve the wait; requests this gateway sent since the
-        // node's last count wait too.
+        // Two prefill instances halve the wait.
         let two = StageLoad {
             prefill_instances: 2,
             ..split(2, 1)
@@ -494,36 +535,21 @@ mod tests {
         let e = CostModel::parts(
             &D,
             &Candidate {
-                stages: Some(two.clone()),
+                stages: Some(two),
                 ..c.clone()
             },
         );
         assert_eq!(e.queue, Duration::from_millis(300));
-        let sent = Candidate {
-            stages: Some(two),
-            in_flight: 6,
-            ..c.clone()
-        };
-        // 2 announced + (6 − 3 announced in all) = 5 ahead, over 2 instances: 3 × 300 ms.
-        assert_eq!(
-            CostModel::parts(&D, &sent).queue,
-            Duration::from_millis(900)
-        );
-        // A prompt under split_min_tokens is served whole: no hand-over, the whole queue.
+        // A prompt under split_min_tokens is served whole: no hand-over; its queue is over
+        // the decoding instances.
         let short = Demand {
             prompt_tokens: 400,
             cached_tokens: 0,
             handoff_tokens: 384,
             ..D
         };
-        let e = CostModel::parts(
-            &short,
-            &Candidate {
-                in_flight: 3,
-                ..c.clone()
-            },
-        );
-        assert_eq!((e.handoff_tokens, e.queue), (0, Duration::from_millis(300)));
+        let e = CostModel::parts(&short, &c);
+        assert_eq!((e.handoff_tokens, e.queue), (0, Duration::from_millis(600)));
         // Colocated stages (no prefill instance): whole, with a TBT estimate all the same.
         let both = Candidate {
             stages: Some(StageLoad {

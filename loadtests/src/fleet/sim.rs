@@ -196,9 +196,10 @@ struct Instance {
     plan: Option<Plan>,
     link_free: f64,
     in_flight: usize,
-    /// Moving averages: a request's time here, a prefill stage's.
+    /// A request's time here (a moving average).
     service: f64,
-    prefill_stage: Option<f64>,
+    /// Prompt tokens still to prefill of the sequences assigned here (loading or waiting).
+    pending_prefill: u64,
     tokens: u64,
 }
 
@@ -271,7 +272,7 @@ pub fn run(cfg: &FleetConfig, p: &CostProfile, reqs: &[FleetRequest]) -> FleetRe
             link_free: 0.0,
             in_flight: 0,
             service: 0.0,
-            prefill_stage: None,
+            pending_prefill: 0,
             tokens: 0,
         })
         .collect();
@@ -476,7 +477,6 @@ impl Fleet<'_> {
                     decode_instances: decoders,
                     decode_in_flight: decoding,
                     split_min_tokens: self.cfg.split_min_tokens,
-                    prefill_stage_ms: inst.prefill_stage.map(|s| s * 1e3),
                     step: Some(line),
                 })
             } else {
@@ -499,7 +499,8 @@ impl Fleet<'_> {
                 local_tokens: local_tokens as usize,
                 engine_tokens: Self::tokens_of(req, engine_blocks) as usize,
                 // With the instance's own count (the split's prefill queue is in `stages`).
-                in_flight: if split { 0 } else { inst.in_flight },
+                in_flight: inst.in_flight,
+                prefill_queue_tokens: inst.pending_prefill as usize,
                 service_time: Duration::from_secs_f64(inst.service),
                 prefill_per_token: per_token,
                 transfer_bytes_per_sec: self.p.transfer_bytes_per_sec,
@@ -571,6 +572,7 @@ impl Fleet<'_> {
             ttft: 0.0,
         });
         self.inst[i].in_flight += 1;
+        self.inst[i].pending_prefill += prompt - start;
         self.at(ready, Ev::Ready(s));
     }
 
@@ -653,6 +655,7 @@ impl Fleet<'_> {
         }
         for (s, from, to) in pieces {
             self.inst[i].tokens += to - from;
+            self.inst[i].pending_prefill -= to - from;
             self.r.computed_tokens += to - from;
             if self.seqs[s].stage == Stage::Decode {
                 self.r.tail_tokens += to - from;
@@ -688,10 +691,7 @@ impl Fleet<'_> {
             }
         }
         if stage == Stage::Prefill {
-            let inst = &mut self.inst[i];
-            inst.in_flight -= 1;
-            let took = now - self.seqs[s].assigned_at;
-            inst.prefill_stage = Some(inst.prefill_stage.map_or(took, |a| a + ALPHA * (took - a)));
+            self.inst[i].in_flight -= 1;
             let decode = (0..self.inst.len())
                 .filter(|&d| !self.inst[d].prefill_only)
                 .min_by_key(|&d| (self.inst[d].running.len() + self.inst[d].waiting.len(), d))
