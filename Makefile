@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 
 # (api-fuzz, fuzz-api: schemathesis against a real server; fuzz-slice, fuzz: cargo fuzz;
 # chaos: faults under load)
-.PHONY: bench-fleet bench-memory vllm-test run-vllm bench-vllm bench-vllm-routing bench-vllm-split bench-kv-path bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
+.PHONY: bench-fleet profile-vllm bench-memory vllm-test run-vllm bench-vllm bench-vllm-routing bench-vllm-split bench-kv-path bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
 
 UI := admin-ui
 
@@ -186,6 +186,10 @@ bench-memory: services build-release
 ## A fleet in simulated time (cachet loadtest simulate-fleet, docs/benchmarks.md): routing
 ## policies, the pool and prefill/decode splits over the Mooncake trace and generated workloads.
 FLEET_TRACE ?= ../shared/traces/mooncake/conversation_trace.jsonl
+## The CPU profile simulate-fleet uses, measured on vLLM's CPU build (loadtests/profiles/).
+profile-vllm: model build-release
+	loadtests/profile-vllm.sh
+
 bench-fleet: build-release
 	$(TARGET)/release/cachet loadtest simulate-fleet --trace $(FLEET_TRACE) --max-requests 4000 \
 	  --workload chat --workload rag --workload-requests 2000 --instances 8 --split 2 --split 4 \

@@ -105,6 +105,10 @@ pub enum Command {
     /// simulated time: goodput within TTFT and TBT SLOs, latencies, hit ratio, load balance
     /// and KV moved, per routing policy and prefill/decode split, for traces and workloads.
     SimulateFleet(Box<fleet::FleetArgs>),
+    /// Measure an engine's cost profile for simulate-fleet on a running vLLM server:
+    /// prefill against prompt length, the decode step against batch and context, and a
+    /// prefill's interference with the decodes beside it; writes the profile as JSON.
+    Profile(Box<fleet::measure::ProfileArgs>),
     /// Node→node transfer of one large block over loopback: the fabric's TCP transport vs a
     /// plain tokio socket copy of the same bytes (the limit) vs Redis SET/GET.
     Transfer {
@@ -297,6 +301,7 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
         } => fabric::standalone_node(&listen, &socket, dram_bytes).await,
         Command::SimulateCache(a) => simulate::run(&a),
         Command::SimulateFleet(a) => fleet::run(&a),
+        Command::Profile(a) => fleet::measure::run(&a).await,
         Command::Replay(a) => replay_checked(*a).await,
         Command::Sweep(a) => {
             if !sweep::run(*a).await? {

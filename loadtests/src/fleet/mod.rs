@@ -5,6 +5,7 @@
 //! workload and configuration: goodput within the TTFT and TBT SLOs, TTFT and TBT p50/p99,
 //! hit ratio, load imbalance and KV bytes moved.
 
+pub mod measure;
 pub mod profile;
 pub mod sim;
 
@@ -34,9 +35,13 @@ pub struct FleetArgs {
     /// JSON file (loadtests/profiles/*.json).
     #[arg(long, default_value = "h200-llama3-8b")]
     pub profile: String,
-    /// Engine instances (one a node).
+    /// Engine instances.
     #[arg(long, default_value_t = 8)]
     pub instances: usize,
+    /// Nodes they sit on (instance i on node i mod nodes; a node's instances share its DRAM).
+    /// Default: one instance a node.
+    #[arg(long)]
+    pub nodes: Option<usize>,
     /// Routing policies to compare; repeat (default: all four).
     #[arg(long, value_enum)]
     pub routing: Vec<Routing>,
@@ -47,7 +52,7 @@ pub struct FleetArgs {
     /// Prompts shorter than this are not split.
     #[arg(long, default_value_t = 1024)]
     pub split_min_tokens: u64,
-    /// Each node's DRAM for KV, in tokens (the pool is this × instances).
+    /// Each node's DRAM for KV, in tokens (the pool is this × nodes).
     #[arg(long, default_value_t = 2_000_000)]
     pub dram_tokens: u64,
     #[arg(long, default_value_t = 2_000)]
@@ -191,6 +196,7 @@ fn configs(a: &FleetArgs) -> anyhow::Result<Vec<FleetConfig>> {
     };
     let base = FleetConfig {
         instances: a.instances,
+        nodes: a.nodes.unwrap_or(a.instances).clamp(1, a.instances),
         routing: Routing::Pool,
         prefill_instances: 0,
         split_min_tokens: a.split_min_tokens,

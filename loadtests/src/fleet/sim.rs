@@ -80,6 +80,9 @@ pub enum Routing {
 #[derive(Clone, Debug)]
 pub struct FleetConfig {
     pub instances: usize,
+    /// Nodes the instances sit on (instance `i` on node `i % nodes`); a node's instances
+    /// share its DRAM and load from it at the local rate.
+    pub nodes: usize,
     pub routing: Routing,
     /// Of the instances, prefill-only ones (with `Routing::Pool` only; 0: colocated).
     pub prefill_instances: usize,
@@ -188,8 +191,6 @@ struct Seq {
 struct Instance {
     prefill_only: bool,
     engine: SimCache,
-    /// Its own DRAM (local caches), or none (the pool).
-    dram: Option<SimCache>,
     waiting: VecDeque<usize>,
     running: Vec<usize>,
     /// The running iteration.
@@ -226,6 +227,8 @@ struct Fleet<'a> {
     p: &'a CostProfile,
     reqs: &'a [FleetRequest],
     inst: Vec<Instance>,
+    /// Each node's own DRAM (local caches; empty with the pool).
+    drams: Vec<SimCache>,
     pool: Option<SimCache>,
     seqs: Vec<Seq>,
     events: BinaryHeap<Key>,
@@ -251,6 +254,7 @@ pub fn run(cfg: &FleetConfig, p: &CostProfile, reqs: &[FleetRequest]) -> FleetRe
         "a fleet needs an instance that decodes"
     );
     let pooled = cfg.routing == Routing::Pool;
+    let nodes = cfg.nodes.clamp(1, cfg.instances);
     let cache = |tokens: u64| {
         SimCache::new(
             SimCapacity {
@@ -265,7 +269,6 @@ pub fn run(cfg: &FleetConfig, p: &CostProfile, reqs: &[FleetRequest]) -> FleetRe
         .map(|i| Instance {
             prefill_only: pooled && i < cfg.prefill_instances,
             engine: cache(p.engine_cache_tokens),
-            dram: (!pooled).then(|| cache(cfg.dram_tokens)),
             waiting: VecDeque::new(),
             running: Vec::new(),
             plan: None,
@@ -281,7 +284,12 @@ pub fn run(cfg: &FleetConfig, p: &CostProfile, reqs: &[FleetRequest]) -> FleetRe
         p,
         reqs,
         inst,
-        pool: pooled.then(|| cache(cfg.dram_tokens * cfg.instances as u64)),
+        drams: if pooled {
+            Vec::new()
+        } else {
+            (0..nodes).map(|_| cache(cfg.dram_tokens)).collect()
+        },
+        pool: pooled.then(|| cache(cfg.dram_tokens * nodes as u64)),
         seqs: Vec::new(),
         events: BinaryHeap::new(),
         order: 0,
@@ -335,17 +343,37 @@ impl Fleet<'_> {
         self.events.push(Reverse((ns(t), self.order, ev)));
     }
 
-    /// The node a block's pool copy lives on.
-    fn home(&self, scope: u32, id: u64) -> usize {
-        (mix64(id ^ (u64::from(scope) << 48)) % self.cfg.instances as u64) as usize
+    fn nodes(&self) -> usize {
+        self.cfg.nodes.clamp(1, self.cfg.instances)
     }
 
-    /// Tokens of blocks `from..to` of `req` whose pool copy lives on node `i`.
-    fn homed(&self, req: &FleetRequest, from: usize, to: usize, i: usize) -> u64 {
+    /// The node instance `i` sits on.
+    fn node_of(&self, i: usize) -> usize {
+        i % self.nodes()
+    }
+
+    /// The node a block's pool copy lives on.
+    fn home(&self, scope: u32, id: u64) -> usize {
+        (mix64(id ^ (u64::from(scope) << 48)) % self.nodes() as u64) as usize
+    }
+
+    /// Tokens of blocks `from..to` of `req` that instance `i` loads from its own node: all of
+    /// them from its node's DRAM, those whose copy lives there from the pool.
+    fn local_tokens(&self, req: &FleetRequest, from: usize, to: usize, i: usize) -> u64 {
+        let node = self.node_of(i);
         (from..to)
-            .filter(|&k| self.home(req.sim.scope, req.sim.blocks[k]) == i)
+            .filter(|&k| self.pool.is_none() || self.home(req.sim.scope, req.sim.blocks[k]) == node)
             .map(|k| u64::from(req.sim.block_tokens[k]))
             .sum()
+    }
+
+    /// The fabric's cache instance `i` reads: its node's DRAM, or the pool.
+    fn fabric(&mut self, i: usize) -> Option<&mut SimCache> {
+        let node = self.node_of(i);
+        match self.pool.as_mut() {
+            Some(p) => Some(p),
+            None => self.drams.get_mut(node),
+        }
     }
 
     fn tokens_of(req: &FleetRequest, blocks: usize) -> u64 {
@@ -461,14 +489,12 @@ impl Fleet<'_> {
             } else {
                 0
             };
-            let (cached_blocks, local_tokens) = match self.inst[i].dram.as_mut() {
-                Some(d) if req.sim.cacheable => {
-                    let own = d.peek(&req.sim);
-                    (own, Self::tokens_of(req, own))
-                }
-                Some(_) => (0, 0),
-                None => (pool_blocks, self.homed(req, 0, pool_blocks, i)),
+            let cached_blocks = match (pooled, req.sim.cacheable) {
+                (true, _) => pool_blocks,
+                (false, true) => self.fabric(i).map_or(0, |d| d.peek(&req.sim)),
+                (false, false) => 0,
             };
+            let local_tokens = self.local_tokens(req, 0, cached_blocks, i);
             let inst = &self.inst[i];
             let stages = if split {
                 Some(StageLoad {
@@ -586,19 +612,11 @@ impl Fleet<'_> {
         if req.sim.cacheable {
             let engine_blocks = self.inst[i].engine.read(&req.sim);
             engine_t = Self::tokens_of(req, engine_blocks);
-            let (held, pooled) = match (self.inst[i].dram.as_mut(), self.pool.as_mut()) {
-                (Some(d), _) => (d.read(&req.sim), false),
-                (None, Some(pool)) => (pool.read(&req.sim), true),
-                (None, None) => (0, false),
-            };
+            let held = self.fabric(i).map_or(0, |c| c.read(&req.sim));
             // Only blocks after those the engine holds are loaded.
             if held > engine_blocks {
                 fabric_t = Self::tokens_of(req, held) - engine_t;
-                local_t = if pooled {
-                    self.homed(req, engine_blocks, held, i)
-                } else {
-                    fabric_t
-                };
+                local_t = self.local_tokens(req, engine_blocks, held, i);
             }
         }
         engine_t = engine_t.min(limit);
@@ -680,12 +698,7 @@ impl Fleet<'_> {
             let inst = &mut self.inst[i];
             let held = inst.engine.peek(&req.sim);
             inst.engine.put(&req.sim, held);
-            let fabric = match (inst.dram.as_mut(), self.pool.as_mut()) {
-                (Some(d), _) => Some(d),
-                (None, Some(p)) => Some(p),
-                _ => None,
-            };
-            if let Some(c) = fabric {
+            if let Some(c) = self.fabric(i) {
                 let held = c.peek(&req.sim);
                 c.put(&req.sim, held);
             }
@@ -781,6 +794,7 @@ mod tests {
     fn config(instances: usize, routing: Routing) -> FleetConfig {
         FleetConfig {
             instances,
+            nodes: instances,
             routing,
             prefill_instances: 0,
             split_min_tokens: 1024,

@@ -1,0 +1,382 @@
+//! `cachet loadtest profile`: measure an engine's cost profile on a real vLLM server (its
+//! OpenAI-compatible `/v1/completions`, prompts as token ids), for the fleet simulator.
+//!
+//! - **Prefill**: prompts of several lengths, one token out, fresh random token ids each
+//!   time (nothing in vLLM's prefix cache): time to first token, fitted to
+//!   `c + n / rate + k × n² / 2000` ms (`c`: the fixed cost of an iteration and the request).
+//! - **Decode**: batches of concurrent streams at two context lengths: the mean gap between
+//!   tokens while all of them decode, fitted to `base + per_seq × batch + per_kctx × the
+//!   batch's context in thousands` ms.
+//! - **Interference**: two streams decoding while a long prompt arrives: their worst gap
+//!   against what the fitted profile predicts for an iteration holding that prefill chunk.
+//!
+//! What cannot be measured through the API (the KV bytes per token, the load and link rates,
+//! the chunk budget, the batch cap, the prefix cache's size) comes from flags and is named in
+//! the profile's `source` as such.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use futures::StreamExt;
+
+use super::profile::CostProfile;
+use crate::trace::Rng;
+
+#[derive(Args, Clone, Debug)]
+pub struct ProfileArgs {
+    /// The vLLM server (its OpenAI-compatible API).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub url: String,
+    /// The model name it serves.
+    #[arg(long)]
+    pub model: String,
+    /// The profile's name.
+    #[arg(long)]
+    pub name: String,
+    /// What the engine is and runs on (its version, the model and dtype, the hardware),
+    /// for the profile's `source`.
+    #[arg(long, default_value = "")]
+    pub note: String,
+    /// Prompt lengths of the prefill measurements; repeat.
+    #[arg(long = "prefill-tokens", default_values_t = vec![128u64, 512, 1024, 2048])]
+    pub prefill_tokens: Vec<u64>,
+    /// Decode batch sizes; repeat.
+    #[arg(long = "batch", default_values_t = vec![1u32, 2, 4, 8])]
+    pub batches: Vec<u32>,
+    /// Context lengths of the decode measurements; repeat.
+    #[arg(long = "context", default_values_t = vec![128u64, 1024])]
+    pub contexts: Vec<u64>,
+    /// Tokens each decode stream generates.
+    #[arg(long, default_value_t = 32)]
+    pub decode_tokens: u32,
+    /// Measurements of each prefill length.
+    #[arg(long, default_value_t = 2)]
+    pub repeats: u32,
+    /// Token ids are drawn from 1000..this (below the model's vocabulary).
+    #[arg(long, default_value_t = 40_000)]
+    pub vocab: u64,
+    /// Not measurable through the API; named in the profile as given.
+    #[arg(long)]
+    pub kv_bytes_per_token: u64,
+    #[arg(long)]
+    pub load_bytes_per_sec: f64,
+    #[arg(long)]
+    pub transfer_bytes_per_sec: f64,
+    #[arg(long, default_value_t = 2048)]
+    pub chunk_tokens: u32,
+    #[arg(long, default_value_t = 256)]
+    pub max_batch: u32,
+    #[arg(long)]
+    pub engine_cache_tokens: u64,
+    /// Where the profile is written (JSON).
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// One stream's timing: when it was sent, each token's arrival.
+struct Timed {
+    sent: Instant,
+    tokens: Vec<Instant>,
+}
+
+impl Timed {
+    fn ttft(&self) -> Option<Duration> {
+        self.tokens.first().map(|t| *t - self.sent)
+    }
+}
+
+async fn complete(
+    http: &reqwest::Client,
+    a: &ProfileArgs,
+    prompt: Vec<u64>,
+    max_tokens: u32,
+) -> anyhow::Result<Timed> {
+    let body = serde_json::json!({
+        "model": a.model, "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0.0, "ignore_eos": true, "stream": true,
+    });
+    let sent = Instant::now();
+    let resp = http
+        .post(format!("{}/v1/completions", a.url.trim_end_matches('/')))
+        .json(&body)
+        .send()
+        .await
+        .with_context(|| format!("{}: not reachable", a.url))?;
+    if !resp.status().is_success() {
+        bail!(
+            "{} answered {}: {}",
+            a.url,
+            resp.status(),
+            resp.text().await.unwrap_or_default()
+        );
+    }
+    let mut out = Timed {
+        sent,
+        tokens: Vec::new(),
+    };
+    let mut stream = resp.bytes_stream();
+    let mut buf = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        buf.extend_from_slice(&chunk?);
+        while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buf.drain(..end + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            for data in text.lines().filter_map(|l| l.strip_prefix("data:")) {
+                let data = data.trim();
+                if data == "[DONE]" || data.is_empty() {
+                    continue;
+                }
+                let v: serde_json::Value = serde_json::from_str(data)
+                    .with_context(|| format!("an unreadable event: {data}"))?;
+                if v["choices"].get(0).is_some() {
+                    out.tokens.push(Instant::now());
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn prompt(rng: &mut Rng, n: u64, vocab: u64) -> Vec<u64> {
+    (0..n)
+        .map(|_| rng.range(1000, vocab.max(1001) - 1))
+        .collect()
+}
+
+/// Least squares for `y = Σ x_j × c_j` (three unknowns), by the normal equations.
+fn fit3(rows: &[([f64; 3], f64)]) -> Option<[f64; 3]> {
+    let mut m = [[0.0f64; 4]; 3];
+    for (x, y) in rows {
+        for i in 0..3 {
+            for j in 0..3 {
+                m[i][j] += x[i] * x[j];
+            }
+            m[i][3] += x[i] * y;
+        }
+    }
+    // Gaussian elimination with partial pivoting.
+    for col in 0..3 {
+        let pivot = (col..3).max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))?;
+        if m[pivot][col].abs() < 1e-12 {
+            return None;
+        }
+        m.swap(col, pivot);
+        let pivot_row = m[col];
+        for (r, row) in m.iter_mut().enumerate() {
+            if r != col {
+                let f = row[col] / pivot_row[col];
+                for (x, p) in row.iter_mut().zip(pivot_row).skip(col) {
+                    *x -= f * p;
+                }
+            }
+        }
+    }
+    Some([m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]])
+}
+
+pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
+    let http = reqwest::Client::new();
+    let mut rng = Rng::new(a.seed);
+    // A warm-up: the first request pays for compilation and allocation.
+    complete(&http, a, prompt(&mut rng, 64, a.vocab), 4).await?;
+
+    println!("prefill (one token out):\n| prompt tokens | TTFT ms |\n|---:|---:|");
+    let mut rows = Vec::new();
+    for &n in &a.prefill_tokens {
+        for _ in 0..a.repeats.max(1) {
+            let t = complete(&http, a, prompt(&mut rng, n, a.vocab), 1).await?;
+            let ms = t.ttft().context("no token came back")?.as_secs_f64() * 1e3;
+            println!("| {n} | {ms:.1} |");
+            let nf = n as f64;
+            rows.push(([1.0, nf, nf * nf / 2000.0], ms));
+        }
+    }
+    let [c0, per_token_ms, kctx] = fit3(&rows).context("prefill: give at least three lengths")?;
+    let (per_token_ms, kctx) = (per_token_ms.max(1e-6), kctx.max(0.0));
+    println!(
+        "fit: {c0:.1} ms + n × {per_token_ms:.4} ms + n²/2000 × {kctx:.5} ms ({:.0} tokens/s)\n",
+        1e3 / per_token_ms
+    );
+
+    println!(
+        "decode ({} tokens a stream, all streams at once):\n| batch | context | mean gap ms |\n|---:|---:|---:|",
+        a.decode_tokens
+    );
+    let mut rows = Vec::new();
+    for &ctx in &a.contexts {
+        for &b in &a.batches {
+            let streams = futures::future::try_join_all((0..b).map(|_| {
+                let p = prompt(&mut rng, ctx, a.vocab);
+                complete(&http, a, p, a.decode_tokens)
+            }))
+            .await?;
+            // While every stream decodes: from the last first token to the first last token.
+            let from = streams
+                .iter()
+                .filter_map(|s| s.tokens.first())
+                .max()
+                .copied();
+            let to = streams
+                .iter()
+                .filter_map(|s| s.tokens.last())
+                .min()
+                .copied();
+            let (Some(from), Some(to)) = (from, to) else {
+                bail!("decode: a stream returned no token");
+            };
+            let gaps: Vec<f64> = streams
+                .iter()
+                .flat_map(|s| {
+                    s.tokens
+                        .windows(2)
+                        .filter(|w| w[0] >= from && w[1] <= to)
+                        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            if gaps.is_empty() {
+                bail!("decode: batch {b} never decoded together; raise --decode-tokens");
+            }
+            let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+            println!("| {b} | {ctx} | {mean:.2} |");
+            let batch_ctx = f64::from(b) * (ctx as f64 + f64::from(a.decode_tokens) / 2.0);
+            rows.push(([1.0, f64::from(b), batch_ctx / 1e3], mean));
+        }
+    }
+    let [base, per_seq, per_kctx] =
+        fit3(&rows).context("decode: give at least two batch sizes and two contexts")?;
+    println!(
+        "fit: {base:.2} ms + {per_seq:.3} ms a sequence + {per_kctx:.4} ms per thousand context tokens\n"
+    );
+
+    let profile = CostProfile {
+        name: a.name.clone(),
+        source: format!(
+            "Measured by `cachet loadtest profile` against {} ({}{}) on {}: prefill at {:?} tokens \
+             ({} each; fitted {:.0} tokens/s, {:.5} ms per token per thousand before it, {:.1} ms \
+             fixed), decode of {} tokens at batches {:?} and contexts {:?}. Given, not measured: \
+             {} bytes of KV a token, loads at {:.2e} B/s, the link at {:.2e} B/s, chunks of {} \
+             tokens, batches up to {}, {} tokens of prefix cache.",
+            a.url,
+            a.model,
+            if a.note.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", a.note)
+            },
+            chrono_free_date(),
+            a.prefill_tokens,
+            a.repeats,
+            1e3 / per_token_ms,
+            kctx,
+            c0,
+            a.decode_tokens,
+            a.batches,
+            a.contexts,
+            a.kv_bytes_per_token,
+            a.load_bytes_per_sec,
+            a.transfer_bytes_per_sec,
+            a.chunk_tokens,
+            a.max_batch,
+            a.engine_cache_tokens
+        ),
+        prefill_tokens_per_sec: 1e3 / per_token_ms,
+        prefill_per_kctx_ms: kctx,
+        step_base_ms: base.max(0.0),
+        step_per_seq_ms: per_seq.max(0.0),
+        step_per_kctx_ms: per_kctx.max(0.0),
+        chunk_tokens: a.chunk_tokens,
+        max_batch: a.max_batch,
+        kv_bytes_per_token: a.kv_bytes_per_token,
+        load_bytes_per_sec: a.load_bytes_per_sec,
+        transfer_bytes_per_sec: a.transfer_bytes_per_sec,
+        engine_cache_tokens: a.engine_cache_tokens,
+    };
+
+    // Interference: two streams decoding, then a long prompt: their worst gap against the
+    // profile's iteration with that prefill chunk beside them.
+    let long = *a.prefill_tokens.iter().max().unwrap_or(&1024);
+    let (d1, d2) = (
+        prompt(&mut rng, 128, a.vocab),
+        prompt(&mut rng, 128, a.vocab),
+    );
+    let decoders = futures::future::try_join(
+        complete(&http, a, d1, a.decode_tokens * 4),
+        complete(&http, a, d2, a.decode_tokens * 4),
+    );
+    let intruder = async {
+        tokio::time::sleep(Duration::from_millis(
+            (3.0 * (base + 2.0 * per_seq).max(1.0)) as u64 * 4,
+        ))
+        .await;
+        complete(&http, a, prompt(&mut rng, long, a.vocab), 1).await
+    };
+    let ((s1, s2), _) = tokio::try_join!(decoders, intruder)?;
+    let worst = [s1, s2]
+        .iter()
+        .flat_map(|s| s.tokens.windows(2).map(|w| w[1] - w[0]).collect::<Vec<_>>())
+        .max()
+        .unwrap_or_default();
+    let chunk = long.min(u64::from(a.chunk_tokens));
+    let predicted = profile.step_secs(2, 256) + profile.prefill_secs(0, chunk);
+    println!(
+        "interference: two streams decoding beside a {long}-token prompt: worst gap {:.0} ms, \
+         the profile's iteration with a {chunk}-token chunk {:.0} ms",
+        worst.as_secs_f64() * 1e3,
+        predicted * 1e3
+    );
+
+    let mut json = serde_json::to_vec_pretty(&profile)?;
+    json.push(b'\n');
+    std::fs::write(&a.out, json).with_context(|| a.out.display().to_string())?;
+    println!("profile written to {}", a.out.display());
+    Ok(())
+}
+
+/// Today's date (UTC) without a date crate: days since the epoch, civil from days.
+fn chrono_free_date() -> String {
+    let days = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 86_400) as i64;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fit_recovers_a_known_line() {
+        // y = 5 + 2 x + 0.5 z, exactly.
+        let rows: Vec<([f64; 3], f64)> = [(1.0, 0.0), (2.0, 1.0), (4.0, 3.0), (8.0, 2.0)]
+            .iter()
+            .map(|&(x, z)| ([1.0, x, z], 5.0 + 2.0 * x + 0.5 * z))
+            .collect();
+        let c = fit3(&rows).unwrap();
+        for (got, want) in c.iter().zip([5.0, 2.0, 0.5]) {
+            assert!((got - want).abs() < 1e-9, "{c:?}");
+        }
+        // Two points cannot fix three unknowns.
+        assert!(fit3(&rows[..1]).is_none());
+    }
+
+    #[test]
+    fn the_date_is_civil() {
+        let d = chrono_free_date();
+        assert_eq!(d.len(), 10);
+        assert!(d.starts_with("20"), "{d}");
+    }
+}
