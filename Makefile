@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 
 # (api-fuzz, fuzz-api: schemathesis against a real server; fuzz-slice, fuzz: cargo fuzz;
 # chaos: faults under load)
-.PHONY: bench-fleet profile-vllm bench-memory vllm-test run-vllm bench-vllm bench-vllm-routing bench-vllm-split bench-kv-path bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
+.PHONY: bench-fleet bench-fleet-check profile-vllm bench-memory vllm-test run-vllm bench-vllm bench-vllm-routing bench-vllm-split bench-kv-path bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
 
 UI := admin-ui
 
@@ -186,6 +186,11 @@ bench-memory: services build-release
 ## A fleet in simulated time (cachet loadtest simulate-fleet, docs/benchmarks.md): routing
 ## policies, the pool and prefill/decode splits over the Mooncake trace and generated workloads.
 FLEET_TRACE ?= ../shared/traces/mooncake/conversation_trace.jsonl
+## simulate-fleet against two real vLLM instances replaying the same requests at two loads:
+## TTFT and time between tokens, measured beside predicted (docs/benchmarks.md).
+bench-fleet-check: services model build-release
+	loadtests/vllm-bench.sh loadtests/vllm_fleet_check.py
+
 ## The CPU profile simulate-fleet uses, measured on vLLM's CPU build (loadtests/profiles/).
 profile-vllm: model build-release
 	loadtests/profile-vllm.sh

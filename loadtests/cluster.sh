@@ -3,7 +3,8 @@
 # KV a token, time scale 1), each node with its own KV budget and DRAM tier, replaying a
 # synthetic workload at rising rates. For each rate: answers, 529s, TTFT, the measured hit
 # ratio beside `simulate-cache`'s for the same requests at the cluster's capacity (the nodes'
-# DRAM tiers together, divided by the replicas each block has), and every node's peak RSS
+# DRAM tiers together, divided by the replicas each block has) and `simulate-fleet`'s (three
+# nodes with Cachet's conductor and pool on the same requests), and every node's peak RSS
 # (sampled every 0.2 s) against its configured bounds. Everything runs on 127.0.0.1 and stops
 # by itself.
 #
@@ -63,7 +64,7 @@ alive() {
 }
 SIM=$((3 * DRAM / REPLICAS))
 echo "# $(date -u +%FT%TZ) $(nproc) cores; ${SECS}s per rate; workload $WORKLOAD; 3 nodes, each: KV budget $((BUDGET >> 20)) MiB, DRAM tier $((DRAM >> 20)) MiB; $REPLICAS replicas; simulated at $((SIM >> 20)) MiB; idle RSS $(rss "${NODES[0]}")/$(rss "${NODES[1]}")/$(rss "${NODES[2]}") MiB"
-printf 'rate/s\tok\t529\tother errors\tTTFT p50 ms\tTTFT p99 ms\thit ratio\tsimulated\tpeak RSS n1/n2/n3 MiB\n'
+printf 'rate/s\tok\t529\tother errors\tTTFT p50 ms\tTTFT p99 ms\thit ratio\tsimulated\tfleet simulated\tpeak RSS n1/n2/n3 MiB\n'
 for rate in "${RATES[@]}"; do
   for n in 0 1 2; do : >"$OUT/rss$n"; done
   (while true; do for n in 0 1 2; do rss "${NODES[$n]}" >>"$OUT/rss$n"; done; sleep 0.2; done) & SAMPLER=$!
@@ -76,7 +77,13 @@ for rate in "${RATES[@]}"; do
   SAMPLER=
   alive
   peaks=$(for n in 0 1 2; do sort -n "$OUT/rss$n" | tail -1; done | paste -sd/)
-  python3 - "$OUT/r$rate/summary.json" "$rate" "$peaks" <<'PY'
+  # The fleet simulator on the same requests, in the order sent: three nodes, the pool at
+  # their DRAM over the replicas, sim engines (no prefix cache of their own).
+  SENT=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["sent"])' "$OUT/r$rate/summary.json")
+  $BIN loadtest simulate-fleet --trace "$OUT/r$rate/trace.jsonl" --max-requests "$SENT" --block-tokens 256 \
+    --instances 3 --routing pool --replicas "$REPLICAS" --dram-tokens $((DRAM / 131072)) \
+    --engine-cache-tokens 0 --early-rejection off --json "$OUT/r$rate/fleet.json" >/dev/null 2>&1
+  python3 - "$OUT/r$rate/summary.json" "$rate" "$peaks" "$OUT/r$rate/fleet.json" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
 st = s.get("statuses", {})
@@ -86,7 +93,8 @@ if other:
     sys.exit(f"errors other than 529 at rate {sys.argv[2]}: {s['error_kinds']}")
 sim = (s.get("simulated") or {}).get("token_hit_ratio")
 sim = f"{sim:.3f}" if sim is not None else "-"
-print(f"{sys.argv[2]}\t{s['ok']}\t{r529}\t{other}\t{s['ttft'].get('p50_ms', 0):.0f}\t{s['ttft'].get('p99_ms', 0):.0f}\t{s['hit_ratio']:.3f}\t{sim}\t{sys.argv[3]}")
+fleet = json.load(open(sys.argv[4]))[0]["hit_ratio"]
+print(f"{sys.argv[2]}\t{s['ok']}\t{r529}\t{other}\t{s['ttft'].get('p50_ms', 0):.0f}\t{s['ttft'].get('p99_ms', 0):.0f}\t{s['hit_ratio']:.3f}\t{sim}\t{fleet:.3f}\t{sys.argv[3]}")
 PY
 done
 echo "bounds per node: $(((BUDGET + DRAM + RECEIVE) >> 20)) MiB (KV budget + DRAM tier + receive budget); RSS after the run: $(rss "${NODES[0]}")/$(rss "${NODES[1]}")/$(rss "${NODES[2]}") MiB"

@@ -32,6 +32,9 @@ pub enum Kind {
     Agent,
     Rag,
     Scan,
+    /// One-off questions over long documents (4K–16K tokens by default), the popular
+    /// documents asked about again: prefill dominates (Mooncake's long-context traffic).
+    Long,
 }
 
 /// The knobs of a synthetic workload (defaults per kind where a flag is left out).
@@ -106,6 +109,7 @@ fn knobs(kind: Kind, a: &WorkloadArgs) -> Knobs {
         Kind::Agent => (8, 16, 1, 2.0, 80, 0),
         Kind::Rag => (1, 1, 4, 0.0, 200, 500),
         Kind::Scan => (1, 1, 16, 0.0, 50, 8),
+        Kind::Long => (1, 1, 16, 0.0, 200, 200),
     };
     Knobs {
         prefix_blocks: a.prefix_blocks.unwrap_or(prefix),
@@ -175,7 +179,7 @@ pub fn generate(kind: Kind, args: &WorkloadArgs, out: &mut impl Write) -> anyhow
     // Sessions (or single requests) start as a Poisson process at rate / mean requests each.
     let per_session = match kind {
         Kind::Chat | Kind::Agent => (k.turns as f64 + 1.0) / 2.0,
-        Kind::Rag | Kind::Scan => 1.0,
+        Kind::Rag | Kind::Scan | Kind::Long => 1.0,
     };
     let start_gap = per_session / args.rate;
     let mut next_start = 0.0f64;
@@ -240,6 +244,16 @@ pub fn generate(kind: Kind, args: &WorkloadArgs, out: &mut impl Write) -> anyhow
                 write_record(out, &record(t, &chain, output, &mut rng))?;
                 written += 1;
             }
+            Kind::Long => {
+                // A document of its own length (half to twice --turn-blocks), by popularity.
+                let doc = zipf(&mut rng, k.corpus);
+                let len = (k.turn_blocks / 2).max(1) + mix64(doc) % (k.turn_blocks * 3 / 2 + 1);
+                extend_named(&mut chain, 0x1046_0000 + doc, len);
+                extend_fresh(&mut chain, 1, &mut rng);
+                let output = out_len(&mut rng);
+                write_record(out, &record(t, &chain, output, &mut rng))?;
+                written += 1;
+            }
             Kind::Scan => {
                 if rng.f64() < 0.3 {
                     let hot = rng.range(0, k.corpus - 1);
@@ -299,7 +313,7 @@ mod tests {
 
     #[test]
     fn every_kind_is_time_ordered_reproducible_and_consistent() {
-        for kind in [Kind::Chat, Kind::Agent, Kind::Rag, Kind::Scan] {
+        for kind in [Kind::Chat, Kind::Agent, Kind::Rag, Kind::Scan, Kind::Long] {
             let t = make(kind, 3_000);
             assert!(
                 t.windows(2).all(|w| w[0].timestamp <= w[1].timestamp),
@@ -323,6 +337,14 @@ mod tests {
         let agent = make(Kind::Agent, 3_000);
         let rag = make(Kind::Rag, 3_000);
         let scan = make(Kind::Scan, 3_000);
+        // Long prompts: a block of system prompt, a document of 8 to 32 blocks (4K–16K
+        // tokens) and a question; popular documents
+        // asked about again.
+        let long = make(Kind::Long, 3_000);
+        assert!(long.iter().all(|r| (10..=34).contains(&r.hash_ids.len())));
+        let mean = long.iter().map(|r| r.input_length).sum::<u64>() / 3_000;
+        assert!((4_000..16_000).contains(&mean), "{mean}");
+        assert!(reuse(&long) > 0.3, "{}", reuse(&long));
         // Agents reuse the most (long shared prefix, many steps); scans the least.
         let (c, a, r, s) = (reuse(&chat), reuse(&agent), reuse(&rag), reuse(&scan));
         assert!(

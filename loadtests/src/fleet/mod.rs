@@ -52,9 +52,16 @@ pub struct FleetArgs {
     /// Prompts shorter than this are not split.
     #[arg(long, default_value_t = 1024)]
     pub split_min_tokens: u64,
-    /// Each node's DRAM for KV, in tokens (the pool is this × nodes).
+    /// Each node's DRAM for KV, in tokens (the pool is this × nodes / replicas).
     #[arg(long, default_value_t = 2_000_000)]
     pub dram_tokens: u64,
+    /// Copies of each block in the pool.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: u64,
+    /// The engines' own prefix cache, tokens (default: the profile's; 0 for engines without
+    /// one, such as the sim engines of `cachet node`).
+    #[arg(long)]
+    pub engine_cache_tokens: Option<u64>,
     #[arg(long, default_value_t = 2_000)]
     pub ttft_slo_ms: u64,
     #[arg(long, default_value_t = 100)]
@@ -197,6 +204,7 @@ fn configs(a: &FleetArgs) -> anyhow::Result<Vec<FleetConfig>> {
     let base = FleetConfig {
         instances: a.instances,
         nodes: a.nodes.unwrap_or(a.instances).clamp(1, a.instances),
+        replicas: a.replicas.max(1),
         routing: Routing::Pool,
         prefill_instances: 0,
         split_min_tokens: a.split_min_tokens,
@@ -239,7 +247,10 @@ fn configs(a: &FleetArgs) -> anyhow::Result<Vec<FleetConfig>> {
 }
 
 pub fn run(a: &FleetArgs) -> anyhow::Result<()> {
-    let profile = CostProfile::load(&a.profile)?;
+    let mut profile = CostProfile::load(&a.profile)?;
+    if let Some(t) = a.engine_cache_tokens {
+        profile.engine_cache_tokens = t;
+    }
     if a.trace.is_empty() && a.workload.is_empty() {
         bail!("give --trace FILE or --workload KIND (each may repeat)");
     }

@@ -90,6 +90,8 @@ pub struct FleetConfig {
     pub split_min_tokens: u64,
     /// Each node's DRAM for KV, in tokens.
     pub dram_tokens: u64,
+    /// Copies of each block in the pool (its capacity is the nodes' DRAM over this).
+    pub replicas: u64,
     pub policy: EvictionPolicy,
     pub ttft_slo: Duration,
     pub tbt_slo: Duration,
@@ -289,7 +291,7 @@ pub fn run(cfg: &FleetConfig, p: &CostProfile, reqs: &[FleetRequest]) -> FleetRe
         } else {
             (0..nodes).map(|_| cache(cfg.dram_tokens)).collect()
         },
-        pool: pooled.then(|| cache(cfg.dram_tokens * nodes as u64)),
+        pool: pooled.then(|| cache(cfg.dram_tokens * nodes as u64 / cfg.replicas.max(1))),
         seqs: Vec::new(),
         events: BinaryHeap::new(),
         order: 0,
@@ -795,6 +797,7 @@ mod tests {
         FleetConfig {
             instances,
             nodes: instances,
+            replicas: 1,
             routing,
             prefill_instances: 0,
             split_min_tokens: 1024,
