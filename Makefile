@@ -199,6 +199,9 @@ bench-fleet: build-release
 	$(TARGET)/release/cachet loadtest simulate-fleet --trace $(FLEET_TRACE) --max-requests 4000 \
 	  --workload chat --workload rag --workload-requests 2000 --instances 8 --split 2 --split 4 \
 	  --early-rejection both
+	for rate in 12 20 28 36; do $(TARGET)/release/cachet loadtest simulate-fleet --workload long \
+	  --corpus 100000 --workload-requests 3000 --workload-rate $$rate --instances 8 --routing pool \
+	  --split 2 --split 4 --split 6 --early-rejection both --tbt-slo-ms 50; done
 
 ## The admin dashboard's usage API over a 10 M-row ledger (docs/benchmarks.md).
 bench-admin: services build-release
