@@ -80,9 +80,11 @@ for rate in "${RATES[@]}"; do
   # The fleet simulator on the same requests, in the order sent: three nodes, the pool at
   # their DRAM over the replicas, sim engines (no prefix cache of their own).
   SENT=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["sent"])' "$OUT/r$rate/summary.json")
+  # The trace's timestamps are at the generator's 4 requests/s; the replay sent at $rate.
   $BIN loadtest simulate-fleet --trace "$OUT/r$rate/trace.jsonl" --max-requests "$SENT" --block-tokens 256 \
+    --speed "$(python3 -c "print($rate / 4.0)")" \
     --instances 3 --routing pool --replicas "$REPLICAS" --dram-tokens $((DRAM / 131072)) \
-    --engine-cache-tokens 0 --early-rejection off --json "$OUT/r$rate/fleet.json" >/dev/null 2>&1
+    --engine-cache-tokens 0 --early-rejection off --model sim-llama-8b --json "$OUT/r$rate/fleet.json" >/dev/null 2>&1
   python3 - "$OUT/r$rate/summary.json" "$rate" "$peaks" "$OUT/r$rate/fleet.json" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))

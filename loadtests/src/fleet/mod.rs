@@ -80,6 +80,13 @@ pub struct FleetArgs {
     pub skip: u64,
     #[arg(long)]
     pub max_requests: Option<u64>,
+    /// Prompts shorter than this neither read nor write a cache (a model's minimum cacheable
+    /// length; `--model` sets it from a served model instead).
+    #[arg(long, default_value_t = 0)]
+    pub min_cacheable_tokens: u64,
+    /// A served model whose minimum cacheable length applies (sim-llama-8b, …).
+    #[arg(long)]
+    pub model: Option<String>,
     /// Output tokens for records that give none.
     #[arg(long, default_value_t = 128)]
     pub default_output_tokens: u32,
@@ -103,6 +110,11 @@ pub fn requests(
     shape: &Shape,
     a: &FleetArgs,
 ) -> anyhow::Result<Vec<FleetRequest>> {
+    let min_cacheable = match &a.model {
+        Some(m) => engine::min_cacheable_tokens(m)
+            .with_context(|| format!("--model {m}: not a served model"))? as u64,
+        None => a.min_cacheable_tokens,
+    };
     let mut out = Vec::new();
     for rec in records
         .skip(a.skip as usize)
@@ -119,7 +131,7 @@ pub fn requests(
             }
             .max(1),
             sim: SimRequest {
-                cacheable: true,
+                cacheable: lens.iter().sum::<u64>() >= min_cacheable,
                 block_tokens: lens.iter().map(|&n| n as u32).collect(),
                 scope: shape.tenant(&rec) as u32,
                 blocks: rec.hash_ids,
