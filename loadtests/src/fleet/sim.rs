@@ -772,10 +772,26 @@ impl Fleet<'_> {
 }
 
 #[cfg(test)]
+fn tests_profile() -> CostProfile {
+    tests::profile()
+}
+
+#[cfg(test)]
+fn tests_workload(
+    n: usize,
+    prefixes: u64,
+    prefix_blocks: u64,
+    gap: f64,
+    out: u32,
+) -> Vec<FleetRequest> {
+    tests::workload(n, prefixes, prefix_blocks, gap, out)
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
-    fn profile() -> CostProfile {
+    pub(super) fn profile() -> CostProfile {
         CostProfile {
             name: "test".into(),
             source: "a test's round numbers".into(),
@@ -812,7 +828,7 @@ mod tests {
 
     /// `n` requests: `prefixes` shared prefixes of `prefix_blocks` blocks of 256 tokens,
     /// each followed by a private block, one every `gap` seconds.
-    fn workload(
+    pub(super) fn workload(
         n: usize,
         prefixes: u64,
         prefix_blocks: u64,
@@ -999,5 +1015,52 @@ mod tests {
         );
         // Most of the pool's hits live on another node: pulled, not loaded.
         assert!(pool.bytes_pulled > pool.bytes_loaded);
+    }
+}
+
+#[cfg(test)]
+mod agreement {
+    use super::*;
+    use cache_fabric::simulate::replay_sized;
+
+    #[test]
+    fn spaced_out_requests_hit_as_simulate_cache_says() {
+        let mut p = super::tests_profile();
+        p.engine_cache_tokens = 0;
+        // Requests far apart (every write lands before the next read), in a pool smaller
+        // than the working set.
+        let reqs: Vec<FleetRequest> = super::tests_workload(400, 24, 5, 100.0, 2);
+        let dram_tokens = 24 * 5 * 256 / 3;
+        let cfg = FleetConfig {
+            instances: 3,
+            nodes: 3,
+            replicas: 1,
+            routing: Routing::Pool,
+            prefill_instances: 0,
+            split_min_tokens: 1024,
+            dram_tokens,
+            policy: EvictionPolicy::DEFAULT,
+            ttft_slo: Duration::from_secs(3600),
+            tbt_slo: Duration::from_secs(3600),
+            early_rejection: false,
+            seed: 1,
+        };
+        let fleet = run(&cfg, &p, &reqs);
+        let sims: Vec<SimRequest> = reqs.iter().map(|r| r.sim.clone()).collect();
+        let cache = replay_sized(
+            &sims,
+            SimCapacity {
+                dram: dram_tokens * 3,
+                lower: 0,
+                per_token: true,
+            },
+            EvictionPolicy::DEFAULT,
+        );
+        assert!(
+            (fleet.hit_ratio() - cache.token_hit_ratio()).abs() < 0.01,
+            "fleet {} simulate-cache {}",
+            fleet.hit_ratio(),
+            cache.token_hit_ratio()
+        );
     }
 }
