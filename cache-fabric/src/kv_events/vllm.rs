@@ -227,6 +227,30 @@ impl Position {
     }
 }
 
+/// Wait until a `tcp://host:port` endpoint accepts a connection (true), or `stop` (false).
+/// Other endpoints are not probed.
+async fn accepts(endpoint: &str, stop: &CancellationToken) -> bool {
+    let Some(addr) = endpoint.strip_prefix("tcp://") else {
+        return true;
+    };
+    loop {
+        let probe =
+            tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(addr));
+        tokio::select! {
+            _ = stop.cancelled() => return false,
+            r = probe => {
+                if matches!(r, Ok(Ok(_))) {
+                    return true;
+                }
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return false,
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+    }
+}
+
 /// Follow `v`'s publisher until `stop`, emitting its events in Cachet's keys to `sink`.
 pub async fn follow(v: VllmEvents, map: Arc<EngineMap>, sink: KvSink, stop: CancellationToken) {
     loop {
@@ -250,6 +274,12 @@ async fn follow_once(
     sink: &KvSink,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
+    // vLLM binds its publisher only once its engine is up, which can take a minute: wait for
+    // the port first. (The zeromq crate's own connect retries for 30 s and fails; a follower
+    // whose first connect had timed out was seen to receive nothing after it reconnected.)
+    if !accepts(&v.endpoint, stop).await {
+        return Ok(());
+    }
     let mut sub = zeromq::SubSocket::new();
     let mut monitor = sub.monitor();
     tokio::select! {
@@ -472,6 +502,57 @@ mod tests {
         assert_eq!(p.next(11), Next::Replay { from: 8 });
         assert_eq!(p.next(0), Next::Restarted);
         assert_eq!(p.next(7), Next::Restarted);
+    }
+
+    /// vLLM binds its publisher only once its engine is up: a follower started before that
+    /// waits for the port and receives what is published once it is bound.
+    #[tokio::test]
+    async fn a_follower_started_before_the_publisher_binds_receives_its_events() {
+        use zeromq::PubSocket;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let ep = format!("tcp://127.0.0.1:{port}");
+        let m = Arc::new(EngineMap::default());
+        m.learn([(e(1), BlockHash([1; 32]))]);
+        let (sink, mut source) = super::super::channel(64);
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(follow(
+            VllmEvents {
+                instance: "n1/0".into(),
+                endpoint: ep.clone(),
+                replay: None,
+            },
+            m.clone(),
+            sink,
+            stop.clone(),
+        ));
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let mut publisher = PubSocket::new();
+        publisher.bind(&ep).await.unwrap();
+        let msg = ZmqMessage::try_from(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&0u64.to_be_bytes()),
+            Bytes::from(batch(vec![stored(&[1], None)])),
+        ])
+        .unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                publisher.send(msg.clone()).await.unwrap();
+                if let Ok(Some(ev)) =
+                    tokio::time::timeout(Duration::from_millis(100), source.rx.recv()).await
+                {
+                    break ev;
+                }
+            }
+        })
+        .await
+        .expect("the follower connected once the publisher was bound");
+        assert!(matches!(got, KvEvent::BlockStored { .. }));
+        stop.cancel();
+        task.await.unwrap();
     }
 
     /// A real ZMQ peer (this crate's PUB and ROUTER sockets) in vLLM's framing: a gap is
