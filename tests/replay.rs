@@ -159,6 +159,8 @@ async fn a_trace_slice_replays_without_errors_reconciles_exactly_and_matches_the
                     "4",
                     "--max-output-tokens",
                     "16",
+                    "--simulate-fleet",
+                    "h200-llama3-8b",
                     "--quiet",
                 ])
                 .env("CACHET_FINANCE_TOKEN", token)
@@ -208,6 +210,17 @@ async fn a_trace_slice_replays_without_errors_reconciles_exactly_and_matches_the
     assert!(
         (hit - sim).abs() <= 0.02,
         "replay hit ratio {hit:.4} vs simulate-cache {sim:.4}"
+    );
+    // simulate-fleet's prediction for the same requests sits beside the measured run: every
+    // request, answers of the asked length (16 tokens: gaps to time), hits from the same store.
+    let fleet = &s["simulated_fleet"];
+    assert_eq!(fleet["requests"], REQUESTS, "{fleet}");
+    assert!(fleet["ttft_p50_ms"].as_f64().unwrap() > 0.0, "{fleet}");
+    assert!(fleet["tbt_p50_ms"].as_f64().unwrap() > 0.0, "{fleet}");
+    assert!(fleet["token_hit_ratio"].as_f64().unwrap() > 0.0, "{fleet}");
+    assert!(
+        stdout.contains("simulate-fleet (h200-llama3-8b, 1 instance(s), leastloaded)"),
+        "{stdout}"
     );
     // Priced at the list default (no sim-llama-8b price in a fresh book), with and without.
     assert!(s["cost"]["without_cache_nanos"].as_i64().unwrap() > 0);

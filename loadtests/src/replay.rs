@@ -130,6 +130,23 @@ pub struct ReplayArgs {
     /// show the simulated hit ratio beside the measured one (`256M`, `4GiB`, …).
     #[arg(long, value_parser = crate::simulate::parse_bytes)]
     pub simulate_capacity_bytes: Option<u64>,
+    /// Also run the same requests, at the same send times and answer lengths, through
+    /// `simulate-fleet` with this engine profile (a built-in name or a JSON file) and show its
+    /// TTFT, time between tokens and hit ratio beside the measured ones (not with
+    /// --concurrency: a closed loop has no send times to give it).
+    #[arg(long)]
+    pub simulate_fleet: Option<String>,
+    /// The simulated fleet's instances (with --simulate-fleet).
+    #[arg(long, default_value_t = 1)]
+    pub simulate_fleet_instances: usize,
+    /// The simulated fleet's nodes (default: one an instance; 1 for instances beside one
+    /// `cachet serve`).
+    #[arg(long)]
+    pub simulate_fleet_nodes: Option<usize>,
+    /// How the simulated fleet routes: pool (a cluster's router) or least-loaded (the
+    /// instances beside one node).
+    #[arg(long, value_enum, default_value_t = crate::fleet::sim::Routing::LeastLoaded)]
+    pub simulate_fleet_routing: crate::fleet::sim::Routing,
     /// Exit non-zero when more than this share of the answered requests failed (refusals
     /// such as 529 included) or when none was answered; 1 fails only a run with no answer.
     /// The report is written either way.
@@ -303,6 +320,7 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
     let mut marks = marks.lock().unwrap_or_else(|p| p.into_inner()).clone();
     marks.sort_by(|x, y| x.at_secs.total_cmp(&y.at_secs));
     let simulated = simulate(&a, &trace, sent).await?;
+    let fleet = simulate_fleet(&a, &trace, sent).await?;
     let elapsed = start.elapsed().as_secs_f64();
     let ended_wall = chrono::Utc::now();
 
@@ -323,6 +341,7 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<RunResult> {
     );
     summary["marks"] = json!(marks);
     summary["simulated"] = simulated.unwrap_or(Value::Null);
+    summary["simulated_fleet"] = fleet.unwrap_or(Value::Null);
     std::fs::write(
         a.out.join("summary.json"),
         serde_json::to_vec_pretty(&summary)?,
@@ -439,6 +458,106 @@ async fn reconcile_ledger(
     })
 }
 
+/// `simulate-fleet`'s prediction for the requests sent (`--simulate-fleet`): their send
+/// times from the run's own schedule, their blocks and tenants as the replay shaped them,
+/// their answers as long as they were asked to be.
+async fn simulate_fleet(a: &ReplayArgs, trace: &Path, sent: u64) -> anyhow::Result<Option<Value>> {
+    let Some(profile) = a.simulate_fleet.clone() else {
+        return Ok(None);
+    };
+    if a.concurrency.is_some() && a.rate.is_none() {
+        bail!("--simulate-fleet needs send times: not with --concurrency");
+    }
+    let profile = crate::fleet::profile::CostProfile::load(&profile)?;
+    let (a, trace) = (a.clone(), trace.to_path_buf());
+    tokio::task::spawn_blocking(move || {
+        let shape = a.shape();
+        let min_cacheable = engine::min_cacheable_tokens(&a.model).unwrap_or(0) as u64;
+        let mut schedule = schedule_of(&a);
+        let mut reqs = Vec::new();
+        for rec in trace::open(&trace)?
+            .skip(a.skip as usize)
+            .take(sent as usize)
+        {
+            let rec = rec?;
+            let lens = shape.block_lengths(&rec);
+            let out = a
+                .max_output_tokens
+                .map_or(rec.output_length, |m| rec.output_length.min(m));
+            reqs.push(crate::fleet::sim::FleetRequest {
+                arrival: schedule.at(&rec).unwrap_or(0.0),
+                output_tokens: out.clamp(1, u64::from(u32::MAX)) as u32,
+                sim: cache_fabric::simulate::SimRequest {
+                    cacheable: lens.iter().sum::<u64>() >= min_cacheable,
+                    block_tokens: lens.iter().map(|&n| n as u32).collect(),
+                    scope: shape.tenant(&rec) as u32,
+                    blocks: rec.hash_ids,
+                },
+            });
+        }
+        let instances = a.simulate_fleet_instances.max(1);
+        let dram_tokens = a.simulate_capacity_bytes.map_or(2_000_000, |b| {
+            b / profile.kv_bytes_per_token.max(1) / instances as u64
+        });
+        let cfg = crate::fleet::sim::FleetConfig {
+            instances,
+            nodes: a
+                .simulate_fleet_nodes
+                .unwrap_or(instances)
+                .clamp(1, instances),
+            replicas: 1,
+            routing: a.simulate_fleet_routing,
+            prefill_instances: 0,
+            split_min_tokens: 1024,
+            dram_tokens,
+            policy: cache_fabric::EvictionPolicy::DEFAULT,
+            ttft_slo: Duration::from_secs(86_400),
+            tbt_slo: Duration::from_secs(86_400),
+            early_rejection: false,
+            seed: a.seed,
+        };
+        let r = crate::fleet::sim::run(&cfg, &profile, &reqs);
+        let ms = |h: &hdrhistogram::Histogram<u64>, q: f64| {
+            if h.is_empty() {
+                0.0
+            } else {
+                h.value_at_quantile(q) as f64 / 1e3
+            }
+        };
+        Ok::<_, anyhow::Error>(Some(json!({
+            "profile": profile.name,
+            "instances": cfg.instances,
+            "nodes": cfg.nodes,
+            "routing": format!("{:?}", cfg.routing).to_lowercase(),
+            "requests": r.requests,
+            "ttft_p50_ms": ms(&r.ttft, 0.5),
+            "ttft_p99_ms": ms(&r.ttft, 0.99),
+            "tbt_p50_ms": ms(&r.tbt, 0.5),
+            "tbt_p99_ms": ms(&r.tbt, 0.99),
+            "token_hit_ratio": r.hit_ratio(),
+        })))
+    })
+    .await
+    .context("the fleet simulation stopped")?
+}
+
+/// A run's schedule from its arguments: Poisson at --rate, a closed loop at --concurrency,
+/// else the trace's timestamps at --speed.
+fn schedule_of(a: &ReplayArgs) -> Schedule {
+    match (a.rate, a.concurrency) {
+        (Some(rate), _) => Schedule::Poisson {
+            rng: Rng::new(a.seed),
+            mean_gap: 1.0 / rate,
+            at: 0.0,
+        },
+        (None, Some(_)) => Schedule::Closed,
+        (None, None) => Schedule::Trace {
+            speed: a.speed,
+            first: None,
+        },
+    }
+}
+
 /// The send times of a run: the trace's, scaled; Poisson; or none (closed loop).
 enum Schedule {
     Trace { speed: f64, first: Option<f64> },
@@ -484,18 +603,7 @@ async fn send_all(
     clock: Clock<'_>,
 ) -> anyhow::Result<(u64, u64)> {
     let Clock { start, stop, cut } = clock;
-    let mut schedule = match (a.rate, a.concurrency) {
-        (Some(rate), _) => Schedule::Poisson {
-            rng: Rng::new(a.seed),
-            mean_gap: 1.0 / rate,
-            at: 0.0,
-        },
-        (None, Some(_)) => Schedule::Closed,
-        (None, None) => Schedule::Trace {
-            speed: a.speed,
-            first: None,
-        },
-    };
+    let mut schedule = schedule_of(a);
     let closed = a.concurrency.map(|n| Arc::new(Semaphore::new(n)));
     let shape = a.shape();
     let url: Arc<str> = a.url.trim_end_matches('/').into();
@@ -905,6 +1013,20 @@ fn print_summary(s: &Value, out: &Path) {
         f(&s["tbt"]["p90_ms"]),
         f(&s["tbt"]["p99_ms"]),
     );
+    if let Some(sim) = s["simulated_fleet"].as_object() {
+        println!(
+            "simulate-fleet ({}, {} instance(s), {}): TTFT p50 {:.1} ms vs {:.1} measured, TBT p50 {:.2} ms vs {:.2}, hit ratio {:.4} vs {:.4}",
+            sim["profile"].as_str().unwrap_or(""),
+            sim["instances"],
+            sim["routing"].as_str().unwrap_or(""),
+            sim["ttft_p50_ms"].as_f64().unwrap_or(0.0),
+            f(&s["ttft"]["p50_ms"]),
+            sim["tbt_p50_ms"].as_f64().unwrap_or(0.0),
+            f(&s["tbt"]["p50_ms"]),
+            sim["token_hit_ratio"].as_f64().unwrap_or(0.0),
+            f(&s["hit_ratio"]),
+        );
+    }
     if let Some(sim) = s["simulated"].as_object() {
         println!(
             "hit ratio {:.4} measured vs {:.4} simulated ({} policy, {} bytes of cache)",

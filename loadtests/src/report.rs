@@ -149,6 +149,8 @@ const cards = [
   ['requests', `${D.ok} ok / ${D.sent}`], ['errors', D.errors],
   ['hit ratio', pct(D.hit_ratio)],
   ...(D.simulated ? [['simulated hit ratio, same cache', pct(D.simulated.token_hit_ratio)]] : []),
+  ...(D.simulated_fleet ? [['simulate-fleet TTFT p50 / TBT p50 / hit ratio',
+    `${f1(D.simulated_fleet.ttft_p50_ms)} ms / ${(D.simulated_fleet.tbt_p50_ms ?? 0).toFixed(2)} ms / ${pct(D.simulated_fleet.token_hit_ratio)}`]] : []),
   ['TTFT p50 / p90 / p99', `${f1(D.ttft.p50_ms)} / ${f1(D.ttft.p90_ms)} / ${f1(D.ttft.p99_ms)} ms`],
   ['TBT p50 / p90', `${(D.tbt.p50_ms ?? 0).toFixed(2)} / ${(D.tbt.p90_ms ?? 0).toFixed(2)} ms`],
   ['throughput', `${f1(D.throughput.requests_per_sec)} req/s`],
