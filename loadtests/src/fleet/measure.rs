@@ -267,7 +267,7 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
             } else {
                 format!("; {}", a.note)
             },
-            chrono_free_date(),
+            chrono::Utc::now().format("%Y-%m-%d"),
             a.prefill_tokens,
             a.repeats,
             1e3 / per_token_ms,
@@ -336,24 +336,6 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Today's date (UTC) without a date crate: days since the epoch, civil from days.
-fn chrono_free_date() -> String {
-    let days = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() / 86_400) as i64;
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -371,12 +353,5 @@ mod tests {
         }
         // Two points cannot fix three unknowns.
         assert!(fit3(&rows[..1]).is_none());
-    }
-
-    #[test]
-    fn the_date_is_civil() {
-        let d = chrono_free_date();
-        assert_eq!(d.len(), 10);
-        assert!(d.starts_with("20"), "{d}");
     }
 }
