@@ -480,20 +480,17 @@ async fn simulate_fleet(a: &ReplayArgs, trace: &Path, sent: u64) -> anyhow::Resu
             .take(sent as usize)
         {
             let rec = rec?;
-            let lens = shape.block_lengths(&rec);
             let out = a
                 .max_output_tokens
                 .map_or(rec.output_length, |m| rec.output_length.min(m));
-            reqs.push(crate::fleet::sim::FleetRequest {
-                arrival: schedule.at(&rec).unwrap_or(0.0),
-                output_tokens: out.clamp(1, u64::from(u32::MAX)) as u32,
-                sim: cache_fabric::simulate::SimRequest {
-                    cacheable: lens.iter().sum::<u64>() >= min_cacheable,
-                    block_tokens: lens.iter().map(|&n| n as u32).collect(),
-                    scope: shape.tenant(&rec) as u32,
-                    blocks: rec.hash_ids,
-                },
-            });
+            let arrival = schedule.at(&rec).unwrap_or(0.0);
+            reqs.push(crate::fleet::request_of(
+                rec,
+                &shape,
+                min_cacheable,
+                arrival,
+                out,
+            ));
         }
         let instances = a.simulate_fleet_instances.max(1);
         let dram_tokens = a.simulate_capacity_bytes.map_or(2_000_000, |b| {

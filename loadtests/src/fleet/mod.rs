@@ -121,25 +121,38 @@ pub fn requests(
         .take(a.max_requests.map_or(usize::MAX, |m| m as usize))
     {
         let rec = rec?;
-        let lens = shape.block_lengths(&rec);
-        out.push(FleetRequest {
-            arrival: rec.timestamp / 1e3 / a.speed.max(1e-9),
-            output_tokens: if rec.output_length > 0 {
-                rec.output_length.min(u64::from(u32::MAX)) as u32
-            } else {
-                a.default_output_tokens
-            }
-            .max(1),
-            sim: SimRequest {
-                cacheable: lens.iter().sum::<u64>() >= min_cacheable,
-                block_tokens: lens.iter().map(|&n| n as u32).collect(),
-                scope: shape.tenant(&rec) as u32,
-                blocks: rec.hash_ids,
-            },
-        });
+        let arrival = rec.timestamp / 1e3 / a.speed.max(1e-9);
+        let output = match rec.output_length {
+            0 => u64::from(a.default_output_tokens),
+            n => n,
+        };
+        out.push(request_of(rec, shape, min_cacheable, arrival, output));
     }
     out.sort_by(|x, y| x.arrival.total_cmp(&y.arrival));
     Ok(out)
+}
+
+/// One trace record as the fleet sees it: its blocks' tokens and tenant by `shape`, cached
+/// only from `min_cacheable` tokens on, arriving at `arrival` seconds, answering `output`
+/// tokens (at least one).
+pub fn request_of(
+    rec: TraceRecord,
+    shape: &Shape,
+    min_cacheable: u64,
+    arrival: f64,
+    output: u64,
+) -> FleetRequest {
+    let lens = shape.block_lengths(&rec);
+    FleetRequest {
+        arrival,
+        output_tokens: output.clamp(1, u64::from(u32::MAX)) as u32,
+        sim: SimRequest {
+            cacheable: lens.iter().sum::<u64>() >= min_cacheable,
+            block_tokens: lens.iter().map(|&n| n as u32).collect(),
+            scope: shape.tenant(&rec) as u32,
+            blocks: rec.hash_ids,
+        },
+    }
 }
 
 /// One row of the table.
