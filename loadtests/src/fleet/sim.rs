@@ -772,26 +772,10 @@ impl Fleet<'_> {
 }
 
 #[cfg(test)]
-fn tests_profile() -> CostProfile {
-    tests::profile()
-}
-
-#[cfg(test)]
-fn tests_workload(
-    n: usize,
-    prefixes: u64,
-    prefix_blocks: u64,
-    gap: f64,
-    out: u32,
-) -> Vec<FleetRequest> {
-    tests::workload(n, prefixes, prefix_blocks, gap, out)
-}
-
-#[cfg(test)]
 mod tests {
     use super::*;
 
-    pub(super) fn profile() -> CostProfile {
+    fn profile() -> CostProfile {
         CostProfile {
             name: "test".into(),
             source: "a test's round numbers".into(),
@@ -828,7 +812,7 @@ mod tests {
 
     /// `n` requests: `prefixes` shared prefixes of `prefix_blocks` blocks of 256 tokens,
     /// each followed by a private block, one every `gap` seconds.
-    pub(super) fn workload(
+    fn workload(
         n: usize,
         prefixes: u64,
         prefix_blocks: u64,
@@ -1016,20 +1000,15 @@ mod tests {
         // Most of the pool's hits live on another node: pulled, not loaded.
         assert!(pool.bytes_pulled > pool.bytes_loaded);
     }
-}
-
-#[cfg(test)]
-mod agreement {
-    use super::*;
-    use cache_fabric::simulate::replay_sized;
 
     #[test]
     fn spaced_out_requests_hit_as_simulate_cache_says() {
-        let mut p = super::tests_profile();
+        use cache_fabric::simulate::replay_sized;
+        let mut p = profile();
         p.engine_cache_tokens = 0;
         // Requests far apart (every write lands before the next read), in a pool smaller
         // than the working set.
-        let reqs: Vec<FleetRequest> = super::tests_workload(400, 24, 5, 100.0, 2);
+        let reqs: Vec<FleetRequest> = workload(400, 24, 5, 100.0, 2);
         let dram_tokens = 24 * 5 * 256 / 3;
         let cfg = FleetConfig {
             instances: 3,
