@@ -35,6 +35,7 @@ use crate::membership::{self, NodeRecord};
 use crate::metrics;
 use crate::node::{FabricNode, PrefixRead};
 use crate::placement::{Member, Membership};
+use crate::popularity::Popularity;
 use crate::store::{EntryKind, FetchedBlock, Handoff, PutBlock, WriteRefused};
 use crate::transport::{RemoteEntry, Transport};
 
@@ -144,7 +145,7 @@ pub struct Cluster {
     changes: tokio::sync::watch::Sender<u64>,
     inflight: Mutex<HashMap<String, Arc<AtomicUsize>>>,
     picks: AtomicUsize,
-    popularity: Mutex<Popularity>,
+    popularity: Mutex<Popularity<BlockHash, Instant>>,
     /// Tenants whose plan sets their own replication factor (others use `config.replicas`).
     tenant_replicas: RwLock<HashMap<TenantId, usize>>,
     /// Bytes per second of peer pulls, a moving average over reads that pulled enough to say
@@ -154,38 +155,6 @@ pub struct Cluster {
 
 /// A read that pulled fewer remote bytes than this says nothing reliable about bandwidth.
 const PULL_SAMPLE_MIN_BYTES: u64 = 256 << 10;
-
-/// Sliding-window pull counts per block: two fixed windows, the previous one weighted by how
-/// much of it still overlaps the sliding window (the usual rate-limiter approximation).
-#[derive(Default)]
-struct Popularity {
-    started: Option<Instant>,
-    current: HashMap<BlockHash, u32>,
-    previous: HashMap<BlockHash, u32>,
-}
-
-impl Popularity {
-    /// Count one pull of `hash` at `now`; returns its pulls within the last `window`.
-    fn record(&mut self, hash: BlockHash, now: Instant, window: Duration) -> f64 {
-        let started = *self.started.get_or_insert(now);
-        let elapsed = now.saturating_duration_since(started);
-        if elapsed >= window * 2 {
-            self.previous.clear();
-            self.current.clear();
-            self.started = Some(now);
-        } else if elapsed >= window {
-            self.previous = std::mem::take(&mut self.current);
-            self.started = Some(started + window);
-        }
-        let into = now
-            .saturating_duration_since(self.started.unwrap_or(now))
-            .as_secs_f64()
-            / window.as_secs_f64().max(1e-9);
-        let n = self.current.entry(hash).or_default();
-        *n += 1;
-        *n as f64 + self.previous.get(&hash).copied().unwrap_or(0) as f64 * (1.0 - into).max(0.0)
-    }
-}
 
 enum Fetched {
     Hit(FetchedBlock),

@@ -26,6 +26,7 @@
 //!   prefill: tokens loaded from the node, from the engine's own cache, recomputed.
 //! - [`stats`]: what a tenant holds (bytes per tier, losses by reason, most-read
 //!   prefixes) for its administrators.
+//! - [`popularity`]: how often a block was pulled lately (hot-block replication).
 //! - [`simulate`]: replays a Mooncake-format trace through the store's own eviction code.
 //!
 //! What it is not: it never sees prompts or text, only token-block hashes and opaque KV bytes
@@ -48,6 +49,7 @@ pub mod metrics;
 pub mod node;
 pub mod placement;
 pub mod policy;
+pub mod popularity;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod reports;

@@ -511,6 +511,10 @@ async fn simulate_fleet(a: &ReplayArgs, trace: &Path, sent: u64) -> anyhow::Resu
             ttft_slo: Duration::from_secs(86_400),
             tbt_slo: Duration::from_secs(86_400),
             early_rejection: false,
+            balance: None,
+            // The capacity is simulate-cache's (no room set aside for extra replicas).
+            hot_reads: 0,
+            hot_window: Duration::from_secs(60),
             seed: a.seed,
         };
         let r = crate::fleet::sim::run(&cfg, &profile, &reqs);

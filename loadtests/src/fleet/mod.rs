@@ -69,6 +69,14 @@ pub struct FleetArgs {
     /// The conductor's early rejection (pool routing): on, off, or both side by side.
     #[arg(long, value_enum, default_value_t = EarlyRejection::On)]
     pub early_rejection: EarlyRejection,
+    /// Cache-aware and pool routing send a request only to instances whose requests in
+    /// flight are within this many times the mean (e.g. 1.25; default: no bound).
+    #[arg(long)]
+    pub balance: Option<f64>,
+    /// Hot-block replication in the pool (the cluster's rule: a node pulling a block 3
+    /// times a minute keeps a replica of it, in an eighth of its DRAM): on, off, or both.
+    #[arg(long, value_enum, default_value_t = EarlyRejection::Off)]
+    pub hot_replication: EarlyRejection,
     /// Arrivals this many times as fast as the trace's timestamps.
     #[arg(long, default_value_t = 1.0)]
     pub speed: f64,
@@ -97,11 +105,22 @@ pub struct FleetArgs {
     pub json: Option<std::path::PathBuf>,
 }
 
+/// A switch to run on, off, or both side by side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum EarlyRejection {
     On,
     Off,
     Both,
+}
+
+impl EarlyRejection {
+    fn values(self) -> &'static [bool] {
+        match self {
+            Self::On => &[true],
+            Self::Off => &[false],
+            Self::Both => &[true, false],
+        }
+    }
 }
 
 /// A trace's records as the fleet sees them: arrival, blocks of tokens, output length.
@@ -162,6 +181,8 @@ pub struct Row {
     pub routing: String,
     pub prefill_instances: usize,
     pub early_rejection: bool,
+    pub balance: Option<f64>,
+    pub hot_replication: bool,
     pub requests: u64,
     pub served: u64,
     pub rejected: u64,
@@ -174,6 +195,8 @@ pub struct Row {
     pub hit_ratio: f64,
     pub load_max_over_mean: f64,
     pub kv_gb_moved: f64,
+    pub coalesced: u64,
+    pub hot_replica_blocks: u64,
 }
 
 impl Row {
@@ -190,6 +213,8 @@ impl Row {
             routing: format!("{:?}", cfg.routing).to_lowercase(),
             prefill_instances: cfg.prefill_instances,
             early_rejection: cfg.early_rejection,
+            balance: cfg.balance,
+            hot_replication: cfg.hot_reads > 0,
             requests: r.requests,
             served: r.served,
             rejected: r.rejected,
@@ -202,6 +227,8 @@ impl Row {
             hit_ratio: r.hit_ratio(),
             load_max_over_mean: r.load_imbalance(),
             kv_gb_moved: r.bytes_moved() as f64 / 1e9,
+            coalesced: r.coalesced,
+            hot_replica_blocks: r.hot_replicas,
         }
     }
 }
@@ -221,11 +248,8 @@ fn configs(a: &FleetArgs) -> anyhow::Result<Vec<FleetConfig>> {
     } else {
         a.routing.clone()
     };
-    let rejection: &[bool] = match a.early_rejection {
-        EarlyRejection::On => &[true],
-        EarlyRejection::Off => &[false],
-        EarlyRejection::Both => &[true, false],
-    };
+    let rejection = a.early_rejection.values();
+    let cluster = cache_fabric::cluster::ClusterConfig::default();
     let base = FleetConfig {
         instances: a.instances,
         nodes: a.nodes.unwrap_or(a.instances).clamp(1, a.instances),
@@ -238,8 +262,14 @@ fn configs(a: &FleetArgs) -> anyhow::Result<Vec<FleetConfig>> {
         ttft_slo: Duration::from_millis(a.ttft_slo_ms),
         tbt_slo: Duration::from_millis(a.tbt_slo_ms),
         early_rejection: false,
+        balance: a.balance,
+        hot_reads: 0,
+        hot_window: cluster.hot_window,
         seed: a.seed,
     };
+    if a.balance.is_some_and(|b| !(b >= 1.0)) {
+        bail!("--balance is a bound on max/mean load: 1 or more");
+    }
     let mut out = Vec::new();
     for &routing in &routings {
         if routing != Routing::Pool {
@@ -258,13 +288,16 @@ fn configs(a: &FleetArgs) -> anyhow::Result<Vec<FleetConfig>> {
                     a.instances
                 );
             }
-            for &early_rejection in rejection {
-                out.push(FleetConfig {
-                    routing,
-                    prefill_instances: p,
-                    early_rejection,
-                    ..base.clone()
-                });
+            for &hot in a.hot_replication.values() {
+                for &early_rejection in rejection {
+                    out.push(FleetConfig {
+                        routing,
+                        prefill_instances: p,
+                        early_rejection,
+                        hot_reads: if hot { cluster.hot_reads } else { 0 },
+                        ..base.clone()
+                    });
+                }
             }
         }
     }
@@ -303,13 +336,23 @@ pub fn run(a: &FleetArgs) -> anyhow::Result<()> {
     }
     let configs = configs(a)?;
     println!(
-        "profile {}: {}\n{} instances, DRAM {} tokens a node, SLOs: TTFT {} ms, TBT {} ms (mean per request)\n",
-        profile.name, profile.source, a.instances, a.dram_tokens, a.ttft_slo_ms, a.tbt_slo_ms
+        "profile {}: {}\n{} instances, DRAM {} tokens a node, SLOs: TTFT {} ms, TBT {} ms (mean per request){}\n",
+        profile.name,
+        profile.source,
+        a.instances,
+        a.dram_tokens,
+        a.ttft_slo_ms,
+        a.tbt_slo_ms,
+        a.balance.map_or(String::new(), |b| format!(
+            ", balance: in flight within {b} × the mean"
+        ))
     );
     println!(
-        "| workload | routing | prefill instances | early rejection | requests | served | rejected | within SLO | goodput /s | TTFT p50 ms | p99 | TBT p50 ms | p99 | hit ratio | load max/mean | KV GB moved |"
+        "| workload | routing | prefill instances | early rejection | hot replicas | requests | served | rejected | within SLO | goodput /s | TTFT p50 ms | p99 | TBT p50 ms | p99 | hit ratio | load max/mean | KV GB moved | coalesced |"
     );
-    println!("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     let mut rows = Vec::new();
     for (name, reqs) in &workloads {
         for cfg in &configs {
@@ -317,11 +360,12 @@ pub fn run(a: &FleetArgs) -> anyhow::Result<()> {
             let r = sim::run(cfg, &profile, reqs);
             let row = Row::of(name, cfg, &r);
             println!(
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.0} | {:.0} | {:.1} | {:.1} | {:.3} | {:.2} | {:.1} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.0} | {:.0} | {:.1} | {:.1} | {:.3} | {:.2} | {:.1} | {} |",
                 row.workload,
                 row.routing,
                 row.prefill_instances,
                 if row.early_rejection { "on" } else { "off" },
+                if row.hot_replication { "on" } else { "off" },
                 row.requests,
                 row.served,
                 row.rejected,
@@ -334,6 +378,7 @@ pub fn run(a: &FleetArgs) -> anyhow::Result<()> {
                 row.hit_ratio,
                 row.load_max_over_mean,
                 row.kv_gb_moved,
+                row.coalesced,
             );
             eprintln!(
                 "  ({} {} split {}: {} requests simulated in {:.2?})",

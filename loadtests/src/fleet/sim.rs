@@ -24,11 +24,12 @@
 //! instance, as in the service.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Duration;
 
 use cache_fabric::EvictionPolicy;
-use cache_fabric::simulate::{SimCache, SimCapacity, SimRequest};
+use cache_fabric::popularity::Popularity;
+use cache_fabric::simulate::{Put, SimCache, SimCapacity, SimRequest};
 use cachet_common::stages::{StageLoad, StepModel};
 use gateway::routing::conductor::{Candidate, CostModel, Demand};
 use hdrhistogram::Histogram;
@@ -97,8 +98,19 @@ pub struct FleetConfig {
     pub tbt_slo: Duration,
     /// The conductor refuses what it expects over either SLO (pool routing).
     pub early_rejection: bool,
+    /// With cache-aware or pool routing: an instance takes a request only while its requests
+    /// in flight are within this many times the candidates' mean (none: no bound).
+    pub balance: Option<f64>,
+    /// Hot-block replication in the pool, by the cluster's rule: a node that pulls a block
+    /// this many times within `hot_window` keeps an extra replica of it (0: off). Extra
+    /// replicas get an eighth of each node's DRAM, taken from the pool.
+    pub hot_reads: u32,
+    pub hot_window: Duration,
     pub seed: u64,
 }
+
+/// Each node's DRAM over this is kept for extra replicas of hot blocks (when on).
+const HOT_SHARE: u64 = 8;
 
 /// What a run measured.
 #[derive(Clone, Debug)]
@@ -128,6 +140,13 @@ pub struct FleetResult {
     pub bytes_handed_over: u64,
     /// Tokens each instance processed (prefilled and decoded).
     pub instance_tokens: Vec<u64>,
+    /// Requests that waited for another's prefill of their next block (in-flight
+    /// coalescing, pool routing) instead of computing it.
+    pub coalesced: u64,
+    /// Extra replicas of hot blocks kept, in blocks.
+    pub hot_replicas: u64,
+    /// Of the pulled bytes, the time requests waited for a busy sender (seconds, summed).
+    pub egress_wait_secs: f64,
 }
 
 impl FleetResult {
@@ -188,6 +207,23 @@ struct Seq {
     gaps: f64,
     gap_count: u32,
     ttft: f64,
+    /// The block this sequence is computing for others to follow (pool routing).
+    claim: Option<BlockKey>,
+}
+
+/// A block of the workload: its scope and trace id.
+type BlockKey = (u32, u64);
+
+/// A request waiting for another's prefill: the request, its instance and stage.
+type Follower = (usize, usize, Stage);
+
+/// What a request reads from the fabric: tokens loaded from its own node, tokens pulled
+/// from each other node, the position its prefill starts from and the blocks it holds.
+struct Reads {
+    local: u64,
+    pulls: Vec<(usize, u64)>,
+    start: u64,
+    blocks: usize,
 }
 
 struct Instance {
@@ -233,6 +269,14 @@ struct Fleet<'a> {
     drams: Vec<SimCache>,
     pool: Option<SimCache>,
     seqs: Vec<Seq>,
+    /// Hot-block replication: each node's extra replicas and pull counts.
+    extras: Vec<SimCache>,
+    popularity: Vec<Popularity<BlockKey, Duration>>,
+    /// When each node's outgoing link is free (pulls from it are serialized).
+    egress_free: Vec<f64>,
+    /// In-flight coalescing: the sequence computing each claimed block, and who waits on it.
+    claims: HashMap<BlockKey, usize>,
+    followers: HashMap<usize, Vec<Follower>>,
     events: BinaryHeap<Key>,
     order: u64,
     rng: Rng,
@@ -243,6 +287,17 @@ struct Fleet<'a> {
 }
 
 const ALPHA: f64 = 0.2;
+
+/// The pool's capacity in tokens: the nodes' DRAM (less what hot-block replication keeps
+/// aside) over the copies of each block.
+fn pool_tokens(cfg: &FleetConfig, nodes: usize) -> u64 {
+    let per_node = if cfg.hot_reads > 0 {
+        cfg.dram_tokens - cfg.dram_tokens / HOT_SHARE
+    } else {
+        cfg.dram_tokens
+    };
+    per_node * nodes as u64 / cfg.replicas.max(1)
+}
 
 fn ns(t: f64) -> u64 {
     (t.max(0.0) * 1e9).round() as u64
@@ -291,8 +346,19 @@ pub fn run(cfg: &FleetConfig, p: &CostProfile, reqs: &[FleetRequest]) -> FleetRe
         } else {
             (0..nodes).map(|_| cache(cfg.dram_tokens)).collect()
         },
-        pool: pooled.then(|| cache(cfg.dram_tokens * nodes as u64 / cfg.replicas.max(1))),
+        pool: pooled.then(|| cache(pool_tokens(cfg, nodes))),
         seqs: Vec::new(),
+        extras: if pooled && cfg.hot_reads > 0 {
+            (0..nodes)
+                .map(|_| cache(cfg.dram_tokens / HOT_SHARE))
+                .collect()
+        } else {
+            Vec::new()
+        },
+        popularity: (0..nodes).map(|_| Popularity::default()).collect(),
+        egress_free: vec![0.0; nodes],
+        claims: HashMap::new(),
+        followers: HashMap::new(),
         events: BinaryHeap::new(),
         order: 0,
         rng: Rng::new(cfg.seed),
@@ -315,6 +381,9 @@ pub fn run(cfg: &FleetConfig, p: &CostProfile, reqs: &[FleetRequest]) -> FleetRe
             bytes_pulled: 0,
             bytes_handed_over: 0,
             instance_tokens: vec![0; cfg.instances],
+            coalesced: 0,
+            hot_replicas: 0,
+            egress_wait_secs: 0.0,
         },
         first_arrival: reqs.first().map_or(0.0, |r| r.arrival),
         last_done: 0.0,
@@ -354,17 +423,24 @@ impl Fleet<'_> {
         i % self.nodes()
     }
 
-    /// The node a block's pool copy lives on.
-    fn home(&self, scope: u32, id: u64) -> usize {
-        (mix64(id ^ (u64::from(scope) << 48)) % self.nodes() as u64) as usize
+    /// The nodes a block's pool copies live on (`replicas` distinct ones, by rendezvous
+    /// hashing as the cluster places them).
+    fn homes(&self, scope: u32, id: u64) -> Vec<usize> {
+        let key = id ^ (u64::from(scope) << 48);
+        let mut ranked: Vec<usize> = (0..self.nodes()).collect();
+        ranked.sort_by_key(|&n| Reverse(mix64(key ^ mix64(n as u64 + 1))));
+        ranked.truncate(self.cfg.replicas.max(1) as usize);
+        ranked
     }
 
     /// Tokens of blocks `from..to` of `req` that instance `i` loads from its own node: all of
-    /// them from its node's DRAM, those whose copy lives there from the pool.
+    /// them from its node's DRAM, those with a copy there from the pool.
     fn local_tokens(&self, req: &FleetRequest, from: usize, to: usize, i: usize) -> u64 {
         let node = self.node_of(i);
         (from..to)
-            .filter(|&k| self.pool.is_none() || self.home(req.sim.scope, req.sim.blocks[k]) == node)
+            .filter(|&k| {
+                self.pool.is_none() || self.homes(req.sim.scope, req.sim.blocks[k]).contains(&node)
+            })
             .map(|k| u64::from(req.sim.block_tokens[k]))
             .sum()
     }
@@ -429,37 +505,78 @@ impl Fleet<'_> {
         let candidates: Vec<usize> = (0..self.inst.len())
             .filter(|&i| self.inst[i].prefill_only == split)
             .collect();
-        let Some(chosen) = self.route(req, split, &candidates) else {
+        let candidates = self.balanced(candidates);
+        let ranked = self.route(req, split, &candidates);
+        let stage = if split { Stage::Prefill } else { Stage::Whole };
+        // In-flight coalescing (the pool, as the router and gateway do it): a request whose
+        // next block another is computing goes to that one's instance, when it qualifies,
+        // and waits for its prefill.
+        if let Some(leader) = self.leader_of(req) {
+            let at = self.seqs[leader].inst;
+            if ranked.contains(&at) {
+                self.r.coalesced += 1;
+                self.followers
+                    .entry(leader)
+                    .or_default()
+                    .push((ri, at, stage));
+                return;
+            }
+        }
+        let Some(&chosen) = ranked.first() else {
             self.r.rejected += 1;
             return;
         };
-        self.assign(
-            now,
-            ri,
-            chosen,
-            if split { Stage::Prefill } else { Stage::Whole },
-            0,
-        );
+        self.assign(now, ri, chosen, stage, 0);
     }
 
-    /// The instance to send a request to, or none (refused up front).
-    fn route(&mut self, req: &FleetRequest, split: bool, candidates: &[usize]) -> Option<usize> {
+    /// The sequence computing `req`'s next uncached block in the pool, if any.
+    fn leader_of(&mut self, req: &FleetRequest) -> Option<usize> {
+        if !req.sim.cacheable {
+            return None;
+        }
+        let held = self.pool.as_mut()?.peek(&req.sim);
+        let next = *req.sim.blocks.get(held)?;
+        self.claims.get(&(req.sim.scope, next)).copied()
+    }
+
+    /// The candidates the balance bound leaves: those with requests in flight within
+    /// `balance` times the mean (cache-aware and pool routing).
+    fn balanced(&self, candidates: Vec<usize>) -> Vec<usize> {
+        let Some(bound) = self.cfg.balance else {
+            return candidates;
+        };
+        if !matches!(self.cfg.routing, Routing::CacheAware | Routing::Pool) {
+            return candidates;
+        }
+        let total: usize = candidates.iter().map(|&i| self.inst[i].in_flight).sum();
+        let mean = total as f64 / candidates.len().max(1) as f64;
+        candidates
+            .into_iter()
+            .filter(|&i| self.inst[i].in_flight as f64 <= bound * mean)
+            .collect()
+    }
+
+    /// The instances to send a request to, best first; none: refused up front.
+    fn route(&mut self, req: &FleetRequest, split: bool, candidates: &[usize]) -> Vec<usize> {
         self.turn += 1;
         let n = candidates.len();
         match self.cfg.routing {
-            Routing::Random => Some(candidates[self.rng.range(0, n as u64 - 1) as usize]),
+            Routing::Random => vec![candidates[self.rng.range(0, n as u64 - 1) as usize]],
             Routing::LeastLoaded => candidates
                 .iter()
                 .enumerate()
                 .min_by_key(|&(k, &i)| (self.inst[i].in_flight, (k + n - self.turn % n) % n))
-                .map(|(_, &i)| i),
+                .map(|(_, &i)| i)
+                .into_iter()
+                .collect(),
             Routing::CacheAware | Routing::Pool => self.conduct(req, split, candidates),
         }
     }
 
     /// Cachet's conductor over the candidates: each estimated by its own caches (cache-aware)
-    /// or the pool's (pool), ranked, refused when early rejection is on and none qualifies.
-    fn conduct(&mut self, req: &FleetRequest, split: bool, candidates: &[usize]) -> Option<usize> {
+    /// or the pool's (pool), ranked (with the pool: those that qualify, best first), none
+    /// when early rejection is on and none qualifies.
+    fn conduct(&mut self, req: &FleetRequest, split: bool, candidates: &[usize]) -> Vec<usize> {
         let prompt = req.prompt_tokens();
         let pooled = self.pool.is_some();
         let pool_blocks = match (&mut self.pool, req.sim.cacheable) {
@@ -540,8 +657,8 @@ impl Fleet<'_> {
             // One view of the pool: every candidate's demand is the same.
             model
                 .rank(&demands[0], &cands, self.turn)
-                .ok()
-                .map(|ranked| candidates[ranked[0].0])
+                .map(|ranked| ranked.iter().map(|r| candidates[r.0]).collect())
+                .unwrap_or_default()
         } else {
             // Each instance has its own cached prefix: the cheapest estimate, ties to the
             // least busy, then in turn.
@@ -555,6 +672,8 @@ impl Fleet<'_> {
                     )
                 })
                 .map(|k| candidates[k])
+                .into_iter()
+                .collect()
         }
     }
 
@@ -566,72 +685,170 @@ impl Fleet<'_> {
         let prompt = req.prompt_tokens();
         // At least one position is computed (the first token's).
         let limit = prompt.saturating_sub(1);
-        let (load_secs, start) = if stage == Stage::Decode {
+        let reads = if stage == Stage::Decode {
             // The hand-over through the node's pool, less what this instance's own cache
             // already holds of it.
             let have = Self::tokens_of(req, self.inst[i].engine.read(&req.sim)).min(limit);
             let target = handoff.min(limit);
             let moved = target.saturating_sub(have);
             self.r.bytes_handed_over += moved * self.p.kv_bytes_per_token;
-            (self.p.load_secs(moved), have.max(target))
+            Reads {
+                local: moved,
+                pulls: Vec::new(),
+                start: have.max(target),
+                blocks: 0,
+            }
         } else {
-            self.read_caches(req, i, limit)
+            self.read_caches(now, req, i, limit)
         };
-        let ready = if load_secs > 0.0 {
-            let s = now.max(self.inst[i].link_free);
-            self.inst[i].link_free = s + load_secs;
-            s + load_secs
-        } else {
-            now
-        };
+        let ready = self.transfer(now, i, &reads);
         let s = self.seqs.len();
+        let claim = (stage != Stage::Decode && req.sim.cacheable && self.pool.is_some())
+            .then(|| {
+                req.sim
+                    .blocks
+                    .get(reads.blocks)
+                    .map(|&b| (req.sim.scope, b))
+            })
+            .flatten()
+            .filter(|key| !self.claims.contains_key(key));
+        if let Some(key) = claim {
+            self.claims.insert(key, s);
+        }
         self.seqs.push(Seq {
             req: ri,
             inst: i,
             stage,
-            prefilled: start,
+            prefilled: reads.start,
             target: prompt,
             out_left: req.output_tokens.max(1),
-            context: start,
+            context: reads.start,
             assigned_at: now,
             last_token: now,
             gaps: 0.0,
             gap_count: 0,
             ttft: 0.0,
+            claim,
         });
         self.inst[i].in_flight += 1;
-        self.inst[i].pending_prefill += prompt - start;
+        self.inst[i].pending_prefill += prompt - reads.start;
         self.at(ready, Ev::Ready(s));
     }
 
+    /// When instance `i` has what it reads: its loads and pulls in turn on its own link, each
+    /// pull also waiting for its sender's link.
+    fn transfer(&mut self, now: f64, i: usize, reads: &Reads) -> f64 {
+        let pulled: u64 = reads.pulls.iter().map(|&(_, t)| t).sum();
+        if reads.local + pulled == 0 {
+            return now;
+        }
+        let start = now.max(self.inst[i].link_free);
+        let mut ready = start + self.p.load_secs(reads.local) + self.p.transfer_secs(pulled);
+        for &(node, tokens) in &reads.pulls {
+            let from = now.max(self.egress_free[node]);
+            self.r.egress_wait_secs += from - now;
+            self.egress_free[node] = from + self.p.transfer_secs(tokens);
+            ready = ready.max(self.egress_free[node]);
+        }
+        self.inst[i].link_free = ready;
+        ready
+    }
+
     /// A request's reads on instance `i`: its engine cache (free), then its own DRAM or the
-    /// pool (loaded from its node, pulled from another); the time the loads take and the
-    /// position its prefill starts from.
-    fn read_caches(&mut self, req: &FleetRequest, i: usize, limit: u64) -> (f64, u64) {
-        let prompt = req.prompt_tokens();
-        self.r.prompt_tokens += prompt;
-        let (mut engine_t, mut fabric_t, mut local_t) = (0u64, 0u64, 0u64);
-        if req.sim.cacheable {
-            let engine_blocks = self.inst[i].engine.read(&req.sim);
-            engine_t = Self::tokens_of(req, engine_blocks);
-            let held = self.fabric(i).map_or(0, |c| c.read(&req.sim));
-            // Only blocks after those the engine holds are loaded.
-            if held > engine_blocks {
-                fabric_t = Self::tokens_of(req, held) - engine_t;
-                local_t = self.local_tokens(req, engine_blocks, held, i);
+    /// pool (loaded from its node, or from a hot block's extra replica there; pulled from
+    /// another, the copy on the least busy sender); where its prefill starts.
+    fn read_caches(&mut self, now: f64, req: &FleetRequest, i: usize, limit: u64) -> Reads {
+        self.r.prompt_tokens += req.prompt_tokens();
+        if !req.sim.cacheable {
+            return Reads {
+                local: 0,
+                pulls: Vec::new(),
+                start: 0,
+                blocks: 0,
+            };
+        }
+        let node = self.node_of(i);
+        let engine_blocks = self.inst[i].engine.read(&req.sim);
+        let held = self.fabric(i).map_or(0, |c| c.read(&req.sim));
+        let extra = self.extras.get_mut(node).map_or(0, |c| c.read(&req.sim));
+        let engine_t = Self::tokens_of(req, engine_blocks).min(limit);
+        let mut left = limit - engine_t;
+        let (mut local, mut pulls) = (0u64, Vec::<(usize, u64)>::new());
+        // The leading blocks this node has or now finds hot, and whether any became hot.
+        let (mut run, mut became_hot) = (engine_blocks, false);
+        for k in engine_blocks..held {
+            let take = u64::from(req.sim.block_tokens[k]).min(left);
+            left -= take;
+            let homes = if self.pool.is_some() {
+                self.homes(req.sim.scope, req.sim.blocks[k])
+            } else {
+                vec![node]
+            };
+            if k < extra || homes.contains(&node) {
+                local += take;
+                if run == k {
+                    run = k + 1;
+                }
+                continue;
+            }
+            let from = *homes
+                .iter()
+                .min_by(|&&a, &&b| self.egress_free[a].total_cmp(&self.egress_free[b]))
+                .expect("a block has a home");
+            match pulls.last_mut() {
+                Some((n, t)) if *n == from => *t += take,
+                _ => pulls.push((from, take)),
+            }
+            if self.is_hot(node, req.sim.scope, req.sim.blocks[k], now) {
+                became_hot = true;
+                if run == k {
+                    run = k + 1;
+                }
             }
         }
-        engine_t = engine_t.min(limit);
-        fabric_t = fabric_t.min(limit - engine_t);
-        local_t = local_t.min(fabric_t);
+        let fabric_t = local + pulls.iter().map(|&(_, t)| t).sum::<u64>();
         self.r.engine_hit_tokens += engine_t;
         self.r.fabric_hit_tokens += fabric_t;
-        self.r.bytes_loaded += local_t * self.p.kv_bytes_per_token;
-        self.r.bytes_pulled += (fabric_t - local_t) * self.p.kv_bytes_per_token;
-        (
-            self.p.load_secs(local_t) + self.p.transfer_secs(fabric_t - local_t),
-            engine_t + fabric_t,
-        )
+        self.r.bytes_loaded += local * self.p.kv_bytes_per_token;
+        self.r.bytes_pulled += (fabric_t - local) * self.p.kv_bytes_per_token;
+        if became_hot {
+            self.keep_hot(node, req, extra, run);
+        }
+        Reads {
+            local,
+            pulls,
+            start: engine_t + fabric_t,
+            blocks: engine_blocks.max(held),
+        }
+    }
+
+    /// Count a pull of a block by `node`; whether it is now hot there.
+    fn is_hot(&mut self, node: usize, scope: u32, id: u64, now: f64) -> bool {
+        if self.cfg.hot_reads == 0 {
+            return false;
+        }
+        let at = Duration::from_secs_f64(now.max(0.0));
+        self.popularity[node].record((scope, id), at, self.cfg.hot_window)
+            >= f64::from(self.cfg.hot_reads)
+    }
+
+    /// Keep extra replicas on `node` of `req`'s leading blocks up to `hot` (those before
+    /// `have` it holds already).
+    fn keep_hot(&mut self, node: usize, req: &FleetRequest, have: usize, hot: usize) {
+        if hot <= have {
+            return;
+        }
+        let Some(extras) = self.extras.get_mut(node) else {
+            return;
+        };
+        let prefix = SimRequest {
+            blocks: req.sim.blocks[..hot].to_vec(),
+            block_tokens: req.sim.block_tokens[..hot].to_vec(),
+            ..req.sim.clone()
+        };
+        if extras.put(&prefix, have) == Put::Stored {
+            self.r.hot_replicas += (hot - have) as u64;
+        }
     }
 
     /// Start an iteration on an idle instance with work.
@@ -704,6 +921,15 @@ impl Fleet<'_> {
                 let held = c.peek(&req.sim);
                 c.put(&req.sim, held);
             }
+        }
+        // Its claim is written (or not, if the pool declined it): its followers read now.
+        if let Some(key) = self.seqs[s].claim.take()
+            && self.claims.get(&key) == Some(&s)
+        {
+            self.claims.remove(&key);
+        }
+        for (fr, fi, fstage) in self.followers.remove(&s).unwrap_or_default() {
+            self.assign(now, fr, fi, fstage, 0);
         }
         if stage == Stage::Prefill {
             self.inst[i].in_flight -= 1;
@@ -806,6 +1032,9 @@ mod tests {
             ttft_slo: Duration::from_secs(2),
             tbt_slo: Duration::from_millis(100),
             early_rejection: false,
+            balance: None,
+            hot_reads: 0,
+            hot_window: Duration::from_secs(60),
             seed: 7,
         }
     }
@@ -862,16 +1091,19 @@ mod tests {
     fn a_run_is_deterministic_and_conserves_requests_tokens_and_bytes() {
         let p = profile();
         let reqs = workload(300, 12, 6, 0.02, 20);
-        for (routing, split) in [
-            (Routing::Random, 0),
-            (Routing::LeastLoaded, 0),
-            (Routing::CacheAware, 0),
-            (Routing::Pool, 0),
-            (Routing::Pool, 1),
+        for (routing, split, hot) in [
+            (Routing::Random, 0, 0),
+            (Routing::LeastLoaded, 0, 0),
+            (Routing::CacheAware, 0, 0),
+            (Routing::Pool, 0, 0),
+            (Routing::Pool, 0, 2),
+            (Routing::Pool, 1, 0),
         ] {
             let cfg = FleetConfig {
                 prefill_instances: split,
                 early_rejection: true,
+                hot_reads: hot,
+                balance: Some(1.25),
                 ..config(4, routing)
             };
             let a = run(&cfg, &p, &reqs);
@@ -997,8 +1229,154 @@ mod tests {
             pool.hit_ratio(),
             local.hit_ratio()
         );
-        // Most of the pool's hits live on another node: pulled, not loaded.
-        assert!(pool.bytes_pulled > pool.bytes_loaded);
+        // Many of the pool's hits live on another node: pulled, not loaded (the conductor
+        // prefers the node holding a prefix, so not all of them).
+        assert!(
+            pool.bytes_pulled * 4 > pool.bytes_loaded + pool.bytes_pulled,
+            "pulled {} loaded {}",
+            pool.bytes_pulled,
+            pool.bytes_loaded
+        );
+    }
+
+    /// Requests at `arrivals` with one prefix of `blocks` blocks of 1,000 tokens and a
+    /// private block each.
+    fn same_prefix(arrivals: &[f64], blocks: u64) -> Vec<FleetRequest> {
+        arrivals
+            .iter()
+            .enumerate()
+            .map(|(k, &arrival)| {
+                let mut ids: Vec<u64> = (0..blocks).collect();
+                ids.push(1_000 + k as u64);
+                FleetRequest {
+                    arrival,
+                    sim: SimRequest {
+                        block_tokens: vec![1000; ids.len()],
+                        blocks: ids,
+                        scope: 0,
+                        cacheable: true,
+                    },
+                    output_tokens: 2,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_request_whose_prefix_is_being_computed_waits_for_it_with_the_pool() {
+        let p = profile();
+        // Two requests 10 ms apart with the same 8,000-token prefix (0.8 s to prefill).
+        let reqs = same_prefix(&[0.0, 0.01], 8);
+        let pool = run(&config(2, Routing::Pool), &p, &reqs);
+        assert_eq!((pool.served, pool.coalesced), (2, 1));
+        // The second read the whole prefix the first computed (after it was written).
+        assert_eq!(pool.fabric_hit_tokens + pool.engine_hit_tokens, 8000);
+        assert_eq!(pool.computed_tokens, 8000 + 2 * 1000);
+        // Each instance keeping its own KV computes it twice.
+        let own = run(&config(2, Routing::CacheAware), &p, &reqs);
+        assert_eq!((own.coalesced, own.computed_tokens), (0, 2 * 9000));
+    }
+
+    #[test]
+    fn a_block_pulled_often_gets_a_replica_where_it_is_read() {
+        let mut p = profile();
+        p.engine_cache_tokens = 0;
+        // One instance on each of two nodes, the second's requests all pulling a prefix
+        // whose home is the first node... or the second: count what moves either way.
+        let reqs = same_prefix(&(0..12).map(|k| f64::from(k) * 2.0).collect::<Vec<_>>(), 4);
+        let cfg = |hot_reads| FleetConfig {
+            hot_reads,
+            routing: Routing::Pool,
+            ..config(2, Routing::Pool)
+        };
+        let off = run(&cfg(0), &p, &reqs);
+        let on = run(&cfg(3), &p, &reqs);
+        assert_eq!(off.hot_replicas, 0);
+        assert!(on.hot_replicas > 0, "{}", on.hot_replicas);
+        // Same hits; fewer of them pulled from the other node.
+        assert_eq!(on.fabric_hit_tokens, off.fabric_hit_tokens);
+        assert!(
+            on.bytes_pulled < off.bytes_pulled,
+            "on {} off {}",
+            on.bytes_pulled,
+            off.bytes_pulled
+        );
+    }
+
+    #[test]
+    fn a_pull_waits_for_its_senders_link() {
+        let mut p = profile();
+        p.engine_cache_tokens = 0;
+        // Many instances (a node each) reading one prefix at once: the node holding it
+        // sends to one at a time.
+        let mut reqs = same_prefix(&[0.0], 8);
+        reqs.extend(
+            same_prefix(&[10.0; 6], 8)
+                .into_iter()
+                .enumerate()
+                .map(|(k, mut r)| {
+                    r.sim.blocks[8] = 5_000 + k as u64;
+                    r
+                }),
+        );
+        let cfg = FleetConfig {
+            balance: Some(1.0),
+            ..config(8, Routing::Pool)
+        };
+        let r = run(&cfg, &p, &reqs);
+        assert_eq!(r.served, 7);
+        assert!(r.bytes_pulled > 0);
+        assert!(r.egress_wait_secs > 0.0, "{}", r.egress_wait_secs);
+    }
+
+    #[test]
+    fn a_balance_bound_spreads_a_hot_prefix_and_costs_each_instance_its_own_copy() {
+        let mut p = profile();
+        p.engine_cache_tokens = 0;
+        // Four prefixes, one of them in most requests, at a rate that queues on one instance.
+        let mut rng = Rng::new(5);
+        let reqs: Vec<FleetRequest> = (0..600)
+            .map(|k| {
+                let prefix = if rng.range(0, 9) < 7 {
+                    0
+                } else {
+                    rng.range(1, 3)
+                };
+                let mut ids: Vec<u64> = (0..6).map(|b| prefix * 100 + b).collect();
+                ids.push(10_000 + k);
+                FleetRequest {
+                    arrival: k as f64 * 0.01,
+                    sim: SimRequest {
+                        block_tokens: vec![256; ids.len()],
+                        blocks: ids,
+                        scope: 0,
+                        cacheable: true,
+                    },
+                    output_tokens: 8,
+                }
+            })
+            .collect();
+        let cfg = |routing, balance| FleetConfig {
+            balance,
+            dram_tokens: 6 * 256 * 2,
+            ..config(4, routing)
+        };
+        let free = run(&cfg(Routing::CacheAware, None), &p, &reqs);
+        let bound = run(&cfg(Routing::CacheAware, Some(1.25)), &p, &reqs);
+        let pool = run(&cfg(Routing::Pool, Some(1.25)), &p, &reqs);
+        assert!(
+            bound.load_imbalance() < free.load_imbalance(),
+            "bound {} free {}",
+            bound.load_imbalance(),
+            free.load_imbalance()
+        );
+        // The pool keeps its hits at the same balance.
+        assert!(
+            pool.hit_ratio() > bound.hit_ratio(),
+            "pool {} cache-aware {}",
+            pool.hit_ratio(),
+            bound.hit_ratio()
+        );
     }
 
     #[test]
@@ -1022,6 +1400,9 @@ mod tests {
             ttft_slo: Duration::from_secs(3600),
             tbt_slo: Duration::from_secs(3600),
             early_rejection: false,
+            balance: None,
+            hot_reads: 0,
+            hot_window: Duration::from_secs(60),
             seed: 1,
         };
         let fleet = run(&cfg, &p, &reqs);
