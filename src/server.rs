@@ -265,6 +265,13 @@ impl Running {
     }
 }
 
+/// The TTFT target in `/metrics`, for the alert that compares the measured p99 with it.
+fn publish_slo(config: &Config) {
+    gateway::metrics::TTFT_SLO
+        .with_label_values::<&str>(&[])
+        .set(config.cluster.ttft_slo_ms as f64 / 1e3);
+}
+
 /// Start everything on `listener`; stops when `shutdown` fires, after in-flight requests
 /// finish and the meter has committed or spooled every usage event.
 pub async fn start(
@@ -272,6 +279,7 @@ pub async fn start(
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Running> {
+    publish_slo(&config);
     // One owner per directory: before anything in it is read or written.
     let held = crate::dirlock::hold_all(
         &crate::dirlock::meter_dirs(&config.data_dir, &config.spool_path()),
@@ -413,6 +421,7 @@ pub async fn start_router(
     if config.redis_url.is_empty() {
         anyhow::bail!("the routing gateway needs redis_url (it finds nodes and blocks there)");
     }
+    publish_slo(&config);
     let addr = listener.local_addr()?;
     let engine_pool = engines(&config).await?;
     let pool = connect_and_migrate(&config.database_url, 8).await?;

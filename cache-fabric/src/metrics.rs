@@ -79,6 +79,14 @@ pub static RESIDENT_BYTES: LazyLock<IntGauge> = LazyLock::new(|| {
     )
 });
 
+pub static TIER_BYTES: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    int_gauge_vec(
+        "cachet_fabric_tier_bytes",
+        "Bytes of KV used and the capacity, by tier (dram; lower: the disk tier under it)",
+        &["tier", "state"],
+    )
+});
+
 pub static RESIDENT_BLOCKS: LazyLock<IntGauge> = LazyLock::new(|| {
     int_gauge(
         "cachet_fabric_resident_blocks",

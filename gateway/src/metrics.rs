@@ -54,6 +54,27 @@ pub static CACHE_OBJECT_OPS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
 });
 
+pub static TTFT_SLO: LazyLock<GaugeVec> = LazyLock::new(|| {
+    gauge_vec(
+        "cachet_gateway_ttft_slo_seconds",
+        "The time-to-first-token target this process is configured with (cluster.ttft_slo_ms): \
+         what the TTFT alert compares the measured p99 with",
+        &[],
+    )
+});
+
+pub static TIME_TO_FIRST_TOKEN: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram_vec(
+        "cachet_gateway_time_to_first_token_seconds",
+        "From a request's arrival to its answer's start (prefill done, `message_start` sent), \
+         by model: what the TTFT SLO and its alert measure",
+        &["model"],
+        &[
+            0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0,
+        ],
+    )
+});
+
 pub static PREFILL_SECONDS: LazyLock<CounterVec> = LazyLock::new(|| {
     counter_vec(
         "cachet_gateway_prefill_seconds_total",

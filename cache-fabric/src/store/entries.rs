@@ -518,6 +518,21 @@ impl Store {
     pub(super) fn publish_gauges(&self, tenant: TenantId) {
         metrics::RESIDENT_BYTES.set(self.used_bytes as i64);
         metrics::RESIDENT_BLOCKS.set(self.blocks.len() as i64);
+        let tiers = [("dram", self.used_bytes, self.limits.capacity_bytes)]
+            .into_iter()
+            .chain(
+                self.lower
+                    .as_ref()
+                    .map(|t| ("lower", t.used_bytes(), t.capacity_bytes())),
+            );
+        for (tier, used, capacity) in tiers {
+            metrics::TIER_BYTES
+                .with_label_values(&[tier, "used"])
+                .set(used as i64);
+            metrics::TIER_BYTES
+                .with_label_values(&[tier, "capacity"])
+                .set(capacity as i64);
+        }
         metrics::TENANT_BYTES
             .with_label_values(&[&tenant.to_string()])
             .set(self.tenant_bytes(tenant) as i64);

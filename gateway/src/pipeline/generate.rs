@@ -174,6 +174,9 @@ pub(super) fn generate(w: Work, rt: &tokio::runtime::Handle) -> Finished {
     {
         return Finished::ended(u, 0, UsageStatus::ClientDisconnected, None);
     }
+    metrics::TIME_TO_FIRST_TOKEN
+        .with_label_values(&[prompt.model.as_str()])
+        .observe(entries.start.elapsed().as_secs_f64());
     let stream = TextStream::new(generation, prompt.max_tokens, stops);
     decode(stream, &tx, streaming, held.permit, rt, u)
 }
