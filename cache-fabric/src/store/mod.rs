@@ -517,7 +517,7 @@ const REKEY_BATCH: usize = 1024;
 
 impl Store {
     pub fn new(limits: StoreLimits) -> Self {
-        Self {
+        let store = Self {
             limits,
             blocks: BlockMap::default(),
             used_bytes: 0,
@@ -548,12 +548,15 @@ impl Store {
             arena: None,
             arena_bytes: 0,
             pending: HashMap::new(),
-        }
+        };
+        store.publish_tier_gauges();
+        store
     }
 
     /// Demote capacity evictions to `tier` (local disk) and promote from it on a read.
     pub fn with_lower_tier(mut self, tier: Box<dyn TierStore>) -> Self {
         self.lower = Some(tier);
+        self.publish_tier_gauges();
         self
     }
 
