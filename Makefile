@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 
 # (api-fuzz, fuzz-api: schemathesis against a real server; fuzz-slice, fuzz: cargo fuzz;
 # chaos: faults under load)
-.PHONY: alerts-test bench-fleet bench-fleet-check profile-vllm bench-memory vllm-test run-vllm bench-vllm bench-vllm-routing bench-vllm-split bench-kv-path bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
+.PHONY: alerts-test image fleet-test deploy-check bench-fleet bench-fleet-check profile-vllm bench-memory vllm-test run-vllm bench-vllm bench-vllm-routing bench-vllm-split bench-kv-path bench-slice chaos api-fuzz fuzz-api fuzz-slice fuzz run test model services build build-release lint fmt-check clippy doc rust-test rdma-test sdk-test venv openapi bench-gateway bench-engine clean admin-ui ui-deps ui-test e2e bench-admin bench-objects
 
 UI := admin-ui
 
@@ -32,12 +32,27 @@ run-vllm: services model build-release admin-ui
 
 ## The full suite: formatting, lints, Rust tests, docs, the anthropic SDK tests, the admin
 ## UI's unit tests and its end-to-end suite in Chromium.
-TEST_STEPS := services model lint rust-test rdma-test doc sdk-test vllm-test api-fuzz fuzz-slice bench-slice alerts-test ui-test e2e
+TEST_STEPS := services model lint rust-test rdma-test doc sdk-test vllm-test api-fuzz fuzz-slice bench-slice alerts-test deploy-check ui-test e2e
 test:
 	@MAKE="$(MAKE)" scripts/steps.sh $(TEST_STEPS)
 
 services:
 	@scripts/services.sh
+
+## The image (deploy/Containerfile: the release binary, the admin console, the model) and the
+## Postgres/Redis test image; on a machine without a registry the Debian base is made once.
+image: build-release admin-ui model
+	@scripts/image.sh
+
+## The 3-node compose from the image: requests through the router, a node's container killed,
+## every answered request's ledger row checked.
+fleet-test: image venv
+	@deploy/fleet-test.sh
+
+## The slice of fleet-test in `make test`: the Containerfile and compose files checked for what
+## the fleet test relies on (health checks, volumes, secrets from the environment, advertising).
+deploy-check: venv
+	$(PY) scripts/deploy-check.py
 
 ## The alert rules: promtool's syntax check and unit tests over recorded series, then a real
 ## Prometheus scraping a running server, evaluating every rule and the dashboard's queries.
