@@ -267,7 +267,7 @@ fn configs(a: &FleetArgs) -> anyhow::Result<Vec<FleetConfig>> {
         hot_window: cluster.hot_window,
         seed: a.seed,
     };
-    if a.balance.is_some_and(|b| !(b >= 1.0)) {
+    if a.balance.is_some_and(|b| b.is_nan() || b < 1.0) {
         bail!("--balance is a bound on max/mean load: 1 or more");
     }
     let mut out = Vec::new();
