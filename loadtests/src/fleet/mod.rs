@@ -67,16 +67,16 @@ pub struct FleetArgs {
     #[arg(long, default_value_t = 100)]
     pub tbt_slo_ms: u64,
     /// The conductor's early rejection (pool routing): on, off, or both side by side.
-    #[arg(long, value_enum, default_value_t = EarlyRejection::On)]
-    pub early_rejection: EarlyRejection,
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub early_rejection: Switch,
     /// Cache-aware and pool routing send a request only to instances whose requests in
     /// flight are within this many times the mean (e.g. 1.25; default: no bound).
     #[arg(long)]
     pub balance: Option<f64>,
     /// Hot-block replication in the pool (the cluster's rule: a node pulling a block 3
     /// times a minute keeps a replica of it, in an eighth of its DRAM): on, off, or both.
-    #[arg(long, value_enum, default_value_t = EarlyRejection::Off)]
-    pub hot_replication: EarlyRejection,
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    pub hot_replication: Switch,
     /// Arrivals this many times as fast as the trace's timestamps.
     #[arg(long, default_value_t = 1.0)]
     pub speed: f64,
@@ -107,13 +107,13 @@ pub struct FleetArgs {
 
 /// A switch to run on, off, or both side by side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum EarlyRejection {
+pub enum Switch {
     On,
     Off,
     Both,
 }
 
-impl EarlyRejection {
+impl Switch {
     fn values(self) -> &'static [bool] {
         match self {
             Self::On => &[true],
