@@ -1,5 +1,6 @@
 //! The `cachet` binary's library half: configuration and the wiring of the roles, callable
-//! from tests. `main.rs` only parses arguments, loads config, starts tracing and calls in.
+//! from tests. `main.rs` only parses arguments, loads config, starts logging and traces
+//! ([`telemetry`]) and calls in.
 
 pub mod admin_cli;
 pub mod billing_cli;
@@ -9,6 +10,7 @@ pub mod dirlock;
 pub mod memory;
 pub mod node;
 pub mod server;
+pub mod telemetry;
 
 /// Spawn a background loop in a span of its own (`background{task=…}`), so each of its log
 /// lines says which loop wrote it.

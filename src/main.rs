@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use cachet::config::Config;
 use cachet::server;
+use cachet::telemetry::{self, Role};
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
@@ -67,28 +68,42 @@ enum Command {
     },
 }
 
-fn init_tracing(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json { b.json().init() } else { b.init() }
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     cachet::memory::tune_allocator();
     let cli = Cli::parse();
     if let Command::Loadtest { command } = cli.command {
-        init_tracing(false);
+        let _logs = telemetry::init(false, None)?;
         return loadtests::run(command).await;
     }
     let config = Config::load(cli.config.as_deref())?;
-    init_tracing(config.log.format == "json");
+    // The serving roles export traces when the OTLP variables ask for it.
+    let role = match &cli.command {
+        Command::Serve => Some(Role {
+            name: "serve",
+            instance: None,
+        }),
+        Command::Node(args) => Some(Role {
+            name: "node",
+            instance: args.id.as_deref(),
+        }),
+        Command::Router { .. } => Some(Role {
+            name: "router",
+            instance: None,
+        }),
+        _ => None,
+    };
+    let telemetry = telemetry::init(config.log.format == "json", role)?;
     // Every client connection is a descriptor; the soft limit is often far below the hard one.
     gateway::server::raise_fd_limit();
-    match cli.command {
+    let done = run(cli.command, config).await;
+    telemetry.shutdown().await;
+    done
+}
+
+/// The subcommand, run.
+async fn run(command: Command, config: Config) -> anyhow::Result<()> {
+    match command {
         Command::Node(args) => {
             let stop = CancellationToken::new();
             cancel_on_signal(stop.clone());

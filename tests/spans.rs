@@ -96,10 +96,12 @@ async fn one_request_is_followed_by_its_id_through_gateway_fabric_and_meter() {
                 "request {n} ({id}) has no {crate_name} line; its lines came from {targets:?}"
             );
         }
+        // The request's span names it, and so does the pipeline's (an exported trace shows
+        // each span alone): one tenant, whichever spans carry it.
         for l in &mine {
-            assert_eq!(
-                span_field(l, "tenant_id"),
-                vec![tenant.as_str()],
+            let named = span_field(l, "tenant_id");
+            assert!(
+                !named.is_empty() && named.iter().all(|t| *t == tenant.as_str()),
                 "every line of the request names its tenant: {l}"
             );
         }

@@ -146,6 +146,12 @@ const OP_WHERE: u8 = 11;
 /// An engine connector's block names: its engine's hashes and Cachet's keys
 /// ([`crate::kv_events::EngineMap`]).
 pub(crate) const OP_MAP: u8 = 17;
+/// The trace context of the request frame that follows it on the connection (a `traceparent`,
+/// its length in one byte): sent only by a node that exports traces, answered with nothing.
+/// The peer's span for that request joins the sender's trace ([`cachet_common::trace`]).
+const OP_TRACE: u8 = 18;
+/// Longest `traceparent` a TRACE frame carries (W3C's version 00 is 55 characters).
+const MAX_TRACEPARENT: usize = 255;
 /// Most prefixes a STATS answer lists.
 const MAX_TOP: usize = 1000;
 /// Flag in PUT's kind byte: store as a replica.
@@ -272,12 +278,18 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
     greet(&mut s, token).await?;
     #[cfg(feature = "rdma")]
     let mut rdma = node.rdma_export().map(crate::rdma::serve::ServerConn::new);
+    // The trace context the next request frame runs under, when its sender sent one.
+    let mut parent: Option<String> = None;
     loop {
         let len = read_len(&mut s).await?;
         if len == 0 {
             return Err(bad("empty frame"));
         }
         let op = s.read_u8().await?;
+        if op == OP_TRACE {
+            parent = Some(read_trace(&mut s, len - 1).await?);
+            continue;
+        }
         // A PUT's blocks are read one by one into buffers of their own; other frames whole.
         // A PUT waits for room in the node's receive budget before it reads its blocks, and
         // holds it until they are stored.
@@ -296,7 +308,11 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
             request_id = %cachet_common::RequestId::new(),
             op = op_name(op),
             tenant_id = tracing::field::Empty,
+            "otel.kind" = "server",
         );
+        if let Some(p) = parent.take() {
+            cachet_common::trace::adopt(&span, &p);
+        }
         let served = async {
             match op {
                 #[cfg(feature = "rdma")]
@@ -344,6 +360,34 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
         };
         tracing::Instrument::instrument(served, span).await?;
     }
+}
+
+/// TRACE's body (`len` bytes after the op): the `traceparent`, its length first.
+async fn read_trace<R: AsyncRead + Unpin>(s: &mut R, len: usize) -> std::io::Result<String> {
+    if len == 0 || len > MAX_TRACEPARENT + 1 {
+        return Err(bad("TRACE length"));
+    }
+    let mut f = read_bytes(s, len).await?;
+    let n = f.get_u8() as usize;
+    if f.remaining() != n {
+        return Err(bad("malformed TRACE"));
+    }
+    String::from_utf8(f.to_vec()).map_err(|_| bad("malformed TRACE"))
+}
+
+/// The TRACE frame to send before a request frame: the current span's trace context, when
+/// this node exports traces (empty otherwise, and nothing extra goes on the wire).
+fn trace_frame() -> Vec<u8> {
+    let Some(tp) = cachet_common::trace::traceparent().filter(|t| t.len() <= MAX_TRACEPARENT)
+    else {
+        return Vec::new();
+    };
+    let mut f = Vec::with_capacity(6 + tp.len());
+    f.extend_from_slice(&(2 + tp.len() as u32).to_le_bytes());
+    f.push(OP_TRACE);
+    f.push(tp.len() as u8);
+    f.extend_from_slice(tp.as_bytes());
+    f
 }
 
 /// MAP's body: a count, then each pair as the engine hash's length (1 byte), the hash, and
@@ -771,8 +815,8 @@ impl TcpTransport {
         addr: &str,
         body: &[u8],
     ) -> Result<(), TransportError> {
-        let mut head = [0u8; 4];
-        head.copy_from_slice(&(body.len() as u32).to_le_bytes());
+        let mut head = trace_frame();
+        head.extend_from_slice(&(body.len() as u32).to_le_bytes());
         s.write_all(&head).await.map_err(Self::io(addr))?;
         s.write_all(body).await.map_err(Self::io(addr))
     }
@@ -1068,9 +1112,9 @@ impl Transport for TcpTransport {
         if frame_len > MAX_FRAME {
             return Err(protocol(addr, "entry larger than a frame"));
         }
-        s.write_all(&(frame_len as u32).to_le_bytes())
-            .await
-            .map_err(&io)?;
+        let mut head = trace_frame();
+        head.extend_from_slice(&(frame_len as u32).to_le_bytes());
+        s.write_all(&head).await.map_err(&io)?;
         s.write_all(&req).await.map_err(&io)?;
         for (h, b) in headers.iter().zip(&e.new) {
             s.write_all(h).await.map_err(&io)?;

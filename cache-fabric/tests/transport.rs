@@ -499,3 +499,51 @@ async fn an_engine_connector_looks_up_and_reports_on_the_raw_wire() {
     let mut buf = [0u8; 4];
     assert_eq!(raw.read(&mut buf).await.unwrap_or(0), 0);
 }
+
+/// The trace context a tracing node sends before a request frame (TRACE: the `traceparent`,
+/// its length in a byte) takes no answer, and the request after it is served as usual; a
+/// TRACE whose length disagrees with its contents closes the connection.
+#[tokio::test]
+async fn a_trace_context_before_a_request_is_taken_without_an_answer() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (addr, node) = node().await;
+    let s = scope();
+    let blocks = chain(s, "traced", 1, 64);
+    store(&node, s, &blocks);
+    let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let frame = |body: Vec<u8>| {
+        let mut f = (body.len() as u32).to_le_bytes().to_vec();
+        f.extend(body);
+        f
+    };
+    let mut hello = vec![1u8];
+    hello.extend((TOKEN.len() as u16).to_le_bytes());
+    hello.extend(TOKEN.as_bytes());
+    raw.write_all(&frame(hello)).await.unwrap();
+    assert_eq!(raw.read_u8().await.unwrap(), 0);
+    let tp = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let trace = |len: u8, tp: &[u8]| {
+        let mut t = vec![18u8, len];
+        t.extend(tp);
+        frame(t)
+    };
+    let mut has = vec![5u8];
+    has.extend(s.tenant.as_uuid().as_bytes());
+    has.extend(s.workspace.as_uuid().as_bytes());
+    has.extend(1u32.to_le_bytes());
+    has.extend(blocks[0].hash.0);
+    // TRACE and HAS in one write: the first answer on the wire is HAS's.
+    let mut both = trace(tp.len() as u8, tp);
+    both.extend(frame(has.clone()));
+    raw.write_all(&both).await.unwrap();
+    let mut answer = [0u8; 2];
+    raw.read_exact(&mut answer).await.unwrap();
+    assert_eq!(answer, [0, 1]);
+    // Twice on one connection, and a request without one in between.
+    raw.write_all(&frame(has.clone())).await.unwrap();
+    raw.read_exact(&mut answer).await.unwrap();
+    assert_eq!(answer, [0, 1]);
+    raw.write_all(&trace(tp.len() as u8 + 1, tp)).await.unwrap();
+    let mut buf = [0u8; 4];
+    assert_eq!(raw.read(&mut buf).await.unwrap_or(0), 0);
+}

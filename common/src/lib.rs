@@ -5,7 +5,8 @@
 //! helpers that belong to one subsystem, and the one error vocabulary ([`error`]) every
 //! crate's errors speak, the loop of every periodic background job ([`tick`]) and the one
 //! way a metric is made and registered ([`metrics`]), and the stage load an engine measures
-//! and a routing gateway weighs ([`stages`]).
+//! and a routing gateway weighs ([`stages`]), and the trace context a request carries between
+//! processes (`trace`, feature `trace`).
 
 pub mod error;
 pub mod metrics;
@@ -13,6 +14,8 @@ pub mod metrics;
 pub mod span;
 pub mod stages;
 pub mod tick;
+#[cfg(feature = "trace")]
+pub mod trace;
 
 use std::fmt;
 use std::str::FromStr;

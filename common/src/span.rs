@@ -20,7 +20,18 @@ pub fn request(rid: RequestId, method: &str, route: &str) -> Span {
         route,
         tenant_id = Empty,
         workspace_id = Empty,
+        status = Empty,
+        "otel.kind" = "server",
     )
+}
+
+/// Record on `span` the HTTP status the request was answered with (a 5xx marks the span as
+/// failed in an exported trace).
+pub fn record_status(span: &Span, status: u16) {
+    span.record("status", status);
+    if status >= 500 {
+        span.record("otel.status_code", "ERROR");
+    }
 }
 
 /// Record on the current request's span the tenant (and workspace) the request acts for. Call

@@ -55,7 +55,7 @@ pub use crate::state::{
 /// request id now, the tenant once auth resolves it) and metrics. Behind a routing gateway,
 /// a request without the cluster token is refused here.
 async fn request_context(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let mut rid = None;
+    let (mut rid, mut parent) = (None, None);
     if let Some(token) = &state.config.internal_token
         && req.uri().path() != "/healthz"
     {
@@ -76,11 +76,17 @@ async fn request_context(State(state): State<AppState>, req: Request, next: Next
             .get(REQUEST_ID_HEADER)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<RequestId>().ok());
+        // Only a gateway's trace context is joined, as only its request id is kept.
+        parent = req
+            .headers()
+            .get(cachet_common::trace::TRACEPARENT)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
     }
     let rid = rid.unwrap_or_default();
     let route = route_of(&req);
     let started = Instant::now();
-    let mut resp = in_request_span(rid, &route, req, next).await;
+    let mut resp = in_request_span(rid, parent.as_deref(), &route, req, next).await;
     metrics::HTTP_SECONDS
         .with_label_values(&[&route])
         .observe(started.elapsed().as_secs_f64());
@@ -110,16 +116,22 @@ fn route_of(req: &Request) -> String {
 
 /// The rest of the stack, run in the request's span (`cachet_common::span`) with `rid` in the
 /// request's extensions; what it answered is said in the span (debug). The edge of every
-/// process that serves HTTP: `serve`, a node's API, the router.
+/// process that serves HTTP: `serve`, a node's API, the router. `parent`: the gateway's
+/// trace context (`traceparent`) for a request it sent, which the span joins.
 pub(crate) async fn in_request_span(
     rid: RequestId,
+    parent: Option<&str>,
     route: &str,
     mut req: Request,
     next: Next,
 ) -> Response {
     req.extensions_mut().insert(rid);
     let span = cachet_common::span::request(rid, req.method().as_str(), route);
+    if let Some(p) = parent {
+        cachet_common::trace::adopt(&span, p);
+    }
     let resp = tracing::Instrument::instrument(next.run(req), span.clone()).await;
+    cachet_common::span::record_status(&span, resp.status().as_u16());
     span.in_scope(|| tracing::debug!(status = resp.status().as_u16(), "http request answered"));
     resp
 }

@@ -185,8 +185,8 @@ impl RouterInner {
             .map(|n| n.base.clone())
     }
 
-    /// The request to send to a node: the cluster token, the request id, and the client's
-    /// headers that matter to the API.
+    /// The request to send to a node: the cluster token, the request id, the trace context,
+    /// and the client's headers that matter to the API.
     fn node_request(
         &self,
         base: &str,
@@ -203,6 +203,10 @@ impl RouterInner {
             .header(CLUSTER_TOKEN_HEADER, &*self.config.cluster_token)
             .header(REQUEST_ID_HEADER, rid.to_string())
             .body(body);
+        // The node's span joins this request's trace (when traces are exported).
+        if let Some(tp) = cachet_common::trace::traceparent() {
+            req = req.header(cachet_common::trace::TRACEPARENT, tp);
+        }
         for (name, value) in headers {
             let n = name.as_str();
             if n == "x-api-key"
@@ -1208,7 +1212,7 @@ async fn readyz(State(state): State<RouterState>) -> Response {
 /// lines carry it.
 async fn edge(req: Request, next: axum::middleware::Next) -> Response {
     let route = crate::route_of(&req);
-    crate::in_request_span(RequestId::new(), &route, req, next).await
+    crate::in_request_span(RequestId::new(), None, &route, req, next).await
 }
 
 /// The routing gateway's routes, with the admin and finance APIs and the admin UI when

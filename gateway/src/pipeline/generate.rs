@@ -128,6 +128,14 @@ impl Finished {
     }
 }
 
+/// The prompt's token classes on the request's pipeline span (an exported trace shows them).
+fn record_prompt_usage(u: &TokenUsage) {
+    let span = tracing::Span::current();
+    span.record("input_tokens", u.input);
+    span.record("cache_read_input_tokens", u.read);
+    span.record("cache_creation_input_tokens", u.writes());
+}
+
 /// Prefill, write, report, decode. Returns the prompt usage, output tokens and how it ended.
 pub(super) fn generate(w: Work, rt: &tokio::runtime::Handle) -> Finished {
     let Work {
@@ -146,6 +154,7 @@ pub(super) fn generate(w: Work, rt: &tokio::runtime::Handle) -> Finished {
     } else {
         rt.block_on(write_entries(&state, &prompt, &entries, &pre))
     };
+    record_prompt_usage(&u);
     if let Some(f) = held.flight.take() {
         f.land();
     }

@@ -91,7 +91,18 @@ pub fn spawn(state: AppState, job: Job) -> mpsc::UnboundedReceiver<Event> {
     let (tx, rx) = mpsc::unbounded_channel();
     // A child of the request's span (request id, tenant, workspace), which the task
     // outlives when the client goes away.
-    let span = tracing::info_span!("pipeline", model = %job.engine.info().id);
+    // It names its tenant itself: in an exported trace each span stands on its own.
+    let scope = &job.principal;
+    let span = tracing::info_span!(
+        "pipeline",
+        model = %job.engine.info().id,
+        tenant_id = %scope.tenant,
+        workspace_id = %scope.workspace,
+        input_tokens = tracing::field::Empty,
+        cache_read_input_tokens = tracing::field::Empty,
+        cache_creation_input_tokens = tracing::field::Empty,
+        output_tokens = tracing::field::Empty,
+    );
     tokio::spawn(tracing::Instrument::instrument(drive(state, job, tx), span));
     rx
 }
@@ -608,6 +619,7 @@ async fn generate_off_runtime(work: Work, meter: Meter) -> Finished {
         let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| generate(work, &rt)))
             .unwrap_or_else(|panic| Finished::internal_failure(panic_message(panic.as_ref())));
         drop(inflight);
+        tracing::Span::current().record("output_tokens", done.output);
         let ev = meter.event(done.usage, done.output, done.status);
         rt.block_on(record_finished(&state, ev, done.unserved));
         done
