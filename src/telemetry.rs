@@ -267,10 +267,13 @@ fn provider(role: &Role<'_>) -> anyhow::Result<SdkTracerProvider> {
 
 /// The export timeout the specification's variables give (milliseconds), 10 s by default.
 fn otlp_timeout() -> Duration {
-    ["OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"]
-        .iter()
-        .find_map(|k| std::env::var(k).ok()?.trim().parse::<u64>().ok())
-        .map_or(Duration::from_secs(10), Duration::from_millis)
+    [
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok()?.trim().parse::<u64>().ok())
+    .map_or(Duration::from_secs(10), Duration::from_millis)
 }
 
 /// The exporter's HTTP client: reqwest on the process's runtime. The SDK exports from a
@@ -306,7 +309,12 @@ mod tests {
     #[test]
     fn only_own_request_spans_and_warnings_are_exported() {
         assert!(exports("cachet_common::span", "request", Level::INFO, true));
-        assert!(exports("cache_fabric::transport", "peer_request", Level::INFO, true));
+        assert!(exports(
+            "cache_fabric::transport",
+            "peer_request",
+            Level::INFO,
+            true
+        ));
         assert!(exports("gateway::pipeline", "pipeline", Level::INFO, true));
         assert!(!exports("cachet", "background", Level::INFO, true));
         assert!(!exports("gateway::x", "detail", Level::DEBUG, true));

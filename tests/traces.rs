@@ -54,7 +54,9 @@ fn hex(b: &[u8]) -> String {
 }
 
 fn pairs(kv: &[KeyValue]) -> Vec<(String, String)> {
-    kv.iter().map(|kv| (kv.key.clone(), text(&kv.value))).collect()
+    kv.iter()
+        .map(|kv| (kv.key.clone(), text(&kv.value)))
+        .collect()
 }
 
 /// An OTLP/HTTP trace receiver on a port of its own: every span posted to `/v1/traces`.
@@ -188,8 +190,12 @@ async fn one_request_is_one_trace_from_router_to_node_to_fabric_with_its_tenant(
     }
     // Router → node → pipeline → the peer's fabric request, parent by parent.
     let one = |service: &str, name: &str| -> &Got {
-        let mut found = spans.iter().filter(|s| s.service == service && s.name == name);
-        let s = found.next().unwrap_or_else(|| panic!("no {name} span of {service}"));
+        let mut found = spans
+            .iter()
+            .filter(|s| s.service == service && s.name == name);
+        let s = found
+            .next()
+            .unwrap_or_else(|| panic!("no {name} span of {service}"));
         s
     };
     let root = one("cachet-router", "request");
@@ -200,7 +206,10 @@ async fn one_request_is_one_trace_from_router_to_node_to_fabric_with_its_tenant(
         .iter()
         .find(|s| s.service == "cachet-node" && s.name == "request")
         .unwrap();
-    assert_eq!(node.parent, root.id, "the node's span is the router's child");
+    assert_eq!(
+        node.parent, root.id,
+        "the node's span is the router's child"
+    );
     assert_eq!(node.attr("request_id"), Some(rid.as_str()));
     assert!(node.attr("workspace_id").is_some(), "{node:?}");
     let served_by = node.instance.clone().expect("a node names itself");
@@ -221,7 +230,10 @@ async fn one_request_is_one_trace_from_router_to_node_to_fabric_with_its_tenant(
         .iter()
         .find(|s| s.name == "peer_request" && s.attr("op") == Some("put"))
         .expect("the replica push's span on the peer");
-    assert_eq!(fabric.parent, pipeline.id, "the peer's span is the pipeline's child");
+    assert_eq!(
+        fabric.parent, pipeline.id,
+        "the peer's span is the pipeline's child"
+    );
     assert_ne!(
         fabric.instance.as_deref(),
         Some(served_by.as_str()),
@@ -245,11 +257,14 @@ async fn one_request_is_one_trace_from_router_to_node_to_fabric_with_its_tenant(
         "the second request's pipeline span",
         Duration::from_secs(20),
         async || {
-            got.lock().unwrap().iter().any(|s| {
-                s.name == "request" && s.attr("request_id") == Some(rid2.as_str())
-            }) && got.lock().unwrap().iter().any(|s| {
-                s.name == "pipeline" && s.attr("cache_read_input_tokens") == Some(&*written.to_string())
-            })
+            got.lock()
+                .unwrap()
+                .iter()
+                .any(|s| s.name == "request" && s.attr("request_id") == Some(rid2.as_str()))
+                && got.lock().unwrap().iter().any(|s| {
+                    s.name == "pipeline"
+                        && s.attr("cache_read_input_tokens") == Some(&*written.to_string())
+                })
         },
     )
     .await;

@@ -68,7 +68,10 @@ mod tests {
         let span = tracing::info_span!("request");
         let _g = span.enter();
         assert_eq!(traceparent(), None);
-        adopt(&span, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+        adopt(
+            &span,
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        );
         adopt(&span, "not a traceparent");
         assert_eq!(traceparent(), None);
     }
