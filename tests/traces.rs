@@ -190,13 +190,10 @@ async fn one_request_is_one_trace_from_router_to_node_to_fabric_with_its_tenant(
     }
     // Router → node → pipeline → the peer's fabric request, parent by parent.
     let one = |service: &str, name: &str| -> &Got {
-        let mut found = spans
+        spans
             .iter()
-            .filter(|s| s.service == service && s.name == name);
-        let s = found
-            .next()
-            .unwrap_or_else(|| panic!("no {name} span of {service}"));
-        s
+            .find(|s| s.service == service && s.name == name)
+            .unwrap_or_else(|| panic!("no {name} span of {service}"))
     };
     let root = one("cachet-router", "request");
     assert!(root.parent.is_empty(), "the router's span starts the trace");
