@@ -267,6 +267,9 @@ async fn a_sweep_finds_a_capacity_and_an_interrupted_replay_still_reports() {
             "5000",
             "--tbt-p90-ms",
             "1000",
+            // Each step's prediction beside it: the same requests at the same send times.
+            "--simulate-fleet",
+            "h200-llama3-8b",
         ])
         .output()
         .unwrap();
@@ -286,6 +289,19 @@ async fn a_sweep_finds_a_capacity_and_an_interrupted_replay_still_reports() {
         "{s}"
     );
     assert_eq!(s["capacity_rps"], 4.0);
+    // One instance of the H200 profile answers 2 and 4 short chats a second well inside both
+    // SLOs: the prediction meets them at every step.
+    for st in steps {
+        let sim = &st["simulated"];
+        assert!(sim["ttft_p90_ms"].as_f64().unwrap() > 0.0, "{st}");
+        assert_eq!(sim["meets"], true, "{st}");
+    }
+    assert_eq!(s["simulated_capacity_rps"], 4.0, "{s}");
+    assert_eq!(s["simulated_fleet"]["profile"], "h200-llama3-8b");
+    assert!(
+        stdout.contains("simulate-fleet predicted capacity: 4 requests/s"),
+        "{stdout}"
+    );
     for st in steps {
         let dir = out.join(st["dir"].as_str().unwrap());
         assert!(dir.join("report.html").exists() && dir.join("trace.jsonl").exists());

@@ -532,9 +532,12 @@ async fn simulate_fleet(a: &ReplayArgs, trace: &Path, sent: u64) -> anyhow::Resu
             "routing": format!("{:?}", cfg.routing).to_lowercase(),
             "requests": r.requests,
             "ttft_p50_ms": ms(&r.ttft, 0.5),
+            "ttft_p90_ms": ms(&r.ttft, 0.9),
             "ttft_p99_ms": ms(&r.ttft, 0.99),
             "tbt_p50_ms": ms(&r.tbt, 0.5),
+            "tbt_p90_ms": ms(&r.tbt, 0.9),
             "tbt_p99_ms": ms(&r.tbt, 0.99),
+            "rejected": r.rejected,
             "token_hit_ratio": r.hit_ratio(),
         })))
     })

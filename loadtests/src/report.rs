@@ -232,21 +232,33 @@ pub fn sweep_html(sweep: &Value) -> String {
 <h2 style="margin-top:20px">Steps</h2><table id="steps"></table>"#;
     let script = r#"
 const st = D.steps, rates = st.map(x => x.rate);
-document.getElementById('sub').textContent = `${D.trace} · SLOs: TTFT p90 ≤ ${D.slo.ttft_p90_ms} ms, TBT p90 ≤ ${D.slo.tbt_p90_ms} ms · ${D.step_secs} s a step`;
-document.getElementById('cards').innerHTML = [
-  ['capacity under the SLOs', D.capacity_rps == null ? 'none met' : D.capacity_rps + ' req/s'],
-  ['steps', st.length]].map(([k, v]) => `<div class="card"><b>${v}</b><span>${k}</span></div>`).join('');
+// With --simulate-fleet each step also holds the simulator's prediction for its requests.
+const sim = st.some(x => x.simulated);
+const fleet = D.simulated_fleet;
+document.getElementById('sub').textContent = `${D.trace} · SLOs: TTFT p90 ≤ ${D.slo.ttft_p90_ms} ms, TBT p90 ≤ ${D.slo.tbt_p90_ms} ms · ${D.step_secs} s a step` +
+  (sim ? ` · predicted by simulate-fleet (${fleet.profile}, ${fleet.instances} instance(s), ${fleet.routing})` : '');
+const cards = [['capacity under the SLOs', D.capacity_rps == null ? 'none met' : D.capacity_rps + ' req/s']];
+if (sim) cards.push(['simulate-fleet predicts', D.simulated_capacity_rps == null ? 'none met' : D.simulated_capacity_rps + ' req/s']);
+cards.push(['steps', st.length]);
+document.getElementById('cards').innerHTML = cards.map(([k, v]) => `<div class="card"><b>${v}</b><span>${k}</span></div>`).join('');
 function curve(name, key, slo) {
-  plot(name, {
-    scales: { x: { time: false } },
-    series: [{ label: 'req/s' }, { label: 'p90 ms', stroke: '#2f5cb9', width: 2 }, { label: 'SLO', stroke: '#b3261e', dash: [6, 4] }],
-    axes: [{ label: 'offered requests/s' }, { label: 'ms' }],
-  }, [rates, st.map(x => x[key]), rates.map(() => slo)]);
+  const series = [{ label: 'req/s' }, { label: 'p90 ms', stroke: '#2f5cb9', width: 2 }, { label: 'SLO', stroke: '#b3261e', dash: [6, 4] }];
+  const data = [rates, st.map(x => x[key]), rates.map(() => slo)];
+  if (sim) {
+    series.push({ label: 'simulated p90 ms', stroke: '#6b6b6b', dash: [2, 3], width: 2 });
+    data.push(st.map(x => x.simulated ? x.simulated[key] : null));
+  }
+  plot(name, { scales: { x: { time: false } }, series, axes: [{ label: 'offered requests/s' }, { label: 'ms' }] }, data);
 }
 curve('capacity-ttft', 'ttft_p90_ms', D.slo.ttft_p90_ms);
 curve('capacity-tbt', 'tbt_p90_ms', D.slo.tbt_p90_ms);
-document.getElementById('steps').innerHTML = '<tr><th>rate</th><th>ok</th><th>errors</th><th>TTFT p90 ms</th><th>TBT p90 ms</th><th>hit ratio</th><th>meets SLOs</th><th>report</th></tr>' +
-  st.map(x => `<tr><td>${x.rate}</td><td>${x.ok}</td><td>${x.errors}</td><td>${x.ttft_p90_ms.toFixed(1)}</td><td>${x.tbt_p90_ms.toFixed(2)}</td><td>${(x.hit_ratio * 100).toFixed(1)}%</td><td class="${x.meets ? 'good' : 'bad'}">${x.meets ? 'yes' : 'no'}</td><td><a href="${x.dir}/report.html">${x.dir}</a></td></tr>`).join('');
+const yes = ok => `<td class="${ok ? 'good' : 'bad'}">${ok ? 'yes' : 'no'}</td>`;
+const simHead = sim ? '<th>simulated TTFT p90 ms</th><th>simulated TBT p90 ms</th><th>simulated hit ratio</th><th>simulated meets</th>' : '';
+const simCells = x => !sim ? '' : x.simulated
+  ? `<td>${x.simulated.ttft_p90_ms.toFixed(1)}</td><td>${x.simulated.tbt_p90_ms.toFixed(2)}</td><td>${(x.simulated.hit_ratio * 100).toFixed(1)}%</td>${yes(x.simulated.meets)}`
+  : '<td></td><td></td><td></td><td></td>';
+document.getElementById('steps').innerHTML = `<tr><th>rate</th><th>ok</th><th>errors</th><th>TTFT p90 ms</th><th>TBT p90 ms</th><th>hit ratio</th><th>meets SLOs</th>${simHead}<th>report</th></tr>` +
+  st.map(x => `<tr><td>${x.rate}</td><td>${x.ok}</td><td>${x.errors}</td><td>${x.ttft_p90_ms.toFixed(1)}</td><td>${x.tbt_p90_ms.toFixed(2)}</td><td>${(x.hit_ratio * 100).toFixed(1)}%</td>${yes(x.meets)}${simCells(x)}<td><a href="${x.dir}/report.html">${x.dir}</a></td></tr>`).join('');
 "#;
     page("Cachet capacity sweep", sweep, body, script)
 }

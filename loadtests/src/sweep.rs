@@ -38,6 +38,30 @@ fn meets(s: &Value, ttft: f64, tbt: f64) -> bool {
         && (s["tbt"]["count"].as_u64() == Some(0) || f(&s["tbt"]["p90_ms"]) <= tbt)
 }
 
+/// Whether the simulator's prediction for a step (`--simulate-fleet`) met the SLOs: requests
+/// simulated, none rejected, both p90s within bounds.
+fn predicted_meets(sim: &Value, ttft: f64, tbt: f64) -> bool {
+    let f = |v: &Value| v.as_f64().unwrap_or(f64::INFINITY);
+    sim["rejected"].as_u64() == Some(0)
+        && sim["requests"].as_u64().unwrap_or(0) > 0
+        && f(&sim["ttft_p90_ms"]) <= ttft
+        && f(&sim["tbt_p90_ms"]) <= tbt
+}
+
+/// The capacity a sweep reports: the highest rate that met the SLOs with no miss at a lower
+/// rate still standing (a miss followed by a met rate does not count the met one; the sweep
+/// stops after enough misses in a row). `met`: each step's verdict, in rate order.
+fn capacity(rates: &[f64], met: &[bool]) -> Option<f64> {
+    let (mut capacity, mut misses) = (None, 0usize);
+    for (&rate, &ok) in rates.iter().zip(met) {
+        if ok && misses == 0 {
+            capacity = Some(rate);
+        }
+        misses = if ok { 0 } else { misses + 1 };
+    }
+    capacity
+}
+
 pub async fn run(a: SweepArgs) -> anyhow::Result<bool> {
     if a.rates.is_empty() || a.rates.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
         bail!("--rates must be positive numbers");
@@ -50,7 +74,9 @@ pub async fn run(a: SweepArgs) -> anyhow::Result<bool> {
     }
     std::fs::create_dir_all(&a.replay.out)?;
     let mut steps = Vec::new();
-    let (mut capacity, mut misses, mut all_ok) = (None, 0usize, true);
+    let (mut met, mut predicted) = (Vec::new(), Vec::new());
+    let (mut misses, mut all_ok) = (0usize, true);
+    let mut simulated_fleet = Value::Null;
     for (i, &rate) in a.rates.iter().enumerate() {
         let dir = format!("rate-{rate}");
         let mut r = a.replay.clone();
@@ -66,10 +92,29 @@ pub async fn run(a: SweepArgs) -> anyhow::Result<bool> {
         all_ok &= res.ok;
         let s = &res.summary;
         let ok = meets(s, a.ttft_p90_ms, a.tbt_p90_ms);
-        if ok && misses == 0 {
-            capacity = Some(rate);
-        }
+        met.push(ok);
         misses = if ok { 0 } else { misses + 1 };
+        // The simulator's prediction for the same requests at the same send times.
+        let simulated = s["simulated_fleet"].as_object().map(|sim| {
+            let sim = Value::Object(sim.clone());
+            let meets = predicted_meets(&sim, a.ttft_p90_ms, a.tbt_p90_ms);
+            predicted.push(meets);
+            if simulated_fleet.is_null() {
+                simulated_fleet = json!({
+                    "profile": sim["profile"],
+                    "instances": sim["instances"],
+                    "nodes": sim["nodes"],
+                    "routing": sim["routing"],
+                });
+            }
+            json!({
+                "ttft_p90_ms": sim["ttft_p90_ms"].as_f64().unwrap_or(0.0),
+                "tbt_p90_ms": sim["tbt_p90_ms"].as_f64().unwrap_or(0.0),
+                "hit_ratio": sim["token_hit_ratio"],
+                "rejected": sim["rejected"],
+                "meets": meets,
+            })
+        });
         steps.push(json!({
             "rate": rate,
             "dir": dir,
@@ -80,11 +125,18 @@ pub async fn run(a: SweepArgs) -> anyhow::Result<bool> {
             "hit_ratio": s["hit_ratio"],
             "achieved_rps": s["throughput"]["requests_per_sec"],
             "meets": ok,
+            "simulated": simulated,
         }));
         if misses >= a.stop_after_misses {
             break;
         }
     }
+    let capacity = capacity(&a.rates, &met);
+    let simulated_capacity = if predicted.is_empty() {
+        None
+    } else {
+        self::capacity(&a.rates, &predicted)
+    };
     let sweep = json!({
         "kind": "sweep",
         "trace": a.replay.trace.as_ref().map(|t| t.display().to_string())
@@ -93,6 +145,8 @@ pub async fn run(a: SweepArgs) -> anyhow::Result<bool> {
         "step_secs": a.step_secs,
         "steps": steps,
         "capacity_rps": capacity,
+        "simulated_fleet": simulated_fleet,
+        "simulated_capacity_rps": simulated_capacity,
     });
     std::fs::write(
         a.replay.out.join("sweep.json"),
@@ -109,6 +163,12 @@ pub async fn run(a: SweepArgs) -> anyhow::Result<bool> {
         ),
         None => println!("capacity: no rate met the SLOs"),
     }
+    if !predicted.is_empty() {
+        match simulated_capacity {
+            Some(c) => println!("simulate-fleet predicted capacity: {c} requests/s"),
+            None => println!("simulate-fleet predicted capacity: no rate meets the SLOs"),
+        }
+    }
     println!("report: {}", a.replay.out.join("sweep.html").display());
     Ok(all_ok)
 }
@@ -124,5 +184,30 @@ mod tests {
         assert!(!meets(&s(1, 900.0, 50.0), 1000.0, 60.0));
         assert!(!meets(&s(0, 1100.0, 50.0), 1000.0, 60.0));
         assert!(!meets(&s(0, 900.0, 70.0), 1000.0, 60.0));
+    }
+
+    #[test]
+    fn a_prediction_meets_the_slos_only_with_nothing_rejected_and_within_both() {
+        let p = |rejected: u64, ttft: f64, tbt: f64| json!({"requests": 10, "rejected": rejected, "ttft_p90_ms": ttft, "tbt_p90_ms": tbt});
+        assert!(predicted_meets(&p(0, 900.0, 50.0), 1000.0, 60.0));
+        assert!(!predicted_meets(&p(1, 900.0, 50.0), 1000.0, 60.0));
+        assert!(!predicted_meets(&p(0, 1100.0, 50.0), 1000.0, 60.0));
+        assert!(!predicted_meets(&p(0, 900.0, 70.0), 1000.0, 60.0));
+        assert!(!predicted_meets(
+            &json!({"requests": 0, "rejected": 0}),
+            1e9,
+            1e9
+        ));
+    }
+
+    #[test]
+    fn capacity_is_the_highest_rate_met_before_a_miss_stands() {
+        let r = [1.0, 2.0, 4.0, 8.0];
+        assert_eq!(capacity(&r, &[true, true, true, true]), Some(8.0));
+        assert_eq!(capacity(&r, &[true, true, false, false]), Some(2.0));
+        // A met rate right after a miss does not count; one after that does.
+        assert_eq!(capacity(&r, &[true, false, true, true]), Some(8.0));
+        assert_eq!(capacity(&r, &[true, false, true, false]), Some(1.0));
+        assert_eq!(capacity(&r, &[false, false]), None);
     }
 }
