@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Schema-driven API fuzzing: schemathesis generates requests for every operation in
 # openapi/openapi.json and runs them against a real `cachet serve` (sim engine, a fresh
-# database, a tenant with a key, a platform admin); any 5xx or dropped connection fails.
+# database, a tenant with a key, a platform admin); any 5xx, dropped connection, or answer
+# whose content type the document does not declare for its status fails. The document is
+# first validated against the OpenAPI specification.
 #
 #   scripts/api-fuzz.sh CACHET_BIN ST_BIN [MAX_EXAMPLES]
 #
@@ -24,6 +26,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# The document itself, against the OpenAPI specification's schema (3.1): what a generated
+# client reads before it calls anything.
+"$(dirname "$st")/python" -m openapi_spec_validator openapi/openapi.json
+
 "$bin" migrate >/dev/null
 "$bin" admin tenant create fuzz-tenant >/dev/null 2>&1
 key=$("$bin" admin key create --tenant fuzz-tenant 2>/dev/null | tail -1)
@@ -43,7 +49,7 @@ code=$(curl -s -o /dev/null -w '%{http_code}' "127.0.0.1:$port/v1/admin/tenants"
 [ "$code" = 200 ] || { echo "api-fuzz: the admin token is refused ($code)" >&2; exit 1; }
 
 run() {
-  "$st" run openapi/openapi.json --url "http://127.0.0.1:$port" --checks not_a_server_error \
+  "$st" run openapi/openapi.json --url "http://127.0.0.1:$port" --checks not_a_server_error,content_type_conformance \
     --max-examples "$examples" --workers 1 --seed 1 "$@"
 }
 status=0

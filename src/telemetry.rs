@@ -54,11 +54,6 @@ pub struct Telemetry {
 }
 
 impl Telemetry {
-    /// Whether spans are exported.
-    pub fn exporting(&self) -> bool {
-        self.provider.is_some()
-    }
-
     /// Send what is queued and stop the exporter (waits up to its timeout).
     pub async fn shutdown(self) {
         if let Some(p) = self.provider {

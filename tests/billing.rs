@@ -207,8 +207,39 @@ async fn a_hand_computed_invoice_matches_to_the_cent() {
     );
     assert_eq!(inv.total_minor, 8058);
     assert_eq!(inv.currency, "USD");
-    // The rounding happened once, at the line: the exact amount is kept beside it.
+    // The exact amount is kept beside each line's share of the total.
     assert_eq!(inv.lines[5].exact_nanos, "270001800.000000000");
+    // One rounding rule in every document (billing::rounding): the shares add up to the
+    // total, and so do the CSV's exact amounts with its rounding row, in both columns.
+    assert_eq!(inv.lines.iter().map(|l| l.amount_minor).sum::<i64>(), 8058);
+    let csv = invoice::invoice_csv(&inv);
+    let rows: Vec<Vec<&str>> = csv
+        .lines()
+        .skip(1)
+        .map(|r| r.split(',').collect())
+        .collect();
+    let (body, total) = rows.split_at(rows.len() - 1);
+    assert_eq!(body.last().unwrap()[1], "rounding");
+    assert_eq!(body.last().unwrap()[7], "-0.0000018", "{csv}");
+    assert_eq!(total[0][1], "total");
+    assert_eq!(total[0][7], "80.58");
+    let exact = |col: usize| -> billing::money::Exact {
+        body.iter().map(|r| r[col].parse().unwrap()).sum()
+    };
+    assert_eq!(exact(6), total[0][6].parse().unwrap(), "{csv}");
+    let nanos: i128 = body
+        .iter()
+        .map(|r| {
+            let (w, f) = r[7].trim_start_matches('-').split_once('.').unwrap();
+            let v = format!("{w}{f:0<9}").parse::<i128>().unwrap();
+            if r[7].starts_with('-') { -v } else { v }
+        })
+        .sum();
+    assert_eq!(nanos, 80_580_000_000, "{csv}");
+    let json = serde_json::to_value(&inv).unwrap();
+    assert_eq!(json["lines"][5]["amount"], "0.2700018");
+    assert_eq!(json["rounding"]["amount"], "-0.0000018");
+    assert_eq!(json["total"], "80.58");
     // What was stored is what was computed, and rating again changes nothing.
     let stored = invoice::load(&pool, inv.id).await.unwrap().unwrap();
     assert_eq!(stored, inv);
@@ -411,8 +442,9 @@ async fn shipped_list_prices_are_seeded_once_and_never_over_an_operators_price()
         .unwrap();
     assert!(inv.unpriced.is_empty());
     // 1,500 input tokens × $3/MTok = $0.0045 and 300 output × $15/MTok = $0.0045: each line
-    // alone rounds to $0.00, but the total is their exact sum ($0.009) rounded once, $0.01,
-    // as the dashboards round.
+    // alone would round to $0.00, but the total is their exact sum ($0.009) rounded once,
+    // $0.01, as the dashboards round; the lines' shares add up to it (the cent goes to the
+    // first of two lines rounded down alike) and the rounding row says what it added.
     let exact: Vec<&str> = inv.lines.iter().map(|l| l.exact_nanos.as_str()).collect();
     assert_eq!(
         exact,
@@ -420,8 +452,13 @@ async fn shipped_list_prices_are_seeded_once_and_never_over_an_operators_price()
         "{:?}",
         inv.lines
     );
-    assert!(inv.lines.iter().all(|l| l.amount_minor == 0));
+    let shares: Vec<i64> = inv.lines.iter().map(|l| l.amount_minor).collect();
+    assert_eq!(shares, vec![1, 0]);
     assert_eq!(inv.total_minor, 1);
+    let json = serde_json::to_value(&inv).unwrap();
+    assert_eq!(json["lines"][0]["amount"], "0.0045");
+    assert_eq!(json["rounding"]["amount"], "0.001");
+    assert_eq!(json["total"], "0.01");
     let stored = invoice::load(&pool, inv.id).await.unwrap().unwrap();
     assert_eq!(stored.total_minor, 1);
     let audited: i64 = sqlx::query_scalar(

@@ -419,6 +419,32 @@ describe("the admin console", () => {
     const pdfText = execFileSync("pdftotext", ["-layout", pdfPath, "-"], { encoding: "utf8" });
     expect(pdfText).toContain(`Total ${totalRow[7]} USD`);
     expect(pdfText).toContain(ACME);
+    // One rounding rule in all four documents (billing/src/rounding.rs): each line's amount
+    // is the same text on the page, in the JSON, the CSV and the PDF, and the amounts with the
+    // rounding row add up to the total exactly (in integers, as a spreadsheet would).
+    const invoiceId = p.url().split("/").pop()!;
+    const json = (await adminApi(await token("fin", FIN_PASSWORD), "GET", `/v1/billing/invoices/${invoiceId}`)).body;
+    const jsonAmounts: string[] = json.lines.map((l: { amount: string }) => l.amount);
+    expect(jsonAmounts.length).toBeGreaterThan(0);
+    const pageAmounts = (await p.locator("tbody tr[data-line] td.amount").allTextContents()).map((t) => t.trim());
+    const pageRounding = (await p.locator("tbody tr[data-rounding] td.amount").textContent())?.trim();
+    const csvRows = invRows.slice(1).map((r) => r.split(","));
+    const csvAmounts = csvRows.filter((r) => r[1] !== "rounding" && r[1] !== "total").map((r) => r[7]);
+    const csvRounding = csvRows.find((r) => r[1] === "rounding")?.[7];
+    expect(pageAmounts).toEqual(jsonAmounts);
+    expect(csvAmounts).toEqual(jsonAmounts);
+    expect(pageRounding).toBe(json.rounding.amount);
+    expect(csvRounding).toBe(json.rounding.amount);
+    for (const a of [...jsonAmounts, json.rounding.amount]) expect(pdfText).toContain(a);
+    const atto = (s: string) => {
+      const [w, f = ""] = s.replace(/^-/, "").split(".");
+      const v = BigInt(w) * 10n ** 18n + BigInt(f.padEnd(18, "0"));
+      return s.startsWith("-") ? -v : v;
+    };
+    const summed = [...csvAmounts, csvRounding!].reduce((a, s) => a + atto(s), 0n);
+    expect(summed).toBe(atto(json.total));
+    expect(`$${json.total}`).toBe(invoiceTotal);
+    expect(json.lines.reduce((a: number, l: { amount_minor: number }) => a + l.amount_minor, 0)).toBe(json.total_minor);
     // Rating the draft again keeps the total (no new usage) and says when it was rated.
     await p.getByRole("button", { name: "Rate again" }).click();
     await p.getByText(/ · rated \d{4}-\d{2}-\d{2} /).waitFor();
@@ -460,6 +486,25 @@ describe("the admin console", () => {
       .map((r) => r.join(","));
     expect(ledger.length).toBeGreaterThanOrEqual(8);
     expect(rows).toEqual(ledger);
+    // The file says its filter: every tenant here; then one tenant's one key, chosen by name
+    // (finance lists keys, never their secrets), whose rows are that key's alone.
+    expect(download.suggestedFilename()).toMatch(/^cachet-usage-all-tenants-\d{4}-\d{2}-\d{2}-\d{4}-\d{2}-\d{2}\.csv$/);
+    await p.getByLabel("Tenant", { exact: true }).selectOption({ label: ACME });
+    const keyPick = p.getByLabel("API key");
+    await eventually("ACME's keys in the export form", 10_000, async () => ((await keyPick.locator("option").count()) > 1 ? true : undefined));
+    await keyPick.selectOption({ index: 1 });
+    const keyId = await keyPick.inputValue();
+    const keyName = ((await keyPick.locator(`option[value="${keyId}"]`).textContent()) ?? "").trim();
+    const [byKey] = await Promise.all([p.waitForEvent("download"), p.getByRole("button", { name: "Download CSV" }).click()]);
+    const safe = (s: string) => s.replace(/[^A-Za-z0-9._-]+/g, "_").replace(/^_+|_+$/g, "");
+    expect(byKey.suggestedFilename()).toContain(`cachet-usage-${safe(ACME)}-`);
+    expect(byKey.suggestedFilename()).toContain(`-${safe(keyName)}-`);
+    const keyRows = (await import("node:fs"))
+      .readFileSync((await byKey.path())!, "utf8")
+      .split("\r\n")
+      .filter((l) => l.length > 0)
+      .slice(1);
+    expect(keyRows.every((l) => l.split(",")[3] === keyId)).toBe(true);
   });
 
   it("resets a forgotten password with a one-time secret, then the user changes it on their account page", async () => {
@@ -630,6 +675,9 @@ describe("the admin console", () => {
     await shot(p, "22-cache-objects");
     // Extended to a day from now: the API key sees the new expiry too.
     await p.getByRole("button", { name: `Extend ${made[1].id}` }).click();
+    // Only what the tenant's policy allows is offered (a day at most, by default).
+    const offered = await p.getByLabel("Held until, from now").locator("option").evaluateAll((os) => os.map((o) => (o as HTMLOptionElement).value));
+    expect(offered).toEqual(["1h", "24h"]);
     await p.getByLabel("Held until, from now").selectOption("24h");
     await p.getByRole("button", { name: "Extend", exact: true }).click();
     await p.getByText(`Cache object ${made[1].id} now expires`).waitFor();

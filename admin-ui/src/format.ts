@@ -28,30 +28,21 @@ export function formatMoney(minor: number, currency = "USD"): string {
   return negative ? `−${text}` : text;
 }
 
-/** An exact amount in nano-units of `currency` (the decimal text an invoice line carries,
- * `"4500000.000000000"`) → `$0.0045`: the minor unit's digits at least, more where the
- * amount has them, at most 6 (rounded half away from zero), in integer arithmetic only. */
-export function formatExact(nanos: string, currency = "USD"): string {
-  const m = /^(-?)(\d+)(?:\.(\d{1,9}))?$/.exec(nanos.trim());
-  if (!m) return nanos;
-  const [, sign, whole, frac = ""] = m;
-  // In units of 10⁻¹⁸ of the currency.
-  const atto = BigInt(whole) * 1_000_000_000n + BigInt(frac.padEnd(9, "0"));
-  const pow = (k: number) => 10n ** BigInt(k);
-  let keep = minorDigits(currency);
-  while (keep < 6 && atto % pow(18 - keep) !== 0n) keep++;
-  const scale = pow(18 - keep);
-  const rounded = (atto + scale / 2n) / scale;
-  const intPart = rounded / pow(keep);
-  const minor = minorDigits(currency);
-  // Digits the rounding left as trailing zeros are dropped, down to the minor unit's.
-  let fracPart = (rounded % pow(keep)).toString().padStart(keep, "0");
-  while (fracPart.length > minor && fracPart.endsWith("0")) fracPart = fracPart.slice(0, -1);
-  const grouped = intPart.toLocaleString("en-US");
+/**
+ * An amount that may be below the minor unit: `minor` (rounded, as billed) when it is not zero,
+ * else the server's `exact` decimal text (`"0.0000519"`) cut to two significant digits by its
+ * digits alone (`$0.000051`), so a sub-cent cost reads as what it is, not `$0.00`; `$0.00` when
+ * the exact amount is zero too.
+ */
+export function formatCost(minor: number, exact: string | undefined, currency = "USD"): string {
+  if (minor !== 0 || !exact) return formatMoney(minor, currency);
+  const m = /^(-?)0\.(0*)([1-9]\d?)/.exec(exact.trim());
+  if (!m) return formatMoney(minor, currency);
+  const [, sign, zeros, digits] = m;
+  const number = `0.${zeros}${digits}`;
   const symbol = symbolOf(currency);
-  const number = fracPart.length > 0 ? `${grouped}.${fracPart}` : grouped;
   const text = symbol ? `${symbol}${number}` : `${number} ${currency}`;
-  return sign === "-" && rounded !== 0n ? `−${text}` : text;
+  return sign === "-" ? `−${text}` : text;
 }
 
 /** An axis value in minor units (fractions of a cent included): `0.25` USD → `$0.0025`. */

@@ -1,7 +1,7 @@
 // Form validation, done before anything is sent (the server checks again and its error text
 // is shown as it is). Pure functions: tested in test/forms.test.ts.
 
-import { minorDigits } from "./format";
+import { formatDuration, minorDigits } from "./format";
 import type { PriceRates } from "./pricebook";
 import type { Limits } from "./types";
 
@@ -295,4 +295,40 @@ export function dateRange(from: string, to: string): { from: string; to: string 
   const end = new Date(t.getTime() + 86400_000);
   if (end.getTime() - f.getTime() > 400 * 86400_000) return "at most 400 days";
   return { from: f.toISOString(), to: end.toISOString() };
+}
+
+/** An export's file name: the ledger, each filter that narrows it (names, not ids), the
+ * range and the format, so two downloads with different filters never share a name. */
+export function exportFileName(f: {
+  ledger: string;
+  tenant: string;
+  workspace: string;
+  key: string;
+  model: string;
+  from: string;
+  to: string;
+  format: "csv" | "jsonl" | "cloudevents";
+}): string {
+  const part = (s: string) => s.trim().replace(/[^A-Za-z0-9._-]+/g, "_").replace(/^_+|_+$/g, "");
+  const parts = ["cachet", f.ledger, f.tenant || "all-tenants", f.workspace, f.key, f.model, f.from, f.to]
+    .map(part)
+    .filter((p) => p.length > 0);
+  const kind = f.format === "cloudevents" ? "-cloudevents" : "";
+  return `${parts.join("-")}${kind}.${f.format === "csv" ? "csv" : "jsonl"}`;
+}
+
+/** How long an extended cache object may be held, from now: the usual lifetimes up to the
+ * tenant's longest (`max_cache_ttl_secs`, its policy), and that longest itself when it is not
+ * one of them; every usual one while the policy is not known yet. */
+export function extendChoices(maxSecs: number | undefined): [string, string][] {
+  const usual: [string, string, number][] = [
+    ["1h", "1 hour", 3600],
+    ["24h", "24 hours", 86_400],
+    ["7d", "7 days", 604_800],
+    ["30d", "30 days", 2_592_000],
+  ];
+  if (maxSecs === undefined) return usual.map(([v, l]) => [v, l]);
+  const fit: [string, string][] = usual.filter(([, , s]) => s <= maxSecs).map(([v, l]) => [v, l]);
+  if (!usual.some(([, , s]) => s === maxSecs)) fit.push([`${maxSecs}s`, `${formatDuration(maxSecs * 1000)} (the longest allowed)`]);
+  return fit;
 }

@@ -57,6 +57,10 @@ export interface UsagePoint extends Tokens {
   cost_minor: number;
   cost_without_cache_minor: number;
   saved_minor: number;
+  /** The exact amounts behind the three above (`"0.0000519"`). */
+  cost: string;
+  cost_without_cache: string;
+  saved: string;
   unpriced_tokens: number;
 }
 
@@ -160,9 +164,16 @@ export interface Invoice extends InvoiceSummary {
     quantity: number;
     /** The line's exact amount in nano-units (decimal text), before any rounding. */
     exact_nanos: string;
+    /** The line's exact amount in the currency, as every document writes it (`0.0000519`). */
+    amount: string;
+    /** The line's share of `total_minor` (they add up to it). */
     amount_minor: number;
     description: string;
   }[];
+  /** What the total's one rounding added to the lines' exact sum, written as a line. */
+  rounding: { exact_nanos: string; amount: string; description: string };
+  /** The total in the currency (`0.12`). */
+  total: string;
   /** When the lines were rated from the ledger. */
   rated_at: string;
   finalized_at: string | null;

@@ -1,19 +1,16 @@
 import { describe, expect, it } from "vitest";
-import { count, formatBytes, formatDuration, formatExact, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, releasedText } from "../src/format";
+import { count, formatBytes, formatCost, formatDuration, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, releasedText } from "../src/format";
 
 describe("money", () => {
-  it("formats an invoice line's exact amount with its sub-cent digits, in integers only", () => {
-    expect(formatExact("4500000.000000000")).toBe("$0.0045");
-    expect(formatExact("3000000000.000000000")).toBe("$3.00");
-    expect(formatExact("0.000000000")).toBe("$0.00");
-    expect(formatExact("1234567890123.456789000")).toBe("$1,234.56789");
-    // Past 6 decimals, rounded half away from zero.
-    expect(formatExact("1500.000000000")).toBe("$0.000002");
-    expect(formatExact("1.500000000")).toBe("$0.00");
-    expect(formatExact("-2500000000.000000000")).toBe("−$2.50");
-    expect(formatExact("-0.4")).toBe("$0.00");
-    expect(formatExact("12345", "JPY")).toBe("0.000012 JPY");
-    expect(formatExact("not a number")).toBe("not a number");
+  it("shows a sub-cent cost by its significant digits, not as zero", () => {
+    expect(formatCost(0, "0.0000519")).toBe("$0.000051");
+    expect(formatCost(0, "0.0049")).toBe("$0.0049");
+    expect(formatCost(0, "-0.000003")).toBe("−$0.000003");
+    expect(formatCost(0, "0.00")).toBe("$0.00");
+    expect(formatCost(0, undefined)).toBe("$0.00");
+    expect(formatCost(12, "0.1197")).toBe("$0.12");
+    expect(formatCost(0, "0.00007", "EUR")).toBe("€0.00007");
+    expect(formatCost(0, "0.4", "JPY")).toBe("0.4 JPY");
   });
   it("formats minor units exactly, with grouping and the currency's digits", () => {
     expect(formatMoney(0)).toBe("$0.00");

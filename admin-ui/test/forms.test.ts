@@ -1,6 +1,8 @@
 import { describe, expect, it } from "vitest";
 import {
   dateRange,
+  extendChoices,
+  exportFileName,
   minorToText,
   parseGrace,
   parseLimit,
@@ -159,5 +161,34 @@ describe("other forms", () => {
   it("date ranges include their last day", () => {
     expect(dateRange("2026-11-01", "2026-11-30")).toEqual({ from: "2026-11-01T00:00:00.000Z", to: "2026-12-01T00:00:00.000Z" });
     expect(dateRange("2026-11-02", "2026-11-01")).toBe("the end is before the start");
+  });
+});
+
+describe("export file names", () => {
+  const base = { ledger: "usage", tenant: "", workspace: "", key: "", model: "", from: "2026-11-01", to: "2026-11-30" };
+  it("say every filter, by name, and the format", () => {
+    expect(exportFileName({ ...base, format: "csv" })).toBe("cachet-usage-all-tenants-2026-11-01-2026-11-30.csv");
+    expect(exportFileName({ ...base, tenant: "ACME Corp", workspace: "research", key: "ci bot", model: "sim-tiny", format: "jsonl" })).toBe(
+      "cachet-usage-ACME_Corp-research-ci_bot-sim-tiny-2026-11-01-2026-11-30.jsonl",
+    );
+    expect(exportFileName({ ...base, ledger: "storage", tenant: "ACME", format: "cloudevents" })).toBe(
+      "cachet-storage-ACME-2026-11-01-2026-11-30-cloudevents.jsonl",
+    );
+  });
+  it("never carry a path or odd characters from a name", () => {
+    expect(exportFileName({ ...base, tenant: "../../etc/pass wd", format: "csv" })).toBe("cachet-usage-.._.._etc_pass_wd-2026-11-01-2026-11-30.csv");
+  });
+});
+
+describe("extending a cache object", () => {
+  it("offers only the lifetimes the tenant's policy allows, and its longest", () => {
+    expect(extendChoices(86_400).map(([v]) => v)).toEqual(["1h", "24h"]);
+    expect(extendChoices(2_592_000).map(([v]) => v)).toEqual(["1h", "24h", "7d", "30d"]);
+    expect(extendChoices(7_200)).toEqual([
+      ["1h", "1 hour"],
+      ["7200s", "2h (the longest allowed)"],
+    ]);
+    expect(extendChoices(1_800)).toEqual([["1800s", "30m (the longest allowed)"]]);
+    expect(extendChoices(undefined).length).toBe(4);
   });
 });

@@ -37,7 +37,7 @@ use cachet_common::error::{ApiError, ErrorBody, ErrorCode};
 use identity::{AdminAuth, Claims, Role};
 
 use crate::directory::{Directory, TenantNames};
-use crate::invoice::{self, BillingError, Invoice};
+use crate::invoice::{self, BillingError, Invoice, InvoiceJson};
 use crate::money::{Rates, TokenCounts};
 use crate::prices::{self, PriceVersion};
 
@@ -116,6 +116,7 @@ impl Caller {
 
 /// Usage query.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct UsageQuery {
     /// Start (inclusive), RFC 3339.
     pub from: DateTime<Utc>,
@@ -147,7 +148,7 @@ pub struct UsageResponse {
 }
 
 /// Usage from the rollups (hourly buckets; whole hours of the window).
-#[utoipa::path(get, path = "/v1/billing/usage", tag = "billing", params(UsageQuery),
+#[utoipa::path(get, path = "/v1/billing/usage", tag = "billing", operation_id = "billing_usage", params(UsageQuery),
     responses((status = 200, body = UsageResponse), (status = 400, body = ErrorBody),
               (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
     security(("admin_jwt" = [])))]
@@ -228,6 +229,7 @@ pub async fn usage(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct InvoiceQuery {
     pub tenant: Option<Uuid>,
 }
@@ -282,6 +284,7 @@ pub async fn list_invoices(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct InvoiceFormat {
     /// `json` (default), `csv` (a download: a row per line, then the total) or `pdf` (the
     /// invoice to send: exact line amounts, the total rounded once).
@@ -291,7 +294,9 @@ pub struct InvoiceFormat {
 /// One invoice with its lines (JSON, or CSV or PDF to download).
 #[utoipa::path(get, path = "/v1/billing/invoices/{id}", tag = "billing",
     params(("id" = Uuid, Path, description = "Invoice id"), InvoiceFormat),
-    responses((status = 200, description = "The invoice and its lines"), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
+    responses((status = 200, description = "The invoice and its lines: JSON, or with `format` a CSV or a PDF to download",
+                 content((InvoiceJson = "application/json"), (String = "text/csv"), ("application/pdf"))),
+              (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn get_invoice(
     State(s): State<FinanceState>,
@@ -364,7 +369,7 @@ pub struct RateRequest {
 
 /// Rate a tenant's month into its draft, or finalize it.
 #[utoipa::path(post, path = "/v1/billing/invoices", tag = "billing", request_body = RateRequest,
-    responses((status = 200, description = "The invoice"), (status = 400, body = ErrorBody),
+    responses((status = 200, description = "The invoice", body = InvoiceJson), (status = 400, body = ErrorBody),
               (status = 401, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn rate_invoice(
@@ -425,7 +430,7 @@ fn usd() -> String {
 
 /// Add a list-price version (platform admins only).
 #[utoipa::path(post, path = "/v1/billing/prices", tag = "billing", request_body = NewPrice,
-    responses((status = 201, description = "Recorded"), (status = 400, body = ErrorBody),
+    responses((status = 201, description = "Recorded (no body)"), (status = 400, body = ErrorBody),
               (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn add_price(
@@ -496,6 +501,7 @@ pub enum Format {
 
 /// An export's format (a query parameter beside its [`ExportFilter`]).
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ExportFormat {
     /// `csv` (RFC 4180), `jsonl`, or `cloudevents` (JSON Lines of CloudEvents 1.0).
     pub format: Format,
@@ -503,6 +509,7 @@ pub struct ExportFormat {
 
 /// Which ledger rows an export holds (its query parameters).
 #[derive(Clone, Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ExportFilter {
     /// Start (inclusive), RFC 3339.
     pub from: DateTime<Utc>,
@@ -886,7 +893,8 @@ pub fn storage_export_stream(
 
 /// Ledger rows, streamed (finance and platform admins: any tenant; a tenant admin: its own).
 #[utoipa::path(get, path = "/v1/billing/exports/usage", tag = "billing", params(ExportFilter, ExportFormat),
-    responses((status = 200, description = "Rows as CSV, JSON Lines or CloudEvents JSON Lines"),
+    responses((status = 200, description = "Rows as CSV, JSON Lines or CloudEvents JSON Lines (`format`)",
+                 content((String = "text/csv"), (String = "application/jsonl"), (String = "application/cloudevents-batch+jsonl"))),
               (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn export_usage(
@@ -902,7 +910,8 @@ pub async fn export_usage(
 /// picked by the hour's start (finance and platform admins: any tenant; a tenant admin: its
 /// own).
 #[utoipa::path(get, path = "/v1/billing/exports/storage", tag = "billing", params(ExportFilter, ExportFormat),
-    responses((status = 200, description = "Rows as CSV, JSON Lines or CloudEvents JSON Lines"),
+    responses((status = 200, description = "Rows as CSV, JSON Lines or CloudEvents JSON Lines (`format`)",
+                 content((String = "text/csv"), (String = "application/jsonl"), (String = "application/cloudevents-batch+jsonl"))),
               (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn export_storage(

@@ -28,7 +28,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::invoice::BillingError;
-use crate::money::{Exact, Rates, TokenClass, TokenCounts};
+use crate::money::{Exact, Rates, TokenClass, TokenCounts, format_exact};
 
 /// Bucket size of a series.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
@@ -122,6 +122,11 @@ pub struct UsagePoint {
     pub cost_without_cache_minor: i64,
     /// `cost_without_cache_minor − cost_minor` (rounded once from the exact difference).
     pub saved_minor: i64,
+    /// The exact amounts behind the three above, in the currency with every significant
+    /// decimal (`0.0000519`): what a console shows where a rounded amount would read 0.
+    pub cost: String,
+    pub cost_without_cache: String,
+    pub saved: String,
     pub unpriced_tokens: i64,
 }
 
@@ -299,6 +304,9 @@ fn point(
         cost_minor: cost.actual.to_minor(currency),
         cost_without_cache_minor: cost.without_cache.to_minor(currency),
         saved_minor: saved.to_minor(currency),
+        cost: format_exact(cost.actual, currency),
+        cost_without_cache: format_exact(cost.without_cache, currency),
+        saved: format_exact(saved, currency),
         unpriced_tokens: cost.unpriced_tokens,
     }
 }

@@ -18,9 +18,10 @@
 use chrono::{DateTime, Datelike, NaiveDate, SubsecRound, TimeZone, Utc};
 use serde::Serialize;
 use sqlx::{PgPool, Postgres, Row, Transaction};
+use utoipa::ToSchema;
 use uuid::Uuid;
 
-use crate::money::{Exact, Rates, TokenClass, format_minor};
+use crate::money::{Exact, Rates, TokenClass, format_exact, format_minor};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BillingError {
@@ -63,7 +64,7 @@ impl cachet_common::error::ServiceError for BillingError {
 }
 
 /// What a line bills.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum LineKind {
     Usage,
@@ -84,7 +85,7 @@ impl LineKind {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, ToSchema)]
 pub struct Line {
     pub kind: LineKind,
     pub model: Option<String>,
@@ -93,13 +94,15 @@ pub struct Line {
     /// Tokens (usage), token-seconds (storage), GB-hours × 10⁹ bytes (reserved: bytes ×
     /// hours), 1 (adjustment).
     pub quantity: i64,
-    /// Exact amount in nano-units, before the line's one rounding.
+    /// Exact amount in nano-units, as rated.
     pub exact_nanos: String,
+    /// The line's share of the total in minor units (the lines' shares add up to
+    /// `total_minor`; see [`crate::rounding`]).
     pub amount_minor: i64,
     pub description: String,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Invoice {
     pub id: Uuid,
     pub tenant_id: Uuid,
@@ -113,6 +116,85 @@ pub struct Invoice {
     /// When the lines were rated from the ledger (a draft is re-rated on demand).
     pub rated_at: DateTime<Utc>,
     pub finalized_at: Option<DateTime<Utc>>,
+}
+
+/// An invoice as JSON (the finance API's answer; the console's page reads it): its fields,
+/// each line with `amount` (its exact amount as every document writes it), `rounding` (what
+/// the total's one rounding added, as a line would show it) and `total` (the total written
+/// out), by [`crate::rounding`]'s rule.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct InvoiceJson {
+    pub id: Uuid,
+    pub tenant_id: Uuid,
+    pub period_start: NaiveDate,
+    pub currency: String,
+    /// `draft` or `finalized`.
+    pub status: String,
+    /// The lines' exact sum rounded once, in minor units.
+    pub total_minor: i64,
+    /// The total in the currency (`0.12`).
+    pub total: String,
+    pub lines: Vec<LineJson>,
+    pub rounding: RoundingJson,
+    /// Models whose usage this month had no price in force: listed at zero, not billed.
+    pub unpriced: Vec<String>,
+    pub rated_at: DateTime<Utc>,
+    pub finalized_at: Option<DateTime<Utc>>,
+}
+
+/// An invoice line as JSON.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LineJson {
+    #[serde(flatten)]
+    pub line: Line,
+    /// The exact amount in the currency, every significant decimal kept (`0.0000519`).
+    pub amount: String,
+}
+
+/// What the total's one rounding added to the lines' exact sum (negative when it took off).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundingJson {
+    pub exact_nanos: String,
+    pub amount: String,
+    pub description: String,
+}
+
+impl From<&Invoice> for InvoiceJson {
+    fn from(inv: &Invoice) -> Self {
+        let cur = inv.currency.as_str();
+        let r = inv.rounding();
+        InvoiceJson {
+            id: inv.id,
+            tenant_id: inv.tenant_id,
+            period_start: inv.period_start,
+            currency: inv.currency.clone(),
+            status: inv.status.clone(),
+            total_minor: inv.total_minor,
+            total: format_minor(inv.total_minor, cur),
+            lines: inv
+                .lines
+                .iter()
+                .map(|line| LineJson {
+                    amount: format_exact(line.exact(cur), cur),
+                    line: line.clone(),
+                })
+                .collect(),
+            rounding: RoundingJson {
+                exact_nanos: r.nanos_decimal(),
+                amount: format_exact(r, cur),
+                description: ROUNDING_LINE.to_string(),
+            },
+            unpriced: inv.unpriced.clone(),
+            rated_at: inv.rated_at,
+            finalized_at: inv.finalized_at,
+        }
+    }
+}
+
+impl Serialize for Invoice {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        InvoiceJson::from(self).serialize(s)
+    }
 }
 
 /// `YYYY-MM` → the first day of that month.
@@ -164,11 +246,16 @@ pub async fn compute(
     .bind(from.date_naive())
     .fetch_optional(&mut *conn)
     .await?;
+    let total_minor = total_of(&lines, &currency);
+    let shares = crate::rounding::apportion(&exacts(&lines, &currency), total_minor, &currency);
+    for (l, share) in lines.iter_mut().zip(shares) {
+        l.amount_minor = share;
+    }
     Ok(Invoice {
         id: existing.as_ref().map(|e| e.0).unwrap_or_else(Uuid::now_v7),
         tenant_id: tenant,
         period_start: from.date_naive(),
-        total_minor: total_of(&lines, &currency),
+        total_minor,
         currency,
         status: existing.map(|e| e.1).unwrap_or_else(|| "draft".into()),
         unpriced: unpriced_models(&lines),
@@ -390,30 +477,50 @@ fn class_tokens(g: &sqlx::postgres::PgRow, class: TokenClass) -> i64 {
 }
 
 /// An invoice's total: its lines' exact amounts summed, then rounded once, as the dashboards
-/// round their costs (so the two agree to the cent). A line's own `amount_minor` is that line
-/// rounded alone, for reading; the total is not their sum.
+/// round their costs (so the two agree to the cent); see [`crate::rounding`].
 pub fn total_of(lines: &[Line], currency: &str) -> i64 {
-    lines
-        .iter()
-        .map(|l| {
-            l.exact_nanos
-                .parse::<Exact>()
-                .unwrap_or_else(|_| Exact::from_minor(l.amount_minor, currency))
-        })
-        .sum::<Exact>()
-        .to_minor(currency)
+    crate::rounding::total_minor(&exacts(lines, currency), currency)
+}
+
+/// The lines' exact amounts, in order.
+fn exacts(lines: &[Line], currency: &str) -> Vec<Exact> {
+    lines.iter().map(|l| l.exact(currency)).collect()
+}
+
+impl Line {
+    /// The line's exact amount (`exact_nanos`; a line stored without one is its minor units).
+    pub fn exact(&self, currency: &str) -> Exact {
+        self.exact_nanos
+            .parse::<Exact>()
+            .unwrap_or_else(|_| Exact::from_minor(self.amount_minor, currency))
+    }
+}
+
+impl Invoice {
+    /// What the total's one rounding added to the lines' exact sum, the rounding row of every
+    /// document ([`crate::rounding`]).
+    pub fn rounding(&self) -> Exact {
+        crate::rounding::rounding(
+            &exacts(&self.lines, &self.currency),
+            self.total_minor,
+            &self.currency,
+        )
+    }
 }
 
 /// The header of an invoice's CSV.
 pub const INVOICE_CSV_HEADER: &str =
     "line,kind,model,token_class,price_from,quantity,exact_nanos,amount,description\r\n";
 
-/// An invoice as CSV (RFC 4180): a row per line with its exact amount (nano-units) and its
-/// amount rounded alone, then the total (the exact sum, rounded once).
+/// An invoice as CSV (RFC 4180): a row per line with its exact amount (nano-units, and in
+/// the currency as every document writes it), the rounding row, then the total (the exact
+/// sum, rounded once): both amount columns add up to the total ([`crate::rounding`]).
 pub fn invoice_csv(inv: &Invoice) -> String {
     use crate::csv::field;
+    let cur = &inv.currency;
     let mut out = String::from(INVOICE_CSV_HEADER);
     for (i, l) in inv.lines.iter().enumerate() {
+        let exact = l.exact(cur);
         out.push_str(&format!(
             "{},{},{},{},{},{},{},{},{}\r\n",
             i + 1,
@@ -422,14 +529,22 @@ pub fn invoice_csv(inv: &Invoice) -> String {
             l.token_class.as_deref().unwrap_or(""),
             l.price_from.map(|t| t.to_rfc3339()).unwrap_or_default(),
             l.quantity,
-            l.exact_nanos,
-            format_minor(l.amount_minor, &inv.currency),
+            exact.nanos_decimal(),
+            format_exact(exact, cur),
             field(&l.description),
         ));
     }
+    let r = inv.rounding();
     out.push_str(&format!(
-        ",total,,,,,,{},{}\r\n",
-        format_minor(inv.total_minor, &inv.currency),
+        ",rounding,,,,,{},{},{}\r\n",
+        r.nanos_decimal(),
+        format_exact(r, cur),
+        field(ROUNDING_LINE),
+    ));
+    out.push_str(&format!(
+        ",total,,,,,{},{},{}\r\n",
+        Exact::from_minor(inv.total_minor, cur).nanos_decimal(),
+        format_minor(inv.total_minor, cur),
         field(&format!(
             "{} {} {} ({})",
             inv.period_start.format("%Y-%m"),
@@ -440,6 +555,9 @@ pub fn invoice_csv(inv: &Invoice) -> String {
     ));
     out
 }
+
+/// The rounding line's description, in every document.
+pub const ROUNDING_LINE: &str = "Rounding: the total is the lines' exact sum, rounded once";
 
 /// The models whose usage no price covered (usage lines without a price version).
 pub fn unpriced_models(lines: &[Line]) -> Vec<String> {

@@ -29,7 +29,9 @@
 //!
 //! - [`synthetic`]: synthetic ledgers and raw ledger reads for the benchmarks.
 //!
-//! - [`csv`]: the one CSV field rule every export uses; [`pdf`]: an invoice as a PDF to send.
+//! - [`csv`]: the one CSV field rule every export uses; [`pdf`]: an invoice as a PDF to send;
+//!   [`rounding`]: the one rounding rule of every invoice document (exact lines, a rounding
+//!   line, the total rounded once).
 //!
 //! - [`api`]: the finance API (`/v1/billing/…`, JWT roles), served by `cachet serve` with
 //!   the gateway's routes; usage, invoices, prices, streamed exports.
@@ -51,6 +53,7 @@ pub mod money;
 pub mod pdf;
 pub mod prices;
 pub mod rollup;
+pub mod rounding;
 pub mod storage;
 pub mod synthetic;
 

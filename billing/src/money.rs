@@ -283,9 +283,34 @@ impl std::ops::Add for Exact {
     }
 }
 
+impl std::ops::Sub for Exact {
+    type Output = Exact;
+    fn sub(self, o: Exact) -> Exact {
+        Exact(self.0 - o.0)
+    }
+}
+
 impl std::iter::Sum for Exact {
     fn sum<I: Iterator<Item = Exact>>(iter: I) -> Exact {
         Exact(iter.map(|e| e.0).sum())
+    }
+}
+
+/// An exact amount in the currency's major unit with every significant decimal kept (at
+/// least the minor unit's): `0.0000519`, `12.50`, `-0.0049`. The one way an invoice line's
+/// amount is written, in its JSON (`amount`), on the console's page, in the PDF and the CSV.
+pub fn format_exact(e: Exact, currency: &str) -> String {
+    let min = minor_digits(currency) as usize;
+    let sign = if e.0 < 0 { "-" } else { "" };
+    let v = e.0.unsigned_abs();
+    let unit = 10u128.pow(18);
+    let frac = format!("{:018}", v % unit);
+    let frac = frac.trim_end_matches('0');
+    let frac = format!("{frac:0<min$}");
+    if frac.is_empty() {
+        format!("{sign}{}", v / unit)
+    } else {
+        format!("{sign}{}.{frac}", v / unit)
     }
 }
 

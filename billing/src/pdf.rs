@@ -2,15 +2,16 @@
 //! project's PDF writer), the standard Helvetica and Courier fonts (every reader has them, so
 //! nothing is embedded), text in WinAnsi encoding.
 //!
-//! The page shows what the CSV does: each line's quantity and its exact amount (sub-cent, as
-//! rated: no line is rounded), and the total, the exact sum rounded once to the currency's
-//! minor unit — the same rule as the dashboards, so the two agree to the cent. Long
+//! The page shows what the CSV and the console do ([`crate::rounding`]): each line's quantity
+//! and its exact amount (sub-cent, as rated: no line is rounded), the rounding row, and the
+//! total, the exact sum rounded once to the currency's minor unit — the same rule as the
+//! dashboards, so the two agree to the cent. Long
 //! invoices continue on further pages, each numbered "page n of N".
 
 use pdf_writer::{Content, Finish, Name, Pdf, Rect, Ref, Str, TextStr};
 
-use crate::invoice::Invoice;
-use crate::money::{Exact, format_minor};
+use crate::invoice::{Invoice, ROUNDING_LINE};
+use crate::money::{format_exact, format_minor};
 
 const WIDTH: f32 = 595.0;
 const HEIGHT: f32 = 842.0;
@@ -45,23 +46,6 @@ fn win_ansi(s: &str) -> Vec<u8> {
             _ => b'?',
         })
         .collect()
-}
-
-/// An exact amount in the currency's major unit, every significant decimal kept (at least
-/// the currency's minor digits): `0.000360`, `12.50`.
-pub fn exact_major(e: Exact, currency: &str) -> String {
-    let min = crate::money::minor_digits(currency) as usize;
-    let sign = if e.0 < 0 { "-" } else { "" };
-    let v = e.0.unsigned_abs();
-    let unit = 10u128.pow(18);
-    let frac = format!("{:018}", v % unit);
-    let frac = frac.trim_end_matches('0');
-    let frac = format!("{frac:0<min$}");
-    if frac.is_empty() {
-        format!("{sign}{}", v / unit)
-    } else {
-        format!("{sign}{}.{frac}", v / unit)
-    }
 }
 
 /// Split `text` into lines of at most `width` characters, at spaces where it can.
@@ -213,21 +197,29 @@ pub fn invoice_pdf(inv: &Invoice, tenant_name: &str) -> Vec<u8> {
     pdf.finish()
 }
 
-/// The invoice's lines as table rows: descriptions wrapped, amounts exact as rated.
+/// The invoice's lines as table rows: descriptions wrapped, amounts exact as rated, then the
+/// rounding row ([`crate::rounding`]: the amount column adds up to the total).
 fn rows_of(inv: &Invoice) -> Vec<Row> {
-    inv.lines
+    let cur = &inv.currency;
+    let mut rows: Vec<Row> = inv
+        .lines
         .iter()
         .enumerate()
         .map(|(i, l)| Row {
             number: (i + 1).to_string(),
             description: wrap(&l.description, COLS[1] - 2),
             quantity: l.quantity.to_string(),
-            amount: l.exact_nanos.parse::<Exact>().map_or_else(
-                |_| format_minor(l.amount_minor, &inv.currency),
-                |e| exact_major(e, &inv.currency),
-            ),
+            amount: format_exact(l.exact(cur), cur),
         })
-        .collect()
+        .collect();
+    let r = inv.rounding();
+    rows.push(Row {
+        number: String::new(),
+        description: wrap(ROUNDING_LINE, COLS[1] - 2),
+        quantity: String::new(),
+        amount: format_exact(r, cur),
+    });
+    rows
 }
 
 /// Rows into pages: the first page starts below the header, later ones near the top.
@@ -346,7 +338,9 @@ fn totals(c: &mut Content, inv: &Invoice, mut y: f32) {
     );
     y -= 18.0;
     let mut notes = vec![
-        "Line amounts are exact as rated; the total is their exact sum, rounded once.".to_string(),
+        "Line amounts are exact as rated; the total is their exact sum, rounded once, and the \
+         rounding row says by how much, so the amounts add up to the total."
+            .to_string(),
     ];
     if !inv.unpriced.is_empty() {
         notes.push(format!(
@@ -366,6 +360,7 @@ fn totals(c: &mut Content, inv: &Invoice, mut y: f32) {
 mod tests {
     use super::*;
     use crate::invoice::{Line, LineKind};
+    use crate::money::Exact;
 
     fn invoice(lines: usize) -> Invoice {
         Invoice {
@@ -395,13 +390,13 @@ mod tests {
 
     #[test]
     fn exact_amounts_keep_every_significant_decimal() {
-        assert_eq!(exact_major(Exact(360_000_000_000_000), "USD"), "0.00036");
+        assert_eq!(format_exact(Exact(360_000_000_000_000), "USD"), "0.00036");
         assert_eq!(
-            exact_major(Exact(12_500_000_000_000_000_000), "USD"),
+            format_exact(Exact(12_500_000_000_000_000_000), "USD"),
             "12.50"
         );
-        assert_eq!(exact_major(Exact(-1), "USD"), "-0.000000000000000001");
-        assert_eq!(exact_major(Exact(5 * 10i128.pow(18)), "JPY"), "5");
+        assert_eq!(format_exact(Exact(-1), "USD"), "-0.000000000000000001");
+        assert_eq!(format_exact(Exact(5 * 10i128.pow(18)), "JPY"), "5");
     }
 
     #[test]

@@ -243,13 +243,16 @@ mod http_edge {
     /// large, 415 for a body that is not JSON), saying what was wrong.
     impl From<axum::extract::rejection::QueryRejection> for ApiError {
         fn from(r: axum::extract::rejection::QueryRejection) -> Self {
-            ApiError::invalid(r.body_text())
+            ApiError::invalid(super::readable_rejection(&r.body_text()))
         }
     }
 
     impl From<axum::extract::rejection::PathRejection> for ApiError {
         fn from(r: axum::extract::rejection::PathRejection) -> Self {
-            ApiError::invalid(r.body_text())
+            ApiError::invalid(format!(
+                "path: {}",
+                super::readable_rejection(&r.body_text())
+            ))
         }
     }
 
@@ -260,14 +263,153 @@ mod http_edge {
                 StatusCode::UNSUPPORTED_MEDIA_TYPE => ErrorCode::UnsupportedMediaType,
                 _ => ErrorCode::InvalidRequest,
             };
-            ApiError::new(code, r.body_text())
+            ApiError::new(code, super::readable_rejection(&r.body_text()))
         }
     }
+}
+
+/// A query string's, a path's or a body's parse error as a sentence that names the field, in
+/// place of the parser's own words: `missing field \`format\`` → `format: required`,
+/// `tenant: UUID parsing failed: invalid character…` → `tenant: not an id (a UUID such as
+/// 0192b7e4-8c3a-7cde-9f01-23456789abcd)`, `format: unknown variant \`xml\`, expected one of
+/// \`csv\`, \`jsonl\`` → `format: "xml" is not one of csv, jsonl`. What it does not
+/// recognise passes as it came, without the framework's "Failed to deserialize…" preamble.
+pub fn readable_rejection(text: &str) -> String {
+    let mut t = text.trim();
+    for preamble in [
+        "Failed to deserialize query string: ",
+        "Failed to deserialize the JSON body into the target type: ",
+        "Failed to parse the request body as JSON: ",
+        "Invalid URL: ",
+    ] {
+        if let Some(rest) = t.strip_prefix(preamble) {
+            t = rest;
+        }
+    }
+    // serde_path_to_error's "field: detail"; a body's "… at line 1 column 7" is dropped.
+    let t = t.split(" at line ").next().unwrap_or(t);
+    let (field, detail) = match t.split_once(": ") {
+        Some((f, d))
+            if !f.is_empty()
+                && f.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_.[]".contains(&b)) =>
+        {
+            (Some(f), d)
+        }
+        _ => (None, t),
+    };
+    let say = |what: &str| match field {
+        Some(f) => format!("{f}: {what}"),
+        None => what.to_string(),
+    };
+    let ticked = |s: &str| -> Vec<String> {
+        s.split('`')
+            .enumerate()
+            .filter(|(i, _)| i % 2 == 1)
+            .map(|(_, w)| w.to_string())
+            .collect()
+    };
+    if let Some(rest) = detail.strip_prefix("missing field `") {
+        let name = rest.split('`').next().unwrap_or(rest);
+        return match field {
+            Some(f) => format!("{f}.{name}: required"),
+            None => format!("{name}: required"),
+        };
+    }
+    if detail.starts_with("UUID parsing failed") || detail.contains("to a `uuid::Uuid`") {
+        return say("not an id (a UUID such as 0192b7e4-8c3a-7cde-9f01-23456789abcd)");
+    }
+    if let Some(rest) = detail.strip_prefix("unknown variant `") {
+        let got = rest.split('`').next().unwrap_or("");
+        let expected = rest
+            .split_once("expected")
+            .map_or(vec![], |(_, e)| ticked(e));
+        return say(&format!("\"{got}\" is not one of {}", expected.join(", ")));
+    }
+    if let Some(rest) = detail.strip_prefix("unknown field `") {
+        let got = rest.split('`').next().unwrap_or("");
+        return format!("{got}: not a field of this request");
+    }
+    if detail.contains("invalid digit") || detail.contains("cannot parse integer") {
+        return say("not a whole number");
+    }
+    if detail.contains("number too large") || detail.contains("number too small") {
+        return say("out of range");
+    }
+    if [
+        "input contains invalid characters",
+        "premature end of input",
+        "trailing input",
+        "input is out of range",
+        "input is not enough",
+        "no possible date and time",
+    ]
+    .iter()
+    .any(|m| detail.contains(m))
+    {
+        return say("not a time in RFC 3339 (such as 2026-11-01T00:00:00Z)");
+    }
+    if detail.contains("provided string was not `true` or `false`") {
+        return say("not true or false");
+    }
+    say(detail)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parse_errors_read_as_sentences_that_name_the_field() {
+        let r = readable_rejection;
+        assert_eq!(
+            r("Failed to deserialize query string: missing field `format`"),
+            "format: required"
+        );
+        assert_eq!(
+            r(
+                "Failed to deserialize query string: tenant: UUID parsing failed: invalid character: expected an optional prefix of `urn:uuid:` followed by [0-9a-fA-F-], found `x` at 1"
+            ),
+            "tenant: not an id (a UUID such as 0192b7e4-8c3a-7cde-9f01-23456789abcd)"
+        );
+        assert_eq!(
+            r(
+                "Invalid URL: UUID parsing failed: invalid length: expected length 32 for simple format, found 3"
+            ),
+            "not an id (a UUID such as 0192b7e4-8c3a-7cde-9f01-23456789abcd)"
+        );
+        assert_eq!(
+            r(
+                "Failed to deserialize query string: format: unknown variant `xml`, expected one of `csv`, `jsonl`, `cloudevents`"
+            ),
+            "format: \"xml\" is not one of csv, jsonl, cloudevents"
+        );
+        assert_eq!(
+            r("Failed to deserialize query string: limit: invalid digit found in string"),
+            "limit: not a whole number"
+        );
+        assert_eq!(
+            r("Failed to deserialize query string: from: input contains invalid characters"),
+            "from: not a time in RFC 3339 (such as 2026-11-01T00:00:00Z)"
+        );
+        assert_eq!(
+            r(
+                "Failed to deserialize the JSON body into the target type: unknown field `nme`, expected one of `name` at line 1 column 7"
+            ),
+            "nme: not a field of this request"
+        );
+        assert_eq!(
+            r(
+                "Failed to deserialize the JSON body into the target type: limits: missing field `rpm` at line 1 column 2"
+            ),
+            "limits.rpm: required"
+        );
+        // What it does not know passes, without the preamble.
+        assert_eq!(
+            r("Failed to deserialize query string: something else went wrong"),
+            "something else went wrong"
+        );
+    }
 
     #[test]
     fn waits_read_as_people_say_them() {

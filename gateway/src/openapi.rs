@@ -39,6 +39,45 @@ impl Modify for Security {
     }
 }
 
+/// Every response has a description (OpenAPI requires one): where a handler's annotation
+/// gives none, the status's reason phrase ("OK", "Bad Request"), or Cachet's own for 529.
+struct Descriptions;
+
+impl Modify for Descriptions {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        for item in openapi.paths.paths.values_mut() {
+            let ops = [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+                &mut item.patch,
+            ];
+            for op in ops.into_iter().flatten() {
+                for (code, r) in op.responses.responses.iter_mut() {
+                    if let utoipa::openapi::RefOr::T(r) = r
+                        && r.description.is_empty()
+                    {
+                        r.description = reason(code).to_string();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A status code's reason phrase (529 is Anthropic's overloaded).
+fn reason(code: &str) -> &'static str {
+    match code.parse::<u16>() {
+        Ok(529) => "Overloaded",
+        Ok(c) => axum::http::StatusCode::from_u16(c)
+            .ok()
+            .and_then(|s| s.canonical_reason())
+            .unwrap_or("Response"),
+        Err(_) => "Response",
+    }
+}
+
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Cachet API", description = "Anthropic-compatible Messages API with managed prompt caching."),
@@ -62,7 +101,7 @@ impl Modify for Security {
           webhooks::list_deliveries, admin_caches::list_objects, admin_caches::delete_object, admin_caches::extend_object,
           admin_caches::purge),
     components(schemas(billing::api::Format)),
-    modifiers(&Security),
+    modifiers(&Security, &Descriptions),
     tags((name = "messages", description = "Messages and token counting"), (name = "chat", description = "OpenAI Chat Completions over the same cache"), (name = "models", description = "Served models"),
          (name = "caches", description = "Cache objects: prefixes held by id, named in `cached_content` on both wires"),
          (name = "billing", description = "Finance API: usage, invoices, prices, exports (admin JWT)"),

@@ -2,6 +2,7 @@ import { useState } from "preact/hooks";
 import { api } from "../api";
 import { Confirm, ErrorBanner, Loading, Notice, Table, useAsync } from "../components/ui";
 import { count, formatBytes, formatDuration, formatTime, formatTokens, releasedText } from "../format";
+import { extendChoices } from "../forms";
 import type { CacheObject, CacheView, Tenant } from "../types";
 
 const REASONS: [string, string][] = [
@@ -138,13 +139,6 @@ export function CacheTab({ tenant, canEdit }: { tenant: Tenant; canEdit: boolean
   );
 }
 
-/** How long an extended object is held, from now. */
-const EXTEND_CHOICES: [string, string][] = [
-  ["1h", "1 hour"],
-  ["24h", "24 hours"],
-  ["7d", "7 days"],
-  ["30d", "30 days"],
-];
 
 /** The tenant's cache objects (`POST /v1/caches`), newest first, each extendable and deletable. */
 function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (notice: string) => void }) {
@@ -155,7 +149,11 @@ function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (noti
   );
   const [deleting, setDeleting] = useState<CacheObject | null>(null);
   const [extending, setExtending] = useState<CacheObject | null>(null);
-  const [ttl, setTtl] = useState(EXTEND_CHOICES[0][0]);
+  // Only the lifetimes the tenant's policy allows are offered (the server refuses longer).
+  const policy = useAsync(() => api<{ max_cache_ttl_secs: number }>("GET", `/v1/admin/tenants/${tenant.id}/policy`), [tenant.id]);
+  const choices = extendChoices(policy.data?.max_cache_ttl_secs);
+  const [picked, setTtl] = useState("");
+  const ttl = choices.some(([v]) => v === picked) ? picked : choices[0][0];
   if (list.error) return <ErrorBanner error={list.error} />;
   if (!list.data) return <Loading what="cache objects" />;
   const objects = list.data.data;
@@ -194,7 +192,7 @@ function CacheObjects(props: { tenant: Tenant; canEdit: boolean; onChange: (noti
           <label>
             Held until, from now
             <select value={ttl} onChange={(e) => setTtl((e.target as HTMLSelectElement).value)}>
-              {EXTEND_CHOICES.map(([v, label]) => (
+              {choices.map(([v, label]) => (
                 <option key={v} value={v}>
                   {label}
                 </option>

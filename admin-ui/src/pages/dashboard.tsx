@@ -2,7 +2,7 @@ import { useMemo, useState } from "preact/hooks";
 import { api, download, qs } from "../api";
 import { TimeChart } from "../components/chart";
 import { ErrorBanner, Kpi, Loading, message, Pick, Table, useAsync } from "../components/ui";
-import { count, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../format";
+import { count, formatCost, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../format";
 import { dateRange } from "../forms";
 import type { BudgetView, Tenant, UsagePoint, UsageView } from "../types";
 import { useWorkspaces } from "./workspaces";
@@ -163,8 +163,9 @@ function Usage({ view }: { view: UsageView }) {
         <Kpi label="Requests" value={t.requests.toLocaleString("en-US")} />
         <Kpi label="Prompt tokens" value={formatTokens(prompt)} note={`${formatTokens(t.output_tokens)} output`} />
         <Kpi label="Hit ratio" value={formatRatio(t.hit_ratio)} note="prompt tokens read from the cache" />
-        <Kpi label="Cost" value={formatMoney(t.cost_minor, cur)} note={`${formatMoney(t.cost_without_cache_minor, cur)} without caching`} />
-        <Kpi label="Saved by caching" value={formatMoney(t.saved_minor, cur)} note="net of the cache-write premium" />
+        <Kpi label="Cost" value={formatCost(t.cost_minor, t.cost, cur)}
+          note={`${formatCost(t.cost_without_cache_minor, t.cost_without_cache, cur)} without caching`} />
+        <Kpi label="Saved by caching" value={formatCost(t.saved_minor, t.saved, cur)} note="net of the cache-write premium" />
         {t.cache_storage_token_seconds > 0 && (
           <Kpi
             label="Cache objects held"
@@ -189,7 +190,7 @@ function Usage({ view }: { view: UsageView }) {
           <TimeChart {...axis} title="Hit ratio" series={charts.ratio} format={formatRatio} range={[0, 1]}
             summary={`${formatRatio(t.hit_ratio)} over the range`} />
           <TimeChart {...axis} title="Cost and savings" series={charts.saved} format={(v) => formatMoneyAxis(v, cur)}
-            summary={`cost ${formatMoney(t.cost_minor, cur)}, saved ${formatMoney(t.saved_minor, cur)}`} />
+            summary={`cost ${formatCost(t.cost_minor, t.cost, cur)}, saved ${formatCost(t.saved_minor, t.saved, cur)}`} />
         </div>
       )}
     </>

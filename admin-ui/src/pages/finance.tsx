@@ -1,9 +1,9 @@
 import { useState } from "preact/hooks";
 import { api, download, qs, type Me } from "../api";
 import { Confirm, ErrorBanner, Loaded, Loading, message, Notice, Pick, Table, useAction, useAsync } from "../components/ui";
-import { count, formatExact, formatMoney, formatTime, formatTokens } from "../format";
-import { dateRange } from "../forms";
-import type { Invoice, InvoiceSummary, Tenant, Tokens, Workspace } from "../types";
+import { count, formatMoney, formatTime, formatTokens } from "../format";
+import { dateRange, exportFileName } from "../forms";
+import type { Invoice, InvoiceSummary, Key, Tenant, Tokens, Workspace } from "../types";
 
 function useTenants() {
   return useAsync(() => api<{ data: Tenant[] }>("GET", "/v1/admin/tenants?include_deleted=true"), []);
@@ -48,7 +48,7 @@ export function FinancePage({ me }: { me: Me }) {
         </Table>
       </Loaded>
       {canRate && <MonthOverview />}
-      {canRate && <Exports tenant={tenant} />}
+      {canRate && <Exports tenant={tenant} tenantName={tenant ? name(tenant) : ""} />}
     </section>
   );
 }
@@ -213,13 +213,14 @@ function MonthOverview() {
   );
 }
 
-function Exports({ tenant }: { tenant: string }) {
+function Exports({ tenant, tenantName }: { tenant: string; tenantName: string }) {
   const today = new Date().toISOString().slice(0, 10);
   const first = `${today.slice(0, 8)}01`;
   const [from, setFrom] = useState(first);
   const [to, setTo] = useState(today);
   const [model, setModel] = useState("");
   const [workspace, setWorkspace] = useState("");
+  const [key, setKey] = useState("");
   const [ledger, setLedger] = useState<"usage" | "storage">("usage");
   const workspaces = useAsync(
     () =>
@@ -228,6 +229,14 @@ function Exports({ tenant }: { tenant: string }) {
         : Promise.resolve({ data: [] as Workspace[] }),
     [tenant],
   );
+  // Keys by name (finance may read them, never their secrets), those of the chosen workspace.
+  const keys = useAsync(
+    () => (tenant ? api<{ data: Key[] }>("GET", `/v1/admin/tenants/${tenant}/keys`) : Promise.resolve({ data: [] as Key[] })),
+    [tenant],
+  );
+  const keyItems = (keys.data?.data ?? []).filter((k) => !workspace || k.workspace_id === workspace);
+  const named = <T extends { id: string; name: string }>(items: T[] | undefined, id: string) =>
+    items?.find((i) => i.id === id)?.name ?? "";
   const { error, setError, run } = useAction();
   const get = async (format: "csv" | "jsonl" | "cloudevents") => {
     const r = dateRange(from, to);
@@ -235,11 +244,20 @@ function Exports({ tenant }: { tenant: string }) {
       setError(r);
       return;
     }
-    const ext = format === "csv" ? "csv" : "jsonl";
-    const filter = { tenant, model: model.trim(), workspace: tenant ? workspace : "" };
-    await run(() =>
-      download(`/v1/billing/exports/${ledger}${qs({ ...r, ...filter, format })}`, `cachet-${ledger}-${from}-${to}-${format}.${ext}`),
-    );
+    const ws = tenant && (workspaces.data?.data ?? []).some((w) => w.id === workspace) ? workspace : "";
+    const k = tenant && keyItems.some((i) => i.id === key) ? key : "";
+    const filter = { tenant, model: model.trim(), workspace: ws, api_key: k };
+    const file = exportFileName({
+      ledger,
+      tenant: tenantName,
+      workspace: named(workspaces.data?.data, ws),
+      key: named(keys.data?.data, k),
+      model: model.trim(),
+      from,
+      to,
+      format,
+    });
+    await run(() => download(`/v1/billing/exports/${ledger}${qs({ ...r, ...filter, format })}`, file));
   };
   return (
     <section aria-labelledby="exports-title">
@@ -269,8 +287,13 @@ function Exports({ tenant }: { tenant: string }) {
           <input id="exp-model" value={model} placeholder="every model" onInput={(e) => setModel(e.currentTarget.value)} />
         </label>
         {tenant && (
-          <Pick id="exp-workspace" label="Workspace" value={workspace} none="every workspace" items={workspaces.data?.data ?? []} onChange={setWorkspace} />
+          <Pick id="exp-workspace" label="Workspace" value={workspace} none="every workspace" items={workspaces.data?.data ?? []}
+            onChange={(w) => {
+              setWorkspace(w);
+              setKey("");
+            }} />
         )}
+        {tenant && <Pick id="exp-key" label="API key" value={key} none="every key" items={keyItems} onChange={setKey} />}
         <div class="actions">
           <button type="button" onClick={() => get("csv")}>
             Download CSV
@@ -334,15 +357,22 @@ export function InvoicePage({ me, id }: { me: Me; id: string }) {
           unpriced usage cannot be finalized.
         </p>
       )}
-      <Table caption="Lines" columns={["Description", "Quantity", "Amount"]}>
+      {/* Amounts as the PDF and the CSV write them (the server's one rule): exact lines, the
+          rounding row, the total; the column adds up to the total. */}
+      <Table caption="Lines" columns={["Description", "Quantity", `Amount (${i.currency})`]}>
         <tbody>
           {i.lines.map((l, n) => (
-            <tr key={n}>
+            <tr key={n} data-line>
               <td>{l.description}</td>
               <td>{l.quantity.toLocaleString("en-US")}</td>
-              <td>{formatExact(l.exact_nanos, i.currency)}</td>
+              <td class="amount">{l.amount}</td>
             </tr>
           ))}
+          <tr data-rounding>
+            <td>{i.rounding.description}</td>
+            <td />
+            <td class="amount">{i.rounding.amount}</td>
+          </tr>
         </tbody>
         <tfoot>
           <tr>

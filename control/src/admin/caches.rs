@@ -69,6 +69,7 @@ pub struct AdminCacheObjectList {
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ObjectListQuery {
     /// Only this workspace's objects.
     pub workspace: Option<Uuid>,

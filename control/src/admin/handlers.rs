@@ -28,6 +28,7 @@ pub struct TenantList {
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct TenantListQuery {
     /// Include deleted tenants.
     #[serde(default)]
@@ -152,7 +153,8 @@ pub struct KeyList {
     pub data: Vec<KeyInfo>,
 }
 
-/// A tenant's API keys (never their secrets).
+/// A tenant's API keys (never their secrets). Finance reads them too, to filter exports and
+/// reports by key.
 #[utoipa::path(get, path = "/v1/admin/tenants/{id}/keys", tag = "admin",
     params(("id" = Uuid, Path, description = "Tenant id")),
     responses((status = 200, body = KeyList), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)),
@@ -162,7 +164,7 @@ pub async fn list_keys(
     admin: Admin,
     AdminPath(id): AdminPath<Uuid>,
 ) -> Result<axum::Json<KeyList>, ApiError> {
-    admin.require(&[Role::PlatformAdmin, Role::TenantAdmin])?;
+    admin.require(&[Role::PlatformAdmin, Role::TenantAdmin, Role::Finance])?;
     admin.tenant(id, Access::Read)?;
     tenants::ensure_tenant(&state.pool, TenantId(id)).await?;
     Ok(axum::Json(KeyList {
@@ -404,6 +406,7 @@ pub async fn patch_policy(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct AuditQuery {
     /// One tenant's entries (a tenant admin always sees only its own).
     pub tenant: Option<Uuid>,
@@ -469,6 +472,7 @@ pub async fn list_audit(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct AuditExportQuery {
     pub tenant: Option<Uuid>,
     pub action: Option<String>,
@@ -480,7 +484,8 @@ pub struct AuditExportQuery {
 
 /// The audit log, oldest first, streamed as CSV (RFC 4180) or JSON Lines.
 #[utoipa::path(get, path = "/v1/admin/audit/export", tag = "admin", params(AuditExportQuery),
-    responses((status = 200, description = "CSV or JSON Lines"), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)),
+    responses((status = 200, description = "CSV or JSON Lines (`format`)", content((String = "text/csv"), (String = "application/jsonl"))),
+              (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)),
     security(("admin_jwt" = [])))]
 pub async fn export_audit(
     State(state): State<AdminState>,

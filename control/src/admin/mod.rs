@@ -256,7 +256,7 @@ fn json_rejection(r: JsonRejection) -> ApiError {
         JsonRejection::MissingJsonContentType(_) => {
             ApiError::invalid("content-type: must be application/json")
         }
-        other => ApiError::invalid(other.body_text()),
+        other => ApiError::invalid(cachet_common::error::readable_rejection(&other.body_text())),
     }
 }
 
@@ -275,7 +275,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for AdminQuery<T> 
 }
 
 fn query_rejection(r: QueryRejection) -> ApiError {
-    ApiError::invalid(r.body_text())
+    ApiError::invalid(cachet_common::error::readable_rejection(&r.body_text()))
 }
 
 /// `Path<T>` whose rejections are API errors.
@@ -287,7 +287,10 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for AdminPa
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         match axum::extract::Path::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Path(v)) => Ok(AdminPath(v)),
-            Err(r) => Err(ApiError::invalid(format!("path: {}", r.body_text()))),
+            Err(r) => Err(ApiError::invalid(format!(
+                "path: {}",
+                cachet_common::error::readable_rejection(&r.body_text())
+            ))),
         }
     }
 }

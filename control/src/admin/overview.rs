@@ -20,6 +20,7 @@ use cachet_common::error::{ApiError, ErrorBody};
 use identity::Role;
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct OverviewQuery {
     /// The month, `YYYY-MM` (UTC).
     pub month: String,

@@ -23,6 +23,7 @@ use cachet_common::error::ErrorBody;
 const TOP_PREFIXES: usize = 20;
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct UsageQuery {
     /// Start (inclusive), RFC 3339; rounded down to the hour.
     pub from: DateTime<Utc>,
@@ -49,7 +50,7 @@ pub struct UsageView {
 
 /// Tokens by class, requests, hit ratio, cost and cost saved by caching (net of the write
 /// premium) over time, from the hourly rollups (kept current every minute).
-#[utoipa::path(get, path = "/v1/admin/tenants/{id}/usage", tag = "admin",
+#[utoipa::path(get, path = "/v1/admin/tenants/{id}/usage", tag = "admin", operation_id = "tenant_usage",
     params(("id" = Uuid, Path, description = "Tenant id"), UsageQuery),
     responses((status = 200, body = UsageView), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)),
     security(("admin_jwt" = [])))]

@@ -94,6 +94,7 @@ pub async fn disable_endpoint(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct DeliveryQuery {
     /// At most this many, newest first (default 100, at most 1000).
     pub limit: Option<i64>,

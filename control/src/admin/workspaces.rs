@@ -19,6 +19,7 @@ pub struct WorkspaceList {
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct WorkspaceListQuery {
     /// Include archived workspaces.
     #[serde(default)]

@@ -26,7 +26,8 @@ use crate::wire::validate;
     post, path = "/v1/messages", tag = "messages",
     request_body = MessagesRequest,
     responses(
-        (status = 200, description = "A message (or, with `stream: true`, an SSE stream of message events)", body = MessageResponse),
+        (status = 200, description = "A message (or, with `stream: true`, an SSE stream of message events)",
+         content((MessageResponse = "application/json"), (String = "text/event-stream"))),
         (status = 400, description = "Invalid request", body = ErrorBody),
         (status = 401, description = "Missing or invalid API key", body = ErrorBody),
         (status = 413, description = "Body over 32 MB", body = ErrorBody),
@@ -48,7 +49,8 @@ pub async fn create_message(
     post, path = "/v1/chat/completions", tag = "chat",
     request_body(content = Object, description = "OpenAI Chat Completions request (text content; see docs/operations.md for what is supported)"),
     responses(
-        (status = 200, description = "A chat.completion (or, with `stream: true`, SSE chat.completion.chunk events ending in [DONE])"),
+        (status = 200, description = "A chat.completion (or, with `stream: true`, SSE chat.completion.chunk events ending in [DONE])",
+         content((Object = "application/json"), (String = "text/event-stream"))),
         (status = 400, description = "Invalid or unsupported request (OpenAI error shape, `param` names the field)"),
         (status = 401, description = "Missing or invalid API key"),
         (status = 429, description = "Rate limited"),
