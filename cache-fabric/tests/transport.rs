@@ -443,6 +443,25 @@ async fn a_node_reports_a_tenants_cache_to_the_cluster() {
     ));
 }
 
+/// A length-prefixed frame of the fabric wire.
+fn frame(body: Vec<u8>) -> Vec<u8> {
+    let mut f = (body.len() as u32).to_le_bytes().to_vec();
+    f.extend(body);
+    f
+}
+
+/// A raw connection to the node at `addr`, past its HELLO.
+async fn greeted(addr: &str) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut hello = vec![1u8];
+    hello.extend((TOKEN.len() as u16).to_le_bytes());
+    hello.extend(TOKEN.as_bytes());
+    raw.write_all(&frame(hello)).await.unwrap();
+    assert_eq!(raw.read_u8().await.unwrap(), 0);
+    raw
+}
+
 /// What an engine's own KV connector uses, byte for byte as `connectors/vllm` sends it: HAS
 /// answers without touching the blocks, REPORT lands in the node's reports for the gateway.
 #[tokio::test]
@@ -452,17 +471,7 @@ async fn an_engine_connector_looks_up_and_reports_on_the_raw_wire() {
     let s = scope();
     let blocks = chain(s, "connector", 2, 64);
     store(&node, s, &blocks);
-    let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let frame = |body: Vec<u8>| {
-        let mut f = (body.len() as u32).to_le_bytes().to_vec();
-        f.extend(body);
-        f
-    };
-    let mut hello = vec![1u8];
-    hello.extend((TOKEN.len() as u16).to_le_bytes());
-    hello.extend(TOKEN.as_bytes());
-    raw.write_all(&frame(hello)).await.unwrap();
-    assert_eq!(raw.read_u8().await.unwrap(), 0);
+    let mut raw = greeted(&addr).await;
     // HAS: both blocks, then a block nobody stored.
     let mut has = vec![5u8];
     has.extend(s.tenant.as_uuid().as_bytes());
@@ -510,17 +519,7 @@ async fn a_trace_context_before_a_request_is_taken_without_an_answer() {
     let s = scope();
     let blocks = chain(s, "traced", 1, 64);
     store(&node, s, &blocks);
-    let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let frame = |body: Vec<u8>| {
-        let mut f = (body.len() as u32).to_le_bytes().to_vec();
-        f.extend(body);
-        f
-    };
-    let mut hello = vec![1u8];
-    hello.extend((TOKEN.len() as u16).to_le_bytes());
-    hello.extend(TOKEN.as_bytes());
-    raw.write_all(&frame(hello)).await.unwrap();
-    assert_eq!(raw.read_u8().await.unwrap(), 0);
+    let mut raw = greeted(&addr).await;
     let tp = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     let trace = |len: u8, tp: &[u8]| {
         let mut t = vec![18u8, len];
