@@ -246,8 +246,9 @@ pub async fn compute(
     .bind(from.date_naive())
     .fetch_optional(&mut *conn)
     .await?;
-    let total_minor = total_of(&lines, &currency);
-    let shares = crate::rounding::apportion(&exacts(&lines, &currency), total_minor, &currency);
+    let exact = exacts(&lines, &currency);
+    let total_minor = crate::rounding::total_minor(&exact, &currency);
+    let shares = crate::rounding::apportion(&exact, total_minor, &currency);
     for (l, share) in lines.iter_mut().zip(shares) {
         l.amount_minor = share;
     }

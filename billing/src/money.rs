@@ -342,6 +342,17 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    #[test]
+    fn exact_amounts_keep_every_significant_decimal() {
+        assert_eq!(format_exact(Exact(360_000_000_000_000), "USD"), "0.00036");
+        assert_eq!(
+            format_exact(Exact(12_500_000_000_000_000_000), "USD"),
+            "12.50"
+        );
+        assert_eq!(format_exact(Exact(-1), "USD"), "-0.000000000000000001");
+        assert_eq!(format_exact(Exact(5 * 10i128.pow(18)), "JPY"), "5");
+    }
+
     const SONNET: Rates = Rates::standard(3_000, 15_000);
 
     proptest! {
