@@ -22,6 +22,8 @@ pub fn request(rid: RequestId, method: &str, route: &str) -> Span {
         workspace_id = Empty,
         status = Empty,
         "otel.kind" = "server",
+        // Set on a 5xx (`record_status`): a field must be declared to be recorded.
+        "otel.status_code" = Empty,
     )
 }
 
