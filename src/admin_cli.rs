@@ -309,6 +309,15 @@ pub struct PolicySet {
     /// The longest a cache object may be held, in seconds (300 to 2592000).
     #[arg(long)]
     pub max_cache_ttl_secs: Option<i32>,
+    /// The tenant's ceilings as a JSON merge patch, e.g. `{"requests_per_minute": 600,
+    /// "allow_1h_ttl": false, "max_concurrent": null}`: a tenant admin may lower within them,
+    /// never raise; values above a lowered ceiling are lowered to it.
+    #[arg(long, value_parser = parse_ceilings)]
+    pub ceilings: Option<control::tenants::ceilings::CeilingsPatch>,
+}
+
+fn parse_ceilings(s: &str) -> Result<control::tenants::ceilings::CeilingsPatch, String> {
+    serde_json::from_str(s).map_err(|e| format!("not a ceilings patch: {e}"))
 }
 
 #[derive(Subcommand)]
@@ -704,6 +713,7 @@ async fn policy_cmd(pool: &PgPool, actor: &Actor, command: PolicyCommand) -> any
                 max_concurrent: given(s.max_concurrent)
                     .map(|r| r.map(|r| i32::try_from(r).unwrap_or(i32::MAX))),
                 max_cache_ttl_secs: s.max_cache_ttl_secs,
+                ceilings: s.ceilings,
                 rest: Default::default(),
             };
             let p = policy::patch_policy(

@@ -2425,3 +2425,251 @@ async fn a_tenant_admin_lists_deletes_and_purges_cache_objects() {
     assert_eq!(actions, vec!["cache_object.delete", "cache.purge"]);
     a.app.stop().await;
 }
+
+#[tokio::test]
+async fn ceilings_bound_tenant_admins_and_limits_nest_from_tenant_to_workspace_to_key() {
+    let a = setup().await;
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let t = a.tenant;
+    let ta_pw = a.user("owner", Role::TenantAdmin, Some(t)).await;
+    let ta = a.token("owner", &ta_pw).await;
+    let policy = format!("/v1/admin/tenants/{t}/policy");
+    let patch = |token: String, body: Value| {
+        let (a, policy) = (&a, policy.clone());
+        async move { a.call("PATCH", &policy, Some(&token), Some(body)).await }
+    };
+
+    // The platform sets a ceiling on every limit a tenant admin may change: each value of
+    // none (no limit) becomes the ceiling, 1h TTLs are turned off.
+    let (s, p) = patch(
+        root.clone(),
+        json!({"ceilings": {
+            "requests_per_minute": 100, "input_tokens_per_minute": 50000,
+            "output_tokens_per_minute": 5000, "monthly_budget_minor": 10000,
+            "allow_1h_ttl": false, "max_cache_ttl_secs": 3600, "max_concurrent": 4
+        }}),
+    )
+    .await;
+    assert_eq!(s, 200, "{p}");
+    for (field, v) in [
+        ("requests_per_minute", json!(100)),
+        ("input_tokens_per_minute", json!(50000)),
+        ("output_tokens_per_minute", json!(5000)),
+        ("monthly_budget_minor", json!(10000)),
+        ("allow_1h_ttl", json!(false)),
+        ("max_cache_ttl_secs", json!(3600)),
+        ("max_concurrent", json!(4)),
+    ] {
+        assert_eq!(p[field], v, "{field}: {p}");
+        assert_eq!(p["ceilings"][field], v, "{field}: {p}");
+    }
+
+    // A tenant admin may lower each one, never raise it nor lift it to no limit.
+    for (field, above, lower) in [
+        ("requests_per_minute", json!(101), json!(50)),
+        ("input_tokens_per_minute", json!(50001), json!(40000)),
+        ("output_tokens_per_minute", json!(5001), json!(4000)),
+        ("monthly_budget_minor", json!(10001), json!(9000)),
+        ("max_cache_ttl_secs", json!(3601), json!(1800)),
+        ("max_concurrent", json!(5), json!(2)),
+        ("allow_1h_ttl", json!(true), json!(false)),
+    ] {
+        let (s, v) = patch(ta.clone(), json!({ field: above })).await;
+        assert_eq!(s, 403, "{field} raised: {v}");
+        assert_eq!(v["error"]["type"], "permission_error", "{v}");
+        assert!(
+            error_message(&v).starts_with(field)
+                && (error_message(&v).contains("ceiling")
+                    || error_message(&v).contains("do not allow")),
+            "{v}"
+        );
+        if field != "allow_1h_ttl" && field != "max_cache_ttl_secs" {
+            let (s, v) = patch(ta.clone(), json!({ field: null })).await;
+            assert_eq!(s, 403, "{field} lifted: {v}");
+            assert!(error_message(&v).contains("no limit is above"), "{v}");
+        }
+        let (s, v) = patch(ta.clone(), json!({ field: lower })).await;
+        assert_eq!((s, &v[field]), (200, &lower), "{field} lowered: {v}");
+    }
+    let (s, v) = patch(
+        ta.clone(),
+        json!({"ceilings": {"requests_per_minute": 1000}}),
+    )
+    .await;
+    assert_eq!(s, 403, "a tenant admin cannot move a ceiling: {v}");
+    // A platform admin asking for a value above the ceiling it keeps gets a 400.
+    let (s, v) = patch(root.clone(), json!({"requests_per_minute": 200})).await;
+    assert_eq!(s, 400, "{v}");
+
+    // Workspaces stay within the tenant's limits (now 50 a minute), keys within both.
+    let ws_path = format!("/v1/admin/tenants/{t}/workspaces");
+    let (s, v) = a
+        .call(
+            "POST",
+            &ws_path,
+            Some(&ta),
+            Some(json!({"name": "batch", "requests_per_minute": 80})),
+        )
+        .await;
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        error_message(&v).contains("above the tenant's limit of 50"),
+        "{v}"
+    );
+    let (s, ws) = a
+        .call(
+            "POST",
+            &ws_path,
+            Some(&ta),
+            Some(json!({"name": "batch", "requests_per_minute": 40, "monthly_budget_minor": 5000})),
+        )
+        .await;
+    assert_eq!(s, 201, "{ws}");
+    let ws_id = ws["id"].as_str().unwrap().to_string();
+    let (s, v) = a
+        .call(
+            "PATCH",
+            &format!("{ws_path}/{ws_id}"),
+            Some(&ta),
+            Some(json!({"monthly_budget_minor": 9500})),
+        )
+        .await;
+    assert_eq!(s, 400, "a workspace's budget above the tenant's: {v}");
+    let (s, key) = a
+        .call(
+            "POST",
+            &format!("/v1/admin/tenants/{t}/keys"),
+            Some(&ta),
+            Some(json!({"name": "batch-key", "workspace_id": ws_id})),
+        )
+        .await;
+    assert_eq!(s, 201, "{key}");
+    assert_eq!(key["limits"]["requests_per_minute"], Value::Null);
+    let key_path = format!("/v1/admin/tenants/{t}/keys/{}", key["id"].as_str().unwrap());
+    let key_secret = key["secret"].as_str().unwrap().to_string();
+    for (body, says) in [
+        (
+            json!({"requests_per_minute": 45}),
+            "above its workspace's limit of 40",
+        ),
+        (
+            json!({"input_tokens_per_minute": 40001}),
+            "above the tenant's limit of 40000",
+        ),
+        (json!({"output_tokens_per_minute": 0}), "at least 1"),
+        (json!({"monthly_budget_minor": 10}), "no budget of its own"),
+    ] {
+        let (s, v) = a.call("PATCH", &key_path, Some(&ta), Some(body)).await;
+        assert_eq!(s, 400, "{v}");
+        assert!(error_message(&v).contains(says), "{says}: {v}");
+    }
+    let (s, v) = a
+        .call(
+            "PATCH",
+            &key_path,
+            Some(&ta),
+            Some(json!({"requests_per_minute": 30, "output_tokens_per_minute": 3000})),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["limits"]["requests_per_minute"], 30);
+    assert_eq!(
+        v["expires_at"],
+        Value::Null,
+        "an absent expiry is left alone"
+    );
+
+    // Lowering the ceiling lowers everything above it, down the levels, in one change.
+    let (s, p) = patch(
+        root.clone(),
+        json!({"ceilings": {"requests_per_minute": 20, "output_tokens_per_minute": 2000}}),
+    )
+    .await;
+    assert_eq!(s, 200, "{p}");
+    assert_eq!(p["requests_per_minute"], 20);
+    assert_eq!(p["output_tokens_per_minute"], 2000);
+    assert_eq!(
+        p["input_tokens_per_minute"], 40000,
+        "below its ceiling: kept"
+    );
+    let (_, ws) = a
+        .call("GET", &format!("{ws_path}/{ws_id}"), Some(&ta), None)
+        .await;
+    assert_eq!(ws["limits"]["requests_per_minute"], 20, "{ws}");
+    assert_eq!(
+        ws["limits"]["output_tokens_per_minute"],
+        Value::Null,
+        "none stays none"
+    );
+    let (_, keys) = a
+        .call(
+            "GET",
+            &format!("/v1/admin/tenants/{t}/keys"),
+            Some(&ta),
+            None,
+        )
+        .await;
+    let k = keys["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["name"] == "batch-key")
+        .unwrap()
+        .clone();
+    assert_eq!(k["limits"]["requests_per_minute"], 20, "{k}");
+    assert_eq!(k["limits"]["output_tokens_per_minute"], 2000, "{k}");
+    let lowered: Value = sqlx::query_scalar(
+        "SELECT after->'lowered_to_fit' FROM admin_audit WHERE action = 'policy.update' \
+         AND tenant_id = $1 ORDER BY id DESC LIMIT 1",
+    )
+    .bind(t)
+    .fetch_one(&a.pool)
+    .await
+    .unwrap();
+    assert_eq!(lowered, json!({"workspaces": 1, "keys": 1}));
+    // Raising the ceiling again does not raise the values back.
+    let (_, p) = patch(
+        root.clone(),
+        json!({"ceilings": {"requests_per_minute": 100}}),
+    )
+    .await;
+    assert_eq!(p["requests_per_minute"], 20);
+
+    // A key's own limit holds at admission, for that key only.
+    let (s, v) = a
+        .call(
+            "PATCH",
+            &key_path,
+            Some(&ta),
+            Some(json!({"requests_per_minute": 1})),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    within(
+        "the key's own limit refuses its second request",
+        Duration::from_secs(10),
+        || async {
+            let (s, v) = a.message(&key_secret).await;
+            s == 429 && error_message(&v).contains("per API key")
+        },
+    )
+    .await;
+    assert_eq!(
+        a.message(&a.app.key).await.0,
+        200,
+        "another key is not limited"
+    );
+    // A rotation's new key keeps the old key's own limits.
+    let (s, r) = a
+        .call(
+            "POST",
+            &format!("{key_path}/rotate"),
+            Some(&ta),
+            Some(json!({"grace_seconds": 60})),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["new_key"]["limits"]["requests_per_minute"], 1, "{r}");
+    a.stop().await;
+}

@@ -351,6 +351,50 @@ describe("the admin console", () => {
     });
   });
 
+  it("holds the platform's ceilings in the console and gives one key its own limit", async () => {
+    const p = await page();
+    await logIn(p, "root", ROOT_PASSWORD);
+    await p.getByRole("link", { name: ACME }).click();
+    await p.getByRole("link", { name: "Quotas & policy" }).first().click();
+    await p.getByRole("group", { name: "Ceilings (platform admins only)" }).waitFor();
+    await p.getByLabel("Requests per minute (empty = no ceiling)").fill("10");
+    await p.getByLabel("The tenant may allow 1-hour cache TTLs").uncheck();
+    await p.getByRole("button", { name: "Save policy" }).click();
+    await p.getByText("Saved.").waitFor();
+    await logOut(p);
+    // The tenant admin sees each ceiling beside its field and cannot go above it.
+    await logIn(p, "acme-admin", ADMIN_PASSWORD);
+    await p.getByRole("link", { name: "Quotas & policy" }).first().click();
+    await p.getByText("Ceiling set by the platform: at most 10.").first().waitFor();
+    expect(await p.getByRole("group", { name: "Ceilings (platform admins only)" }).count()).toBe(0);
+    expect(await p.getByRole("switch", { name: "Allow 1-hour cache TTLs (billed at 2× input for writes)" }).isDisabled()).toBe(true);
+    await p.getByText("The platform does not allow 1-hour TTLs for this tenant.").waitFor();
+    await p.getByLabel("Requests per minute", { exact: true }).fill("11");
+    await p.getByRole("button", { name: "Save policy" }).click();
+    await p.getByText("at most 10 (the platform's ceiling)").waitFor();
+    await shot(p, "12b-policy-ceilings");
+    // One key gets its own limit: the form keeps it within the tenant's (2 a minute).
+    await p.getByRole("link", { name: "Keys" }).first().click();
+    const row = p.locator("tr", { hasText: "load" }).first();
+    await row.getByRole("button", { name: /^Set limits of load/ }).click();
+    await p.getByLabel("Requests per minute").fill("5");
+    await p.getByRole("button", { name: "Save limits" }).click();
+    await p.getByText("at most 2 (the tenant's limit)").waitFor();
+    await p.getByLabel("Requests per minute").fill("1");
+    await p.getByRole("button", { name: "Save limits" }).click();
+    await p.getByText(/Limits of .* saved/).waitFor();
+    await row.getByRole("cell", { name: "1 req/min" }).waitFor();
+    await shot(p, "12c-key-limits");
+    // Put the tenant back as the later steps expect it.
+    const root = await token("root", ROOT_PASSWORD);
+    const back = await adminApi(root, "PATCH", `/v1/admin/tenants/${acmeId}/policy`, {
+      ceilings: { requests_per_minute: null, allow_1h_ttl: true },
+      allow_1h_ttl: true,
+    });
+    expect(back.status).toBe(200);
+    expect(back.body.requests_per_minute).toBe(2);
+  });
+
   it("shows another tenant's admin nothing of the first, in the UI or the API", async () => {
     const p = await page();
     await logIn(p, "globex-admin", OTHER_PASSWORD);

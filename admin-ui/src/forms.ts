@@ -7,6 +7,13 @@ import type { Limits } from "./types";
 
 export type Errors = Record<string, string>;
 
+/** The platform's ceilings for a tenant (null: none): the tenant's own values stay within. */
+export interface Ceilings extends Limits {
+  allow_1h_ttl: boolean;
+  max_cache_ttl_secs: number | null;
+  max_concurrent: number | null;
+}
+
 /** A tenant's policy as the API returns it: the tenant's own limits and the rest. */
 export interface Policy extends Limits {
   key_requests_per_minute: number | null;
@@ -20,7 +27,18 @@ export interface Policy extends Limits {
   engine_weight: number;
   max_concurrent: number | null;
   max_cache_ttl_secs: number;
+  ceilings: Ceilings;
 }
+
+/** The fields a ceiling bounds, with the word for "none" in an error. */
+export const CEILING_FIELDS = [
+  "requests_per_minute",
+  "input_tokens_per_minute",
+  "output_tokens_per_minute",
+  "monthly_budget_minor",
+  "max_cache_ttl_secs",
+  "max_concurrent",
+] as const;
 
 /** The rate limits, in form order: [field, label, unit]. */
 export const LIMIT_FIELDS: [keyof Policy, string, string][] = [
@@ -56,7 +74,69 @@ export function policyForm(p: Policy, currency: string): PolicyForm {
   f.engine_weight = String(p.engine_weight);
   f.max_concurrent = p.max_concurrent === null ? "" : String(p.max_concurrent);
   f.max_cache_ttl_secs = String(p.max_cache_ttl_secs);
+  const c = p.ceilings;
+  for (const k of CEILING_FIELDS) {
+    const v = c[k];
+    f[`ceiling_${k}`] = v === null ? "" : k === "monthly_budget_minor" ? minorToText(v, currency) : String(v);
+  }
+  f.ceiling_allow_1h_ttl = c.allow_1h_ttl;
   return f;
+}
+
+/** A ceiling as the form shows it beside its field ("at most 600", "at most 20.00 USD"). */
+export function ceilingText(c: Ceilings, k: (typeof CEILING_FIELDS)[number], currency: string): string | undefined {
+  const v = c[k];
+  if (v === null) return undefined;
+  const shown = k === "monthly_budget_minor" ? `${minorToText(v, currency)} ${currency}` : v.toLocaleString("en-US");
+  return `Ceiling set by the platform: at most ${shown}.`;
+}
+
+/**
+ * What a tenant admin's values would break of the platform's ceilings, per form field: more
+ * than a ceiling, or no limit under one (the server refuses both).
+ */
+export function ceilingErrors(next: Partial<Policy>, c: Ceilings, currency: string): Errors {
+  const errors: Errors = {};
+  for (const k of CEILING_FIELDS) {
+    const cap = c[k];
+    if (cap === null || !(k in next)) continue;
+    const v = next[k];
+    const field = k === "monthly_budget_minor" ? "monthly_budget" : k;
+    const shown = k === "monthly_budget_minor" ? `${minorToText(cap, currency)} ${currency}` : cap.toLocaleString("en-US");
+    if (v === null) errors[field] = `the platform's ceiling is ${shown}: enter a value up to it`;
+    else if (typeof v === "number" && v > cap) errors[field] = `at most ${shown} (the platform's ceiling)`;
+  }
+  if (next.allow_1h_ttl && !c.allow_1h_ttl) errors.allow_1h_ttl = "the platform does not allow 1-hour TTLs for this tenant";
+  return errors;
+}
+
+/** The platform admin's ceilings patch from the form (only changed fields), or errors. */
+function ceilingsPatch(current: Ceilings, form: PolicyForm, currency: string): { patch: Partial<Ceilings>; errors: Errors } {
+  const errors: Errors = {};
+  const next: Partial<Ceilings> = {};
+  const text = (k: string) => String(form[`ceiling_${k}`] ?? "").trim();
+  for (const k of CEILING_FIELDS) {
+    const key = `ceiling_${k}`;
+    if (k === "monthly_budget_minor") {
+      if (text(k) === "") next[k] = null;
+      else {
+        const v = parseMoney(text(k), currency);
+        if (typeof v === "string") errors[key] = v;
+        else next[k] = v;
+      }
+      continue;
+    }
+    const v = parseLimit(text(k), k === "max_cache_ttl_secs" ? 300 : 1);
+    if (typeof v === "string" || (k === "max_cache_ttl_secs" && typeof v === "number" && v > 2592000)) {
+      errors[key] = k === "max_cache_ttl_secs" ? "from 300 to 2592000 seconds, or empty for none" : String(v).replace("no limit", "no ceiling");
+    } else next[k] = v;
+  }
+  next.allow_1h_ttl = Boolean(form.ceiling_allow_1h_ttl);
+  const patch: Partial<Ceilings> = {};
+  for (const [k, v] of Object.entries(next) as [keyof Ceilings, unknown][]) {
+    if (current[k] !== v) (patch as Record<string, unknown>)[k] = v;
+  }
+  return { patch, errors };
 }
 
 /** `1234` minor units → `12.34` (no floating point). */
@@ -155,6 +235,47 @@ export function policyPatch(
   const patch: Partial<Policy> = {};
   for (const [k, v] of Object.entries(next) as [keyof Policy, unknown][]) {
     if (current[k] !== v) (patch as Record<string, unknown>)[k] = v;
+  }
+  if (platform) {
+    const c = ceilingsPatch(current.ceilings, form, currency);
+    Object.assign(errors, c.errors);
+    if (Object.keys(c.patch).length) patch.ceilings = c.patch as Ceilings;
+  } else {
+    // Only what changed is checked: a value the platform lowered is already within.
+    for (const [k, e] of Object.entries(ceilingErrors(patch, current.ceilings, currency))) errors[k] ??= e;
+  }
+  return { patch, errors };
+}
+
+/** The rate limits a key may have of its own: [field, label]. */
+export const KEY_LIMIT_FIELDS = [
+  ["requests_per_minute", "Requests per minute"],
+  ["input_tokens_per_minute", "Uncached input tokens per minute"],
+  ["output_tokens_per_minute", "Output tokens per minute"],
+] as const;
+
+/**
+ * A key's own limits from the form (empty: the tenant's per-key default), checked against
+ * its workspace's and the tenant's limits (a key's may not be above either): the changed
+ * fields as a merge patch, or errors per field.
+ */
+export function keyLimitsPatch(
+  current: Limits,
+  form: Record<string, string>,
+  workspace: Limits,
+  tenant: Limits,
+): { patch: Partial<Limits>; errors: Errors } {
+  const errors: Errors = {};
+  const patch: Partial<Limits> = {};
+  for (const [k] of KEY_LIMIT_FIELDS) {
+    const v = parseLimit(form[k] ?? "", 1);
+    if (typeof v === "string") {
+      errors[k] = v.replace("no limit", "the tenant's per-key default");
+      continue;
+    }
+    const above = ([[workspace[k], "its workspace's"], [tenant[k], "the tenant's"]] as const).find(([cap]) => v !== null && cap !== null && v > cap);
+    if (above) errors[k] = `at most ${above[0]!.toLocaleString("en-US")} (${above[1]} limit)`;
+    else if (v !== current[k]) patch[k] = v;
   }
   return { patch, errors };
 }

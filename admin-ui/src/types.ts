@@ -22,6 +22,8 @@ export interface Key {
   expires_at: string | null;
   revoked_at: string | null;
   rotated_to: string | null;
+  /** The key's own rate limits (null: the tenant's per-key default); never a budget. */
+  limits: Limits;
 }
 
 export interface CreatedKey extends Key {

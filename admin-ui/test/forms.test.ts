@@ -10,6 +10,8 @@ import {
   type Policy,
   policyForm,
   policyPatch,
+  ceilingText,
+  keyLimitsPatch,
   validateKey,
   validateTenantName,
   validateNewPassword,
@@ -32,6 +34,23 @@ const policy: Policy = {
   engine_weight: 1,
   max_concurrent: null,
   max_cache_ttl_secs: 86400,
+  ceilings: {
+    requests_per_minute: null,
+    input_tokens_per_minute: null,
+    output_tokens_per_minute: null,
+    monthly_budget_minor: null,
+    allow_1h_ttl: true,
+    max_cache_ttl_secs: null,
+    max_concurrent: null,
+  },
+};
+
+const capped: Policy = {
+  ...policy,
+  requests_per_minute: 600,
+  max_concurrent: 4,
+  ceilings: { ...policy.ceilings, requests_per_minute: 600, monthly_budget_minor: 50000, allow_1h_ttl: false, max_concurrent: 4 },
+  allow_1h_ttl: false,
 };
 
 describe("the policy form", () => {
@@ -83,6 +102,37 @@ describe("the policy form", () => {
     const form = { ...policyForm(policy, "USD"), cache_resident_bytes: "5", replication_factor: "3", engine_weight: "4" };
     expect(policyPatch(policy, form, "USD", false).patch).toEqual({});
     expect(policyPatch(policy, form, "USD", true).patch).toEqual({ cache_resident_bytes: 5, replication_factor: 3, engine_weight: 4 });
+  });
+
+  it("refuses a tenant admin's value above a ceiling, or none under one, before sending", () => {
+    const form = {
+      ...policyForm(capped, "USD"),
+      requests_per_minute: "601",
+      monthly_budget: "600",
+      max_concurrent: "",
+      allow_1h_ttl: true,
+    };
+    const { errors } = policyPatch(capped, form, "USD", false);
+    expect(errors.requests_per_minute).toBe("at most 600 (the platform's ceiling)");
+    expect(errors.max_concurrent).toBe("the platform's ceiling is 4: enter a value up to it");
+    expect(errors.monthly_budget).toBe("at most 500.00 USD (the platform's ceiling)");
+    expect(errors.allow_1h_ttl).toContain("1-hour");
+    const lower = { ...policyForm(capped, "USD"), requests_per_minute: "100", max_concurrent: "2" };
+    expect(policyPatch(capped, lower, "USD", false)).toEqual({ patch: { requests_per_minute: 100, max_concurrent: 2 }, errors: {} });
+    expect(ceilingText(capped.ceilings, "monthly_budget_minor", "USD")).toBe("Ceiling set by the platform: at most 500.00 USD.");
+    expect(ceilingText(capped.ceilings, "output_tokens_per_minute", "USD")).toBeUndefined();
+  });
+
+  it("gives a platform admin the ceilings, sending only those changed", () => {
+    const form = { ...policyForm(capped, "USD"), ceiling_requests_per_minute: "300", ceiling_max_concurrent: "", ceiling_allow_1h_ttl: true };
+    expect(policyPatch(capped, form, "USD", true)).toEqual({
+      patch: { ceilings: { requests_per_minute: 300, max_concurrent: null, allow_1h_ttl: true } },
+      errors: {},
+    });
+    const bad = { ...policyForm(capped, "USD"), ceiling_requests_per_minute: "0", ceiling_max_cache_ttl_secs: "60" };
+    expect(Object.keys(policyPatch(capped, bad, "USD", true).errors).sort()).toEqual(["ceiling_max_cache_ttl_secs", "ceiling_requests_per_minute"]);
+    // A tenant admin's form never sends ceilings.
+    expect(policyPatch(capped, form, "USD", false).patch).toEqual({});
   });
 
   it("lets a tenant admin cap its own concurrency", () => {
@@ -190,5 +240,24 @@ describe("extending a cache object", () => {
     ]);
     expect(extendChoices(1_800)).toEqual([["1800s", "30m (the longest allowed)"]]);
     expect(extendChoices(undefined).length).toBe(4);
+  });
+});
+
+describe("a key's own limits", () => {
+  const none = { requests_per_minute: null, input_tokens_per_minute: null, output_tokens_per_minute: null, monthly_budget_minor: null };
+  it("sends only what changed; empty goes back to the tenant's default", () => {
+    const current = { ...none, requests_per_minute: 50 };
+    const form = { requests_per_minute: "", input_tokens_per_minute: "1,000", output_tokens_per_minute: "" };
+    expect(keyLimitsPatch(current, form, none, none)).toEqual({ patch: { requests_per_minute: null, input_tokens_per_minute: 1000 }, errors: {} });
+  });
+  it("keeps a key within its workspace's and the tenant's limits", () => {
+    const form = { requests_per_minute: "700", input_tokens_per_minute: "5000", output_tokens_per_minute: "0" };
+    const { errors, patch } = keyLimitsPatch(none, form, { ...none, requests_per_minute: 600 }, { ...none, input_tokens_per_minute: 4000 });
+    expect(errors).toEqual({
+      requests_per_minute: "at most 600 (its workspace's limit)",
+      input_tokens_per_minute: "at most 4,000 (the tenant's limit)",
+      output_tokens_per_minute: "a whole number of at least 1, or empty for the tenant's per-key default",
+    });
+    expect(patch).toEqual({});
   });
 });

@@ -190,7 +190,7 @@ fn buckets(ask: &Ask<'_>) -> Vec<Bucket> {
     use Holder::{Key, Tenant, Workspace};
     // Each level's limits, narrowest first; a refusal names the limit as the level's JSON does.
     let levels = [
-        (Key, p.policy.key_limits()),
+        (Key, p.key_limits()),
         (Workspace, p.workspace_limits),
         (Tenant, p.policy.limits),
     ];

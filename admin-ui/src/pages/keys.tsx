@@ -2,8 +2,8 @@ import { useState } from "preact/hooks";
 import { api } from "../api";
 import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loaded, message, Notice, SecretDialog, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
-import { parseGrace, validateKey } from "../forms";
-import type { CreatedKey, Key, Rotation, Tenant, Workspace } from "../types";
+import { KEY_LIMIT_FIELDS, keyLimitsPatch, type Policy, parseGrace, validateKey } from "../forms";
+import type { CreatedKey, Key, Limits, Rotation, Tenant, Workspace } from "../types";
 import { useWorkspaces } from "./workspaces";
 
 export function KeysTab({ tenant }: { tenant: Tenant }) {
@@ -15,6 +15,7 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
   const [rotating, setRotating] = useState<Key | null>(null);
   const [revoking, setRevoking] = useState<Key | null>(null);
   const [expiring, setExpiring] = useState<Key | null>(null);
+  const [limiting, setLimiting] = useState<Key | null>(null);
   const [notice, setNotice] = useState<string | null>(null);
   const live = tenant.state !== "deleted";
   return (
@@ -29,7 +30,7 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
       <Loaded state={keys} what="keys">
         <Table
           caption="Keys (secrets are never shown again)"
-          columns={["Name", "Prefix", "Workspace", "State", "Created", "Last used", "Expires", "Actions"]}
+          columns={["Name", "Prefix", "Workspace", "State", "Created", "Last used", "Expires", "Own limits", "Actions"]}
           rows={keys.data?.data ?? []} row={(k) => (
             <tr key={k.id} data-key={k.id}>
               <td>{k.name}</td>
@@ -41,6 +42,7 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
               <td>{formatTime(k.created_at)}</td>
               <td>{formatTime(k.last_used_at)}</td>
               <td>{formatTime(k.expires_at)}</td>
+              <td>{ownLimits(k.limits)}</td>
               <td>
                 {(k.state === "active" || k.state === "rotating") && (
                   <div class="actions">
@@ -51,6 +53,9 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
                         </button>
                         <button type="button" class="secondary" onClick={() => setExpiring(k)} aria-label={`Set expiry of ${k.name} ${k.prefix}`}>
                           Expiry
+                        </button>
+                        <button type="button" class="secondary" onClick={() => setLimiting(k)} aria-label={`Set limits of ${k.name} ${k.prefix}`}>
+                          Limits
                         </button>
                       </>
                     )}
@@ -101,6 +106,17 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
           setExpiring(null);
           keys.reload();
           setNotice("Expiry saved.");
+        }}
+      />
+      <KeyLimitsDialog
+        keyToChange={limiting}
+        tenant={tenant}
+        workspace={workspaces.data?.data.find((w) => w.id === limiting?.workspace_id) ?? null}
+        onClose={() => setLimiting(null)}
+        onChanged={(k) => {
+          setLimiting(null);
+          keys.reload();
+          setNotice(`Limits of ${k.prefix}… saved. Running gateways apply them within seconds.`);
         }}
       />
       <Confirm
@@ -257,6 +273,92 @@ function ExpiryDialog(props: { keyToChange: Key | null; tenant: Tenant; onClose:
           </button>
           <button type="submit">Save</button>
         </footer>
+      </form>
+    </Dialog>
+  );
+}
+
+/** A key's own limits in a table cell: "60 req/min · 10,000 in/min", or the default. */
+function ownLimits(l: Limits): string {
+  const parts = [
+    l.requests_per_minute !== null ? `${l.requests_per_minute.toLocaleString("en-US")} req/min` : "",
+    l.input_tokens_per_minute !== null ? `${l.input_tokens_per_minute.toLocaleString("en-US")} in/min` : "",
+    l.output_tokens_per_minute !== null ? `${l.output_tokens_per_minute.toLocaleString("en-US")} out/min` : "",
+  ].filter(Boolean);
+  return parts.length ? parts.join(" · ") : "tenant default";
+}
+
+function KeyLimitsDialog(props: {
+  keyToChange: Key | null;
+  tenant: Tenant;
+  workspace: Workspace | null;
+  onClose: () => void;
+  onChanged: (k: Key) => void;
+}) {
+  const k = props.keyToChange;
+  const policy = useAsync(
+    async () => (k ? api<Policy>("GET", `/v1/admin/tenants/${props.tenant.id}/policy`) : null),
+    [props.tenant.id, k?.id],
+  );
+  const [form, setForm] = useState<Record<string, string>>({});
+  const [errors, setErrors] = useState<Record<string, string>>({});
+  const { busy, error, setError, run } = useAction();
+  const [shownFor, setShownFor] = useState<string | null>(null);
+  if (k && shownFor !== k.id) {
+    setShownFor(k.id);
+    setErrors({});
+    setError(null);
+    setForm(Object.fromEntries(KEY_LIMIT_FIELDS.map(([f]) => [f, k.limits[f] === null ? "" : String(k.limits[f])])));
+  }
+  const none: Limits = { requests_per_minute: null, input_tokens_per_minute: null, output_tokens_per_minute: null, monthly_budget_minor: null };
+  const ws = props.workspace?.limits ?? none;
+  const p = policy.data ?? null;
+  const hint = (f: (typeof KEY_LIMIT_FIELDS)[number][0]) => {
+    const def = p ? p[`key_${f}` as keyof Policy] : null;
+    const bounds = [
+      ws[f] !== null ? `workspace ${ws[f]!.toLocaleString("en-US")}` : "",
+      p && p[f] !== null ? `tenant ${p[f]!.toLocaleString("en-US")}` : "",
+    ].filter(Boolean);
+    return [
+      `Empty: the tenant's per-key default (${def === null || def === undefined ? "none" : Number(def).toLocaleString("en-US")}).`,
+      bounds.length ? `At most ${bounds.join(", ")}.` : "",
+    ]
+      .filter(Boolean)
+      .join(" ");
+  };
+  return (
+    <Dialog open={k !== null} title={`Limits of ${k?.name ?? ""} (${k?.prefix ?? ""}…)`} onClose={props.onClose}>
+      <form
+        noValidate
+        onSubmit={async (e) => {
+          e.preventDefault();
+          if (!k) return;
+          const v = keyLimitsPatch(k.limits, form, ws, p ?? none);
+          setErrors(v.errors);
+          if (Object.keys(v.errors).length) return;
+          if (Object.keys(v.patch).length === 0) {
+            props.onClose();
+            return;
+          }
+          await run(async () => {
+            props.onChanged(await api<Key>("PATCH", `/v1/admin/tenants/${props.tenant.id}/keys/${k.id}`, v.patch));
+          });
+        }}
+      >
+        <p>This key's own rate limits, on top of its workspace's and the tenant's. A key has no budget of its own.</p>
+        {KEY_LIMIT_FIELDS.map(([f, label]) => (
+          <Field
+            key={f}
+            id={`key-${f}`}
+            label={label}
+            inputMode="numeric"
+            value={form[f] ?? ""}
+            error={errors[f]}
+            hint={hint(f)}
+            onInput={(e) => setForm({ ...form, [f]: e.currentTarget.value })}
+          />
+        ))}
+        <FormFooter error={error} busy={busy} submit="Save limits" onCancel={props.onClose} />
       </form>
     </Dialog>
   );

@@ -17,6 +17,7 @@ use uuid::Uuid;
 use super::{Access, Admin, AdminJson, AdminPath, AdminQuery, AdminState};
 use crate::tenants::audit::{self, AuditRow};
 use crate::tenants::keys::{self, KeyInfo, RotateRequest};
+use crate::tenants::limits::{LimitsPatch, NoOtherFields};
 use crate::tenants::policy::{self, Policy, PolicyPatch};
 use crate::tenants::{self, AdminError, TenantInfo};
 use cachet_common::error::ErrorBody;
@@ -235,16 +236,23 @@ pub async fn create_key(
     ))
 }
 
-/// A key change.
+/// A key change (JSON merge patch: absent = unchanged).
 #[derive(Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
 pub struct KeyUpdate {
     /// The new expiry (RFC 3339), or `null` for none.
+    #[serde(default, deserialize_with = "crate::tenants::limits::present")]
     #[schema(value_type = Option<DateTime<Utc>>)]
-    pub expires_at: Option<DateTime<Utc>>,
+    pub expires_at: Option<Option<DateTime<Utc>>>,
+    /// The key's own rate limits (`null`: the tenant's per-key default), each within its
+    /// workspace's and the tenant's; `monthly_budget_minor` is refused (a key has no budget).
+    #[serde(flatten)]
+    pub limits: LimitsPatch,
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub rest: NoOtherFields,
 }
 
-/// Set or clear a key's expiry.
+/// Set or clear a key's expiry, or change its own rate limits.
 #[utoipa::path(patch, path = "/v1/admin/tenants/{id}/keys/{key}", tag = "admin",
     params(("id" = Uuid, Path, description = "Tenant id"), ("key" = Uuid, Path, description = "Key id")),
     request_body = KeyUpdate,
@@ -258,9 +266,15 @@ pub async fn update_key(
     AdminJson(req): AdminJson<KeyUpdate>,
 ) -> Result<axum::Json<KeyInfo>, ApiError> {
     admin.tenant(id, Access::Write)?;
-    Ok(axum::Json(
-        keys::set_key_expiry(&state.pool, &admin.actor, Some(id), key, req.expires_at).await?,
-    ))
+    let mut info = keys::get_key(&state.pool, Some(id), key).await?;
+    if let Some(expires_at) = req.expires_at {
+        info = keys::set_key_expiry(&state.pool, &admin.actor, Some(id), key, expires_at).await?;
+    }
+    if !req.limits.is_empty() {
+        info =
+            keys::set_key_limits(&state.pool, &admin.actor, TenantId(id), key, &req.limits).await?;
+    }
+    Ok(axum::Json(info))
 }
 
 /// Revoke a key: running gateways refuse it within about a second.

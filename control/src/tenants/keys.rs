@@ -22,6 +22,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::audit::{self, Actor};
+use super::limits::{Limits, LimitsPatch};
 use super::{AdminError, Tenant};
 
 const SECRET_PREFIX: &str = "sk-cachet-";
@@ -68,6 +69,10 @@ pub struct KeyInfo {
     pub revoked_at: Option<DateTime<Utc>>,
     /// The key a rotation replaced it with.
     pub rotated_to: Option<Uuid>,
+    /// The key's own rate limits (`None`: the tenant's per-key default, its `key_*` policy);
+    /// within its workspace's and the tenant's. A key has no budget of its own
+    /// (`monthly_budget_minor` is always null).
+    pub limits: Limits,
 }
 
 pub fn hash_secret(secret: &str) -> [u8; 32] {
@@ -214,7 +219,8 @@ pub async fn create_key_in(
 }
 
 const KEY_COLUMNS: &str = "id, tenant_id, workspace_id, name, visible_prefix, created_at, last_used_at, \
-    expires_at, revoked_at, rotated_to";
+    expires_at, revoked_at, rotated_to, requests_per_minute, input_tokens_per_minute, \
+    output_tokens_per_minute, NULL::BIGINT AS monthly_budget_minor";
 
 fn key_info(r: &sqlx::postgres::PgRow, now: DateTime<Utc>) -> KeyInfo {
     let expires_at: Option<DateTime<Utc>> = r.get("expires_at");
@@ -241,6 +247,7 @@ fn key_info(r: &sqlx::postgres::PgRow, now: DateTime<Utc>) -> KeyInfo {
         expires_at,
         revoked_at,
         rotated_to,
+        limits: Limits::from_row(r, &super::limits::TENANT_COLUMNS),
     }
 }
 
@@ -349,6 +356,52 @@ pub async fn set_key_expiry(
         .commit(tx, actor)
         .await?;
     get_key(pool, tenant, key).await
+}
+
+/// Change a key's own rate limits: each within its workspace's and the tenant's (the
+/// tightest of those set). A key has no budget of its own.
+pub async fn set_key_limits(
+    pool: &PgPool,
+    actor: &Actor,
+    tenant: TenantId,
+    key: Uuid,
+    patch: &LimitsPatch,
+) -> Result<KeyInfo, AdminError> {
+    if patch.monthly_budget_minor.is_some() {
+        return Err(AdminError::Invalid(
+            "monthly_budget_minor: a key has no budget of its own; set one on its workspace or the tenant".into(),
+        ));
+    }
+    let before = get_key(pool, Some(tenant.as_uuid()), key).await?;
+    if matches!(before.state, KeyState::Revoked | KeyState::Expired) {
+        return Err(AdminError::State(
+            "the key no longer works; its limits cannot change".into(),
+        ));
+    }
+    let limits = patch.apply(before.limits);
+    limits.validate("")?;
+    let workspace =
+        super::workspaces::get_workspace(pool, tenant, WorkspaceId(before.workspace_id)).await?;
+    limits.within(&workspace.limits, "", "its workspace's")?;
+    let tenant_limits = super::policy::get_policy(pool, tenant).await?.limits;
+    limits.within(&tenant_limits, "", "the tenant's")?;
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "UPDATE api_keys SET requests_per_minute = $2, input_tokens_per_minute = $3, \
+         output_tokens_per_minute = $4 WHERE id = $1",
+    )
+    .bind(key)
+    .bind(limits.requests_per_minute)
+    .bind(limits.input_tokens_per_minute)
+    .bind(limits.output_tokens_per_minute)
+    .execute(&mut *tx)
+    .await?;
+    audit::Entry::new("key.limits", Some(tenant.as_uuid()), key)
+        .before(json!({"limits": before.limits}))
+        .after(json!({"limits": limits}))
+        .commit(tx, actor)
+        .await?;
+    get_key(pool, Some(tenant.as_uuid()), key).await
 }
 
 /// What a rotation did.
@@ -475,6 +528,17 @@ pub async fn rotate_key(
         &secret,
         req.expires_at,
     )
+    .await?;
+    // The new key keeps the old one's own limits.
+    sqlx::query(
+        "UPDATE api_keys n SET requests_per_minute = o.requests_per_minute, \
+         input_tokens_per_minute = o.input_tokens_per_minute, \
+         output_tokens_per_minute = o.output_tokens_per_minute FROM api_keys o \
+         WHERE n.id = $1 AND o.id = $2",
+    )
+    .bind(new_id.as_uuid())
+    .bind(req.key)
+    .execute(&mut *tx)
     .await?;
     let grace_until = expires.map_or(now + req.grace, |e| e.min(now + req.grace));
     sqlx::query("UPDATE api_keys SET expires_at = $2, rotated_to = $3 WHERE id = $1")

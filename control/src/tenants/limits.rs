@@ -10,11 +10,15 @@ use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use utoipa::ToSchema;
 
+use sqlx::PgConnection;
+use uuid::Uuid;
+
 use super::AdminError;
 
 type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
 
-/// A tenant's limits as `tenant_quotas` names its columns.
+/// A tenant's limits as `tenant_quotas` names its columns (`workspaces` names its own the same
+/// way, and `api_keys` the first three).
 pub(crate) const TENANT_COLUMNS: [&str; 4] = [
     "requests_per_minute",
     "input_tokens_per_minute",
@@ -65,6 +69,74 @@ impl Limits {
         at_least(prefix, "monthly_budget_minor", self.monthly_budget_minor, 0)
     }
 
+    /// The four limits by name, in the order of the fields.
+    pub fn fields(&self) -> [(&'static str, Option<i64>); 4] {
+        [
+            ("requests_per_minute", self.requests_per_minute),
+            ("input_tokens_per_minute", self.input_tokens_per_minute),
+            ("output_tokens_per_minute", self.output_tokens_per_minute),
+            ("monthly_budget_minor", self.monthly_budget_minor),
+        ]
+    }
+
+    /// The first limit set here and above `parent`'s (both set): its name, its value and the
+    /// parent's. A limit with no value here is within any parent's (the parent's still holds).
+    pub fn above(&self, parent: &Limits) -> Option<(&'static str, i64, i64)> {
+        self.fields()
+            .into_iter()
+            .zip(parent.fields())
+            .find_map(|((name, own), (_, cap))| match (own, cap) {
+                (Some(v), Some(c)) if v > c => Some((name, v, c)),
+                _ => None,
+            })
+    }
+
+    /// Refuse limits above `parent`'s, naming the field as `prefix` does and the parent as
+    /// `whose` (`the tenant's`, `its workspace's`).
+    pub fn within(&self, parent: &Limits, prefix: &str, whose: &str) -> Result<(), AdminError> {
+        match self.above(parent) {
+            Some((name, v, cap)) => Err(AdminError::Invalid(format!(
+                "{prefix}{name}: {v} is above {whose} limit of {cap}; lower it, or raise {whose} first"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// These limits lowered to `parent`'s where they are above them; a limit with no value
+    /// here stays without one (the parent's holds).
+    pub fn lowered_to(&self, parent: &Limits) -> Limits {
+        let low = |own: Option<i64>, cap: Option<i64>| match (own, cap) {
+            (Some(v), Some(c)) => Some(v.min(c)),
+            (own, _) => own,
+        };
+        Limits {
+            requests_per_minute: low(self.requests_per_minute, parent.requests_per_minute),
+            input_tokens_per_minute: low(
+                self.input_tokens_per_minute,
+                parent.input_tokens_per_minute,
+            ),
+            output_tokens_per_minute: low(
+                self.output_tokens_per_minute,
+                parent.output_tokens_per_minute,
+            ),
+            monthly_budget_minor: low(self.monthly_budget_minor, parent.monthly_budget_minor),
+        }
+    }
+
+    /// These limits where set, `fallback`'s where not.
+    pub fn or(&self, fallback: &Limits) -> Limits {
+        Limits {
+            requests_per_minute: self.requests_per_minute.or(fallback.requests_per_minute),
+            input_tokens_per_minute: self
+                .input_tokens_per_minute
+                .or(fallback.input_tokens_per_minute),
+            output_tokens_per_minute: self
+                .output_tokens_per_minute
+                .or(fallback.output_tokens_per_minute),
+            monthly_budget_minor: self.monthly_budget_minor.or(fallback.monthly_budget_minor),
+        }
+    }
+
     /// `q` with the four limits bound next, in the order of the fields (the SQL names
     /// `requests_per_minute`, `input_tokens_per_minute`, `output_tokens_per_minute` and
     /// `monthly_budget_minor` as four consecutive parameters).
@@ -107,6 +179,14 @@ pub struct LimitsPatch {
 }
 
 impl LimitsPatch {
+    /// Whether the patch changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.requests_per_minute.is_none()
+            && self.input_tokens_per_minute.is_none()
+            && self.output_tokens_per_minute.is_none()
+            && self.monthly_budget_minor.is_none()
+    }
+
     /// Whether the patch changes the monthly budget.
     pub fn touches_budget(&self) -> bool {
         self.monthly_budget_minor.is_some()
@@ -126,7 +206,7 @@ impl LimitsPatch {
 }
 
 /// `Some(None)` for an explicit `null`, `Some(Some(v))` for a value, `None` when absent.
-pub(crate) fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+pub fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
     d: D,
 ) -> Result<Option<Option<T>>, D::Error> {
     Ok(Some(Option::deserialize(d)?))
@@ -179,6 +259,55 @@ impl<'de> Deserialize<'de> for NoOtherFields {
         }
         d.deserialize_map(Rest)
     }
+}
+
+/// Lower the workspaces and keys of `tenant` to fit the levels above them, after the tenant's
+/// (or a workspace's) limits were set in this transaction: each workspace's limits to the
+/// tenant's, each key's to its workspace's and the tenant's (the tightest of those set). A
+/// limit with no value at a level stays so (the levels above hold). Returns how many
+/// workspaces and keys were lowered.
+pub(crate) async fn lower_below(
+    tx: &mut PgConnection,
+    tenant: Uuid,
+) -> Result<(u64, u64), sqlx::Error> {
+    // `col > bound` is NULL (so false) when either is NULL: none at this level stays none, and
+    // no bound above leaves the value.
+    let fit = |cols: &[&str], table: &str, bound: &dyn Fn(&str) -> String| {
+        let sets: Vec<String> = cols
+            .iter()
+            .map(|c| {
+                let b = bound(c);
+                format!("{c} = CASE WHEN {table}.{c} > {b} THEN {b} ELSE {table}.{c} END")
+            })
+            .collect();
+        let any: Vec<String> = cols
+            .iter()
+            .map(|c| format!("{table}.{c} > {}", bound(c)))
+            .collect();
+        (sets.join(", "), any.join(" OR "))
+    };
+    let (sets, any) = fit(&TENANT_COLUMNS, "w", &|c| format!("q.{c}"));
+    let workspaces = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE workspaces w SET {sets} FROM tenant_quotas q \
+         WHERE q.tenant_id = w.tenant_id AND w.tenant_id = $1 AND ({any})"
+    )))
+    .bind(tenant)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    // LEAST skips NULLs: the tightest of the workspace's and the tenant's that are set.
+    let (sets, any) = fit(&TENANT_COLUMNS[..3], "k", &|c| {
+        format!("LEAST(w.{c}, q.{c})")
+    });
+    let keys = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE api_keys k SET {sets} FROM workspaces w, tenant_quotas q \
+         WHERE w.id = k.workspace_id AND q.tenant_id = k.tenant_id AND k.tenant_id = $1 AND ({any})"
+    )))
+    .bind(tenant)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    Ok((workspaces, keys))
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@
 //! audit log is also the change feed running gateways and nodes follow.
 
 pub mod audit;
+pub mod ceilings;
 pub mod directory;
 pub mod keys;
 pub mod limits;
@@ -96,9 +97,18 @@ pub struct Principal {
     pub policy: Policy,
     /// The limits of the key's workspace, on top of the tenant's.
     pub workspace_limits: limits::Limits,
+    /// The key's own rate limits (`None`: the tenant's per-key default).
+    pub own_key_limits: limits::Limits,
     /// When the key stops working (its own expiry, or the end of a rotation's grace period).
     pub key_expires_at: Option<DateTime<Utc>>,
     pub tenant_suspended: bool,
+}
+
+impl Principal {
+    /// The limits of this key: its own where set, the tenant's per-key default where not.
+    pub fn key_limits(&self) -> limits::Limits {
+        self.own_key_limits.or(&self.policy.key_limits())
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -361,7 +371,11 @@ pub async fn lookup_key(
     secret_sha256: &[u8; 32],
 ) -> Result<Option<Principal>, sqlx::Error> {
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT k.id, k.tenant_id, k.workspace_id, k.expires_at, t.suspended_at, {}, {} \
+        "SELECT k.id, k.tenant_id, k.workspace_id, k.expires_at, t.suspended_at, {}, {}, \
+         k.requests_per_minute AS own_requests_per_minute, \
+         k.input_tokens_per_minute AS own_input_tokens_per_minute, \
+         k.output_tokens_per_minute AS own_output_tokens_per_minute, \
+         NULL::BIGINT AS own_monthly_budget_minor \
          FROM api_keys k JOIN tenants t ON t.id = k.tenant_id \
          JOIN workspaces w ON w.id = k.workspace_id \
          LEFT JOIN tenant_quotas q ON q.tenant_id = k.tenant_id \
@@ -384,6 +398,15 @@ pub async fn lookup_key(
         workspace: WorkspaceId(r.get("workspace_id")),
         policy,
         workspace_limits: workspaces::limits_from_row(&r),
+        own_key_limits: limits::Limits::from_row(
+            &r,
+            &[
+                "own_requests_per_minute",
+                "own_input_tokens_per_minute",
+                "own_output_tokens_per_minute",
+                "own_monthly_budget_minor",
+            ],
+        ),
         key_expires_at: r.get("expires_at"),
         tenant_suspended: r.get::<Option<DateTime<Utc>>, _>("suspended_at").is_some(),
     }))

@@ -17,7 +17,9 @@ use uuid::Uuid;
 
 use super::AdminError;
 use super::audit::{self, Actor};
-use super::limits::{Limits, LimitsPatch, NoOtherFields, at_least, present, set};
+pub use super::ceilings::CACHE_TTL_SECS_RANGE;
+use super::ceilings::{Ceilings, CeilingsPatch};
+use super::limits::{self, Limits, LimitsPatch, NoOtherFields, at_least, present, set};
 
 /// Limits and cache policy of a tenant; `None` is "no limit" (or, for the replication
 /// factor, the cluster's default).
@@ -49,12 +51,13 @@ pub struct Policy {
     /// The longest a cache object (or OpenAI's 24h retention) may be held, in seconds: from
     /// 300 (5 minutes) to 2,592,000 (30 days).
     pub max_cache_ttl_secs: i32,
+    /// The platform's ceilings for this tenant: each value above stays at or below its
+    /// ceiling (only a platform admin changes them; decision 0036).
+    pub ceilings: Ceilings,
 }
 
 /// The default of [`Policy::max_cache_ttl_secs`]: a day.
 pub const DEFAULT_MAX_CACHE_TTL_SECS: i32 = 86_400;
-/// The bounds of [`Policy::max_cache_ttl_secs`]: 5 minutes to 30 days.
-pub const CACHE_TTL_SECS_RANGE: std::ops::RangeInclusive<i32> = 300..=2_592_000;
 
 impl Policy {
     /// Each key's limits: the policy's `key_*` rate limits (a key has no budget of its own).
@@ -65,6 +68,71 @@ impl Policy {
             output_tokens_per_minute: self.key_output_tokens_per_minute,
             monthly_budget_minor: None,
         }
+    }
+
+    /// This policy with every value above `ceilings` lowered to them: the rule for existing
+    /// values when a ceiling is set or lowered. No limit under a ceiling becomes the ceiling
+    /// (at the tenant's level, none is above any ceiling); `1h` TTLs are turned off where the
+    /// ceiling forbids them; the per-key defaults stay within the tenant's lowered limits.
+    pub fn lowered_to(mut self, c: &Ceilings) -> Policy {
+        self.limits = self.limits.lowered_to(&c.limits).or(&c.limits);
+        self.allow_1h_ttl &= c.allow_1h_ttl;
+        if let Some(cap) = c.max_cache_ttl_secs {
+            self.max_cache_ttl_secs = self.max_cache_ttl_secs.min(cap);
+        }
+        if let Some(cap) = c.max_concurrent {
+            self.max_concurrent = Some(self.max_concurrent.map_or(cap, |m| m.min(cap)));
+        }
+        self.lower_key_defaults()
+    }
+
+    /// The per-key defaults lowered to the tenant's own limits where above them.
+    fn lower_key_defaults(mut self) -> Policy {
+        let keys = self.key_limits().lowered_to(&self.limits);
+        self.key_requests_per_minute = keys.requests_per_minute;
+        self.key_input_tokens_per_minute = keys.input_tokens_per_minute;
+        self.key_output_tokens_per_minute = keys.output_tokens_per_minute;
+        self
+    }
+
+    /// The first of this policy's values above `ceilings`, as a sentence naming the field and
+    /// its ceiling; `None` when the policy is within them.
+    pub fn above(&self, c: &Ceilings) -> Option<String> {
+        let said = |name: &str, what: String, cap: String| {
+            Some(format!(
+                "{name}: {what} is above this tenant's ceiling of {cap}, set by the platform's administrators; choose a value up to it"
+            ))
+        };
+        let over = |name: &str, own: Option<i64>, cap: Option<i64>| match (own, cap) {
+            (None, Some(c)) => said(name, "no limit".into(), c.to_string()),
+            (Some(v), Some(c)) if v > c => said(name, v.to_string(), c.to_string()),
+            _ => None,
+        };
+        let limits = self.limits.fields().into_iter().zip(c.limits.fields());
+        if let Some(e) = limits
+            .into_iter()
+            .find_map(|((name, own), (_, cap))| over(name, own, cap))
+        {
+            return Some(e);
+        }
+        if self.allow_1h_ttl && !c.allow_1h_ttl {
+            return Some(
+                "allow_1h_ttl: the platform's administrators do not allow 1h TTLs for this tenant"
+                    .into(),
+            );
+        }
+        over(
+            "max_cache_ttl_secs",
+            Some(self.max_cache_ttl_secs.into()),
+            c.max_cache_ttl_secs.map(i64::from),
+        )
+        .or_else(|| {
+            over(
+                "max_concurrent",
+                self.max_concurrent.map(i64::from),
+                c.max_concurrent.map(i64::from),
+            )
+        })
     }
 }
 
@@ -83,6 +151,7 @@ impl Default for Policy {
             engine_weight: 1,
             max_concurrent: None,
             max_cache_ttl_secs: DEFAULT_MAX_CACHE_TTL_SECS,
+            ceilings: Ceilings::default(),
         }
     }
 }
@@ -126,7 +195,18 @@ pub(crate) const COLUMNS: &str = "q.requests_per_minute, q.input_tokens_per_minu
     q.output_tokens_per_minute, q.key_requests_per_minute, q.key_input_tokens_per_minute, \
     q.key_output_tokens_per_minute, q.cache_resident_bytes, q.monthly_budget_minor, \
     q.budget_alert_percent, q.allow_1h_ttl, q.replication_factor, q.engine_weight, \
-    q.max_concurrent, q.max_cache_ttl_secs";
+    q.max_concurrent, q.max_cache_ttl_secs, q.ceiling_requests_per_minute, \
+    q.ceiling_input_tokens_per_minute, q.ceiling_output_tokens_per_minute, \
+    q.ceiling_monthly_budget_minor, q.ceiling_allow_1h_ttl, q.ceiling_max_cache_ttl_secs, \
+    q.ceiling_max_concurrent";
+
+/// The ceilings as `tenant_quotas` names their columns.
+const CEILING_COLUMNS: [&str; 4] = [
+    "ceiling_requests_per_minute",
+    "ceiling_input_tokens_per_minute",
+    "ceiling_output_tokens_per_minute",
+    "ceiling_monthly_budget_minor",
+];
 
 /// `policy` of `tenant` with the cache capacity its plan in force reserves.
 pub(crate) async fn reserved(
@@ -163,6 +243,15 @@ pub(crate) fn from_row(r: &sqlx::postgres::PgRow) -> Policy {
         max_cache_ttl_secs: r
             .get::<Option<i32>, _>("max_cache_ttl_secs")
             .unwrap_or(DEFAULT_MAX_CACHE_TTL_SECS),
+        ceilings: Ceilings {
+            limits: Limits::from_row(r, &CEILING_COLUMNS),
+            // A tenant without a quota row has no ceilings.
+            allow_1h_ttl: r
+                .get::<Option<bool>, _>("ceiling_allow_1h_ttl")
+                .unwrap_or(true),
+            max_cache_ttl_secs: r.get("ceiling_max_cache_ttl_secs"),
+            max_concurrent: r.get("ceiling_max_concurrent"),
+        },
     }
 }
 
@@ -201,6 +290,10 @@ pub struct PolicyPatch {
     pub max_concurrent: Option<Option<i32>>,
     #[serde(default)]
     pub max_cache_ttl_secs: Option<i32>,
+    /// The platform's ceilings (a platform admin's only): values above a lowered ceiling
+    /// are lowered to it.
+    #[serde(default)]
+    pub ceilings: Option<CeilingsPatch>,
     #[serde(flatten)]
     #[schema(ignore)]
     pub rest: NoOtherFields,
@@ -229,12 +322,25 @@ impl PolicyPatch {
         if self.engine_weight.is_some() {
             out.push("engine_weight");
         }
+        if self.ceilings.is_some() {
+            out.push("ceilings");
+        }
         out
     }
 
-    /// `policy` with this patch applied, validated.
-    pub fn apply(&self, mut p: Policy) -> Result<Policy, AdminError> {
+    /// `policy` with this patch applied, validated: new ceilings first (what is above them
+    /// is lowered to them), then the values the patch sets, which must be within them (a
+    /// tenant admin asking for more is refused as forbidden, a platform admin as invalid).
+    pub fn apply(&self, mut p: Policy, by: PatchedBy) -> Result<Policy, AdminError> {
+        if let Some(c) = &self.ceilings {
+            p.ceilings = c.apply(p.ceilings)?;
+            let ceilings = p.ceilings;
+            p = p.lowered_to(&ceilings);
+        }
+        // Lowered tenant limits lower the per-key defaults this patch leaves alone; one it
+        // sets above them is refused below.
         p.limits = self.limits.apply(p.limits);
+        p = p.lower_key_defaults();
         set(&mut p.key_requests_per_minute, self.key_requests_per_minute);
         set(
             &mut p.key_input_tokens_per_minute,
@@ -253,6 +359,13 @@ impl PolicyPatch {
         set(&mut p.max_concurrent, self.max_concurrent);
         set(&mut p.max_cache_ttl_secs, self.max_cache_ttl_secs);
         validate(&p)?;
+        if let Some(e) = p.above(&p.ceilings) {
+            return Err(match by {
+                PatchedBy::TenantAdmin => AdminError::Forbidden(e),
+                PatchedBy::Platform => AdminError::Invalid(e),
+            });
+        }
+        p.key_limits().within(&p.limits, "key_", "the tenant's")?;
         Ok(p)
     }
 }
@@ -343,7 +456,7 @@ pub async fn patch_policy(
         )));
     }
     let before = get_policy(pool, tenant_id).await?;
-    let after = patch.apply(before.clone())?;
+    let after = patch.apply(before.clone(), by)?;
     if after.reserved_cache_bytes != before.reserved_cache_bytes {
         set_reservation(pool, actor, tenant, after.reserved_cache_bytes).await?;
     }
@@ -353,11 +466,14 @@ pub async fn patch_policy(
          output_tokens_per_minute = $4, monthly_budget_minor = $5, key_requests_per_minute = $6, \
          key_input_tokens_per_minute = $7, key_output_tokens_per_minute = $8, cache_resident_bytes = $9, \
          budget_alert_percent = $10, allow_1h_ttl = $11, replication_factor = $12, \
-         engine_weight = $13, max_concurrent = $14, max_cache_ttl_secs = $15, updated_at = now() \
-         WHERE tenant_id = $1",
+         engine_weight = $13, max_concurrent = $14, max_cache_ttl_secs = $15, \
+         ceiling_requests_per_minute = $16, ceiling_input_tokens_per_minute = $17, \
+         ceiling_output_tokens_per_minute = $18, ceiling_monthly_budget_minor = $19, \
+         ceiling_allow_1h_ttl = $20, ceiling_max_cache_ttl_secs = $21, ceiling_max_concurrent = $22, \
+         updated_at = now() WHERE tenant_id = $1",
     )
     .bind(tenant);
-    after
+    let update = after
         .limits
         .bind(update)
         .bind(after.key_requests_per_minute)
@@ -369,12 +485,25 @@ pub async fn patch_policy(
         .bind(after.replication_factor.map(|r| r as i16))
         .bind(after.engine_weight as i16)
         .bind(after.max_concurrent)
-        .bind(after.max_cache_ttl_secs)
+        .bind(after.max_cache_ttl_secs);
+    after
+        .ceilings
+        .limits
+        .bind(update)
+        .bind(after.ceilings.allow_1h_ttl)
+        .bind(after.ceilings.max_cache_ttl_secs)
+        .bind(after.ceilings.max_concurrent)
         .execute(&mut *tx)
         .await?;
+    // The workspaces' and keys' limits above the tenant's new ones are lowered to them.
+    let (workspaces, keys) = limits::lower_below(&mut tx, tenant).await?;
+    let mut change = json!(after);
+    if workspaces + keys > 0 {
+        change["lowered_to_fit"] = json!({"workspaces": workspaces, "keys": keys});
+    }
     audit::Entry::new("policy.update", Some(tenant), tenant)
         .before(json!(before))
-        .after(json!(after))
+        .after(change)
         .commit(tx, actor)
         .await?;
     Ok(after)
@@ -465,7 +594,7 @@ mod tests {
             json!({"requests_per_minute": 2, "output_tokens_per_minute": null, "allow_1h_ttl": false}),
         )
         .unwrap();
-        let q = patch.apply(p).unwrap();
+        let q = patch.apply(p, PatchedBy::TenantAdmin).unwrap();
         assert_eq!(q.limits.requests_per_minute, Some(2));
         assert_eq!(
             q.limits.output_tokens_per_minute, None,
@@ -496,7 +625,10 @@ mod tests {
             ),
         ] {
             let patch: PolicyPatch = serde_json::from_value(patch).unwrap();
-            let err = patch.apply(Policy::default()).unwrap_err().to_string();
+            let err = patch
+                .apply(Policy::default(), PatchedBy::Platform)
+                .unwrap_err()
+                .to_string();
             assert!(err.starts_with(field), "{err}");
         }
         assert!(
@@ -539,5 +671,181 @@ mod tests {
         // A tenant may cap its own concurrency.
         let own: PolicyPatch = serde_json::from_value(json!({"max_concurrent": 2})).unwrap();
         assert!(own.platform_fields().is_empty());
+    }
+
+    fn ceilings(v: serde_json::Value) -> Ceilings {
+        serde_json::from_value::<CeilingsPatch>(v)
+            .unwrap()
+            .apply(Ceilings::default())
+            .unwrap()
+    }
+
+    #[test]
+    fn a_lowered_ceiling_lowers_every_value_above_it_and_caps_no_limit() {
+        let c = ceilings(json!({
+            "requests_per_minute": 100, "input_tokens_per_minute": 5000,
+            "monthly_budget_minor": 2000, "allow_1h_ttl": false,
+            "max_cache_ttl_secs": 3600, "max_concurrent": 4
+        }));
+        let p = Policy {
+            limits: Limits {
+                requests_per_minute: Some(500),
+                input_tokens_per_minute: Some(1000),
+                output_tokens_per_minute: None,
+                monthly_budget_minor: None,
+            },
+            key_requests_per_minute: Some(300),
+            key_input_tokens_per_minute: Some(800),
+            allow_1h_ttl: true,
+            max_cache_ttl_secs: 86_400,
+            max_concurrent: None,
+            ..Policy::default()
+        };
+        assert!(p.above(&c).is_some());
+        let low = p.lowered_to(&c);
+        assert_eq!(low.limits.requests_per_minute, Some(100), "lowered");
+        assert_eq!(low.limits.input_tokens_per_minute, Some(1000), "kept");
+        assert_eq!(low.limits.output_tokens_per_minute, None, "no ceiling");
+        assert_eq!(low.limits.monthly_budget_minor, Some(2000), "none capped");
+        assert!(!low.allow_1h_ttl);
+        assert_eq!(low.max_cache_ttl_secs, 3600);
+        assert_eq!(low.max_concurrent, Some(4));
+        assert_eq!(
+            low.key_requests_per_minute,
+            Some(100),
+            "the per-key default stays within the tenant's"
+        );
+        assert_eq!(low.key_input_tokens_per_minute, Some(800));
+        assert_eq!(low.above(&c), None, "what was lowered fits");
+    }
+
+    #[test]
+    fn each_value_above_its_ceiling_is_named_with_the_ceiling() {
+        let c = ceilings(json!({
+            "requests_per_minute": 100, "input_tokens_per_minute": 100,
+            "output_tokens_per_minute": 100, "monthly_budget_minor": 100,
+            "allow_1h_ttl": false, "max_cache_ttl_secs": 3600, "max_concurrent": 2
+        }));
+        let within = Policy::default().lowered_to(&c);
+        assert_eq!(within.above(&c), None);
+        let cases: [(&str, fn(&mut Policy)); 9] = [
+            ("requests_per_minute: 101", |p| {
+                p.limits.requests_per_minute = Some(101)
+            }),
+            ("input_tokens_per_minute: no limit", |p| {
+                p.limits.input_tokens_per_minute = None
+            }),
+            ("output_tokens_per_minute: 1000", |p| {
+                p.limits.output_tokens_per_minute = Some(1000)
+            }),
+            ("monthly_budget_minor: 101", |p| {
+                p.limits.monthly_budget_minor = Some(101)
+            }),
+            ("monthly_budget_minor: no limit", |p| {
+                p.limits.monthly_budget_minor = None
+            }),
+            ("allow_1h_ttl", |p| p.allow_1h_ttl = true),
+            ("max_cache_ttl_secs: 3601", |p| p.max_cache_ttl_secs = 3601),
+            ("max_concurrent: 3", |p| p.max_concurrent = Some(3)),
+            ("max_concurrent: no limit", |p| p.max_concurrent = None),
+        ];
+        for (said, change) in cases {
+            let mut p = within.clone();
+            change(&mut p);
+            let e = p.above(&c).expect(said);
+            assert!(e.starts_with(said), "{e}");
+        }
+        let mut lower = within.clone();
+        lower.limits.requests_per_minute = Some(1);
+        lower.max_concurrent = Some(1);
+        lower.max_cache_ttl_secs = 300;
+        assert_eq!(lower.above(&c), None, "lower is always within");
+        let unbounded = Policy {
+            limits: Limits {
+                requests_per_minute: Some(i64::MAX),
+                ..Limits::default()
+            },
+            max_cache_ttl_secs: 2_592_000,
+            ..Policy::default()
+        };
+        assert_eq!(unbounded.above(&Ceilings::default()), None);
+        assert_eq!(
+            unbounded.clone().lowered_to(&Ceilings::default()),
+            unbounded
+        );
+    }
+
+    #[test]
+    fn a_patch_within_ceilings_passes_and_one_above_is_refused_by_role() {
+        let c = ceilings(json!({"requests_per_minute": 100}));
+        let p = Policy {
+            ceilings: c,
+            ..Policy::default()
+        }
+        .lowered_to(&c);
+        let raise: PolicyPatch =
+            serde_json::from_value(json!({"requests_per_minute": 200})).unwrap();
+        match raise.apply(p.clone(), PatchedBy::TenantAdmin) {
+            Err(AdminError::Forbidden(e)) => assert!(e.contains("ceiling of 100"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            raise.apply(p.clone(), PatchedBy::Platform),
+            Err(AdminError::Invalid(_))
+        ));
+        let unlimited: PolicyPatch =
+            serde_json::from_value(json!({"requests_per_minute": null})).unwrap();
+        assert!(unlimited.apply(p.clone(), PatchedBy::TenantAdmin).is_err());
+        let lower: PolicyPatch =
+            serde_json::from_value(json!({"requests_per_minute": 50})).unwrap();
+        assert_eq!(
+            lower
+                .apply(p.clone(), PatchedBy::TenantAdmin)
+                .unwrap()
+                .limits
+                .requests_per_minute,
+            Some(50)
+        );
+        // The platform raises the ceiling and the value in one patch.
+        let both: PolicyPatch = serde_json::from_value(
+            json!({"ceilings": {"requests_per_minute": 300}, "requests_per_minute": 300}),
+        )
+        .unwrap();
+        assert_eq!(
+            both.apply(p.clone(), PatchedBy::Platform)
+                .unwrap()
+                .limits
+                .requests_per_minute,
+            Some(300)
+        );
+        assert_eq!(both.platform_fields(), vec!["ceilings"]);
+    }
+
+    #[test]
+    fn per_key_defaults_stay_within_the_tenants_limits() {
+        let p = Policy {
+            key_requests_per_minute: Some(300),
+            ..Policy::default()
+        };
+        let lower: PolicyPatch =
+            serde_json::from_value(json!({"requests_per_minute": 100})).unwrap();
+        let q = lower.apply(p.clone(), PatchedBy::TenantAdmin).unwrap();
+        assert_eq!(
+            q.key_requests_per_minute,
+            Some(100),
+            "lowered with the tenant's"
+        );
+        let above: PolicyPatch = serde_json::from_value(
+            json!({"requests_per_minute": 100, "key_requests_per_minute": 150}),
+        )
+        .unwrap();
+        let e = above
+            .apply(p, PatchedBy::TenantAdmin)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("key_requests_per_minute: 150 is above the tenant's limit of 100"),
+            "{e}"
+        );
     }
 }

@@ -8,7 +8,9 @@
 //!
 //! A workspace's limits apply on top of the tenant's: requests, uncached input tokens and
 //! output tokens per minute, and a monthly spend budget, each for the whole workspace (every
-//! key in it together). Every block hash carries the workspace, so two workspaces of one tenant
+//! key in it together). Each is at most the tenant's (when the tenant has one); lowering the
+//! tenant's lowers a workspace's above it, and lowering a workspace's lowers its keys' above
+//! it (decision 0036). Every block hash carries the workspace, so two workspaces of one tenant
 //! never read each other's cache.
 
 use cachet_common::{TenantId, WorkspaceId};
@@ -192,7 +194,8 @@ pub async fn create_workspace(
 ) -> Result<WorkspaceInfo, AdminError> {
     let name = super::check_name(name)?;
     limits.validate("")?;
-    super::ensure_tenant(pool, tenant).await?;
+    let tenant_limits = super::policy::get_policy(pool, tenant).await?.limits;
+    limits.within(&tenant_limits, "", "the tenant's")?;
     let id = WorkspaceId::new();
     let mut tx = pool.begin().await?;
     let insert = sqlx::query(
@@ -244,6 +247,8 @@ pub async fn update_workspace(
         )));
     }
     let limits = patch.apply(before.limits)?;
+    let tenant_limits = super::policy::get_policy(pool, tenant).await?.limits;
+    limits.within(&tenant_limits, "", "the tenant's")?;
     let mut tx = pool.begin().await?;
     let update = sqlx::query(
         "UPDATE workspaces SET name = $2, requests_per_minute = $3, input_tokens_per_minute = $4, \
@@ -256,9 +261,15 @@ pub async fn update_workspace(
         .execute(&mut *tx)
         .await
         .map_err(|e| conflict(e.into(), name))?;
+    // Its keys' limits above the workspace's new ones are lowered to them.
+    let (_, keys) = super::limits::lower_below(&mut tx, tenant.as_uuid()).await?;
+    let mut after = json!({"name": name, "limits": limits});
+    if keys > 0 {
+        after["lowered_to_fit"] = json!({"keys": keys});
+    }
     audit::Entry::new("workspace.update", Some(tenant.as_uuid()), workspace)
         .before(json!({"name": before.name, "limits": before.limits}))
-        .after(json!({"name": name, "limits": limits}))
+        .after(after)
         .commit(tx, actor)
         .await?;
     get_workspace(pool, tenant, workspace).await
