@@ -2673,3 +2673,73 @@ async fn ceilings_bound_tenant_admins_and_limits_nest_from_tenant_to_workspace_t
     assert_eq!(r["new_key"]["limits"]["requests_per_minute"], 1, "{r}");
     a.stop().await;
 }
+
+#[tokio::test]
+async fn a_cache_write_refused_for_quota_is_shown_beside_usage_with_its_reason() {
+    let a = setup().await;
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let t = a.tenant;
+    let (s, v) = a
+        .call(
+            "PATCH",
+            &format!("/v1/admin/tenants/{t}/policy"),
+            Some(&root),
+            Some(json!({"cache_resident_bytes": 1})),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    // The next request's breakpoint cannot be held: the response says why, and it is not
+    // billed as a write.
+    within(
+        "the quota refuses the write",
+        Duration::from_secs(10),
+        || async {
+            let (s, _, v) = a
+                .app
+                .post(
+                    "/v1/messages",
+                    &a.app.key,
+                    &cached_body(300, "too big to hold", 4),
+                )
+                .await;
+            s == 200
+                && v["cachet"]["breakpoints"][0]["reason"] == "quota"
+                && v["usage"]["cache_creation_input_tokens"] == 0
+        },
+    )
+    .await;
+    let now = chrono::Utc::now();
+    let range = format!(
+        "from={}&to={}",
+        (now - chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    )
+    .replace('+', "%2B");
+    within(
+        "the usage view says how many writes the quota refused",
+        Duration::from_secs(20),
+        || async {
+            let (s, u) = a
+                .call(
+                    "GET",
+                    &format!("/v1/admin/tenants/{t}/usage?{range}"),
+                    Some(&root),
+                    None,
+                )
+                .await;
+            assert_eq!(s, 200, "{u}");
+            u["cache_writes_not_held"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| {
+                    r["reason"] == "quota"
+                        && r["breakpoints"].as_i64().unwrap() >= 1
+                        && r["tokens"].as_i64().unwrap() >= 300
+                })
+        },
+    )
+    .await;
+    a.stop().await;
+}

@@ -748,4 +748,36 @@ describe("the admin console", () => {
     });
     await shot(p, "23-cache-purged");
   });
+
+  it("says on the dashboard why a cache write was not held (the tenant's quota)", async () => {
+    const root = await token("root", ROOT_PASSWORD);
+    const t = await adminApi(root, "POST", "/v1/admin/tenants", { name: `initech-${SUFFIX}` });
+    expect(t.status).toBe(201);
+    const id = t.body.id;
+    expect((await adminApi(root, "PATCH", `/v1/admin/tenants/${id}/policy`, { cache_resident_bytes: 1 })).status).toBe(200);
+    const k = await adminApi(root, "POST", `/v1/admin/tenants/${id}/keys`, { name: "app" });
+    expect(k.status).toBe(201);
+    const u = await adminApi(root, "POST", "/v1/admin/users", {
+      username: "initech-admin",
+      password: OTHER_PASSWORD,
+      role: "tenant_admin",
+      tenant: id,
+    });
+    expect(u.status).toBe(201);
+    // Within a second every gateway has the quota; the write is then refused, not billed.
+    await eventually("the quota refuses the write", 10_000, async () => {
+      const m = await ask(k.body.secret, "Will this be cached?");
+      return m.usage.cache_creation_input_tokens === 0 ? true : undefined;
+    });
+    const p = await page();
+    await logIn(p, "initech-admin", OTHER_PASSWORD);
+    const note = p.locator("[data-not-held]");
+    await eventually("the dashboard says why", 30_000, async () => {
+      await p.getByRole("button", { name: "Refresh" }).click();
+      await p.waitForTimeout(300);
+      return (await note.count()) > 0 ? true : undefined;
+    });
+    expect(await note.textContent()).toMatch(/^\d+ cache writes? (was|were) not held in this range.*over the tenant's cache quota/);
+    await shot(p, "24-writes-not-held");
+  });
 });

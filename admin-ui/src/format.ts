@@ -133,3 +133,28 @@ export function releasedText(d: { bytes_freed: number; bytes_held: number; nodes
     d.nodes_pending.length > 0 ? ` ${d.nodes_pending.join(", ")} will release it when it catches up.` : "";
   return `${formatBytes(d.bytes_freed)} freed${held}.${pending}`;
 }
+
+/** Why a cache write was not held, in words (the reasons of the response's `cachet` field). */
+const NOT_HELD: Record<string, string> = {
+  quota: "over the tenant's cache quota (resident bytes)",
+  capacity: "the cache nodes were full",
+  not_admitted: "automatic caching ranked them below what they would displace",
+  unavailable: "no cache node for them could be reached",
+  kv_budget: "larger than the server's KV memory budget",
+};
+
+/**
+ * The dashboard's sentence on cache writes not held ("2 cache writes were not held: 2 over the
+ * tenant's cache quota (1,200 tokens) …"), or null when every write was held.
+ */
+export function writesNotHeld(rows: { reason: string; breakpoints: number; tokens: number }[]): string | null {
+  const total = rows.reduce((n, r) => n + r.breakpoints, 0);
+  if (total === 0) return null;
+  const parts = rows.map(
+    (r) => `${r.breakpoints.toLocaleString("en-US")} ${NOT_HELD[r.reason] ?? `a cache error (${r.reason})`} (${count(r.tokens, "token")})`,
+  );
+  return (
+    `${count(total, "cache write")} ${total === 1 ? "was" : "were"} not held in this range, for the whole tenant: ${parts.join("; ")}. ` +
+    "Their tokens were billed at the next written breakpoint's rate or as plain input, not as cache writes."
+  );
+}

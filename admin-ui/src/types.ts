@@ -77,6 +77,14 @@ export interface UsageView {
   series: UsagePoint[];
   key_names: Record<string, string>;
   workspace_names: Record<string, string>;
+  /** Cache writes the fabric did not hold in the range, by reason (the whole tenant's). */
+  cache_writes_not_held: NotHeld[];
+}
+
+export interface NotHeld {
+  reason: string;
+  breakpoints: number;
+  tokens: number;
 }
 
 export interface BudgetView {

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { count, formatBytes, formatCost, formatDuration, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, releasedText } from "../src/format";
+import { count, formatBytes, formatCost, formatDuration, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, releasedText, writesNotHeld } from "../src/format";
 
 describe("money", () => {
   it("shows a sub-cent cost by its significant digits, not as zero", () => {
@@ -92,5 +92,21 @@ describe("a cache object's deletion", () => {
     expect(releasedText({ bytes_freed: 0, bytes_held: 4096, nodes_pending: ["n2"] })).toBe(
       `${formatBytes(0)} freed; ${formatBytes(4096)} still held by other cached prefixes. n2 will release it when it catches up.`,
     );
+  });
+});
+
+describe("cache writes not held", () => {
+  it("says nothing when every write was held", () => {
+    expect(writesNotHeld([])).toBeNull();
+  });
+  it("names each reason in words with its tokens", () => {
+    const s = writesNotHeld([
+      { reason: "quota", breakpoints: 2, tokens: 1200 },
+      { reason: "corrupt", breakpoints: 1, tokens: 1 },
+    ])!;
+    expect(s).toContain("3 cache writes were not held in this range");
+    expect(s).toContain("2 over the tenant's cache quota (resident bytes) (1,200 tokens)");
+    expect(s).toContain("1 a cache error (corrupt) (1 token)");
+    expect(writesNotHeld([{ reason: "capacity", breakpoints: 1, tokens: 5 }])).toMatch(/^1 cache write was not held/);
   });
 });

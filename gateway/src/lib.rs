@@ -25,6 +25,7 @@ pub mod diagnostics;
 pub mod engines;
 pub mod error;
 pub mod metrics;
+pub mod not_held;
 pub mod openapi;
 pub mod pipeline;
 pub mod render;

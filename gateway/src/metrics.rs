@@ -91,6 +91,14 @@ pub static COALESCED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )
 });
 
+pub static WRITES_NOT_HELD: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    int_counter_vec(
+        "cachet_gateway_cache_writes_not_held_total",
+        "Breakpoints whose cache write the fabric did not hold, by reason (quota, capacity, not_admitted, kv_budget, ...)",
+        &["reason"],
+    )
+});
+
 pub static BREAKPOINTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     int_counter_vec(
         "cachet_gateway_breakpoints_total",

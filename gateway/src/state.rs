@@ -71,6 +71,8 @@ pub struct App {
     pub kv_budget: budget::KvBudget,
     /// Prompts of requests that asked for cache diagnostics, for later comparison.
     pub fingerprints: diagnostics::Fingerprints,
+    /// Cache writes not held, until the change feed's loop records them.
+    pub not_held: Arc<crate::not_held::NotHeld>,
     /// The admin and finance APIs and the admin UI (on the public side only).
     pub admin: Option<control::admin::AdminState>,
 }
@@ -102,6 +104,7 @@ pub fn state(
         inflight: coalesce::Inflight::default(),
         kv_budget,
         fingerprints: diagnostics::Fingerprints::default(),
+        not_held: Arc::default(),
         admin,
     }))
 }
@@ -113,6 +116,7 @@ impl App {
             auth: Some(self.auth.clone()),
             admission: Some(self.admission.clone()),
             fabric: Some(self.fabric.clone()),
+            not_held: Some(self.not_held.clone()),
         }
     }
 }

@@ -42,7 +42,7 @@ use crate::admission::{Admission, Spend, Spender};
 use crate::auth::Authenticator;
 use crate::metrics;
 use control::tenants::policy::{self, Policy};
-use control::tenants::{AdminError, audit, keys, workspaces};
+use control::tenants::{AdminError, audit, keys, refusals, workspaces};
 
 /// Ids re-read behind the highest seen (rows that committed out of id order).
 pub const OVERLAP: i64 = 256;
@@ -73,6 +73,8 @@ pub struct Targets {
     pub auth: Option<Arc<Authenticator>>,
     pub admission: Option<Arc<Admission>>,
     pub fabric: Option<FabricClient>,
+    /// Cache writes not held, recorded with the refusals.
+    pub not_held: Option<Arc<crate::not_held::NotHeld>>,
 }
 
 /// A tenant's state as the fabric needs it.
@@ -323,26 +325,38 @@ async fn refresh_spend(
     Ok(())
 }
 
-/// Write refusal counts (per hour) and keys' last use.
+/// The start of this hour (UTC), the bucket counts are added to.
+fn hour_now() -> DateTime<Utc> {
+    Utc::now()
+        .duration_trunc(TimeDelta::hours(1))
+        .unwrap_or_else(|_| Utc::now())
+}
+
+/// Write refusal counts and cache writes not held (per hour) and keys' last use.
 async fn flush(pool: &PgPool, targets: &Targets) {
     if let Some(adm) = &targets.admission {
-        let refusals = adm.take_refusals();
-        if !refusals.is_empty() {
-            let hour = Utc::now()
-                .duration_trunc(TimeDelta::hours(1))
-                .unwrap_or_else(|_| Utc::now());
-            let refusals: Vec<policy::Refusal> = refusals
+        let taken = adm.take_refusals();
+        if !taken.is_empty() {
+            let taken: Vec<refusals::Refusal> = taken
                 .into_iter()
-                .map(|(t, k, limit, count)| policy::Refusal {
+                .map(|(t, k, limit, count)| refusals::Refusal {
                     tenant: t.as_uuid(),
                     key: k.as_uuid(),
                     limit,
                     count,
                 })
                 .collect();
-            if let Err(e) = policy::record_refusals(pool, hour, &refusals).await {
+            if let Err(e) = refusals::record_refusals(pool, hour_now(), &taken).await {
                 tracing::warn!(error = %e, "recording refusal counts failed; they are dropped");
             }
+        }
+    }
+    if let Some(counts) = &targets.not_held {
+        let not_held = counts.take();
+        if !not_held.is_empty()
+            && let Err(e) = refusals::record_not_held(pool, hour_now(), &not_held).await
+        {
+            tracing::warn!(error = %e, "recording cache writes not held failed; they are dropped");
         }
     }
     if let Some(auth) = &targets.auth {

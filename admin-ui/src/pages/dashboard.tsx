@@ -2,7 +2,7 @@ import { useMemo, useState } from "preact/hooks";
 import { api, download, qs } from "../api";
 import { TimeChart } from "../components/chart";
 import { ErrorBanner, Kpi, Loading, message, Pick, Table, useAsync } from "../components/ui";
-import { count, formatCost, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens } from "../format";
+import { count, formatCost, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, writesNotHeld } from "../format";
 import { dateRange } from "../forms";
 import type { BudgetView, Tenant, UsagePoint, UsageView } from "../types";
 import { useWorkspaces } from "./workspaces";
@@ -174,6 +174,11 @@ function Usage({ view }: { view: UsageView }) {
           />
         )}
       </div>
+      {writesNotHeld(view.cache_writes_not_held) && (
+        <p role="note" data-not-held>
+          {writesNotHeld(view.cache_writes_not_held)}
+        </p>
+      )}
       {t.unpriced_tokens > 0 && (
         <p role="note">
           {formatTokens(t.unpriced_tokens)} tokens had no price in force and are counted at zero: add a price for their model.

@@ -46,6 +46,9 @@ pub struct UsageView {
     pub key_names: BTreeMap<Uuid, String>,
     /// Names of the workspaces in a series grouped by `workspace`.
     pub workspace_names: BTreeMap<Uuid, String>,
+    /// Cache writes the fabric did not hold in the range's hours, by reason (none when all
+    /// were held): why the usage may show fewer cache writes than breakpoints asked for.
+    pub cache_writes_not_held: Vec<crate::tenants::refusals::NotHeldCount>,
 }
 
 /// Tokens by class, requests, hit ratio, cost and cost saved by caching (net of the write
@@ -116,10 +119,13 @@ pub async fn usage(
             key_names.insert(r.get("id"), format!("{name} ({prefix}…)"));
         }
     }
+    let cache_writes_not_held =
+        crate::tenants::refusals::not_held(&state.pool, id, q.from, q.to).await?;
     Ok(axum::Json(UsageView {
         report,
         key_names,
         workspace_names,
+        cache_writes_not_held,
     }))
 }
 

@@ -17,6 +17,7 @@ pub mod directory;
 pub mod keys;
 pub mod limits;
 pub mod policy;
+pub mod refusals;
 pub mod workspaces;
 
 use cachet_common::{ApiKeyId, TenantId, WorkspaceId};

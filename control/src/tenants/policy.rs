@@ -8,7 +8,7 @@
 //! (they are billed per GB-hour), so changing them adds a plan version from now on.
 
 use cachet_common::TenantId;
-use chrono::{DateTime, Utc};
+
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::{PgPool, Row};
@@ -538,44 +538,6 @@ async fn set_reservation(
     Ok(())
 }
 
-/// One hour's refusals by the request path's admission, per tenant, key and limit.
-pub struct Refusal {
-    pub tenant: Uuid,
-    pub key: Uuid,
-    pub limit: &'static str,
-    pub count: u64,
-}
-
-/// Add `refusals` to the counts of the hour starting at `hour` (what the admin views show as
-/// refusals by limit).
-pub async fn record_refusals(
-    pool: &PgPool,
-    hour: DateTime<Utc>,
-    refusals: &[Refusal],
-) -> Result<(), AdminError> {
-    let tenants: Vec<Uuid> = refusals.iter().map(|r| r.tenant).collect();
-    let keys: Vec<Uuid> = refusals.iter().map(|r| r.key).collect();
-    let limits: Vec<&str> = refusals.iter().map(|r| r.limit).collect();
-    let counts: Vec<i64> = refusals
-        .iter()
-        .map(|r| i64::try_from(r.count).unwrap_or(i64::MAX))
-        .collect();
-    sqlx::query(
-        "INSERT INTO admission_refusals (tenant_id, bucket_start, api_key_id, limit_name, refusals) \
-         SELECT t, $1, k, l, n FROM UNNEST($2::UUID[], $3::UUID[], $4::TEXT[], $5::BIGINT[]) AS u(t, k, l, n) \
-         ON CONFLICT (tenant_id, bucket_start, limit_name, api_key_id) \
-         DO UPDATE SET refusals = admission_refusals.refusals + EXCLUDED.refusals",
-    )
-    .bind(hour)
-    .bind(&tenants)
-    .bind(&keys)
-    .bind(&limits)
-    .bind(&counts)
-    .execute(pool)
-    .await?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -728,7 +690,8 @@ mod tests {
         }));
         let within = Policy::default().lowered_to(&c);
         assert_eq!(within.above(&c), None);
-        let cases: [(&str, fn(&mut Policy)); 9] = [
+        type Change = fn(&mut Policy);
+        let cases: [(&str, Change); 9] = [
             ("requests_per_minute: 101", |p| {
                 p.limits.requests_per_minute = Some(101)
             }),

@@ -346,11 +346,19 @@ pub(super) async fn write_entries(
     let mut written: Vec<(usize, Ttl)> = Vec::new();
     let mut reports = Vec::with_capacity(e.placed.len());
     let blocks = put_blocks(&pre.exported, &pre.links);
+    // Where the last read or written entry ends: a breakpoint not held would have written the
+    // tokens from there.
+    let mut held_to = cached;
+    let not_held = |reason: &'static str, offset: usize, held_to: usize| {
+        let tokens = offset.saturating_sub(held_to) as u64;
+        state.not_held.record(e.scope.tenant, reason, tokens);
+        ("not_written", Some(reason.to_string()))
+    };
     for (i, pl) in e.placed.iter().enumerate() {
         let (status, reason) = if !pl.cacheable {
             ("below_minimum", None)
         } else if pl.offset > cached && e.trimmed.contains(&pl.offset) {
-            ("not_written", Some("kv_budget".to_string()))
+            not_held("kv_budget", pl.offset, held_to)
         } else if pl.offset <= cached {
             match e.coalesced_from {
                 Some(from) if pl.offset > from => ("coalesced", None),
@@ -368,9 +376,10 @@ pub(super) async fn write_entries(
             match write.await {
                 Ok(()) => {
                     written.push((pl.offset, pl.bp.ttl));
+                    held_to = pl.offset;
                     ("written", e.miss_reason[i].clone())
                 }
-                Err(r) => ("not_written", Some(r.as_str().to_string())),
+                Err(r) => not_held(r.as_str(), pl.offset, held_to),
             }
         };
         reports.push(breakpoint_report(pl, status, reason));
