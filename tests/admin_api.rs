@@ -674,6 +674,18 @@ async fn every_admin_and_billing_endpoint_answers_every_role_as_documented() {
             None,
             [200, 200, 403],
         ),
+        (
+            "GET",
+            format!("/v1/billing/exports/focus?{range}"),
+            None,
+            [200, 200, 200],
+        ),
+        (
+            "GET",
+            format!("/v1/billing/exports/focus?{range}&tenant={o}"),
+            None,
+            [200, 200, 403],
+        ),
     ];
     let forged = Jwt::new(&[9u8; 40])
         .unwrap()
@@ -2691,16 +2703,19 @@ async fn a_cache_write_refused_for_quota_is_shown_beside_usage_with_its_reason()
     assert_eq!(s, 200, "{v}");
     // The next request's breakpoint cannot be held: the response says why, and it is not
     // billed as a write.
+    let attempt = std::sync::atomic::AtomicUsize::new(300);
     within(
         "the quota refuses the write",
         Duration::from_secs(10),
         || async {
+            // A prefix of its own each time, so that no earlier write is read instead.
+            let words = attempt.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let (s, _, v) = a
                 .app
                 .post(
                     "/v1/messages",
                     &a.app.key,
-                    &cached_body(300, "too big to hold", 4),
+                    &cached_body(words, "too big to hold", 4),
                 )
                 .await;
             s == 200

@@ -576,7 +576,7 @@ async fn the_month_overview_is_the_sum_of_the_dashboards_and_the_invoices_to_the
         assert!(row.cost_minor > 0 && row.unpriced_tokens == 0);
         sum += row.cost_minor;
         // The export's per-row costs add up to the invoice: exact, then rounded once.
-        let filter = billing::api::ExportFilter {
+        let filter = billing::export::ExportFilter {
             from: at("2026-10-01T00:00:00Z"),
             to: at("2026-11-01T00:00:00Z"),
             tenant: Some(row.tenant),
@@ -584,11 +584,11 @@ async fn the_month_overview_is_the_sum_of_the_dashboards_and_the_invoices_to_the
             api_key: None,
             model: None,
         };
-        let body = billing::api::export_stream(
+        let body = billing::export::export_stream(
             pool.clone(),
             std::sync::Arc::new(control::tenants::directory::Directory(pool.clone())),
             filter,
-            billing::api::Format::Jsonl,
+            billing::export::Format::Jsonl,
         );
         let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
         let rows: Vec<serde_json::Value> = std::str::from_utf8(&bytes)
@@ -1090,6 +1090,41 @@ async fn cache_objects_are_billed_by_the_hour_they_are_held_once_and_to_the_cent
         vec![(24_000_000 * 3_600, 7_200), (300_000 * 3_600, 45)]
     );
     assert!(inv.lines[1].description.contains("custom rate"));
+    // The FOCUS dataset bills the same storage, in token-hours, at the list price and the
+    // custom rate apart.
+    let body = billing::focus::stream(
+        pool.clone(),
+        std::sync::Arc::new(control::tenants::directory::Directory(pool.clone())),
+        billing::export::ExportFilter {
+            from: at("2026-10-01T00:00:00Z"),
+            to: at("2026-11-01T00:00:00Z"),
+            tenant: Some(tenant),
+            workspace: None,
+            api_key: None,
+            model: None,
+        },
+    );
+    let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+    let text = std::str::from_utf8(&bytes).unwrap();
+    let mut lines = text.split("\r\n").filter(|l| !l.is_empty());
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    let col = |r: &Vec<&str>, c: &str| r[header.iter().position(|h| *h == c).unwrap()].to_string();
+    assert!(!rows.is_empty());
+    assert!(rows.iter().all(
+        |r| col(r, "x_TokenClass") == "cache_storage" && col(r, "PricingUnit") == "Token-Hours"
+    ));
+    let billed: i128 = rows
+        .iter()
+        .map(|r| focus_decimal(&col(r, "BilledCost")))
+        .sum();
+    let storage: i128 = inv.lines.iter().map(|l| l.exact("USD").0).sum();
+    assert_eq!(billed, storage, "the dataset bills what the invoice does");
+    assert!(
+        rows.iter()
+            .any(|r| col(r, "ListCost") != col(r, "ContractedCost")),
+        "a custom rate"
+    );
 
     // Reconciliation covers storage: the rows agree with the invoice, until an hour is
     // written that the invoice does not bill.
@@ -1190,5 +1225,122 @@ async fn an_extended_object_is_billed_to_its_new_expiry() {
             (at("2026-10-07T04:00:00Z"), 2_700),
         ]
     );
+    drop_db(pool, name).await;
+}
+
+/// FOCUS 1.2's mandatory columns, as its column library names them (feature level
+/// "Mandatory"), and those of them that must never be null in a usage charge.
+const FOCUS_MANDATORY: [&str; 21] = [
+    "BilledCost",
+    "BillingAccountId",
+    "BillingAccountName",
+    "BillingCurrency",
+    "BillingPeriodEnd",
+    "BillingPeriodStart",
+    "ChargeCategory",
+    "ChargeClass",
+    "ChargeDescription",
+    "ChargePeriodEnd",
+    "ChargePeriodStart",
+    "ContractedCost",
+    "EffectiveCost",
+    "InvoiceIssuerName",
+    "ListCost",
+    "PricingQuantity",
+    "PricingUnit",
+    "ProviderName",
+    "PublisherName",
+    "ServiceCategory",
+    "ServiceName",
+];
+
+/// A FOCUS decimal (`12.5`, `-0.0000519`) in atto-units, exactly.
+fn focus_decimal(s: &str) -> i128 {
+    let (neg, s) = s.strip_prefix('-').map_or((false, s), |r| (true, r));
+    let (whole, frac) = s.split_once('.').unwrap_or((s, ""));
+    assert!(frac.len() <= 18 && !s.contains(['e', 'E', ',']), "{s}");
+    let v = whole.parse::<i128>().unwrap() * 10i128.pow(18)
+        + format!("{frac:0<18}").parse::<i128>().unwrap();
+    if neg { -v } else { v }
+}
+
+#[tokio::test]
+async fn the_focus_export_has_the_mandatory_columns_and_bills_what_the_invoice_does() {
+    let (pool, tenant, name) = db().await;
+    october(&pool, tenant).await;
+    let inv = invoice::refresh_draft(&pool, tenant, OCT(), "test")
+        .await
+        .unwrap();
+    let filter = billing::export::ExportFilter {
+        from: at("2026-10-01T00:00:00Z"),
+        to: at("2026-11-01T00:00:00Z"),
+        tenant: Some(tenant),
+        workspace: None,
+        api_key: None,
+        model: None,
+    };
+    let body = billing::focus::stream(
+        pool.clone(),
+        std::sync::Arc::new(control::tenants::directory::Directory(pool.clone())),
+        filter,
+    );
+    let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+    let text = std::str::from_utf8(&bytes).unwrap();
+    let mut lines = text.split("\r\n").filter(|l| !l.is_empty());
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    for m in FOCUS_MANDATORY {
+        assert!(header.contains(&m), "{m} missing from {header:?}");
+    }
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    let col = |r: &Vec<&str>, c: &str| r[header.iter().position(|h| *h == c).unwrap()].to_string();
+    // One row per hour and token class used: the four requests used 3, 4, 3 and 4 classes.
+    assert_eq!(rows.len(), 14, "one row per request hour and class used");
+    for r in &rows {
+        assert_eq!(r.len(), header.len());
+        for c in FOCUS_MANDATORY.iter().filter(|c| **c != "ChargeClass") {
+            assert!(!col(r, c).is_empty(), "{c} is null in {r:?}");
+        }
+        assert_eq!(col(r, "ChargeCategory"), "Usage");
+        assert_eq!(col(r, "BillingCurrency"), "USD");
+        assert_eq!(col(r, "BillingPeriodStart"), "2026-10-01T00:00:00Z");
+        assert_eq!(col(r, "BillingPeriodEnd"), "2026-11-01T00:00:00Z");
+        assert_eq!(col(r, "ServiceCategory"), "AI and Machine Learning");
+        assert_eq!(col(r, "PricingUnit"), "Tokens");
+        // 10% off: billed is nine tenths of contracted; no commitments: effective = billed.
+        let (billed, contracted) = (
+            focus_decimal(&col(r, "BilledCost")),
+            focus_decimal(&col(r, "ContractedCost")),
+        );
+        assert_eq!(billed * 10, contracted * 9, "{r:?}");
+        assert_eq!(col(r, "EffectiveCost"), col(r, "BilledCost"));
+        assert_eq!(
+            col(r, "ListCost"),
+            col(r, "ContractedCost"),
+            "no custom rate"
+        );
+        let start: DateTime<Utc> = col(r, "ChargePeriodStart").parse().unwrap();
+        let end: DateTime<Utc> = col(r, "ChargePeriodEnd").parse().unwrap();
+        assert_eq!(end - start, chrono::TimeDelta::hours(1));
+    }
+    // The rows bill exactly what the invoice's usage lines do.
+    let billed: i128 = rows
+        .iter()
+        .map(|r| focus_decimal(&col(r, "BilledCost")))
+        .sum();
+    let usage: i128 = inv
+        .lines
+        .iter()
+        .filter(|l| l.kind == invoice::LineKind::Usage)
+        .map(|l| l.exact("USD").0)
+        .sum();
+    assert_eq!(billed, usage);
+    let quantity = |class: &str| -> i64 {
+        rows.iter()
+            .filter(|r| col(r, "x_TokenClass") == class)
+            .map(|r| col(r, "PricingQuantity").parse::<i64>().unwrap())
+            .sum()
+    };
+    assert_eq!(quantity("input"), 1_200_000 + 150_001);
+    assert_eq!(quantity("cache_read"), 11_000_000);
     drop_db(pool, name).await;
 }

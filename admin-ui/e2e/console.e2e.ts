@@ -549,6 +549,20 @@ describe("the admin console", () => {
       .filter((l) => l.length > 0)
       .slice(1);
     expect(keyRows.every((l) => l.split(",")[3] === keyId)).toBe(true);
+    // The same filter as a FOCUS 1.2 dataset: its mandatory columns, that key as the resource.
+    const [focus] = await Promise.all([p.waitForEvent("download"), p.getByRole("button", { name: "FOCUS 1.2" }).click()]);
+    expect(focus.suggestedFilename()).toContain(`cachet-focus-${safe(ACME)}-`);
+    const [head, ...charges] = (await import("node:fs"))
+      .readFileSync((await focus.path())!, "utf8")
+      .split("\r\n")
+      .filter((l) => l.length > 0)
+      .map((l) => l.split(","));
+    for (const c of ["BilledCost", "BillingAccountId", "ChargeCategory", "EffectiveCost", "ListCost", "ServiceName", "PricingUnit"]) {
+      expect(head).toContain(c);
+    }
+    expect(charges.length).toBeGreaterThan(0);
+    const cell = (r: string[], c: string) => r[head.indexOf(c)];
+    expect(charges.every((r) => cell(r, "ResourceId") === keyId && cell(r, "BillingAccountId") === acmeId)).toBe(true);
   });
 
   it("resets a forgotten password with a one-time secret, then the user changes it on their account page", async () => {
@@ -764,10 +778,18 @@ describe("the admin console", () => {
       tenant: id,
     });
     expect(u.status).toBe(201);
-    // Within a second every gateway has the quota; the write is then refused, not billed.
+    // Within a second every gateway has the quota; a new prefix's write is then refused (a
+    // prompt of its own each time, so that no earlier write is read instead).
+    let attempt = 0;
     await eventually("the quota refuses the write", 10_000, async () => {
-      const m = await ask(k.body.secret, "Will this be cached?");
-      return m.usage.cache_creation_input_tokens === 0 ? true : undefined;
+      attempt += 1;
+      const m = await sdk(k.body.secret).messages.create({
+        model: "sim-tiny",
+        max_tokens: 8,
+        system: [{ type: "text", text: `${SYSTEM} Attempt ${attempt}.`, cache_control: { type: "ephemeral" } }],
+        messages: [{ role: "user", content: "Will this be cached?" }],
+      });
+      return m.usage.cache_creation_input_tokens === 0 && m.usage.cache_read_input_tokens === 0 ? true : undefined;
     });
     const p = await page();
     await logIn(p, "initech-admin", OTHER_PASSWORD);

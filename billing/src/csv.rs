@@ -8,3 +8,16 @@ pub fn field(s: &str) -> std::borrow::Cow<'_, str> {
         s.into()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_fields_follow_rfc_4180() {
+        assert_eq!(field("plain"), "plain");
+        assert_eq!(field("a,b"), "\"a,b\"");
+        assert_eq!(field("say \"hi\""), "\"say \"\"hi\"\"\"");
+        assert_eq!(field("two\r\nlines"), "\"two\r\nlines\"");
+    }
+}

@@ -270,7 +270,7 @@ pub async fn compute(
 /// The columns of a group of ledger rows rated alike (after [`prices_in_force`]): the model,
 /// the price version in force (`price_from`, custom or not, its currency), the plan's discount
 /// and the rates, named as [`Rates`]' fields.
-const PRICED_GROUP: &str = "e.model,
+pub(crate) const PRICED_GROUP: &str = "e.model,
                COALESCE(tp.effective_from, p.effective_from) AS price_from,
                (tp.tenant_id IS NOT NULL) AS custom,
                COALESCE(p.currency, 'USD') AS currency,
@@ -287,7 +287,7 @@ const PRICED_GROUP_ORDER: &str = "1, 2, 5";
 
 /// The joins that find, for each ledger row `e` at its instant `e.<at>`, the tenant's custom
 /// rate (`tp`), the list price (`p`, from `price_book`) and the plan (`pl`) in force then.
-fn prices_in_force(at: &str) -> String {
+pub(crate) fn prices_in_force(at: &str) -> String {
     format!(
         "LEFT JOIN LATERAL (
             SELECT * FROM tenant_prices t

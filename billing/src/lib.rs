@@ -44,6 +44,8 @@ pub mod dashboard;
 pub mod database;
 pub mod directory;
 pub mod event;
+pub mod export;
+pub mod focus;
 mod intents;
 pub mod invoice;
 pub mod journal;

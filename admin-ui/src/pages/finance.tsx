@@ -238,7 +238,8 @@ function Exports({ tenant, tenantName }: { tenant: string; tenantName: string })
   const named = <T extends { id: string; name: string }>(items: T[] | undefined, id: string) =>
     items?.find((i) => i.id === id)?.name ?? "";
   const { error, setError, run } = useAction();
-  const get = async (format: "csv" | "jsonl" | "cloudevents") => {
+  // `focus`: every charge (both ledgers) as a FinOps FOCUS 1.2 dataset, a CSV of its own.
+  const get = async (format: "csv" | "jsonl" | "cloudevents" | "focus") => {
     const r = dateRange(from, to);
     if (typeof r === "string") {
       setError(r);
@@ -247,17 +248,19 @@ function Exports({ tenant, tenantName }: { tenant: string; tenantName: string })
     const ws = tenant && (workspaces.data?.data ?? []).some((w) => w.id === workspace) ? workspace : "";
     const k = tenant && keyItems.some((i) => i.id === key) ? key : "";
     const filter = { tenant, model: model.trim(), workspace: ws, api_key: k };
+    const focus = format === "focus";
     const file = exportFileName({
-      ledger,
+      ledger: focus ? "focus" : ledger,
       tenant: tenantName,
       workspace: named(workspaces.data?.data, ws),
       key: named(keys.data?.data, k),
       model: model.trim(),
       from,
       to,
-      format,
+      format: focus ? "csv" : format,
     });
-    await run(() => download(`/v1/billing/exports/${ledger}${qs({ ...r, ...filter, format })}`, file));
+    const url = focus ? `/v1/billing/exports/focus${qs({ ...r, ...filter })}` : `/v1/billing/exports/${ledger}${qs({ ...r, ...filter, format })}`;
+    await run(() => download(url, file));
   };
   return (
     <section aria-labelledby="exports-title">
@@ -303,6 +306,9 @@ function Exports({ tenant, tenantName }: { tenant: string; tenantName: string })
           </button>
           <button type="button" class="secondary" onClick={() => get("cloudevents")}>
             CloudEvents
+          </button>
+          <button type="button" class="secondary" onClick={() => get("focus")} title="Every charge of both ledgers, hourly per key, model and SKU, for cloud cost tools">
+            FOCUS 1.2
           </button>
         </div>
       </div>

@@ -555,7 +555,7 @@ pub const AUDIT_CSV_HEADER: &[u8] =
 
 /// One audit row as a CSV line (RFC 4180).
 pub fn audit_csv(r: &AuditRow) -> Vec<u8> {
-    let f = billing::api::csv_field;
+    let f = billing::csv::field;
     let json =
         |v: &Option<serde_json::Value>| v.as_ref().map(|v| v.to_string()).unwrap_or_default();
     format!(

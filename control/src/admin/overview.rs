@@ -146,7 +146,7 @@ pub fn overview_csv(o: &MonthOverview) -> String {
         out.push_str(&format!(
             "{},{},{},{},{},{},{},{},{},{:.4},{},{},{},{},{},{},{}\r\n",
             r.tenant,
-            billing::api::csv_field(&r.name),
+            billing::csv::field(&r.name),
             r.state,
             r.tokens.requests,
             r.tokens.counts.input_tokens,
