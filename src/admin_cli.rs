@@ -55,7 +55,7 @@ pub enum Command {
         /// hour or day.
         #[arg(long, default_value = "day")]
         granularity: String,
-        /// none, model, api_key or workspace.
+        /// none, model, api_key, workspace, or tag:NAME (the value of one tag of each key).
         #[arg(long, default_value = "none")]
         by: String,
         /// Only this workspace's usage (name or id).
@@ -517,7 +517,8 @@ async fn workspace(pool: &PgPool, actor: &Actor, command: WorkspaceCommand) -> a
         } => {
             let id = TenantId(tenant_id(pool, &tenant).await?);
             let l = limits.workspace(None).apply(Limits::default())?;
-            let w = workspaces::create_workspace(pool, actor, id, &name, l).await?;
+            let w = workspaces::create_workspace(pool, actor, id, &name, l, &Default::default())
+                .await?;
             println!(
                 "workspace {} created in tenant {tenant}: id {}",
                 w.name, w.id
@@ -748,8 +749,23 @@ async fn usage(pool: &PgPool, a: UsageArgs) -> anyhow::Result<()> {
     let id = tenant_id(pool, &a.tenant).await?;
     let granularity =
         serde_json::from_value(json!(a.granularity)).context("--granularity: hour or day")?;
-    let group_by =
-        serde_json::from_value(json!(a.by)).context("--by: none, model, api_key or workspace")?;
+    // `tag:NAME` splits by the value of one tag of each key.
+    let (by, tag) = match a.by.strip_prefix("tag:") {
+        Some(t) => ("tag", Some(t.to_string())),
+        None => (a.by.as_str(), None),
+    };
+    let group_by = serde_json::from_value(json!(by))
+        .context("--by: none, model, api_key, workspace or tag:NAME")?;
+    let key_tags: Option<std::collections::HashMap<uuid::Uuid, String>> = match &tag {
+        Some(t) => Some(
+            control::tenants::directory::key_tags(pool, id)
+                .await?
+                .into_iter()
+                .filter_map(|(k, tags)| tags.get(t).map(|v| (k, v.clone())))
+                .collect(),
+        ),
+        None => None,
+    };
     let workspace = match &a.workspace {
         Some(w) => Some(workspaces::find_workspace(pool, TenantId(id), w).await?.id),
         None => None,
@@ -763,6 +779,7 @@ async fn usage(pool: &PgPool, a: UsageArgs) -> anyhow::Result<()> {
         group_by,
         workspace,
         key_workspaces: Some(&key_workspaces),
+        key_tags: key_tags.as_ref(),
     };
     let r = billing::dashboard::usage(pool, &q).await?;
     print_json(&r)?;

@@ -2758,3 +2758,179 @@ async fn a_cache_write_refused_for_quota_is_shown_beside_usage_with_its_reason()
     .await;
     a.stop().await;
 }
+
+#[tokio::test]
+async fn tags_on_workspaces_and_keys_split_usage_and_ride_on_every_export() {
+    let a = setup().await;
+    let root_pw = a.user("root", Role::PlatformAdmin, None).await;
+    let root = a.token("root", &root_pw).await;
+    let t = a.tenant;
+    let (s, ws) = a
+        .call(
+            "POST",
+            &format!("/v1/admin/tenants/{t}/workspaces"),
+            Some(&root),
+            Some(json!({"name": "search", "tags": {"team": "search", "cost-center": "42"}})),
+        )
+        .await;
+    assert_eq!(s, 201, "{ws}");
+    assert_eq!(ws["tags"]["team"], "search");
+    let ws_id = ws["id"].as_str().unwrap().to_string();
+    let key_in = |body: Value| {
+        let (a, root) = (&a, root.clone());
+        async move {
+            let (s, v) = a
+                .call(
+                    "POST",
+                    &format!("/v1/admin/tenants/{t}/keys"),
+                    Some(&root),
+                    Some(body),
+                )
+                .await;
+            assert_eq!(s, 201, "{v}");
+            v
+        }
+    };
+    // One key inherits its workspace's team; another, elsewhere, says its own.
+    let search =
+        key_in(json!({"name": "indexer", "workspace_id": ws_id, "tags": {"env": "prod"}})).await;
+    let ads = key_in(json!({"name": "bidder", "tags": {"team": "ads"}})).await;
+    assert_eq!(search["tags"], json!({"env": "prod"}));
+    for (body, says) in [
+        (
+            json!({"name": "x", "tags": {"bad name": "v"}}),
+            "not a tag name",
+        ),
+        (
+            json!({"name": "x", "tags": {"cachet:x": "v"}}),
+            "Cachet's own",
+        ),
+        (json!({"name": "x", "tags": {"team": 3}}), "tags"),
+    ] {
+        let (s, v) = a
+            .call(
+                "POST",
+                &format!("/v1/admin/tenants/{t}/keys"),
+                Some(&root),
+                Some(body),
+            )
+            .await;
+        assert_eq!(s, 400, "{v}");
+        assert!(error_message(&v).contains(says), "{says}: {v}");
+    }
+    // Tags change with a merge patch of the whole set.
+    let ads_path = format!("/v1/admin/tenants/{t}/keys/{}", ads["id"].as_str().unwrap());
+    let (s, v) = a
+        .call(
+            "PATCH",
+            &ads_path,
+            Some(&root),
+            Some(json!({"tags": {"team": "ads", "env": "dev"}})),
+        )
+        .await;
+    assert_eq!((s, &v["tags"]["env"]), (200, &json!("dev")), "{v}");
+
+    let body = cached_body(120, "tagged", 4);
+    for key in [&search, &search, &ads] {
+        let (s, _, v) = a
+            .app
+            .post("/v1/messages", key["secret"].as_str().unwrap(), &body)
+            .await;
+        assert_eq!(s, 200, "{v}");
+    }
+    a.app.settle().await;
+    let now = chrono::Utc::now();
+    let range = format!(
+        "from={}&to={}",
+        (now - chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    )
+    .replace('+', "%2B");
+    // The dashboard splits by a tag: two requests for search, one for ads.
+    within("usage splits by team", Duration::from_secs(30), || async {
+        let (s, u) = a
+            .call(
+                "GET",
+                &format!("/v1/admin/tenants/{t}/usage?{range}&group_by=tag&tag=team"),
+                Some(&root),
+                None,
+            )
+            .await;
+        assert_eq!(s, 200, "{u}");
+        let requests = |team: &str| -> i64 {
+            u["series"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|p| p["tag"] == team)
+                .map(|p| p["requests"].as_i64().unwrap())
+                .sum()
+        };
+        assert!(
+            u["tag_names"]
+                .as_array()
+                .unwrap()
+                .contains(&json!("cost-center")),
+            "{u}"
+        );
+        requests("search") == 2 && requests("ads") == 1
+    })
+    .await;
+    let (s, v) = a
+        .call(
+            "GET",
+            &format!("/v1/admin/tenants/{t}/usage?{range}&group_by=tag"),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!(s, 400, "{v}");
+    assert!(error_message(&v).contains("tag: required"), "{v}");
+    // The ledger export carries each row's tags: the workspace's under the key's own.
+    let (s, rows) = a
+        .call(
+            "GET",
+            &format!("/v1/billing/exports/usage?{range}&format=jsonl&tenant={t}"),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200);
+    let rows: Vec<Value> = rows
+        .as_str()
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let of = |key: &Value| -> Vec<Value> {
+        rows.iter()
+            .filter(|r| r["api_key_id"] == key["id"])
+            .map(|r| r["tags"].clone())
+            .collect()
+    };
+    assert_eq!(
+        of(&search),
+        vec![json!({"cost-center": "42", "env": "prod", "team": "search"}); 2]
+    );
+    assert_eq!(of(&ads), vec![json!({"env": "dev", "team": "ads"})]);
+    // So does the FOCUS dataset, in its Tags column.
+    let (s, csv) = a
+        .call(
+            "GET",
+            &format!(
+                "/v1/billing/exports/focus?{range}&tenant={t}&api_key={}",
+                ads["id"].as_str().unwrap()
+            ),
+            Some(&root),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200);
+    let csv = csv.as_str().unwrap();
+    assert!(csv.lines().next().unwrap().contains(",Tags,"), "{csv}");
+    assert!(
+        csv.contains(r#""{""env"":""dev"",""team"":""ads""}""#),
+        "{csv}"
+    );
+    a.stop().await;
+}

@@ -376,15 +376,24 @@ describe("the admin console", () => {
     // One key gets its own limit: the form keeps it within the tenant's (2 a minute).
     await p.getByRole("link", { name: "Keys" }).first().click();
     const row = p.locator("tr", { hasText: "load" }).first();
-    await row.getByRole("button", { name: /^Set limits of load/ }).click();
+    await row.getByRole("button", { name: /^Set limits and tags of load/ }).click();
     await p.getByLabel("Requests per minute").fill("5");
-    await p.getByRole("button", { name: "Save limits" }).click();
+    await p.getByLabel("Tags (tag=value, comma-separated)").fill("team");
+    await p.getByRole("button", { name: "Save", exact: true }).click();
     await p.getByText("at most 2 (the tenant's limit)").waitFor();
+    await p.getByText('"team": write each tag as tag=value').waitFor();
     await p.getByLabel("Requests per minute").fill("1");
-    await p.getByRole("button", { name: "Save limits" }).click();
-    await p.getByText(/Limits of .* saved/).waitFor();
+    await p.getByLabel("Tags (tag=value, comma-separated)").fill("team=search, env=prod");
+    await p.getByRole("button", { name: "Save", exact: true }).click();
+    await p.getByText(/Limits and tags of .* saved/).waitFor();
     await row.getByRole("cell", { name: "1 req/min" }).waitFor();
+    await row.getByRole("cell", { name: "env=prod, team=search" }).waitFor();
     await shot(p, "12c-key-limits");
+    // The dashboard splits the key's earlier traffic by its tag.
+    await p.getByRole("link", { name: "Dashboard" }).first().click();
+    await p.getByLabel("Split by").selectOption("tag:team");
+    await p.getByRole("rowheader", { name: "search", exact: true }).waitFor();
+    await shot(p, "12d-split-by-tag");
     // Put the tenant back as the later steps expect it.
     const root = await token("root", ROOT_PASSWORD);
     const back = await adminApi(root, "PATCH", `/v1/admin/tenants/${acmeId}/policy`, {

@@ -453,3 +453,33 @@ export function extendChoices(maxSecs: number | undefined): [string, string][] {
   if (!usual.some(([, , s]) => s === maxSecs)) fit.push([`${maxSecs}s`, `${formatDuration(maxSecs * 1000)} (the longest allowed)`]);
   return fit;
 }
+
+/** Tags as a form shows them: `team=search, env=prod` (by name). */
+export function tagsText(tags: Record<string, string> | undefined): string {
+  return Object.entries(tags ?? {})
+    .sort(([a], [b]) => a.localeCompare(b))
+    .map(([k, v]) => `${k}=${v}`)
+    .join(", ");
+}
+
+/**
+ * `team=search, env=prod` as tags, checked as the server checks them (at most 20; a name of 1
+ * to 64 letters, digits and `_ . : / -`, not starting with "cachet"; a value of at most 256
+ * characters), or an error text naming the tag.
+ */
+export function parseTags(text: string): Record<string, string> | string {
+  const tags: Record<string, string> = {};
+  for (const part of text.split(",").map((p) => p.trim()).filter((p) => p.length > 0)) {
+    const eq = part.indexOf("=");
+    if (eq < 0) return `"${part}": write each tag as tag=value`;
+    const name = part.slice(0, eq).trim();
+    const value = part.slice(eq + 1).trim();
+    if (!/^[A-Za-z0-9_.:/-]{1,64}$/.test(name)) return `"${name}" is not a tag name (1 to 64 of letters, digits and _ . : / -)`;
+    if (name.toLowerCase().startsWith("cachet")) return `"${name}": names starting with "cachet" are Cachet's own`;
+    if ([...value].length > 256) return `${name}: a value of at most 256 characters`;
+    if (name in tags) return `${name} is given twice`;
+    tags[name] = value;
+  }
+  if (Object.keys(tags).length > 20) return "at most 20 tags";
+  return tags;
+}

@@ -24,6 +24,8 @@ export interface Key {
   rotated_to: string | null;
   /** The key's own rate limits (null: the tenant's per-key default); never a budget. */
   limits: Limits;
+  /** The key's own tags, on top of its workspace's. */
+  tags: Record<string, string>;
 }
 
 export interface CreatedKey extends Key {
@@ -55,6 +57,8 @@ export interface UsagePoint extends Tokens {
   model?: string;
   api_key?: string;
   workspace?: string;
+  /** The tag's value in a split by tag (absent: keys without it). */
+  tag?: string;
   hit_ratio: number;
   cost_minor: number;
   cost_without_cache_minor: number;
@@ -71,12 +75,14 @@ export interface UsageView {
   from: string;
   to: string;
   granularity: "hour" | "day";
-  group_by: "none" | "model" | "api_key" | "workspace";
+  group_by: "none" | "model" | "api_key" | "workspace" | "tag";
   currency: string;
   totals: UsagePoint;
   series: UsagePoint[];
   key_names: Record<string, string>;
   workspace_names: Record<string, string>;
+  /** The tag names the tenant's keys and workspaces carry. */
+  tag_names: string[];
   /** Cache writes the fabric did not hold in the range, by reason (the whole tenant's). */
   cache_writes_not_held: NotHeld[];
 }
@@ -211,6 +217,7 @@ export interface Workspace {
   archived_at: string | null;
   limits: Limits;
   active_keys: number;
+  tags: Record<string, string>;
 }
 
 export interface WebhookEndpoint {

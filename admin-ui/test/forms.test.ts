@@ -12,6 +12,8 @@ import {
   policyPatch,
   ceilingText,
   keyLimitsPatch,
+  parseTags,
+  tagsText,
   validateKey,
   validateTenantName,
   validateNewPassword,
@@ -259,5 +261,21 @@ describe("a key's own limits", () => {
       output_tokens_per_minute: "a whole number of at least 1, or empty for the tenant's per-key default",
     });
     expect(patch).toEqual({});
+  });
+});
+
+describe("tags", () => {
+  it("read name=value pairs and write them back sorted", () => {
+    expect(parseTags(" team=search , env=prod,")).toEqual({ team: "search", env: "prod" });
+    expect(parseTags("")).toEqual({});
+    expect(parseTags("note=a=b")).toEqual({ note: "a=b" });
+    expect(tagsText({ team: "search", env: "prod" })).toBe("env=prod, team=search");
+  });
+  it("refuse what the server refuses, naming the tag", () => {
+    expect(parseTags("team")).toBe('"team": write each tag as tag=value');
+    expect(parseTags("bad name=x")).toContain("not a tag name");
+    expect(parseTags("cachet:tier=x")).toContain("Cachet's own");
+    expect(parseTags("a=1, a=2")).toBe("a is given twice");
+    expect(parseTags(Array.from({ length: 21 }, (_, i) => `t${i}=x`).join(","))).toBe("at most 20 tags");
   });
 });

@@ -47,6 +47,8 @@ pub enum GroupBy {
     Model,
     ApiKey,
     Workspace,
+    /// By the value of one tag of each key ([`UsageQuery::key_tags`]).
+    Tag,
 }
 
 /// Token counts by class, requests, and cache objects held.
@@ -112,6 +114,9 @@ pub struct UsagePoint {
     pub api_key: Option<Uuid>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workspace: Option<Uuid>,
+    /// The tag's value in a report split by `tag` (absent: keys without that tag).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
     #[serde(flatten)]
     pub tokens: Tokens,
     /// Share of prompt tokens served from the cache, 0..1.
@@ -284,6 +289,7 @@ struct Group {
     model: Option<String>,
     api_key: Option<Uuid>,
     workspace: Option<Uuid>,
+    tag: Option<String>,
 }
 
 fn point(
@@ -299,6 +305,7 @@ fn point(
         model: group.model,
         api_key: group.api_key,
         workspace: group.workspace,
+        tag: group.tag,
         hit_ratio: tokens.hit_ratio(),
         tokens,
         cost_minor: cost.actual.to_minor(currency),
@@ -335,6 +342,9 @@ pub struct UsageQuery<'a> {
     /// plane's, which passes them in), refused without it. A key not listed belongs to no
     /// workspace.
     pub key_workspaces: Option<&'a [(Uuid, Uuid)]>,
+    /// The value of the tag a report split by `tag` reads, for each key that has it (keys
+    /// not listed go together, untagged); refused without it.
+    pub key_tags: Option<&'a HashMap<Uuid, String>>,
 }
 
 impl UsageQuery<'static> {
@@ -348,6 +358,7 @@ impl UsageQuery<'static> {
             group_by: GroupBy::None,
             workspace: None,
             key_workspaces: None,
+            key_tags: None,
         }
     }
 }
@@ -367,6 +378,11 @@ pub async fn usage(pool: &PgPool, q: &UsageQuery<'_>) -> Result<UsageReport, Bil
         ..
     } = *q;
     let (from, to) = whole_hours(from, to)?;
+    if group_by == GroupBy::Tag && q.key_tags.is_none() {
+        return Err(BillingError::Invalid(
+            "a usage report by tag needs the keys' tags".into(),
+        ));
+    }
     let rater = Rater::load(pool, tenant).await?;
     let rows = rolled_up(pool, q, &rater, from, to).await?;
     let storage = storage_held(pool, q, from, to).await?;
@@ -405,14 +421,21 @@ pub async fn usage(pool: &PgPool, q: &UsageQuery<'_>) -> Result<UsageReport, Bil
         {
             currencies.push(c.to_string());
         }
-        let key = (
-            bucket_of(hour, granularity),
-            Group {
-                model: (group_by == GroupBy::Model).then(|| model.clone()),
-                api_key: r.get("api_key"),
-                workspace: r.get("workspace"),
+        let api_key: Option<Uuid> = r.get("api_key");
+        let group = match (group_by, q.key_tags) {
+            // Split by a tag: the keys' usage goes to their tag's value.
+            (GroupBy::Tag, Some(tags)) => Group {
+                tag: api_key.and_then(|k| tags.get(&k).cloned()),
+                ..Group::default()
             },
-        );
+            _ => Group {
+                model: (group_by == GroupBy::Model).then(|| model.clone()),
+                api_key,
+                workspace: r.get("workspace"),
+                tag: None,
+            },
+        };
+        let key = (bucket_of(hour, granularity), group);
         let e = buckets.entry(key).or_default();
         e.0.add(&tokens);
         e.1.add(&cost);
@@ -529,7 +552,7 @@ async fn rolled_up(
     .bind(tenant)
     .bind(from)
     .bind(to)
-    .bind(group_by == GroupBy::ApiKey)
+    .bind(matches!(group_by, GroupBy::ApiKey | GroupBy::Tag))
     .bind(whole_from)
     .bind(whole_to)
     .bind(&dirty)
@@ -570,7 +593,7 @@ async fn storage_held(
     .bind(q.tenant)
     .bind(from)
     .bind(to)
-    .bind(q.group_by == GroupBy::ApiKey)
+    .bind(matches!(q.group_by, GroupBy::ApiKey | GroupBy::Tag))
     .bind(q.group_by == GroupBy::Workspace)
     .bind(q.workspace)
     .fetch_all(pool)

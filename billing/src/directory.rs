@@ -6,7 +6,7 @@
 //! hands billing a [`Directory`] when it mounts the finance API, and passes the key → workspace
 //! map into the usage reports that split by workspace ([`crate::dashboard::UsageQuery`]).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use futures::future::BoxFuture;
 use uuid::Uuid;
@@ -21,6 +21,8 @@ pub struct TenantNames {
     pub tenant: Option<String>,
     pub workspaces: HashMap<Uuid, String>,
     pub keys: HashMap<Uuid, String>,
+    /// Each key's tags: its workspace's with its own on top (none listed: no tags).
+    pub key_tags: HashMap<Uuid, BTreeMap<String, String>>,
 }
 
 /// Where billing learns names: implemented by the crate that owns them.

@@ -63,10 +63,14 @@ pub struct Named {
     pub api_key_name: Option<String>,
     pub currency: Option<String>,
     pub cost_exact_nanos: Option<String>,
+    /// The key's tags (its workspace's with its own on top), as they are now; a JSON object
+    /// in CSV.
+    pub tags: std::collections::BTreeMap<String, String>,
 }
 
 /// The CSV columns of [`Named`], last in every export's header.
-const NAMED_CSV_COLUMNS: &str = "tenant_name,workspace_name,api_key_name,currency,cost_exact_nanos";
+const NAMED_CSV_COLUMNS: &str =
+    "tenant_name,workspace_name,api_key_name,currency,cost_exact_nanos,tags";
 
 /// A ledger row for exports.
 #[derive(Debug, Serialize, sqlx::FromRow)]
@@ -165,6 +169,7 @@ fn name_and_rate<R: ExportRow>(r: &mut R, rater: &crate::dashboard::Rater, names
     named.api_key_name = names.keys.get(&key).cloned();
     named.currency = currency;
     named.cost_exact_nanos = (cost.unpriced_tokens == 0).then(|| cost.actual.nanos_decimal());
+    named.tags = names.key_tags.get(&key).cloned().unwrap_or_default();
 }
 
 /// The export writer: one row in `format` appended to `out`.
@@ -186,6 +191,9 @@ fn encode<R: ExportRow>(format: Format, r: &mut R, out: &mut Vec<u8>) {
                 }
                 out.extend_from_slice(csv_field(v.as_deref().unwrap_or("")).as_bytes());
             }
+            out.push(b',');
+            let tags = serde_json::to_string(&n.tags).unwrap_or_default();
+            out.extend_from_slice(csv_field(&tags).as_bytes());
             out.extend_from_slice(b"\r\n");
         }
         Format::Jsonl => {

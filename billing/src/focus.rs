@@ -10,7 +10,8 @@
 //!
 //! Columns: every one of FOCUS 1.2's mandatory columns ([`MANDATORY`]), the conditional and
 //! recommended ones Cachet has (SKU, resource, sub-account, quantities, unit prices, charge
-//! frequency, service subcategory), then Cachet's own (`x_Model`, `x_TokenClass`).
+//! frequency, service subcategory, `Tags`: the key's tags, its workspace's under its own),
+//! then Cachet's own (`x_Model`, `x_TokenClass`).
 //! - account: `BillingAccountId`/`Name` the tenant, `SubAccountId`/`Name` its workspace,
 //!   `ResourceId`/`Name` the API key (`ResourceType` `API Key`);
 //! - cost: `ListCost` at the list price, `ContractedCost` at the tenant's rate (its custom
@@ -65,7 +66,7 @@ pub const MANDATORY: [&str; 21] = [
 ];
 
 /// The columns written, in order.
-pub const COLUMNS: [&str; 38] = [
+pub const COLUMNS: [&str; 39] = [
     "BilledCost",
     "BillingAccountId",
     "BillingAccountName",
@@ -102,6 +103,7 @@ pub const COLUMNS: [&str; 38] = [
     "SkuPriceId",
     "SubAccountId",
     "SubAccountName",
+    "Tags",
     "x_Model",
     "x_TokenClass",
 ];
@@ -298,7 +300,8 @@ fn write_row(out: &mut Vec<u8>, g: &Group, sku: Sku, names: &TenantNames) {
         )
     });
     let name = |m: &HashMap<Uuid, String>, id: &Uuid| m.get(id).cloned().unwrap_or_default();
-    let cells: [String; 38] = [
+    let tags = names.key_tags.get(&g.key).cloned().unwrap_or_default();
+    let cells: [String; 39] = [
         billed.clone(),
         g.tenant.to_string(),
         names.tenant.clone().unwrap_or_default(),
@@ -335,6 +338,7 @@ fn write_row(out: &mut Vec<u8>, g: &Group, sku: Sku, names: &TenantNames) {
         price_id.unwrap_or_default(),
         g.workspace.to_string(),
         name(&names.workspaces, &g.workspace),
+        serde_json::to_string(&tags).unwrap_or_default(),
         g.model.clone(),
         class.into(),
     ];

@@ -7,7 +7,11 @@ import { dateRange } from "../forms";
 import type { BudgetView, Tenant, UsagePoint, UsageView } from "../types";
 import { useWorkspaces } from "./workspaces";
 
-type SplitBy = "model" | "api_key" | "workspace";
+/** `tag:NAME` splits by the value of one tag of each key. */
+type SplitBy = "model" | "api_key" | "workspace" | `tag:${string}`;
+
+const SPLIT_CAPTION: Record<string, string> = { api_key: "By API key", workspace: "By workspace", tag: "By tag", model: "By model" };
+const SPLIT_HEAD: Record<string, string> = { api_key: "Key", workspace: "Workspace", tag: "Tag value", model: "Model" };
 
 const PRESETS: [string, string, number][] = [
   ["24h", "Last 24 hours", 1],
@@ -39,7 +43,10 @@ export function DashboardTab({ tenant }: { tenant: Tenant }) {
     const base = `/v1/admin/tenants/${tenant.id}/usage`;
     const [total, split] = await Promise.all([
       api<UsageView>("GET", `${base}${qs({ ...range, workspace })}`),
-      api<UsageView>("GET", `${base}${qs({ ...range, workspace, group_by: by, granularity: "day" })}`),
+      api<UsageView>(
+        "GET",
+        `${base}${qs({ ...range, workspace, granularity: "day", ...(by.startsWith("tag:") ? { group_by: "tag", tag: by.slice(4) } : { group_by: by }) })}`,
+      ),
     ]);
     return { total, split };
   }, [tenant.id, preset, from, to, by, workspace, stamp]);
@@ -110,6 +117,11 @@ export function DashboardTab({ tenant }: { tenant: Tenant }) {
               <option value="model">Model</option>
               <option value="api_key">API key</option>
               <option value="workspace">Workspace</option>
+              {(usage.data.total.tag_names ?? []).map((t) => (
+                <option key={t} value={`tag:${t}`}>
+                  Tag: {t}
+                </option>
+              ))}
             </select>
           </label>
           <Split view={usage.data.split} />
@@ -266,7 +278,13 @@ function Split({ view }: { view: UsageView }) {
     const m = new Map<string, UsagePoint[]>();
     for (const p of view.series) {
       const k =
-        view.group_by === "api_key" ? (p.api_key ?? "") : view.group_by === "workspace" ? (p.workspace ?? "") : (p.model ?? "");
+        view.group_by === "api_key"
+          ? (p.api_key ?? "")
+          : view.group_by === "workspace"
+            ? (p.workspace ?? "")
+            : view.group_by === "tag"
+              ? (p.tag ?? "")
+              : (p.model ?? "");
       m.set(k, [...(m.get(k) ?? []), p]);
     }
     return [...m.entries()].map(([k, ps]) => {
@@ -279,7 +297,9 @@ function Split({ view }: { view: UsageView }) {
             ? (view.key_names[k] ?? k)
             : view.group_by === "workspace"
               ? (view.workspace_names[k] ?? k)
-              : k,
+              : view.group_by === "tag" && k === ""
+                ? "(untagged)"
+                : k,
         requests: sum((p) => p.requests),
         input: sum((p) => p.input_tokens),
         w5: sum((p) => p.cache_write_5m_tokens),
@@ -293,10 +313,10 @@ function Split({ view }: { view: UsageView }) {
     });
   }, [view]);
   return (
-    <Table caption={view.group_by === "api_key" ? "By API key" : view.group_by === "workspace" ? "By workspace" : "By model"}>
+    <Table caption={SPLIT_CAPTION[view.group_by] ?? "By model"}>
       <thead>
         <tr>
-          <th scope="col">{view.group_by === "api_key" ? "Key" : view.group_by === "workspace" ? "Workspace" : "Model"}</th>
+          <th scope="col">{SPLIT_HEAD[view.group_by] ?? "Model"}</th>
           <th scope="col">Requests</th>
           <th scope="col">Input</th>
           <th scope="col">Write 5m</th>

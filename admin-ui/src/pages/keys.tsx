@@ -2,7 +2,7 @@ import { useState } from "preact/hooks";
 import { api } from "../api";
 import { Confirm, Dialog, ErrorBanner, Field, FormFooter, Loaded, message, Notice, SecretDialog, Table, useAction, useAsync } from "../components/ui";
 import { formatTime } from "../format";
-import { KEY_LIMIT_FIELDS, keyLimitsPatch, type Policy, parseGrace, validateKey } from "../forms";
+import { KEY_LIMIT_FIELDS, keyLimitsPatch, type Policy, parseGrace, parseTags, tagsText, validateKey } from "../forms";
 import type { CreatedKey, Key, Limits, Rotation, Tenant, Workspace } from "../types";
 import { useWorkspaces } from "./workspaces";
 
@@ -30,7 +30,7 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
       <Loaded state={keys} what="keys">
         <Table
           caption="Keys (secrets are never shown again)"
-          columns={["Name", "Prefix", "Workspace", "State", "Created", "Last used", "Expires", "Own limits", "Actions"]}
+          columns={["Name", "Prefix", "Workspace", "State", "Created", "Last used", "Expires", "Own limits", "Tags", "Actions"]}
           rows={keys.data?.data ?? []} row={(k) => (
             <tr key={k.id} data-key={k.id}>
               <td>{k.name}</td>
@@ -43,6 +43,7 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
               <td>{formatTime(k.last_used_at)}</td>
               <td>{formatTime(k.expires_at)}</td>
               <td>{ownLimits(k.limits)}</td>
+              <td>{tagsText(k.tags) || "–"}</td>
               <td>
                 {(k.state === "active" || k.state === "rotating") && (
                   <div class="actions">
@@ -54,8 +55,8 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
                         <button type="button" class="secondary" onClick={() => setExpiring(k)} aria-label={`Set expiry of ${k.name} ${k.prefix}`}>
                           Expiry
                         </button>
-                        <button type="button" class="secondary" onClick={() => setLimiting(k)} aria-label={`Set limits of ${k.name} ${k.prefix}`}>
-                          Limits
+                        <button type="button" class="secondary" onClick={() => setLimiting(k)} aria-label={`Set limits and tags of ${k.name} ${k.prefix}`}>
+                          Limits & tags
                         </button>
                       </>
                     )}
@@ -116,7 +117,7 @@ export function KeysTab({ tenant }: { tenant: Tenant }) {
         onChanged={(k) => {
           setLimiting(null);
           keys.reload();
-          setNotice(`Limits of ${k.prefix}… saved. Running gateways apply them within seconds.`);
+          setNotice(`Limits and tags of ${k.prefix}… saved. Running gateways apply them within seconds.`);
         }}
       />
       <Confirm
@@ -308,7 +309,10 @@ function KeyLimitsDialog(props: {
     setShownFor(k.id);
     setErrors({});
     setError(null);
-    setForm(Object.fromEntries(KEY_LIMIT_FIELDS.map(([f]) => [f, k.limits[f] === null ? "" : String(k.limits[f])])));
+    setForm({
+      ...Object.fromEntries(KEY_LIMIT_FIELDS.map(([f]) => [f, k.limits[f] === null ? "" : String(k.limits[f])])),
+      tags: tagsText(k.tags),
+    });
   }
   const none: Limits = { requests_per_minute: null, input_tokens_per_minute: null, output_tokens_per_minute: null, monthly_budget_minor: null };
   const ws = props.workspace?.limits ?? none;
@@ -327,21 +331,26 @@ function KeyLimitsDialog(props: {
       .join(" ");
   };
   return (
-    <Dialog open={k !== null} title={`Limits of ${k?.name ?? ""} (${k?.prefix ?? ""}…)`} onClose={props.onClose}>
+    <Dialog open={k !== null} title={`Limits and tags of ${k?.name ?? ""} (${k?.prefix ?? ""}…)`} onClose={props.onClose}>
       <form
         noValidate
         onSubmit={async (e) => {
           e.preventDefault();
           if (!k) return;
           const v = keyLimitsPatch(k.limits, form, ws, p ?? none);
-          setErrors(v.errors);
-          if (Object.keys(v.errors).length) return;
-          if (Object.keys(v.patch).length === 0) {
+          const tags = parseTags(form.tags ?? "");
+          const errs: Record<string, string> = { ...v.errors };
+          const patch: Record<string, unknown> = { ...v.patch };
+          if (typeof tags === "string") errs.tags = tags;
+          else if (tagsText(tags) !== tagsText(k.tags)) patch.tags = tags;
+          setErrors(errs);
+          if (Object.keys(errs).length) return;
+          if (Object.keys(patch).length === 0) {
             props.onClose();
             return;
           }
           await run(async () => {
-            props.onChanged(await api<Key>("PATCH", `/v1/admin/tenants/${props.tenant.id}/keys/${k.id}`, v.patch));
+            props.onChanged(await api<Key>("PATCH", `/v1/admin/tenants/${props.tenant.id}/keys/${k.id}`, patch));
           });
         }}
       >
@@ -358,7 +367,16 @@ function KeyLimitsDialog(props: {
             onInput={(e) => setForm({ ...form, [f]: e.currentTarget.value })}
           />
         ))}
-        <FormFooter error={error} busy={busy} submit="Save limits" onCancel={props.onClose} />
+        <Field
+          id="key-tags"
+          label="Tags (tag=value, comma-separated)"
+          placeholder="team=search, env=prod"
+          value={form.tags ?? ""}
+          error={errors.tags}
+          hint={`On top of its workspace's${props.workspace && tagsText(props.workspace.tags) ? ` (${tagsText(props.workspace.tags)})` : ""}: exports and the dashboard group usage by them.`}
+          onInput={(e) => setForm({ ...form, tags: e.currentTarget.value })}
+        />
+        <FormFooter error={error} busy={busy} submit="Save" onCancel={props.onClose} />
       </form>
     </Dialog>
   );

@@ -5,7 +5,7 @@ import { useState } from "preact/hooks";
 import { api } from "../api";
 import { Confirm, Dialog, Field, FormFooter, Loaded, Notice, Table, useAction, useAsync } from "../components/ui";
 import { formatLimit, formatMoney, formatTime } from "../format";
-import { minorToText, parseLimit, parseMoney } from "../forms";
+import { minorToText, parseLimit, parseMoney, parseTags, tagsText } from "../forms";
 import type { BudgetView, Limits, Tenant, Workspace } from "../types";
 
 const LIMITS: [Exclude<keyof Limits, "monthly_budget_minor">, string, number][] = [
@@ -126,6 +126,7 @@ function WorkspaceDialog(props: {
     for (const [k] of LIMITS) f[k] = existing?.limits[k] == null ? "" : String(existing.limits[k]);
     const b = existing?.limits.monthly_budget_minor;
     f.budget = b == null ? "" : minorToText(b, props.currency);
+    f.tags = tagsText(existing?.tags);
     return f;
   };
   const [form, setForm] = useState<Record<string, string>>(initial);
@@ -160,6 +161,9 @@ function WorkspaceDialog(props: {
             if (typeof v === "string") errs.budget = v;
             else body.monthly_budget_minor = v;
           }
+          const tags = parseTags(form.tags);
+          if (typeof tags === "string") errs.tags = tags;
+          else body.tags = tags;
           setErrors(errs);
           if (Object.keys(errs).length > 0) return;
           await run(async () => {
@@ -201,6 +205,15 @@ function WorkspaceDialog(props: {
           error={errors.budget}
           hint="This workspace's keys are refused (429) once its spend this month reaches it."
           onInput={(e) => setForm({ ...form, budget: e.currentTarget.value })}
+        />
+        <Field
+          id="ws-tags"
+          label="Tags (tag=value, comma-separated)"
+          placeholder="team=search, cost-center=42"
+          value={form.tags}
+          error={errors.tags}
+          hint="Its keys' usage carries them (a key's own tags on top): exports and the dashboard group by them."
+          onInput={(e) => setForm({ ...form, tags: e.currentTarget.value })}
         />
         <FormFooter error={error} busy={busy} submit="Save" onCancel={props.onClose} />
       </form>

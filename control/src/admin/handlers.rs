@@ -19,6 +19,7 @@ use crate::tenants::audit::{self, AuditRow};
 use crate::tenants::keys::{self, KeyInfo, RotateRequest};
 use crate::tenants::limits::{LimitsPatch, NoOtherFields};
 use crate::tenants::policy::{self, Policy, PolicyPatch};
+use crate::tenants::tags::Tags;
 use crate::tenants::{self, AdminError, TenantInfo};
 use cachet_common::error::ErrorBody;
 use cachet_common::error::{ApiError, ErrorCode};
@@ -184,6 +185,9 @@ pub struct NewKeyRequest {
     /// The workspace the key belongs to (the tenant's default workspace if absent).
     #[serde(default)]
     pub workspace_id: Option<Uuid>,
+    /// The key's own tags, on top of its workspace's (none by default).
+    #[serde(default)]
+    pub tags: Tags,
 }
 
 fn default_key_name() -> String {
@@ -218,6 +222,7 @@ pub async fn create_key(
     let workspace = req
         .workspace_id
         .map_or(tenant.default_workspace, cachet_common::WorkspaceId);
+    req.tags.validate()?;
     let k = keys::create_key_in(
         &state.pool,
         &admin.actor,
@@ -227,6 +232,16 @@ pub async fn create_key(
         req.expires_at,
     )
     .await?;
+    if !req.tags.0.is_empty() {
+        keys::set_key_tags(
+            &state.pool,
+            &admin.actor,
+            TenantId(id),
+            k.id.as_uuid(),
+            &req.tags,
+        )
+        .await?;
+    }
     Ok((
         StatusCode::CREATED,
         axum::Json(CreatedKey {
@@ -247,12 +262,16 @@ pub struct KeyUpdate {
     /// workspace's and the tenant's; `monthly_budget_minor` is refused (a key has no budget).
     #[serde(flatten)]
     pub limits: LimitsPatch,
+    /// The key's own tags, all of them (`null` or `{}`: none).
+    #[serde(default, deserialize_with = "crate::tenants::limits::present")]
+    #[schema(value_type = Option<Tags>)]
+    pub tags: Option<Option<Tags>>,
     #[serde(flatten)]
     #[schema(ignore)]
     pub rest: NoOtherFields,
 }
 
-/// Set or clear a key's expiry, or change its own rate limits.
+/// Set or clear a key's expiry, change its own rate limits or its tags.
 #[utoipa::path(patch, path = "/v1/admin/tenants/{id}/keys/{key}", tag = "admin",
     params(("id" = Uuid, Path, description = "Tenant id"), ("key" = Uuid, Path, description = "Key id")),
     request_body = KeyUpdate,
@@ -273,6 +292,10 @@ pub async fn update_key(
     if !req.limits.is_empty() {
         info =
             keys::set_key_limits(&state.pool, &admin.actor, TenantId(id), key, &req.limits).await?;
+    }
+    if let Some(tags) = req.tags {
+        let tags = tags.unwrap_or_default();
+        info = keys::set_key_tags(&state.pool, &admin.actor, TenantId(id), key, &tags).await?;
     }
     Ok(axum::Json(info))
 }

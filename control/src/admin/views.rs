@@ -31,11 +31,14 @@ pub struct UsageQuery {
     pub to: DateTime<Utc>,
     /// `hour` or `day`; by default `hour` for windows up to three days, else `day`.
     pub granularity: Option<Granularity>,
-    /// `none` (default), `model`, `api_key` or `workspace`.
+    /// `none` (default), `model`, `api_key`, `workspace` or `tag` (with `tag`).
     #[serde(default)]
     pub group_by: GroupBy,
     /// Only the usage of this workspace's keys.
     pub workspace: Option<Uuid>,
+    /// The tag a report split by `tag` reads (`team`): each key's value, its workspace's
+    /// under its own.
+    pub tag: Option<String>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -46,6 +49,8 @@ pub struct UsageView {
     pub key_names: BTreeMap<Uuid, String>,
     /// Names of the workspaces in a series grouped by `workspace`.
     pub workspace_names: BTreeMap<Uuid, String>,
+    /// The tag names the tenant's keys and workspaces carry (what a report can split by).
+    pub tag_names: Vec<String>,
     /// Cache writes the fabric did not hold in the range's hours, by reason (none when all
     /// were held): why the usage may show fewer cache writes than breakpoints asked for.
     pub cache_writes_not_held: Vec<crate::tenants::refusals::NotHeldCount>,
@@ -79,6 +84,27 @@ pub async fn usage(
     } else {
         Vec::new()
     };
+    let key_tags = tenants::directory::key_tags(&state.pool, id)
+        .await
+        .map_err(AdminError::from)?;
+    let tag_names: Vec<String> = key_tags
+        .values()
+        .flat_map(|t| t.keys().cloned())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let by_tag: Option<std::collections::HashMap<Uuid, String>> = match (q.group_by, &q.tag) {
+        (GroupBy::Tag, None) => {
+            return Err(ApiError::invalid("tag: required when group_by is tag"));
+        }
+        (GroupBy::Tag, Some(tag)) => Some(
+            key_tags
+                .iter()
+                .filter_map(|(k, t)| t.get(tag).map(|v| (*k, v.clone())))
+                .collect(),
+        ),
+        _ => None,
+    };
     let report = dashboard::usage(
         &state.pool,
         &dashboard::UsageQuery {
@@ -89,6 +115,7 @@ pub async fn usage(
             group_by: q.group_by,
             workspace: q.workspace,
             key_workspaces: Some(&key_workspaces),
+            key_tags: by_tag.as_ref(),
         },
     )
     .await?;
@@ -125,6 +152,7 @@ pub async fn usage(
         report,
         key_names,
         workspace_names,
+        tag_names,
         cache_writes_not_held,
     }))
 }

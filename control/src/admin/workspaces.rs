@@ -11,6 +11,7 @@ use uuid::Uuid;
 
 use super::{Access, Admin, AdminJson, AdminPath, AdminQuery, AdminState};
 use crate::tenants::limits::{Limits, NoOtherFields};
+use crate::tenants::tags::Tags;
 use crate::tenants::workspaces::{self, WorkspaceInfo, WorkspacePatch};
 
 #[derive(Serialize, ToSchema)]
@@ -50,6 +51,9 @@ pub struct NewWorkspace {
     /// Its own limits (none by default: the tenant's alone).
     #[serde(flatten)]
     pub limits: Limits,
+    /// Tags its keys' usage carries, for chargeback (none by default).
+    #[serde(default)]
+    pub tags: Tags,
     #[serde(flatten)]
     #[schema(ignore)]
     pub rest: NoOtherFields,
@@ -74,6 +78,7 @@ pub async fn create_workspace(
         TenantId(id),
         &req.name,
         req.limits,
+        &req.tags,
     )
     .await?;
     Ok((StatusCode::CREATED, axum::Json(ws)))

@@ -3,13 +3,15 @@
 //! invoices and reports print or split by through [`billing::directory::Directory`], which
 //! [`Directory`] implements over this crate's tables.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use billing::directory::TenantNames;
 use billing::invoice::BillingError;
 use futures::future::BoxFuture;
 use sqlx::PgPool;
 use uuid::Uuid;
+
+use super::tags::Tags;
 
 /// `tenant`'s name and the names of its workspaces and keys (archived, revoked and deleted
 /// ones too: old rows still name them).
@@ -31,7 +33,28 @@ pub async fn names(pool: &PgPool, tenant: Uuid) -> Result<TenantNames, sqlx::Err
         tenant: name,
         workspaces,
         keys,
+        key_tags: key_tags(pool, tenant).await?,
     })
+}
+
+/// Each of `tenant`'s keys' tags: its workspace's with its own on top (keys with none left
+/// out).
+pub async fn key_tags(
+    pool: &PgPool,
+    tenant: Uuid,
+) -> Result<HashMap<Uuid, BTreeMap<String, String>>, sqlx::Error> {
+    let rows: Vec<(Uuid, serde_json::Value, serde_json::Value)> = sqlx::query_as(
+        "SELECT k.id, w.tags, k.tags FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id \
+         WHERE k.tenant_id = $1",
+    )
+    .bind(tenant)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(k, ws, own)| (k, Tags::from_json(ws).over(&Tags::from_json(own)).0))
+        .filter(|(_, t)| !t.is_empty())
+        .collect())
 }
 
 /// The workspace of each of `tenant`'s keys, `(key, workspace)`: what a usage report split or

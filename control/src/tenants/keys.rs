@@ -23,6 +23,7 @@ use uuid::Uuid;
 
 use super::audit::{self, Actor};
 use super::limits::{Limits, LimitsPatch};
+use super::tags::Tags;
 use super::{AdminError, Tenant};
 
 const SECRET_PREFIX: &str = "sk-cachet-";
@@ -73,6 +74,8 @@ pub struct KeyInfo {
     /// within its workspace's and the tenant's. A key has no budget of its own
     /// (`monthly_budget_minor` is always null).
     pub limits: Limits,
+    /// The key's own tags, on top of its workspace's, for chargeback.
+    pub tags: Tags,
 }
 
 pub fn hash_secret(secret: &str) -> [u8; 32] {
@@ -220,7 +223,7 @@ pub async fn create_key_in(
 
 const KEY_COLUMNS: &str = "id, tenant_id, workspace_id, name, visible_prefix, created_at, last_used_at, \
     expires_at, revoked_at, rotated_to, requests_per_minute, input_tokens_per_minute, \
-    output_tokens_per_minute, NULL::BIGINT AS monthly_budget_minor";
+    output_tokens_per_minute, NULL::BIGINT AS monthly_budget_minor, tags";
 
 fn key_info(r: &sqlx::postgres::PgRow, now: DateTime<Utc>) -> KeyInfo {
     let expires_at: Option<DateTime<Utc>> = r.get("expires_at");
@@ -248,6 +251,7 @@ fn key_info(r: &sqlx::postgres::PgRow, now: DateTime<Utc>) -> KeyInfo {
         revoked_at,
         rotated_to,
         limits: Limits::from_row(r, &super::limits::TENANT_COLUMNS),
+        tags: Tags::from_json(r.get("tags")),
     }
 }
 
@@ -404,6 +408,30 @@ pub async fn set_key_limits(
     get_key(pool, Some(tenant.as_uuid()), key).await
 }
 
+/// Replace a key's own tags.
+pub async fn set_key_tags(
+    pool: &PgPool,
+    actor: &Actor,
+    tenant: TenantId,
+    key: Uuid,
+    tags: &Tags,
+) -> Result<KeyInfo, AdminError> {
+    tags.validate()?;
+    let before = get_key(pool, Some(tenant.as_uuid()), key).await?;
+    let mut tx = pool.begin().await?;
+    sqlx::query("UPDATE api_keys SET tags = $2 WHERE id = $1")
+        .bind(key)
+        .bind(tags.json())
+        .execute(&mut *tx)
+        .await?;
+    audit::Entry::new("key.tags", Some(tenant.as_uuid()), key)
+        .before(json!({"tags": before.tags}))
+        .after(json!({"tags": tags}))
+        .commit(tx, actor)
+        .await?;
+    get_key(pool, Some(tenant.as_uuid()), key).await
+}
+
 /// What a rotation did.
 #[derive(Clone, Debug)]
 pub struct Rotation {
@@ -529,11 +557,11 @@ pub async fn rotate_key(
         req.expires_at,
     )
     .await?;
-    // The new key keeps the old one's own limits.
+    // The new key keeps the old one's own limits and tags.
     sqlx::query(
         "UPDATE api_keys n SET requests_per_minute = o.requests_per_minute, \
          input_tokens_per_minute = o.input_tokens_per_minute, \
-         output_tokens_per_minute = o.output_tokens_per_minute FROM api_keys o \
+         output_tokens_per_minute = o.output_tokens_per_minute, tags = o.tags FROM api_keys o \
          WHERE n.id = $1 AND o.id = $2",
     )
     .bind(new_id.as_uuid())

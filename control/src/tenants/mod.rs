@@ -18,6 +18,7 @@ pub mod keys;
 pub mod limits;
 pub mod policy;
 pub mod refusals;
+pub mod tags;
 pub mod workspaces;
 
 use cachet_common::{ApiKeyId, TenantId, WorkspaceId};

@@ -23,7 +23,8 @@ use uuid::Uuid;
 
 use super::AdminError;
 use super::audit::{self, Actor};
-use super::limits::{Limits, LimitsPatch, NoOtherFields};
+use super::limits::{Limits, LimitsPatch, NoOtherFields, present};
+use super::tags::Tags;
 
 /// The name of the workspace every tenant is created with.
 pub const DEFAULT_NAME: &str = "default";
@@ -42,6 +43,8 @@ pub struct WorkspaceInfo {
     pub limits: Limits,
     /// Keys that are neither revoked nor expired.
     pub active_keys: i64,
+    /// Tags its keys' usage carries (each key's own on top), for chargeback.
+    pub tags: Tags,
 }
 
 /// A change to a workspace (JSON merge patch: absent = unchanged, `null` = no limit).
@@ -51,6 +54,10 @@ pub struct WorkspacePatch {
     pub name: Option<String>,
     #[serde(flatten)]
     pub limits: LimitsPatch,
+    /// The workspace's tags, all of them (`null` or `{}`: none).
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<Tags>)]
+    pub tags: Option<Option<Tags>>,
     #[serde(flatten)]
     #[schema(ignore)]
     pub rest: NoOtherFields,
@@ -82,7 +89,7 @@ pub(crate) fn limits_from_row(r: &sqlx::postgres::PgRow) -> Limits {
 
 fn columns() -> String {
     format!(
-        "w.id, w.tenant_id, w.name, w.created_at, w.archived_at, {LIMIT_COLUMNS}, \
+        "w.id, w.tenant_id, w.name, w.created_at, w.archived_at, w.tags, {LIMIT_COLUMNS}, \
          (SELECT count(*) FROM api_keys k WHERE k.workspace_id = w.id AND k.revoked_at IS NULL \
           AND (k.expires_at IS NULL OR k.expires_at > now())) AS active_keys"
     )
@@ -99,6 +106,7 @@ fn info(r: &sqlx::postgres::PgRow) -> WorkspaceInfo {
         archived_at: r.get("archived_at"),
         limits: limits_from_row(r),
         active_keys: r.get("active_keys"),
+        tags: Tags::from_json(r.get("tags")),
     }
 }
 
@@ -191,27 +199,30 @@ pub async fn create_workspace(
     tenant: TenantId,
     name: &str,
     limits: Limits,
+    tags: &Tags,
 ) -> Result<WorkspaceInfo, AdminError> {
     let name = super::check_name(name)?;
     limits.validate("")?;
+    tags.validate()?;
     let tenant_limits = super::policy::get_policy(pool, tenant).await?.limits;
     limits.within(&tenant_limits, "", "the tenant's")?;
     let id = WorkspaceId::new();
     let mut tx = pool.begin().await?;
     let insert = sqlx::query(
         "INSERT INTO workspaces (id, tenant_id, name, requests_per_minute, input_tokens_per_minute, \
-         output_tokens_per_minute, monthly_budget_minor) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+         output_tokens_per_minute, monthly_budget_minor, tags) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
     )
     .bind(id.as_uuid())
     .bind(tenant.as_uuid())
     .bind(name);
     limits
         .bind(insert)
+        .bind(tags.json())
         .execute(&mut *tx)
         .await
         .map_err(|e| conflict(e.into(), name))?;
     audit::Entry::new("workspace.create", Some(tenant.as_uuid()), id)
-        .after(json!({"name": name, "limits": limits}))
+        .after(json!({"name": name, "limits": limits, "tags": tags}))
         .commit(tx, actor)
         .await?;
     get_workspace(pool, tenant, id).await
@@ -247,28 +258,34 @@ pub async fn update_workspace(
         )));
     }
     let limits = patch.apply(before.limits)?;
+    let tags = match &patch.tags {
+        Some(t) => t.clone().unwrap_or_default(),
+        None => before.tags.clone(),
+    };
+    tags.validate()?;
     let tenant_limits = super::policy::get_policy(pool, tenant).await?.limits;
     limits.within(&tenant_limits, "", "the tenant's")?;
     let mut tx = pool.begin().await?;
     let update = sqlx::query(
         "UPDATE workspaces SET name = $2, requests_per_minute = $3, input_tokens_per_minute = $4, \
-         output_tokens_per_minute = $5, monthly_budget_minor = $6 WHERE id = $1",
+         output_tokens_per_minute = $5, monthly_budget_minor = $6, tags = $7 WHERE id = $1",
     )
     .bind(workspace.as_uuid())
     .bind(name);
     limits
         .bind(update)
+        .bind(tags.json())
         .execute(&mut *tx)
         .await
         .map_err(|e| conflict(e.into(), name))?;
     // Its keys' limits above the workspace's new ones are lowered to them.
     let (_, keys) = super::limits::lower_below(&mut tx, tenant.as_uuid()).await?;
-    let mut after = json!({"name": name, "limits": limits});
+    let mut after = json!({"name": name, "limits": limits, "tags": tags});
     if keys > 0 {
         after["lowered_to_fit"] = json!({"keys": keys});
     }
     audit::Entry::new("workspace.update", Some(tenant.as_uuid()), workspace)
-        .before(json!({"name": before.name, "limits": before.limits}))
+        .before(json!({"name": before.name, "limits": before.limits, "tags": before.tags}))
         .after(after)
         .commit(tx, actor)
         .await?;
