@@ -158,3 +158,28 @@ export function writesNotHeld(rows: { reason: string; breakpoints: number; token
     "Their tokens were billed at the next written breakpoint's rate or as plain input, not as cache writes."
   );
 }
+
+/**
+ * Exact amounts (`"0.0000519"`, the API's strings) added without rounding, in the currency:
+ * the sum as an exact string and rounded to minor units (half away from zero), so a group of
+ * sub-cent buckets shows what it cost instead of a sum of rounded zeros.
+ */
+export function sumExact(amounts: string[], currency: string): { exact: string; minor: number } {
+  const SCALE = 18;
+  let total = 0n;
+  for (const a of amounts) {
+    const m = /^(-?)(\d+)(?:\.(\d{1,18}))?$/.exec(a.trim());
+    if (!m) continue;
+    const v = BigInt(m[2]) * 10n ** BigInt(SCALE) + BigInt((m[3] ?? "").padEnd(SCALE, "0") || "0");
+    total += m[1] ? -v : v;
+  }
+  const neg = total < 0n;
+  const abs = neg ? -total : total;
+  const whole = abs / 10n ** BigInt(SCALE);
+  const frac = (abs % 10n ** BigInt(SCALE)).toString().padStart(SCALE, "0").replace(/0+$/, "");
+  const d = minorDigits(currency);
+  const exact = `${neg ? "-" : ""}${whole}${frac || d ? "." : ""}${frac.padEnd(d, "0")}`;
+  const unit = 10n ** BigInt(SCALE - d);
+  const minorAbs = (abs + unit / 2n) / unit;
+  return { exact, minor: Number(neg ? -minorAbs : minorAbs) };
+}

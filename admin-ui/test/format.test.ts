@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { count, formatBytes, formatCost, formatDuration, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, releasedText, writesNotHeld } from "../src/format";
+import { count, formatBytes, formatCost, formatDuration, formatLimit, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, releasedText, sumExact, writesNotHeld } from "../src/format";
 
 describe("money", () => {
   it("shows a sub-cent cost by its significant digits, not as zero", () => {
@@ -108,5 +108,17 @@ describe("cache writes not held", () => {
     expect(s).toContain("2 over the tenant's cache quota (resident bytes) (1,200 tokens)");
     expect(s).toContain("1 a cache error (corrupt) (1 token)");
     expect(writesNotHeld([{ reason: "capacity", breakpoints: 1, tokens: 5 }])).toMatch(/^1 cache write was not held/);
+  });
+});
+
+describe("exact sums", () => {
+  it("add sub-cent amounts without rounding each", () => {
+    const s = sumExact(["0.004", "0.004", "0.0041"], "USD");
+    expect(s).toEqual({ exact: "0.0121", minor: 1 });
+    expect(sumExact(["0.005"], "USD").minor).toBe(1);
+    expect(sumExact(["-0.005", "0.001"], "USD")).toEqual({ exact: "-0.004", minor: 0 });
+    expect(sumExact(["12.50", "0.50"], "USD")).toEqual({ exact: "13.00", minor: 1300 });
+    expect(sumExact(["1.5", "2"], "JPY")).toEqual({ exact: "3.5", minor: 4 });
+    expect(sumExact([], "USD")).toEqual({ exact: "0.00", minor: 0 });
   });
 });

@@ -2,7 +2,7 @@ import { useMemo, useState } from "preact/hooks";
 import { api, download, qs } from "../api";
 import { TimeChart } from "../components/chart";
 import { ErrorBanner, Kpi, Loading, message, Pick, Table, useAsync } from "../components/ui";
-import { count, formatCost, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, writesNotHeld } from "../format";
+import { count, formatCost, formatMoney, formatMoneyAxis, formatRatio, formatTime, formatTokens, sumExact, writesNotHeld } from "../format";
 import { dateRange } from "../forms";
 import type { BudgetView, Tenant, UsagePoint, UsageView } from "../types";
 import { useWorkspaces } from "./workspaces";
@@ -307,8 +307,15 @@ function Split({ view }: { view: UsageView }) {
         read,
         output: sum((p) => p.output_tokens),
         ratio: prompt ? read / prompt : 0,
-        cost: sum((p) => p.cost_minor),
-        saved: sum((p) => p.saved_minor),
+        // Exact, then rounded once: a sum of buckets rounded each to the cent would read $0.00.
+        cost: sumExact(
+          ps.map((p) => p.cost),
+          view.currency,
+        ),
+        saved: sumExact(
+          ps.map((p) => p.saved),
+          view.currency,
+        ),
       };
     });
   }, [view]);
@@ -339,8 +346,8 @@ function Split({ view }: { view: UsageView }) {
             <td>{formatTokens(r.read)}</td>
             <td>{formatTokens(r.output)}</td>
             <td>{formatRatio(r.ratio)}</td>
-            <td>{formatMoney(r.cost, view.currency)}</td>
-            <td>{formatMoney(r.saved, view.currency)}</td>
+            <td>{formatCost(r.cost.minor, r.cost.exact, view.currency)}</td>
+            <td>{formatCost(r.saved.minor, r.saved.exact, view.currency)}</td>
           </tr>
         ))}
       </tbody>

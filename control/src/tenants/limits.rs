@@ -375,4 +375,68 @@ mod tests {
             "a zero budget refuses all spend"
         );
     }
+
+    #[test]
+    fn each_limit_is_held_within_the_level_above_and_lowered_to_it() {
+        let parent = Limits {
+            requests_per_minute: Some(10),
+            input_tokens_per_minute: Some(1_000),
+            output_tokens_per_minute: Some(500),
+            monthly_budget_minor: Some(2_000),
+        };
+        type Set = fn(&mut Limits, Option<i64>);
+        let fields: [(&str, Set); 4] = [
+            ("requests_per_minute", |l, v| l.requests_per_minute = v),
+            ("input_tokens_per_minute", |l, v| {
+                l.input_tokens_per_minute = v
+            }),
+            ("output_tokens_per_minute", |l, v| {
+                l.output_tokens_per_minute = v
+            }),
+            ("monthly_budget_minor", |l, v| l.monthly_budget_minor = v),
+        ];
+        for ((name, set), (_, cap)) in fields.into_iter().zip(parent.fields()) {
+            let cap = cap.unwrap();
+            let mut child = Limits::default();
+            set(&mut child, Some(cap + 1));
+            assert_eq!(child.above(&parent), Some((name, cap + 1, cap)));
+            let e = child
+                .within(&parent, "", "the tenant's")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with(&format!(
+                    "{name}: {} is above the tenant's limit of {cap}",
+                    cap + 1
+                )),
+                "{e}"
+            );
+            let mut lowered = Limits::default();
+            set(&mut lowered, Some(cap));
+            assert_eq!(child.lowered_to(&parent), lowered, "{name}");
+            set(&mut child, Some(cap));
+            assert!(
+                child.within(&parent, "", "the tenant's").is_ok(),
+                "equal is within"
+            );
+            set(&mut child, None);
+            assert!(
+                child.within(&parent, "", "x").is_ok(),
+                "none: the level above holds"
+            );
+            assert_eq!(
+                child.lowered_to(&parent),
+                Limits::default(),
+                "none stays none"
+            );
+        }
+        // No limit above bounds nothing; `or` fills what a level leaves open.
+        let own = Limits {
+            requests_per_minute: Some(i64::MAX),
+            ..Limits::default()
+        };
+        assert!(own.within(&Limits::default(), "", "x").is_ok());
+        assert_eq!(own.or(&parent).input_tokens_per_minute, Some(1_000));
+        assert_eq!(own.or(&parent).requests_per_minute, Some(i64::MAX));
+    }
 }
