@@ -155,6 +155,18 @@ impl Admin {
     }
 }
 
+/// `from=…&to=…` for a query: from `back` ago to an hour from now (RFC 3339, URL-safe).
+fn query_range(back: chrono::Duration) -> String {
+    let now = chrono::Utc::now();
+    let t = |t: chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    format!(
+        "from={}&to={}",
+        t(now - back),
+        t(now + chrono::Duration::hours(1))
+    )
+    .replace('+', "%2B")
+}
+
 /// Poll until `f` is true, at most `within`.
 async fn within<F, Fut>(what: &str, within: Duration, mut f: F)
 where
@@ -1536,13 +1548,7 @@ async fn usage_and_cache_views_agree_with_the_ledger_and_the_fabric() {
     .fetch_one(&a.pool)
     .await
     .unwrap();
-    let now = chrono::Utc::now();
-    let range = format!(
-        "from={}&to={}",
-        (now - chrono::Duration::hours(2)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-        (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-    )
-    .replace('+', "%2B");
+    let range = query_range(chrono::Duration::hours(2));
     within(
         "the usage view matches the ledger",
         Duration::from_secs(10),
@@ -1760,11 +1766,7 @@ async fn workspaces_isolate_caches_apply_their_own_limits_and_split_usage() {
 
     // Usage split by workspace: the dashboard and the export agree with what was sent.
     a.app.settle().await;
-    let now = chrono::Utc::now();
-    let from =
-        (now - chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-    let to = (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-    let range = format!("from={from}&to={to}").replace('+', "%2B");
+    let range = query_range(chrono::Duration::hours(1));
     within(
         "usage is split by workspace",
         Duration::from_secs(20),
@@ -2724,13 +2726,7 @@ async fn a_cache_write_refused_for_quota_is_shown_beside_usage_with_its_reason()
         },
     )
     .await;
-    let now = chrono::Utc::now();
-    let range = format!(
-        "from={}&to={}",
-        (now - chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-        (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-    )
-    .replace('+', "%2B");
+    let range = query_range(chrono::Duration::hours(1));
     within(
         "the usage view says how many writes the quota refused",
         Duration::from_secs(20),
@@ -2839,13 +2835,7 @@ async fn tags_on_workspaces_and_keys_split_usage_and_ride_on_every_export() {
         assert_eq!(s, 200, "{v}");
     }
     a.app.settle().await;
-    let now = chrono::Utc::now();
-    let range = format!(
-        "from={}&to={}",
-        (now - chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-        (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-    )
-    .replace('+', "%2B");
+    let range = query_range(chrono::Duration::hours(1));
     // The dashboard splits by a tag: two requests for search, one for ads.
     within("usage splits by team", Duration::from_secs(30), || async {
         let (s, u) = a
