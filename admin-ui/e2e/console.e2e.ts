@@ -811,4 +811,22 @@ describe("the admin console", () => {
     expect(await note.textContent()).toMatch(/^\d+ cache writes? (was|were) not held in this range.*over the tenant's cache quota/);
     await shot(p, "24-writes-not-held");
   });
+
+  it("answers a malformed address with a sentence, not the parser's words", async () => {
+    const p = await page();
+    await logIn(p, "root", ROOT_PASSWORD);
+    await p.evaluate(() => {
+      window.location.hash = "/tenants/not-a-tenant";
+    });
+    await p.getByText(/^id: not an id \(a UUID such as/).first().waitFor();
+    await shot(p, "25-malformed-address");
+    expect(await p.getByText(/UUID parsing failed|Failed to deserialize/).count()).toBe(0);
+    // And the finance API, asked without a format or with a bad one, names the field.
+    const tok = await token("fin", FIN_PASSWORD);
+    const day = new Date().toISOString().slice(0, 10);
+    const missing = await adminApi(tok, "GET", `/v1/billing/exports/usage?from=${day}T00:00:00Z&to=${day}T23:00:00Z`);
+    expect([missing.status, missing.body.error.message]).toEqual([400, "format: required"]);
+    const bad = await adminApi(tok, "GET", `/v1/billing/exports/usage?from=${day}T00:00:00Z&to=${day}T23:00:00Z&format=xml`);
+    expect(bad.body.error.message).toBe('format: "xml" is not one of csv, jsonl, cloudevents');
+  });
 });

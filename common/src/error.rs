@@ -249,10 +249,7 @@ mod http_edge {
 
     impl From<axum::extract::rejection::PathRejection> for ApiError {
         fn from(r: axum::extract::rejection::PathRejection) -> Self {
-            ApiError::invalid(format!(
-                "path: {}",
-                super::readable_rejection(&r.body_text())
-            ))
+            ApiError::invalid(super::readable_path_rejection(&r.body_text()))
         }
     }
 
@@ -265,6 +262,36 @@ mod http_edge {
             };
             ApiError::new(code, super::readable_rejection(&r.body_text()))
         }
+    }
+}
+
+/// A path's parse error as a sentence: naming the parameter where the framework does
+/// (`id: not an id …`), else said of the path (`path: not an id …`).
+pub fn readable_path_rejection(text: &str) -> String {
+    let said = readable_rejection(text);
+    let names_it = text
+        .trim()
+        .trim_start_matches("Invalid URL: ")
+        .starts_with("Cannot parse `");
+    if names_it {
+        said
+    } else {
+        format!("path: {said}")
+    }
+}
+
+/// serde_path_to_error's "field: detail" split, where the part before the colon is a field
+/// path (`tenant`, `messages[0].content`); otherwise no field.
+fn field_and_detail(t: &str) -> (Option<&str>, &str) {
+    match t.split_once(": ") {
+        Some((f, d))
+            if !f.is_empty()
+                && f.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_.[]".contains(&b)) =>
+        {
+            (Some(f), d)
+        }
+        _ => (None, t),
     }
 }
 
@@ -288,15 +315,14 @@ pub fn readable_rejection(text: &str) -> String {
     }
     // serde_path_to_error's "field: detail"; a body's "… at line 1 column 7" is dropped.
     let t = t.split(" at line ").next().unwrap_or(t);
-    let (field, detail) = match t.split_once(": ") {
-        Some((f, d))
-            if !f.is_empty()
-                && f.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"_.[]".contains(&b)) =>
-        {
-            (Some(f), d)
-        }
-        _ => (None, t),
+    // A path's "Cannot parse `id` with value `x`: detail" names its parameter the same way.
+    let path_param = t
+        .strip_prefix("Cannot parse `")
+        .and_then(|rest| rest.split_once('`'))
+        .and_then(|(name, rest)| Some((name, rest.split_once("`: ")?.1)));
+    let (field, detail) = match path_param {
+        Some((name, detail)) => (Some(name), detail),
+        None => field_and_detail(t),
     };
     let say = |what: &str| match field {
         Some(f) => format!("{f}: {what}"),
@@ -377,6 +403,22 @@ mod tests {
                 "Invalid URL: UUID parsing failed: invalid length: expected length 32 for simple format, found 3"
             ),
             "not an id (a UUID such as 0192b7e4-8c3a-7cde-9f01-23456789abcd)"
+        );
+        assert_eq!(
+            r(
+                "Invalid URL: Cannot parse `id` with value `not-a-tenant`: UUID parsing failed: invalid character: found `n` at 0"
+            ),
+            "id: not an id (a UUID such as 0192b7e4-8c3a-7cde-9f01-23456789abcd)"
+        );
+        assert_eq!(
+            super::readable_path_rejection(
+                "Invalid URL: Cannot parse `id` with value `x`: UUID parsing failed: invalid length"
+            ),
+            "id: not an id (a UUID such as 0192b7e4-8c3a-7cde-9f01-23456789abcd)"
+        );
+        assert_eq!(
+            super::readable_path_rejection("Invalid URL: UUID parsing failed: invalid length"),
+            "path: not an id (a UUID such as 0192b7e4-8c3a-7cde-9f01-23456789abcd)"
         );
         assert_eq!(
             r(

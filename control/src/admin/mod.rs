@@ -287,10 +287,9 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for AdminPa
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         match axum::extract::Path::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Path(v)) => Ok(AdminPath(v)),
-            Err(r) => Err(ApiError::invalid(format!(
-                "path: {}",
-                cachet_common::error::readable_rejection(&r.body_text())
-            ))),
+            Err(r) => Err(ApiError::invalid(
+                cachet_common::error::readable_path_rejection(&r.body_text()),
+            )),
         }
     }
 }
