@@ -252,7 +252,7 @@ async fn exports_stream_csv_jsonl_and_cloudevents() {
     assert_eq!(lines.len(), 1 + 4, "header + 4 rows: {csv}");
     assert!(lines[0].starts_with("request_id,tenant_id,"));
     assert!(
-        lines[1..].iter().all(|l| l.split(',').count() == 18),
+        lines[1..].iter().all(|l| l.split(',').count() == 19),
         "{csv}"
     );
     let (s, jsonl) = get("jsonl").await;
@@ -350,7 +350,7 @@ async fn the_storage_ledger_exports_in_the_three_formats_and_a_tenant_admin_gets
         "{csv}"
     );
     assert!(
-        lines[1..].iter().all(|l| l.split(',').count() == 14),
+        lines[1..].iter().all(|l| l.split(',').count() == 15),
         "{csv}"
     );
     let (s, jsonl) = get("jsonl", &finance, "").await;
