@@ -423,6 +423,7 @@ const OWNERS: &[(&str, &str)] = &[
     ("admin_password_resets", "control"),
     ("admin_audit", "control"),
     ("admission_refusals", "control"),
+    ("cache_writes_not_held", "control"),
     ("budget_alerts", "control"),
     ("webhook_endpoints", "control"),
     ("webhook_deliveries", "control"),
