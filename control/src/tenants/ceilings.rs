@@ -10,7 +10,7 @@
 //!
 //! How a policy is lowered to its ceilings and checked against them is the policy's
 //! ([`super::policy::Policy::lowered_to`], [`super::policy::Policy::above`]); below the tenant
-//! the same rule holds one level at a time ([`super::limits::lower_below`]): a workspace's
+//! the same rule holds one level at a time (`limits::lower_below`): a workspace's
 //! limits within the tenant's, a key's within its workspace's and the tenant's.
 
 use serde::{Deserialize, Serialize};
