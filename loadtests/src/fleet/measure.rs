@@ -146,35 +146,65 @@ fn prompt(rng: &mut Rng, n: u64, vocab: u64) -> Vec<u64> {
         .collect()
 }
 
-/// Least squares for `y = Σ x_j × c_j` (three unknowns), by the normal equations.
-fn fit3(rows: &[([f64; 3], f64)]) -> Option<[f64; 3]> {
-    let mut m = [[0.0f64; 4]; 3];
+/// Least squares for `y = Σ x_j × c_j` (`N` unknowns), by the normal equations.
+fn fit<const N: usize>(rows: &[([f64; N], f64)]) -> Option<[f64; N]> {
+    let mut m = [[0.0f64; N]; N];
+    let mut v = [0.0f64; N];
     for (x, y) in rows {
-        for i in 0..3 {
-            for j in 0..3 {
+        for i in 0..N {
+            for j in 0..N {
                 m[i][j] += x[i] * x[j];
             }
-            m[i][3] += x[i] * y;
+            v[i] += x[i] * y;
         }
     }
     // Gaussian elimination with partial pivoting.
-    for col in 0..3 {
-        let pivot = (col..3).max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))?;
+    for col in 0..N {
+        let pivot = (col..N).max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))?;
         if m[pivot][col].abs() < 1e-12 {
             return None;
         }
         m.swap(col, pivot);
-        let pivot_row = m[col];
-        for (r, row) in m.iter_mut().enumerate() {
+        v.swap(col, pivot);
+        let (pivot_row, pivot_v) = (m[col], v[col]);
+        for r in 0..N {
             if r != col {
-                let f = row[col] / pivot_row[col];
-                for (x, p) in row.iter_mut().zip(pivot_row).skip(col) {
+                let f = m[r][col] / pivot_row[col];
+                for (x, p) in m[r].iter_mut().zip(pivot_row).skip(col) {
                     *x -= f * p;
                 }
+                v[r] -= f * pivot_v;
             }
         }
     }
-    Some([m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]])
+    Some(std::array::from_fn(|i| v[i] / m[i][i]))
+}
+
+/// The prefill line from lone prompts' TTFTs (`rows`: `[1, n, n²/2000]` against ms), given
+/// an iteration's fixed cost: `step_base + overhead + n × per_token + n²/2000 × kctx`, with
+/// the overhead (the server's own time per request) at least zero. Returns `(overhead,
+/// per_token, kctx)` in ms.
+fn prefill_line(rows: &[([f64; 3], f64)], step_base: f64) -> Option<(f64, f64, f64)> {
+    let [c0, per_token, kctx] = fit(rows)?;
+    if c0 >= step_base && kctx >= 0.0 {
+        return Some((c0 - step_base, per_token, kctx));
+    }
+    // The free fit puts less than one iteration before the first token (or bends the
+    // wrong way): fix the intercept at the iteration's cost and fit the rest.
+    let shifted: Vec<([f64; 2], f64)> = rows
+        .iter()
+        .map(|(x, y)| ([x[1], x[2]], y - step_base))
+        .collect();
+    let [per_token, kctx] = fit(&shifted)?;
+    if kctx >= 0.0 {
+        return Some((0.0, per_token, kctx));
+    }
+    let linear: Vec<([f64; 1], f64)> = rows
+        .iter()
+        .map(|(x, y)| ([x[1]], y - step_base))
+        .collect();
+    let [per_token] = fit(&linear)?;
+    Some((0.0, per_token, 0.0))
 }
 
 pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
@@ -194,12 +224,7 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
             rows.push(([1.0, nf, nf * nf / 2000.0], ms));
         }
     }
-    let [c0, per_token_ms, kctx] = fit3(&rows).context("prefill: give at least three lengths")?;
-    let (per_token_ms, kctx) = (per_token_ms.max(1e-6), kctx.max(0.0));
-    println!(
-        "fit: {c0:.1} ms + n × {per_token_ms:.4} ms + n²/2000 × {kctx:.5} ms ({:.0} tokens/s)\n",
-        1e3 / per_token_ms
-    );
+    let prefill_rows = rows;
 
     println!(
         "decode ({} tokens a stream, all streams at once):\n| batch | context | mean gap ms |\n|---:|---:|---:|",
@@ -247,9 +272,18 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
         }
     }
     let [base, per_seq, per_kctx] =
-        fit3(&rows).context("decode: give at least two batch sizes and two contexts")?;
+        fit(&rows).context("decode: give at least two batch sizes and two contexts")?;
+    let (base, per_seq, per_kctx) = (base.max(0.0), per_seq.max(0.0), per_kctx.max(0.0));
     println!(
         "fit: {base:.2} ms + {per_seq:.3} ms a sequence + {per_kctx:.4} ms per thousand context tokens\n"
+    );
+    let (overhead, per_token_ms, kctx) =
+        prefill_line(&prefill_rows, base).context("prefill: give at least three lengths")?;
+    let per_token_ms = per_token_ms.max(1e-6);
+    println!(
+        "prefill fit: {overhead:.1} ms outside the engine + one iteration ({base:.1} ms) + n × \
+         {per_token_ms:.4} ms + n²/2000 × {kctx:.5} ms ({:.0} tokens/s)\n",
+        1e3 / per_token_ms
     );
 
     let profile = CostProfile {
@@ -257,7 +291,7 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
         source: format!(
             "Measured by `cachet loadtest profile` against {} ({}{}) on {}: prefill at {:?} tokens \
              ({} each; fitted {:.0} tokens/s, {:.5} ms per token per thousand before it, {:.1} ms \
-             fixed), decode of {} tokens at batches {:?} and contexts {:?}. Given, not measured: \
+             a request outside the engine), decode of {} tokens at batches {:?} and contexts {:?}. Given, not measured: \
              {} bytes of KV a token, loads at {:.2e} B/s, the link at {:.2e} B/s, chunks of {} \
              tokens, batches up to {}, {} tokens of prefix cache.",
             a.url,
@@ -272,7 +306,7 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
             a.repeats,
             1e3 / per_token_ms,
             kctx,
-            c0,
+            overhead,
             a.decode_tokens,
             a.batches,
             a.contexts,
@@ -285,9 +319,10 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
         ),
         prefill_tokens_per_sec: 1e3 / per_token_ms,
         prefill_per_kctx_ms: kctx,
-        step_base_ms: base.max(0.0),
-        step_per_seq_ms: per_seq.max(0.0),
-        step_per_kctx_ms: per_kctx.max(0.0),
+        step_base_ms: base,
+        request_overhead_ms: overhead,
+        step_per_seq_ms: per_seq,
+        step_per_kctx_ms: per_kctx,
         chunk_tokens: a.chunk_tokens,
         max_batch: a.max_batch,
         kv_bytes_per_token: a.kv_bytes_per_token,
@@ -347,11 +382,43 @@ mod tests {
             .iter()
             .map(|&(x, z)| ([1.0, x, z], 5.0 + 2.0 * x + 0.5 * z))
             .collect();
-        let c = fit3(&rows).unwrap();
+        let c = fit(&rows).unwrap();
         for (got, want) in c.iter().zip([5.0, 2.0, 0.5]) {
             assert!((got - want).abs() < 1e-9, "{c:?}");
         }
         // Two points cannot fix three unknowns.
-        assert!(fit3(&rows[..1]).is_none());
+        assert!(fit(&rows[..1]).is_none());
+    }
+
+    fn lone_prompts(overhead: f64, per_token: f64, kctx: f64, step: f64) -> Vec<([f64; 3], f64)> {
+        [128.0, 512.0, 1024.0, 2048.0]
+            .iter()
+            .map(|&n| {
+                let q = n * n / 2000.0;
+                ([1.0, n, q], step + overhead + per_token * n + kctx * q)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_prefill_line_keeps_an_iteration_before_the_first_token() {
+        // A server spending 30 ms a request outside the engine: recovered.
+        let (o, t, k) = prefill_line(&lone_prompts(30.0, 2.5, 0.4, 60.0), 60.0).unwrap();
+        assert!((o - 30.0).abs() < 1e-6 && (t - 2.5).abs() < 1e-9 && (k - 0.4).abs() < 1e-9);
+        // Prompts that bend so that a free fit starts below zero (a steeper middle, as on a
+        // CPU whose caches a longer prompt outgrows): the intercept is held at one
+        // iteration, never below, and the slope stays that of the prompts measured.
+        let mut rows = lone_prompts(0.0, 2.5, 0.4, 60.0);
+        rows[0].1 -= 80.0;
+        rows[1].1 -= 120.0;
+        let [c0, ..] = fit(&rows).unwrap();
+        assert!(c0 < 60.0, "{c0}");
+        let (o, t, k) = prefill_line(&rows, 60.0).unwrap();
+        assert_eq!(o, 0.0);
+        assert!(t > 2.0 && t < 2.6 && k >= 0.0, "{t} {k}");
+        for (x, y) in &rows {
+            let predicted = 60.0 + t * x[1] + k * x[2];
+            assert!((predicted - y).abs() / y < 0.25, "{} tokens: {predicted} against {y}", x[1]);
+        }
     }
 }

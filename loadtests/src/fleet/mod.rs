@@ -77,6 +77,16 @@ pub struct FleetArgs {
     /// times a minute keeps a replica of it, in an eighth of its DRAM): on, off, or both.
     #[arg(long, value_enum, default_value_t = Switch::Off)]
     pub hot_replication: Switch,
+    /// Generations a Cachet gateway in front of the fleet lets run at once on the model
+    /// (its `engine.workers`, times the instances of a vLLM upstream); the rest wait there,
+    /// first come first served. Default: no gateway bound.
+    #[arg(long)]
+    pub gateway_slots: Option<usize>,
+    /// The first this many requests only warm the caches: run, but left out of the TTFT,
+    /// TBT and within-SLO figures (a measured run's warm-up, or the loads before the one to
+    /// compare).
+    #[arg(long, default_value_t = 0)]
+    pub warm_up: usize,
     /// Arrivals this many times as fast as the trace's timestamps.
     #[arg(long, default_value_t = 1.0)]
     pub speed: f64,
@@ -103,6 +113,11 @@ pub struct FleetArgs {
     /// Also write every row as JSON here.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
+    /// Also write each served request's times here, one JSON object a line (its row's index
+    /// in `--json`, the request's index, arrival, when routed, its instance, first token,
+    /// done; seconds), to set beside a measured run request by request.
+    #[arg(long)]
+    pub outcomes: Option<std::path::PathBuf>,
 }
 
 /// A switch to run on, off, or both side by side.
@@ -197,6 +212,10 @@ pub struct Row {
     pub kv_gb_moved: f64,
     pub coalesced: u64,
     pub hot_replica_blocks: u64,
+    /// Requests that waited at the gateway for a slot (`--gateway-slots`), and the mean
+    /// wait of those, ms.
+    pub gateway_queued: u64,
+    pub gateway_wait_mean_ms: f64,
 }
 
 impl Row {
@@ -229,6 +248,12 @@ impl Row {
             kv_gb_moved: r.bytes_moved() as f64 / 1e9,
             coalesced: r.coalesced,
             hot_replica_blocks: r.hot_replicas,
+            gateway_queued: r.gateway_queued,
+            gateway_wait_mean_ms: if r.gateway_queued == 0 {
+                0.0
+            } else {
+                1e3 * r.gateway_wait_secs / r.gateway_queued as f64
+            },
         }
     }
 }
@@ -265,6 +290,8 @@ fn configs(a: &FleetArgs) -> anyhow::Result<Vec<FleetConfig>> {
         balance: a.balance,
         hot_reads: 0,
         hot_window: cluster.hot_window,
+        gateway_slots: a.gateway_slots,
+        warm_up: a.warm_up,
         seed: a.seed,
     };
     if a.balance.is_some_and(|b| b.is_nan() || b < 1.0) {
@@ -354,6 +381,7 @@ pub fn run(a: &FleetArgs) -> anyhow::Result<()> {
         "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     let mut rows = Vec::new();
+    let mut outcomes = Vec::new();
     for (name, reqs) in &workloads {
         for cfg in &configs {
             let started = std::time::Instant::now();
@@ -388,8 +416,19 @@ pub fn run(a: &FleetArgs) -> anyhow::Result<()> {
                 row.requests,
                 started.elapsed()
             );
+            if a.outcomes.is_some() {
+                for o in &r.outcomes {
+                    let mut line = serde_json::to_value(o)?;
+                    line["row"] = rows.len().into();
+                    serde_json::to_writer(&mut outcomes, &line)?;
+                    outcomes.push(b'\n');
+                }
+            }
             rows.push(row);
         }
+    }
+    if let Some(path) = &a.outcomes {
+        std::fs::write(path, &outcomes).with_context(|| path.display().to_string())?;
     }
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_vec_pretty(&rows)?)

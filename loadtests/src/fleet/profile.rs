@@ -26,6 +26,12 @@ pub struct CostProfile {
     /// Fixed cost of one iteration, ms (scheduling, sampling, launch): the decode step
     /// time at batch 0.
     pub step_base_ms: f64,
+    /// A request's time outside the engine's iterations before its prefill can start, ms
+    /// (the server's HTTP handling and tokenization): a lone prompt's TTFT is this, one
+    /// iteration's fixed cost and its prefill. It delays the request without occupying the
+    /// engine. Absent in older profiles: 0.
+    #[serde(default)]
+    pub request_overhead_ms: f64,
     /// Added per sequence decoding in the iteration, ms.
     pub step_per_seq_ms: f64,
     /// Added per thousand tokens of context summed over the decoding sequences, ms (the
@@ -85,6 +91,7 @@ impl CostProfile {
         }
         for (name, v) in [
             ("step_base_ms", self.step_base_ms),
+            ("request_overhead_ms", self.request_overhead_ms),
             ("step_per_seq_ms", self.step_per_seq_ms),
             ("step_per_kctx_ms", self.step_per_kctx_ms),
             ("prefill_per_kctx_ms", self.prefill_per_kctx_ms),

@@ -106,6 +106,15 @@ pub struct FleetConfig {
     /// replicas get an eighth of each node's DRAM, taken from the pool.
     pub hot_reads: u32,
     pub hot_window: Duration,
+    /// Generations the gateway in front of the fleet lets run at once on the model
+    /// (Cachet's `engine.workers` lane, `gateway::engines`); the rest wait there, first come
+    /// first served, and are routed when one ends. None: no gateway bound (a router sends
+    /// every request on at once).
+    pub gateway_slots: Option<usize>,
+    /// The first this many requests warm the caches: they run like the rest, but their
+    /// TTFT, gaps and SLO are left out of the figures (a measured run's warm-up, or the
+    /// loads before the one being compared).
+    pub warm_up: usize,
     pub seed: u64,
 }
 
@@ -147,6 +156,28 @@ pub struct FleetResult {
     pub hot_replicas: u64,
     /// Of the pulled bytes, the time requests waited for a busy sender (seconds, summed).
     pub egress_wait_secs: f64,
+    /// Requests that waited at the gateway for a slot, and their waits (seconds, summed).
+    pub gateway_queued: u64,
+    pub gateway_wait_secs: f64,
+    /// Of the engine hits, tokens found when the prompt was scheduled, not when it was
+    /// routed (another sequence on the instance computed them meanwhile).
+    pub late_engine_hit_tokens: u64,
+    /// Each served request, in the order they ended.
+    pub outcomes: Vec<Outcome>,
+}
+
+/// What became of one served request (times in seconds from the trace's start).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Outcome {
+    /// Its index in the requests run.
+    pub request: usize,
+    pub arrival: f64,
+    /// When it was routed (after any wait at the gateway).
+    pub routed: f64,
+    /// The instance that produced its tokens (a split request's decoding one).
+    pub instance: usize,
+    pub first_token: f64,
+    pub done: f64,
 }
 
 impl FleetResult {
@@ -209,6 +240,8 @@ struct Seq {
     ttft: f64,
     /// The block this sequence is computing for others to follow (pool routing).
     claim: Option<BlockKey>,
+    /// Its prefill has had an iteration (its engine-cache hits are settled).
+    begun: bool,
 }
 
 /// A block of the workload: its scope and trace id.
@@ -252,6 +285,8 @@ struct Plan {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
     Arrive(usize),
+    /// A request that waited at the gateway got a slot: it is routed now.
+    Admitted(usize),
     /// A sequence's loads are done: it joins its instance's queue.
     Ready(usize),
     IterationEnd(usize),
@@ -277,6 +312,11 @@ struct Fleet<'a> {
     /// In-flight coalescing: the sequence computing each claimed block, and who waits on it.
     claims: HashMap<BlockKey, usize>,
     followers: HashMap<usize, Vec<Follower>>,
+    /// The gateway's slots held (requests routed and not yet done) and its queue.
+    slots_held: usize,
+    gate: VecDeque<usize>,
+    /// When each request was routed.
+    routed: Vec<f64>,
     events: BinaryHeap<Key>,
     order: u64,
     rng: Rng,
@@ -359,6 +399,9 @@ pub fn run(cfg: &FleetConfig, p: &CostProfile, reqs: &[FleetRequest]) -> FleetRe
         egress_free: vec![0.0; nodes],
         claims: HashMap::new(),
         followers: HashMap::new(),
+        slots_held: 0,
+        gate: VecDeque::new(),
+        routed: vec![0.0; reqs.len()],
         events: BinaryHeap::new(),
         order: 0,
         rng: Rng::new(cfg.seed),
@@ -384,6 +427,10 @@ pub fn run(cfg: &FleetConfig, p: &CostProfile, reqs: &[FleetRequest]) -> FleetRe
             coalesced: 0,
             hot_replicas: 0,
             egress_wait_secs: 0.0,
+            gateway_queued: 0,
+            gateway_wait_secs: 0.0,
+            late_engine_hit_tokens: 0,
+            outcomes: Vec::new(),
         },
         first_arrival: reqs.first().map_or(0.0, |r| r.arrival),
         last_done: 0.0,
@@ -394,7 +441,11 @@ pub fn run(cfg: &FleetConfig, p: &CostProfile, reqs: &[FleetRequest]) -> FleetRe
     while let Some(Reverse((t, _, ev))) = f.events.pop() {
         let now = t as f64 / 1e9;
         match ev {
-            Ev::Arrive(i) => f.arrive(now, i),
+            Ev::Arrive(i) => f.gateway(now, i),
+            Ev::Admitted(i) => {
+                f.r.gateway_wait_secs += now - f.reqs[i].arrival;
+                f.arrive(now, i);
+            }
             Ev::Ready(s) => {
                 let i = f.seqs[s].inst;
                 f.inst[i].waiting.push_back(s);
@@ -498,7 +549,31 @@ impl Fleet<'_> {
         }
     }
 
+    /// A request at the gateway: routed now if a slot is free, else queued for one.
+    fn gateway(&mut self, now: f64, ri: usize) {
+        match self.cfg.gateway_slots {
+            Some(slots) if self.slots_held >= slots.max(1) => {
+                self.r.gateway_queued += 1;
+                self.gate.push_back(ri);
+            }
+            _ => {
+                self.slots_held += 1;
+                self.arrive(now, ri);
+            }
+        }
+    }
+
+    /// A request is done (served or refused): its slot goes to the first one waiting.
+    fn release(&mut self, now: f64) {
+        self.slots_held -= 1;
+        if let Some(next) = self.gate.pop_front() {
+            self.slots_held += 1;
+            self.at(now, Ev::Admitted(next));
+        }
+    }
+
     fn arrive(&mut self, now: f64, ri: usize) {
+        self.routed[ri] = now;
         let reqs = self.reqs;
         let req = &reqs[ri];
         let split = self.splits(req);
@@ -524,6 +599,7 @@ impl Fleet<'_> {
         }
         let Some(&chosen) = ranked.first() else {
             self.r.rejected += 1;
+            self.release(now);
             return;
         };
         self.assign(now, ri, chosen, stage, 0);
@@ -701,7 +777,8 @@ impl Fleet<'_> {
         } else {
             self.read_caches(now, req, i, limit)
         };
-        let ready = self.transfer(now, i, &reads);
+        // The engine's server reads the request first (outside its iterations).
+        let ready = self.transfer(now + self.p.request_overhead_ms / 1e3, i, &reads);
         let s = self.seqs.len();
         let claim = (stage != Stage::Decode && req.sim.cacheable && self.pool.is_some())
             .then(|| {
@@ -729,6 +806,7 @@ impl Fleet<'_> {
             gap_count: 0,
             ttft: 0.0,
             claim,
+            begun: false,
         });
         self.inst[i].in_flight += 1;
         self.inst[i].pending_prefill += prompt - reads.start;
@@ -863,6 +941,27 @@ impl Fleet<'_> {
             .copied()
             .take(self.p.max_batch as usize)
             .collect();
+        // A prompt not begun looks in the engine's own cache again when it is scheduled (as
+        // vLLM's scheduler does): blocks another sequence computed since it was routed here
+        // are hits, not work.
+        let reqs = self.reqs;
+        for &s in inst.waiting.iter().take(self.p.max_batch as usize) {
+            let q = &mut self.seqs[s];
+            let req = &reqs[q.req];
+            if q.begun || !req.sim.cacheable {
+                continue;
+            }
+            let held = inst.engine.peek(&req.sim);
+            let cached = Self::tokens_of(req, held).min(q.target.saturating_sub(1));
+            if cached > q.prefilled {
+                let gained = cached - q.prefilled;
+                q.prefilled = cached;
+                q.context = cached;
+                inst.pending_prefill -= gained;
+                self.r.engine_hit_tokens += gained;
+                self.r.late_engine_hit_tokens += gained;
+            }
+        }
         let mut budget = u64::from(self.p.chunk_tokens).saturating_sub(decoding.len() as u64);
         let mut room = (self.p.max_batch as usize).saturating_sub(inst.running.len());
         let mut pieces = Vec::new();
@@ -871,7 +970,8 @@ impl Fleet<'_> {
             if budget == 0 || room == 0 {
                 break;
             }
-            let q = &self.seqs[s];
+            let q = &mut self.seqs[s];
+            q.begun = true;
             let to = q.target.min(q.prefilled + budget);
             secs += self.p.prefill_secs(q.prefilled, to);
             budget -= to - q.prefilled;
@@ -899,12 +999,44 @@ impl Fleet<'_> {
             }
             self.seqs[s].prefilled = to;
             self.seqs[s].context = to;
+            if to < self.seqs[s].target {
+                self.cache_computed(i, s, to);
+            }
             if to == self.seqs[s].target {
                 self.inst[i].waiting.retain(|&w| w != s);
                 self.prefilled(now, s);
             }
         }
         self.kick(now, i);
+    }
+
+    /// A prefill part-way at `to`: the engine's own cache keeps the full blocks computed so
+    /// far (vLLM caches each block as it is computed, so a prompt scheduled next finds them).
+    fn cache_computed(&mut self, i: usize, s: usize, to: u64) {
+        let req = &self.reqs[self.seqs[s].req];
+        if !req.sim.cacheable || self.p.engine_cache_tokens == 0 {
+            return;
+        }
+        let mut done = 0;
+        let mut tokens = 0u64;
+        for &t in &req.sim.block_tokens {
+            tokens += u64::from(t);
+            if tokens > to {
+                break;
+            }
+            done += 1;
+        }
+        let engine = &mut self.inst[i].engine;
+        let held = engine.peek(&req.sim);
+        if done <= held {
+            return;
+        }
+        let prefix = SimRequest {
+            blocks: req.sim.blocks[..done].to_vec(),
+            block_tokens: req.sim.block_tokens[..done].to_vec(),
+            ..req.sim.clone()
+        };
+        engine.put(&prefix, held);
     }
 
     /// A sequence's prefill is done: its caches learn the prompt; then its first token, or
@@ -942,9 +1074,11 @@ impl Fleet<'_> {
             return;
         }
         self.seqs[s].ttft = now - self.reqs[ri].arrival;
-        self.r
-            .ttft
-            .saturating_record((self.seqs[s].ttft * 1e6).round().max(1.0) as u64);
+        if ri >= self.cfg.warm_up {
+            self.r
+                .ttft
+                .saturating_record((self.seqs[s].ttft * 1e6).round().max(1.0) as u64);
+        }
         self.seqs[s].last_token = now;
         self.r.output_tokens += 1;
         self.seqs[s].out_left -= 1;
@@ -958,9 +1092,11 @@ impl Fleet<'_> {
     fn token(&mut self, now: f64, s: usize) {
         let q = &mut self.seqs[s];
         let gap = now - q.last_token;
-        self.r
-            .tbt
-            .saturating_record((gap * 1e6).round().max(1.0) as u64);
+        if q.req >= self.cfg.warm_up {
+            self.r
+                .tbt
+                .saturating_record((gap * 1e6).round().max(1.0) as u64);
+        }
         q.gaps += gap;
         q.gap_count += 1;
         q.last_token = now;
@@ -985,15 +1121,28 @@ impl Fleet<'_> {
             inst.service + ALPHA * (took - inst.service)
         };
         self.r.served += 1;
+        let arrival = self.reqs[q.req].arrival;
+        self.r.outcomes.push(Outcome {
+            request: q.req,
+            arrival,
+            routed: self.routed[q.req],
+            instance: q.inst,
+            first_token: arrival + q.ttft,
+            done: now,
+        });
         let mean_gap = if q.gap_count == 0 {
             0.0
         } else {
             q.gaps / f64::from(q.gap_count)
         };
-        if q.ttft <= self.cfg.ttft_slo.as_secs_f64() && mean_gap <= self.cfg.tbt_slo.as_secs_f64() {
+        if q.req >= self.cfg.warm_up
+            && q.ttft <= self.cfg.ttft_slo.as_secs_f64()
+            && mean_gap <= self.cfg.tbt_slo.as_secs_f64()
+        {
             self.r.within_slo += 1;
         }
         self.last_done = self.last_done.max(now);
+        self.release(now);
     }
 }
 
@@ -1007,6 +1156,7 @@ mod tests {
             source: "a test's round numbers".into(),
             prefill_tokens_per_sec: 10_000.0,
             prefill_per_kctx_ms: 0.0,
+            request_overhead_ms: 0.0,
             step_base_ms: 10.0,
             step_per_seq_ms: 1.0,
             step_per_kctx_ms: 0.0,
@@ -1035,6 +1185,8 @@ mod tests {
             balance: None,
             hot_reads: 0,
             hot_window: Duration::from_secs(60),
+            gateway_slots: None,
+            warm_up: 0,
             seed: 7,
         }
     }
@@ -1263,6 +1415,87 @@ mod tests {
     }
 
     #[test]
+    fn a_gateway_bound_queues_requests_first_come_first_served() {
+        let p = profile();
+        // Six requests at once on two instances behind a gateway of two slots.
+        let reqs = same_prefix(&[0.0, 0.001, 0.002, 0.003, 0.004, 0.005], 2);
+        let mut cfg = config(2, Routing::LeastLoaded);
+        cfg.gateway_slots = Some(2);
+        let r = run(&cfg, &p, &reqs);
+        assert_eq!((r.served, r.gateway_queued), (6, 4));
+        assert!(r.gateway_wait_secs > 0.0);
+        // Never more than two in flight: each routed when one before it was done, in
+        // arrival order.
+        let mut by_request = r.outcomes.clone();
+        by_request.sort_by_key(|o| o.request);
+        let mut dones: Vec<f64> = r.outcomes.iter().map(|o| o.done).collect();
+        dones.sort_by(f64::total_cmp);
+        for (k, o) in by_request.iter().enumerate() {
+            assert!(o.routed >= o.arrival && o.first_token > o.routed && o.done >= o.first_token);
+            if k >= 2 {
+                assert_eq!(o.routed, dones[k - 2], "request {k}");
+            }
+            if k > 0 {
+                assert!(o.routed >= by_request[k - 1].routed);
+            }
+        }
+        // Without the bound, every request is routed as it arrives, and they end sooner.
+        cfg.gateway_slots = None;
+        let free = run(&cfg, &p, &reqs);
+        assert_eq!((free.served, free.gateway_queued), (6, 0));
+        assert!(free.outcomes.iter().all(|o| o.routed == o.arrival));
+        assert!(free.makespan < r.makespan, "{} {}", free.makespan, r.makespan);
+    }
+
+    #[test]
+    fn a_prompt_finds_in_the_engine_what_was_computed_after_it_was_routed() {
+        let mut p = profile();
+        p.engine_cache_tokens = 100_000;
+        // One instance, two prompts with the same 4,000-token prefix 1 ms apart: the second
+        // arrives while the first prefills and is scheduled after it, by when the engine's
+        // own cache holds the prefix (as vLLM's scheduler finds it).
+        let reqs = same_prefix(&[0.0, 0.001], 4);
+        let r = run(&config(1, Routing::LeastLoaded), &p, &reqs);
+        assert_eq!(r.served, 2);
+        assert_eq!(r.late_engine_hit_tokens, 4000);
+        assert_eq!(r.engine_hit_tokens, 4000);
+        assert_eq!(r.computed_tokens, 4000 + 2 * 1000);
+        // Conserved: every prompt token a hit or computed.
+        assert_eq!(r.engine_hit_tokens + r.fabric_hit_tokens + r.computed_tokens, r.prompt_tokens);
+    }
+
+    #[test]
+    fn warm_up_requests_run_but_are_left_out_of_the_figures() {
+        let p = profile();
+        let reqs = workload(40, 2, 4, 0.05, 8);
+        let cold = run(&config(2, Routing::LeastLoaded), &p, &reqs);
+        let mut cfg = config(2, Routing::LeastLoaded);
+        cfg.warm_up = 10;
+        let warm = run(&cfg, &p, &reqs);
+        // The same run: the same work done, the same requests served.
+        assert_eq!(warm.served, cold.served);
+        assert_eq!(warm.computed_tokens, cold.computed_tokens);
+        assert_eq!(warm.outcomes, cold.outcomes);
+        // Only the last 30 in the latency figures.
+        assert_eq!(warm.ttft.len(), 30);
+        assert_eq!(warm.tbt.len(), 30 * 7);
+        assert!(warm.within_slo <= 30);
+    }
+
+    #[test]
+    fn a_servers_own_time_delays_the_first_token_without_occupying_the_engine() {
+        let mut p = profile();
+        let reqs = same_prefix(&[0.0], 1);
+        let plain = run(&config(1, Routing::LeastLoaded), &p, &reqs);
+        p.request_overhead_ms = 30.0;
+        let slow = run(&config(1, Routing::LeastLoaded), &p, &reqs);
+        let (a, b) = (&plain.outcomes[0], &slow.outcomes[0]);
+        assert!(((b.first_token - a.first_token) - 0.030).abs() < 1e-6);
+        // The decode after it is unchanged.
+        assert!(((b.done - b.first_token) - (a.done - a.first_token)).abs() < 1e-9);
+    }
+
+    #[test]
     fn a_request_whose_prefix_is_being_computed_waits_for_it_with_the_pool() {
         let p = profile();
         // Two requests 10 ms apart with the same 8,000-token prefix (0.8 s to prefill).
@@ -1403,6 +1636,8 @@ mod tests {
             balance: None,
             hot_reads: 0,
             hot_window: Duration::from_secs(60),
+            gateway_slots: None,
+            warm_up: 0,
             seed: 1,
         };
         let fleet = run(&cfg, &p, &reqs);
