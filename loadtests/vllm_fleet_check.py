@@ -41,9 +41,10 @@ OUTPUT = int(os.environ.get("CHECK_OUTPUT", "32"))
 LOADS = [float(x) for x in os.environ.get("CHECK_LOADS", "0.4,3").split(",")]
 RATES = [float(r) for r in os.environ["CHECK_RATES"].split(",")] if os.environ.get("CHECK_RATES") else None
 BLOCK = 128
-# cachet serve's generations at once on a model (engine.workers, its default): the gateway's
-# bound in front of the instances, which the simulator models with --gateway-slots.
-SLOTS = int(os.environ.get("CHECK_GATEWAY_SLOTS", "8"))
+# cachet serve's generations at once on the model (engine.workers, default 8, for each of its
+# two instances): the gateway's bound in front of them, which the simulator models with
+# --gateway-slots.
+SLOTS = int(os.environ.get("CHECK_GATEWAY_SLOTS", "16"))
 # vLLM's KV cache a server (scripts/vllm-serve.sh's default 1 GiB) in SmolLM2's f32 tokens.
 KV_BYTES = 46080
 ENGINE_CACHE_TOKENS = (1 << 30) // KV_BYTES

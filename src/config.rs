@@ -292,7 +292,8 @@ pub struct EngineSection {
     /// The element type every served model stores its KV in (`f32`, `f16`, `bf16`, `int8`,
     /// `fp8`); empty: each model's default (decision 0019).
     pub kv_dtype: String,
-    /// Generations running at once, per model (each model has its own workers).
+    /// Generations running at once, per model and per server of it (each model has its own
+    /// workers; a vLLM upstream with two instances gets twice as many).
     pub workers: usize,
     /// Generations allowed to wait for a model's worker (per model) before 529; tenants
     /// share the wait by weighted fair queuing (their policy's `engine_weight`).

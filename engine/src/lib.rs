@@ -276,6 +276,11 @@ pub trait Engine: Send + Sync + 'static {
     fn stages(&self) -> Option<cachet_common::stages::StageLoad> {
         None
     }
+    /// The servers that run its generations (a vLLM upstream's instances; 1 for an engine
+    /// in this process): the gateway gives the model `engine.workers` slots for each.
+    fn instances(&self) -> usize {
+        1
+    }
 }
 
 /// A generation in progress.

@@ -1,8 +1,9 @@
 //! The served models and their engine workers, shared fairly.
 //!
-//! - **A lane per model.** Each model has `workers` generation slots of its own, so a
-//!   model's requests never wait behind another model's (a flood of long SmolLM2 streams
-//!   leaves `sim-tiny` untouched).
+//! - **A lane per model.** Each model has `workers` generation slots of its own for each
+//!   server that runs it (a vLLM upstream's instances each batch their own), so a model's
+//!   requests never wait behind another model's (a flood of long SmolLM2 streams leaves
+//!   `sim-tiny` untouched).
 //! - **Weighted fair queuing within a model.** A request that finds every slot of its model
 //!   busy waits in its tenant's queue. When a slot frees, the waiting request with the
 //!   smallest *start tag* goes next (start-time fair queuing: a request's tag is the later of
@@ -176,7 +177,8 @@ impl std::fmt::Debug for EnginePermit {
 }
 
 impl EnginePool {
-    /// `workers` generation slots per model; at most `queue` requests wait per model.
+    /// `workers` generation slots per model and server of it ([`Engine::instances`]); at
+    /// most `queue` requests wait per model.
     pub fn new(engines: Vec<Arc<dyn Engine>>, workers: usize, queue: usize) -> Self {
         let by_id = engines
             .iter()
@@ -189,7 +191,7 @@ impl EnginePool {
                 metrics::serving(&e.info().id);
                 Arc::new(Lane {
                     model: e.info().id.clone(),
-                    workers: workers.max(1),
+                    workers: workers.max(1) * e.instances().max(1),
                     queue,
                     state: Mutex::new(LaneState::default()),
                     waiting_now: AtomicUsize::new(0),
@@ -829,5 +831,53 @@ mod tests {
         )
         .await;
         assert!(matches!(other, Ok(Ok(_))));
+    }
+
+    /// A model run by two servers (as a vLLM upstream with two instances).
+    struct TwoServers(engine::sim::SimEngine);
+
+    impl Engine for TwoServers {
+        fn info(&self) -> &engine::ModelInfo {
+            self.0.info()
+        }
+        fn render(
+            &self,
+            prompt: &engine::Prompt,
+        ) -> Result<engine::Rendered, engine::EngineError> {
+            self.0.render(prompt)
+        }
+        fn start(
+            &self,
+            req: engine::GenerateRequest,
+        ) -> Result<Box<dyn engine::Generation>, engine::EngineError> {
+            self.0.start(req)
+        }
+        fn nominal_prefill_per_token(&self) -> std::time::Duration {
+            self.0.nominal_prefill_per_token()
+        }
+        fn instances(&self) -> usize {
+            2
+        }
+    }
+
+    #[tokio::test]
+    async fn a_model_gets_its_workers_for_each_server_of_it() {
+        let pool = EnginePool::new(
+            vec![Arc::new(TwoServers(engine::sim::SimEngine::new(
+                engine::sim::SimProfile::tiny(),
+                0.0,
+            )))],
+            1,
+            8,
+        );
+        let id = pool.all()[0].info().id.clone();
+        let a = TenantId::new();
+        let wait = std::time::Duration::from_millis(200);
+        let first = tokio::time::timeout(wait, pool.acquire(&id, share(a, 1))).await;
+        let second = tokio::time::timeout(wait, pool.acquire(&id, share(a, 1))).await;
+        assert!(matches!(first, Ok(Ok(_))) && matches!(second, Ok(Ok(_))));
+        // Two servers, one worker each: the third waits.
+        let third = tokio::time::timeout(wait, pool.acquire(&id, share(a, 1))).await;
+        assert!(third.is_err(), "a third generation must wait for a slot");
     }
 }

@@ -147,6 +147,11 @@ pub struct ReplayArgs {
     /// instances beside one node).
     #[arg(long, value_enum, default_value_t = crate::fleet::sim::Routing::LeastLoaded)]
     pub simulate_fleet_routing: crate::fleet::sim::Routing,
+    /// The generations the gateway replayed against lets run at once on the model (its
+    /// `engine.workers`; with --simulate-fleet): the rest wait there in the simulation as
+    /// they do in the gateway. Default: no bound.
+    #[arg(long)]
+    pub simulate_fleet_gateway_slots: Option<usize>,
     /// Exit non-zero when more than this share of the answered requests failed (refusals
     /// such as 529 included) or when none was answered; 1 fails only a run with no answer.
     /// The report is written either way.
@@ -515,7 +520,7 @@ async fn simulate_fleet(a: &ReplayArgs, trace: &Path, sent: u64) -> anyhow::Resu
             // The capacity is simulate-cache's (no room set aside for extra replicas).
             hot_reads: 0,
             hot_window: Duration::from_secs(60),
-            gateway_slots: None,
+            gateway_slots: a.simulate_fleet_gateway_slots,
             warm_up: 0,
             seed: a.seed,
         };

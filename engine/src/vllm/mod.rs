@@ -451,6 +451,10 @@ impl crate::Engine for VllmEngine {
         Duration::from_micros(2_500)
     }
 
+    fn instances(&self) -> usize {
+        self.instances.len()
+    }
+
     fn stages(&self) -> Option<StageLoad> {
         let mut load = StageLoad {
             split_min_tokens: self.split_min_tokens as u64,
