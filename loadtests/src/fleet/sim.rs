@@ -1417,8 +1417,9 @@ mod tests {
     #[test]
     fn a_gateway_bound_queues_requests_first_come_first_served() {
         let p = profile();
-        // Six requests at once on two instances behind a gateway of two slots.
-        let reqs = same_prefix(&[0.0, 0.001, 0.002, 0.003, 0.004, 0.005], 2);
+        // Six requests at once (nothing shared: each its own 1,000 tokens) on two
+        // instances behind a gateway of two slots.
+        let reqs = same_prefix(&[0.0, 0.001, 0.002, 0.003, 0.004, 0.005], 0);
         let mut cfg = config(2, Routing::LeastLoaded);
         cfg.gateway_slots = Some(2);
         let r = run(&cfg, &p, &reqs);
@@ -1439,7 +1440,9 @@ mod tests {
                 assert!(o.routed >= by_request[k - 1].routed);
             }
         }
-        // Without the bound, every request is routed as it arrives, and they end sooner.
+        // Without the bound, every request is routed as it arrives, and they end sooner (the
+        // engines batch them; with a shared prefix, the bound's later requests would find
+        // it in the fabric instead).
         cfg.gateway_slots = None;
         let free = run(&cfg, &p, &reqs);
         assert_eq!((free.served, free.gateway_queued), (6, 0));
