@@ -840,10 +840,7 @@ mod tests {
         fn info(&self) -> &engine::ModelInfo {
             self.0.info()
         }
-        fn render(
-            &self,
-            prompt: &engine::Prompt,
-        ) -> Result<engine::Rendered, engine::EngineError> {
+        fn render(&self, prompt: &engine::Prompt) -> Result<engine::Rendered, engine::EngineError> {
             self.0.render(prompt)
         }
         fn start(

@@ -199,10 +199,7 @@ fn prefill_line(rows: &[([f64; 3], f64)], step_base: f64) -> Option<(f64, f64, f
     if kctx >= 0.0 {
         return Some((0.0, per_token, kctx));
     }
-    let linear: Vec<([f64; 1], f64)> = rows
-        .iter()
-        .map(|(x, y)| ([x[1]], y - step_base))
-        .collect();
+    let linear: Vec<([f64; 1], f64)> = rows.iter().map(|(x, y)| ([x[1]], y - step_base)).collect();
     let [per_token] = fit(&linear)?;
     Some((0.0, per_token, 0.0))
 }
@@ -418,7 +415,11 @@ mod tests {
         assert!(t > 2.0 && t < 2.6 && k >= 0.0, "{t} {k}");
         for (x, y) in &rows {
             let predicted = 60.0 + t * x[1] + k * x[2];
-            assert!((predicted - y).abs() / y < 0.25, "{} tokens: {predicted} against {y}", x[1]);
+            assert!(
+                (predicted - y).abs() / y < 0.25,
+                "{} tokens: {predicted} against {y}",
+                x[1]
+            );
         }
     }
 }

@@ -1447,7 +1447,12 @@ mod tests {
         let free = run(&cfg, &p, &reqs);
         assert_eq!((free.served, free.gateway_queued), (6, 0));
         assert!(free.outcomes.iter().all(|o| o.routed == o.arrival));
-        assert!(free.makespan < r.makespan, "{} {}", free.makespan, r.makespan);
+        assert!(
+            free.makespan < r.makespan,
+            "{} {}",
+            free.makespan,
+            r.makespan
+        );
     }
 
     #[test]
@@ -1464,7 +1469,10 @@ mod tests {
         assert_eq!(r.engine_hit_tokens, 4000);
         assert_eq!(r.computed_tokens, 4000 + 2 * 1000);
         // Conserved: every prompt token a hit or computed.
-        assert_eq!(r.engine_hit_tokens + r.fabric_hit_tokens + r.computed_tokens, r.prompt_tokens);
+        assert_eq!(
+            r.engine_hit_tokens + r.fabric_hit_tokens + r.computed_tokens,
+            r.prompt_tokens
+        );
     }
 
     #[test]
