@@ -146,14 +146,14 @@ COUNTERS = ["vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:gene
 
 
 def engine_stats(ports: list[int]) -> dict:
-    """Sums over the instances of each phase histogram's _sum and _count, and the counters."""
+    """Sums over the instances of each phase histogram's _sum and _count, and the counters
+    (one scrape an instance)."""
     out: dict[str, float] = {}
+    names = [n + part for n in PHASES for part in ("_sum", "_count")] + COUNTERS
     for port in ports:
-        for name in PHASES:
-            out[name + "_sum"] = out.get(name + "_sum", 0.0) + t.metric(port, name + "_sum")
-            out[name + "_count"] = out.get(name + "_count", 0.0) + t.metric(port, name + "_count")
-        for name in COUNTERS:
-            out[name] = out.get(name, 0.0) + t.metric(port, name)
+        text = t.scrape(f"http://127.0.0.1:{port}")
+        for name in names:
+            out[name] = out.get(name, 0.0) + t.series(text, name)
     return out
 
 
@@ -185,8 +185,9 @@ def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
 
 def gateway_stats(base: str) -> dict:
     """Requests that waited for one of the gateway's engine slots, and their wait in all."""
-    return {"queued": t.cachet_metric(base, "cachet_gateway_engine_acquires_total", 'outcome="queued"'),
-            "wait": t.cachet_metric(base, "cachet_gateway_engine_wait_seconds_total")}
+    text = t.scrape(base)
+    return {"queued": t.series(text, "cachet_gateway_engine_acquires_total", 'outcome="queued"'),
+            "wait": t.series(text, "cachet_gateway_engine_wait_seconds_total")}
 
 
 def p50(xs: list[float]) -> float:

@@ -143,24 +143,28 @@ def wait_until(what: str, cond, timeout: float, proc=None, log=None) -> None:
     raise AssertionError(f"{what}: not ready after {timeout} s\n{tail}")
 
 
-def metric(port: int, name: str, labels: str = "") -> float:
-    """One of vLLM's Prometheus counters (summed over the series that match `labels`)."""
-    _, _, text = http("GET", f"http://127.0.0.1:{port}/metrics")
+def series(text: str, name: str, labels: str = "") -> float:
+    """A Prometheus series of a scraped page, summed over those that match `labels`."""
     total = 0.0
-    for line in text.decode().splitlines():
-        if line.startswith(name + "{") and labels in line:
+    for line in text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def scrape(base: str) -> str:
+    """A server's /metrics page."""
+    return http("GET", f"{base}/metrics")[2].decode()
+
+
+def metric(port: int, name: str, labels: str = "") -> float:
+    """One of vLLM's Prometheus counters (summed over the series that match `labels`)."""
+    return series(scrape(f"http://127.0.0.1:{port}"), name, labels)
 
 
 def cachet_metric(base: str, name: str, labels: str = "") -> float:
     """One of Cachet's own Prometheus series (summed over those that match `labels`)."""
-    _, _, text = http("GET", f"{base}/metrics")
-    total = 0.0
-    for line in text.decode().splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return series(scrape(base), name, labels)
 
 
 def arena(base: str, state: str) -> float:

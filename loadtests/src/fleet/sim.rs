@@ -339,6 +339,15 @@ fn pool_tokens(cfg: &FleetConfig, nodes: usize) -> u64 {
     per_node * nodes as u64 / cfg.replicas.max(1)
 }
 
+/// A request's first `blocks` blocks, to store as an entry of their own.
+fn leading(req: &SimRequest, blocks: usize) -> SimRequest {
+    SimRequest {
+        blocks: req.blocks[..blocks].to_vec(),
+        block_tokens: req.block_tokens[..blocks].to_vec(),
+        ..req.clone()
+    }
+}
+
 fn ns(t: f64) -> u64 {
     (t.max(0.0) * 1e9).round() as u64
 }
@@ -919,12 +928,7 @@ impl Fleet<'_> {
         let Some(extras) = self.extras.get_mut(node) else {
             return;
         };
-        let prefix = SimRequest {
-            blocks: req.sim.blocks[..hot].to_vec(),
-            block_tokens: req.sim.block_tokens[..hot].to_vec(),
-            ..req.sim.clone()
-        };
-        if extras.put(&prefix, have) == Put::Stored {
+        if extras.put(&leading(&req.sim, hot), have) == Put::Stored {
             self.r.hot_replicas += (hot - have) as u64;
         }
     }
@@ -1031,12 +1035,7 @@ impl Fleet<'_> {
         if done <= held {
             return;
         }
-        let prefix = SimRequest {
-            blocks: req.sim.blocks[..done].to_vec(),
-            block_tokens: req.sim.block_tokens[..done].to_vec(),
-            ..req.sim.clone()
-        };
-        engine.put(&prefix, held);
+        engine.put(&leading(&req.sim, done), held);
     }
 
     /// A sequence's prefill is done: its caches learn the prompt; then its first token, or
