@@ -11,7 +11,10 @@ measured against predicted, then where the time went on each side. Run by
 The profile is measured first, in the run, on the first instance as deployed (its connector
 on, the other idle): a committed profile measured on another machine (or this one in another
 hour) is not this machine's, and on 2-core VMs the same vLLM has run 4.5 times faster on one
-day than on another.
+day than on another. CHECK_NEIGHBOUR=1 also measures the second instance's effect on the
+first while busy (`profile --neighbour`) and prints the simulator's figures with that term
+beside them (about 3 minutes more; in two runs it made the predictions worse, see
+docs/benchmarks.md).
 
 The workload: CHECK_REQUESTS requests a load, Poisson arrivals; every prompt of a load is the
 load's own system prompt of ~CHECK_SHARED_TOKENS tokens (cached after its first) and a private
@@ -52,6 +55,7 @@ BLOCK = 128
 # two instances): the gateway's bound in front of them, which the simulator models with
 # --gateway-slots.
 SLOTS = int(os.environ.get("CHECK_GATEWAY_SLOTS", "16"))
+NEIGHBOUR = os.environ.get("CHECK_NEIGHBOUR") == "1"
 # vLLM's KV cache a server (scripts/vllm-serve.sh's default 1 GiB) in SmolLM2's f32 tokens.
 KV_BYTES = 46080
 ENGINE_CACHE_TOKENS = (1 << 30) // KV_BYTES
@@ -194,10 +198,12 @@ def p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def profile(port: int, out: str) -> dict:
-    """The cost profile of instance `port` as it is deployed here (its connector on, the other
-    instance idle), measured now: the simulator's figures come from this machine and this
-    hour, not from a committed file measured elsewhere."""
+def profile(port: int, neighbour: int | None, out: str) -> dict:
+    """The cost profile of instance `port` as it is deployed here (its connector on; the
+    instance at `neighbour`, if given, idle, then busy for the neighbour term), measured now:
+    the simulator's figures come from this machine and this hour, not from a committed file
+    measured elsewhere. Three lone prompts of each length: one VM's prefill times scatter by
+    a fifth from one prompt to the next."""
     py = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"],
                         capture_output=True, text=True).stdout.strip()
     r = subprocess.run([os.environ["CACHET_BIN"], "loadtest", "profile", "--url", f"http://127.0.0.1:{port}",
@@ -207,7 +213,9 @@ def profile(port: int, out: str) -> dict:
                         *[a for n in (128, 256, 512, 768, 1024, 1536, 2048) for a in ("--prefill-tokens", str(n))],
                         "--kv-bytes-per-token", str(KV_BYTES), "--load-bytes-per-sec", "4e9",
                         "--transfer-bytes-per-sec", "0.9e9", "--chunk-tokens", "2048", "--max-batch", "128",
-                        "--engine-cache-tokens", str(ENGINE_CACHE_TOKENS), "--out", out],
+                        "--engine-cache-tokens", str(ENGINE_CACHE_TOKENS), "--repeats", "3",
+                        *(["--neighbour", f"http://127.0.0.1:{neighbour}"] if neighbour else []),
+                        "--out", out],
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"profile failed: {r.stderr}")
@@ -255,7 +263,12 @@ def main() -> None:
                   **{f"vllm{i}": p.pid for i, (p, _) in enumerate(c.vllms)}}
         logs = os.environ.get("CACHET_VLLM_TEST_LOGS", tempfile.gettempdir())
         profile_path = os.path.join(logs, "fleet-check-profile.json")
-        prof = profile(c.ports[0], profile_path)
+        prof = profile(c.ports[0], c.ports[1] if NEIGHBOUR else None, profile_path)
+        # The profile the check compares with: without the neighbour term (which, measured,
+        # is printed beside it).
+        alone_path = os.path.join(logs, "fleet-check-profile-alone.json")
+        with open(alone_path, "w") as f:
+            json.dump({**prof, "neighbour_prefill_slowdown": 0.0, "neighbour_step_slowdown": 0.0}, f)
         # The shared system prompt's tokens as rendered (the blocks every request shares).
         origin = time.perf_counter()
         warm = stream(c.base, c.key, prompt_text(SHARED, 1), "Hi")
@@ -291,12 +304,14 @@ def main() -> None:
                 json.dump(results, f)
             real_ttft = p50([r["ttft"] * 1e3 for r in results if r["ttft"] is not None])
             real_tbt = p50([g * 1e3 for r in results for g in r["gaps"]])
-            sim = simulate(trace_of(seen, shared_blocks), profile_path, warm_up)
+            sim = simulate(trace_of(seen, shared_blocks), alone_path, warm_up)
+            sim_nb = simulate(trace_of(seen, shared_blocks), profile_path, warm_up) if NEIGHBOUR else sim
             # Above saturation, the instances finish fewer requests a second than arrive.
             first = min(r["at"] for r in results)
             last = max(r["at"] + (r["ttft"] or 0) + sum(r["gaps"]) for r in results)
             served = len(results) / max(1e-9, last - first)
-            rows.append((rate, served, len(results), real_ttft, sim["ttft_p50_ms"], real_tbt, sim["tbt_p50_ms"]))
+            rows.append((rate, served, len(results), real_ttft, sim["ttft_p50_ms"], real_tbt, sim["tbt_p50_ms"],
+                         sim_nb["ttft_p50_ms"], sim_nb["tbt_p50_ms"]))
             diag[-1][5]["gateway_queued"] = queued
             diag[-1][5]["gateway_wait_mean"] = gateway_wait
             diag[-1][5]["sim_gateway_queued"] = sim["gateway_queued"]
@@ -305,10 +320,17 @@ def main() -> None:
         c.procs.stop_all()
         subprocess.run(["psql", f"{t.PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {c.db} WITH (FORCE)"],
                        capture_output=True)
-    print("| requests/s | served /s | requests | TTFT p50 ms measured | simulated | off by | time between tokens p50 ms measured | simulated | off by |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for rate, served, n, rt, st, rb, sb in rows:
-        print(f"| {rate} | {served:.2f} | {n} | {rt:.0f} | {st:.0f} | {100 * (st - rt) / rt:+.0f}% | {rb:.1f} | {sb:.1f} | {100 * (sb - rb) / rb:+.0f}% |")
+    extra = ""
+    if NEIGHBOUR:
+        print(f"neighbour term: prefill +{100 * prof['neighbour_prefill_slowdown']:.0f}%, "
+              f"decode step +{100 * prof['neighbour_step_slowdown']:.0f}% while the other instance is busy")
+        extra = " with the neighbour term: TTFT | TBT |"
+    print("| requests/s | served /s | requests | TTFT p50 ms measured | simulated | off by | time between tokens p50 ms measured | simulated | off by |" + extra)
+    print("|---:" * (11 if NEIGHBOUR else 9) + "|")
+    for rate, served, n, rt, st, rb, sb, stn, sbn in rows:
+        print(f"| {rate} | {served:.2f} | {n} | {rt:.0f} | {st:.0f} | {100 * (st - rt) / rt:+.0f}% | {rb:.1f} | {sb:.1f} "
+              f"| {100 * (sb - rb) / rb:+.0f}% |"
+              + (f" {100 * (stn - rt) / rt:+.0f}% | {100 * (sbn - rb) / rb:+.0f}% |" if NEIGHBOUR else ""))
     # Where the time went, engine side (vLLM's histograms, means over the load's requests),
     # and the CPU each process took over the load's wall time.
     for rate, wall, phases, cpu, counters, client in diag:

@@ -9,6 +9,11 @@
 //!   batch's context in thousands` ms.
 //! - **Interference**: two streams decoding while a long prompt arrives: their worst gap
 //!   against what the fitted profile predicts for an iteration holding that prefill chunk.
+//! - **Neighbours** (`--neighbour`, another instance on the same host): a mid-length prompt's
+//!   TTFT and a batch's decode gap, alone and while the neighbour does the same kind of work
+//!   (prefills; a batch decoding): how much longer each takes with it busy (the profile's
+//!   `neighbour_*_slowdown`). Instances sharing a CPU host share its memory bandwidth,
+//!   caches and spare cores; the fit measured with the neighbour idle does not see that.
 //!
 //! What cannot be measured through the API (the KV bytes per token, the load and link rates,
 //! the chunk budget, the batch cap, the prefix cache's size) comes from flags and is named in
@@ -69,6 +74,14 @@ pub struct ProfileArgs {
     pub max_batch: u32,
     #[arg(long)]
     pub engine_cache_tokens: u64,
+    /// Another instance of the same engine and model on the same host: measure how much it
+    /// slows this one while busy.
+    #[arg(long)]
+    pub neighbour: Option<String>,
+    /// Prompts the neighbour prefills at once while this one's prefill is timed (each a
+    /// mid-length prompt, one token out, again and again).
+    #[arg(long, default_value_t = 4)]
+    pub neighbour_streams: u32,
     /// Where the profile is written (JSON).
     #[arg(long)]
     pub out: std::path::PathBuf,
@@ -94,21 +107,30 @@ async fn complete(
     prompt: Vec<u64>,
     max_tokens: u32,
 ) -> anyhow::Result<Timed> {
+    complete_at(http, &a.url, &a.model, prompt, max_tokens).await
+}
+
+async fn complete_at(
+    http: &reqwest::Client,
+    url: &str,
+    model: &str,
+    prompt: Vec<u64>,
+    max_tokens: u32,
+) -> anyhow::Result<Timed> {
     let body = serde_json::json!({
-        "model": a.model, "prompt": prompt, "max_tokens": max_tokens,
+        "model": model, "prompt": prompt, "max_tokens": max_tokens,
         "temperature": 0.0, "ignore_eos": true, "stream": true,
     });
     let sent = Instant::now();
     let resp = http
-        .post(format!("{}/v1/completions", a.url.trim_end_matches('/')))
+        .post(format!("{}/v1/completions", url.trim_end_matches('/')))
         .json(&body)
         .send()
         .await
-        .with_context(|| format!("{}: not reachable", a.url))?;
+        .with_context(|| format!("{url}: not reachable"))?;
     if !resp.status().is_success() {
         bail!(
-            "{} answered {}: {}",
-            a.url,
+            "{url} answered {}: {}",
             resp.status(),
             resp.text().await.unwrap_or_default()
         );
@@ -144,6 +166,164 @@ fn prompt(rng: &mut Rng, n: u64, vocab: u64) -> Vec<u64> {
     (0..n)
         .map(|_| rng.range(1000, vocab.max(1001) - 1))
         .collect()
+}
+
+/// The mean gap between tokens, ms, while `b` streams with `ctx`-token prompts all decode.
+async fn decode_gap(
+    http: &reqwest::Client,
+    a: &ProfileArgs,
+    rng: &mut Rng,
+    b: u32,
+    ctx: u64,
+) -> anyhow::Result<f64> {
+    let streams = futures::future::try_join_all((0..b).map(|_| {
+        let p = prompt(rng, ctx, a.vocab);
+        complete(http, a, p, a.decode_tokens)
+    }))
+    .await?;
+    // While every stream decodes: from the last first token to the first last token.
+    let from = streams
+        .iter()
+        .filter_map(|s| s.tokens.first())
+        .max()
+        .copied();
+    let to = streams
+        .iter()
+        .filter_map(|s| s.tokens.last())
+        .min()
+        .copied();
+    let (Some(from), Some(to)) = (from, to) else {
+        bail!("decode: a stream returned no token");
+    };
+    let gaps: Vec<f64> = streams
+        .iter()
+        .flat_map(|s| {
+            s.tokens
+                .windows(2)
+                .filter(|w| w[0] >= from && w[1] <= to)
+                .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    if gaps.is_empty() {
+        bail!("decode: batch {b} never decoded together; raise --decode-tokens");
+    }
+    Ok(gaps.iter().sum::<f64>() / gaps.len() as f64)
+}
+
+/// A lone prompt's TTFT, ms.
+async fn prefill_ms(
+    http: &reqwest::Client,
+    a: &ProfileArgs,
+    rng: &mut Rng,
+    n: u64,
+) -> anyhow::Result<f64> {
+    let t = complete(http, a, prompt(rng, n, a.vocab), 1).await?;
+    Ok(t.ttft().context("no token came back")?.as_secs_f64() * 1e3)
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+/// The neighbour kept busy: `streams` tasks each sending a prompt of `prompt_len` fresh tokens
+/// for `out` tokens, again and again, until [`Busy::stop`].
+struct Busy {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Busy {
+    fn start(
+        http: &reqwest::Client,
+        a: &ProfileArgs,
+        url: &str,
+        streams: u32,
+        prompt_len: u64,
+        out: u32,
+        seed: u64,
+    ) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let tasks = (0..streams.max(1))
+            .map(|k| {
+                let (http, url, model, stop) =
+                    (http.clone(), url.to_string(), a.model.clone(), stop.clone());
+                let vocab = a.vocab;
+                let mut rng = Rng::new(seed.wrapping_add(u64::from(k)));
+                tokio::spawn(async move {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let p = prompt(&mut rng, prompt_len, vocab);
+                        complete_at(&http, &url, &model, p, out).await?;
+                    }
+                    anyhow::Ok(())
+                })
+            })
+            .collect();
+        Busy { stop, tasks }
+    }
+
+    /// Lets each stream finish the request it is on.
+    async fn stop(self) -> anyhow::Result<()> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for task in self.tasks {
+            task.await.context("a neighbour stream panicked")??;
+        }
+        Ok(())
+    }
+}
+
+/// How much longer a prefill of `n` tokens and a decode step at batch `b` take on this
+/// instance while the instance at `neighbour` does the same kind of work: `(prefill, step)`
+/// as fractions (at least 0). Like beside like, as two instances under one load mostly are:
+/// the prefill beside `a.neighbour_streams` streams of `n`-token prompts, the decode step
+/// beside `b` streams decoding. The medians of `max(repeats, 3)` measurements alone and
+/// busy, taken alone, busy, alone, busy (so a machine drifting over the minute does not read
+/// as the neighbour).
+async fn neighbour_slowdown(
+    http: &reqwest::Client,
+    a: &ProfileArgs,
+    rng: &mut Rng,
+    neighbour: &str,
+    n: u64,
+    b: u32,
+) -> anyhow::Result<(f64, f64)> {
+    const CTX: u64 = 128;
+    let (mut alone, mut busy) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
+    let rounds = a.repeats.max(3);
+    for round in 0..u64::from(rounds) * 2 {
+        let seed = a.seed ^ (0x6e65_6967 + 1000 * round);
+        if round % 2 == 0 {
+            alone.0.push(prefill_ms(http, a, rng, n).await?);
+            alone.1.push(decode_gap(http, a, rng, b, CTX).await?);
+            continue;
+        }
+        // Time for the neighbour's streams to get going (their prompts prefilled).
+        let settle = |tokens: u64| {
+            Duration::from_secs_f64(
+                1.5 * median(alone.0.clone()) / 1e3 * (tokens as f64 / n as f64).max(1.0),
+            )
+        };
+        let load = Busy::start(http, a, neighbour, a.neighbour_streams, n, 1, seed);
+        tokio::time::sleep(settle(n)).await;
+        busy.0.push(prefill_ms(http, a, rng, n).await?);
+        load.stop().await?;
+        let load = Busy::start(http, a, neighbour, b, CTX, a.decode_tokens * 4, seed + 500);
+        tokio::time::sleep(settle(u64::from(b) * CTX)).await;
+        busy.1.push(decode_gap(http, a, rng, b, CTX).await?);
+        load.stop().await?;
+    }
+    let prefill = median(busy.0) / median(alone.0) - 1.0;
+    let step = median(busy.1) / median(alone.1) - 1.0;
+    Ok((prefill.max(0.0), step.max(0.0)))
 }
 
 /// Least squares for `y = Σ x_j × c_j` (`N` unknowns), by the normal equations.
@@ -214,8 +394,7 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for &n in &a.prefill_tokens {
         for _ in 0..a.repeats.max(1) {
-            let t = complete(&http, a, prompt(&mut rng, n, a.vocab), 1).await?;
-            let ms = t.ttft().context("no token came back")?.as_secs_f64() * 1e3;
+            let ms = prefill_ms(&http, a, &mut rng, n).await?;
             println!("| {n} | {ms:.1} |");
             let nf = n as f64;
             rows.push(([1.0, nf, nf * nf / 2000.0], ms));
@@ -230,39 +409,7 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for &ctx in &a.contexts {
         for &b in &a.batches {
-            let streams = futures::future::try_join_all((0..b).map(|_| {
-                let p = prompt(&mut rng, ctx, a.vocab);
-                complete(&http, a, p, a.decode_tokens)
-            }))
-            .await?;
-            // While every stream decodes: from the last first token to the first last token.
-            let from = streams
-                .iter()
-                .filter_map(|s| s.tokens.first())
-                .max()
-                .copied();
-            let to = streams
-                .iter()
-                .filter_map(|s| s.tokens.last())
-                .min()
-                .copied();
-            let (Some(from), Some(to)) = (from, to) else {
-                bail!("decode: a stream returned no token");
-            };
-            let gaps: Vec<f64> = streams
-                .iter()
-                .flat_map(|s| {
-                    s.tokens
-                        .windows(2)
-                        .filter(|w| w[0] >= from && w[1] <= to)
-                        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
-                        .collect::<Vec<_>>()
-                })
-                .collect();
-            if gaps.is_empty() {
-                bail!("decode: batch {b} never decoded together; raise --decode-tokens");
-            }
-            let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+            let mean = decode_gap(&http, a, &mut rng, b, ctx).await?;
             println!("| {b} | {ctx} | {mean:.2} |");
             let batch_ctx = f64::from(b) * (ctx as f64 + f64::from(a.decode_tokens) / 2.0);
             rows.push(([1.0, f64::from(b), batch_ctx / 1e3], mean));
@@ -283,12 +430,42 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
         1e3 / per_token_ms
     );
 
+    let (neighbour_prefill, neighbour_step, neighbour_note) = match &a.neighbour {
+        None => (0.0, 0.0, "no neighbour measured".to_string()),
+        Some(url) => {
+            let mut sizes = a.prefill_tokens.clone();
+            sizes.sort_unstable();
+            let n = sizes[sizes.len() / 2];
+            let b = a.batches.iter().copied().max().unwrap_or(1);
+            let (p, s) = neighbour_slowdown(&http, a, &mut rng, url, n, b).await?;
+            println!(
+                "neighbour ({url}; {} streams of {n}-token prompts, then {b} decoding): a \
+                 {n}-token prefill beside them {:+.0}%, a decode step at batch {b} {:+.0}%\n",
+                a.neighbour_streams,
+                p * 1e2,
+                s * 1e2
+            );
+            (
+                p,
+                s,
+                format!(
+                    "with a neighbour on the host doing the same ({} streams of {n}-token \
+                     prompts; {b} streams decoding), a {n}-token prefill took {:.0}% longer and \
+                     a decode step at batch {b} {:.0}%",
+                    a.neighbour_streams,
+                    p * 1e2,
+                    s * 1e2
+                ),
+            )
+        }
+    };
+
     let profile = CostProfile {
         name: a.name.clone(),
         source: format!(
             "Measured by `cachet loadtest profile` against {} ({}{}) on {}: prefill at {:?} tokens \
              ({} each; fitted {:.0} tokens/s, {:.5} ms per token per thousand before it, {:.1} ms \
-             a request outside the engine), decode of {} tokens at batches {:?} and contexts {:?}. Given, not measured: \
+             a request outside the engine), decode of {} tokens at batches {:?} and contexts {:?}; {}. Given, not measured: \
              {} bytes of KV a token, loads at {:.2e} B/s, the link at {:.2e} B/s, chunks of {} \
              tokens, batches up to {}, {} tokens of prefix cache.",
             a.url,
@@ -307,6 +484,7 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
             a.decode_tokens,
             a.batches,
             a.contexts,
+            neighbour_note,
             a.kv_bytes_per_token,
             a.load_bytes_per_sec,
             a.transfer_bytes_per_sec,
@@ -326,6 +504,8 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
         load_bytes_per_sec: a.load_bytes_per_sec,
         transfer_bytes_per_sec: a.transfer_bytes_per_sec,
         engine_cache_tokens: a.engine_cache_tokens,
+        neighbour_prefill_slowdown: neighbour_prefill,
+        neighbour_step_slowdown: neighbour_step,
     };
 
     // Interference: two streams decoding, then a long prompt: their worst gap against the
@@ -385,6 +565,13 @@ mod tests {
         }
         // Two points cannot fix three unknowns.
         assert!(fit(&rows[..1]).is_none());
+    }
+
+    #[test]
+    fn the_median_is_the_middle_or_the_mean_of_the_two_middles() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(Vec::new()).is_nan());
     }
 
     fn lone_prompts(overhead: f64, per_token: f64, kctx: f64, step: f64) -> Vec<([f64; 3], f64)> {

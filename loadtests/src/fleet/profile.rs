@@ -50,6 +50,15 @@ pub struct CostProfile {
     pub transfer_bytes_per_sec: f64,
     /// The engine's own prefix cache on each instance (free hits), tokens.
     pub engine_cache_tokens: u64,
+    /// How much longer an iteration's prefill takes while another instance on the same node
+    /// is busy, a fraction for each busy neighbour (instances sharing a host share its memory
+    /// bandwidth, caches and spare cores; on a CPU build they share nearly everything, on
+    /// GPUs of their own little). Measured by `profile --neighbour`; absent: 0.
+    #[serde(default)]
+    pub neighbour_prefill_slowdown: f64,
+    /// The same for an iteration's fixed part and decode steps.
+    #[serde(default)]
+    pub neighbour_step_slowdown: f64,
 }
 
 impl CostProfile {
@@ -95,6 +104,11 @@ impl CostProfile {
             ("step_per_seq_ms", self.step_per_seq_ms),
             ("step_per_kctx_ms", self.step_per_kctx_ms),
             ("prefill_per_kctx_ms", self.prefill_per_kctx_ms),
+            (
+                "neighbour_prefill_slowdown",
+                self.neighbour_prefill_slowdown,
+            ),
+            ("neighbour_step_slowdown", self.neighbour_step_slowdown),
         ] {
             anyhow::ensure!(
                 v.is_finite() && v >= 0.0,
@@ -180,5 +194,10 @@ mod tests {
         // 8K tokens of KV (1 GiB) over 55 GB/s: about 20 ms.
         assert!((p.load_secs(8192) - 1_073_741_824.0 / 55e9).abs() < 1e-9);
         assert!(CostProfile::load("no-such-profile").is_err());
+        // Profiles without the neighbour terms read them as 0; a negative one is refused.
+        assert_eq!(cpu.neighbour_prefill_slowdown, 0.0);
+        let mut bad = cpu.clone();
+        bad.neighbour_step_slowdown = -0.1;
+        assert!(bad.validate().is_err());
     }
 }

@@ -1,12 +1,15 @@
-//! The fleet's discrete-event model: N engine instances (one a node) doing continuous
-//! batching, their caches, the fabric between them and a routing policy.
+//! The fleet's discrete-event model: N engine instances (instance `i` on node `i mod
+//! nodes`) doing continuous batching, their caches, the fabric between them and a routing
+//! policy.
 //!
 //! Each instance runs iterations back to back while it has work: an iteration steps every
 //! decoding sequence by one token and prefills up to the profile's chunk budget (less the
 //! decode tokens) from its waiting queue, first come first served, and takes
 //! [`CostProfile::step_secs`] + [`CostProfile::prefill_secs`] of its pieces. So a long
 //! prefill slows the decode steps batched beside it, which is what prefill and decode apart
-//! removes. A sequence's first token comes at the end of the iteration that finishes its
+//! removes. Instances on one node share its host: an iteration that starts while others
+//! there are busy takes the profile's neighbour shares longer for each (measured by
+//! `profile --neighbour`; 0 in profiles without it). A sequence's first token comes at the end of the iteration that finishes its
 //! prefill; each later one at the end of each iteration it decodes in (time between tokens).
 //!
 //! Caches are Cachet's own store ([`SimCache`]): each instance's engine prefix cache (hits
@@ -935,10 +938,18 @@ impl Fleet<'_> {
 
     /// Start an iteration on an idle instance with work.
     fn kick(&mut self, now: f64, i: usize) {
-        let inst = &mut self.inst[i];
-        if inst.plan.is_some() || (inst.waiting.is_empty() && inst.running.is_empty()) {
+        if self.inst[i].plan.is_some()
+            || (self.inst[i].waiting.is_empty() && self.inst[i].running.is_empty())
+        {
             return;
         }
+        // Instances on this node busy as the iteration starts: each slows it by the profile's
+        // share (they share the host).
+        let node = self.node_of(i);
+        let busy = (0..self.cfg.instances)
+            .filter(|&j| j != i && self.node_of(j) == node && self.inst[j].plan.is_some())
+            .count() as f64;
+        let inst = &mut self.inst[i];
         let decoding: Vec<usize> = inst
             .running
             .iter()
@@ -969,7 +980,7 @@ impl Fleet<'_> {
         let mut budget = u64::from(self.p.chunk_tokens).saturating_sub(decoding.len() as u64);
         let mut room = (self.p.max_batch as usize).saturating_sub(inst.running.len());
         let mut pieces = Vec::new();
-        let mut secs = 0.0;
+        let mut prefill = 0.0;
         for &s in &inst.waiting {
             if budget == 0 || room == 0 {
                 break;
@@ -977,13 +988,15 @@ impl Fleet<'_> {
             let q = &mut self.seqs[s];
             q.begun = true;
             let to = q.target.min(q.prefilled + budget);
-            secs += self.p.prefill_secs(q.prefilled, to);
+            prefill += self.p.prefill_secs(q.prefilled, to);
             budget -= to - q.prefilled;
             pieces.push((s, q.prefilled, to));
             room -= 1;
         }
         let ctx: u64 = decoding.iter().map(|&s| self.seqs[s].context).sum();
-        secs += self.p.step_secs(decoding.len() as u32, ctx);
+        let secs = prefill * (1.0 + self.p.neighbour_prefill_slowdown * busy)
+            + self.p.step_secs(decoding.len() as u32, ctx)
+                * (1.0 + self.p.neighbour_step_slowdown * busy);
         inst.plan = Some(Plan { decoding, pieces });
         self.at(now + secs, Ev::IterationEnd(i));
     }
@@ -1165,6 +1178,8 @@ mod tests {
             load_bytes_per_sec: 1e9,
             transfer_bytes_per_sec: 1e8,
             engine_cache_tokens: 0,
+            neighbour_prefill_slowdown: 0.0,
+            neighbour_step_slowdown: 0.0,
         }
     }
 
@@ -1503,6 +1518,33 @@ mod tests {
         assert!(((b.first_token - a.first_token) - 0.030).abs() < 1e-6);
         // The decode after it is unchanged.
         assert!(((b.done - b.first_token) - (a.done - a.first_token)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_busy_neighbour_on_the_same_node_slows_an_iteration_by_the_profiles_share() {
+        let mut p = profile();
+        // Two requests 10 ms apart, 2,000 tokens each (0.2 s of prefill), on two instances.
+        let reqs = same_prefix(&[0.0, 0.01], 1);
+        let mut one_node = config(2, Routing::LeastLoaded);
+        one_node.nodes = 1;
+        let plain = run(&one_node, &p, &reqs);
+        p.neighbour_prefill_slowdown = 0.5;
+        p.neighbour_step_slowdown = 0.2;
+        let shared = run(&one_node, &p, &reqs);
+        let apart = run(&config(2, Routing::LeastLoaded), &p, &reqs);
+        let ttft = |r: &FleetResult, k: usize| r.outcomes[k].first_token - r.outcomes[k].arrival;
+        assert_ne!(shared.outcomes[0].instance, shared.outcomes[1].instance);
+        // The first started alone; the second started while the first prefilled, so its
+        // prefill took half as long again and its iteration's fixed part a fifth longer.
+        assert!((ttft(&shared, 0) - ttft(&plain, 0)).abs() < 1e-9);
+        let want = ttft(&plain, 1) + 0.5 * 0.2 + 0.2 * 0.010;
+        assert!(
+            (ttft(&shared, 1) - want).abs() < 1e-6,
+            "{} {want}",
+            ttft(&shared, 1)
+        );
+        // On nodes of their own, nothing is shared.
+        assert_eq!(apart.outcomes, plain.outcomes);
     }
 
     #[test]
