@@ -297,15 +297,16 @@ def main() -> None:
                           "output_mean": statistics.mean([r["output"] for r in results])}))
             warm_up = len(seen)
             seen += results
+            trace = trace_of(seen, shared_blocks)
             # Kept with the logs, to simulate again without the real run (--warm-up as here).
             with open(os.path.join(logs, f"fleet-check-{rate}.jsonl"), "w") as f:
-                f.write(trace_of(seen, shared_blocks))
+                f.write(trace)
             with open(os.path.join(logs, f"fleet-check-{rate}-measured.json"), "w") as f:
                 json.dump(results, f)
             real_ttft = p50([r["ttft"] * 1e3 for r in results if r["ttft"] is not None])
             real_tbt = p50([g * 1e3 for r in results for g in r["gaps"]])
-            sim = simulate(trace_of(seen, shared_blocks), alone_path, warm_up)
-            sim_nb = simulate(trace_of(seen, shared_blocks), profile_path, warm_up) if NEIGHBOUR else sim
+            sim = simulate(trace, alone_path, warm_up)
+            sim_nb = simulate(trace, profile_path, warm_up) if NEIGHBOUR else sim
             # Above saturation, the instances finish fewer requests a second than arrive.
             first = min(r["at"] for r in results)
             last = max(r["at"] + (r["ttft"] or 0) + sum(r["gaps"]) for r in results)

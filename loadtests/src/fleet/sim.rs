@@ -9,8 +9,9 @@
 //! prefill slows the decode steps batched beside it, which is what prefill and decode apart
 //! removes. Instances on one node share its host: an iteration that starts while others
 //! there are busy takes the profile's neighbour shares longer for each (measured by
-//! `profile --neighbour`; 0 in profiles without it). A sequence's first token comes at the end of the iteration that finishes its
-//! prefill; each later one at the end of each iteration it decodes in (time between tokens).
+//! `profile --neighbour`; 0 in profiles without it). A sequence's first token comes at the
+//! end of the iteration that finishes its prefill; each later one at the end of each
+//! iteration it decodes in (time between tokens).
 //!
 //! Caches are Cachet's own store ([`SimCache`]): each instance's engine prefix cache (hits
 //! cost nothing), and under it either each instance's own DRAM (`local`: the baseline where
