@@ -132,7 +132,11 @@ impl FabricClient {
             .collect();
         if !pulled.is_empty() {
             let n = pulled.len();
-            if let Err(e) = self.node.store().put_extra(&scope, pulled, STAGED_TTL, now) {
+            if let Err(e) =
+                self.node
+                    .store()
+                    .put_extra(&scope, pulled, STAGED_TTL, EntryKind::BestEffort, now)
+            {
                 tracing::warn!(
                     blocks = n,
                     reason = e.as_str(),

@@ -428,10 +428,13 @@ impl Cluster {
         }
         // Its parent may live elsewhere; the replica is found by hash.
         let put = PutBlock::new(b.hash, None, b.n_tokens, b.data.clone());
-        let kept = self
-            .local
-            .store()
-            .put_extra(&scope, vec![put], self.config.hot_window, now);
+        let kept = self.local.store().put_extra(
+            &scope,
+            vec![put],
+            self.config.hot_window,
+            EntryKind::BestEffort,
+            now,
+        );
         metrics::REPLICA_PUSHES
             .with_label_values(&["hot", if kept.is_ok() { "ok" } else { "refused" }])
             .inc();
@@ -530,7 +533,7 @@ impl Cluster {
             .store()
             .put_replica(&scope, existing, owned, ttl, now, kind);
         if !extra.is_empty() {
-            let _ = self.local.store().put_extra(&scope, extra, ttl, now);
+            let _ = self.local.store().put_extra(&scope, extra, ttl, kind, now);
         }
         if view.membership.is_empty() {
             // Not in a cluster view yet (or alone): this node's copy is all there is.

@@ -270,7 +270,7 @@ async fn extra_copies_go_before_any_owned_block_and_an_owner_write_keeps_them() 
     // ... then three extra copies; one of them is then written by its owner.
     for seed in 11..=13 {
         let (_, b) = one(seed);
-        node.with_store(|st| st.put_extra(&s, b, Duration::from_secs(300), now))
+        node.with_store(|st| st.put_extra(&s, b, Duration::from_secs(300), AUTO, now))
             .unwrap();
     }
     let (_, owned_now) = one(13);
@@ -328,7 +328,7 @@ async fn extra_copies_inside_a_chain_go_before_the_owned_blocks_under_them() {
     // As `Cluster::write_entry` stores them: the owned blocks, then the extra copies.
     node.with_store(|st| st.put_replica(&s, &[], owned, ttl, now, AUTO))
         .unwrap();
-    node.with_store(|st| st.put_extra(&s, extra, ttl, now))
+    node.with_store(|st| st.put_extra(&s, extra, ttl, AUTO, now))
         .unwrap();
     node.with_store(|st| st.check_invariants());
     // Four more blocks on a node with room for six: both extra copies go, no owned block.
@@ -374,8 +374,16 @@ async fn a_popular_blocks_owner_copy_goes_last_until_its_uses_fade() {
     }
     // A popular block held as an extra copy gets no such standing.
     let extra_hot = one(2);
-    node.with_store(|st| st.put_extra(&s, blocks_to(&extra_hot, B), Duration::from_secs(300), now))
-        .unwrap();
+    node.with_store(|st| {
+        st.put_extra(
+            &s,
+            blocks_to(&extra_hot, B),
+            Duration::from_secs(300),
+            AUTO,
+            now,
+        )
+    })
+    .unwrap();
     for _ in 0..4 {
         assert_eq!(c.read_prefix(s, &extra_hot, B, now).await.tokens, B);
     }
@@ -1102,7 +1110,7 @@ proptest! {
                 node.with_store(|st| {
                     // Some as extra copies (a writer's own, hot blocks), some as an owner's.
                     let _ = if mask & 0x8000 != 0 {
-                        st.put_extra(&s, picked, ttl, now)
+                        st.put_extra(&s, picked, ttl, kind, now)
                     } else {
                         st.put_replica(&s, &[], picked, ttl, now, kind)
                     };
@@ -1344,6 +1352,72 @@ async fn a_release_reaches_the_disk_tier_and_is_applied_again_after_a_restart() 
     assert_eq!(r.bytes_held, 2 * block, "{r:?}");
     node.with_store(|st| st.check_invariants());
     assert_eq!(c.read_prefix(s, &k, 16, now).await.tokens, 8);
+}
+
+/// The node that wrote a cache object keeps extra copies of the blocks it does not own
+/// (`Cluster::write_entry`); those copies hold nothing but the object, so its deletion frees
+/// them also from the disk tier, where capacity eviction and the write-through put them and
+/// where a copy no longer knows it was extra, and again after a restart (the extra copy's
+/// record used to carry an entry's hold for the object's TTL, which kept it past a release).
+#[tokio::test]
+async fn an_objects_extra_copies_on_disk_go_with_its_release() {
+    let dir = TempDir::new();
+    let s = scope();
+    let now = Instant::now();
+    let k = keys(s, &toks(84, 16), &[16]);
+    let blocks: Vec<_> = chain(&k, 16).iter().map(|h| (*h, None)).collect();
+    let block = (B * BYTES_PER_TOKEN) as u64;
+    let two_hours = Duration::from_secs(7_200);
+    let hashes = chain(&k, 16);
+    // How many of the object's blocks the disk tier holds.
+    let on_disk = |node: &FabricNode| {
+        let held = node.with_store(|st| st.held_by_medium());
+        let lower = &held[1].1;
+        hashes.iter().filter(|h| lower.contains(h)).count()
+    };
+    // The writer's extra copies, copied to disk.
+    let extras = |node: &FabricNode| {
+        node.with_store(|st| st.put_extra(&s, blocks_to(&k, 16), two_hours, OBJECT, now))
+            .unwrap();
+        node.with_store(|st| while st.write_through(1 << 20) > 0 {});
+        assert_eq!(on_disk(node), 4);
+    };
+    {
+        // DRAM of four blocks: the extra copies are written through to disk, and another
+        // entry then evicts them from DRAM (extra copies go first).
+        let (c, node) = disk_node(4, &dir.0);
+        extras(&node);
+        let other = keys(s, &toks(85, 16), &[16]);
+        write_whole(&c, s, &other, 16, 300, now, PAID)
+            .await
+            .unwrap();
+        let r = c.release(s, &blocks);
+        assert_eq!((r.bytes_freed, r.bytes_held), (4 * block, 0), "{r:?}");
+        assert_eq!(on_disk(&node), 0);
+        node.with_store(|st| st.check_invariants());
+        // In DRAM and on disk at once: both copies go.
+        extras(&node);
+        let r = c.release(s, &blocks);
+        assert_eq!((r.bytes_freed, r.bytes_held), (4 * block, 0), "{r:?}");
+        assert_eq!(on_disk(&node), 0);
+        // Written again, then the node goes down before the deletion.
+        extras(&node);
+    }
+    // Its release at the next start frees what the disk kept.
+    let (c, node) = disk_node(4, &dir.0);
+    assert_eq!(on_disk(&node), 4);
+    let r = c.release(s, &blocks);
+    assert_eq!((r.bytes_freed, r.bytes_held), (4 * block, 0), "{r:?}");
+    assert_eq!(c.read_prefix(s, &k, 16, Instant::now()).await.tokens, 0);
+    assert_eq!(on_disk(&node), 0);
+    node.with_store(|st| st.check_invariants());
+    // A best-effort entry's extra copies hold as the entry does: releasing an object that
+    // shares the blocks leaves the entry its time.
+    node.with_store(|st| st.put_extra(&s, blocks_to(&k, 16), two_hours, AUTO, now))
+        .unwrap();
+    node.with_store(|st| while st.write_through(1 << 20) > 0 {});
+    c.release(s, &blocks);
+    assert_eq!(on_disk(&node), 4);
 }
 
 /// Long holds — a cache object's, any write held past an hour (OpenAI's 24h retention) —

@@ -79,6 +79,7 @@ impl Store {
             kind: holding.kind,
             copy: Copy::Own,
             checksums: Checksums::Computed,
+            shared: holding.kind != EntryKind::Object,
         };
         self.put(scope, existing, new, terms, now)
     }

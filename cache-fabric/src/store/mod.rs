@@ -172,6 +172,10 @@ struct Terms {
     kind: EntryKind,
     copy: Copy,
     checksums: Checksums,
+    /// Whether the write holds its blocks as an entry (a breakpoint's, a read's), which a
+    /// deleted object's release leaves in place: every write but an object's, and an extra
+    /// copy of an object's blocks (best effort as it is, its hold is still the object's).
+    shared: bool,
 }
 
 impl Terms {
@@ -183,6 +187,7 @@ impl Terms {
             kind,
             copy,
             checksums,
+            shared: kind != EntryKind::Object,
         }
     }
 }
@@ -315,18 +320,19 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// The shared part of a write held for `ttl` until `expires` as `kind`: none for an
-    /// object's hold.
-    fn of(kind: EntryKind, ttl: Duration, expires: Instant, now: Instant) -> Self {
-        match kind {
-            EntryKind::Object => Shared {
-                ttl: Duration::ZERO,
-                until: now,
-            },
-            _ => Shared {
+    /// The shared part of a write held for `ttl` until `expires`: none for an object's hold
+    /// (`shared` false, [`Terms::shared`]).
+    fn of(shared: bool, ttl: Duration, expires: Instant, now: Instant) -> Self {
+        if shared {
+            Shared {
                 ttl,
                 until: expires,
-            },
+            }
+        } else {
+            Shared {
+                ttl: Duration::ZERO,
+                until: now,
+            }
         }
     }
 }
@@ -811,15 +817,21 @@ impl Store {
     /// Store extra copies of blocks this node does not own (a writer's own copies, hot
     /// blocks it reads often): replicas, best effort, and the first blocks capacity eviction
     /// takes (wherever they sit in a chain). An owner's write of the same block later makes
-    /// it an ordinary one.
+    /// it an ordinary one. `of`: the kind of the write they copy. An object's extra copies
+    /// hold nothing beside the object, in DRAM or in the tier below (where a copy no longer
+    /// knows it was extra), so the object's deletion frees them.
     pub fn put_extra(
         &mut self,
         scope: &Scope,
         new: Vec<PutBlock>,
         ttl: Duration,
+        of: EntryKind,
         now: Instant,
     ) -> Result<(), WriteRefused> {
-        let terms = Terms::sent(ttl, EntryKind::BestEffort, Copy::Extra);
+        let terms = Terms {
+            shared: of != EntryKind::Object,
+            ..Terms::sent(ttl, EntryKind::BestEffort, Copy::Extra)
+        };
         self.put_each(scope, &[], new, terms, now)
     }
 
@@ -895,6 +907,7 @@ impl Store {
             kind,
             copy,
             checksums,
+            shared,
         } = terms;
         let (replica, extra) = (copy != Copy::Own, copy == Copy::Extra);
         self.purge_expired(now);
@@ -930,7 +943,6 @@ impl Store {
         self.fit_capacity(tenant, incoming_memory, &pinned)?;
         let expires = now + ttl;
         let paid = kind.is_paid();
-        let shared = kind != EntryKind::Object;
         if !self.released.is_empty() {
             // Written again: no longer a released block.
             for h in existing.iter().chain(new.iter().map(|b| &b.hash)) {
@@ -990,10 +1002,14 @@ impl Store {
         (expires, now): (Instant, Instant),
     ) -> Result<Vec<BlockHash>, WriteRefused> {
         let Terms {
-            ttl, kind, copy, ..
+            ttl,
+            kind,
+            copy,
+            shared,
+            ..
         } = terms;
         let (replica, extra) = (copy != Copy::Own, copy == Copy::Extra);
-        let (paid, shared) = (kind.is_paid(), kind != EntryKind::Object);
+        let paid = kind.is_paid();
         let mut inserted: Vec<BlockHash> = Vec::new();
         for b in new {
             if self.blocks.contains_key(&b.hash) {
@@ -1022,7 +1038,7 @@ impl Store {
                 return Err(refused(WriteRefused::MissingParent));
             }
             inserted.push(b.hash);
-            let held = Shared::of(kind, ttl, expires, now);
+            let held = Shared::of(shared, ttl, expires, now);
             self.insert(scope, b, (ttl, expires, held), paid, copy);
         }
         Ok(inserted)
