@@ -324,7 +324,7 @@ def main() -> None:
     extra = ""
     if NEIGHBOUR:
         print(f"neighbour term: prefill +{100 * prof['neighbour_prefill_slowdown']:.0f}%, "
-              f"decode step +{100 * prof['neighbour_step_slowdown']:.0f}% while the other instance is busy")
+              f"an iteration's fixed part +{100 * prof['neighbour_step_slowdown']:.0f}% while the other instance is busy")
         extra = " with the neighbour term: TTFT | TBT |"
     print("| requests/s | served /s | requests | TTFT p50 ms measured | simulated | off by | time between tokens p50 ms measured | simulated | off by |" + extra)
     print("|---:" * (11 if NEIGHBOUR else 9) + "|")

@@ -283,20 +283,23 @@ impl Busy {
 
 /// How much longer a prefill of `n` tokens and a decode step at batch `b` take on this
 /// instance while the instance at `neighbour` does the same kind of work: `(prefill, step)`
-/// as fractions (at least 0). Like beside like, as two instances under one load mostly are:
-/// the prefill beside `a.neighbour_streams` streams of `n`-token prompts, the decode step
-/// beside `b` streams decoding. The medians of `max(repeats, 3)` measurements alone and
-/// busy, taken alone, busy, alone, busy (so a machine drifting over the minute does not read
-/// as the neighbour).
+/// as fractions (at least 0). Like beside like: the prefill beside `a.neighbour_streams`
+/// streams of `n`-token prompts; a lone decode step, which is nearly all the iteration's
+/// fixed part (reading the weights), beside one stream decoding. A batch's own work (its
+/// sequences' arithmetic and KV reads) is not stretched: measured beside a batch of 8, the
+/// whole step read +96% where the fleet check's loads wanted about +30% on the fixed part
+/// and nothing on the rest (docs/benchmarks.md). The medians of `max(repeats, 3)`
+/// measurements alone and busy, taken alone, busy, alone, busy (so a machine drifting over
+/// the minute does not read as the neighbour).
 async fn neighbour_slowdown(
     http: &reqwest::Client,
     a: &ProfileArgs,
     rng: &mut Rng,
     neighbour: &str,
     n: u64,
-    b: u32,
 ) -> anyhow::Result<(f64, f64)> {
     const CTX: u64 = 128;
+    let b = 1;
     let (mut alone, mut busy) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
     let rounds = a.repeats.max(3);
     for round in 0..u64::from(rounds) * 2 {
@@ -436,11 +439,11 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
             let mut sizes = a.prefill_tokens.clone();
             sizes.sort_unstable();
             let n = sizes[sizes.len() / 2];
-            let b = a.batches.iter().copied().max().unwrap_or(1);
-            let (p, s) = neighbour_slowdown(&http, a, &mut rng, url, n, b).await?;
+            let (p, s) = neighbour_slowdown(&http, a, &mut rng, url, n).await?;
             println!(
-                "neighbour ({url}; {} streams of {n}-token prompts, then {b} decoding): a \
-                 {n}-token prefill beside them {:+.0}%, a decode step at batch {b} {:+.0}%\n",
+                "neighbour ({url}; {} streams of {n}-token prompts, then one decoding): a \
+                 {n}-token prefill beside them {:+.0}%, a lone decode step (the iteration's \
+                 fixed part) {:+.0}%\n",
                 a.neighbour_streams,
                 p * 1e2,
                 s * 1e2
@@ -450,8 +453,8 @@ pub async fn run(a: &ProfileArgs) -> anyhow::Result<()> {
                 s,
                 format!(
                     "with a neighbour on the host doing the same ({} streams of {n}-token \
-                     prompts; {b} streams decoding), a {n}-token prefill took {:.0}% longer and \
-                     a decode step at batch {b} {:.0}%",
+                     prompts; one stream decoding), a {n}-token prefill took {:.0}% longer and \
+                     a lone decode step {:.0}%",
                     a.neighbour_streams,
                     p * 1e2,
                     s * 1e2

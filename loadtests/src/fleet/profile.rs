@@ -56,7 +56,9 @@ pub struct CostProfile {
     /// GPUs of their own little). Measured by `profile --neighbour`; absent: 0.
     #[serde(default)]
     pub neighbour_prefill_slowdown: f64,
-    /// The same for an iteration's fixed part and decode steps.
+    /// The same for an iteration's fixed part (`step_base_ms`, reading the weights; measured
+    /// as a lone decode step beside a neighbour decoding one stream). A batch's own work is
+    /// not stretched.
     #[serde(default)]
     pub neighbour_step_slowdown: f64,
 }
@@ -75,6 +77,22 @@ impl CostProfile {
             + self.step_per_seq_ms * f64::from(decoding)
             + self.step_per_kctx_ms * context_tokens as f64 / 1e3)
             / 1e3
+    }
+
+    /// One iteration: its prefill pieces (`prefill_secs`, their [`Self::prefill_secs`]) and
+    /// [`Self::step_secs`], with `busy` other instances busy on the same host: each stretches
+    /// the prefill by the neighbour's prefill share and the fixed part (not the sequences'
+    /// own work) by its step share.
+    pub fn iteration_secs(
+        &self,
+        prefill_secs: f64,
+        decoding: u32,
+        context_tokens: u64,
+        busy: f64,
+    ) -> f64 {
+        prefill_secs * (1.0 + self.neighbour_prefill_slowdown * busy)
+            + self.step_secs(decoding, context_tokens)
+            + self.step_base_ms / 1e3 * self.neighbour_step_slowdown * busy
     }
 
     pub fn load_secs(&self, tokens: u64) -> f64 {
@@ -194,6 +212,14 @@ mod tests {
         // 8K tokens of KV (1 GiB) over 55 GB/s: about 20 ms.
         assert!((p.load_secs(8192) - 1_073_741_824.0 / 55e9).abs() < 1e-9);
         assert!(CostProfile::load("no-such-profile").is_err());
+        // A busy neighbour stretches an iteration's prefill and its fixed part, not what its
+        // decoding sequences add: 4 of them at 1 ms each beside a 10 ms fixed part.
+        let mut n = cpu.clone();
+        (n.step_base_ms, n.step_per_seq_ms, n.step_per_kctx_ms) = (10.0, 1.0, 0.0);
+        (n.neighbour_prefill_slowdown, n.neighbour_step_slowdown) = (0.5, 0.5);
+        assert!((n.iteration_secs(0.2, 4, 0, 0.0) - 0.214).abs() < 1e-12);
+        assert!((n.iteration_secs(0.2, 4, 0, 1.0) - (0.3 + 0.014 + 0.005)).abs() < 1e-12);
+        assert!((n.iteration_secs(0.2, 4, 0, 2.0) - (0.4 + 0.014 + 0.010)).abs() < 1e-12);
         // Profiles without the neighbour terms read them as 0; a negative one is refused.
         assert_eq!(cpu.neighbour_prefill_slowdown, 0.0);
         let mut bad = cpu.clone();

@@ -8,8 +8,9 @@
 //! [`CostProfile::step_secs`] + [`CostProfile::prefill_secs`] of its pieces. So a long
 //! prefill slows the decode steps batched beside it, which is what prefill and decode apart
 //! removes. Instances on one node share its host: an iteration that starts while others
-//! there are busy takes the profile's neighbour shares longer for each (measured by
-//! `profile --neighbour`; 0 in profiles without it). A sequence's first token comes at the
+//! there are busy takes longer for each, its prefill by the profile's prefill share and its
+//! fixed part (not its sequences' own work) by the step share (measured by `profile
+//! --neighbour`; 0 in profiles without it). A sequence's first token comes at the
 //! end of the iteration that finishes its prefill; each later one at the end of each
 //! iteration it decodes in (time between tokens).
 //!
@@ -995,9 +996,9 @@ impl Fleet<'_> {
             room -= 1;
         }
         let ctx: u64 = decoding.iter().map(|&s| self.seqs[s].context).sum();
-        let secs = prefill * (1.0 + self.p.neighbour_prefill_slowdown * busy)
-            + self.p.step_secs(decoding.len() as u32, ctx)
-                * (1.0 + self.p.neighbour_step_slowdown * busy);
+        let secs = self
+            .p
+            .iteration_secs(prefill, decoding.len() as u32, ctx, busy);
         inst.plan = Some(Plan { decoding, pieces });
         self.at(now + secs, Ev::IterationEnd(i));
     }
@@ -1538,7 +1539,7 @@ mod tests {
         // The first started alone; the second started while the first prefilled, so its
         // prefill took half as long again and its iteration's fixed part a fifth longer.
         assert!((ttft(&shared, 0) - ttft(&plain, 0)).abs() < 1e-9);
-        let want = ttft(&plain, 1) + 0.5 * 0.2 + 0.2 * 0.010;
+        let want = ttft(&plain, 1) + 0.5 * 0.2 + 0.2 * p.step_base_ms / 1e3;
         assert!(
             (ttft(&shared, 1) - want).abs() < 1e-6,
             "{} {want}",
