@@ -75,11 +75,8 @@ impl Store {
     ) -> Result<(), WriteRefused> {
         self.unreserve(scope.tenant, reserved);
         let terms = Terms {
-            ttl: holding.ttl,
-            kind: holding.kind,
-            copy: Copy::Own,
             checksums: Checksums::Computed,
-            shared: holding.kind != EntryKind::Object,
+            ..Terms::sent(holding.ttl, holding.kind, Copy::Own)
         };
         self.put(scope, existing, new, terms, now)
     }

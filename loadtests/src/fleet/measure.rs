@@ -281,7 +281,7 @@ impl Busy {
     }
 }
 
-/// How much longer a prefill of `n` tokens and a decode step at batch `b` take on this
+/// How much longer a prefill of `n` tokens and a lone decode step take on this
 /// instance while the instance at `neighbour` does the same kind of work: `(prefill, step)`
 /// as fractions (at least 0). Like beside like: the prefill beside `a.neighbour_streams`
 /// streams of `n`-token prompts; a lone decode step, which is nearly all the iteration's
@@ -299,6 +299,7 @@ async fn neighbour_slowdown(
     n: u64,
 ) -> anyhow::Result<(f64, f64)> {
     const CTX: u64 = 128;
+    // One sequence decoding: the step is nearly all the iteration's fixed part.
     let b = 1;
     let (mut alone, mut busy) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
     let rounds = a.repeats.max(3);
